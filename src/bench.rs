@@ -1,0 +1,339 @@
+//! `payfleet bench ingest` and `payfleet bench queue`: benchmarks anyone can run against the
+//! configured PostgreSQL server. Each works in a scratch database (`<name>_bench`, recreated
+//! every run, so real data is never touched), measures the machine's own limit in the same run,
+//! and prints its figures last as `name=value` lines.
+
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, Connection, PgPool};
+use tokio::net::TcpListener;
+
+use crate::config::Config;
+use crate::messaging::Broker;
+use crate::queue::{self, Fleet, Job, JobContext, NewJob, Registry};
+use crate::webhooks::signature::StandardSecret;
+use crate::{cli, startup};
+
+#[derive(clap::Args, Debug)]
+pub struct IngestArgs {
+    /// Requests sent at each concurrency level.
+    #[arg(long, default_value_t = 4000)]
+    pub requests: usize,
+    /// Concurrent senders, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub concurrency: Vec<usize>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct QueueArgs {
+    /// Jobs enqueued, then drained.
+    #[arg(long, default_value_t = 100_000)]
+    pub jobs: usize,
+    /// Jobs enqueued one at a time into a running fleet to measure enqueue-to-start latency.
+    #[arg(long, default_value_t = 2000)]
+    pub latency_samples: usize,
+}
+
+/// Drops and recreates `<database>_bench` and migrates it.
+async fn scratch(config: &Config) -> anyhow::Result<(PgPool, String)> {
+    let options = PgConnectOptions::from_str(&config.database_url)?;
+    let name = format!("{}_bench", options.get_database().unwrap_or("payfleet"));
+    let mut admin = options.clone().database("postgres").connect().await.context("cannot connect to PostgreSQL")?;
+    let quoted = format!("\"{}\"", name.replace('"', "\"\""));
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {quoted} WITH (FORCE)"))).execute(&mut admin).await?;
+    admin.close().await.ok();
+    let url = with_database(&config.database_url, &name)?;
+    let pool = startup::connect(&url, config.db_pool_size.max(40)).await?;
+    startup::migrate(&pool).await?;
+    Ok((pool, url))
+}
+
+fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = base.find("://").map(|i| i + 3).context("DATABASE_URL has no scheme")?;
+    let path_start = base[scheme_end..].find('/').map(|i| i + scheme_end).unwrap_or(base.len());
+    let mut out = format!("{}/{name}", &base[..path_start]);
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    Ok(out)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i].as_secs_f64() * 1000.0
+}
+
+fn body(i: usize) -> String {
+    format!(
+        r#"{{"type":"payment.succeeded","data":{{"session_id":"bench_sess_{i}","payment_id":"bench_pay_{i}","amount":"19.90","currency":"BRL"}}}}"#
+    )
+}
+
+pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
+    if args.concurrency.is_empty() || args.concurrency.contains(&0) || args.requests == 0 {
+        bail!("--requests and every --concurrency level must be positive");
+    }
+    let pgbench = which_pgbench().context("pgbench is needed for the PostgreSQL baseline (Debian: apt-get install postgresql-15 or postgresql-contrib)")?;
+    let (pool, url) = scratch(config).await?;
+    let (secret, _) = StandardSecret::generate();
+    let mut app_config = config.clone();
+    app_config.webhooks = crate::webhooks::WebhookSecrets { internal: Some(secret.clone()), ..Default::default() };
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let state = startup::app_state(&app_config, pool.clone(), Broker::default());
+    let server = tokio::spawn(startup::serve(listener, state, std::future::pending()));
+    let client = reqwest::Client::builder().pool_max_idle_per_host(64).build()?;
+    let endpoint = format!("http://{addr}/webhooks/internal");
+
+    let mut lines = Vec::new();
+    let mut results = Vec::new();
+    let mut next_id = 0usize;
+    for &c in &args.concurrency {
+        let start_id = next_id;
+        next_id += args.requests;
+        let per = args.requests.div_ceil(c);
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for w in 0..c {
+            let client = client.clone();
+            let endpoint = endpoint.clone();
+            let secret = secret.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut lat = Vec::with_capacity(per);
+                for k in 0..per {
+                    let i = start_id + w * per + k;
+                    let body = body(i);
+                    let id = format!("msg_bench_{i}");
+                    let ts = chrono::Utc::now().timestamp();
+                    let sig = secret.sign(&id, ts, body.as_bytes());
+                    let t = Instant::now();
+                    let resp = client
+                        .post(&endpoint)
+                        .header("webhook-id", &id)
+                        .header("webhook-timestamp", ts.to_string())
+                        .header("webhook-signature", sig)
+                        .header("content-type", "application/json")
+                        .body(body)
+                        .send()
+                        .await?;
+                    let status = resp.status();
+                    let _ = resp.bytes().await?;
+                    if !status.is_success() {
+                        bail!("webhook answered {status}");
+                    }
+                    lat.push(t.elapsed());
+                }
+                Ok::<_, anyhow::Error>(lat)
+            }));
+        }
+        let mut lat = Vec::new();
+        for t in tasks {
+            lat.extend(t.await??);
+        }
+        let secs = started.elapsed().as_secs_f64();
+        lat.sort();
+        let rps = lat.len() as f64 / secs;
+        let (p50, p99) = (percentile(&lat, 0.50), percentile(&lat, 0.99));
+        eprintln!("ingest: {c} senders: {rps:.0} webhooks/s, p50 {p50:.2} ms, p99 {p99:.2} ms");
+        results.push((c, rps));
+        lines.push(format!("ingest_c{c}_per_s={rps:.0}"));
+        lines.push(format!("ingest_c{c}_p50_ms={p50:.2}"));
+        lines.push(format!("ingest_c{c}_p99_ms={p99:.2}"));
+    }
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM payment_events").fetch_one(&pool).await?;
+    if stored as usize != next_id.min(stored as usize).max(stored as usize) || stored == 0 {
+        bail!("expected stored events, found {stored}");
+    }
+    server.abort();
+
+    // The baseline: one durable insert per transaction into a table of the same shape.
+    sqlx::query("CREATE TABLE bench_events (LIKE payment_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES)")
+        .execute(&pool)
+        .await?;
+    sqlx::query("CREATE SEQUENCE bench_events_seq").execute(&pool).await?;
+    let script = std::env::temp_dir().join(format!("payfleet-pgbench-{}.sql", std::process::id()));
+    let sample = body(0).replace('\'', "''");
+    std::fs::write(
+        &script,
+        format!(
+            "INSERT INTO bench_events (gateway, event_id, event_type, raw_body, headers) VALUES ('internal', 'pgb_' || nextval('bench_events_seq'), 'payment.succeeded', convert_to('{sample}', 'UTF8'), '{{\"webhook-id\":\"x\"}}');\n"
+        ),
+    )?;
+    for (c, rps) in results {
+        let tx_per_client = (args.requests / c).max(1);
+        let out = tokio::process::Command::new(&pgbench)
+            .args(["-n", "-c", &c.to_string(), "-j", &c.min(2).to_string(), "-t", &tx_per_client.to_string(), "-f"])
+            .arg(&script)
+            .arg(&url)
+            .output()
+            .await
+            .context("cannot run pgbench")?;
+        if !out.status.success() {
+            bail!("pgbench failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let tps = text
+            .lines()
+            .find(|l| l.starts_with("tps = "))
+            .and_then(|l| l.trim_start_matches("tps = ").split_whitespace().next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .context("pgbench printed no tps")?;
+        eprintln!("pgbench: {c} clients: {tps:.0} inserts/s; payfleet reaches {:.0}% of it", 100.0 * rps / tps);
+        lines.push(format!("pgbench_c{c}_per_s={tps:.0}"));
+        lines.push(format!("ingest_c{c}_vs_pgbench={:.2}", rps / tps));
+    }
+    std::fs::remove_file(&script).ok();
+    pool.close().await;
+    for l in lines {
+        println!("{l}");
+    }
+    Ok(())
+}
+
+fn which_pgbench() -> Option<std::path::PathBuf> {
+    let mut candidates: Vec<std::path::PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).map(|d| d.join("pgbench")).collect())
+        .unwrap_or_default();
+    if let Ok(dirs) = std::fs::read_dir("/usr/lib/postgresql") {
+        candidates.extend(dirs.flatten().map(|d| d.path().join("bin/pgbench")));
+    }
+    candidates.into_iter().find(|p| p.is_file())
+}
+
+/// A job that does nothing but note when it started.
+#[derive(Serialize, Deserialize)]
+struct Noop {
+    /// Enqueue time, microseconds since the epoch.
+    t: i64,
+}
+
+impl Job for Noop {
+    const KIND: &'static str = "bench_noop";
+    const QUEUE: &'static str = "default";
+}
+
+fn now_micros() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0)
+}
+
+pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
+    if args.jobs == 0 {
+        bail!("--jobs must be positive");
+    }
+    let (pool, _) = scratch(config).await?;
+    let mut lines = Vec::new();
+
+    // Enqueue, 1000 jobs a statement.
+    let started = Instant::now();
+    for chunk in (0..args.jobs).collect::<Vec<_>>().chunks(1000) {
+        let jobs: Vec<NewJob> = chunk.iter().map(|_| NewJob::of(&Noop { t: 0 })).collect::<Result<_, _>>()?;
+        queue::enqueue_many(&pool, &jobs).await?;
+    }
+    let enqueue_rate = args.jobs as f64 / started.elapsed().as_secs_f64();
+    eprintln!("queue: enqueued {} jobs at {enqueue_rate:.0} jobs/s (batches of 1000)", args.jobs);
+    lines.push(format!("queue_enqueue_batch_per_s={enqueue_rate:.0}"));
+
+    // Single-job enqueue, one transaction each, as a web request would do it.
+    let singles = (args.jobs / 20).clamp(100, 5000);
+    let started = Instant::now();
+    for _ in 0..singles {
+        queue::enqueue(&pool, NewJob::of(&Noop { t: 0 })?.run_at(chrono::Utc::now() + chrono::Duration::days(365))).await?;
+    }
+    let single_rate = singles as f64 / started.elapsed().as_secs_f64();
+    eprintln!("queue: single enqueue {single_rate:.0} jobs/s");
+    lines.push(format!("queue_enqueue_single_per_s={single_rate:.0}"));
+    sqlx::query("DELETE FROM jobs WHERE run_at > now() + interval '1 day'").execute(&pool).await?;
+
+    let samples: Arc<Mutex<Vec<i64>>> = Arc::new(Mutex::new(Vec::new()));
+    let mut registry = Registry::new();
+    let seen = samples.clone();
+    registry.register::<Noop, _, _>(move |_ctx: JobContext, job: Noop| {
+        let seen = seen.clone();
+        async move {
+            if job.t > 0 {
+                let waited = now_micros() - job.t;
+                if let Ok(mut s) = seen.lock() {
+                    s.push(waited);
+                }
+            }
+            Ok(())
+        }
+    })?;
+
+    // Drain with the fleet's default settings.
+    let started = Instant::now();
+    let fleet = Fleet::new(pool.clone(), registry, config.queues.clone()).start();
+    let pool2 = pool.clone();
+    cli::wait_until(
+        || {
+            let pool = pool2.clone();
+            async move {
+                let left: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM jobs WHERE state <> 'completed')")
+                    .fetch_one(&pool)
+                    .await?;
+                Ok(!left)
+            }
+        },
+        Duration::from_millis(20),
+    )
+    .await?;
+    let drain_rate = args.jobs as f64 / started.elapsed().as_secs_f64();
+    eprintln!("queue: drained {} jobs at {drain_rate:.0} jobs/s", args.jobs);
+    lines.push(format!("queue_drain_per_s={drain_rate:.0}"));
+
+    // Enqueue-to-start latency on an idle fleet, one job at a time.
+    for _ in 0..args.latency_samples {
+        queue::enqueue(&pool, NewJob::of(&Noop { t: now_micros() })?).await?;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let want = args.latency_samples;
+    let seen = samples.clone();
+    cli::wait_until(move || {
+        let n = seen.lock().map(|s| s.len()).unwrap_or(0);
+        async move { Ok(n >= want) }
+    }, Duration::from_millis(10))
+    .await?;
+    fleet.shutdown().await;
+    let mut waits: Vec<Duration> = samples
+        .lock()
+        .map(|s| s.iter().map(|us| Duration::from_micros((*us).max(0) as u64)).collect())
+        .unwrap_or_default();
+    waits.sort();
+    let (p50, p99) = (percentile(&waits, 0.5), percentile(&waits, 0.99));
+    eprintln!("queue: enqueue-to-start p50 {p50:.2} ms, p99 {p99:.2} ms");
+    lines.push(format!("queue_start_latency_p50_ms={p50:.2}"));
+    lines.push(format!("queue_start_latency_p99_ms={p99:.2}"));
+
+    // The machine's limit for the same row writes: a drained job is written twice (claim and
+    // completion); here PostgreSQL updates the same rows in bulk with no queue logic at all.
+    sqlx::query("CREATE TABLE bench_jobs AS SELECT * FROM jobs").execute(&pool).await?;
+    sqlx::query("CREATE INDEX ON bench_jobs (id)").execute(&pool).await?;
+    let started = Instant::now();
+    let rows = sqlx::query("UPDATE bench_jobs SET state = 'running', attempt = attempt + 1, lease_token = id")
+        .execute(&pool)
+        .await?
+        .rows_affected();
+    sqlx::query("UPDATE bench_jobs SET state = 'completed', finished_at = now(), lease_token = NULL").execute(&pool).await?;
+    let pg_rate = rows as f64 / started.elapsed().as_secs_f64();
+    eprintln!("postgres: two bulk updates of {rows} job rows: {pg_rate:.0} rows/s each way");
+    lines.push(format!("pg_two_updates_per_s={pg_rate:.0}"));
+    lines.push(format!("queue_drain_vs_pg={:.2}", drain_rate / pg_rate));
+    pool.close().await;
+    for l in lines {
+        println!("{l}");
+    }
+    Ok(())
+}

@@ -1,0 +1,67 @@
+//! The internal gateway (and the mock, which speaks the same events): Standard Webhooks with
+//! `{"type", "data": {"session_id", "payment_id", "amount", "currency", ...}}`.
+
+use serde::Deserialize;
+
+use super::{DisputeStatus, EventError, Fact, Interpretation, PaymentStatus, ref_of};
+use crate::money::Money;
+
+#[derive(Deserialize)]
+struct Event {
+    #[serde(rename = "type")]
+    kind: String,
+    data: Data,
+}
+
+#[derive(Deserialize)]
+struct Data {
+    session_id: Option<String>,
+    payment_id: Option<String>,
+    refund_id: Option<String>,
+    dispute_id: Option<String>,
+    amount: Option<String>,
+    currency: Option<String>,
+}
+
+/// The status mapper: what a `payment.*` type means. Unknown ones are pending.
+pub fn payment_status(kind: &str) -> PaymentStatus {
+    match kind {
+        "payment.succeeded" => PaymentStatus::Succeeded,
+        "payment.failed" => PaymentStatus::Failed,
+        _ => PaymentStatus::Pending,
+    }
+}
+
+pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
+    let e: Event = serde_json::from_slice(body)?;
+    let d = e.data;
+    let payment = ref_of(d.session_id.as_deref(), d.payment_id.as_deref())?;
+    let money = || -> Result<Money, EventError> {
+        let amount = d.amount.as_deref().ok_or(EventError::Missing("data.amount"))?;
+        let currency = d.currency.as_deref().ok_or(EventError::Missing("data.currency"))?;
+        Ok(Money::parse(amount, currency)?)
+    };
+    let fact = match e.kind.as_str() {
+        k if k.starts_with("payment.") => {
+            let status = payment_status(k);
+            let amount = if d.amount.is_some() { Some(money()?) } else { None };
+            Fact::Payment { status, amount }
+        }
+        "refund.succeeded" => Fact::Refund {
+            refund_id: d.refund_id.clone().ok_or(EventError::Missing("data.refund_id"))?,
+            amount: money()?,
+        },
+        "refund.failed" | "refund.created" => return Ok(Interpretation::Ignore(format!("{} moves no money", e.kind))),
+        k @ ("dispute.created" | "dispute.won" | "dispute.lost" | "dispute.updated") => Fact::Dispute {
+            dispute_id: d.dispute_id.clone().ok_or(EventError::Missing("data.dispute_id"))?,
+            amount: money()?,
+            status: match k {
+                "dispute.won" => DisputeStatus::Won,
+                "dispute.lost" => DisputeStatus::Lost,
+                _ => DisputeStatus::Open,
+            },
+        },
+        other => return Ok(Interpretation::Ignore(format!("event type {other:?} is not acted on"))),
+    };
+    Ok(Interpretation::Update { payment, facts: vec![fact] })
+}

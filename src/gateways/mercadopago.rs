@@ -1,0 +1,125 @@
+//! Mercado Pago. A notification only names a resource (`data.id`) and its body is not signed,
+//! so the payment's state is fetched from the API before anything is recorded.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::{DisputeStatus, EventError, Fact, Interpretation, PaymentRef, PaymentStatus};
+use crate::money::{Money, MoneyError};
+
+/// Payment `status`.
+pub fn payment_status(s: &str) -> PaymentStatus {
+    match s {
+        "approved" | "refunded" | "charged_back" | "in_mediation" => PaymentStatus::Succeeded,
+        "rejected" | "cancelled" => PaymentStatus::Failed,
+        _ => PaymentStatus::Pending,
+    }
+}
+
+pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
+    let v: Value = serde_json::from_slice(body)?;
+    let kind = v.get("type").and_then(Value::as_str).unwrap_or("");
+    if kind != "payment" {
+        return Ok(Interpretation::Ignore(format!("notification type {kind:?} is not acted on")));
+    }
+    let id = match v.get("data").and_then(|d| d.get("id")) {
+        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+        Some(Value::Number(n)) => n.to_string(),
+        _ => return Err(EventError::Missing("data.id")),
+    };
+    Ok(Interpretation::Lookup { resource_id: id })
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MercadoPagoError {
+    #[error("Mercado Pago is not configured (MERCADOPAGO_ACCESS_TOKEN)")]
+    NotConfigured,
+    #[error("request to Mercado Pago failed")]
+    Http(#[from] reqwest::Error),
+    #[error("Mercado Pago answered {0} for payment {1}")]
+    Status(u16, String),
+    #[error("Mercado Pago's payment does not read as documented")]
+    Event(#[from] EventError),
+}
+
+impl From<MoneyError> for MercadoPagoError {
+    fn from(e: MoneyError) -> Self {
+        Self::Event(EventError::Money(e))
+    }
+}
+
+/// The part of the Payments API the event processor needs.
+#[derive(Debug, Clone)]
+pub struct MercadoPagoClient {
+    base_url: String,
+    access_token: String,
+    http: reqwest::Client,
+}
+
+#[derive(Deserialize)]
+struct Payment {
+    id: Value,
+    status: String,
+    transaction_amount: Option<rust_decimal::Decimal>,
+    currency_id: Option<String>,
+    external_reference: Option<String>,
+    #[serde(default)]
+    refunds: Vec<Refund>,
+}
+
+#[derive(Deserialize)]
+struct Refund {
+    id: Value,
+    amount: rust_decimal::Decimal,
+    status: Option<String>,
+}
+
+fn id_text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+impl MercadoPagoClient {
+    pub fn new(base_url: &str, access_token: &str) -> Result<Self, MercadoPagoError> {
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
+        Ok(Self { base_url: base_url.trim_end_matches('/').to_owned(), access_token: access_token.to_owned(), http })
+    }
+
+    /// Fetches a payment and states what it establishes: its status, and each refund and
+    /// dispute it carries, with stable ids so a second look records nothing new.
+    pub async fn payment_facts(&self, payment_id: &str) -> Result<(PaymentRef, Vec<Fact>), MercadoPagoError> {
+        let url = format!("{}/v1/payments/{payment_id}", self.base_url);
+        let resp = self.http.get(&url).bearer_auth(&self.access_token).send().await?;
+        if !resp.status().is_success() {
+            return Err(MercadoPagoError::Status(resp.status().as_u16(), payment_id.to_owned()));
+        }
+        let p: Payment = resp.json().await?;
+        let currency = p.currency_id.as_deref().ok_or(EventError::Missing("currency_id"))?;
+        let amount = match p.transaction_amount {
+            Some(a) => Some(Money::new(a, currency.parse()?)?),
+            None => None,
+        };
+        let status = payment_status(&p.status);
+        let mut facts = vec![Fact::Payment { status, amount: if status == PaymentStatus::Succeeded { amount } else { None } }];
+        for r in p.refunds.iter().filter(|r| r.status.as_deref().is_none_or(|s| s == "approved")) {
+            facts.push(Fact::Refund { refund_id: id_text(&r.id), amount: Money::new(r.amount, currency.parse()?)? });
+        }
+        let dispute = match p.status.as_str() {
+            "in_mediation" => Some(DisputeStatus::Open),
+            "charged_back" => Some(DisputeStatus::Lost),
+            _ => None,
+        };
+        if let (Some(status), Some(amount)) = (dispute, amount) {
+            facts.push(Fact::Dispute { dispute_id: format!("mp-{}", id_text(&p.id)), amount, status });
+        }
+        let payment = PaymentRef {
+            session_id: p.external_reference.filter(|s| !s.is_empty()),
+            payment_id: Some(id_text(&p.id)),
+        };
+        Ok((payment, facts))
+    }
+}

@@ -1,0 +1,95 @@
+//! Razorpay events: `{"event", "payload": {"payment": {"entity"}, "refund": {"entity"}, ...}}`,
+//! amounts in minor units. The session is the Razorpay order (`order_...`).
+
+use serde_json::Value;
+
+use super::{DisputeStatus, EventError, Fact, Interpretation, PaymentStatus, ref_of};
+use crate::money::Money;
+
+/// Payment entity `status`. `authorized` is not money yet: only `captured` is.
+pub fn payment_status(s: &str) -> PaymentStatus {
+    match s {
+        "captured" | "refunded" => PaymentStatus::Succeeded,
+        "failed" => PaymentStatus::Failed,
+        _ => PaymentStatus::Pending,
+    }
+}
+
+/// Dispute entity `status`.
+pub fn dispute_status(s: &str) -> DisputeStatus {
+    match s {
+        "won" => DisputeStatus::Won,
+        "lost" => DisputeStatus::Lost,
+        _ => DisputeStatus::Open,
+    }
+}
+
+fn entity<'a>(v: &'a Value, name: &str) -> Option<&'a Value> {
+    v.get("payload")?.get(name)?.get("entity")
+}
+
+fn str_at<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
+    v.get(key).and_then(Value::as_str)
+}
+
+fn money_at(v: &Value) -> Result<Money, EventError> {
+    let units = v.get("amount").and_then(Value::as_i64).ok_or(EventError::Missing("amount"))?;
+    let currency = str_at(v, "currency").ok_or(EventError::Missing("currency"))?;
+    Ok(Money::from_minor(units, currency)?)
+}
+
+pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
+    let v: Value = serde_json::from_slice(body)?;
+    let event = str_at(&v, "event").ok_or(EventError::Missing("event"))?;
+    let payment = entity(&v, "payment");
+    let order_id = payment.and_then(|p| str_at(p, "order_id"));
+    let payment_id = payment.and_then(|p| str_at(p, "id"));
+    let fact = match event {
+        "payment.captured" | "payment.failed" | "payment.authorized" | "order.paid" => {
+            let p = payment.ok_or(EventError::Missing("payload.payment.entity"))?;
+            let status = payment_status(str_at(p, "status").unwrap_or(""));
+            let amount = if status == PaymentStatus::Succeeded { Some(money_at(p)?) } else { None };
+            Fact::Payment { status, amount }
+        }
+        "refund.processed" => {
+            let r = entity(&v, "refund").ok_or(EventError::Missing("payload.refund.entity"))?;
+            let refund_id = str_at(r, "id").ok_or(EventError::Missing("refund id"))?.to_owned();
+            let payment_id = payment_id.or_else(|| str_at(r, "payment_id"));
+            return Ok(Interpretation::Update {
+                payment: ref_of(order_id, payment_id)?,
+                facts: vec![Fact::Refund { refund_id, amount: money_at(r)? }],
+            });
+        }
+        k if k.starts_with("payment.dispute.") => {
+            let d = entity(&v, "dispute").ok_or(EventError::Missing("payload.dispute.entity"))?;
+            let dispute_id = str_at(d, "id").ok_or(EventError::Missing("dispute id"))?.to_owned();
+            let status = match k {
+                "payment.dispute.won" => DisputeStatus::Won,
+                "payment.dispute.lost" => DisputeStatus::Lost,
+                _ => dispute_status(str_at(d, "status").unwrap_or("")),
+            };
+            let payment_id = payment_id.or_else(|| str_at(d, "payment_id"));
+            return Ok(Interpretation::Update {
+                payment: ref_of(order_id, payment_id)?,
+                facts: vec![Fact::Dispute { dispute_id, amount: money_at(d)?, status }],
+            });
+        }
+        other => return Ok(Interpretation::Ignore(format!("event {other:?} is not acted on"))),
+    };
+    Ok(Interpretation::Update { payment: ref_of(order_id, payment_id)?, facts: vec![fact] })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_captured_payment_succeeds_and_an_authorized_one_waits() {
+        let body = br#"{"entity":"event","event":"payment.captured","payload":{"payment":{"entity":{"id":"pay_1","amount":50000,"currency":"INR","status":"captured","order_id":"order_1"}}}}"#;
+        let Interpretation::Update { facts, payment } = interpret(body).unwrap() else { panic!() };
+        assert_eq!(payment.session_id.as_deref(), Some("order_1"));
+        assert_eq!(facts, vec![Fact::Payment { status: PaymentStatus::Succeeded, amount: Some(Money::parse("500", "INR").unwrap()) }]);
+        assert_eq!(payment_status("authorized"), PaymentStatus::Pending);
+        assert_eq!(payment_status("never_heard_of_it"), PaymentStatus::Pending);
+    }
+}

@@ -1,0 +1,99 @@
+//! The one HTTP error type: every failure a handler can meet, and its status, in one place.
+
+use axum::Json;
+use axum::extract::rejection::BytesRejection;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::queue::QueueError;
+use crate::webhooks::RejectedWebhook;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    Unauthorized(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("the body is larger than the limit of {0} bytes")]
+    PayloadTooLarge(usize),
+    #[error("a dependency is unavailable; nothing was stored, try again")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("internal error")]
+    Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl ApiError {
+    fn status_and_code(&self) -> (StatusCode, &'static str) {
+        match self {
+            Self::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            Self::Unauthorized(_) => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            Self::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            Self::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+            Self::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            Self::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, code) = self.status_and_code();
+        match &self {
+            Self::Unavailable(e) => tracing::warn!(error = %e, "answering 503"),
+            Self::Internal(e) => tracing::error!(error = %e, "answering 500"),
+            _ => {}
+        }
+        let mut resp = (status, Json(json!({"error": {"code": code, "message": self.to_string()}}))).into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("5"));
+        }
+        resp
+    }
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(e: sqlx::Error) -> Self {
+        match e {
+            // Connection trouble, pool exhaustion, a restarting server: the caller should retry.
+            sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => Self::Unavailable(Box::new(e)),
+            sqlx::Error::Database(ref db) if db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57P")) => {
+                Self::Unavailable(Box::new(e))
+            }
+            other => Self::Internal(Box::new(other)),
+        }
+    }
+}
+
+impl From<QueueError> for ApiError {
+    fn from(e: QueueError) -> Self {
+        match e {
+            QueueError::Database(e) => e.into(),
+            other => Self::Internal(Box::new(other)),
+        }
+    }
+}
+
+impl ApiError {
+    /// A body that could not be read: too large for `limit`, or broken.
+    pub fn from_body(r: BytesRejection, limit: usize) -> Self {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            Self::PayloadTooLarge(limit)
+        } else {
+            Self::BadRequest(r.body_text())
+        }
+    }
+}
+
+impl From<RejectedWebhook> for ApiError {
+    fn from(e: RejectedWebhook) -> Self {
+        match e {
+            RejectedWebhook::Disabled(_) => Self::NotFound(e.to_string()),
+            RejectedWebhook::Signature(_) => Self::Unauthorized(e.to_string()),
+            RejectedWebhook::Malformed(_) => Self::BadRequest(e.to_string()),
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! Amounts of money: a decimal and an ISO 4217 currency, never a float.
+
+use std::fmt;
+use std::str::FromStr;
+
+use rust_decimal::Decimal;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MoneyError {
+    #[error("{0:?} is not a currency code (three letters, like BRL)")]
+    Currency(String),
+    #[error("{0:?} is not an amount (a decimal string like \"19.90\")")]
+    Amount(String),
+    #[error("amount {0} has more decimals than {1} allows")]
+    Precision(Decimal, Currency),
+    #[error("amount must not be negative (got {0})")]
+    Negative(Decimal),
+}
+
+/// An ISO 4217 code, upper case.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Currency([u8; 3]);
+
+impl Currency {
+    pub fn as_str(&self) -> &str {
+        // Only ASCII letters are ever stored.
+        std::str::from_utf8(&self.0).unwrap_or("???")
+    }
+
+    /// Digits after the decimal point in the currency's minor unit.
+    pub fn exponent(&self) -> u32 {
+        match self.as_str() {
+            "BIF" | "CLP" | "DJF" | "GNF" | "JPY" | "KMF" | "KRW" | "MGA" | "PYG" | "RWF" | "UGX" | "VND" | "VUV"
+            | "XAF" | "XOF" | "XPF" => 0,
+            "BHD" | "JOD" | "KWD" | "OMR" | "TND" => 3,
+            _ => 2,
+        }
+    }
+}
+
+impl FromStr for Currency {
+    type Err = MoneyError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let b = s.trim().as_bytes();
+        if b.len() != 3 || !b.iter().all(u8::is_ascii_alphabetic) {
+            return Err(MoneyError::Currency(s.to_owned()));
+        }
+        Ok(Self([b[0].to_ascii_uppercase(), b[1].to_ascii_uppercase(), b[2].to_ascii_uppercase()]))
+    }
+}
+
+impl fmt::Display for Currency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl fmt::Debug for Currency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Currency({})", self.as_str())
+    }
+}
+
+impl Serialize for Currency {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for Currency {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// A non-negative amount in a currency, with no more decimals than the currency has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Money {
+    #[serde(with = "rust_decimal::serde::str")]
+    amount: Decimal,
+    currency: Currency,
+}
+
+impl Money {
+    pub fn new(amount: Decimal, currency: Currency) -> Result<Self, MoneyError> {
+        if amount.is_sign_negative() && !amount.is_zero() {
+            return Err(MoneyError::Negative(amount));
+        }
+        if amount.normalize().scale() > currency.exponent() {
+            return Err(MoneyError::Precision(amount, currency));
+        }
+        Ok(Self { amount, currency })
+    }
+
+    /// From a decimal string such as `"19.90"` and a currency code.
+    pub fn parse(amount: &str, currency: &str) -> Result<Self, MoneyError> {
+        let currency: Currency = currency.parse()?;
+        let value = Decimal::from_str(amount.trim()).map_err(|_| MoneyError::Amount(amount.to_owned()))?;
+        Self::new(value, currency)
+    }
+
+    /// From an integer count of minor units (cents, paise), as Stripe and Razorpay send them.
+    pub fn from_minor(units: i64, currency: &str) -> Result<Self, MoneyError> {
+        let currency: Currency = currency.parse()?;
+        Self::new(Decimal::new(units, currency.exponent()), currency)
+    }
+
+    pub fn amount(&self) -> Decimal {
+        self.amount
+    }
+
+    pub fn currency(&self) -> Currency {
+        self.currency
+    }
+}
+
+impl fmt::Display for Money {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.amount, self.currency)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minor_units_follow_the_currency_exponent() {
+        assert_eq!(Money::from_minor(1990, "brl").unwrap().amount().to_string(), "19.90");
+        assert_eq!(Money::from_minor(500, "JPY").unwrap().amount().to_string(), "500");
+        assert_eq!(Money::from_minor(1500, "kwd").unwrap().amount().to_string(), "1.500");
+    }
+
+    #[test]
+    fn bad_amounts_and_currencies_are_refused() {
+        assert!(matches!(Money::parse("19.901", "BRL"), Err(MoneyError::Precision(..))));
+        assert!(matches!(Money::parse("-1", "BRL"), Err(MoneyError::Negative(_))));
+        assert!(matches!(Money::parse("abc", "BRL"), Err(MoneyError::Amount(_))));
+        assert!(matches!(Money::parse("1", "R$"), Err(MoneyError::Currency(_))));
+        assert_eq!(Money::parse("19.90", "brl").unwrap().to_string(), "19.90 BRL");
+    }
+}

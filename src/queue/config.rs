@@ -1,0 +1,177 @@
+//! `jobs/queues.toml`: the operator-editable settings of the fleet and of each queue.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// The catalogue shipped with the binary; used when no file is configured or found.
+const BUILT_IN: &str = include_str!("../../jobs/queues.toml");
+
+#[derive(Debug, thiserror::Error)]
+pub enum QueuesConfigError {
+    #[error("cannot read {path}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid queue configuration in {origin}")]
+    Parse {
+        origin: String,
+        #[source]
+        source: toml::de::Error,
+    },
+    #[error("invalid queue configuration in {origin}: {problem}")]
+    Invalid { origin: String, problem: String },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueuesConfig {
+    #[serde(default)]
+    pub fleet: FleetSettings,
+    pub queues: BTreeMap<String, QueueSettings>,
+}
+
+/// Settings shared by every queue of one worker process.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FleetSettings {
+    /// Longest sleep between claims when no notification arrives.
+    pub poll_interval_ms: u64,
+    /// How long a claim is held without renewal; renewed every third of it while the job runs.
+    pub lease_ms: u64,
+    /// How often expired leases are looked for.
+    pub rescue_interval_ms: u64,
+    /// How often finished jobs past their retention are deleted.
+    pub prune_interval_ms: u64,
+    pub completed_retention_secs: u64,
+    /// Dead jobs stay longer, for operators to inspect and retry.
+    pub discarded_retention_secs: u64,
+    /// How long a stopping worker waits for running jobs before releasing them.
+    pub shutdown_timeout_ms: u64,
+    /// Most jobs claimed in one statement.
+    pub claim_batch: u32,
+    /// Most run endings written in one statement.
+    pub complete_batch: u32,
+}
+
+impl Default for FleetSettings {
+    fn default() -> Self {
+        Self {
+            poll_interval_ms: 1000,
+            lease_ms: 30_000,
+            rescue_interval_ms: 5_000,
+            prune_interval_ms: 60_000,
+            completed_retention_secs: 24 * 3600,
+            discarded_retention_secs: 7 * 24 * 3600,
+            shutdown_timeout_ms: 10_000,
+            claim_batch: 500,
+            complete_batch: 2000,
+        }
+    }
+}
+
+impl FleetSettings {
+    pub fn poll_interval(&self) -> Duration {
+        Duration::from_millis(self.poll_interval_ms)
+    }
+    pub fn lease(&self) -> Duration {
+        Duration::from_millis(self.lease_ms)
+    }
+    pub fn rescue_interval(&self) -> Duration {
+        Duration::from_millis(self.rescue_interval_ms)
+    }
+    pub fn prune_interval(&self) -> Duration {
+        Duration::from_millis(self.prune_interval_ms)
+    }
+    pub fn shutdown_timeout(&self) -> Duration {
+        Duration::from_millis(self.shutdown_timeout_ms)
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueSettings {
+    /// Jobs of this queue run at once in one worker process.
+    pub concurrency: u32,
+    /// A run longer than this is stopped and retried.
+    pub timeout_ms: u64,
+}
+
+impl QueueSettings {
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+}
+
+impl QueuesConfig {
+    pub fn built_in() -> Result<Self, QueuesConfigError> {
+        Self::parse(BUILT_IN, "the built-in jobs/queues.toml")
+    }
+
+    /// Reads `path`; a missing file is an error, since the operator named it.
+    pub fn from_file(path: &Path) -> Result<Self, QueuesConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| QueuesConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    pub fn parse(text: &str, origin: &str) -> Result<Self, QueuesConfigError> {
+        let config: Self = toml::from_str(text).map_err(|source| QueuesConfigError::Parse {
+            origin: origin.to_owned(),
+            source,
+        })?;
+        let invalid = |problem: String| QueuesConfigError::Invalid { origin: origin.to_owned(), problem };
+        if config.queues.is_empty() {
+            return Err(invalid("no [queues.NAME] section".into()));
+        }
+        for (name, q) in &config.queues {
+            if q.concurrency == 0 {
+                return Err(invalid(format!("queue {name}: concurrency must be at least 1")));
+            }
+            if q.timeout_ms == 0 {
+                return Err(invalid(format!("queue {name}: timeout_ms must be at least 1")));
+            }
+        }
+        let f = &config.fleet;
+        if f.lease_ms < 300 {
+            return Err(invalid("fleet.lease_ms must be at least 300".into()));
+        }
+        if f.claim_batch == 0 || f.complete_batch == 0 || f.poll_interval_ms == 0 {
+            return Err(invalid("fleet.claim_batch, complete_batch and poll_interval_ms must be positive".into()));
+        }
+        if f.rescue_interval_ms == 0 || f.prune_interval_ms == 0 {
+            return Err(invalid("fleet.rescue_interval_ms and prune_interval_ms must be positive".into()));
+        }
+        Ok(config)
+    }
+
+    pub fn queue(&self, name: &str) -> Option<&QueueSettings> {
+        self.queues.get(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_built_in_catalogue_parses() {
+        let c = QueuesConfig::built_in().expect("built-in config");
+        assert!(c.queue("default").is_some());
+        assert!(c.queue("events").is_some());
+    }
+
+    #[test]
+    fn unknown_fields_and_zero_concurrency_are_rejected() {
+        let e = QueuesConfig::parse("[queues.a]\nconcurrency = 1\ntimeout_ms = 5\nspeed = 3\n", "t").unwrap_err();
+        assert!(e.to_string().contains("invalid queue configuration"), "{e}");
+        let e = QueuesConfig::parse("[queues.a]\nconcurrency = 0\ntimeout_ms = 5\n", "t").unwrap_err();
+        assert!(e.to_string().contains("concurrency must be at least 1"), "{e}");
+    }
+}

@@ -1,0 +1,399 @@
+//! The PostgreSQL job queue: our schema, our SQL, a plain tokio runtime.
+//!
+//! - [`enqueue`], [`schedule`], [`cancel`] take any executor, so a job is written inside the
+//!   caller's transaction and exists if and only if the business write commits.
+//! - [`Fleet`] runs the workers: batched claims with `FOR UPDATE SKIP LOCKED`, leases renewed
+//!   while a job runs, batched completions, LISTEN/NOTIFY wake-ups with a polling fallback,
+//!   rescue of expired leases and pruning of finished jobs.
+//! - The state transitions of a run live in SQL (`jobs_end_runs`, migration 0005), so the
+//!   worker, the rescuer and the shutdown path cannot disagree about them.
+
+pub mod admin;
+mod config;
+mod fleet;
+mod registry;
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Serialize, de::DeserializeOwned};
+use sqlx::PgExecutor;
+
+pub use config::{FleetSettings, QueueSettings, QueuesConfig, QueuesConfigError};
+pub use fleet::{Fleet, FleetHandle, prune, rescue_expired, work_until_idle};
+pub use registry::{JobContext, Registry, RegistryError};
+
+/// A kind of job: its payload type, the queue it runs on and how often it may be tried.
+pub trait Job: Serialize + DeserializeOwned + Send + 'static {
+    const KIND: &'static str;
+    const QUEUE: &'static str;
+    const MAX_ATTEMPTS: i32 = 25;
+}
+
+/// The id of a row in `jobs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, sqlx::Type, serde::Serialize)]
+#[sqlx(transparent)]
+pub struct JobId(pub i64);
+
+impl std::fmt::Display for JobId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A job about to be written.
+#[derive(Debug, Clone)]
+pub struct NewJob {
+    queue: String,
+    kind: String,
+    key: Option<String>,
+    payload: serde_json::Value,
+    run_at: Option<DateTime<Utc>>,
+    max_attempts: i32,
+}
+
+impl NewJob {
+    pub fn of<J: Job>(job: &J) -> Result<Self, QueueError> {
+        Ok(Self {
+            queue: J::QUEUE.to_owned(),
+            kind: J::KIND.to_owned(),
+            key: None,
+            payload: serde_json::to_value(job).map_err(QueueError::Encode)?,
+            run_at: None,
+            max_attempts: J::MAX_ATTEMPTS,
+        })
+    }
+
+    /// A job whose payload is already JSON, for operators and benchmarks.
+    pub fn raw(queue: &str, kind: &str, payload: serde_json::Value) -> Self {
+        Self {
+            queue: queue.to_owned(),
+            kind: kind.to_owned(),
+            key: None,
+            payload,
+            run_at: None,
+            max_attempts: 25,
+        }
+    }
+
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    pub fn run_at(mut self, at: DateTime<Utc>) -> Self {
+        self.run_at = Some(at);
+        self
+    }
+
+    pub fn max_attempts(mut self, n: i32) -> Self {
+        self.max_attempts = n;
+        self
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    #[error("could not encode the job payload")]
+    Encode(#[source] serde_json::Error),
+    #[error("schedule needs a job key")]
+    MissingKey,
+    #[error("max_attempts must be at least 1 (got {0})")]
+    InvalidMaxAttempts(i32),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+fn check(job: &NewJob) -> Result<(), QueueError> {
+    if job.max_attempts < 1 {
+        return Err(QueueError::InvalidMaxAttempts(job.max_attempts));
+    }
+    Ok(())
+}
+
+/// Adds a job. With a key that an unfinished job already holds, nothing is written and `None`
+/// comes back; the caller's transaction is not aborted by the conflict.
+pub async fn enqueue<'c>(db: impl PgExecutor<'c>, job: NewJob) -> Result<Option<JobId>, QueueError> {
+    check(&job)?;
+    let id = sqlx::query_scalar::<_, JobId>(
+        "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts)
+         VALUES ($1, $2, $3, $4, COALESCE($5, now()), $6)
+         ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable')
+         DO NOTHING
+         RETURNING id",
+    )
+    .bind(&job.queue)
+    .bind(&job.kind)
+    .bind(&job.key)
+    .bind(&job.payload)
+    .bind(job.run_at)
+    .bind(job.max_attempts)
+    .fetch_optional(db)
+    .await?;
+    Ok(id)
+}
+
+/// Adds many jobs in one statement. Keyed jobs whose key is taken are skipped; returns how
+/// many were written.
+pub async fn enqueue_many<'c>(db: impl PgExecutor<'c>, jobs: &[NewJob]) -> Result<u64, QueueError> {
+    let mut queues = Vec::with_capacity(jobs.len());
+    let mut kinds = Vec::with_capacity(jobs.len());
+    let mut keys = Vec::with_capacity(jobs.len());
+    let mut payloads = Vec::with_capacity(jobs.len());
+    let mut run_ats = Vec::with_capacity(jobs.len());
+    let mut max_attempts = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        check(job)?;
+        queues.push(job.queue.as_str());
+        kinds.push(job.kind.as_str());
+        keys.push(job.key.as_deref());
+        payloads.push(&job.payload);
+        run_ats.push(job.run_at);
+        max_attempts.push(job.max_attempts);
+    }
+    let done = sqlx::query(
+        "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts)
+         SELECT q, k, key, p, COALESCE(r, now()), m
+         FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[], $6::int[])
+              AS t(q, k, key, p, r, m)
+         ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable')
+         DO NOTHING",
+    )
+    .bind(&queues)
+    .bind(&kinds)
+    .bind(&keys)
+    .bind(&payloads)
+    .bind(&run_ats)
+    .bind(&max_attempts)
+    .execute(db)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// What [`schedule`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scheduled {
+    /// No unfinished job had the key; this one was added.
+    Inserted(JobId),
+    /// A waiting job with the key now carries the new payload and run time; it cannot run with
+    /// the old ones any more.
+    Replaced(JobId),
+    /// The job with the key is running right now. When that run ends, whatever its outcome, the
+    /// job becomes available again with the new payload and run time.
+    ReplacedAfterRun(JobId),
+}
+
+/// Adds a keyed job or atomically replaces the unfinished job holding the key. Concurrent calls
+/// serialise on the key's row, so there is never more than one unfinished job per key.
+pub async fn schedule<'c>(db: impl PgExecutor<'c>, job: NewJob) -> Result<Scheduled, QueueError> {
+    check(&job)?;
+    let key = job.key.as_deref().ok_or(QueueError::MissingKey)?;
+    let (id, inserted, running): (JobId, bool, bool) = sqlx::query_as(
+        "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts)
+         VALUES ($1, $2, $3, $4, COALESCE($5, now()), $6)
+         ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable')
+         DO UPDATE SET
+             queue = EXCLUDED.queue,
+             kind = EXCLUDED.kind,
+             payload = EXCLUDED.payload,
+             run_at = EXCLUDED.run_at,
+             max_attempts = CASE WHEN jobs.state = 'running'
+                                 THEN greatest(EXCLUDED.max_attempts, jobs.attempt)
+                                 ELSE EXCLUDED.max_attempts END,
+             attempt = CASE WHEN jobs.state = 'running' THEN jobs.attempt ELSE 0 END,
+             state = CASE WHEN jobs.state = 'running' THEN 'running' ELSE 'available' END,
+             pending = CASE WHEN jobs.state = 'running' THEN 'reschedule' END
+         RETURNING id, (xmax = 0), state = 'running'",
+    )
+    .bind(&job.queue)
+    .bind(&job.kind)
+    .bind(key)
+    .bind(&job.payload)
+    .bind(job.run_at)
+    .bind(job.max_attempts)
+    .fetch_one(db)
+    .await?;
+    Ok(match (inserted, running) {
+        (true, _) => Scheduled::Inserted(id),
+        (false, false) => Scheduled::Replaced(id),
+        (false, true) => Scheduled::ReplacedAfterRun(id),
+    })
+}
+
+/// What [`cancel`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cancelled {
+    /// No unfinished job had the key.
+    NotFound,
+    /// The waiting job was cancelled.
+    Cancelled(JobId),
+    /// The job is running; it ends cancelled, whatever the outcome of this run.
+    AfterRun(JobId),
+}
+
+/// Cancels the unfinished job holding `key`.
+pub async fn cancel<'c>(db: impl PgExecutor<'c>, key: &str) -> Result<Cancelled, QueueError> {
+    let row: Option<(JobId, bool)> = sqlx::query_as(
+        "UPDATE jobs SET
+             state = CASE WHEN state = 'running' THEN 'running' ELSE 'cancelled' END,
+             pending = CASE WHEN state = 'running' THEN 'cancel' END,
+             finished_at = CASE WHEN state = 'running' THEN NULL ELSE now() END
+         WHERE key = $1 AND state IN ('available', 'running', 'retryable')
+         RETURNING id, state = 'running'",
+    )
+    .bind(key)
+    .fetch_optional(db)
+    .await?;
+    Ok(match row {
+        None => Cancelled::NotFound,
+        Some((id, false)) => Cancelled::Cancelled(id),
+        Some((id, true)) => Cancelled::AfterRun(id),
+    })
+}
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// How a run that did not simply succeed ends. Returning `Ok(())` completes the job.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// Try again later: after `after`, or after the stored exponential backoff. Counts as an
+    /// attempt; when attempts run out the job is discarded.
+    #[error("{source}")]
+    Retry {
+        #[source]
+        source: BoxError,
+        after: Option<Duration>,
+    },
+    /// This job can never succeed: discard it now, keeping the error.
+    #[error("{0}")]
+    Fail(#[source] BoxError),
+    /// Not an error: run again after the delay, without counting an attempt.
+    #[error("snoozed for {0:?}")]
+    Snooze(Duration),
+    /// Nothing left to do: end the job as cancelled.
+    #[error("cancelled: {0}")]
+    Cancel(String),
+}
+
+impl JobError {
+    pub fn retry(source: impl Into<BoxError>) -> Self {
+        Self::Retry { source: source.into(), after: None }
+    }
+
+    pub fn retry_after(source: impl Into<BoxError>, after: Duration) -> Self {
+        Self::Retry { source: source.into(), after: Some(after) }
+    }
+
+    pub fn fail(source: impl Into<BoxError>) -> Self {
+        Self::Fail(source.into())
+    }
+}
+
+/// A database error inside a job is assumed transient: the job is retried with backoff.
+impl From<sqlx::Error> for JobError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::retry(e)
+    }
+}
+
+/// How a run ended, as `jobs_end_runs` spells it.
+#[derive(Debug, Clone)]
+pub(crate) enum RunEnd {
+    Complete,
+    Retry { error: String, after: Option<Duration> },
+    Fail { error: String },
+    Snooze(Duration),
+    Cancel { reason: String },
+    Release,
+}
+
+impl RunEnd {
+    fn outcome(&self) -> &'static str {
+        match self {
+            Self::Complete => "complete",
+            Self::Retry { .. } => "retry",
+            Self::Fail { .. } => "fail",
+            Self::Snooze(_) => "snooze",
+            Self::Cancel { .. } => "cancel",
+            Self::Release => "release",
+        }
+    }
+
+    fn delay_ms(&self) -> Option<i64> {
+        let d = match self {
+            Self::Retry { after, .. } => (*after)?,
+            Self::Snooze(d) => *d,
+            _ => return None,
+        };
+        Some(i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+    }
+
+    fn error(&self) -> Option<String> {
+        match self {
+            Self::Retry { error, .. } | Self::Fail { error } => Some(error.clone()),
+            Self::Cancel { reason } => Some(format!("cancelled: {reason}")),
+            _ => None,
+        }
+    }
+}
+
+impl From<Result<(), JobError>> for RunEnd {
+    fn from(result: Result<(), JobError>) -> Self {
+        match result {
+            Ok(()) => Self::Complete,
+            Err(e) => {
+                let error = error_chain(&e);
+                match e {
+                    JobError::Retry { after, .. } => Self::Retry { error, after },
+                    JobError::Fail(_) => Self::Fail { error },
+                    JobError::Snooze(d) => Self::Snooze(d),
+                    JobError::Cancel(reason) => Self::Cancel { reason },
+                }
+            }
+        }
+    }
+}
+
+/// "outer: inner: root", so the stored error keeps its causes.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
+/// One run's end, named by its lease.
+#[derive(Debug, Clone)]
+pub(crate) struct Ended {
+    pub id: JobId,
+    pub lease_token: i64,
+    pub end: RunEnd,
+}
+
+/// Ends runs in one statement (see migration 0005). Returns the new state of each run that
+/// still held its lease.
+pub(crate) async fn end_runs<'c>(
+    db: impl PgExecutor<'c>,
+    ended: &[Ended],
+) -> Result<Vec<(JobId, String)>, sqlx::Error> {
+    let ids: Vec<i64> = ended.iter().map(|e| e.id.0).collect();
+    let tokens: Vec<i64> = ended.iter().map(|e| e.lease_token).collect();
+    let outcomes: Vec<&str> = ended.iter().map(|e| e.end.outcome()).collect();
+    let delays: Vec<Option<i64>> = ended.iter().map(|e| e.end.delay_ms()).collect();
+    let errors: Vec<Option<String>> = ended.iter().map(|e| e.end.error()).collect();
+    sqlx::query_as("SELECT job_id, new_state FROM jobs_end_runs($1, $2, $3, $4, $5)")
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(&outcomes)
+        .bind(&delays)
+        .bind(&errors)
+        .fetch_all(db)
+        .await
+}

@@ -1,0 +1,283 @@
+//! The webhook receiver: verify the signature over the raw body, store the event once per
+//! (gateway, event id) together with its processing job, answer. Nothing else happens here.
+
+pub mod signature;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::HeaderMap;
+use axum::routing::post;
+use serde::Serialize;
+use sqlx::PgPool;
+
+use crate::gateways::{self, GatewayName};
+use crate::http::ApiError;
+use crate::payments::ProcessPaymentEvent;
+use crate::queue::{self, NewJob};
+use signature::{SignatureError, StandardSecret};
+
+#[derive(Debug, thiserror::Error)]
+#[error("{name} is not a valid secret: {problem}")]
+pub struct SecretError {
+    pub name: &'static str,
+    pub problem: &'static str,
+}
+
+/// One secret per integration. A gateway without one is disabled (its endpoint answers 404).
+#[derive(Debug, Clone, Default)]
+pub struct WebhookSecrets {
+    pub stripe: Option<String>,
+    pub mercadopago: Option<String>,
+    pub razorpay: Option<String>,
+    pub internal: Option<StandardSecret>,
+    pub mock: Option<StandardSecret>,
+}
+
+impl WebhookSecrets {
+    pub fn from_env() -> Result<Self, SecretError> {
+        let var = |n: &str| std::env::var(n).ok().filter(|v| !v.trim().is_empty());
+        let standard = |name: &'static str| -> Result<Option<StandardSecret>, SecretError> {
+            var(name).map(|v| StandardSecret::parse(v.trim()).map_err(|problem| SecretError { name, problem })).transpose()
+        };
+        Ok(Self {
+            stripe: var("STRIPE_WEBHOOK_SECRET"),
+            mercadopago: var("MERCADOPAGO_WEBHOOK_SECRET"),
+            razorpay: var("RAZORPAY_WEBHOOK_SECRET"),
+            internal: standard("INTERNAL_WEBHOOK_SECRET")?,
+            mock: standard("MOCK_WEBHOOK_SECRET")?,
+        })
+    }
+
+    /// For `up` with nothing configured: the internal and mock gateways get fresh secrets,
+    /// returned so they can be printed. Configured secrets are kept.
+    pub fn with_development_defaults(mut self) -> (Self, Vec<(&'static str, String)>) {
+        let mut made = Vec::new();
+        if self.internal.is_none() {
+            let (s, text) = StandardSecret::generate();
+            self.internal = Some(s);
+            made.push(("INTERNAL_WEBHOOK_SECRET", text));
+        }
+        if self.mock.is_none() {
+            let (s, text) = StandardSecret::generate();
+            self.mock = Some(s);
+            made.push(("MOCK_WEBHOOK_SECRET", text));
+        }
+        (self, made)
+    }
+
+    pub fn enabled(&self, gateway: GatewayName) -> bool {
+        match gateway {
+            GatewayName::Stripe => self.stripe.is_some(),
+            GatewayName::MercadoPago => self.mercadopago.is_some(),
+            GatewayName::Razorpay => self.razorpay.is_some(),
+            GatewayName::Internal => self.internal.is_some(),
+            GatewayName::Mock => self.mock.is_some(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RejectedWebhook {
+    #[error("gateway {0} is not enabled")]
+    Disabled(GatewayName),
+    #[error(transparent)]
+    Signature(#[from] SignatureError),
+    #[error("{0}")]
+    Malformed(String),
+}
+
+/// A webhook whose signature checked out. The only way to build one is [`Webhook::verify`].
+#[derive(Debug, Clone)]
+pub struct Webhook {
+    gateway: GatewayName,
+    event_id: String,
+    event_type: Option<String>,
+    body: Bytes,
+    headers: serde_json::Value,
+}
+
+/// The request headers that carry a delivery's signature and identity, kept with the event.
+const KEPT_HEADERS: &[&str] = &[
+    "stripe-signature",
+    "x-signature",
+    "x-request-id",
+    "x-razorpay-signature",
+    "x-razorpay-event-id",
+    "webhook-id",
+    "webhook-timestamp",
+    "webhook-signature",
+    "content-type",
+    "user-agent",
+];
+
+impl Webhook {
+    /// Checks the gateway's signature over the raw bytes, then reads the event's id.
+    pub fn verify(
+        gateway: GatewayName,
+        secrets: &WebhookSecrets,
+        headers: &HeaderMap,
+        query: &HashMap<String, String>,
+        body: Bytes,
+        now: i64,
+        tolerance: i64,
+    ) -> Result<Self, RejectedWebhook> {
+        let h = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        let disabled = || RejectedWebhook::Disabled(gateway);
+        let event_id = match gateway {
+            GatewayName::Stripe => {
+                let secret = secrets.stripe.as_deref().ok_or_else(disabled)?;
+                signature::stripe(secret, h("stripe-signature"), &body, now, tolerance)?;
+                json_str(&body, "id")?
+            }
+            GatewayName::MercadoPago => {
+                let secret = secrets.mercadopago.as_deref().ok_or_else(disabled)?;
+                let data_id = query.get("data.id").map(String::as_str);
+                signature::mercadopago(secret, h("x-signature"), h("x-request-id"), data_id, now, tolerance)?;
+                // The body's id changes across resends; the signed request id names the delivery,
+                // and processing deduplicates on the payment's state fetched from the API.
+                let data_id = data_id.ok_or_else(|| RejectedWebhook::Malformed("missing data.id in the query string".into()))?;
+                let request_id = h("x-request-id").ok_or_else(|| RejectedWebhook::Malformed("missing x-request-id".into()))?;
+                format!("{data_id}:{request_id}")
+            }
+            GatewayName::Razorpay => {
+                let secret = secrets.razorpay.as_deref().ok_or_else(disabled)?;
+                signature::razorpay(secret, h("x-razorpay-signature"), &body)?;
+                match h("x-razorpay-event-id") {
+                    Some(id) if !id.is_empty() => id.to_owned(),
+                    _ => return Err(RejectedWebhook::Malformed("missing X-Razorpay-Event-Id".into())),
+                }
+            }
+            GatewayName::Internal | GatewayName::Mock => {
+                let secret = if gateway == GatewayName::Internal { &secrets.internal } else { &secrets.mock };
+                let secret = secret.as_ref().ok_or_else(disabled)?;
+                signature::standard(
+                    secret,
+                    h("webhook-id"),
+                    h("webhook-timestamp"),
+                    h("webhook-signature"),
+                    &body,
+                    now,
+                    tolerance,
+                )?;
+                let id = h("webhook-id").unwrap_or_default().to_owned();
+                let _: serde_json::Value = serde_json::from_slice(&body)
+                    .map_err(|e| RejectedWebhook::Malformed(format!("the body is not JSON: {e}")))?;
+                id
+            }
+        };
+        if event_id.is_empty() || event_id.len() > 255 {
+            return Err(RejectedWebhook::Malformed("the event id must be 1 to 255 characters".into()));
+        }
+        let kept: serde_json::Map<String, serde_json::Value> = KEPT_HEADERS
+            .iter()
+            .filter_map(|name| h(name).map(|v| ((*name).to_owned(), serde_json::Value::String(v.to_owned()))))
+            .collect();
+        let mut kept = kept;
+        if let Some(data_id) = query.get("data.id") {
+            kept.insert("query:data.id".into(), serde_json::Value::String(data_id.clone()));
+        }
+        Ok(Self {
+            gateway,
+            event_type: gateways::event_type(gateway, &body),
+            event_id,
+            body,
+            headers: serde_json::Value::Object(kept),
+        })
+    }
+
+    pub fn gateway(&self) -> GatewayName {
+        self.gateway
+    }
+
+    pub fn event_id(&self) -> &str {
+        &self.event_id
+    }
+}
+
+fn json_str(body: &[u8], field: &'static str) -> Result<String, RejectedWebhook> {
+    let v: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| RejectedWebhook::Malformed(format!("the body is not JSON: {e}")))?;
+    v.get(field)
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_owned)
+        .ok_or_else(|| RejectedWebhook::Malformed(format!("the body has no string {field:?}")))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Stored {
+    Accepted,
+    Duplicate,
+}
+
+/// Stores the event and enqueues its processing in one transaction. A duplicate (same gateway
+/// and event id, also one arriving at the same moment) writes nothing.
+pub async fn store(pool: &PgPool, webhook: &Webhook) -> Result<Stored, queue::QueueError> {
+    let mut tx = pool.begin().await?;
+    let id: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO payment_events (gateway, event_id, event_type, raw_body, headers)
+         VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (gateway, event_id) DO NOTHING
+         RETURNING id",
+    )
+    .bind(webhook.gateway.as_str())
+    .bind(&webhook.event_id)
+    .bind(&webhook.event_type)
+    .bind(webhook.body.as_ref())
+    .bind(&webhook.headers)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(id) = id else {
+        tx.rollback().await?;
+        return Ok(Stored::Duplicate);
+    };
+    let job = NewJob::of(&ProcessPaymentEvent { event_id: id })?.key(ProcessPaymentEvent::key(id));
+    queue::enqueue(&mut *tx, job).await?;
+    tx.commit().await?;
+    Ok(Stored::Accepted)
+}
+
+/// What the webhook endpoints need.
+#[derive(Clone)]
+pub struct WebhookState {
+    pub pool: PgPool,
+    pub secrets: Arc<WebhookSecrets>,
+    pub tolerance_secs: i64,
+    pub body_limit: usize,
+}
+
+#[derive(Serialize)]
+struct Receipt {
+    status: Stored,
+}
+
+pub fn routes(state: WebhookState) -> axum::Router {
+    axum::Router::new()
+        .route("/webhooks/{gateway}", post(receive))
+        .layer(DefaultBodyLimit::max(state.body_limit))
+        .with_state(state)
+}
+
+async fn receive(
+    State(state): State<WebhookState>,
+    Path(gateway): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Receipt>, ApiError> {
+    let gateway: GatewayName = gateway.parse().map_err(|e: gateways::UnknownGateway| ApiError::NotFound(e.to_string()))?;
+    if !state.secrets.enabled(gateway) {
+        return Err(ApiError::NotFound(format!("gateway {gateway} is not enabled")));
+    }
+    let body = body.map_err(|r| ApiError::from_body(r, state.body_limit))?;
+    let now = chrono::Utc::now().timestamp();
+    let webhook = Webhook::verify(gateway, &state.secrets, &headers, &query, body, now, state.tolerance_secs)?;
+    let status = store(&state.pool, &webhook).await?;
+    crate::http::metrics::webhook_received(gateway, status);
+    Ok(Json(Receipt { status }))
+}
