@@ -57,16 +57,16 @@ CREATE INDEX jobs_running_lease ON jobs (lease_expires_at) WHERE state = 'runnin
 -- Pruning and the operator's list of dead jobs.
 CREATE INDEX jobs_finished ON jobs (state, finished_at) WHERE finished_at IS NOT NULL;
 
--- Wake sleeping workers of a queue when a job becomes claimable (now or at a new run time).
+-- Wake sleeping workers of a queue when a waiting job gets a new state or run time (retries,
+-- snoozes, reschedules, operator retries). New jobs are announced by the enqueue statements
+-- themselves (src/queue/mod.rs), or after commit by queue::Notifier on hot paths: a NOTIFY
+-- holds a global lock through commit, which would serialise every webhook's commit.
 CREATE FUNCTION jobs_notify() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_notify('payfleet_jobs', NEW.queue);
     RETURN NULL;
 END;
 $$;
-
-CREATE TRIGGER jobs_notify_insert AFTER INSERT ON jobs
-    FOR EACH ROW WHEN (NEW.state = 'available') EXECUTE FUNCTION jobs_notify();
 
 CREATE TRIGGER jobs_notify_update AFTER UPDATE OF state, run_at ON jobs
     FOR EACH ROW WHEN (NEW.state IN ('available', 'retryable')

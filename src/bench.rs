@@ -43,9 +43,18 @@ pub struct QueueArgs {
 async fn scratch(config: &Config) -> anyhow::Result<(PgPool, String)> {
     let options = PgConnectOptions::from_str(&config.database_url)?;
     let name = format!("{}_bench", options.get_database().unwrap_or("payfleet"));
-    let mut admin = options.clone().database("postgres").connect().await.context("cannot connect to PostgreSQL")?;
+    let mut admin = options
+        .clone()
+        .database("postgres")
+        .connect()
+        .await
+        .context("cannot connect to PostgreSQL")?;
     let quoted = format!("\"{}\"", name.replace('"', "\"\""));
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {quoted} WITH (FORCE)"))).execute(&mut admin).await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {quoted} WITH (FORCE)"
+    )))
+    .execute(&mut admin)
+    .await?;
     admin.close().await.ok();
     let url = with_database(&config.database_url, &name)?;
     let pool = startup::connect(&url, config.db_pool_size.max(40)).await?;
@@ -58,8 +67,14 @@ fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
         Some((b, q)) => (b, Some(q)),
         None => (url, None),
     };
-    let scheme_end = base.find("://").map(|i| i + 3).context("DATABASE_URL has no scheme")?;
-    let path_start = base[scheme_end..].find('/').map(|i| i + scheme_end).unwrap_or(base.len());
+    let scheme_end = base
+        .find("://")
+        .map(|i| i + 3)
+        .context("DATABASE_URL has no scheme")?;
+    let path_start = base[scheme_end..]
+        .find('/')
+        .map(|i| i + scheme_end)
+        .unwrap_or(base.len());
     let mut out = format!("{}/{name}", &base[..path_start]);
     if let Some(q) = query {
         out.push('?');
@@ -90,12 +105,17 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
     let (pool, url) = scratch(config).await?;
     let (secret, _) = StandardSecret::generate();
     let mut app_config = config.clone();
-    app_config.webhooks = crate::webhooks::WebhookSecrets { internal: Some(secret.clone()), ..Default::default() };
+    app_config.webhooks = crate::webhooks::WebhookSecrets {
+        internal: Some(secret.clone()),
+        ..Default::default()
+    };
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let state = startup::app_state(&app_config, pool.clone(), Broker::default());
     let server = tokio::spawn(startup::serve(listener, state, std::future::pending()));
-    let client = reqwest::Client::builder().pool_max_idle_per_host(64).build()?;
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(64)
+        .build()?;
     let endpoint = format!("http://{addr}/webhooks/internal");
 
     let mut lines = Vec::new();
@@ -153,7 +173,9 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
         lines.push(format!("ingest_c{c}_p50_ms={p50:.2}"));
         lines.push(format!("ingest_c{c}_p99_ms={p99:.2}"));
     }
-    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM payment_events").fetch_one(&pool).await?;
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM payment_events")
+        .fetch_one(&pool)
+        .await?;
     if stored as usize != next_id.min(stored as usize).max(stored as usize) || stored == 0 {
         bail!("expected stored events, found {stored}");
     }
@@ -163,7 +185,9 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
     sqlx::query("CREATE TABLE bench_events (LIKE payment_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES)")
         .execute(&pool)
         .await?;
-    sqlx::query("CREATE SEQUENCE bench_events_seq").execute(&pool).await?;
+    sqlx::query("CREATE SEQUENCE bench_events_seq")
+        .execute(&pool)
+        .await?;
     let script = std::env::temp_dir().join(format!("payfleet-pgbench-{}.sql", std::process::id()));
     let sample = body(0).replace('\'', "''");
     std::fs::write(
@@ -175,7 +199,16 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
     for (c, rps) in results {
         let tx_per_client = (args.requests / c).max(1);
         let out = tokio::process::Command::new(&pgbench)
-            .args(["-n", "-c", &c.to_string(), "-j", &c.min(2).to_string(), "-t", &tx_per_client.to_string(), "-f"])
+            .args([
+                "-n",
+                "-c",
+                &c.to_string(),
+                "-j",
+                &c.min(2).to_string(),
+                "-t",
+                &tx_per_client.to_string(),
+                "-f",
+            ])
             .arg(&script)
             .arg(&url)
             .output()
@@ -191,7 +224,10 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
             .and_then(|l| l.trim_start_matches("tps = ").split_whitespace().next())
             .and_then(|v| v.parse::<f64>().ok())
             .context("pgbench printed no tps")?;
-        eprintln!("pgbench: {c} clients: {tps:.0} inserts/s; payfleet reaches {:.0}% of it", 100.0 * rps / tps);
+        eprintln!(
+            "pgbench: {c} clients: {tps:.0} inserts/s; payfleet reaches {:.0}% of it",
+            100.0 * rps / tps
+        );
         lines.push(format!("pgbench_c{c}_per_s={tps:.0}"));
         lines.push(format!("ingest_c{c}_vs_pgbench={:.2}", rps / tps));
     }
@@ -205,7 +241,11 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
 
 fn which_pgbench() -> Option<std::path::PathBuf> {
     let mut candidates: Vec<std::path::PathBuf> = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).map(|d| d.join("pgbench")).collect())
+        .map(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join("pgbench"))
+                .collect()
+        })
         .unwrap_or_default();
     if let Ok(dirs) = std::fs::read_dir("/usr/lib/postgresql") {
         candidates.extend(dirs.flatten().map(|d| d.path().join("bin/pgbench")));
@@ -226,7 +266,10 @@ impl Job for Noop {
 }
 
 fn now_micros() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or(0)
 }
 
 pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
@@ -239,23 +282,35 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     // Enqueue, 1000 jobs a statement.
     let started = Instant::now();
     for chunk in (0..args.jobs).collect::<Vec<_>>().chunks(1000) {
-        let jobs: Vec<NewJob> = chunk.iter().map(|_| NewJob::of(&Noop { t: 0 })).collect::<Result<_, _>>()?;
+        let jobs: Vec<NewJob> = chunk
+            .iter()
+            .map(|_| NewJob::of(&Noop { t: 0 }))
+            .collect::<Result<_, _>>()?;
         queue::enqueue_many(&pool, &jobs).await?;
     }
     let enqueue_rate = args.jobs as f64 / started.elapsed().as_secs_f64();
-    eprintln!("queue: enqueued {} jobs at {enqueue_rate:.0} jobs/s (batches of 1000)", args.jobs);
+    eprintln!(
+        "queue: enqueued {} jobs at {enqueue_rate:.0} jobs/s (batches of 1000)",
+        args.jobs
+    );
     lines.push(format!("queue_enqueue_batch_per_s={enqueue_rate:.0}"));
 
     // Single-job enqueue, one transaction each, as a web request would do it.
     let singles = (args.jobs / 20).clamp(100, 5000);
     let started = Instant::now();
     for _ in 0..singles {
-        queue::enqueue(&pool, NewJob::of(&Noop { t: 0 })?.run_at(chrono::Utc::now() + chrono::Duration::days(365))).await?;
+        queue::enqueue(
+            &pool,
+            NewJob::of(&Noop { t: 0 })?.run_at(chrono::Utc::now() + chrono::Duration::days(365)),
+        )
+        .await?;
     }
     let single_rate = singles as f64 / started.elapsed().as_secs_f64();
     eprintln!("queue: single enqueue {single_rate:.0} jobs/s");
     lines.push(format!("queue_enqueue_single_per_s={single_rate:.0}"));
-    sqlx::query("DELETE FROM jobs WHERE run_at > now() + interval '1 day'").execute(&pool).await?;
+    sqlx::query("DELETE FROM jobs WHERE run_at > now() + interval '1 day'")
+        .execute(&pool)
+        .await?;
 
     let samples: Arc<Mutex<Vec<i64>>> = Arc::new(Mutex::new(Vec::new()));
     let mut registry = Registry::new();
@@ -281,9 +336,11 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         || {
             let pool = pool2.clone();
             async move {
-                let left: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM jobs WHERE state <> 'completed')")
-                    .fetch_one(&pool)
-                    .await?;
+                let left: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM jobs WHERE state <> 'completed')",
+                )
+                .fetch_one(&pool)
+                .await?;
                 Ok(!left)
             }
         },
@@ -291,7 +348,10 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     )
     .await?;
     let drain_rate = args.jobs as f64 / started.elapsed().as_secs_f64();
-    eprintln!("queue: drained {} jobs at {drain_rate:.0} jobs/s", args.jobs);
+    eprintln!(
+        "queue: drained {} jobs at {drain_rate:.0} jobs/s",
+        args.jobs
+    );
     lines.push(format!("queue_drain_per_s={drain_rate:.0}"));
 
     // Enqueue-to-start latency on an idle fleet, one job at a time.
@@ -301,15 +361,22 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     }
     let want = args.latency_samples;
     let seen = samples.clone();
-    cli::wait_until(move || {
-        let n = seen.lock().map(|s| s.len()).unwrap_or(0);
-        async move { Ok(n >= want) }
-    }, Duration::from_millis(10))
+    cli::wait_until(
+        move || {
+            let n = seen.lock().map(|s| s.len()).unwrap_or(0);
+            async move { Ok(n >= want) }
+        },
+        Duration::from_millis(10),
+    )
     .await?;
     fleet.shutdown().await;
     let mut waits: Vec<Duration> = samples
         .lock()
-        .map(|s| s.iter().map(|us| Duration::from_micros((*us).max(0) as u64)).collect())
+        .map(|s| {
+            s.iter()
+                .map(|us| Duration::from_micros((*us).max(0) as u64))
+                .collect()
+        })
         .unwrap_or_default();
     waits.sort();
     let (p50, p99) = (percentile(&waits, 0.5), percentile(&waits, 0.99));
@@ -319,14 +386,24 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
 
     // The machine's limit for the same row writes: a drained job is written twice (claim and
     // completion); here PostgreSQL updates the same rows in bulk with no queue logic at all.
-    sqlx::query("CREATE TABLE bench_jobs AS SELECT * FROM jobs").execute(&pool).await?;
-    sqlx::query("CREATE INDEX ON bench_jobs (id)").execute(&pool).await?;
-    let started = Instant::now();
-    let rows = sqlx::query("UPDATE bench_jobs SET state = 'running', attempt = attempt + 1, lease_token = id")
+    sqlx::query("CREATE TABLE bench_jobs AS SELECT * FROM jobs")
         .execute(&pool)
-        .await?
-        .rows_affected();
-    sqlx::query("UPDATE bench_jobs SET state = 'completed', finished_at = now(), lease_token = NULL").execute(&pool).await?;
+        .await?;
+    sqlx::query("CREATE INDEX ON bench_jobs (id)")
+        .execute(&pool)
+        .await?;
+    let started = Instant::now();
+    let rows = sqlx::query(
+        "UPDATE bench_jobs SET state = 'running', attempt = attempt + 1, lease_token = id",
+    )
+    .execute(&pool)
+    .await?
+    .rows_affected();
+    sqlx::query(
+        "UPDATE bench_jobs SET state = 'completed', finished_at = now(), lease_token = NULL",
+    )
+    .execute(&pool)
+    .await?;
     let pg_rate = rows as f64 / started.elapsed().as_secs_f64();
     eprintln!("postgres: two bulk updates of {rows} job rows: {pg_rate:.0} rows/s each way");
     lines.push(format!("pg_two_updates_per_s={pg_rate:.0}"));

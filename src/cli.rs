@@ -12,7 +12,11 @@ use crate::queue::{JobId, admin};
 use crate::{bench, startup};
 
 #[derive(Parser)]
-#[command(name = "payfleet", version, about = "Background job worker fleet for marketplace payments")]
+#[command(
+    name = "payfleet",
+    version,
+    about = "Background job worker fleet for marketplace payments"
+)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -66,8 +70,7 @@ enum BenchCommand {
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
-    // One TLS provider for every client in the process (reqwest, lapin).
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    startup::install_tls_provider();
     let config = Config::from_env()?;
     match cli.command {
         Command::Migrate => {
@@ -90,15 +93,26 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
 async fn serve(config: Config) -> anyhow::Result<()> {
     let pool = startup::connect(&config.database_url, config.db_pool_size).await?;
     let (broker, _supervisor) = Broker::start(config.amqp_url.clone());
-    let listener = TcpListener::bind(config.bind).await.with_context(|| format!("cannot listen on {}", config.bind))?;
+    let listener = TcpListener::bind(config.bind)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.bind))?;
     tracing::info!(address = %config.bind, gateways = ?enabled(&config), "serving");
-    startup::serve(listener, startup::app_state(&config, pool, broker), startup::shutdown_signal()).await?;
+    startup::serve(
+        listener,
+        startup::app_state(&config, pool, broker),
+        startup::shutdown_signal(),
+    )
+    .await?;
     Ok(())
 }
 
 async fn work(config: Config) -> anyhow::Result<()> {
     let pool = startup::connect(&config.database_url, config.db_pool_size).await?;
-    let fleet = startup::start_fleet(pool, startup::registry(startup::processor()?)?, config.queues.clone());
+    let fleet = startup::start_fleet(
+        pool,
+        startup::registry(startup::processor()?)?,
+        config.queues.clone(),
+    );
     startup::shutdown_signal().await;
     fleet.shutdown().await;
     Ok(())
@@ -114,10 +128,25 @@ async fn up(config: Config) -> anyhow::Result<()> {
     let pool = startup::connect(&config.database_url, config.db_pool_size).await?;
     startup::migrate(&pool).await?;
     let (broker, _supervisor) = Broker::start(config.amqp_url.clone());
-    let fleet = startup::start_fleet(pool.clone(), startup::registry(startup::processor()?)?, config.queues.clone());
-    let listener = TcpListener::bind(config.bind).await.with_context(|| format!("cannot listen on {}", config.bind))?;
-    println!("payfleet is up on http://{} (gateways: {:?})", config.bind, enabled(&config));
-    startup::serve(listener, startup::app_state(&config, pool, broker), startup::shutdown_signal()).await?;
+    let fleet = startup::start_fleet(
+        pool.clone(),
+        startup::registry(startup::processor()?)?,
+        config.queues.clone(),
+    );
+    let listener = TcpListener::bind(config.bind)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.bind))?;
+    println!(
+        "payfleet is up on http://{} (gateways: {:?})",
+        config.bind,
+        enabled(&config)
+    );
+    startup::serve(
+        listener,
+        startup::app_state(&config, pool, broker),
+        startup::shutdown_signal(),
+    )
+    .await?;
     fleet.shutdown().await;
     Ok(())
 }

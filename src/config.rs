@@ -46,7 +46,10 @@ where
 {
     match var(name) {
         None => Ok(default),
-        Some(v) => v.trim().parse().map_err(|e: T::Err| ConfigError::Invalid { name, problem: format!("{v:?}: {e}") }),
+        Some(v) => v.trim().parse().map_err(|e: T::Err| ConfigError::Invalid {
+            name,
+            problem: format!("{v:?}: {e}"),
+        }),
     }
 }
 
@@ -56,33 +59,55 @@ impl Config {
     pub fn from_env() -> Result<Self, ConfigError> {
         let database_url = var("DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned());
         if !database_url.starts_with("postgres://") && !database_url.starts_with("postgresql://") {
-            return Err(ConfigError::Invalid { name: "DATABASE_URL", problem: "must start with postgres://".into() });
+            return Err(ConfigError::Invalid {
+                name: "DATABASE_URL",
+                problem: "must start with postgres://".into(),
+            });
         }
         let amqp_url = var("AMQP_URL").unwrap_or_else(|| DEFAULT_AMQP_URL.to_owned());
         if !amqp_url.starts_with("amqp://") && !amqp_url.starts_with("amqps://") {
-            return Err(ConfigError::Invalid { name: "AMQP_URL", problem: "must start with amqp:// or amqps://".into() });
+            return Err(ConfigError::Invalid {
+                name: "AMQP_URL",
+                problem: "must start with amqp:// or amqps://".into(),
+            });
         }
-        let bind = parsed("PAYFLEET_BIND", DEFAULT_BIND.parse().map_err(|e| ConfigError::Invalid {
-            name: "PAYFLEET_BIND",
-            problem: format!("{e}"),
-        })?)?;
+        let bind = parsed(
+            "PAYFLEET_BIND",
+            DEFAULT_BIND.parse().map_err(|e| ConfigError::Invalid {
+                name: "PAYFLEET_BIND",
+                problem: format!("{e}"),
+            })?,
+        )?;
         let db_pool_size = parsed("PAYFLEET_DB_POOL_SIZE", 20u32)?;
         if db_pool_size < 4 {
-            return Err(ConfigError::Invalid { name: "PAYFLEET_DB_POOL_SIZE", problem: "must be at least 4".into() });
+            return Err(ConfigError::Invalid {
+                name: "PAYFLEET_DB_POOL_SIZE",
+                problem: "must be at least 4".into(),
+            });
         }
         let webhook_body_limit = parsed("PAYFLEET_WEBHOOK_BODY_LIMIT", DEFAULT_WEBHOOK_BODY_LIMIT)?;
         if webhook_body_limit == 0 {
-            return Err(ConfigError::Invalid { name: "PAYFLEET_WEBHOOK_BODY_LIMIT", problem: "must be positive".into() });
+            return Err(ConfigError::Invalid {
+                name: "PAYFLEET_WEBHOOK_BODY_LIMIT",
+                problem: "must be positive".into(),
+            });
         }
         let webhook_tolerance_secs = parsed("PAYFLEET_WEBHOOK_TOLERANCE_SECS", 300i64)?;
         if webhook_tolerance_secs <= 0 {
-            return Err(ConfigError::Invalid { name: "PAYFLEET_WEBHOOK_TOLERANCE_SECS", problem: "must be positive".into() });
+            return Err(ConfigError::Invalid {
+                name: "PAYFLEET_WEBHOOK_TOLERANCE_SECS",
+                problem: "must be positive".into(),
+            });
         }
         let queues = match var("PAYFLEET_QUEUES") {
             Some(path) => QueuesConfig::from_file(&PathBuf::from(path))?,
             None => {
                 let local = PathBuf::from("jobs/queues.toml");
-                if local.is_file() { QueuesConfig::from_file(&local)? } else { QueuesConfig::built_in()? }
+                if local.is_file() {
+                    QueuesConfig::from_file(&local)?
+                } else {
+                    QueuesConfig::built_in()?
+                }
             }
         };
         Ok(Self {

@@ -31,8 +31,8 @@ impl Currency {
     /// Digits after the decimal point in the currency's minor unit.
     pub fn exponent(&self) -> u32 {
         match self.as_str() {
-            "BIF" | "CLP" | "DJF" | "GNF" | "JPY" | "KMF" | "KRW" | "MGA" | "PYG" | "RWF" | "UGX" | "VND" | "VUV"
-            | "XAF" | "XOF" | "XPF" => 0,
+            "BIF" | "CLP" | "DJF" | "GNF" | "JPY" | "KMF" | "KRW" | "MGA" | "PYG" | "RWF"
+            | "UGX" | "VND" | "VUV" | "XAF" | "XOF" | "XPF" => 0,
             "BHD" | "JOD" | "KWD" | "OMR" | "TND" => 3,
             _ => 2,
         }
@@ -46,7 +46,11 @@ impl FromStr for Currency {
         if b.len() != 3 || !b.iter().all(u8::is_ascii_alphabetic) {
             return Err(MoneyError::Currency(s.to_owned()));
         }
-        Ok(Self([b[0].to_ascii_uppercase(), b[1].to_ascii_uppercase(), b[2].to_ascii_uppercase()]))
+        Ok(Self([
+            b[0].to_ascii_uppercase(),
+            b[1].to_ascii_uppercase(),
+            b[2].to_ascii_uppercase(),
+        ]))
     }
 }
 
@@ -97,7 +101,8 @@ impl Money {
     /// From a decimal string such as `"19.90"` and a currency code.
     pub fn parse(amount: &str, currency: &str) -> Result<Self, MoneyError> {
         let currency: Currency = currency.parse()?;
-        let value = Decimal::from_str(amount.trim()).map_err(|_| MoneyError::Amount(amount.to_owned()))?;
+        let value =
+            Decimal::from_str(amount.trim()).map_err(|_| MoneyError::Amount(amount.to_owned()))?;
         Self::new(value, currency)
     }
 
@@ -128,17 +133,41 @@ mod tests {
 
     #[test]
     fn minor_units_follow_the_currency_exponent() {
-        assert_eq!(Money::from_minor(1990, "brl").unwrap().amount().to_string(), "19.90");
-        assert_eq!(Money::from_minor(500, "JPY").unwrap().amount().to_string(), "500");
-        assert_eq!(Money::from_minor(1500, "kwd").unwrap().amount().to_string(), "1.500");
+        assert_eq!(
+            Money::from_minor(1990, "brl").unwrap().amount().to_string(),
+            "19.90"
+        );
+        assert_eq!(
+            Money::from_minor(500, "JPY").unwrap().amount().to_string(),
+            "500"
+        );
+        assert_eq!(
+            Money::from_minor(1500, "kwd").unwrap().amount().to_string(),
+            "1.500"
+        );
     }
 
     #[test]
     fn bad_amounts_and_currencies_are_refused() {
-        assert!(matches!(Money::parse("19.901", "BRL"), Err(MoneyError::Precision(..))));
-        assert!(matches!(Money::parse("-1", "BRL"), Err(MoneyError::Negative(_))));
-        assert!(matches!(Money::parse("abc", "BRL"), Err(MoneyError::Amount(_))));
-        assert!(matches!(Money::parse("1", "R$"), Err(MoneyError::Currency(_))));
-        assert_eq!(Money::parse("19.90", "brl").unwrap().to_string(), "19.90 BRL");
+        assert!(matches!(
+            Money::parse("19.901", "BRL"),
+            Err(MoneyError::Precision(..))
+        ));
+        assert!(matches!(
+            Money::parse("-1", "BRL"),
+            Err(MoneyError::Negative(_))
+        ));
+        assert!(matches!(
+            Money::parse("abc", "BRL"),
+            Err(MoneyError::Amount(_))
+        ));
+        assert!(matches!(
+            Money::parse("1", "R$"),
+            Err(MoneyError::Currency(_))
+        ));
+        assert_eq!(
+            Money::parse("19.90", "brl").unwrap().to_string(),
+            "19.90 BRL"
+        );
     }
 }

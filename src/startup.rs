@@ -17,13 +17,19 @@ use crate::gateways::MercadoPagoClient;
 use crate::http::{self, AppState};
 use crate::messaging::Broker;
 use crate::payments::{ProcessPaymentEvent, Processor};
-use crate::queue::{Fleet, FleetHandle, JobContext, QueuesConfig, Registry};
+use crate::queue::{Fleet, FleetHandle, JobContext, Notifier, QueuesConfig, Registry};
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
+/// One TLS provider (ring) for every client in the process: reqwest and lapin. Idempotent.
+pub fn install_tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// Opens the pool, creating the database first if the server does not have it.
 pub async fn connect(database_url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
-    let options = PgConnectOptions::from_str(database_url).context("DATABASE_URL is not a valid PostgreSQL URL")?;
+    let options = PgConnectOptions::from_str(database_url)
+        .context("DATABASE_URL is not a valid PostgreSQL URL")?;
     create_database_if_absent(&options).await?;
     PgPoolOptions::new()
         .max_connections(max_connections)
@@ -46,9 +52,17 @@ async fn create_database_if_absent(options: &PgConnectOptions) -> anyhow::Result
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("3D000") => {}
         Err(e) => return Err(e).context("cannot connect to PostgreSQL (DATABASE_URL)"),
     }
-    let mut admin = options.clone().database("postgres").connect().await.context("cannot connect to the postgres database to create ours")?;
+    let mut admin = options
+        .clone()
+        .database("postgres")
+        .connect()
+        .await
+        .context("cannot connect to the postgres database to create ours")?;
     let quoted = format!("\"{}\"", name.replace('"', "\"\""));
-    match sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {quoted}"))).execute(&mut admin).await {
+    match sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {quoted}")))
+        .execute(&mut admin)
+        .await
+    {
         Ok(_) => tracing::info!(database = %name, "created the database"),
         // Another process created it meanwhile.
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P04") => {}
@@ -69,8 +83,8 @@ pub fn registry(processor: Processor) -> anyhow::Result<Registry> {
     registry.register::<ProcessPaymentEvent, _, _>(move |ctx: JobContext, job: ProcessPaymentEvent| {
         let processor = processor.clone();
         async move {
-            let result = processor.process(&ctx.pool, job.event_id).await?;
-            tracing::debug!(event = job.event_id, ?result, "payment event processed");
+            let result = processor.process(&ctx.pool, job.gateway, &job.event_id).await?;
+            tracing::debug!(gateway = %job.gateway, event = %job.event_id, ?result, "payment event processed");
             Ok(())
         }
     })?;
@@ -79,24 +93,39 @@ pub fn registry(processor: Processor) -> anyhow::Result<Registry> {
 
 /// The processor as configured: Mercado Pago events need API access to read the payment.
 pub fn processor() -> anyhow::Result<Processor> {
-    let token = std::env::var("MERCADOPAGO_ACCESS_TOKEN").ok().filter(|t| !t.is_empty());
-    let base = std::env::var("MERCADOPAGO_API_URL").unwrap_or_else(|_| "https://api.mercadopago.com".to_owned());
-    let mercadopago = token.map(|t| MercadoPagoClient::new(&base, &t)).transpose().context("MERCADOPAGO_API_URL")?;
+    let token = std::env::var("MERCADOPAGO_ACCESS_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty());
+    let base = std::env::var("MERCADOPAGO_API_URL")
+        .unwrap_or_else(|_| "https://api.mercadopago.com".to_owned());
+    let mercadopago = token
+        .map(|t| MercadoPagoClient::new(&base, &t))
+        .transpose()
+        .context("MERCADOPAGO_API_URL")?;
     Ok(Processor { mercadopago })
 }
 
 /// Serves the HTTP API on `listener` until `shutdown` resolves.
-pub async fn serve(listener: TcpListener, state: AppState, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-    axum::serve(listener, http::router(state)).with_graceful_shutdown(shutdown).await
+pub async fn serve(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, http::router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
 }
 
+/// Starts the after-commit notifier, so call it inside the runtime.
 pub fn app_state(config: &Config, pool: PgPool, broker: Broker) -> AppState {
+    let pool_for_notifier = pool.clone();
     AppState {
         pool,
         broker,
         secrets: Arc::new(config.webhooks.clone()),
         webhook_tolerance_secs: config.webhook_tolerance_secs,
         webhook_body_limit: config.webhook_body_limit,
+        notifier: Some(Notifier::start(pool_for_notifier)),
     }
 }
 

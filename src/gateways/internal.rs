@@ -37,31 +37,58 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
     let d = e.data;
     let payment = ref_of(d.session_id.as_deref(), d.payment_id.as_deref())?;
     let money = || -> Result<Money, EventError> {
-        let amount = d.amount.as_deref().ok_or(EventError::Missing("data.amount"))?;
-        let currency = d.currency.as_deref().ok_or(EventError::Missing("data.currency"))?;
+        let amount = d
+            .amount
+            .as_deref()
+            .ok_or(EventError::Missing("data.amount"))?;
+        let currency = d
+            .currency
+            .as_deref()
+            .ok_or(EventError::Missing("data.currency"))?;
         Ok(Money::parse(amount, currency)?)
     };
     let fact = match e.kind.as_str() {
         k if k.starts_with("payment.") => {
             let status = payment_status(k);
-            let amount = if d.amount.is_some() { Some(money()?) } else { None };
+            let amount = if d.amount.is_some() {
+                Some(money()?)
+            } else {
+                None
+            };
             Fact::Payment { status, amount }
         }
         "refund.succeeded" => Fact::Refund {
-            refund_id: d.refund_id.clone().ok_or(EventError::Missing("data.refund_id"))?,
+            refund_id: d
+                .refund_id
+                .clone()
+                .ok_or(EventError::Missing("data.refund_id"))?,
             amount: money()?,
         },
-        "refund.failed" | "refund.created" => return Ok(Interpretation::Ignore(format!("{} moves no money", e.kind))),
-        k @ ("dispute.created" | "dispute.won" | "dispute.lost" | "dispute.updated") => Fact::Dispute {
-            dispute_id: d.dispute_id.clone().ok_or(EventError::Missing("data.dispute_id"))?,
-            amount: money()?,
-            status: match k {
-                "dispute.won" => DisputeStatus::Won,
-                "dispute.lost" => DisputeStatus::Lost,
-                _ => DisputeStatus::Open,
-            },
-        },
-        other => return Ok(Interpretation::Ignore(format!("event type {other:?} is not acted on"))),
+        "refund.failed" | "refund.created" => {
+            return Ok(Interpretation::Ignore(format!("{} moves no money", e.kind)));
+        }
+        k @ ("dispute.created" | "dispute.won" | "dispute.lost" | "dispute.updated") => {
+            Fact::Dispute {
+                dispute_id: d
+                    .dispute_id
+                    .clone()
+                    .ok_or(EventError::Missing("data.dispute_id"))?,
+                amount: money()?,
+                status: match k {
+                    "dispute.won" => DisputeStatus::Won,
+                    "dispute.lost" => DisputeStatus::Lost,
+                    _ => DisputeStatus::Open,
+                },
+            }
+        }
+        other => {
+            return Ok(Interpretation::Ignore(format!(
+                "event type {other:?} is not acted on"
+            )));
+        }
     };
-    Ok(Interpretation::Update { payment, facts: vec![fact] })
+    Ok(Interpretation::Update {
+        payment,
+        facts: vec![fact],
+    })
 }

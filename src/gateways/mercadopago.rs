@@ -22,7 +22,9 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
     let v: Value = serde_json::from_slice(body)?;
     let kind = v.get("type").and_then(Value::as_str).unwrap_or("");
     if kind != "payment" {
-        return Ok(Interpretation::Ignore(format!("notification type {kind:?} is not acted on")));
+        return Ok(Interpretation::Ignore(format!(
+            "notification type {kind:?} is not acted on"
+        )));
     }
     let id = match v.get("data").and_then(|d| d.get("id")) {
         Some(Value::String(s)) if !s.is_empty() => s.clone(),
@@ -62,7 +64,7 @@ pub struct MercadoPagoClient {
 struct Payment {
     id: Value,
     status: String,
-    transaction_amount: Option<rust_decimal::Decimal>,
+    transaction_amount: Option<Value>,
     currency_id: Option<String>,
     external_reference: Option<String>,
     #[serde(default)]
@@ -72,8 +74,20 @@ struct Payment {
 #[derive(Deserialize)]
 struct Refund {
     id: Value,
-    amount: rust_decimal::Decimal,
+    amount: Value,
     status: Option<String>,
+}
+
+/// The API sends amounts as JSON numbers; serde_json prints back the shortest text that
+/// round-trips, which is the text sent for any amount with a few decimals.
+fn decimal(v: &Value) -> Result<rust_decimal::Decimal, EventError> {
+    let text = match v {
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => s.clone(),
+        _ => return Err(EventError::Missing("a numeric amount")),
+    };
+    text.parse()
+        .map_err(|_| EventError::Missing("a numeric amount"))
 }
 
 fn id_text(v: &Value) -> String {
@@ -85,28 +99,63 @@ fn id_text(v: &Value) -> String {
 
 impl MercadoPagoClient {
     pub fn new(base_url: &str, access_token: &str) -> Result<Self, MercadoPagoError> {
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
-        Ok(Self { base_url: base_url.trim_end_matches('/').to_owned(), access_token: access_token.to_owned(), http })
+        crate::startup::install_tls_provider();
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()?;
+        Ok(Self {
+            base_url: base_url.trim_end_matches('/').to_owned(),
+            access_token: access_token.to_owned(),
+            http,
+        })
     }
 
     /// Fetches a payment and states what it establishes: its status, and each refund and
     /// dispute it carries, with stable ids so a second look records nothing new.
-    pub async fn payment_facts(&self, payment_id: &str) -> Result<(PaymentRef, Vec<Fact>), MercadoPagoError> {
+    pub async fn payment_facts(
+        &self,
+        payment_id: &str,
+    ) -> Result<(PaymentRef, Vec<Fact>), MercadoPagoError> {
         let url = format!("{}/v1/payments/{payment_id}", self.base_url);
-        let resp = self.http.get(&url).bearer_auth(&self.access_token).send().await?;
+        let resp = self
+            .http
+            .get(&url)
+            .bearer_auth(&self.access_token)
+            .send()
+            .await?;
         if !resp.status().is_success() {
-            return Err(MercadoPagoError::Status(resp.status().as_u16(), payment_id.to_owned()));
+            return Err(MercadoPagoError::Status(
+                resp.status().as_u16(),
+                payment_id.to_owned(),
+            ));
         }
         let p: Payment = resp.json().await?;
-        let currency = p.currency_id.as_deref().ok_or(EventError::Missing("currency_id"))?;
-        let amount = match p.transaction_amount {
-            Some(a) => Some(Money::new(a, currency.parse()?)?),
+        let currency = p
+            .currency_id
+            .as_deref()
+            .ok_or(EventError::Missing("currency_id"))?;
+        let amount = match &p.transaction_amount {
+            Some(a) => Some(Money::new(decimal(a)?, currency.parse()?)?),
             None => None,
         };
         let status = payment_status(&p.status);
-        let mut facts = vec![Fact::Payment { status, amount: if status == PaymentStatus::Succeeded { amount } else { None } }];
-        for r in p.refunds.iter().filter(|r| r.status.as_deref().is_none_or(|s| s == "approved")) {
-            facts.push(Fact::Refund { refund_id: id_text(&r.id), amount: Money::new(r.amount, currency.parse()?)? });
+        let mut facts = vec![Fact::Payment {
+            status,
+            amount: if status == PaymentStatus::Succeeded {
+                amount
+            } else {
+                None
+            },
+        }];
+        for r in p
+            .refunds
+            .iter()
+            .filter(|r| r.status.as_deref().is_none_or(|s| s == "approved"))
+        {
+            facts.push(Fact::Refund {
+                refund_id: id_text(&r.id),
+                amount: Money::new(decimal(&r.amount)?, currency.parse()?)?,
+            });
         }
         let dispute = match p.status.as_str() {
             "in_mediation" => Some(DisputeStatus::Open),
@@ -114,7 +163,11 @@ impl MercadoPagoClient {
             _ => None,
         };
         if let (Some(status), Some(amount)) = (dispute, amount) {
-            facts.push(Fact::Dispute { dispute_id: format!("mp-{}", id_text(&p.id)), amount, status });
+            facts.push(Fact::Dispute {
+                dispute_id: format!("mp-{}", id_text(&p.id)),
+                amount,
+                status,
+            });
         }
         let payment = PaymentRef {
             session_id: p.external_reference.filter(|s| !s.is_empty()),

@@ -15,7 +15,7 @@ use crate::money::{Money, MoneyError};
 
 pub use mercadopago::{MercadoPagoClient, MercadoPagoError};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum GatewayName {
     Stripe,
@@ -26,7 +26,13 @@ pub enum GatewayName {
 }
 
 impl GatewayName {
-    pub const ALL: [GatewayName; 5] = [Self::Stripe, Self::MercadoPago, Self::Razorpay, Self::Internal, Self::Mock];
+    pub const ALL: [GatewayName; 5] = [
+        Self::Stripe,
+        Self::MercadoPago,
+        Self::Razorpay,
+        Self::Internal,
+        Self::Mock,
+    ];
 
     pub fn as_str(&self) -> &'static str {
         match self {
@@ -46,7 +52,10 @@ pub struct UnknownGateway(pub String);
 impl FromStr for GatewayName {
     type Err = UnknownGateway;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL.into_iter().find(|g| g.as_str() == s).ok_or_else(|| UnknownGateway(s.to_owned()))
+        Self::ALL
+            .into_iter()
+            .find(|g| g.as_str() == s)
+            .ok_or_else(|| UnknownGateway(s.to_owned()))
     }
 }
 
@@ -89,9 +98,19 @@ impl DisputeStatus {
 /// status is derived from all of them, so arrival order does not matter.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Fact {
-    Payment { status: PaymentStatus, amount: Option<Money> },
-    Refund { refund_id: String, amount: Money },
-    Dispute { dispute_id: String, amount: Money, status: DisputeStatus },
+    Payment {
+        status: PaymentStatus,
+        amount: Option<Money>,
+    },
+    Refund {
+        refund_id: String,
+        amount: Money,
+    },
+    Dispute {
+        dispute_id: String,
+        amount: Money,
+        status: DisputeStatus,
+    },
 }
 
 /// Which payment an event is about: the gateway session (our key for it) and/or the gateway's
@@ -104,7 +123,10 @@ pub struct PaymentRef {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Interpretation {
-    Update { payment: PaymentRef, facts: Vec<Fact> },
+    Update {
+        payment: PaymentRef,
+        facts: Vec<Fact>,
+    },
     /// The event is signed but says nothing we act on; the reason is recorded.
     Ignore(String),
     /// The event only names a resource; its state must be fetched from the gateway
@@ -145,7 +167,10 @@ pub fn event_type(gateway: GatewayName, body: &[u8]) -> Option<String> {
 
 fn ref_of(session_id: Option<&str>, payment_id: Option<&str>) -> Result<PaymentRef, EventError> {
     let clean = |s: Option<&str>| s.filter(|s| !s.is_empty()).map(str::to_owned);
-    let r = PaymentRef { session_id: clean(session_id), payment_id: clean(payment_id) };
+    let r = PaymentRef {
+        session_id: clean(session_id),
+        payment_id: clean(payment_id),
+    };
     if r.session_id.is_none() && r.payment_id.is_none() {
         return Err(EventError::Missing("session or payment id"));
     }

@@ -33,7 +33,10 @@ fn str_at<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
 }
 
 fn money_at(v: &Value) -> Result<Money, EventError> {
-    let units = v.get("amount").and_then(Value::as_i64).ok_or(EventError::Missing("amount"))?;
+    let units = v
+        .get("amount")
+        .and_then(Value::as_i64)
+        .ok_or(EventError::Missing("amount"))?;
     let currency = str_at(v, "currency").ok_or(EventError::Missing("currency"))?;
     Ok(Money::from_minor(units, currency)?)
 }
@@ -48,21 +51,32 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
         "payment.captured" | "payment.failed" | "payment.authorized" | "order.paid" => {
             let p = payment.ok_or(EventError::Missing("payload.payment.entity"))?;
             let status = payment_status(str_at(p, "status").unwrap_or(""));
-            let amount = if status == PaymentStatus::Succeeded { Some(money_at(p)?) } else { None };
+            let amount = if status == PaymentStatus::Succeeded {
+                Some(money_at(p)?)
+            } else {
+                None
+            };
             Fact::Payment { status, amount }
         }
         "refund.processed" => {
             let r = entity(&v, "refund").ok_or(EventError::Missing("payload.refund.entity"))?;
-            let refund_id = str_at(r, "id").ok_or(EventError::Missing("refund id"))?.to_owned();
+            let refund_id = str_at(r, "id")
+                .ok_or(EventError::Missing("refund id"))?
+                .to_owned();
             let payment_id = payment_id.or_else(|| str_at(r, "payment_id"));
             return Ok(Interpretation::Update {
                 payment: ref_of(order_id, payment_id)?,
-                facts: vec![Fact::Refund { refund_id, amount: money_at(r)? }],
+                facts: vec![Fact::Refund {
+                    refund_id,
+                    amount: money_at(r)?,
+                }],
             });
         }
         k if k.starts_with("payment.dispute.") => {
             let d = entity(&v, "dispute").ok_or(EventError::Missing("payload.dispute.entity"))?;
-            let dispute_id = str_at(d, "id").ok_or(EventError::Missing("dispute id"))?.to_owned();
+            let dispute_id = str_at(d, "id")
+                .ok_or(EventError::Missing("dispute id"))?
+                .to_owned();
             let status = match k {
                 "payment.dispute.won" => DisputeStatus::Won,
                 "payment.dispute.lost" => DisputeStatus::Lost,
@@ -71,12 +85,23 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
             let payment_id = payment_id.or_else(|| str_at(d, "payment_id"));
             return Ok(Interpretation::Update {
                 payment: ref_of(order_id, payment_id)?,
-                facts: vec![Fact::Dispute { dispute_id, amount: money_at(d)?, status }],
+                facts: vec![Fact::Dispute {
+                    dispute_id,
+                    amount: money_at(d)?,
+                    status,
+                }],
             });
         }
-        other => return Ok(Interpretation::Ignore(format!("event {other:?} is not acted on"))),
+        other => {
+            return Ok(Interpretation::Ignore(format!(
+                "event {other:?} is not acted on"
+            )));
+        }
     };
-    Ok(Interpretation::Update { payment: ref_of(order_id, payment_id)?, facts: vec![fact] })
+    Ok(Interpretation::Update {
+        payment: ref_of(order_id, payment_id)?,
+        facts: vec![fact],
+    })
 }
 
 #[cfg(test)]
@@ -86,9 +111,17 @@ mod tests {
     #[test]
     fn a_captured_payment_succeeds_and_an_authorized_one_waits() {
         let body = br#"{"entity":"event","event":"payment.captured","payload":{"payment":{"entity":{"id":"pay_1","amount":50000,"currency":"INR","status":"captured","order_id":"order_1"}}}}"#;
-        let Interpretation::Update { facts, payment } = interpret(body).unwrap() else { panic!() };
+        let Interpretation::Update { facts, payment } = interpret(body).unwrap() else {
+            panic!()
+        };
         assert_eq!(payment.session_id.as_deref(), Some("order_1"));
-        assert_eq!(facts, vec![Fact::Payment { status: PaymentStatus::Succeeded, amount: Some(Money::parse("500", "INR").unwrap()) }]);
+        assert_eq!(
+            facts,
+            vec![Fact::Payment {
+                status: PaymentStatus::Succeeded,
+                amount: Some(Money::parse("500", "INR").unwrap())
+            }]
+        );
         assert_eq!(payment_status("authorized"), PaymentStatus::Pending);
         assert_eq!(payment_status("never_heard_of_it"), PaymentStatus::Pending);
     }

@@ -50,7 +50,10 @@ fn str_at<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
 }
 
 fn money_at(v: &Value, amount_key: &'static str) -> Result<Money, EventError> {
-    let units = v.get(amount_key).and_then(Value::as_i64).ok_or(EventError::Missing(amount_key))?;
+    let units = v
+        .get(amount_key)
+        .and_then(Value::as_i64)
+        .ok_or(EventError::Missing(amount_key))?;
     let currency = str_at(v, "currency").ok_or(EventError::Missing("currency"))?;
     Ok(Money::from_minor(units, currency)?)
 }
@@ -58,57 +61,123 @@ fn money_at(v: &Value, amount_key: &'static str) -> Result<Money, EventError> {
 pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
     let e: Event = serde_json::from_slice(body)?;
     let o = &e.data.object;
-    let update = |session: Option<&str>, payment: Option<&str>, fact: Fact| -> Result<Interpretation, EventError> {
-        Ok(Interpretation::Update { payment: ref_of(session, payment)?, facts: vec![fact] })
+    let update = |session: Option<&str>,
+                  payment: Option<&str>,
+                  fact: Fact|
+     -> Result<Interpretation, EventError> {
+        Ok(Interpretation::Update {
+            payment: ref_of(session, payment)?,
+            facts: vec![fact],
+        })
     };
     match e.kind.as_str() {
-        "checkout.session.completed" | "checkout.session.async_payment_succeeded" | "checkout.session.async_payment_failed"
+        "checkout.session.completed"
+        | "checkout.session.async_payment_succeeded"
+        | "checkout.session.async_payment_failed"
         | "checkout.session.expired" => {
             let status = match e.kind.as_str() {
-                "checkout.session.async_payment_failed" | "checkout.session.expired" => PaymentStatus::Failed,
+                "checkout.session.async_payment_failed" | "checkout.session.expired" => {
+                    PaymentStatus::Failed
+                }
                 _ => session_status(str_at(o, "payment_status").unwrap_or("")),
             };
             let id = str_at(o, "id").ok_or(EventError::Missing("data.object.id"))?;
-            let amount = if o.get("amount_total").is_some_and(Value::is_i64) { Some(money_at(o, "amount_total")?) } else { None };
-            update(Some(id), str_at(o, "payment_intent"), Fact::Payment { status, amount })
+            let amount = if o.get("amount_total").is_some_and(Value::is_i64) {
+                Some(money_at(o, "amount_total")?)
+            } else {
+                None
+            };
+            update(
+                Some(id),
+                str_at(o, "payment_intent"),
+                Fact::Payment { status, amount },
+            )
         }
-        "payment_intent.succeeded" | "payment_intent.payment_failed" | "payment_intent.canceled" => {
+        "payment_intent.succeeded"
+        | "payment_intent.payment_failed"
+        | "payment_intent.canceled" => {
             let status = match e.kind.as_str() {
                 "payment_intent.payment_failed" => PaymentStatus::Failed,
                 _ => intent_status(str_at(o, "status").unwrap_or("")),
             };
             let session = o.get("metadata").and_then(|m| str_at(m, "session_id"));
-            let amount = if status == PaymentStatus::Succeeded { Some(money_at(o, "amount_received")?) } else { None };
+            let amount = if status == PaymentStatus::Succeeded {
+                Some(money_at(o, "amount_received")?)
+            } else {
+                None
+            };
             update(session, str_at(o, "id"), Fact::Payment { status, amount })
         }
         "refund.created" | "refund.updated" | "charge.refund.updated" => {
             if str_at(o, "status") != Some("succeeded") {
-                return Ok(Interpretation::Ignore(format!("refund status {:?} moves no money yet", str_at(o, "status"))));
+                return Ok(Interpretation::Ignore(format!(
+                    "refund status {:?} moves no money yet",
+                    str_at(o, "status")
+                )));
             }
-            let refund_id = str_at(o, "id").ok_or(EventError::Missing("data.object.id"))?.to_owned();
-            update(None, str_at(o, "payment_intent"), Fact::Refund { refund_id, amount: money_at(o, "amount")? })
+            let refund_id = str_at(o, "id")
+                .ok_or(EventError::Missing("data.object.id"))?
+                .to_owned();
+            update(
+                None,
+                str_at(o, "payment_intent"),
+                Fact::Refund {
+                    refund_id,
+                    amount: money_at(o, "amount")?,
+                },
+            )
         }
         "charge.refunded" => {
-            let refunds = o.get("refunds").and_then(|r| r.get("data")).and_then(Value::as_array);
+            let refunds = o
+                .get("refunds")
+                .and_then(|r| r.get("data"))
+                .and_then(Value::as_array);
             let Some(refunds) = refunds else {
-                return Ok(Interpretation::Ignore("charge.refunded without refund details; refund.* events carry them".into()));
+                return Ok(Interpretation::Ignore(
+                    "charge.refunded without refund details; refund.* events carry them".into(),
+                ));
             };
             let mut facts = Vec::new();
-            for r in refunds.iter().filter(|r| str_at(r, "status") == Some("succeeded")) {
-                let refund_id = str_at(r, "id").ok_or(EventError::Missing("refund id"))?.to_owned();
-                facts.push(Fact::Refund { refund_id, amount: money_at(r, "amount")? });
+            for r in refunds
+                .iter()
+                .filter(|r| str_at(r, "status") == Some("succeeded"))
+            {
+                let refund_id = str_at(r, "id")
+                    .ok_or(EventError::Missing("refund id"))?
+                    .to_owned();
+                facts.push(Fact::Refund {
+                    refund_id,
+                    amount: money_at(r, "amount")?,
+                });
             }
             if facts.is_empty() {
-                return Ok(Interpretation::Ignore("no succeeded refund in charge.refunded".into()));
+                return Ok(Interpretation::Ignore(
+                    "no succeeded refund in charge.refunded".into(),
+                ));
             }
-            Ok(Interpretation::Update { payment: ref_of(None, str_at(o, "payment_intent"))?, facts })
+            Ok(Interpretation::Update {
+                payment: ref_of(None, str_at(o, "payment_intent"))?,
+                facts,
+            })
         }
         k if k.starts_with("charge.dispute.") => {
-            let dispute_id = str_at(o, "id").ok_or(EventError::Missing("data.object.id"))?.to_owned();
+            let dispute_id = str_at(o, "id")
+                .ok_or(EventError::Missing("data.object.id"))?
+                .to_owned();
             let status = dispute_status(str_at(o, "status").unwrap_or(""));
-            update(None, str_at(o, "payment_intent"), Fact::Dispute { dispute_id, amount: money_at(o, "amount")?, status })
+            update(
+                None,
+                str_at(o, "payment_intent"),
+                Fact::Dispute {
+                    dispute_id,
+                    amount: money_at(o, "amount")?,
+                    status,
+                },
+            )
         }
-        other => Ok(Interpretation::Ignore(format!("event type {other:?} is not acted on"))),
+        other => Ok(Interpretation::Ignore(format!(
+            "event type {other:?} is not acted on"
+        ))),
     }
 }
 
@@ -120,9 +189,23 @@ mod tests {
     #[test]
     fn a_completed_checkout_session_is_a_succeeded_payment() {
         let body = br#"{"id":"evt_1","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
-        let Interpretation::Update { payment, facts } = interpret(body).unwrap() else { panic!("not an update") };
-        assert_eq!(payment, PaymentRef { session_id: Some("cs_1".into()), payment_id: Some("pi_1".into()) });
-        assert_eq!(facts, vec![Fact::Payment { status: PaymentStatus::Succeeded, amount: Some(Money::parse("19.90", "BRL").unwrap()) }]);
+        let Interpretation::Update { payment, facts } = interpret(body).unwrap() else {
+            panic!("not an update")
+        };
+        assert_eq!(
+            payment,
+            PaymentRef {
+                session_id: Some("cs_1".into()),
+                payment_id: Some("pi_1".into())
+            }
+        );
+        assert_eq!(
+            facts,
+            vec![Fact::Payment {
+                status: PaymentStatus::Succeeded,
+                amount: Some(Money::parse("19.90", "BRL").unwrap())
+            }]
+        );
     }
 
     #[test]

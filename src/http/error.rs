@@ -46,9 +46,14 @@ impl IntoResponse for ApiError {
             Self::Internal(e) => tracing::error!(error = %e, "answering 500"),
             _ => {}
         }
-        let mut resp = (status, Json(json!({"error": {"code": code, "message": self.to_string()}}))).into_response();
+        let mut resp = (
+            status,
+            Json(json!({"error": {"code": code, "message": self.to_string()}})),
+        )
+            .into_response();
         if status == StatusCode::SERVICE_UNAVAILABLE {
-            resp.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("5"));
+            resp.headers_mut()
+                .insert("retry-after", axum::http::HeaderValue::from_static("5"));
         }
         resp
     }
@@ -58,9 +63,17 @@ impl From<sqlx::Error> for ApiError {
     fn from(e: sqlx::Error) -> Self {
         match e {
             // Connection trouble, pool exhaustion, a restarting server: the caller should retry.
-            sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Tls(_)
-            | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => Self::Unavailable(Box::new(e)),
-            sqlx::Error::Database(ref db) if db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57P")) => {
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::WorkerCrashed => Self::Unavailable(Box::new(e)),
+            sqlx::Error::Database(ref db)
+                if db
+                    .code()
+                    .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")) =>
+            {
                 Self::Unavailable(Box::new(e))
             }
             other => Self::Internal(Box::new(other)),

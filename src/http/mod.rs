@@ -16,6 +16,7 @@ use sqlx::PgPool;
 pub use error::ApiError;
 
 use crate::messaging::Broker;
+use crate::queue::Notifier;
 use crate::webhooks::{self, WebhookSecrets, WebhookState};
 
 /// Everything the HTTP handlers share.
@@ -26,6 +27,7 @@ pub struct AppState {
     pub secrets: Arc<WebhookSecrets>,
     pub webhook_tolerance_secs: i64,
     pub webhook_body_limit: usize,
+    pub notifier: Option<Notifier>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -34,6 +36,7 @@ pub fn router(state: AppState) -> Router {
         secrets: state.secrets.clone(),
         tolerance_secs: state.webhook_tolerance_secs,
         body_limit: state.webhook_body_limit,
+        notifier: state.notifier.clone(),
     });
     Router::new()
         .route("/healthz", get(healthz))
@@ -50,11 +53,21 @@ async fn healthz() -> impl IntoResponse {
 
 /// Ready when PostgreSQL answers and the broker connection is up.
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
-    let db = sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(&state.pool).await.is_ok();
+    let db = sqlx::query_scalar::<_, i32>("SELECT 1")
+        .fetch_one(&state.pool)
+        .await
+        .is_ok();
     let broker = state.broker.is_connected();
-    let status = if db && broker { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let status = if db && broker {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     let word = |ok: bool| if ok { "ok" } else { "unavailable" };
-    (status, axum::Json(json!({"database": word(db), "broker": word(broker)})))
+    (
+        status,
+        axum::Json(json!({"database": word(db), "broker": word(broker)})),
+    )
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {

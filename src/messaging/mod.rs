@@ -14,7 +14,9 @@ pub struct Broker {
 
 impl std::fmt::Debug for Broker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Broker").field("connected", &self.is_connected()).finish()
+        f.debug_struct("Broker")
+            .field("connected", &self.is_connected())
+            .finish()
     }
 }
 
@@ -74,7 +76,10 @@ impl Broker {
                     if failures == 1 || failures.is_multiple_of(30) {
                         tracing::warn!(error = %e, "cannot connect to RabbitMQ; retrying");
                     }
-                    tokio::time::sleep(Duration::from_millis((250u64 << failures.min(4)).min(5_000))).await;
+                    tokio::time::sleep(Duration::from_millis(
+                        (250u64 << failures.min(4)).min(5_000),
+                    ))
+                    .await;
                 }
             }
         }

@@ -65,7 +65,9 @@ pub async fn apply_payment(
     .await?;
     let status = next_status(&order.status, payment);
     let paid = payment.implies_paid();
-    let changed = status != order.status || refunded != order.amount_refunded || (paid && order.paid_at.is_none());
+    let changed = status != order.status
+        || refunded != order.amount_refunded
+        || (paid && order.paid_at.is_none());
     if changed {
         sqlx::query(
             "UPDATE orders SET status = $2, amount_refunded = $3,
@@ -83,7 +85,11 @@ pub async fn apply_payment(
     Ok((order.id, changed))
 }
 
-pub async fn by_session(db: &sqlx::PgPool, gateway: GatewayName, session_id: &str) -> Result<Option<Order>, sqlx::Error> {
+pub async fn by_session(
+    db: &sqlx::PgPool,
+    gateway: GatewayName,
+    session_id: &str,
+) -> Result<Option<Order>, sqlx::Error> {
     sqlx::query_as(
         "SELECT id, gateway, session_id, status, currency::text, total, amount_refunded, paid_at
          FROM orders WHERE gateway = $1 AND session_id = $2",

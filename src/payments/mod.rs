@@ -6,14 +6,18 @@ use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 
-use crate::gateways::{self, DisputeStatus, EventError, Fact, GatewayName, Interpretation, MercadoPagoClient, MercadoPagoError, PaymentRef, PaymentStatus};
+use crate::gateways::{
+    self, DisputeStatus, EventError, Fact, GatewayName, Interpretation, MercadoPagoClient,
+    MercadoPagoError, PaymentRef, PaymentStatus,
+};
 use crate::orders;
 use crate::queue::{Job, JobError};
 
-/// Processes one row of `payment_events`.
+/// Processes one row of `payment_events`, named by its (gateway, event id).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ProcessPaymentEvent {
-    pub event_id: i64,
+    pub gateway: GatewayName,
+    pub event_id: String,
 }
 
 impl Job for ProcessPaymentEvent {
@@ -25,8 +29,8 @@ impl Job for ProcessPaymentEvent {
 }
 
 impl ProcessPaymentEvent {
-    pub fn key(event_id: i64) -> String {
-        format!("payment_event:{event_id}")
+    pub fn key(gateway: GatewayName, event_id: &str) -> String {
+        format!("payment_event:{gateway}:{event_id}")
     }
 }
 
@@ -96,8 +100,8 @@ pub fn derive_status(f: &Facts) -> PaymentOrderStatus {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
-    #[error("payment event {0} does not exist")]
-    NoSuchEvent(i64),
+    #[error("payment event {0}:{1} does not exist")]
+    NoSuchEvent(GatewayName, String),
     #[error("payment event {id} ({gateway}) cannot be read")]
     Unreadable {
         id: i64,
@@ -119,7 +123,7 @@ impl From<ProcessError> for JobError {
     fn from(e: ProcessError) -> Self {
         match e {
             // A signed event we cannot read will not read better later: keep it for operators.
-            ProcessError::NoSuchEvent(_) | ProcessError::Unreadable { .. } => JobError::fail(e),
+            ProcessError::NoSuchEvent(..) | ProcessError::Unreadable { .. } => JobError::fail(e),
             ProcessError::MercadoPago(MercadoPagoError::Event(_)) => JobError::fail(e),
             _ => JobError::retry(e),
         }
@@ -142,7 +146,7 @@ pub struct Processor {
 
 #[derive(sqlx::FromRow)]
 struct EventRow {
-    gateway: String,
+    id: i64,
     raw_body: Vec<u8>,
     processed_at: Option<chrono::DateTime<chrono::Utc>>,
 }
@@ -150,33 +154,48 @@ struct EventRow {
 impl Processor {
     /// Processes a stored event. Safe to run any number of times, concurrently too: the event row
     /// is locked, and the effects commit with its processed mark or not at all.
-    pub async fn process(&self, pool: &PgPool, event_id: i64) -> Result<Processed, ProcessError> {
-        let row: EventRow = sqlx::query_as("SELECT gateway, raw_body, processed_at FROM payment_events WHERE id = $1")
-            .bind(event_id)
-            .fetch_optional(pool)
-            .await?
-            .ok_or(ProcessError::NoSuchEvent(event_id))?;
+    pub async fn process(
+        &self,
+        pool: &PgPool,
+        gateway: GatewayName,
+        event: &str,
+    ) -> Result<Processed, ProcessError> {
+        let row: EventRow = sqlx::query_as(
+            "SELECT id, raw_body, processed_at FROM payment_events WHERE gateway = $1 AND event_id = $2",
+        )
+        .bind(gateway.as_str())
+        .bind(event)
+        .fetch_optional(pool)
+        .await?
+        .ok_or_else(|| ProcessError::NoSuchEvent(gateway, event.to_owned()))?;
         if row.processed_at.is_some() {
             return Ok(Processed::AlreadyProcessed);
         }
-        let unreadable = |source: EventError| ProcessError::Unreadable { id: event_id, gateway: row.gateway.clone(), source };
-        let gateway: GatewayName = row
-            .gateway
-            .parse()
-            .map_err(|_| unreadable(EventError::Missing("known gateway")))?;
-        // Network calls happen before the transaction, never while it holds locks.
-        let interpretation = match gateways::interpret(gateway, &row.raw_body).map_err(unreadable)? {
-            Interpretation::Lookup { resource_id } => {
-                let client = self.mercadopago.as_ref().ok_or(ProcessError::NoMercadoPagoClient)?;
-                let (payment, facts) = client.payment_facts(&resource_id).await?;
-                if payment.session_id.is_none() {
-                    Interpretation::Ignore(format!("payment {resource_id} has no external_reference"))
-                } else {
-                    Interpretation::Update { payment, facts }
-                }
-            }
-            other => other,
+        let event_id = row.id;
+        let unreadable = |source: EventError| ProcessError::Unreadable {
+            id: event_id,
+            gateway: gateway.to_string(),
+            source,
         };
+        // Network calls happen before the transaction, never while it holds locks.
+        let interpretation =
+            match gateways::interpret(gateway, &row.raw_body).map_err(unreadable)? {
+                Interpretation::Lookup { resource_id } => {
+                    let client = self
+                        .mercadopago
+                        .as_ref()
+                        .ok_or(ProcessError::NoMercadoPagoClient)?;
+                    let (payment, facts) = client.payment_facts(&resource_id).await?;
+                    if payment.session_id.is_none() {
+                        Interpretation::Ignore(format!(
+                            "payment {resource_id} has no external_reference"
+                        ))
+                    } else {
+                        Interpretation::Update { payment, facts }
+                    }
+                }
+                other => other,
+            };
 
         let mut tx = pool.begin().await?;
         let processed: Option<Option<chrono::DateTime<chrono::Utc>>> =
@@ -352,12 +371,15 @@ async fn apply(
         .execute(&mut *tx)
         .await?;
     let amount = amount.zip(currency.as_deref());
-    let (order_id, order_changed) = orders::apply_payment(tx, gateway, &session_id, status, amount, refunded).await?;
-    sqlx::query("UPDATE payment_orders SET order_id = $2 WHERE id = $1 AND order_id IS DISTINCT FROM $2")
-        .bind(po_id)
-        .bind(order_id)
-        .execute(&mut *tx)
-        .await?;
+    let (order_id, order_changed) =
+        orders::apply_payment(tx, gateway, &session_id, status, amount, refunded).await?;
+    sqlx::query(
+        "UPDATE payment_orders SET order_id = $2 WHERE id = $1 AND order_id IS DISTINCT FROM $2",
+    )
+    .bind(po_id)
+    .bind(order_id)
+    .execute(&mut *tx)
+    .await?;
     Ok(changed || order_changed)
 }
 
@@ -371,17 +393,52 @@ mod tests {
 
     #[test]
     fn the_status_does_not_depend_on_arrival_order() {
-        let refund_first = Facts { refunded: d("10"), ..Facts::default() };
-        assert_eq!(derive_status(&refund_first), PaymentOrderStatus::PartiallyRefunded);
-        let both = Facts { succeeded: true, amount: Some(d("10")), refunded: d("10"), ..Facts::default() };
+        let refund_first = Facts {
+            refunded: d("10"),
+            ..Facts::default()
+        };
+        assert_eq!(
+            derive_status(&refund_first),
+            PaymentOrderStatus::PartiallyRefunded
+        );
+        let both = Facts {
+            succeeded: true,
+            amount: Some(d("10")),
+            refunded: d("10"),
+            ..Facts::default()
+        };
         assert_eq!(derive_status(&both), PaymentOrderStatus::Refunded);
-        let partial = Facts { succeeded: true, amount: Some(d("10")), refunded: d("4"), ..Facts::default() };
-        assert_eq!(derive_status(&partial), PaymentOrderStatus::PartiallyRefunded);
-        let failed_then_paid = Facts { succeeded: true, failed: true, amount: Some(d("10")), ..Facts::default() };
-        assert_eq!(derive_status(&failed_then_paid), PaymentOrderStatus::Succeeded);
-        let won = Facts { succeeded: true, disputes: vec![DisputeStatus::Won], ..Facts::default() };
+        let partial = Facts {
+            succeeded: true,
+            amount: Some(d("10")),
+            refunded: d("4"),
+            ..Facts::default()
+        };
+        assert_eq!(
+            derive_status(&partial),
+            PaymentOrderStatus::PartiallyRefunded
+        );
+        let failed_then_paid = Facts {
+            succeeded: true,
+            failed: true,
+            amount: Some(d("10")),
+            ..Facts::default()
+        };
+        assert_eq!(
+            derive_status(&failed_then_paid),
+            PaymentOrderStatus::Succeeded
+        );
+        let won = Facts {
+            succeeded: true,
+            disputes: vec![DisputeStatus::Won],
+            ..Facts::default()
+        };
         assert_eq!(derive_status(&won), PaymentOrderStatus::Succeeded);
-        let lost = Facts { succeeded: true, disputes: vec![DisputeStatus::Won, DisputeStatus::Lost], ..Facts::default() };
+        let lost = Facts {
+            succeeded: true,
+            disputes: vec![DisputeStatus::Won, DisputeStatus::Lost],
+            ..Facts::default()
+        };
         assert_eq!(derive_status(&lost), PaymentOrderStatus::ChargedBack);
     }
 }

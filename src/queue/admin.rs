@@ -34,7 +34,11 @@ pub struct DeadJob {
 }
 
 /// Discarded jobs, newest first.
-pub async fn dead(pool: &PgPool, queue: Option<&str>, limit: i64) -> Result<Vec<DeadJob>, sqlx::Error> {
+pub async fn dead(
+    pool: &PgPool,
+    queue: Option<&str>,
+    limit: i64,
+) -> Result<Vec<DeadJob>, sqlx::Error> {
     sqlx::query_as(
         "SELECT id, queue, kind, key, attempt, max_attempts, finished_at, errors -> -1 ->> 'error' AS last_error
          FROM jobs
@@ -53,7 +57,12 @@ pub enum AdminError {
     #[error("no job {0}")]
     NotFound(JobId),
     #[error("job {id} is {state}; only {allowed} jobs can be {action}")]
-    WrongState { id: JobId, state: String, allowed: &'static str, action: &'static str },
+    WrongState {
+        id: JobId,
+        state: String,
+        allowed: &'static str,
+        action: &'static str,
+    },
     #[error("job {id} has key {key:?}, which another unfinished job holds now")]
     KeyTaken { id: JobId, key: String },
     #[error(transparent)]
@@ -64,13 +73,19 @@ pub enum AdminError {
 /// gets one more.
 pub async fn retry(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
     let mut tx = pool.begin().await?;
-    let row: Option<(String, Option<String>)> = sqlx::query_as("SELECT state, key FROM jobs WHERE id = $1 FOR UPDATE")
-        .bind(id)
-        .fetch_optional(&mut *tx)
-        .await?;
+    let row: Option<(String, Option<String>)> =
+        sqlx::query_as("SELECT state, key FROM jobs WHERE id = $1 FOR UPDATE")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?;
     let (state, key) = row.ok_or(AdminError::NotFound(id))?;
     if !matches!(state.as_str(), "discarded" | "cancelled" | "retryable") {
-        return Err(AdminError::WrongState { id, state, allowed: "discarded, cancelled or retryable", action: "retried" });
+        return Err(AdminError::WrongState {
+            id,
+            state,
+            allowed: "discarded, cancelled or retryable",
+            action: "retried",
+        });
     }
     let updated = sqlx::query(
         "UPDATE jobs SET state = 'available', run_at = now(), finished_at = NULL,
@@ -83,7 +98,10 @@ pub async fn retry(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
     match updated {
         Ok(_) => {}
         Err(sqlx::Error::Database(e)) if e.constraint() == Some("jobs_key_unfinished") => {
-            return Err(AdminError::KeyTaken { id, key: key.unwrap_or_default() });
+            return Err(AdminError::KeyTaken {
+                id,
+                key: key.unwrap_or_default(),
+            });
         }
         Err(e) => return Err(e.into()),
     }
@@ -95,13 +113,19 @@ pub async fn retry(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
 /// discarded from outside: cancel its key instead, or wait for its run to end.
 pub async fn discard(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
     let mut tx = pool.begin().await?;
-    let state: Option<String> = sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1 FOR UPDATE")
-        .bind(id)
-        .fetch_optional(&mut *tx)
-        .await?;
+    let state: Option<String> =
+        sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1 FOR UPDATE")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?;
     let state = state.ok_or(AdminError::NotFound(id))?;
     if !matches!(state.as_str(), "available" | "retryable") {
-        return Err(AdminError::WrongState { id, state, allowed: "available or retryable", action: "discarded" });
+        return Err(AdminError::WrongState {
+            id,
+            state,
+            allowed: "available or retryable",
+            action: "discarded",
+        });
     }
     sqlx::query(
         "UPDATE jobs SET state = 'discarded', finished_at = now(),

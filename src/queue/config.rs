@@ -126,16 +126,23 @@ impl QueuesConfig {
             origin: origin.to_owned(),
             source,
         })?;
-        let invalid = |problem: String| QueuesConfigError::Invalid { origin: origin.to_owned(), problem };
+        let invalid = |problem: String| QueuesConfigError::Invalid {
+            origin: origin.to_owned(),
+            problem,
+        };
         if config.queues.is_empty() {
             return Err(invalid("no [queues.NAME] section".into()));
         }
         for (name, q) in &config.queues {
             if q.concurrency == 0 {
-                return Err(invalid(format!("queue {name}: concurrency must be at least 1")));
+                return Err(invalid(format!(
+                    "queue {name}: concurrency must be at least 1"
+                )));
             }
             if q.timeout_ms == 0 {
-                return Err(invalid(format!("queue {name}: timeout_ms must be at least 1")));
+                return Err(invalid(format!(
+                    "queue {name}: timeout_ms must be at least 1"
+                )));
             }
         }
         let f = &config.fleet;
@@ -143,10 +150,14 @@ impl QueuesConfig {
             return Err(invalid("fleet.lease_ms must be at least 300".into()));
         }
         if f.claim_batch == 0 || f.complete_batch == 0 || f.poll_interval_ms == 0 {
-            return Err(invalid("fleet.claim_batch, complete_batch and poll_interval_ms must be positive".into()));
+            return Err(invalid(
+                "fleet.claim_batch, complete_batch and poll_interval_ms must be positive".into(),
+            ));
         }
         if f.rescue_interval_ms == 0 || f.prune_interval_ms == 0 {
-            return Err(invalid("fleet.rescue_interval_ms and prune_interval_ms must be positive".into()));
+            return Err(invalid(
+                "fleet.rescue_interval_ms and prune_interval_ms must be positive".into(),
+            ));
         }
         Ok(config)
     }
@@ -169,9 +180,17 @@ mod tests {
 
     #[test]
     fn unknown_fields_and_zero_concurrency_are_rejected() {
-        let e = QueuesConfig::parse("[queues.a]\nconcurrency = 1\ntimeout_ms = 5\nspeed = 3\n", "t").unwrap_err();
+        let e = QueuesConfig::parse(
+            "[queues.a]\nconcurrency = 1\ntimeout_ms = 5\nspeed = 3\n",
+            "t",
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("invalid queue configuration"), "{e}");
-        let e = QueuesConfig::parse("[queues.a]\nconcurrency = 0\ntimeout_ms = 5\n", "t").unwrap_err();
-        assert!(e.to_string().contains("concurrency must be at least 1"), "{e}");
+        let e =
+            QueuesConfig::parse("[queues.a]\nconcurrency = 0\ntimeout_ms = 5\n", "t").unwrap_err();
+        assert!(
+            e.to_string().contains("concurrency must be at least 1"),
+            "{e}"
+        );
     }
 }

@@ -68,7 +68,13 @@ fn millis(d: Duration) -> i64 {
 }
 
 /// Runs one claimed job to its end: decode, run under the queue's timeout, catch panics.
-pub(crate) async fn run_one(pool: &PgPool, registry: &Registry, queue: &str, timeout: Duration, job: Claimed) -> RunEnd {
+pub(crate) async fn run_one(
+    pool: &PgPool,
+    registry: &Registry,
+    queue: &str,
+    timeout: Duration,
+    job: Claimed,
+) -> RunEnd {
     let Some(handler) = registry.get(&job.kind) else {
         // Maybe a newer release of the fleet knows this kind: retry rather than discard.
         return RunEnd::Retry {
@@ -87,15 +93,26 @@ pub(crate) async fn run_one(pool: &PgPool, registry: &Registry, queue: &str, tim
     let future = match handler(ctx, job.payload) {
         Ok(f) => f,
         Err(e) => {
-            return RunEnd::Fail { error: format!("payload does not decode as a {} job: {e}", job.kind) };
+            return RunEnd::Fail {
+                error: format!("payload does not decode as a {} job: {e}", job.kind),
+            };
         }
     };
     // Its own task, so a panic is caught and a timeout can stop it.
     let mut task = AbortOnDrop(tokio::spawn(future));
     match tokio::time::timeout(timeout, &mut task.0).await {
-        Err(_) => RunEnd::Retry { error: format!("timed out after {timeout:?}"), after: None },
-        Ok(Err(e)) if e.is_panic() => RunEnd::Retry { error: format!("handler panicked: {}", panic_text(e)), after: None },
-        Ok(Err(e)) => RunEnd::Retry { error: format!("handler task ended: {e}"), after: None },
+        Err(_) => RunEnd::Retry {
+            error: format!("timed out after {timeout:?}"),
+            after: None,
+        },
+        Ok(Err(e)) if e.is_panic() => RunEnd::Retry {
+            error: format!("handler panicked: {}", panic_text(e)),
+            after: None,
+        },
+        Ok(Err(e)) => RunEnd::Retry {
+            error: format!("handler task ended: {e}"),
+            after: None,
+        },
         Ok(Ok(result)) => RunEnd::from(result),
     }
 }
@@ -163,7 +180,12 @@ impl Shared {
 
 impl Fleet {
     pub fn new(pool: PgPool, registry: Registry, config: QueuesConfig) -> Self {
-        Self { pool, registry, config, worker_id: worker_id() }
+        Self {
+            pool,
+            registry,
+            config,
+            worker_id: worker_id(),
+        }
     }
 
     pub fn worker_id(&self) -> &str {
@@ -178,12 +200,27 @@ impl Fleet {
     }
 
     async fn run(self, stopped: watch::Receiver<bool>) {
-        let Fleet { pool, registry, config, worker_id } = self;
-        let shared = Arc::new(Shared { pool, registry, config, worker_id, leases: Mutex::new(HashMap::new()) });
+        let Fleet {
+            pool,
+            registry,
+            config,
+            worker_id,
+        } = self;
+        let shared = Arc::new(Shared {
+            pool,
+            registry,
+            config,
+            worker_id,
+            leases: Mutex::new(HashMap::new()),
+        });
         tracing::info!(worker = %shared.worker_id, queues = ?shared.config.queues.keys().collect::<Vec<_>>(), "worker started");
 
-        let wakers: HashMap<String, Arc<Notify>> =
-            shared.config.queues.keys().map(|q| (q.clone(), Arc::new(Notify::new()))).collect();
+        let wakers: HashMap<String, Arc<Notify>> = shared
+            .config
+            .queues
+            .keys()
+            .map(|q| (q.clone(), Arc::new(Notify::new())))
+            .collect();
         let (ended_tx, ended_rx) = mpsc::channel::<Ended>(10_000);
 
         let completer = tokio::spawn(complete(shared.clone(), ended_rx));
@@ -223,7 +260,11 @@ fn worker_id() -> String {
         .map(|h| h.trim().to_owned())
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "host".to_owned());
-    format!("{host}-{}-{:04x}", std::process::id(), rand::random::<u16>())
+    format!(
+        "{host}-{}-{:04x}",
+        std::process::id(),
+        rand::random::<u16>()
+    )
 }
 
 /// Resolves once the fleet is told to stop (or its handle is gone).
@@ -279,7 +320,15 @@ async fn fetch(
             runs.remove(&id);
         }
         let want = slots.available_permits().min(fleet.claim_batch as usize);
-        let claimed = match claim(&shared.pool, &queue, want as i64, fleet.lease(), &shared.worker_id).await {
+        let claimed = match claim(
+            &shared.pool,
+            &queue,
+            want as i64,
+            fleet.lease(),
+            &shared.worker_id,
+        )
+        .await
+        {
             Ok(c) => {
                 failures = 0;
                 c
@@ -305,7 +354,13 @@ async fn fetch(
             let Ok(permit) = slots.clone().try_acquire_owned() else {
                 // Cannot happen (we counted the permits); never drop a claimed job on the floor.
                 tracing::error!(%queue, job = %job.id, "no free slot for a claimed job; releasing it");
-                let _ = ended.send(Ended { id: job.id, lease_token: job.lease_token, end: RunEnd::Release }).await;
+                let _ = ended
+                    .send(Ended {
+                        id: job.id,
+                        lease_token: job.lease_token,
+                        end: RunEnd::Release,
+                    })
+                    .await;
                 continue;
             };
             let (id, token) = (job.id, job.lease_token);
@@ -320,7 +375,13 @@ async fn fetch(
                     tracing::warn!(queue = %queue_name, job = %id, %error, "job run failed");
                 }
                 // Holding the slot until the end is queued bounds the unwritten ends.
-                let _ = ended.send(Ended { id, lease_token: token, end }).await;
+                let _ = ended
+                    .send(Ended {
+                        id,
+                        lease_token: token,
+                        end,
+                    })
+                    .await;
                 drop(permit);
             });
             runs.insert(handle.id(), (id, token));
@@ -370,7 +431,13 @@ async fn fetch(
                 Err(e) => {
                     if let Some((id, token)) = runs.remove(&e.id()) {
                         tracing::warn!(%queue, job = %id, "job still running at the shutdown deadline; releasing it");
-                        let _ = ended.send(Ended { id, lease_token: token, end: RunEnd::Release }).await;
+                        let _ = ended
+                            .send(Ended {
+                                id,
+                                lease_token: token,
+                                end: RunEnd::Release,
+                            })
+                            .await;
                     }
                 }
             }
@@ -436,7 +503,8 @@ async fn keep_leases(shared: Arc<Shared>) {
     let lease = shared.config.fleet.lease();
     loop {
         tokio::time::sleep(lease / 3).await;
-        let (ids, tokens): (Vec<i64>, Vec<i64>) = shared.leases().iter().map(|(id, t)| (id.0, *t)).unzip();
+        let (ids, tokens): (Vec<i64>, Vec<i64>) =
+            shared.leases().iter().map(|(id, t)| (id.0, *t)).unzip();
         if ids.is_empty() {
             continue;
         }
@@ -452,7 +520,11 @@ async fn keep_leases(shared: Arc<Shared>) {
         .await;
         match renewed {
             Ok(done) if done.rows_affected() < ids.len() as u64 => {
-                tracing::debug!(held = ids.len(), renewed = done.rows_affected(), "some leases were already ended or lost");
+                tracing::debug!(
+                    held = ids.len(),
+                    renewed = done.rows_affected(),
+                    "some leases were already ended or lost"
+                );
             }
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "could not renew leases"),
@@ -462,7 +534,11 @@ async fn keep_leases(shared: Arc<Shared>) {
 
 /// Wakes the fetcher of a queue when a job of it becomes claimable. Reconnects by itself; after
 /// a reconnection every queue is woken, since notifications sent meanwhile are lost.
-async fn listen(shared: Arc<Shared>, wakers: HashMap<String, Arc<Notify>>, mut stopped: watch::Receiver<bool>) {
+async fn listen(
+    shared: Arc<Shared>,
+    wakers: HashMap<String, Arc<Notify>>,
+    mut stopped: watch::Receiver<bool>,
+) {
     let wake_all = || wakers.values().for_each(|w| w.notify_one());
     let mut failures = 0;
     loop {
@@ -584,7 +660,11 @@ pub async fn rescue_expired(pool: &PgPool) -> Result<u64, sqlx::Error> {
 }
 
 /// Deletes finished jobs older than their retention, in bounded batches.
-pub async fn prune(pool: &PgPool, completed_retention_secs: u64, discarded_retention_secs: u64) -> Result<u64, sqlx::Error> {
+pub async fn prune(
+    pool: &PgPool,
+    completed_retention_secs: u64,
+    discarded_retention_secs: u64,
+) -> Result<u64, sqlx::Error> {
     let mut pruned = 0;
     loop {
         let done = sqlx::query(
@@ -608,7 +688,12 @@ pub async fn prune(pool: &PgPool, completed_retention_secs: u64, discarded_reten
 
 /// Claims and runs due jobs of `queue` one batch at a time, in this task, until none is due:
 /// a deterministic way for tests and tools to step the workers. Returns how many runs ended.
-pub async fn work_until_idle(pool: &PgPool, registry: &Registry, queue: &str, settings: &QueueSettings) -> Result<usize, sqlx::Error> {
+pub async fn work_until_idle(
+    pool: &PgPool,
+    registry: &Registry,
+    queue: &str,
+    settings: &QueueSettings,
+) -> Result<usize, sqlx::Error> {
     let worker = format!("step-{}", worker_id());
     let lease = Duration::from_millis(settings.timeout_ms.saturating_mul(2).max(1_000));
     let mut total = 0;
@@ -621,7 +706,11 @@ pub async fn work_until_idle(pool: &PgPool, registry: &Registry, queue: &str, se
         for job in claimed {
             let (id, token) = (job.id, job.lease_token);
             let end = run_one(pool, registry, queue, settings.timeout(), job).await;
-            ended.push(Ended { id, lease_token: token, end });
+            ended.push(Ended {
+                id,
+                lease_token: token,
+                end,
+            });
         }
         total += ended.len();
         end_runs(pool, &ended).await?;

@@ -11,6 +11,7 @@
 pub mod admin;
 mod config;
 mod fleet;
+mod notifier;
 mod registry;
 
 use std::time::Duration;
@@ -21,6 +22,7 @@ use sqlx::PgExecutor;
 
 pub use config::{FleetSettings, QueueSettings, QueuesConfig, QueuesConfigError};
 pub use fleet::{Fleet, FleetHandle, prune, rescue_expired, work_until_idle};
+pub use notifier::Notifier;
 pub use registry::{JobContext, Registry, RegistryError};
 
 /// A kind of job: its payload type, the queue it runs on and how often it may be tried.
@@ -31,7 +33,9 @@ pub trait Job: Serialize + DeserializeOwned + Send + 'static {
 }
 
 /// The id of a row in `jobs`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, sqlx::Type, serde::Serialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, sqlx::Type, serde::Serialize,
+)]
 #[sqlx(transparent)]
 pub struct JobId(pub i64);
 
@@ -90,6 +94,24 @@ impl NewJob {
         self.max_attempts = n;
         self
     }
+
+    /// Binds this job as the next six parameters of a statement that calls
+    /// `jobs_enqueue(queue, kind, key, payload, run_at, max_attempts)`.
+    pub fn bind<'q, O>(
+        &'q self,
+        q: sqlx::query::QueryScalar<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::QueryScalar<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
+        q.bind(&self.queue)
+            .bind(&self.kind)
+            .bind(&self.key)
+            .bind(&self.payload)
+            .bind(self.run_at)
+            .bind(self.max_attempts)
+    }
+
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -112,24 +134,19 @@ fn check(job: &NewJob) -> Result<(), QueueError> {
 }
 
 /// Adds a job. With a key that an unfinished job already holds, nothing is written and `None`
-/// comes back; the caller's transaction is not aborted by the conflict.
-pub async fn enqueue<'c>(db: impl PgExecutor<'c>, job: NewJob) -> Result<Option<JobId>, QueueError> {
+/// comes back; the caller's transaction is not aborted by the conflict. Workers LISTENing are
+/// woken when the transaction commits.
+pub async fn enqueue<'c>(
+    db: impl PgExecutor<'c>,
+    job: NewJob,
+) -> Result<Option<JobId>, QueueError> {
     check(&job)?;
-    let id = sqlx::query_scalar::<_, JobId>(
-        "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts)
-         VALUES ($1, $2, $3, $4, COALESCE($5, now()), $6)
-         ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable')
-         DO NOTHING
-         RETURNING id",
-    )
-    .bind(&job.queue)
-    .bind(&job.kind)
-    .bind(&job.key)
-    .bind(&job.payload)
-    .bind(job.run_at)
-    .bind(job.max_attempts)
-    .fetch_optional(db)
-    .await?;
+    let id = job
+        .bind(sqlx::query_scalar::<_, Option<JobId>>(
+            "SELECT e.id FROM jobs_enqueue($1, $2, $3, $4, $5, $6) AS e(id), pg_notify('payfleet_jobs', $1) AS n",
+        ))
+        .fetch_one(db)
+        .await?;
     Ok(id)
 }
 
@@ -151,13 +168,13 @@ pub async fn enqueue_many<'c>(db: impl PgExecutor<'c>, jobs: &[NewJob]) -> Resul
         run_ats.push(job.run_at);
         max_attempts.push(job.max_attempts);
     }
-    let done = sqlx::query(
-        "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts)
-         SELECT q, k, key, p, COALESCE(r, now()), m
-         FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[], $6::int[])
-              AS t(q, k, key, p, r, m)
-         ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable')
-         DO NOTHING",
+    let written: i64 = sqlx::query_scalar(
+        "WITH j AS (
+             SELECT q, jobs_enqueue(q, k, key, p, r, m) AS id
+             FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[], $6::int[])
+                  AS t(q, k, key, p, r, m)),
+         counted AS (SELECT q, count(id) AS n FROM j GROUP BY q)
+         SELECT COALESCE(sum(n), 0)::bigint FROM counted, LATERAL (SELECT pg_notify('payfleet_jobs', counted.q)) x",
     )
     .bind(&queues)
     .bind(&kinds)
@@ -165,9 +182,9 @@ pub async fn enqueue_many<'c>(db: impl PgExecutor<'c>, jobs: &[NewJob]) -> Resul
     .bind(&payloads)
     .bind(&run_ats)
     .bind(&max_attempts)
-    .execute(db)
+    .fetch_one(db)
     .await?;
-    Ok(done.rows_affected())
+    Ok(written as u64)
 }
 
 /// What [`schedule`] did.
@@ -189,7 +206,8 @@ pub async fn schedule<'c>(db: impl PgExecutor<'c>, job: NewJob) -> Result<Schedu
     check(&job)?;
     let key = job.key.as_deref().ok_or(QueueError::MissingKey)?;
     let (id, inserted, running): (JobId, bool, bool) = sqlx::query_as(
-        "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts)
+        "WITH j AS (
+         INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts)
          VALUES ($1, $2, $3, $4, COALESCE($5, now()), $6)
          ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable')
          DO UPDATE SET
@@ -203,7 +221,8 @@ pub async fn schedule<'c>(db: impl PgExecutor<'c>, job: NewJob) -> Result<Schedu
              attempt = CASE WHEN jobs.state = 'running' THEN jobs.attempt ELSE 0 END,
              state = CASE WHEN jobs.state = 'running' THEN 'running' ELSE 'available' END,
              pending = CASE WHEN jobs.state = 'running' THEN 'reschedule' END
-         RETURNING id, (xmax = 0), state = 'running'",
+         RETURNING id, queue, (xmax = 0) AS inserted, state = 'running' AS running)
+         SELECT id, inserted, running FROM j, LATERAL (SELECT pg_notify('payfleet_jobs', j.queue)) n",
     )
     .bind(&job.queue)
     .bind(&job.kind)
@@ -277,11 +296,17 @@ pub enum JobError {
 
 impl JobError {
     pub fn retry(source: impl Into<BoxError>) -> Self {
-        Self::Retry { source: source.into(), after: None }
+        Self::Retry {
+            source: source.into(),
+            after: None,
+        }
     }
 
     pub fn retry_after(source: impl Into<BoxError>, after: Duration) -> Self {
-        Self::Retry { source: source.into(), after: Some(after) }
+        Self::Retry {
+            source: source.into(),
+            after: Some(after),
+        }
     }
 
     pub fn fail(source: impl Into<BoxError>) -> Self {
@@ -300,10 +325,17 @@ impl From<sqlx::Error> for JobError {
 #[derive(Debug, Clone)]
 pub(crate) enum RunEnd {
     Complete,
-    Retry { error: String, after: Option<Duration> },
-    Fail { error: String },
+    Retry {
+        error: String,
+        after: Option<Duration>,
+    },
+    Fail {
+        error: String,
+    },
     Snooze(Duration),
-    Cancel { reason: String },
+    Cancel {
+        reason: String,
+    },
     Release,
 }
 

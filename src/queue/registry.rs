@@ -23,7 +23,8 @@ pub struct JobContext {
 
 pub(crate) type RunFuture = Pin<Box<dyn Future<Output = Result<(), JobError>> + Send>>;
 
-type Erased = dyn Fn(JobContext, serde_json::Value) -> Result<RunFuture, serde_json::Error> + Send + Sync;
+type Erased =
+    dyn Fn(JobContext, serde_json::Value) -> Result<RunFuture, serde_json::Error> + Send + Sync;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
@@ -39,7 +40,9 @@ pub struct Registry {
 
 impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Registry").field("kinds", &self.handlers.keys().collect::<Vec<_>>()).finish()
+        f.debug_struct("Registry")
+            .field("kinds", &self.handlers.keys().collect::<Vec<_>>())
+            .finish()
     }
 }
 
@@ -58,7 +61,9 @@ impl Registry {
         if self.handlers.contains_key(J::KIND) {
             return Err(RegistryError::Duplicate(J::KIND));
         }
-        let erased = move |ctx: JobContext, payload: serde_json::Value| -> Result<RunFuture, serde_json::Error> {
+        let erased = move |ctx: JobContext,
+                           payload: serde_json::Value|
+              -> Result<RunFuture, serde_json::Error> {
             let job: J = serde_json::from_value(payload)?;
             Ok(Box::pin(handler(ctx, job)))
         };

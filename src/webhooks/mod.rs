@@ -18,7 +18,7 @@ use sqlx::PgPool;
 use crate::gateways::{self, GatewayName};
 use crate::http::ApiError;
 use crate::payments::ProcessPaymentEvent;
-use crate::queue::{self, NewJob};
+use crate::queue::{self, NewJob, Notifier};
 use signature::{SignatureError, StandardSecret};
 
 #[derive(Debug, thiserror::Error)]
@@ -42,7 +42,11 @@ impl WebhookSecrets {
     pub fn from_env() -> Result<Self, SecretError> {
         let var = |n: &str| std::env::var(n).ok().filter(|v| !v.trim().is_empty());
         let standard = |name: &'static str| -> Result<Option<StandardSecret>, SecretError> {
-            var(name).map(|v| StandardSecret::parse(v.trim()).map_err(|problem| SecretError { name, problem })).transpose()
+            var(name)
+                .map(|v| {
+                    StandardSecret::parse(v.trim()).map_err(|problem| SecretError { name, problem })
+                })
+                .transpose()
         };
         Ok(Self {
             stripe: var("STRIPE_WEBHOOK_SECRET"),
@@ -137,11 +141,21 @@ impl Webhook {
             GatewayName::MercadoPago => {
                 let secret = secrets.mercadopago.as_deref().ok_or_else(disabled)?;
                 let data_id = query.get("data.id").map(String::as_str);
-                signature::mercadopago(secret, h("x-signature"), h("x-request-id"), data_id, now, tolerance)?;
+                signature::mercadopago(
+                    secret,
+                    h("x-signature"),
+                    h("x-request-id"),
+                    data_id,
+                    now,
+                    tolerance,
+                )?;
                 // The body's id changes across resends; the signed request id names the delivery,
                 // and processing deduplicates on the payment's state fetched from the API.
-                let data_id = data_id.ok_or_else(|| RejectedWebhook::Malformed("missing data.id in the query string".into()))?;
-                let request_id = h("x-request-id").ok_or_else(|| RejectedWebhook::Malformed("missing x-request-id".into()))?;
+                let data_id = data_id.ok_or_else(|| {
+                    RejectedWebhook::Malformed("missing data.id in the query string".into())
+                })?;
+                let request_id = h("x-request-id")
+                    .ok_or_else(|| RejectedWebhook::Malformed("missing x-request-id".into()))?;
                 format!("{data_id}:{request_id}")
             }
             GatewayName::Razorpay => {
@@ -149,11 +163,19 @@ impl Webhook {
                 signature::razorpay(secret, h("x-razorpay-signature"), &body)?;
                 match h("x-razorpay-event-id") {
                     Some(id) if !id.is_empty() => id.to_owned(),
-                    _ => return Err(RejectedWebhook::Malformed("missing X-Razorpay-Event-Id".into())),
+                    _ => {
+                        return Err(RejectedWebhook::Malformed(
+                            "missing X-Razorpay-Event-Id".into(),
+                        ));
+                    }
                 }
             }
             GatewayName::Internal | GatewayName::Mock => {
-                let secret = if gateway == GatewayName::Internal { &secrets.internal } else { &secrets.mock };
+                let secret = if gateway == GatewayName::Internal {
+                    &secrets.internal
+                } else {
+                    &secrets.mock
+                };
                 let secret = secret.as_ref().ok_or_else(disabled)?;
                 signature::standard(
                     secret,
@@ -165,21 +187,29 @@ impl Webhook {
                     tolerance,
                 )?;
                 let id = h("webhook-id").unwrap_or_default().to_owned();
-                let _: serde_json::Value = serde_json::from_slice(&body)
-                    .map_err(|e| RejectedWebhook::Malformed(format!("the body is not JSON: {e}")))?;
+                let _: serde_json::Value = serde_json::from_slice(&body).map_err(|e| {
+                    RejectedWebhook::Malformed(format!("the body is not JSON: {e}"))
+                })?;
                 id
             }
         };
         if event_id.is_empty() || event_id.len() > 255 {
-            return Err(RejectedWebhook::Malformed("the event id must be 1 to 255 characters".into()));
+            return Err(RejectedWebhook::Malformed(
+                "the event id must be 1 to 255 characters".into(),
+            ));
         }
         let kept: serde_json::Map<String, serde_json::Value> = KEPT_HEADERS
             .iter()
-            .filter_map(|name| h(name).map(|v| ((*name).to_owned(), serde_json::Value::String(v.to_owned()))))
+            .filter_map(|name| {
+                h(name).map(|v| ((*name).to_owned(), serde_json::Value::String(v.to_owned())))
+            })
             .collect();
         let mut kept = kept;
         if let Some(data_id) = query.get("data.id") {
-            kept.insert("query:data.id".into(), serde_json::Value::String(data_id.clone()));
+            kept.insert(
+                "query:data.id".into(),
+                serde_json::Value::String(data_id.clone()),
+            );
         }
         Ok(Self {
             gateway,
@@ -200,8 +230,8 @@ impl Webhook {
 }
 
 fn json_str(body: &[u8], field: &'static str) -> Result<String, RejectedWebhook> {
-    let v: serde_json::Value =
-        serde_json::from_slice(body).map_err(|e| RejectedWebhook::Malformed(format!("the body is not JSON: {e}")))?;
+    let v: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| RejectedWebhook::Malformed(format!("the body is not JSON: {e}")))?;
     v.get(field)
         .and_then(serde_json::Value::as_str)
         .map(str::to_owned)
@@ -215,31 +245,44 @@ pub enum Stored {
     Duplicate,
 }
 
-/// Stores the event and enqueues its processing in one transaction. A duplicate (same gateway
-/// and event id, also one arriving at the same moment) writes nothing.
-pub async fn store(pool: &PgPool, webhook: &Webhook) -> Result<Stored, queue::QueueError> {
-    let mut tx = pool.begin().await?;
-    let id: Option<i64> = sqlx::query_scalar(
-        "INSERT INTO payment_events (gateway, event_id, event_type, raw_body, headers)
-         VALUES ($1, $2, $3, $4, $5)
-         ON CONFLICT (gateway, event_id) DO NOTHING
-         RETURNING id",
-    )
-    .bind(webhook.gateway.as_str())
-    .bind(&webhook.event_id)
-    .bind(&webhook.event_type)
-    .bind(webhook.body.as_ref())
-    .bind(&webhook.headers)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let Some(id) = id else {
-        tx.rollback().await?;
-        return Ok(Stored::Duplicate);
-    };
-    let job = NewJob::of(&ProcessPaymentEvent { event_id: id })?.key(ProcessPaymentEvent::key(id));
-    queue::enqueue(&mut *tx, job).await?;
-    tx.commit().await?;
-    Ok(Stored::Accepted)
+/// Stores the event and enqueues its processing in one statement, so both commit or neither
+/// does. A duplicate (same gateway and event id, also one arriving at the same moment) writes
+/// nothing. The workers are woken after the commit (see [`queue::Notifier`]).
+pub async fn store(
+    pool: &PgPool,
+    notifier: Option<&Notifier>,
+    webhook: &Webhook,
+) -> Result<Stored, queue::QueueError> {
+    let job = NewJob::of(&ProcessPaymentEvent {
+        gateway: webhook.gateway,
+        event_id: webhook.event_id.clone(),
+    })?
+    .key(ProcessPaymentEvent::key(webhook.gateway, &webhook.event_id));
+    let stored: Option<Option<i64>> = job
+        .bind(sqlx::query_scalar(
+            "WITH ev AS (
+                     INSERT INTO payment_events (gateway, event_id, event_type, raw_body, headers)
+                     VALUES ($7, $8, $9, $10, $11)
+                     ON CONFLICT (gateway, event_id) DO NOTHING
+                     RETURNING id)
+                 SELECT jobs_enqueue($1, $2, $3, $4, $5, $6) FROM ev",
+        ))
+        .bind(webhook.gateway.as_str())
+        .bind(&webhook.event_id)
+        .bind(&webhook.event_type)
+        .bind(webhook.body.as_ref())
+        .bind(&webhook.headers)
+        .fetch_optional(pool)
+        .await?;
+    match stored {
+        None => Ok(Stored::Duplicate),
+        Some(_) => {
+            if let Some(n) = notifier {
+                n.notify(job.queue());
+            }
+            Ok(Stored::Accepted)
+        }
+    }
 }
 
 /// What the webhook endpoints need.
@@ -249,6 +292,7 @@ pub struct WebhookState {
     pub secrets: Arc<WebhookSecrets>,
     pub tolerance_secs: i64,
     pub body_limit: usize,
+    pub notifier: Option<Notifier>,
 }
 
 #[derive(Serialize)]
@@ -270,14 +314,26 @@ async fn receive(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Receipt>, ApiError> {
-    let gateway: GatewayName = gateway.parse().map_err(|e: gateways::UnknownGateway| ApiError::NotFound(e.to_string()))?;
+    let gateway: GatewayName = gateway
+        .parse()
+        .map_err(|e: gateways::UnknownGateway| ApiError::NotFound(e.to_string()))?;
     if !state.secrets.enabled(gateway) {
-        return Err(ApiError::NotFound(format!("gateway {gateway} is not enabled")));
+        return Err(ApiError::NotFound(format!(
+            "gateway {gateway} is not enabled"
+        )));
     }
     let body = body.map_err(|r| ApiError::from_body(r, state.body_limit))?;
     let now = chrono::Utc::now().timestamp();
-    let webhook = Webhook::verify(gateway, &state.secrets, &headers, &query, body, now, state.tolerance_secs)?;
-    let status = store(&state.pool, &webhook).await?;
+    let webhook = Webhook::verify(
+        gateway,
+        &state.secrets,
+        &headers,
+        &query,
+        body,
+        now,
+        state.tolerance_secs,
+    )?;
+    let status = store(&state.pool, state.notifier.as_ref(), &webhook).await?;
     crate::http::metrics::webhook_received(gateway, status);
     Ok(Json(Receipt { status }))
 }

@@ -14,7 +14,10 @@ pub enum SignatureError {
     #[error("missing {0} header")]
     MissingHeader(&'static str),
     #[error("malformed {header} header: {problem}")]
-    Malformed { header: &'static str, problem: &'static str },
+    Malformed {
+        header: &'static str,
+        problem: &'static str,
+    },
     #[error("no signature in {0} matches")]
     Mismatch(&'static str),
     #[error("the signed timestamp is outside the {0} s tolerance")]
@@ -23,7 +26,8 @@ pub enum SignatureError {
 
 fn mac(key: &[u8], parts: &[&[u8]]) -> HmacSha256 {
     // HMAC takes keys of any length; new_from_slice cannot fail for it.
-    let mut m = <HmacSha256 as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
+    let mut m = <HmacSha256 as Mac>::new_from_slice(key)
+        .unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
     for p in parts {
         m.update(p);
     }
@@ -40,26 +44,49 @@ fn within(ts: i64, now: i64, tolerance: i64) -> bool {
 
 /// `Stripe-Signature: t=<unix>,v1=<hex>[,v1=<hex>...][,v0=<hex>]` over `"{t}.{body}"`, keyed
 /// with the whole secret (`whsec_` included). Only v1 counts.
-pub fn stripe(secret: &str, header: Option<&str>, body: &[u8], now: i64, tolerance: i64) -> Result<(), SignatureError> {
+pub fn stripe(
+    secret: &str,
+    header: Option<&str>,
+    body: &[u8],
+    now: i64,
+    tolerance: i64,
+) -> Result<(), SignatureError> {
     const H: &str = "Stripe-Signature";
     let header = header.ok_or(SignatureError::MissingHeader(H))?;
     let mut t: Option<&str> = None;
     let mut v1: Vec<&str> = Vec::new();
     for item in header.split(',') {
         let Some((k, v)) = item.trim().split_once('=') else {
-            return Err(SignatureError::Malformed { header: H, problem: "expected key=value pairs" });
+            return Err(SignatureError::Malformed {
+                header: H,
+                problem: "expected key=value pairs",
+            });
         };
         match k {
             "t" if t.is_none() => t = Some(v),
-            "t" => return Err(SignatureError::Malformed { header: H, problem: "more than one timestamp" }),
+            "t" => {
+                return Err(SignatureError::Malformed {
+                    header: H,
+                    problem: "more than one timestamp",
+                });
+            }
             "v1" => v1.push(v),
             _ => {} // v0 and unknown schemes are ignored
         }
     }
-    let t = t.ok_or(SignatureError::Malformed { header: H, problem: "no timestamp" })?;
-    let ts: i64 = t.parse().map_err(|_| SignatureError::Malformed { header: H, problem: "timestamp is not an integer" })?;
+    let t = t.ok_or(SignatureError::Malformed {
+        header: H,
+        problem: "no timestamp",
+    })?;
+    let ts: i64 = t.parse().map_err(|_| SignatureError::Malformed {
+        header: H,
+        problem: "timestamp is not an integer",
+    })?;
     if v1.is_empty() {
-        return Err(SignatureError::Malformed { header: H, problem: "no v1 signature" });
+        return Err(SignatureError::Malformed {
+            header: H,
+            problem: "no v1 signature",
+        });
     }
     let parts: [&[u8]; 3] = [t.as_bytes(), b".", body];
     let any = v1
@@ -95,12 +122,26 @@ pub fn mercadopago(
             Some(("ts", v)) => ts = Some(v.trim()),
             Some(("v1", v)) => v1 = Some(v.trim()),
             Some(_) => {}
-            None => return Err(SignatureError::Malformed { header: H, problem: "expected key=value pairs" }),
+            None => {
+                return Err(SignatureError::Malformed {
+                    header: H,
+                    problem: "expected key=value pairs",
+                });
+            }
         }
     }
-    let ts = ts.ok_or(SignatureError::Malformed { header: H, problem: "no ts" })?;
-    let v1 = v1.ok_or(SignatureError::Malformed { header: H, problem: "no v1 signature" })?;
-    let ts_ms: i64 = ts.parse().map_err(|_| SignatureError::Malformed { header: H, problem: "ts is not an integer" })?;
+    let ts = ts.ok_or(SignatureError::Malformed {
+        header: H,
+        problem: "no ts",
+    })?;
+    let v1 = v1.ok_or(SignatureError::Malformed {
+        header: H,
+        problem: "no v1 signature",
+    })?;
+    let ts_ms: i64 = ts.parse().map_err(|_| SignatureError::Malformed {
+        header: H,
+        problem: "ts is not an integer",
+    })?;
     let mut manifest = String::new();
     if let Some(id) = data_id.filter(|s| !s.is_empty()) {
         if id.chars().all(|c| c.is_ascii_alphanumeric()) {
@@ -147,7 +188,9 @@ impl std::fmt::Debug for StandardSecret {
 impl StandardSecret {
     pub fn parse(secret: &str) -> Result<Self, &'static str> {
         let b64 = secret.strip_prefix("whsec_").unwrap_or(secret);
-        let key = B64.decode(b64).map_err(|_| "not whsec_ followed by base64")?;
+        let key = B64
+            .decode(b64)
+            .map_err(|_| "not whsec_ followed by base64")?;
         if key.len() < 16 {
             return Err("the key must be at least 16 bytes");
         }
@@ -163,7 +206,9 @@ impl StandardSecret {
     /// The `webhook-signature` value for a message: what a sender (and a test) puts on it.
     pub fn sign(&self, id: &str, ts: i64, body: &[u8]) -> String {
         let ts = ts.to_string();
-        let tag = mac(&self.0, &[id.as_bytes(), b".", ts.as_bytes(), b".", body]).finalize().into_bytes();
+        let tag = mac(&self.0, &[id.as_bytes(), b".", ts.as_bytes(), b".", body])
+            .finalize()
+            .into_bytes();
         format!("v1,{}", B64.encode(tag))
     }
 }
@@ -182,9 +227,10 @@ pub fn standard(
     let id = id.ok_or(SignatureError::MissingHeader("webhook-id"))?;
     let ts_text = timestamp.ok_or(SignatureError::MissingHeader("webhook-timestamp"))?;
     let signature = signature.ok_or(SignatureError::MissingHeader("webhook-signature"))?;
-    let ts: i64 = ts_text
-        .parse()
-        .map_err(|_| SignatureError::Malformed { header: "webhook-timestamp", problem: "not an integer" })?;
+    let ts: i64 = ts_text.parse().map_err(|_| SignatureError::Malformed {
+        header: "webhook-timestamp",
+        problem: "not an integer",
+    })?;
     let parts: [&[u8]; 5] = [id.as_bytes(), b".", ts_text.as_bytes(), b".", body];
     let any = signature
         .split(' ')
@@ -213,12 +259,37 @@ mod tests {
 
     #[test]
     fn stripe_vector_verifies_at_its_time_and_is_stale_today() {
-        let header = "t=1492774577,v1=88a022085c6bdb887b02cb26ff76dd681234d9675c0f22844059f55552a8883a";
+        let header =
+            "t=1492774577,v1=88a022085c6bdb887b02cb26ff76dd681234d9675c0f22844059f55552a8883a";
         let body = br#"{"id":"evt_test_webhook","object":"event"}"#;
-        assert_eq!(stripe("whsec_test_secret", Some(header), body, 1492774577, 300), Ok(()));
-        assert_eq!(stripe("whsec_test_secret", Some(header), body, 1492774577 + 301, 300), Err(SignatureError::Timestamp(300)));
-        assert_eq!(stripe("whsec_test_secret", Some(header), body, 1492774577 - 301, 300), Err(SignatureError::Timestamp(300)));
-        assert_eq!(stripe("whsec_other", Some(header), body, 1492774577, 300), Err(SignatureError::Mismatch("Stripe-Signature")));
+        assert_eq!(
+            stripe("whsec_test_secret", Some(header), body, 1492774577, 300),
+            Ok(())
+        );
+        assert_eq!(
+            stripe(
+                "whsec_test_secret",
+                Some(header),
+                body,
+                1492774577 + 301,
+                300
+            ),
+            Err(SignatureError::Timestamp(300))
+        );
+        assert_eq!(
+            stripe(
+                "whsec_test_secret",
+                Some(header),
+                body,
+                1492774577 - 301,
+                300
+            ),
+            Err(SignatureError::Timestamp(300))
+        );
+        assert_eq!(
+            stripe("whsec_other", Some(header), body, 1492774577, 300),
+            Err(SignatureError::Mismatch("Stripe-Signature"))
+        );
     }
 
     #[test]
@@ -226,33 +297,73 @@ mod tests {
         let body = br#"{"id":"evt_1"}"#;
         let good = hex_hmac(b"whsec_new", &[b"1700000000", b".", body]);
         let header = format!("t=1700000000,v1={},v1={good},v0=abcd", "00".repeat(32));
-        assert_eq!(stripe("whsec_new", Some(&header), body, 1700000000, 300), Ok(()));
+        assert_eq!(
+            stripe("whsec_new", Some(&header), body, 1700000000, 300),
+            Ok(())
+        );
         let v0_only = format!("t=1700000000,v0={good}");
-        assert!(matches!(stripe("whsec_new", Some(&v0_only), body, 1700000000, 300), Err(SignatureError::Malformed { .. })));
-        assert_eq!(stripe("whsec_new", None, body, 0, 300), Err(SignatureError::MissingHeader("Stripe-Signature")));
+        assert!(matches!(
+            stripe("whsec_new", Some(&v0_only), body, 1700000000, 300),
+            Err(SignatureError::Malformed { .. })
+        ));
+        assert_eq!(
+            stripe("whsec_new", None, body, 0, 300),
+            Err(SignatureError::MissingHeader("Stripe-Signature"))
+        );
     }
 
     #[test]
     fn stripe_rejects_a_reserialised_body() {
         let body = br#"{"id":"evt_1","object":"event"}"#;
-        let header = format!("t=1700000000,v1={}", hex_hmac(b"whsec_x", &[b"1700000000", b".", body]));
+        let header = format!(
+            "t=1700000000,v1={}",
+            hex_hmac(b"whsec_x", &[b"1700000000", b".", body])
+        );
         let reserialised = br#"{"id": "evt_1", "object": "event"}"#;
-        assert_eq!(stripe("whsec_x", Some(&header), reserialised, 1700000000, 300), Err(SignatureError::Mismatch("Stripe-Signature")));
+        assert_eq!(
+            stripe("whsec_x", Some(&header), reserialised, 1700000000, 300),
+            Err(SignatureError::Mismatch("Stripe-Signature"))
+        );
     }
 
     #[test]
     fn mercadopago_vector() {
         let ts = 1742505638683i64;
-        let header = "ts=1742505638683,v1=85aaea44adced84bf23e95db43da124f818caad473052e8d0ecd46c5319c231e";
+        let header =
+            "ts=1742505638683,v1=85aaea44adced84bf23e95db43da124f818caad473052e8d0ecd46c5319c231e";
         let rid = Some("bb56a2f1-6aae-46ac-982e-9dcd3581d08e");
         let now = ts / 1000;
-        assert_eq!(mercadopago("v1-test-secret-not-a-real-key", Some(header), rid, Some("123456"), now, 300), Ok(()));
         assert_eq!(
-            mercadopago("v1-test-secret-not-a-real-key", Some(header), rid, Some("123457"), now, 300),
+            mercadopago(
+                "v1-test-secret-not-a-real-key",
+                Some(header),
+                rid,
+                Some("123456"),
+                now,
+                300
+            ),
+            Ok(())
+        );
+        assert_eq!(
+            mercadopago(
+                "v1-test-secret-not-a-real-key",
+                Some(header),
+                rid,
+                Some("123457"),
+                now,
+                300
+            ),
             Err(SignatureError::Mismatch("x-signature"))
         );
         assert_eq!(
-            mercadopago("v1-test-secret-not-a-real-key", Some(header), rid, Some("123456"), now + DAY, 300),
+            mercadopago(
+                "v1-test-secret-not-a-real-key",
+                Some(header),
+                rid,
+                Some("123456"),
+                now + DAY,
+                300
+            ),
             Err(SignatureError::Timestamp(300))
         );
     }
@@ -260,8 +371,14 @@ mod tests {
     #[test]
     fn mercadopago_lowercases_alphanumeric_ids_and_omits_missing_parts() {
         let manifest = "id:abc123;ts:1700000000000;";
-        let header = format!("ts=1700000000000,v1={}", hex_hmac(b"s", &[manifest.as_bytes()]));
-        assert_eq!(mercadopago("s", Some(&header), None, Some("ABC123"), 1700000000, 300), Ok(()));
+        let header = format!(
+            "ts=1700000000000,v1={}",
+            hex_hmac(b"s", &[manifest.as_bytes()])
+        );
+        assert_eq!(
+            mercadopago("s", Some(&header), None, Some("ABC123"), 1700000000, 300),
+            Ok(())
+        );
     }
 
     #[test]
@@ -270,7 +387,10 @@ mod tests {
         let sig = hex_hmac(b"rzp_secret", &[body]);
         assert_eq!(razorpay("rzp_secret", Some(&sig), body), Ok(()));
         // A trailing newline is part of what was signed.
-        assert_eq!(razorpay("rzp_secret", Some(&sig), &body[..body.len() - 1]), Err(SignatureError::Mismatch("X-Razorpay-Signature")));
+        assert_eq!(
+            razorpay("rzp_secret", Some(&sig), &body[..body.len() - 1]),
+            Err(SignatureError::Mismatch("X-Razorpay-Signature"))
+        );
         // The checkout payment signature vector uses the same primitive.
         assert_eq!(
             hex_hmac(b"key_secret", &[b"fake_order_id|fake_payment_id"]),
@@ -283,24 +403,62 @@ mod tests {
         let s1 = StandardSecret::parse("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
         let body1 = br#"{"test": 2432232314}"#;
         let sig1 = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=";
-        assert_eq!(s1.sign("msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, body1), sig1);
         assert_eq!(
-            standard(&s1, Some("msg_p5jXN8AQM9LWM0D4loKWxJek"), Some("1614265330"), Some(sig1), body1, 1614265330, 300),
+            s1.sign("msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, body1),
+            sig1
+        );
+        assert_eq!(
+            standard(
+                &s1,
+                Some("msg_p5jXN8AQM9LWM0D4loKWxJek"),
+                Some("1614265330"),
+                Some(sig1),
+                body1,
+                1614265330,
+                300
+            ),
             Ok(())
         );
         let s2 = StandardSecret::parse("whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD").unwrap();
         let body2 = br#"{"email":"test@example.com","username":"test_user"}"#;
-        let sig2 = format!("v2,abc v1,{} v1,tZ1I4/hDygAJgO5TYxiSd6Sd0kDW6hPenDe+bTa3Kkw=", "A".repeat(44));
+        let sig2 = format!(
+            "v2,abc v1,{} v1,tZ1I4/hDygAJgO5TYxiSd6Sd0kDW6hPenDe+bTa3Kkw=",
+            "A".repeat(44)
+        );
         assert_eq!(
-            standard(&s2, Some("msg_27UH4WbU6Z5A5EzD8u03UvzRbpk"), Some("1649367553"), Some(&sig2), body2, 1649367553 - 200, 300),
+            standard(
+                &s2,
+                Some("msg_27UH4WbU6Z5A5EzD8u03UvzRbpk"),
+                Some("1649367553"),
+                Some(&sig2),
+                body2,
+                1649367553 - 200,
+                300
+            ),
             Ok(())
         );
         assert_eq!(
-            standard(&s2, Some("msg_27UH4WbU6Z5A5EzD8u03UvzRbpk"), Some("1649367553"), Some(&sig2), body2, 1649367553 + 301, 300),
+            standard(
+                &s2,
+                Some("msg_27UH4WbU6Z5A5EzD8u03UvzRbpk"),
+                Some("1649367553"),
+                Some(&sig2),
+                body2,
+                1649367553 + 301,
+                300
+            ),
             Err(SignatureError::Timestamp(300))
         );
         assert_eq!(
-            standard(&s2, Some("msg_27UH4WbU6Z5A5EzD8u03UvzRbpk"), Some("1649367553"), Some(&sig2), body2, 1649367553 - 301, 300),
+            standard(
+                &s2,
+                Some("msg_27UH4WbU6Z5A5EzD8u03UvzRbpk"),
+                Some("1649367553"),
+                Some(&sig2),
+                body2,
+                1649367553 - 301,
+                300
+            ),
             Err(SignatureError::Timestamp(300))
         );
     }
@@ -310,7 +468,15 @@ mod tests {
         let s = StandardSecret::parse("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
         for sig in ["v1,", "v1, v1,", "", "v1,AAAA"] {
             assert_eq!(
-                standard(&s, Some("msg_1"), Some("1614265330"), Some(sig), b"{}", 1614265330, 300),
+                standard(
+                    &s,
+                    Some("msg_1"),
+                    Some("1614265330"),
+                    Some(sig),
+                    b"{}",
+                    1614265330,
+                    300
+                ),
                 Err(SignatureError::Mismatch("webhook-signature")),
                 "{sig:?}"
             );

@@ -1,0 +1,676 @@
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use chrono::Utc;
+use payfleet::queue::{
+    self, Cancelled, Fleet, Job, JobContext, JobError, JobId, NewJob, QueueSettings, QueuesConfig,
+    Registry, Scheduled, admin, prune, rescue_expired, work_until_idle,
+};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Echo {
+    n: i64,
+}
+
+impl Job for Echo {
+    const KIND: &'static str = "echo";
+    const QUEUE: &'static str = "test";
+    const MAX_ATTEMPTS: i32 = 3;
+}
+
+fn settings() -> QueueSettings {
+    QueueSettings {
+        concurrency: 10,
+        timeout_ms: 2_000,
+    }
+}
+
+fn fast_config(extra: &str) -> QueuesConfig {
+    QueuesConfig::parse(
+        &format!(
+            "[fleet]\npoll_interval_ms = 10000\nlease_ms = 600\nrescue_interval_ms = 200\nshutdown_timeout_ms = 500\n{extra}\n[queues.test]\nconcurrency = 4\ntimeout_ms = 5000\n"
+        ),
+        "test",
+    )
+    .unwrap()
+}
+
+async fn job(pool: &PgPool, id: JobId) -> (String, i32, serde_json::Value, serde_json::Value) {
+    sqlx::query_as("SELECT state, attempt, payload, errors FROM jobs WHERE id = $1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn state_counts(pool: &PgPool) -> Vec<(String, i64)> {
+    sqlx::query_as("SELECT state, count(*) FROM jobs GROUP BY state ORDER BY state")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// Records every payload it runs.
+fn recording(seen: Arc<std::sync::Mutex<Vec<i64>>>) -> Registry {
+    let mut r = Registry::new();
+    r.register::<Echo, _, _>(move |_ctx: JobContext, job: Echo| {
+        let seen = seen.clone();
+        async move {
+            seen.lock().unwrap().push(job.n);
+            Ok(())
+        }
+    })
+    .unwrap();
+    r
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn a_job_exists_if_and_only_if_the_callers_transaction_commits(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    queue::enqueue(&mut *tx, NewJob::of(&Echo { n: 1 }).unwrap())
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert!(state_counts(&pool).await.is_empty());
+    let mut tx = pool.begin().await.unwrap();
+    queue::enqueue(&mut *tx, NewJob::of(&Echo { n: 2 }).unwrap())
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(state_counts(&pool).await, vec![("available".into(), 1)]);
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn a_key_is_unique_among_unfinished_jobs_and_enqueue_does_not_abort_the_transaction(
+    pool: PgPool,
+) {
+    let mut tx = pool.begin().await.unwrap();
+    let first = queue::enqueue(&mut *tx, NewJob::of(&Echo { n: 1 }).unwrap().key("k"))
+        .await
+        .unwrap();
+    let second = queue::enqueue(&mut *tx, NewJob::of(&Echo { n: 2 }).unwrap().key("k"))
+        .await
+        .unwrap();
+    assert!(first.is_some());
+    assert_eq!(second, None);
+    tx.commit().await.unwrap(); // still usable after the conflict
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    work_until_idle(&pool, &recording(seen.clone()), "test", &settings())
+        .await
+        .unwrap();
+    // Finished: the key is free again.
+    assert!(
+        queue::enqueue(&pool, NewJob::of(&Echo { n: 3 }).unwrap().key("k"))
+            .await
+            .unwrap()
+            .is_some()
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn schedule_replaces_the_waiting_job_and_the_old_one_never_runs(pool: PgPool) {
+    let later = Utc::now() + chrono::Duration::hours(1);
+    let a = queue::schedule(
+        &pool,
+        NewJob::of(&Echo { n: 1 })
+            .unwrap()
+            .key("order:1:expire")
+            .run_at(later),
+    )
+    .await
+    .unwrap();
+    let Scheduled::Inserted(id) = a else {
+        panic!("{a:?}")
+    };
+    let b = queue::schedule(
+        &pool,
+        NewJob::of(&Echo { n: 2 }).unwrap().key("order:1:expire"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(b, Scheduled::Replaced(id));
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    work_until_idle(&pool, &recording(seen.clone()), "test", &settings())
+        .await
+        .unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![2]);
+    assert_eq!(state_counts(&pool).await, vec![("completed".into(), 1)]);
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn concurrent_schedules_of_one_key_leave_exactly_one_job(pool: PgPool) {
+    let tasks: Vec<_> = (0..16)
+        .map(|n| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let mut tx = pool.begin().await.unwrap();
+                queue::schedule(&mut *tx, NewJob::of(&Echo { n }).unwrap().key("k"))
+                    .await
+                    .unwrap();
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                tx.commit().await.unwrap();
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(state_counts(&pool).await, vec![("available".into(), 1)]);
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    work_until_idle(&pool, &recording(seen.clone()), "test", &settings())
+        .await
+        .unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 1);
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn a_rolled_back_reschedule_leaves_the_old_job(pool: PgPool) {
+    let Scheduled::Inserted(id) =
+        queue::schedule(&pool, NewJob::of(&Echo { n: 1 }).unwrap().key("k"))
+            .await
+            .unwrap()
+    else {
+        panic!()
+    };
+    let mut tx = pool.begin().await.unwrap();
+    queue::schedule(&mut *tx, NewJob::of(&Echo { n: 2 }).unwrap().key("k"))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(job(&pool, id).await.2["n"], 1);
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends(pool: PgPool) {
+    let started = Arc::new(tokio::sync::Notify::new());
+    let release = Arc::new(tokio::sync::Notify::new());
+    let runs = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut registry = Registry::new();
+    let (s, r, seen) = (started.clone(), release.clone(), runs.clone());
+    registry
+        .register::<Echo, _, _>(move |_ctx: JobContext, job: Echo| {
+            let (s, r, seen) = (s.clone(), r.clone(), seen.clone());
+            async move {
+                seen.lock().unwrap().push(job.n);
+                if job.n == 1 {
+                    s.notify_one();
+                    r.notified().await;
+                }
+                Ok(())
+            }
+        })
+        .unwrap();
+    let Scheduled::Inserted(id) =
+        queue::schedule(&pool, NewJob::of(&Echo { n: 1 }).unwrap().key("k"))
+            .await
+            .unwrap()
+    else {
+        panic!()
+    };
+    let fleet = Fleet::new(pool.clone(), registry, fast_config("")).start();
+    started.notified().await;
+    let later = Utc::now() + chrono::Duration::hours(1);
+    let again = queue::schedule(
+        &pool,
+        NewJob::of(&Echo { n: 2 }).unwrap().key("k").run_at(later),
+    )
+    .await
+    .unwrap();
+    assert_eq!(again, Scheduled::ReplacedAfterRun(id));
+    release.notify_one();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fleet.shutdown().await;
+    let (state, attempt, payload, _) = job(&pool, id).await;
+    assert_eq!(
+        (state.as_str(), attempt, payload["n"].as_i64()),
+        ("available", 0, Some(2))
+    );
+    assert_eq!(
+        *runs.lock().unwrap(),
+        vec![1],
+        "the new schedule waits for its time"
+    );
+
+    // Cancel: a waiting job ends at once.
+    assert_eq!(
+        queue::cancel(&pool, "k").await.unwrap(),
+        Cancelled::Cancelled(id)
+    );
+    assert_eq!(job(&pool, id).await.0, "cancelled");
+    assert_eq!(
+        queue::cancel(&pool, "k").await.unwrap(),
+        Cancelled::NotFound
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn concurrent_claims_never_share_a_job(pool: PgPool) {
+    let jobs: Vec<NewJob> = (0..200).map(|n| NewJob::of(&Echo { n }).unwrap()).collect();
+    assert_eq!(queue::enqueue_many(&pool, &jobs).await.unwrap(), 200);
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let registry = recording(seen.clone());
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let (pool, registry) = (pool.clone(), registry.clone());
+            tokio::spawn(async move {
+                work_until_idle(
+                    &pool,
+                    &registry,
+                    "test",
+                    &QueueSettings {
+                        concurrency: 7,
+                        timeout_ms: 1000,
+                    },
+                )
+                .await
+                .unwrap()
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for w in workers {
+        total += w.await.unwrap();
+    }
+    assert_eq!(total, 200);
+    let mut ran = seen.lock().unwrap().clone();
+    ran.sort();
+    assert_eq!(ran, (0..200).collect::<Vec<_>>());
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Outcome {
+    what: String,
+}
+
+impl Job for Outcome {
+    const KIND: &'static str = "outcome";
+    const QUEUE: &'static str = "test";
+    const MAX_ATTEMPTS: i32 = 2;
+}
+
+fn outcomes() -> Registry {
+    let mut r = Registry::new();
+    r.register::<Outcome, _, _>(|_ctx: JobContext, job: Outcome| async move {
+        match job.what.as_str() {
+            "retry" => Err(JobError::retry(std::io::Error::other("gateway timed out"))),
+            "fail" => Err(JobError::fail(std::io::Error::other(
+                "card number is invalid",
+            ))),
+            "snooze" => Err(JobError::Snooze(Duration::from_secs(60))),
+            "cancel" => Err(JobError::Cancel("order already expired".into())),
+            "panic" => panic!("boom"),
+            "slow" => {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    })
+    .unwrap();
+    r
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn typed_outcomes_are_stored_with_backoff_errors_and_attempts(pool: PgPool) {
+    let mut ids = std::collections::HashMap::new();
+    for what in ["ok", "retry", "fail", "snooze", "cancel", "panic", "slow"] {
+        let id = queue::enqueue(&pool, NewJob::of(&Outcome { what: what.into() }).unwrap())
+            .await
+            .unwrap()
+            .unwrap();
+        ids.insert(what, id);
+    }
+    let bad = queue::enqueue(
+        &pool,
+        NewJob::raw("test", "outcome", serde_json::json!({"nope": 1})),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let short = QueueSettings {
+        concurrency: 10,
+        timeout_ms: 300,
+    };
+    assert_eq!(
+        work_until_idle(&pool, &outcomes(), "test", &short)
+            .await
+            .unwrap(),
+        8
+    );
+
+    let row = |id: JobId| {
+        let pool = pool.clone();
+        async move {
+            let r: (String, i32, f64, Option<String>) = sqlx::query_as(
+                "SELECT state, attempt, extract(epoch FROM run_at - now())::float8, errors -> -1 ->> 'error' FROM jobs WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            r
+        }
+    };
+    assert_eq!(row(ids["ok"]).await.0, "completed");
+    let (state, attempt, wait, error) = row(ids["retry"]).await;
+    assert_eq!((state.as_str(), attempt), ("retryable", 1));
+    assert!(
+        wait > 1.0 && wait < 3.0,
+        "backoff about 2 s with jitter, stored in run_at: {wait}"
+    );
+    assert!(error.unwrap().contains("gateway timed out"));
+    let (state, _, _, error) = row(ids["fail"]).await;
+    assert_eq!(state, "discarded");
+    assert!(error.unwrap().contains("card number is invalid"));
+    let (state, attempt, wait, _) = row(ids["snooze"]).await;
+    assert_eq!(
+        (state.as_str(), attempt),
+        ("available", 0),
+        "a snooze is not an attempt"
+    );
+    assert!(wait > 55.0, "{wait}");
+    assert_eq!(row(ids["cancel"]).await.0, "cancelled");
+    let (state, _, _, error) = row(ids["panic"]).await;
+    assert_eq!(state, "retryable");
+    assert!(error.unwrap().contains("panicked: boom"));
+    let (state, _, _, error) = row(ids["slow"]).await;
+    assert_eq!(state, "retryable");
+    assert!(error.unwrap().contains("timed out"));
+    let (state, _, _, error) = row(bad).await;
+    assert_eq!(
+        state, "discarded",
+        "an undecodable payload is discarded, the worker goes on"
+    );
+    assert!(error.unwrap().contains("does not decode"));
+
+    // The second failure uses the last attempt: the job is dead, kept with both errors.
+    sqlx::query("UPDATE jobs SET run_at = now() WHERE state = 'retryable'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    work_until_idle(&pool, &outcomes(), "test", &short)
+        .await
+        .unwrap();
+    let (state, attempt, errors): (String, i32, serde_json::Value) =
+        sqlx::query_as("SELECT state, attempt, errors FROM jobs WHERE id = $1")
+            .bind(ids["retry"])
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (state.as_str(), attempt, errors.as_array().unwrap().len()),
+        ("discarded", 2, 2)
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn a_job_that_keeps_killing_workers_ends_discarded(pool: PgPool) {
+    let id = queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    for attempt in 1..=Echo::MAX_ATTEMPTS {
+        // A worker claims it and dies: the lease runs out.
+        sqlx::query(
+            "UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_token = nextval('jobs_lease_token_seq'),
+                 lease_expires_at = now() - interval '1 ms', locked_by = 'doomed'
+             WHERE id = $1 AND state IN ('available', 'retryable')",
+        )
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+        assert_eq!(rescue_expired(&pool).await.unwrap(), 1);
+        let (state, n, _, _) = job(&pool, id).await;
+        assert_eq!(n, attempt);
+        let expected = if attempt < Echo::MAX_ATTEMPTS {
+            "retryable"
+        } else {
+            "discarded"
+        };
+        assert_eq!(state, expected);
+    }
+    assert_eq!(rescue_expired(&pool).await.unwrap(), 0);
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn the_fleet_runs_jobs_on_notification_and_future_jobs_on_time(pool: PgPool) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    // The poll interval is 10 s: only LISTEN/NOTIFY and the next-run timer can explain prompt starts.
+    let fleet = Fleet::new(pool.clone(), recording(seen.clone()), fast_config("")).start();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap())
+        .await
+        .unwrap();
+    let at = Utc::now() + chrono::Duration::milliseconds(1500);
+    let future = queue::enqueue(&pool, NewJob::of(&Echo { n: 2 }).unwrap().run_at(at))
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![1],
+        "the due job ran at once, the future one waits"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    fleet.shutdown().await;
+    assert_eq!(*seen.lock().unwrap(), vec![1, 2]);
+    let late: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM attempted_at - run_at)::float8 FROM jobs WHERE id = $1",
+    )
+    .bind(future)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        (0.0..1.0).contains(&late),
+        "started {late} s after its time"
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn a_running_job_keeps_its_lease_and_a_dead_workers_job_is_rescued(pool: PgPool) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut registry = Registry::new();
+    let counter = runs.clone();
+    registry
+        .register::<Echo, _, _>(move |_ctx: JobContext, _job: Echo| {
+            let counter = counter.clone();
+            async move {
+                counter.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(1500)).await; // 2.5 leases
+                Ok(())
+            }
+        })
+        .unwrap();
+    let id = queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    // Left behind by a worker that died a while ago.
+    let dead = queue::enqueue(
+        &pool,
+        NewJob::of(&Echo { n: 2 })
+            .unwrap()
+            .max_attempts(1)
+            .run_at(Utc::now() + chrono::Duration::days(1)),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    sqlx::query(
+        "UPDATE jobs SET state = 'running', attempt = 1, lease_token = 1, lease_expires_at = now() - interval '1 s',
+             locked_by = 'gone', run_at = now() WHERE id = $1",
+    )
+    .bind(dead)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let fleet = Fleet::new(pool.clone(), registry, fast_config("")).start();
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+    fleet.shutdown().await;
+    assert_eq!(job(&pool, id).await.0, "completed");
+    let (state, attempt, _, errors) = job(&pool, dead).await;
+    assert_eq!(state, "discarded", "rescued; its only attempt is used up");
+    assert_eq!(attempt, 1);
+    assert!(
+        errors[0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("worker gone stopped renewing")
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "renewed leases: the long job ran once"
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn shutdown_finishes_short_jobs_and_releases_long_ones(pool: PgPool) {
+    let short = queue::enqueue(&pool, NewJob::of(&Outcome { what: "ok".into() }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let long = queue::enqueue(
+        &pool,
+        NewJob::of(&Outcome {
+            what: "slow".into(),
+        })
+        .unwrap(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let fleet = Fleet::new(pool.clone(), outcomes(), fast_config("")).start();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let t = std::time::Instant::now();
+    fleet.shutdown().await;
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "stopped within the deadline"
+    );
+    assert_eq!(job(&pool, short).await.0, "completed");
+    let (state, attempt, _, _) = job(&pool, long).await;
+    assert_eq!(
+        (state.as_str(), attempt),
+        ("available", 0),
+        "released for another worker, not counted"
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn finished_jobs_are_pruned_after_their_retention(pool: PgPool) {
+    for (state, age_hours) in [
+        ("completed", 48),
+        ("completed", 1),
+        ("cancelled", 48),
+        ("discarded", 48),
+        ("discarded", 24 * 8),
+    ] {
+        sqlx::query(
+            "INSERT INTO jobs (queue, kind, state, finished_at) VALUES ('test', 'echo', $1, now() - $2 * interval '1 hour')",
+        )
+        .bind(state)
+        .bind(age_hours as f64)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(prune(&pool, 24 * 3600, 7 * 24 * 3600).await.unwrap(), 3);
+    assert_eq!(
+        state_counts(&pool).await,
+        vec![
+            ("available".into(), 1),
+            ("completed".into(), 1),
+            ("discarded".into(), 1)
+        ]
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn operators_see_counts_and_dead_jobs_and_can_retry_or_discard(pool: PgPool) {
+    let dead = queue::enqueue(
+        &pool,
+        NewJob::of(&Outcome {
+            what: "fail".into(),
+        })
+        .unwrap(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let waiting = queue::enqueue(
+        &pool,
+        NewJob::of(&Echo { n: 1 })
+            .unwrap()
+            .run_at(Utc::now() + chrono::Duration::hours(1)),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    work_until_idle(&pool, &outcomes(), "test", &settings())
+        .await
+        .unwrap();
+    let counts = admin::counts(&pool).await.unwrap();
+    assert_eq!(
+        counts
+            .iter()
+            .map(|c| (c.state.as_str(), c.count))
+            .collect::<Vec<_>>(),
+        vec![("available", 1), ("discarded", 1)]
+    );
+    let listed = admin::dead(&pool, Some("test"), 10).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert!(
+        listed[0]
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("card number is invalid")
+    );
+
+    admin::retry(&pool, dead).await.unwrap();
+    assert_eq!(job(&pool, dead).await.0, "available");
+    assert!(matches!(
+        admin::retry(&pool, dead).await,
+        Err(admin::AdminError::WrongState { .. })
+    ));
+    admin::discard(&pool, waiting).await.unwrap();
+    assert_eq!(job(&pool, waiting).await.0, "discarded");
+    assert!(matches!(
+        admin::discard(&pool, JobId(999_999)).await,
+        Err(admin::AdminError::NotFound(_))
+    ));
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn the_schema_refuses_inconsistent_states(pool: PgPool) {
+    for bad in [
+        "INSERT INTO jobs (queue, kind, state) VALUES ('q', 'k', 'running')",
+        "INSERT INTO jobs (queue, kind, state) VALUES ('q', 'k', 'completed')",
+        "INSERT INTO jobs (queue, kind, state) VALUES ('q', 'k', 'exploded')",
+        "INSERT INTO jobs (queue, kind, attempt, max_attempts) VALUES ('q', 'k', 3, 2)",
+        "INSERT INTO jobs (queue, kind, pending) VALUES ('q', 'k', 'cancel')",
+    ] {
+        assert!(sqlx::query(bad).execute(&pool).await.is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn registering_a_kind_twice_is_an_error() {
+    let mut r = Registry::new();
+    r.register::<Echo, _, _>(|_c: JobContext, _j: Echo| async { Ok(()) })
+        .unwrap();
+    assert!(
+        r.register::<Echo, _, _>(|_c: JobContext, _j: Echo| async { Ok(()) })
+            .is_err()
+    );
+}

@@ -1,0 +1,279 @@
+use payfleet::gateways::GatewayName;
+use payfleet::webhooks::WebhookSecrets;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+use crate::helpers::*;
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn every_gateway_accepts_its_signed_webhook_and_stores_it_with_its_job(pool: PgPool) {
+    let app = spawn_app(pool).await;
+    let deliveries = [
+        stripe(
+            r#"{"id":"evt_1","type":"checkout.session.completed","data":{"object":{"id":"cs_1"}}}"#,
+            now(),
+        ),
+        mercadopago("123456", "req-1", now() * 1000),
+        razorpay("evt_rzp_1", r#"{"event":"payment.captured","payload":{}}"#),
+        internal("msg_1", &payment_body("payment.succeeded", "s1", "10.00")),
+        standard(
+            GatewayName::Mock,
+            "msg_1",
+            now(),
+            &payment_body("payment.succeeded", "s1", "10.00"),
+        ),
+    ];
+    for d in &deliveries {
+        let (status, body) = app.deliver(d).await;
+        assert_eq!(
+            (status, body["status"].as_str()),
+            (200, Some("accepted")),
+            "{}: {body}",
+            d.gateway
+        );
+    }
+    let rows: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT e.gateway, e.event_id, (SELECT count(*) FROM jobs j WHERE j.key = 'payment_event:' || e.gateway || ':' || e.event_id)
+         FROM payment_events e ORDER BY e.id",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    let expected = [
+        ("stripe", "evt_1"),
+        ("mercadopago", "123456:req-1"),
+        ("razorpay", "evt_rzp_1"),
+        ("internal", "msg_1"),
+        ("mock", "msg_1"),
+    ];
+    assert_eq!(rows.len(), 5);
+    for ((g, id, jobs), (eg, eid)) in rows.iter().zip(expected) {
+        assert_eq!((g.as_str(), id.as_str(), *jobs), (eg, eid, 1));
+    }
+    // The raw bytes are kept exactly as signed.
+    let raw: Vec<u8> =
+        sqlx::query_scalar("SELECT raw_body FROM payment_events WHERE gateway = 'razorpay'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(raw, br#"{"event":"payment.captured","payload":{}}"#);
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn bad_signatures_and_stale_timestamps_are_401_and_store_nothing(pool: PgPool) {
+    let app = spawn_app(pool).await;
+    let body = payment_body("payment.succeeded", "s1", "10.00");
+
+    let mut tampered = internal("msg_1", &body);
+    tampered.body = body.replace("10.00", "99.00").into_bytes();
+    let stale = standard(GatewayName::Internal, "msg_2", now() - 301, &body);
+    let future = standard(GatewayName::Internal, "msg_3", now() + 301, &body);
+    let mut unsigned = internal("msg_4", &body);
+    unsigned.headers.retain(|(k, _)| k != "webhook-signature");
+    let mut empty_sig = internal("msg_5", &body);
+    empty_sig.headers.retain(|(k, _)| k != "webhook-signature");
+    empty_sig
+        .headers
+        .push(("webhook-signature".into(), "v1,".into()));
+    let stripe_stale = stripe(r#"{"id":"evt_1"}"#, now() - 400);
+    let mut stripe_v0 = stripe(r#"{"id":"evt_2"}"#, now());
+    stripe_v0.headers[0].1 = stripe_v0.headers[0].1.replace("v1=", "v0=");
+    let mut rzp_newline = razorpay("evt_1", r#"{"event":"payment.captured"}"#);
+    rzp_newline.body.push(b'\n');
+    let mut mp_wrong_id = mercadopago("123456", "req-1", now() * 1000);
+    mp_wrong_id.query = "?data.id=999999".into();
+
+    for d in [
+        tampered,
+        stale,
+        future,
+        unsigned,
+        empty_sig,
+        stripe_stale,
+        stripe_v0,
+        rzp_newline,
+        mp_wrong_id,
+    ] {
+        let (status, body) = app.deliver(&d).await;
+        assert_eq!(status, 401, "{}: {body}", d.gateway);
+        assert_eq!(body["error"]["code"], "unauthorized");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    }
+    assert_eq!(app.events().await, 0);
+    let jobs: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(jobs, 0);
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn a_repeated_event_is_a_duplicate_even_hours_later(pool: PgPool) {
+    let app = spawn_app(pool).await;
+    let body = payment_body("payment.succeeded", "s1", "10.00");
+    let (_, first) = app.deliver(&internal("msg_1", &body)).await;
+    assert_eq!(first["status"], "accepted");
+    // Re-signed later with a fresh timestamp: same event id, so a duplicate.
+    let (status, again) = app
+        .deliver(&standard(GatewayName::Internal, "msg_1", now() + 60, &body))
+        .await;
+    assert_eq!((status, again["status"].as_str()), (200, Some("duplicate")));
+    assert_eq!(app.events().await, 1);
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn concurrent_duplicate_deliveries_store_one_row_and_all_get_200(pool: PgPool) {
+    let app = spawn_app(pool).await;
+    let d = internal(
+        "msg_same",
+        &payment_body("payment.succeeded", "s1", "10.00"),
+    );
+    let mut tasks = Vec::new();
+    let app = std::sync::Arc::new(app);
+    for _ in 0..20 {
+        let app = app.clone();
+        let d = Delivery {
+            gateway: d.gateway,
+            headers: d.headers.clone(),
+            query: d.query.clone(),
+            body: d.body.clone(),
+        };
+        tasks.push(tokio::spawn(async move { app.deliver(&d).await }));
+    }
+    let mut accepted = 0;
+    for t in tasks {
+        let (status, body) = t.await.unwrap();
+        assert_eq!(status, 200, "{body}");
+        if body["status"] == "accepted" {
+            accepted += 1;
+        } else {
+            assert_eq!(body["status"], "duplicate");
+        }
+    }
+    assert_eq!(accepted, 1);
+    assert_eq!(app.events().await, 1);
+    let jobs: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(jobs, 1);
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn unknown_and_disabled_gateways_are_404(pool: PgPool) {
+    let secrets = WebhookSecrets {
+        internal: all_secrets().internal,
+        ..Default::default()
+    };
+    let app = spawn_app_with(pool, secrets, 1024).await;
+    let resp = app
+        .http
+        .post(format!("http://{}/webhooks/paypal", app.addr))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "not_found");
+    let (status, _) = app.deliver(&stripe(r#"{"id":"evt_1"}"#, now())).await;
+    assert_eq!(status, 404);
+    assert_eq!(app.events().await, 0);
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn an_oversized_body_is_413_and_a_signed_non_json_body_is_400(pool: PgPool) {
+    let app = spawn_app_with(pool, all_secrets(), 1024).await;
+    let big = format!(
+        r#"{{"type":"payment.succeeded","pad":"{}"}}"#,
+        "x".repeat(2000)
+    );
+    let (status, body) = app.deliver(&internal("msg_big", &big)).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (413, Some("payload_too_large"))
+    );
+    let (status, body) = app.deliver(&internal("msg_bad", "not json")).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (400, Some("bad_request"))
+    );
+    let (status, _) = app.deliver(&stripe(r#"{"type":"no id"}"#, now())).await;
+    assert_eq!(status, 400);
+    assert_eq!(app.events().await, 0);
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn the_database_down_is_503(_pool: PgPool) {
+    // Nothing listens on port 1: every connection attempt fails at once.
+    let dead = PgPoolOptions::new()
+        .acquire_timeout(std::time::Duration::from_secs(1))
+        .connect_lazy("postgres://postgres@127.0.0.1:1/nowhere")
+        .unwrap();
+    let app = spawn_app(dead).await;
+    let (status, body) = app
+        .deliver(&internal(
+            "msg_1",
+            &payment_body("payment.succeeded", "s1", "1.00"),
+        ))
+        .await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (503, Some("unavailable")),
+        "{body}"
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn when_the_job_cannot_be_written_the_event_is_not_stored_either(pool: PgPool) {
+    // Make every job insert fail, after the event insert has succeeded in the same transaction.
+    sqlx::query("ALTER TABLE jobs ADD CONSTRAINT refuse_all CHECK (false) NOT VALID")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let app = spawn_app(pool).await;
+    let (status, _) = app
+        .deliver(&internal(
+            "msg_1",
+            &payment_body("payment.succeeded", "s1", "1.00"),
+        ))
+        .await;
+    assert!(status >= 500, "{status}");
+    assert_eq!(app.events().await, 0, "no half-written event");
+    // The gateway resends once we are healthy again, and the event is stored then.
+    sqlx::query("ALTER TABLE jobs DROP CONSTRAINT refuse_all")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let (status, body) = app
+        .deliver(&internal(
+            "msg_1",
+            &payment_body("payment.succeeded", "s1", "1.00"),
+        ))
+        .await;
+    assert_eq!((status, body["status"].as_str()), (200, Some("accepted")));
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn stored_events_are_immutable(pool: PgPool) {
+    let app = spawn_app(pool).await;
+    app.deliver(&internal(
+        "msg_1",
+        &payment_body("payment.succeeded", "s1", "1.00"),
+    ))
+    .await;
+    let err = sqlx::query("UPDATE payment_events SET raw_body = 'x'")
+        .execute(&app.pool)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("immutable"), "{err}");
+    let err = sqlx::query("DELETE FROM payment_events")
+        .execute(&app.pool)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("append-only"), "{err}");
+}
