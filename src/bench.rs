@@ -9,8 +9,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
 use sqlx::postgres::PgConnectOptions;
-use sqlx::{ConnectOptions, Connection, PgPool};
 use tokio::net::TcpListener;
 
 use crate::config::Config;
@@ -43,19 +43,13 @@ pub struct QueueArgs {
 async fn scratch(config: &Config) -> anyhow::Result<(PgPool, String)> {
     let options = PgConnectOptions::from_str(&config.database_url)?;
     let name = format!("{}_bench", options.get_database().unwrap_or("payfleet"));
-    let mut admin = options
-        .clone()
-        .database("postgres")
-        .connect()
+    let drop = format!(
+        "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+        startup::quote_ident(&name)
+    );
+    startup::on_maintenance_database(&options, drop)
         .await
-        .context("cannot connect to PostgreSQL")?;
-    let quoted = format!("\"{}\"", name.replace('"', "\"\""));
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE IF EXISTS {quoted} WITH (FORCE)"
-    )))
-    .execute(&mut admin)
-    .await?;
-    admin.close().await.ok();
+        .context("cannot drop the scratch database")?;
     let url = with_database(&config.database_url, &name)?;
     let pool = startup::connect(&url, config.db_pool_size.max(40)).await?;
     startup::migrate(&pool).await?;

@@ -52,24 +52,33 @@ async fn create_database_if_absent(options: &PgConnectOptions) -> anyhow::Result
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("3D000") => {}
         Err(e) => return Err(e).context("cannot connect to PostgreSQL (DATABASE_URL)"),
     }
-    let mut admin = options
-        .clone()
-        .database("postgres")
-        .connect()
-        .await
-        .context("cannot connect to the postgres database to create ours")?;
-    let quoted = format!("\"{}\"", name.replace('"', "\"\""));
-    match sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {quoted}")))
-        .execute(&mut admin)
-        .await
-    {
-        Ok(_) => tracing::info!(database = %name, "created the database"),
+    let sql = format!("CREATE DATABASE {}", quote_ident(&name));
+    match on_maintenance_database(options, sql).await {
+        Ok(()) => tracing::info!(database = %name, "created the database"),
         // Another process created it meanwhile.
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P04") => {}
         Err(e) => return Err(e).context("cannot create the database"),
     }
+    Ok(())
+}
+
+/// Runs one statement on the server's `postgres` database: creating or dropping ours cannot be
+/// done from inside it.
+pub(crate) async fn on_maintenance_database(
+    options: &PgConnectOptions,
+    sql: String,
+) -> Result<(), sqlx::Error> {
+    let mut admin = options.clone().database("postgres").connect().await?;
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .execute(&mut admin)
+        .await?;
     admin.close().await.ok();
     Ok(())
+}
+
+/// A database name as a quoted SQL identifier.
+pub(crate) fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
 }
 
 pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {

@@ -38,6 +38,27 @@ fn matches(key: &[u8], parts: &[&[u8]], candidate: &[u8]) -> bool {
     mac(key, parts).verify_slice(candidate).is_ok()
 }
 
+fn malformed(header: &'static str, problem: &'static str) -> SignatureError {
+    SignatureError::Malformed { header, problem }
+}
+
+/// The `key=value` items of a comma-separated signature header.
+fn pairs<'a>(
+    header: &'a str,
+    name: &'static str,
+) -> Result<Vec<(&'a str, &'a str)>, SignatureError> {
+    header
+        .split(',')
+        .map(|item| {
+            let (k, v) = item
+                .trim()
+                .split_once('=')
+                .ok_or(malformed(name, "expected key=value pairs"))?;
+            Ok((k.trim(), v.trim()))
+        })
+        .collect()
+}
+
 fn within(ts: i64, now: i64, tolerance: i64) -> bool {
     (now - ts).abs() <= tolerance
 }
@@ -55,38 +76,20 @@ pub fn stripe(
     let header = header.ok_or(SignatureError::MissingHeader(H))?;
     let mut t: Option<&str> = None;
     let mut v1: Vec<&str> = Vec::new();
-    for item in header.split(',') {
-        let Some((k, v)) = item.trim().split_once('=') else {
-            return Err(SignatureError::Malformed {
-                header: H,
-                problem: "expected key=value pairs",
-            });
-        };
+    for (k, v) in pairs(header, H)? {
         match k {
             "t" if t.is_none() => t = Some(v),
-            "t" => {
-                return Err(SignatureError::Malformed {
-                    header: H,
-                    problem: "more than one timestamp",
-                });
-            }
+            "t" => return Err(malformed(H, "more than one timestamp")),
             "v1" => v1.push(v),
             _ => {} // v0 and unknown schemes are ignored
         }
     }
-    let t = t.ok_or(SignatureError::Malformed {
-        header: H,
-        problem: "no timestamp",
-    })?;
-    let ts: i64 = t.parse().map_err(|_| SignatureError::Malformed {
-        header: H,
-        problem: "timestamp is not an integer",
-    })?;
+    let t = t.ok_or(malformed(H, "no timestamp"))?;
+    let ts: i64 = t
+        .parse()
+        .map_err(|_| malformed(H, "timestamp is not an integer"))?;
     if v1.is_empty() {
-        return Err(SignatureError::Malformed {
-            header: H,
-            problem: "no v1 signature",
-        });
+        return Err(malformed(H, "no v1 signature"));
     }
     let parts: [&[u8]; 3] = [t.as_bytes(), b".", body];
     let any = v1
@@ -117,31 +120,18 @@ pub fn mercadopago(
     let header = x_signature.ok_or(SignatureError::MissingHeader(H))?;
     let mut ts: Option<&str> = None;
     let mut v1: Option<&str> = None;
-    for item in header.split(',') {
-        match item.trim().split_once('=') {
-            Some(("ts", v)) => ts = Some(v.trim()),
-            Some(("v1", v)) => v1 = Some(v.trim()),
-            Some(_) => {}
-            None => {
-                return Err(SignatureError::Malformed {
-                    header: H,
-                    problem: "expected key=value pairs",
-                });
-            }
+    for (k, v) in pairs(header, H)? {
+        match k {
+            "ts" => ts = Some(v),
+            "v1" => v1 = Some(v),
+            _ => {}
         }
     }
-    let ts = ts.ok_or(SignatureError::Malformed {
-        header: H,
-        problem: "no ts",
-    })?;
-    let v1 = v1.ok_or(SignatureError::Malformed {
-        header: H,
-        problem: "no v1 signature",
-    })?;
-    let ts_ms: i64 = ts.parse().map_err(|_| SignatureError::Malformed {
-        header: H,
-        problem: "ts is not an integer",
-    })?;
+    let ts = ts.ok_or(malformed(H, "no ts"))?;
+    let v1 = v1.ok_or(malformed(H, "no v1 signature"))?;
+    let ts_ms: i64 = ts
+        .parse()
+        .map_err(|_| malformed(H, "ts is not an integer"))?;
     let mut manifest = String::new();
     if let Some(id) = data_id.filter(|s| !s.is_empty()) {
         if id.chars().all(|c| c.is_ascii_alphanumeric()) {
@@ -227,10 +217,9 @@ pub fn standard(
     let id = id.ok_or(SignatureError::MissingHeader("webhook-id"))?;
     let ts_text = timestamp.ok_or(SignatureError::MissingHeader("webhook-timestamp"))?;
     let signature = signature.ok_or(SignatureError::MissingHeader("webhook-signature"))?;
-    let ts: i64 = ts_text.parse().map_err(|_| SignatureError::Malformed {
-        header: "webhook-timestamp",
-        problem: "not an integer",
-    })?;
+    let ts: i64 = ts_text
+        .parse()
+        .map_err(|_| malformed("webhook-timestamp", "not an integer"))?;
     let parts: [&[u8]; 5] = [id.as_bytes(), b".", ts_text.as_bytes(), b".", body];
     let any = signature
         .split(' ')
