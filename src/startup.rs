@@ -18,6 +18,7 @@ use crate::http::{self, AppState};
 use crate::messaging::Broker;
 use crate::payments::{ProcessPaymentEvent, Processor};
 use crate::queue::{Fleet, FleetHandle, JobContext, Notifier, QueuesConfig, Registry};
+use crate::webhooks::EventWriter;
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
@@ -125,16 +126,17 @@ pub async fn serve(
         .await
 }
 
-/// Starts the after-commit notifier, so call it inside the runtime.
+/// Starts the event writers and the after-commit notifier, so call it inside the runtime.
 pub fn app_state(config: &Config, pool: PgPool, broker: Broker) -> AppState {
     let pool_for_notifier = pool.clone();
+    let pool_for_writer = pool.clone();
     AppState {
         pool,
         broker,
         secrets: Arc::new(config.webhooks.clone()),
         webhook_tolerance_secs: config.webhook_tolerance_secs,
         webhook_body_limit: config.webhook_body_limit,
-        notifier: Some(Notifier::start(pool_for_notifier)),
+        events: EventWriter::start(pool_for_writer, Some(Notifier::start(pool_for_notifier))),
     }
 }
 

@@ -7,7 +7,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
 use crate::queue::QueueError;
-use crate::webhooks::RejectedWebhook;
+use crate::webhooks::{RejectedWebhook, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -59,24 +59,39 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Connection trouble, pool exhaustion, a restarting server: the caller should retry.
+fn is_outage(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
+        _ => false,
+    }
+}
+
 impl From<sqlx::Error> for ApiError {
     fn from(e: sqlx::Error) -> Self {
-        match e {
-            // Connection trouble, pool exhaustion, a restarting server: the caller should retry.
-            sqlx::Error::Io(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::Protocol(_)
-            | sqlx::Error::WorkerCrashed => Self::Unavailable(Box::new(e)),
-            sqlx::Error::Database(ref db)
-                if db
-                    .code()
-                    .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")) =>
-            {
-                Self::Unavailable(Box::new(e))
-            }
-            other => Self::Internal(Box::new(other)),
+        if is_outage(&e) {
+            Self::Unavailable(Box::new(e))
+        } else {
+            Self::Internal(Box::new(e))
+        }
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match &e {
+            StoreError::Database(db) if is_outage(db) => Self::Unavailable(Box::new(e)),
+            // The writers are gone only while the process stops: another instance can take it.
+            StoreError::Stopped => Self::Unavailable(Box::new(e)),
+            _ => Self::Internal(Box::new(e)),
         }
     }
 }

@@ -16,8 +16,7 @@ use sqlx::PgPool;
 pub use error::ApiError;
 
 use crate::messaging::Broker;
-use crate::queue::Notifier;
-use crate::webhooks::{self, WebhookSecrets, WebhookState};
+use crate::webhooks::{self, EventWriter, WebhookSecrets, WebhookState};
 
 /// Everything the HTTP handlers share.
 #[derive(Clone)]
@@ -27,16 +26,15 @@ pub struct AppState {
     pub secrets: Arc<WebhookSecrets>,
     pub webhook_tolerance_secs: i64,
     pub webhook_body_limit: usize,
-    pub notifier: Option<Notifier>,
+    pub events: EventWriter,
 }
 
 pub fn router(state: AppState) -> Router {
     let webhooks = webhooks::routes(WebhookState {
-        pool: state.pool.clone(),
+        events: state.events.clone(),
         secrets: state.secrets.clone(),
         tolerance_secs: state.webhook_tolerance_secs,
         body_limit: state.webhook_body_limit,
-        notifier: state.notifier.clone(),
     });
     Router::new()
         .route("/healthz", get(healthz))

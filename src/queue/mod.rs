@@ -94,24 +94,6 @@ impl NewJob {
         self.max_attempts = n;
         self
     }
-
-    /// Binds this job as the next six parameters of a statement that calls
-    /// `jobs_enqueue(queue, kind, key, payload, run_at, max_attempts)`.
-    pub fn bind<'q, O>(
-        &'q self,
-        q: sqlx::query::QueryScalar<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
-    ) -> sqlx::query::QueryScalar<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
-        q.bind(&self.queue)
-            .bind(&self.kind)
-            .bind(&self.key)
-            .bind(&self.payload)
-            .bind(self.run_at)
-            .bind(self.max_attempts)
-    }
-
-    pub fn queue(&self) -> &str {
-        &self.queue
-    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -140,50 +122,72 @@ pub async fn enqueue<'c>(
     db: impl PgExecutor<'c>,
     job: NewJob,
 ) -> Result<Option<JobId>, QueueError> {
-    check(&job)?;
-    let id = job
-        .bind(sqlx::query_scalar::<_, Option<JobId>>(
-            "SELECT e.id FROM jobs_enqueue($1, $2, $3, $4, $5, $6) AS e(id), pg_notify('payfleet_jobs', $1) AS n",
+    let mut columns = JobColumns::default();
+    columns.push(&job)?;
+    let id: Option<(JobId,)> = columns
+        .bind(sqlx::query_as(
+            "SELECT id FROM jobs_enqueue_many($1, $2, $3, $4, $5, $6) AS id, pg_notify('payfleet_jobs', $1[1]) AS n",
         ))
-        .fetch_one(db)
+        .fetch_optional(db)
         .await?;
-    Ok(id)
+    Ok(id.map(|(id,)| id))
+}
+
+/// Jobs as parallel arrays, the arguments of `jobs_enqueue_many`, for statements that write
+/// many rows with their jobs at once (see [`enqueue_many`] and the webhook writer).
+#[derive(Debug, Default)]
+pub struct JobColumns<'a> {
+    queues: Vec<&'a str>,
+    kinds: Vec<&'a str>,
+    keys: Vec<Option<&'a str>>,
+    payloads: Vec<&'a serde_json::Value>,
+    run_ats: Vec<Option<DateTime<Utc>>>,
+    max_attempts: Vec<i32>,
+}
+
+impl<'a> JobColumns<'a> {
+    pub fn push(&mut self, job: &'a NewJob) -> Result<(), QueueError> {
+        check(job)?;
+        self.queues.push(&job.queue);
+        self.kinds.push(&job.kind);
+        self.keys.push(job.key.as_deref());
+        self.payloads.push(&job.payload);
+        self.run_ats.push(job.run_at);
+        self.max_attempts.push(job.max_attempts);
+        Ok(())
+    }
+
+    /// Binds the columns as the next six parameters, typed `text[], text[], text[], jsonb[],
+    /// timestamptz[], int[]`: queue, kind, key, payload, run_at, max_attempts.
+    pub fn bind<'q, O>(
+        &'q self,
+        q: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
+        q.bind(&self.queues)
+            .bind(&self.kinds)
+            .bind(&self.keys)
+            .bind(&self.payloads)
+            .bind(&self.run_ats)
+            .bind(&self.max_attempts)
+    }
 }
 
 /// Adds many jobs in one statement. Keyed jobs whose key is taken are skipped; returns how
 /// many were written.
 pub async fn enqueue_many<'c>(db: impl PgExecutor<'c>, jobs: &[NewJob]) -> Result<u64, QueueError> {
-    let mut queues = Vec::with_capacity(jobs.len());
-    let mut kinds = Vec::with_capacity(jobs.len());
-    let mut keys = Vec::with_capacity(jobs.len());
-    let mut payloads = Vec::with_capacity(jobs.len());
-    let mut run_ats = Vec::with_capacity(jobs.len());
-    let mut max_attempts = Vec::with_capacity(jobs.len());
+    let mut columns = JobColumns::default();
     for job in jobs {
-        check(job)?;
-        queues.push(job.queue.as_str());
-        kinds.push(job.kind.as_str());
-        keys.push(job.key.as_deref());
-        payloads.push(&job.payload);
-        run_ats.push(job.run_at);
-        max_attempts.push(job.max_attempts);
+        columns.push(job)?;
     }
-    let written: i64 = sqlx::query_scalar(
-        "WITH j AS (
-             SELECT q, jobs_enqueue(q, k, key, p, r, m) AS id
-             FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[], $6::int[])
-                  AS t(q, k, key, p, r, m)),
-         counted AS (SELECT q, count(id) AS n FROM j GROUP BY q)
-         SELECT COALESCE(sum(n), 0)::bigint FROM counted, LATERAL (SELECT pg_notify('payfleet_jobs', counted.q)) x",
-    )
-    .bind(&queues)
-    .bind(&kinds)
-    .bind(&keys)
-    .bind(&payloads)
-    .bind(&run_ats)
-    .bind(&max_attempts)
-    .fetch_one(db)
-    .await?;
+    let (written,): (i64,) = columns
+        .bind(sqlx::query_as(
+            "WITH j AS (SELECT jobs_enqueue_many($1, $2, $3, $4, $5, $6) AS id),
+                  queues AS (SELECT DISTINCT q FROM unnest($1::text[]) AS q)
+             SELECT (SELECT count(*) FROM j)
+             FROM (SELECT count(pg_notify('payfleet_jobs', q)) FROM queues) n",
+        ))
+        .fetch_one(db)
+        .await?;
     Ok(written as u64)
 }
 

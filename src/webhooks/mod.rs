@@ -2,6 +2,9 @@
 //! (gateway, event id) together with its processing job, answer. Nothing else happens here.
 
 pub mod signature;
+mod writer;
+
+pub use writer::{EventWriter, StoreError};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,12 +16,9 @@ use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::HeaderMap;
 use axum::routing::post;
 use serde::Serialize;
-use sqlx::PgPool;
 
 use crate::gateways::{self, GatewayName};
 use crate::http::ApiError;
-use crate::payments::ProcessPaymentEvent;
-use crate::queue::{self, NewJob, Notifier};
 use signature::{SignatureError, StandardSecret};
 
 #[derive(Debug, thiserror::Error)]
@@ -245,54 +245,13 @@ pub enum Stored {
     Duplicate,
 }
 
-/// Stores the event and enqueues its processing in one statement, so both commit or neither
-/// does. A duplicate (same gateway and event id, also one arriving at the same moment) writes
-/// nothing. The workers are woken after the commit (see [`queue::Notifier`]).
-pub async fn store(
-    pool: &PgPool,
-    notifier: Option<&Notifier>,
-    webhook: &Webhook,
-) -> Result<Stored, queue::QueueError> {
-    let job = NewJob::of(&ProcessPaymentEvent {
-        gateway: webhook.gateway,
-        event_id: webhook.event_id.clone(),
-    })?
-    .key(ProcessPaymentEvent::key(webhook.gateway, &webhook.event_id));
-    let stored: Option<Option<i64>> = job
-        .bind(sqlx::query_scalar(
-            "WITH ev AS (
-                     INSERT INTO payment_events (gateway, event_id, event_type, raw_body, headers)
-                     VALUES ($7, $8, $9, $10, $11)
-                     ON CONFLICT (gateway, event_id) DO NOTHING
-                     RETURNING id)
-                 SELECT jobs_enqueue($1, $2, $3, $4, $5, $6) FROM ev",
-        ))
-        .bind(webhook.gateway.as_str())
-        .bind(&webhook.event_id)
-        .bind(&webhook.event_type)
-        .bind(webhook.body.as_ref())
-        .bind(&webhook.headers)
-        .fetch_optional(pool)
-        .await?;
-    match stored {
-        None => Ok(Stored::Duplicate),
-        Some(_) => {
-            if let Some(n) = notifier {
-                n.notify(job.queue());
-            }
-            Ok(Stored::Accepted)
-        }
-    }
-}
-
 /// What the webhook endpoints need.
 #[derive(Clone)]
 pub struct WebhookState {
-    pub pool: PgPool,
+    pub events: EventWriter,
     pub secrets: Arc<WebhookSecrets>,
     pub tolerance_secs: i64,
     pub body_limit: usize,
-    pub notifier: Option<Notifier>,
 }
 
 #[derive(Serialize)]
@@ -333,7 +292,7 @@ async fn receive(
         now,
         state.tolerance_secs,
     )?;
-    let status = store(&state.pool, state.notifier.as_ref(), &webhook).await?;
+    let status = state.events.store(webhook).await?;
     crate::http::metrics::webhook_received(gateway, status);
     Ok(Json(Receipt { status }))
 }

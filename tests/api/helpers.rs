@@ -7,8 +7,8 @@ use payfleet::messaging::Broker;
 use payfleet::payments::{ProcessPaymentEvent, Processor};
 use payfleet::queue::{Job, QueueSettings, Registry, work_until_idle};
 use payfleet::startup;
-use payfleet::webhooks::WebhookSecrets;
 use payfleet::webhooks::signature::{StandardSecret, hex_hmac};
+use payfleet::webhooks::{EventWriter, WebhookSecrets};
 use sqlx::PgPool;
 use tokio::net::TcpListener;
 
@@ -48,7 +48,10 @@ pub async fn spawn_app_with(pool: PgPool, secrets: WebhookSecrets, body_limit: u
         secrets: Arc::new(secrets),
         webhook_tolerance_secs: 300,
         webhook_body_limit: body_limit,
-        notifier: Some(payfleet::queue::Notifier::start(pool.clone())),
+        events: EventWriter::start(
+            pool.clone(),
+            Some(payfleet::queue::Notifier::start(pool.clone())),
+        ),
     };
     tokio::spawn(startup::serve(listener, state, std::future::pending()));
     TestApp {

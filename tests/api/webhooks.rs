@@ -277,3 +277,59 @@ async fn stored_events_are_immutable(pool: PgPool) {
         .unwrap_err();
     assert!(err.to_string().contains("append-only"), "{err}");
 }
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn an_event_the_database_refuses_does_not_fail_the_others_written_with_it(pool: PgPool) {
+    sqlx::query(
+        "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN IF NEW.event_id = 'poison' THEN RAISE EXCEPTION 'refused'; END IF; RETURN NEW; END $$",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("CREATE TRIGGER refuse_poison BEFORE INSERT ON payment_events FOR EACH ROW EXECUTE FUNCTION refuse_poison()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let app = std::sync::Arc::new(spawn_app(pool).await);
+    // Sent at once, so they are likely written in the same batch.
+    let tasks: Vec<_> = (0..24)
+        .map(|i| {
+            let app = app.clone();
+            let id = if i == 7 {
+                "poison".to_owned()
+            } else {
+                format!("msg_{i}")
+            };
+            tokio::spawn(async move {
+                let d = internal(
+                    &id,
+                    &payment_body("payment.succeeded", &format!("s{i}"), "1.00"),
+                );
+                (id, app.deliver(&d).await)
+            })
+        })
+        .collect();
+    for t in tasks {
+        let (id, (status, body)) = t.await.unwrap();
+        if id == "poison" {
+            assert_eq!(
+                (status, body["error"]["code"].as_str()),
+                (500, Some("internal")),
+                "{body}"
+            );
+        } else {
+            assert_eq!(
+                (status, body["status"].as_str()),
+                (200, Some("accepted")),
+                "{id}: {body}"
+            );
+        }
+    }
+    assert_eq!(app.events().await, 23);
+    let jobs: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(jobs, 23);
+}
