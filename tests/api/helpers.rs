@@ -216,3 +216,75 @@ pub async fn order_status(
     .await
     .unwrap()
 }
+
+/// The URL of the test's own database, for child processes.
+pub fn database_url(pool: &PgPool) -> String {
+    let o = pool.connect_options();
+    let host = if o.get_host().starts_with('/') {
+        "127.0.0.1"
+    } else {
+        o.get_host()
+    };
+    format!(
+        "postgres://{}@{}:{}/{}",
+        o.get_username(),
+        host,
+        o.get_port(),
+        o.get_database().unwrap_or("postgres")
+    )
+}
+
+/// A queue catalogue file for child worker processes, with short leases so tests are quick.
+pub fn queues_file(name: &str, events_concurrency: u32) -> std::path::PathBuf {
+    let path =
+        std::env::temp_dir().join(format!("payfleet-test-{name}-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        format!(
+            "[fleet]\nlease_ms = 1000\nrescue_interval_ms = 200\nshutdown_timeout_ms = 2000\n\
+             [queues.default]\nconcurrency = 4\ntimeout_ms = 5000\n\
+             [queues.events]\nconcurrency = {events_concurrency}\ntimeout_ms = 5000\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// `payfleet <args>` against the test's database.
+pub fn payfleet(pool: &PgPool, args: &[&str]) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_payfleet"));
+    cmd.args(args)
+        .env("DATABASE_URL", database_url(pool))
+        .env("RUST_LOG", "warn")
+        .env_remove("PAYFLEET_QUEUES")
+        .kill_on_drop(true);
+    cmd
+}
+
+pub async fn processed_events(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM payment_events WHERE processed_at IS NOT NULL")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Delivers `n` payment webhooks for sessions `sess_0..n`, 16 at a time.
+pub async fn deliver_payments(app: &std::sync::Arc<TestApp>, n: usize) {
+    let mut tasks = tokio::task::JoinSet::new();
+    for w in 0..16 {
+        let app = app.clone();
+        tasks.spawn(async move {
+            for i in (w..n).step_by(16) {
+                let d = internal(
+                    &format!("msg_{i}"),
+                    &payment_body("payment.succeeded", &format!("sess_{i}"), "10.00"),
+                );
+                let (status, body) = app.deliver(&d).await;
+                assert_eq!(status, 200, "{body}");
+            }
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+}

@@ -2,6 +2,7 @@
 //! (#[sqlx::test]) and, where it needs HTTP, its own server on port 0.
 
 mod helpers;
+mod process;
 mod processing;
 mod queue;
 mod webhooks;

@@ -674,3 +674,113 @@ fn registering_a_kind_twice_is_an_error() {
             .is_err()
     );
 }
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn a_job_cancelled_while_running_ends_cancelled_whatever_its_outcome(pool: PgPool) {
+    let started = Arc::new(tokio::sync::Notify::new());
+    let release = Arc::new(tokio::sync::Notify::new());
+    let mut registry = Registry::new();
+    let (s, r) = (started.clone(), release.clone());
+    registry
+        .register::<Echo, _, _>(move |_ctx: JobContext, _job: Echo| {
+            let (s, r) = (s.clone(), r.clone());
+            async move {
+                s.notify_one();
+                r.notified().await;
+                Err(JobError::retry(std::io::Error::other("would have retried")))
+            }
+        })
+        .unwrap();
+    let Scheduled::Inserted(id) =
+        queue::schedule(&pool, NewJob::of(&Echo { n: 1 }).unwrap().key("k"))
+            .await
+            .unwrap()
+    else {
+        panic!()
+    };
+    let fleet = Fleet::new(pool.clone(), registry, fast_config("")).start();
+    started.notified().await;
+    assert_eq!(
+        queue::cancel(&pool, "k").await.unwrap(),
+        Cancelled::AfterRun(id)
+    );
+    release.notify_one();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fleet.shutdown().await;
+    assert_eq!(job(&pool, id).await.0, "cancelled");
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn a_queue_never_runs_more_than_its_concurrency(pool: PgPool) {
+    let now = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let mut registry = Registry::new();
+    let (n, p) = (now.clone(), peak.clone());
+    registry
+        .register::<Echo, _, _>(move |_ctx: JobContext, _job: Echo| {
+            let (n, p) = (n.clone(), p.clone());
+            async move {
+                let running = n.fetch_add(1, Ordering::SeqCst) + 1;
+                p.fetch_max(running, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                n.fetch_sub(1, Ordering::SeqCst);
+                Ok(())
+            }
+        })
+        .unwrap();
+    let jobs: Vec<NewJob> = (0..12).map(|n| NewJob::of(&Echo { n }).unwrap()).collect();
+    queue::enqueue_many(&pool, &jobs).await.unwrap();
+    let config = QueuesConfig::parse(
+        "[fleet]\npoll_interval_ms = 50\n[queues.test]\nconcurrency = 3\ntimeout_ms = 5000\n",
+        "t",
+    )
+    .unwrap();
+    let fleet = Fleet::new(pool.clone(), registry, config).start();
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    fleet.shutdown().await;
+    assert_eq!(state_counts(&pool).await, vec![("completed".into(), 12)]);
+    assert_eq!(peak.load(Ordering::SeqCst), 3);
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn without_a_notification_polling_still_finds_the_job(pool: PgPool) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let config = QueuesConfig::parse(
+        "[fleet]\npoll_interval_ms = 300\n[queues.test]\nconcurrency = 2\ntimeout_ms = 5000\n",
+        "t",
+    )
+    .unwrap();
+    let fleet = Fleet::new(pool.clone(), recording(seen.clone()), config).start();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Written behind the queue's back: no NOTIFY.
+    sqlx::query("INSERT INTO jobs (queue, kind, payload) VALUES ('test', 'echo', '{\"n\": 7}')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    fleet.shutdown().await;
+    assert_eq!(*seen.lock().unwrap(), vec![7]);
+}
+
+#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+async fn the_listener_reconnects_by_itself(pool: PgPool) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    // A 10 s poll: a prompt start can only come from a notification.
+    let fleet = Fleet::new(pool.clone(), recording(seen.clone()), fast_config("")).start();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE datname = current_database() AND query LIKE 'LISTEN%' AND pid <> pg_backend_pid()) t",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(killed, 1, "the listener's connection was found and cut");
+    tokio::time::sleep(Duration::from_millis(1500)).await; // reconnect with backoff
+    queue::enqueue(&pool, NewJob::of(&Echo { n: 9 }).unwrap())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(*seen.lock().unwrap(), vec![9]);
+    fleet.shutdown().await;
+}
