@@ -16,8 +16,8 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::messaging::Broker;
 use crate::queue::{self, Fleet, Job, JobContext, NewJob, Registry};
+use crate::startup;
 use crate::webhooks::signature::StandardSecret;
-use crate::{cli, startup};
 
 #[derive(clap::Args, Debug)]
 pub struct IngestArgs {
@@ -343,7 +343,7 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let fleet = Fleet::new(pool.clone(), registry, config.queues.clone()).start();
     let pool2 = pool.clone();
-    cli::wait_until(
+    wait_until(
         || {
             let pool = pool2.clone();
             async move {
@@ -372,7 +372,7 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     }
     let want = args.latency_samples;
     let seen = samples.clone();
-    cli::wait_until(
+    wait_until(
         move || {
             let n = seen.lock().map(|s| s.len()).unwrap_or(0);
             async move { Ok(n >= want) }
@@ -422,6 +422,18 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     pool.close().await;
     for l in lines {
         println!("{l}");
+    }
+    Ok(())
+}
+
+/// Waits for a condition, polling.
+async fn wait_until<F, Fut>(mut check: F, every: Duration) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<bool>>,
+{
+    while !check().await? {
+        tokio::time::sleep(every).await;
     }
     Ok(())
 }

@@ -1,7 +1,5 @@
 //! The command line: one subcommand per process role, plus the operator's and benchmark tools.
 
-use std::time::Duration;
-
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
@@ -200,17 +198,5 @@ async fn jobs(config: Config, action: JobsAction) -> anyhow::Result<()> {
         }
     }
     pool.close().await;
-    Ok(())
-}
-
-/// Waits for a condition, polling; used by the benchmarks.
-pub(crate) async fn wait_until<F, Fut>(mut check: F, every: Duration) -> anyhow::Result<()>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<bool>>,
-{
-    while !check().await? {
-        tokio::time::sleep(every).await;
-    }
     Ok(())
 }

@@ -155,8 +155,7 @@ pub fn interpret(gateway: GatewayName, body: &[u8]) -> Result<Interpretation, Ev
 }
 
 /// The event's type, as the gateway names it, for the event log.
-pub fn event_type(gateway: GatewayName, body: &[u8]) -> Option<String> {
-    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+pub fn event_type(gateway: GatewayName, v: &serde_json::Value) -> Option<String> {
     let field = match gateway {
         GatewayName::Razorpay => "event",
         GatewayName::MercadoPago => "action",

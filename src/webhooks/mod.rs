@@ -120,7 +120,8 @@ const KEPT_HEADERS: &[&str] = &[
 ];
 
 impl Webhook {
-    /// Checks the gateway's signature over the raw bytes, then reads the event's id.
+    /// Checks the gateway's signature over the raw bytes, then reads the event's id from the
+    /// signed headers or (Stripe) the body. Every gateway's body must be JSON.
     pub fn verify(
         gateway: GatewayName,
         secrets: &WebhookSecrets,
@@ -132,11 +133,12 @@ impl Webhook {
     ) -> Result<Self, RejectedWebhook> {
         let h = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
         let disabled = || RejectedWebhook::Disabled(gateway);
-        let event_id = match gateway {
+        // The id when a header carries it; Stripe's is in the body.
+        let header_id = match gateway {
             GatewayName::Stripe => {
                 let secret = secrets.stripe.as_deref().ok_or_else(disabled)?;
                 signature::stripe(secret, h("stripe-signature"), &body, now, tolerance)?;
-                json_str(&body, "id")?
+                None
             }
             GatewayName::MercadoPago => {
                 let secret = secrets.mercadopago.as_deref().ok_or_else(disabled)?;
@@ -156,13 +158,13 @@ impl Webhook {
                 })?;
                 let request_id = h("x-request-id")
                     .ok_or_else(|| RejectedWebhook::Malformed("missing x-request-id".into()))?;
-                format!("{data_id}:{request_id}")
+                Some(format!("{data_id}:{request_id}"))
             }
             GatewayName::Razorpay => {
                 let secret = secrets.razorpay.as_deref().ok_or_else(disabled)?;
                 signature::razorpay(secret, h("x-razorpay-signature"), &body)?;
                 match h("x-razorpay-event-id") {
-                    Some(id) if !id.is_empty() => id.to_owned(),
+                    Some(id) if !id.is_empty() => Some(id.to_owned()),
                     _ => {
                         return Err(RejectedWebhook::Malformed(
                             "missing X-Razorpay-Event-Id".into(),
@@ -186,25 +188,32 @@ impl Webhook {
                     now,
                     tolerance,
                 )?;
-                let id = h("webhook-id").unwrap_or_default().to_owned();
-                let _: serde_json::Value = serde_json::from_slice(&body).map_err(|e| {
-                    RejectedWebhook::Malformed(format!("the body is not JSON: {e}"))
-                })?;
-                id
+                h("webhook-id").map(str::to_owned)
             }
+        };
+        let json: serde_json::Value = serde_json::from_slice(&body)
+            .map_err(|e| RejectedWebhook::Malformed(format!("the body is not JSON: {e}")))?;
+        let event_id = match header_id {
+            Some(id) => id,
+            None => json
+                .get("id")
+                .and_then(serde_json::Value::as_str)
+                .map(str::to_owned)
+                .ok_or_else(|| {
+                    RejectedWebhook::Malformed("the body has no string \"id\"".into())
+                })?,
         };
         if event_id.is_empty() || event_id.len() > 255 {
             return Err(RejectedWebhook::Malformed(
                 "the event id must be 1 to 255 characters".into(),
             ));
         }
-        let kept: serde_json::Map<String, serde_json::Value> = KEPT_HEADERS
+        let mut kept: serde_json::Map<String, serde_json::Value> = KEPT_HEADERS
             .iter()
             .filter_map(|name| {
                 h(name).map(|v| ((*name).to_owned(), serde_json::Value::String(v.to_owned())))
             })
             .collect();
-        let mut kept = kept;
         if let Some(data_id) = query.get("data.id") {
             kept.insert(
                 "query:data.id".into(),
@@ -213,7 +222,7 @@ impl Webhook {
         }
         Ok(Self {
             gateway,
-            event_type: gateways::event_type(gateway, &body),
+            event_type: gateways::event_type(gateway, &json),
             event_id,
             body,
             headers: serde_json::Value::Object(kept),
@@ -227,15 +236,6 @@ impl Webhook {
     pub fn event_id(&self) -> &str {
         &self.event_id
     }
-}
-
-fn json_str(body: &[u8], field: &'static str) -> Result<String, RejectedWebhook> {
-    let v: serde_json::Value = serde_json::from_slice(body)
-        .map_err(|e| RejectedWebhook::Malformed(format!("the body is not JSON: {e}")))?;
-    v.get(field)
-        .and_then(serde_json::Value::as_str)
-        .map(str::to_owned)
-        .ok_or_else(|| RejectedWebhook::Malformed(format!("the body has no string {field:?}")))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
