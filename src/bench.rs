@@ -180,6 +180,8 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
     for (c, rps) in results {
         let tx_per_client = (args.requests / c).max(1);
         let out = tokio::process::Command::new(&pgbench)
+            // The same transport as payfleet's own connections (no TLS).
+            .env("PGSSLMODE", "disable")
             .args([
                 "-n",
                 "-c",
