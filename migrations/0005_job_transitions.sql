@@ -27,6 +27,8 @@ $$;
 -- delay_ms: for snooze, and for retry when the handler asked for a specific delay.
 CREATE FUNCTION jobs_end_runs(p_ids bigint[], p_tokens bigint[], p_outcomes text[], p_delays_ms bigint[], p_errors text[])
 RETURNS TABLE (job_id bigint, new_state text) LANGUAGE sql AS $$
+    -- Lock in id order, as every other multi-row writer of running jobs does: no deadlocks.
+    SELECT 1 FROM jobs WHERE id = ANY (p_ids) ORDER BY id FOR UPDATE;
     UPDATE jobs j SET
         state = jobs_next_state(j.pending, d.outcome, j.attempt, j.max_attempts),
         attempt = CASE

@@ -16,8 +16,8 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::messaging::Broker;
 use crate::queue::{self, Fleet, Job, JobContext, NewJob, Registry};
-use crate::startup;
 use crate::webhooks::signature::StandardSecret;
+use crate::{db, startup};
 
 #[derive(clap::Args, Debug)]
 pub struct IngestArgs {
@@ -45,14 +45,14 @@ async fn scratch(config: &Config) -> anyhow::Result<(PgPool, String)> {
     let name = format!("{}_bench", options.get_database().unwrap_or("payfleet"));
     let drop = format!(
         "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-        startup::quote_ident(&name)
+        db::quote_ident(&name)
     );
-    startup::on_maintenance_database(&options, drop)
+    db::on_maintenance_database(&options, drop)
         .await
         .context("cannot drop the scratch database")?;
     let url = with_database(&config.database_url, &name)?;
-    let pool = startup::connect(&url, config.db_pool_size.max(40)).await?;
-    startup::migrate(&pool).await?;
+    let pool = db::connect(&url, config.db_pool_size.max(40)).await?;
+    db::migrate(&pool).await?;
     Ok((pool, url))
 }
 

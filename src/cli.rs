@@ -7,7 +7,7 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::messaging::Broker;
 use crate::queue::{JobId, admin};
-use crate::{bench, startup};
+use crate::{bench, db, startup};
 
 #[derive(Parser)]
 #[command(
@@ -72,8 +72,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let config = Config::from_env()?;
     match cli.command {
         Command::Migrate => {
-            let pool = startup::connect(&config.database_url, 2).await?;
-            startup::migrate(&pool).await?;
+            let pool = db::connect(&config.database_url, 2).await?;
+            db::migrate(&pool).await?;
             println!("migrations applied");
             Ok(())
         }
@@ -89,7 +89,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 async fn serve(config: Config) -> anyhow::Result<()> {
-    let pool = startup::connect(&config.database_url, config.db_pool_size).await?;
+    let pool = db::connect(&config.database_url, config.db_pool_size).await?;
     let (broker, _supervisor) = Broker::start(config.amqp_url.clone());
     let listener = TcpListener::bind(config.bind)
         .await
@@ -105,7 +105,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 }
 
 async fn work(config: Config) -> anyhow::Result<()> {
-    let pool = startup::connect(&config.database_url, config.db_pool_size).await?;
+    let pool = db::connect(&config.database_url, config.db_pool_size).await?;
     let fleet = startup::start_fleet(
         pool,
         startup::registry(startup::processor()?)?,
@@ -123,8 +123,8 @@ async fn up(config: Config) -> anyhow::Result<()> {
     for (name, value) in made {
         println!("development secret (set {name} to keep it): {name}={value}");
     }
-    let pool = startup::connect(&config.database_url, config.db_pool_size).await?;
-    startup::migrate(&pool).await?;
+    let pool = db::connect(&config.database_url, config.db_pool_size).await?;
+    db::migrate(&pool).await?;
     let (broker, _supervisor) = Broker::start(config.amqp_url.clone());
     let fleet = startup::start_fleet(
         pool.clone(),
@@ -158,7 +158,7 @@ fn enabled(config: &Config) -> Vec<&'static str> {
 }
 
 async fn jobs(config: Config, action: JobsAction) -> anyhow::Result<()> {
-    let pool = startup::connect(&config.database_url, 2).await?;
+    let pool = db::connect(&config.database_url, 2).await?;
     match action {
         JobsAction::Counts => {
             let counts = admin::counts(&pool).await?;

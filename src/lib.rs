@@ -9,11 +9,13 @@
 //! - `messaging` the shared RabbitMQ connection
 //! - `money`     [`money::Money`]: decimal plus currency
 //! - `http`      router assembly, the one API error type, health and metrics
+//! - `db`        the pool, migrations, and which database errors are outages
 //! - `config`, `startup`, `cli`: environment, wiring, subcommands; `bench`: the benchmarks
 
 pub mod bench;
 pub mod cli;
 pub mod config;
+pub mod db;
 pub mod gateways;
 pub mod http;
 pub mod messaging;

@@ -1,15 +1,12 @@
-//! Builds the parts of a process from its configuration: the pool (creating the database if
-//! absent), the migrations, the job registry, the HTTP server and the worker fleet. Tests use the
-//! same functions with a listener on port 0 and a database of their own.
+//! Builds the parts of a process from its configuration: the job registry, the HTTP server and
+//! the worker fleet. Tests use the same functions with a listener on port 0 and a database of
+//! their own (see `db` for the pool and the migrations).
 
 use std::future::Future;
-use std::str::FromStr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, PgPool};
+use sqlx::PgPool;
 use tokio::net::TcpListener;
 
 use crate::config::Config;
@@ -20,70 +17,9 @@ use crate::payments::{ProcessPaymentEvent, Processor};
 use crate::queue::{Fleet, FleetHandle, JobContext, Notifier, QueuesConfig, Registry};
 use crate::webhooks::EventWriter;
 
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
-
 /// One TLS provider (ring) for every client in the process: reqwest and lapin. Idempotent.
 pub fn install_tls_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-}
-
-/// Opens the pool, creating the database first if the server does not have it.
-pub async fn connect(database_url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
-    let options = PgConnectOptions::from_str(database_url)
-        .context("DATABASE_URL is not a valid PostgreSQL URL")?;
-    create_database_if_absent(&options).await?;
-    PgPoolOptions::new()
-        .max_connections(max_connections)
-        // Fail fast when the database is down: requests get a 503, workers back off.
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_with(options)
-        .await
-        .context("cannot connect to PostgreSQL (DATABASE_URL)")
-}
-
-async fn create_database_if_absent(options: &PgConnectOptions) -> anyhow::Result<()> {
-    let Some(name) = options.get_database().map(str::to_owned) else {
-        return Ok(());
-    };
-    match options.connect().await {
-        Ok(c) => {
-            c.close().await.ok();
-            return Ok(());
-        }
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("3D000") => {}
-        Err(e) => return Err(e).context("cannot connect to PostgreSQL (DATABASE_URL)"),
-    }
-    let sql = format!("CREATE DATABASE {}", quote_ident(&name));
-    match on_maintenance_database(options, sql).await {
-        Ok(()) => tracing::info!(database = %name, "created the database"),
-        // Another process created it meanwhile.
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P04") => {}
-        Err(e) => return Err(e).context("cannot create the database"),
-    }
-    Ok(())
-}
-
-/// Runs one statement on the server's `postgres` database: creating or dropping ours cannot be
-/// done from inside it.
-pub(crate) async fn on_maintenance_database(
-    options: &PgConnectOptions,
-    sql: String,
-) -> Result<(), sqlx::Error> {
-    let mut admin = options.clone().database("postgres").connect().await?;
-    sqlx::query(sqlx::AssertSqlSafe(sql))
-        .execute(&mut admin)
-        .await?;
-    admin.close().await.ok();
-    Ok(())
-}
-
-/// A database name as a quoted SQL identifier.
-pub(crate) fn quote_ident(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
-}
-
-pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
-    MIGRATOR.run(pool).await.context("migrations failed")
 }
 
 /// Every job kind this fleet runs, with its handler.

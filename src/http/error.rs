@@ -6,6 +6,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
+use crate::db::is_transient;
 use crate::queue::QueueError;
 use crate::webhooks::{RejectedWebhook, StoreError};
 
@@ -59,25 +60,9 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Connection trouble, pool exhaustion, a restarting server: the caller should retry.
-fn is_outage(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => db
-            .code()
-            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
-        _ => false,
-    }
-}
-
 impl From<sqlx::Error> for ApiError {
     fn from(e: sqlx::Error) -> Self {
-        if is_outage(&e) {
+        if is_transient(&e) {
             Self::Unavailable(Box::new(e))
         } else {
             Self::Internal(Box::new(e))
@@ -88,7 +73,7 @@ impl From<sqlx::Error> for ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match &e {
-            StoreError::Database(db) if is_outage(db) => Self::Unavailable(Box::new(e)),
+            StoreError::Database(db) if is_transient(db) => Self::Unavailable(Box::new(e)),
             // The writers are gone only while the process stops: another instance can take it.
             StoreError::Stopped => Self::Unavailable(Box::new(e)),
             _ => Self::Internal(Box::new(e)),

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio::sync::{Notify, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -90,16 +90,16 @@ pub(crate) async fn run_one(
         max_attempts: job.max_attempts,
         pool: pool.clone(),
     };
-    let future = match handler(ctx, job.payload) {
-        Ok(f) => f,
-        Err(e) => {
-            return RunEnd::Fail {
-                error: format!("payload does not decode as a {} job: {e}", job.kind),
-            };
+    // Decoding and the handler's synchronous part run in the job's own task too, so a panic
+    // anywhere in the handler is caught and a timeout can stop it.
+    let kind = job.kind;
+    let payload = job.payload;
+    let mut task = AbortOnDrop(tokio::spawn(async move {
+        match handler(ctx, payload) {
+            Ok(future) => Ok(future.await),
+            Err(e) => Err(e),
         }
-    };
-    // Its own task, so a panic is caught and a timeout can stop it.
-    let mut task = AbortOnDrop(tokio::spawn(future));
+    }));
     match tokio::time::timeout(timeout, &mut task.0).await {
         Err(_) => RunEnd::Retry {
             error: format!("timed out after {timeout:?}"),
@@ -113,7 +113,10 @@ pub(crate) async fn run_one(
             error: format!("handler task ended: {e}"),
             after: None,
         },
-        Ok(Ok(result)) => RunEnd::from(result),
+        Ok(Ok(Err(e))) => RunEnd::Fail {
+            error: format!("payload does not decode as a {kind} job: {e}"),
+        },
+        Ok(Ok(Ok(result))) => RunEnd::from(result),
     }
 }
 
@@ -162,7 +165,12 @@ impl FleetHandle {
 }
 
 struct Shared {
+    /// Claims and the jobs themselves.
     pool: PgPool,
+    /// The fleet's own bookkeeping (listener, completions, lease renewals, rescue, pruning), on
+    /// connections of its own: busy handlers must never starve the renewals, or leases would
+    /// expire under running jobs and another worker would run them a second time.
+    control: PgPool,
     registry: Registry,
     config: QueuesConfig,
     worker_id: String,
@@ -206,8 +214,13 @@ impl Fleet {
             config,
             worker_id,
         } = self;
+        let control = PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with((*pool.connect_options()).clone());
         let shared = Arc::new(Shared {
             pool,
+            control,
             registry,
             config,
             worker_id,
@@ -313,11 +326,12 @@ async fn fetch(
             _ = stop_requested(&mut stopped) => break 'work,
         }
         while let Some(done) = running.try_join_next_with_id() {
-            let id = match done {
-                Ok((id, ())) => id,
-                Err(e) => e.id(),
-            };
-            runs.remove(&id);
+            match done {
+                Ok((id, ())) => {
+                    runs.remove(&id);
+                }
+                Err(e) => end_lost_run(&ended, runs.remove(&e.id()), &e).await,
+            }
         }
         let want = slots.available_permits().min(fleet.claim_batch as usize);
         let claimed = match claim(
@@ -414,9 +428,7 @@ async fn fetch(
             Ok(Some(Ok((id, ())))) => {
                 runs.remove(&id);
             }
-            Ok(Some(Err(e))) => {
-                runs.remove(&e.id());
-            }
+            Ok(Some(Err(e))) => end_lost_run(&ended, runs.remove(&e.id()), &e).await,
             Ok(None) | Err(_) => break,
         }
     }
@@ -445,6 +457,30 @@ async fn fetch(
     }
 }
 
+/// A job task that died without queueing its end (it cannot, short of a bug in the runtime:
+/// `run_one` catches the handler's panics) would keep its lease renewed forever. End it as a
+/// failed attempt instead.
+async fn end_lost_run(
+    ended: &mpsc::Sender<Ended>,
+    run: Option<(JobId, i64)>,
+    e: &tokio::task::JoinError,
+) {
+    if let Some((id, lease_token)) = run {
+        tracing::error!(job = %id, error = %e, "job task died without an outcome");
+        let end = RunEnd::Retry {
+            error: format!("job task died: {e}"),
+            after: None,
+        };
+        let _ = ended
+            .send(Ended {
+                id,
+                lease_token,
+                end,
+            })
+            .await;
+    }
+}
+
 /// How long until the earliest waiting job of `queue` is due (zero if one is due now).
 async fn next_due_in(pool: &PgPool, queue: &str) -> Result<Option<Duration>, sqlx::Error> {
     let ms: Option<f64> = sqlx::query_scalar(
@@ -462,26 +498,19 @@ fn backoff(failures: u32) -> Duration {
 }
 
 /// Writes run ends in batches: whatever has queued up while the previous batch was written.
-/// A failed write is retried, never dropped.
+/// An outage is waited out, never dropped. An end the database refuses (bad data in an error
+/// text, say) is written alone, so it cannot block the others; if it still fails, its lease is
+/// let go and the rescue records the run as a failed attempt.
 async fn complete(shared: Arc<Shared>, mut ended: mpsc::Receiver<Ended>) {
     let max = shared.config.fleet.complete_batch as usize;
     let mut batch: Vec<Ended> = Vec::with_capacity(max);
     while ended.recv_many(&mut batch, max).await > 0 {
         batch.sort_by_key(|e| e.id); // a stable lock order
-        let mut failures = 0;
-        loop {
-            match end_runs(&shared.pool, &batch).await {
-                Ok(rows) => {
-                    for (id, state) in &rows {
-                        tracing::debug!(job = %id, %state, "run ended");
-                    }
-                    break;
-                }
-                Err(e) => {
-                    failures += 1;
-                    let wait = backoff(failures);
-                    tracing::warn!(error = %e, jobs = batch.len(), retry_in = ?wait, "could not record job outcomes");
-                    tokio::time::sleep(wait).await;
+        if let Err(e) = write_ends(&shared.control, &batch).await {
+            tracing::warn!(error = %e, jobs = batch.len(), "a run end was refused; writing them one by one");
+            for end in &batch {
+                if let Err(e) = write_ends(&shared.control, std::slice::from_ref(end)).await {
+                    tracing::error!(job = %end.id, error = %e, "run end refused; the rescue will end this run");
                 }
             }
         }
@@ -497,6 +526,28 @@ async fn complete(shared: Arc<Shared>, mut ended: mpsc::Receiver<Ended>) {
     }
 }
 
+/// Writes ends, waiting out outages; returns only a refusal.
+async fn write_ends(pool: &PgPool, batch: &[Ended]) -> Result<(), sqlx::Error> {
+    let mut failures = 0;
+    loop {
+        match end_runs(pool, batch).await {
+            Ok(rows) => {
+                for (id, state) in &rows {
+                    tracing::debug!(job = %id, %state, "run ended");
+                }
+                return Ok(());
+            }
+            Err(e) if crate::db::is_transient(&e) => {
+                failures += 1;
+                let wait = backoff(failures);
+                tracing::warn!(error = %e, jobs = batch.len(), retry_in = ?wait, "could not record job outcomes");
+                tokio::time::sleep(wait).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Renews the lease of every job this process runs, every third of the lease.
 /// Runs until the fleet aborts it, after the last end is written.
 async fn keep_leases(shared: Arc<Shared>) {
@@ -508,15 +559,21 @@ async fn keep_leases(shared: Arc<Shared>) {
         if ids.is_empty() {
             continue;
         }
+        // Rows are locked in id order, as the completer's are, so the two cannot deadlock.
         let renewed = sqlx::query(
-            "UPDATE jobs j SET lease_expires_at = now() + $3 * interval '1 millisecond'
-             FROM unnest($1::bigint[], $2::bigint[]) AS l(id, token)
-             WHERE j.id = l.id AND j.lease_token = l.token AND j.state = 'running'",
+            "WITH held AS (
+                 SELECT j.id FROM jobs j
+                 JOIN unnest($1::bigint[], $2::bigint[]) AS l(id, token) ON j.id = l.id AND j.lease_token = l.token
+                 WHERE j.state = 'running'
+                 ORDER BY j.id
+                 FOR UPDATE OF j)
+             UPDATE jobs j SET lease_expires_at = now() + $3 * interval '1 millisecond'
+             FROM held WHERE j.id = held.id",
         )
         .bind(&ids)
         .bind(&tokens)
         .bind(millis(lease))
-        .execute(&shared.pool)
+        .execute(&shared.control)
         .await;
         match renewed {
             Ok(done) if done.rows_affected() < ids.len() as u64 => {
@@ -542,7 +599,7 @@ async fn listen(
     let wake_all = || wakers.values().for_each(|w| w.notify_one());
     let mut failures = 0;
     loop {
-        let mut listener = match PgListener::connect_with(&shared.pool).await {
+        let mut listener = match PgListener::connect_with(&shared.control).await {
             Ok(l) => l,
             Err(e) => {
                 failures += 1;
@@ -603,14 +660,14 @@ async fn maintain(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
     loop {
         tokio::select! {
             _ = rescue_every.tick() => {
-                match rescue_expired(&shared.pool).await {
+                match rescue_expired(&shared.control).await {
                     Ok(0) => {}
                     Ok(n) => tracing::warn!(jobs = n, "rescued jobs whose worker stopped renewing the lease"),
                     Err(e) => tracing::warn!(error = %e, "rescue failed"),
                 }
             }
             _ = prune_every.tick() => {
-                match prune(&shared.pool, fleet.completed_retention_secs, fleet.discarded_retention_secs).await {
+                match prune(&shared.control, fleet.completed_retention_secs, fleet.discarded_retention_secs).await {
                     Ok(0) => {}
                     Ok(n) => tracing::info!(jobs = n, "pruned finished jobs"),
                     Err(e) => tracing::warn!(error = %e, "prune failed"),

@@ -361,15 +361,17 @@ impl RunEnd {
             Self::Snooze(d) => *d,
             _ => return None,
         };
-        Some(i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        // A run time beyond a year is surely a mistake; a year still counts as "much later".
+        Some(d.min(MAX_DELAY).as_millis() as i64)
     }
 
     fn error(&self) -> Option<String> {
-        match self {
-            Self::Retry { error, .. } | Self::Fail { error } => Some(error.clone()),
-            Self::Cancel { reason } => Some(format!("cancelled: {reason}")),
-            _ => None,
-        }
+        let text = match self {
+            Self::Retry { error, .. } | Self::Fail { error } => error.clone(),
+            Self::Cancel { reason } => format!("cancelled: {reason}"),
+            _ => return None,
+        };
+        Some(storable(&text))
     }
 }
 
@@ -388,6 +390,23 @@ impl From<Result<(), JobError>> for RunEnd {
             }
         }
     }
+}
+
+const MAX_DELAY: Duration = Duration::from_secs(365 * 24 * 3600);
+const MAX_ERROR_CHARS: usize = 2000;
+
+/// An error text PostgreSQL will store: no NUL (text cannot hold one; error texts may quote
+/// outside input) and of bounded length.
+fn storable(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .filter(|c| *c != '\0')
+        .take(MAX_ERROR_CHARS)
+        .collect();
+    if text.chars().count() > MAX_ERROR_CHARS {
+        out.push('…');
+    }
+    out
 }
 
 /// "outer: inner: root", so the stored error keeps its causes.

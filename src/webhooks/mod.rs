@@ -193,6 +193,21 @@ impl Webhook {
         };
         let json: serde_json::Value = serde_json::from_slice(&body)
             .map_err(|e| RejectedWebhook::Malformed(format!("the body is not JSON: {e}")))?;
+        if gateway == GatewayName::MercadoPago {
+            // The body is not signed: it must name the resource the signed query names, since
+            // processing reads the resource from it.
+            let body_id = match json.get("data").and_then(|d| d.get("id")) {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(serde_json::Value::Number(n)) => n.to_string(),
+                _ => String::new(),
+            };
+            let signed = query.get("data.id").map(String::as_str).unwrap_or_default();
+            if !body_id.eq_ignore_ascii_case(signed) {
+                return Err(RejectedWebhook::Malformed(
+                    "the body's data.id differs from the signed data.id".into(),
+                ));
+            }
+        }
         let event_id = match header_id {
             Some(id) => id,
             None => json

@@ -60,7 +60,7 @@ fn pairs<'a>(
 }
 
 fn within(ts: i64, now: i64, tolerance: i64) -> bool {
-    (now - ts).abs() <= tolerance
+    now.abs_diff(ts) <= tolerance.unsigned_abs()
 }
 
 /// `Stripe-Signature: t=<unix>,v1=<hex>[,v1=<hex>...][,v0=<hex>]` over `"{t}.{body}"`, keyed

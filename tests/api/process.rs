@@ -15,7 +15,7 @@ async fn wait_for(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bo
     }
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_worker_killed_mid_stream_leaves_every_event_to_exactly_one_effect(pool: PgPool) {
     const N: i64 = 600;
     let app = Arc::new(spawn_app(pool.clone()).await);
@@ -99,7 +99,7 @@ async fn a_worker_killed_mid_stream_leaves_every_event_to_exactly_one_effect(poo
     assert!(running > 0, "the kill cut runs off");
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn sigterm_stops_a_worker_cleanly_and_leaves_no_job_running(pool: PgPool) {
     let app = Arc::new(spawn_app(pool.clone()).await);
     deliver_payments(&app, 300).await;
@@ -140,7 +140,7 @@ async fn sigterm_stops_a_worker_cleanly_and_leaves_no_job_running(pool: PgPool) 
     assert_eq!(lost, 0);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn the_jobs_command_shows_counts_and_refuses_bad_ids_plainly(pool: PgPool) {
     let app = Arc::new(spawn_app(pool.clone()).await);
     deliver_payments(&app, 3).await;

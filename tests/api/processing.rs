@@ -8,7 +8,7 @@ use sqlx::PgPool;
 
 use crate::helpers::*;
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_paid_event_becomes_one_paid_order(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
     app.deliver(&internal(
@@ -58,7 +58,7 @@ async fn a_paid_event_becomes_one_paid_order(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_second_paid_event_for_the_same_payment_is_one_effect(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
     // Two different event ids saying the same thing (a gateway that re-emits).
@@ -86,7 +86,7 @@ async fn a_second_paid_event_for_the_same_payment_is_one_effect(pool: PgPool) {
     assert_eq!(orders, 1);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_refund_before_its_payment_ends_refunded(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
     app.deliver(&internal(
@@ -138,7 +138,7 @@ async fn a_refund_before_its_payment_ends_refunded(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_failed_attempt_then_success_ends_paid_and_a_late_failure_does_not_undo_it(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
     app.deliver(&internal(
@@ -168,7 +168,7 @@ async fn a_failed_attempt_then_success_ends_paid_and_a_late_failure_does_not_und
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_dispute_decided_before_it_was_opened_stays_decided(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
     let dispute = |kind: &str| {
@@ -191,7 +191,7 @@ async fn a_dispute_decided_before_it_was_opened_stays_decided(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn concurrent_processing_of_one_event_applies_it_once(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
     app.deliver(&internal(
@@ -219,7 +219,7 @@ async fn concurrent_processing_of_one_event_applies_it_once(pool: PgPool) {
     assert_eq!(applied, 1);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_worker_that_died_mid_way_leaves_the_event_to_be_processed_again(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
     app.deliver(&internal(
@@ -278,7 +278,7 @@ async fn a_worker_that_died_mid_way_leaves_the_event_to_be_processed_again(pool:
     assert!(processed);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn stripe_refund_before_the_checkout_waits_for_it(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
     let refund = r#"{"id":"evt_r","type":"charge.refunded","data":{"object":{"id":"ch_1","payment_intent":"pi_1","refunds":{"data":[{"id":"re_1","amount":1990,"currency":"brl","status":"succeeded"}]}}}}"#;
@@ -311,7 +311,7 @@ async fn stripe_refund_before_the_checkout_waits_for_it(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn razorpay_captured_payment_confirms_the_order(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
     let authorized = r#"{"entity":"event","event":"payment.authorized","payload":{"payment":{"entity":{"id":"pay_1","amount":50000,"currency":"INR","status":"authorized","order_id":"order_1"}}}}"#;
@@ -331,7 +331,7 @@ async fn razorpay_captured_payment_confirms_the_order(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn mercadopago_events_are_checked_against_the_api(pool: PgPool) {
     // A stand-in for the Payments API, answering as Mercado Pago documents.
     let api = axum::Router::new().route(

@@ -67,7 +67,7 @@ fn recording(seen: Arc<std::sync::Mutex<Vec<i64>>>) -> Registry {
     r
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_job_exists_if_and_only_if_the_callers_transaction_commits(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
     queue::enqueue(&mut *tx, NewJob::of(&Echo { n: 1 }).unwrap())
@@ -83,7 +83,7 @@ async fn a_job_exists_if_and_only_if_the_callers_transaction_commits(pool: PgPoo
     assert_eq!(state_counts(&pool).await, vec![("available".into(), 1)]);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_key_is_unique_among_unfinished_jobs_and_enqueue_does_not_abort_the_transaction(
     pool: PgPool,
 ) {
@@ -110,7 +110,7 @@ async fn a_key_is_unique_among_unfinished_jobs_and_enqueue_does_not_abort_the_tr
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn schedule_replaces_the_waiting_job_and_the_old_one_never_runs(pool: PgPool) {
     let later = Utc::now() + chrono::Duration::hours(1);
     let a = queue::schedule(
@@ -140,7 +140,7 @@ async fn schedule_replaces_the_waiting_job_and_the_old_one_never_runs(pool: PgPo
     assert_eq!(state_counts(&pool).await, vec![("completed".into(), 1)]);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn concurrent_schedules_of_one_key_leave_exactly_one_job(pool: PgPool) {
     let tasks: Vec<_> = (0..16)
         .map(|n| {
@@ -166,7 +166,7 @@ async fn concurrent_schedules_of_one_key_leave_exactly_one_job(pool: PgPool) {
     assert_eq!(seen.lock().unwrap().len(), 1);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_rolled_back_reschedule_leaves_the_old_job(pool: PgPool) {
     let Scheduled::Inserted(id) =
         queue::schedule(&pool, NewJob::of(&Echo { n: 1 }).unwrap().key("k"))
@@ -183,7 +183,7 @@ async fn a_rolled_back_reschedule_leaves_the_old_job(pool: PgPool) {
     assert_eq!(job(&pool, id).await.2["n"], 1);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends(pool: PgPool) {
     let started = Arc::new(tokio::sync::Notify::new());
     let release = Arc::new(tokio::sync::Notify::new());
@@ -246,7 +246,7 @@ async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn concurrent_claims_never_share_a_job(pool: PgPool) {
     let jobs: Vec<NewJob> = (0..200).map(|n| NewJob::of(&Echo { n }).unwrap()).collect();
     assert_eq!(queue::enqueue_many(&pool, &jobs).await.unwrap(), 200);
@@ -313,7 +313,7 @@ fn outcomes() -> Registry {
     r
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn typed_outcomes_are_stored_with_backoff_errors_and_attempts(pool: PgPool) {
     let mut ids = std::collections::HashMap::new();
     for what in ["ok", "retry", "fail", "snooze", "cancel", "panic", "slow"] {
@@ -406,7 +406,7 @@ async fn typed_outcomes_are_stored_with_backoff_errors_and_attempts(pool: PgPool
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_job_that_keeps_killing_workers_ends_discarded(pool: PgPool) {
     let id = queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap())
         .await
@@ -436,7 +436,7 @@ async fn a_job_that_keeps_killing_workers_ends_discarded(pool: PgPool) {
     assert_eq!(rescue_expired(&pool).await.unwrap(), 0);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn the_fleet_runs_jobs_on_notification_and_future_jobs_on_time(pool: PgPool) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     // The poll interval is 10 s: only LISTEN/NOTIFY and the next-run timer can explain prompt starts.
@@ -472,7 +472,7 @@ async fn the_fleet_runs_jobs_on_notification_and_future_jobs_on_time(pool: PgPoo
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_running_job_keeps_its_lease_and_a_dead_workers_job_is_rescued(pool: PgPool) {
     let runs = Arc::new(AtomicUsize::new(0));
     let mut registry = Registry::new();
@@ -530,7 +530,7 @@ async fn a_running_job_keeps_its_lease_and_a_dead_workers_job_is_rescued(pool: P
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn shutdown_finishes_short_jobs_and_releases_long_ones(pool: PgPool) {
     let short = queue::enqueue(&pool, NewJob::of(&Outcome { what: "ok".into() }).unwrap())
         .await
@@ -563,7 +563,7 @@ async fn shutdown_finishes_short_jobs_and_releases_long_ones(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn finished_jobs_are_pruned_after_their_retention(pool: PgPool) {
     for (state, age_hours) in [
         ("completed", 48),
@@ -595,7 +595,7 @@ async fn finished_jobs_are_pruned_after_their_retention(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn operators_see_counts_and_dead_jobs_and_can_retry_or_discard(pool: PgPool) {
     let dead = queue::enqueue(
         &pool,
@@ -651,7 +651,7 @@ async fn operators_see_counts_and_dead_jobs_and_can_retry_or_discard(pool: PgPoo
     ));
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn the_schema_refuses_inconsistent_states(pool: PgPool) {
     for bad in [
         "INSERT INTO jobs (queue, kind, state) VALUES ('q', 'k', 'running')",
@@ -675,7 +675,7 @@ fn registering_a_kind_twice_is_an_error() {
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_job_cancelled_while_running_ends_cancelled_whatever_its_outcome(pool: PgPool) {
     let started = Arc::new(tokio::sync::Notify::new());
     let release = Arc::new(tokio::sync::Notify::new());
@@ -710,7 +710,7 @@ async fn a_job_cancelled_while_running_ends_cancelled_whatever_its_outcome(pool:
     assert_eq!(job(&pool, id).await.0, "cancelled");
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_queue_never_runs_more_than_its_concurrency(pool: PgPool) {
     let now = Arc::new(AtomicUsize::new(0));
     let peak = Arc::new(AtomicUsize::new(0));
@@ -742,7 +742,7 @@ async fn a_queue_never_runs_more_than_its_concurrency(pool: PgPool) {
     assert_eq!(peak.load(Ordering::SeqCst), 3);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn without_a_notification_polling_still_finds_the_job(pool: PgPool) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let config = QueuesConfig::parse(
@@ -762,7 +762,7 @@ async fn without_a_notification_polling_still_finds_the_job(pool: PgPool) {
     assert_eq!(*seen.lock().unwrap(), vec![7]);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn the_listener_reconnects_by_itself(pool: PgPool) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     // A 10 s poll: a prompt start can only come from a notification.
@@ -783,4 +783,75 @@ async fn the_listener_reconnects_by_itself(pool: PgPool) {
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert_eq!(*seen.lock().unwrap(), vec![9]);
     fleet.shutdown().await;
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Odd {
+    what: String,
+}
+
+impl Job for Odd {
+    const KIND: &'static str = "odd";
+    const QUEUE: &'static str = "test";
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn ends_postgres_would_refuse_as_given_are_still_written(pool: PgPool) {
+    let mut registry = Registry::new();
+    registry
+        .register::<Odd, _, _>(|_ctx: JobContext, job: Odd| {
+            // A panic before the future exists is caught like one inside it.
+            assert!(job.what != "sync-panic", "panicked before its future");
+            async move {
+                match job.what.as_str() {
+                    "nul" => Err(JobError::fail(std::io::Error::other(
+                        "gateway said \0 nonsense",
+                    ))),
+                    "forever" => Err(JobError::Snooze(Duration::MAX)),
+                    _ => Ok(()),
+                }
+            }
+        })
+        .unwrap();
+    let mut ids = Vec::new();
+    for what in ["nul", "forever", "sync-panic", "ok"] {
+        ids.push(
+            queue::enqueue(&pool, NewJob::of(&Odd { what: what.into() }).unwrap())
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    let fleet = Fleet::new(pool.clone(), registry, fast_config("")).start();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    fleet.shutdown().await;
+
+    let (state, _, _, errors) = job(&pool, ids[0]).await;
+    assert_eq!(state, "discarded");
+    assert_eq!(errors[0]["error"], "gateway said  nonsense");
+    let days: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM run_at - now())::float8 / 86400 FROM jobs WHERE id = $1",
+    )
+    .bind(ids[1])
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        (364.0..366.0).contains(&days),
+        "a snooze is capped at a year: {days}"
+    );
+    let (state, _, _, errors) = job(&pool, ids[2]).await;
+    assert_eq!(state, "retryable");
+    assert!(
+        errors[0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("panicked before its future"),
+        "{errors}"
+    );
+    assert_eq!(
+        job(&pool, ids[3]).await.0,
+        "completed",
+        "the others in the batch were written"
+    );
 }

@@ -5,7 +5,7 @@ use sqlx::postgres::PgPoolOptions;
 
 use crate::helpers::*;
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn every_gateway_accepts_its_signed_webhook_and_stores_it_with_its_job(pool: PgPool) {
     let app = spawn_app(pool).await;
     let deliveries = [
@@ -59,7 +59,7 @@ async fn every_gateway_accepts_its_signed_webhook_and_stores_it_with_its_job(poo
     assert_eq!(raw, br#"{"event":"payment.captured","payload":{}}"#);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn bad_signatures_and_stale_timestamps_are_401_and_store_nothing(pool: PgPool) {
     let app = spawn_app(pool).await;
     let body = payment_body("payment.succeeded", "s1", "10.00");
@@ -111,7 +111,7 @@ async fn bad_signatures_and_stale_timestamps_are_401_and_store_nothing(pool: PgP
     assert_eq!(jobs, 0);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_repeated_event_is_a_duplicate_even_hours_later(pool: PgPool) {
     let app = spawn_app(pool).await;
     let body = payment_body("payment.succeeded", "s1", "10.00");
@@ -125,7 +125,7 @@ async fn a_repeated_event_is_a_duplicate_even_hours_later(pool: PgPool) {
     assert_eq!(app.events().await, 1);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn concurrent_duplicate_deliveries_store_one_row_and_all_get_200(pool: PgPool) {
     let app = spawn_app(pool).await;
     let d = internal(
@@ -163,7 +163,7 @@ async fn concurrent_duplicate_deliveries_store_one_row_and_all_get_200(pool: PgP
     assert_eq!(jobs, 1);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn unknown_and_disabled_gateways_are_404(pool: PgPool) {
     let secrets = WebhookSecrets {
         internal: all_secrets().internal,
@@ -185,7 +185,7 @@ async fn unknown_and_disabled_gateways_are_404(pool: PgPool) {
     assert_eq!(app.events().await, 0);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn an_oversized_body_is_413_and_a_signed_non_json_body_is_400(pool: PgPool) {
     let app = spawn_app_with(pool, all_secrets(), 1024).await;
     let big = format!(
@@ -204,10 +204,17 @@ async fn an_oversized_body_is_413_and_a_signed_non_json_body_is_400(pool: PgPool
     );
     let (status, _) = app.deliver(&stripe(r#"{"type":"no id"}"#, now())).await;
     assert_eq!(status, 400);
+    let mut swapped = mercadopago("123456", "req-1", now() * 1000);
+    swapped.body = br#"{"type":"payment","data":{"id":"999"}}"#.to_vec();
+    let (status, body) = app.deliver(&swapped).await;
+    assert_eq!(
+        status, 400,
+        "an unsigned body naming another payment: {body}"
+    );
     assert_eq!(app.events().await, 0);
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn the_database_down_is_503(_pool: PgPool) {
     // Nothing listens on port 1: every connection attempt fails at once.
     let dead = PgPoolOptions::new()
@@ -228,7 +235,7 @@ async fn the_database_down_is_503(_pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn when_the_job_cannot_be_written_the_event_is_not_stored_either(pool: PgPool) {
     // Make every job insert fail, after the event insert has succeeded in the same transaction.
     sqlx::query("ALTER TABLE jobs ADD CONSTRAINT refuse_all CHECK (false) NOT VALID")
@@ -258,7 +265,7 @@ async fn when_the_job_cannot_be_written_the_event_is_not_stored_either(pool: PgP
     assert_eq!((status, body["status"].as_str()), (200, Some("accepted")));
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn stored_events_are_immutable(pool: PgPool) {
     let app = spawn_app(pool).await;
     app.deliver(&internal(
@@ -278,7 +285,7 @@ async fn stored_events_are_immutable(pool: PgPool) {
     assert!(err.to_string().contains("append-only"), "{err}");
 }
 
-#[sqlx::test(migrator = "payfleet::startup::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn an_event_the_database_refuses_does_not_fail_the_others_written_with_it(pool: PgPool) {
     sqlx::query(
         "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
