@@ -25,6 +25,33 @@ pub use fleet::{Fleet, FleetHandle, prune, rescue_expired, work_until_idle};
 pub use notifier::Notifier;
 pub use registry::{JobContext, Registry, RegistryError};
 
+/// The one INSERT of jobs, as SQL text to place in a statement (a CTE, say), so a business
+/// statement can write its rows and their jobs in one round trip with the same rules as
+/// [`enqueue`]. `$source` names a relation with the columns `job_queue, job_kind, job_key,
+/// job_payload, job_run_at, job_max_attempts`; [`JobColumns`] binds them as arrays for
+/// [`job_columns_from_params!`]. A key held by an unfinished job means nothing is written for
+/// that job, and the statement goes on. Add `RETURNING ...` as needed.
+#[macro_export]
+macro_rules! insert_jobs_from {
+    ($($source:tt)+) => {
+        concat!(
+            "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts) ",
+            "SELECT job_queue, job_kind, job_key, job_payload, COALESCE(job_run_at, now()), job_max_attempts FROM ",
+            $($source)+,
+            " ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable') DO NOTHING"
+        )
+    };
+}
+
+/// The six parameters [`JobColumns::bind`] fills, as a relation for [`insert_jobs_from!`].
+#[macro_export]
+macro_rules! job_columns_from_params {
+    () => {
+        "unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[], $6::int[]) \
+         AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts)"
+    };
+}
+
 /// A kind of job: its payload type, the queue it runs on and how often it may be tried.
 pub trait Job: Serialize + DeserializeOwned + Send + 'static {
     const KIND: &'static str;
@@ -125,16 +152,18 @@ pub async fn enqueue<'c>(
     let mut columns = JobColumns::default();
     columns.push(&job)?;
     let id: Option<(JobId,)> = columns
-        .bind(sqlx::query_as(
-            "SELECT id FROM jobs_enqueue_many($1, $2, $3, $4, $5, $6) AS id, pg_notify('payfleet_jobs', $1[1]) AS n",
-        ))
+        .bind(sqlx::query_as(concat!(
+            "WITH j AS (",
+            insert_jobs_from!(job_columns_from_params!()),
+            " RETURNING id) SELECT id FROM j, pg_notify('payfleet_jobs', $1[1]) AS n"
+        )))
         .fetch_optional(db)
         .await?;
     Ok(id.map(|(id,)| id))
 }
 
-/// Jobs as parallel arrays, the arguments of `jobs_enqueue_many`, for statements that write
-/// many rows with their jobs at once (see [`enqueue_many`] and the webhook writer).
+/// Jobs as parallel arrays, bound as the first six parameters of a statement that inserts them
+/// with [`insert_jobs_from!`] over [`job_columns_from_params!`].
 #[derive(Debug, Default)]
 pub struct JobColumns<'a> {
     queues: Vec<&'a str>,
@@ -180,12 +209,13 @@ pub async fn enqueue_many<'c>(db: impl PgExecutor<'c>, jobs: &[NewJob]) -> Resul
         columns.push(job)?;
     }
     let (written,): (i64,) = columns
-        .bind(sqlx::query_as(
-            "WITH j AS (SELECT jobs_enqueue_many($1, $2, $3, $4, $5, $6) AS id),
-                  queues AS (SELECT DISTINCT q FROM unnest($1::text[]) AS q)
-             SELECT (SELECT count(*) FROM j)
-             FROM (SELECT count(pg_notify('payfleet_jobs', q)) FROM queues) n",
-        ))
+        .bind(sqlx::query_as(concat!(
+            "WITH j AS (",
+            insert_jobs_from!(job_columns_from_params!()),
+            " RETURNING id), queues AS (SELECT DISTINCT q FROM unnest($1::text[]) AS q)
+                 SELECT (SELECT count(*) FROM j)
+                 FROM (SELECT count(pg_notify('payfleet_jobs', q)) FROM queues) n"
+        )))
         .fetch_one(db)
         .await?;
     Ok(written as u64)

@@ -155,21 +155,22 @@ async fn write(
     }
     let rows: Vec<(String, String)> = jobs
         .bind(sqlx::query_as(
-            "WITH t AS (
-                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[], $6::int[],
-                                      $7::text[], $8::text[], $9::text[], $10::bytea[], $11::jsonb[])
-                     AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts,
-                          gateway, event_id, event_type, raw_body, headers)),
-             ev AS (
-                 INSERT INTO payment_events (gateway, event_id, event_type, raw_body, headers)
-                 SELECT gateway, event_id, event_type, raw_body, headers FROM t
-                 ON CONFLICT (gateway, event_id) DO NOTHING
-                 RETURNING gateway, event_id),
-             jobs AS (
-                 SELECT jobs_enqueue_many(array_agg(job_queue), array_agg(job_kind), array_agg(job_key),
-                                          array_agg(job_payload), array_agg(job_run_at), array_agg(job_max_attempts))
-                 FROM ev JOIN t USING (gateway, event_id))
-             SELECT gateway, event_id FROM ev WHERE (SELECT count(*) FROM jobs) >= 0",
+            concat!(
+                "WITH t AS (
+                     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[],
+                                          $6::int[], $7::text[], $8::text[], $9::text[], $10::bytea[], $11::jsonb[])
+                         AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts,
+                              gateway, event_id, event_type, raw_body, headers)),
+                 ev AS (
+                     INSERT INTO payment_events (gateway, event_id, event_type, raw_body, headers)
+                     SELECT gateway, event_id, event_type, raw_body, headers FROM t
+                     ON CONFLICT (gateway, event_id) DO NOTHING
+                     RETURNING gateway, event_id),
+                 jobs AS (",
+                crate::insert_jobs_from!("ev JOIN t USING (gateway, event_id)"),
+                ")
+                 SELECT gateway, event_id FROM ev"
+            ),
         ))
         .bind(&gateways)
         .bind(&ids)
