@@ -410,46 +410,18 @@ mod tests {
         );
         let s2 = StandardSecret::parse("whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD").unwrap();
         let body2 = br#"{"email":"test@example.com","username":"test_user"}"#;
+        // Other versions and non-matching v1 entries beside the right one are ignored.
         let sig2 = format!(
             "v2,abc v1,{} v1,tZ1I4/hDygAJgO5TYxiSd6Sd0kDW6hPenDe+bTa3Kkw=",
             "A".repeat(44)
         );
-        assert_eq!(
-            standard(
-                &s2,
-                Some("msg_27UH4WbU6Z5A5EzD8u03UvzRbpk"),
-                Some("1649367553"),
-                Some(&sig2),
-                body2,
-                1649367553 - 200,
-                300
-            ),
-            Ok(())
-        );
-        assert_eq!(
-            standard(
-                &s2,
-                Some("msg_27UH4WbU6Z5A5EzD8u03UvzRbpk"),
-                Some("1649367553"),
-                Some(&sig2),
-                body2,
-                1649367553 + 301,
-                300
-            ),
-            Err(SignatureError::Timestamp(300))
-        );
-        assert_eq!(
-            standard(
-                &s2,
-                Some("msg_27UH4WbU6Z5A5EzD8u03UvzRbpk"),
-                Some("1649367553"),
-                Some(&sig2),
-                body2,
-                1649367553 - 301,
-                300
-            ),
-            Err(SignatureError::Timestamp(300))
-        );
+        let at = |now: i64| {
+            let (id, ts) = (Some("msg_27UH4WbU6Z5A5EzD8u03UvzRbpk"), Some("1649367553"));
+            standard(&s2, id, ts, Some(&sig2), body2, now, 300)
+        };
+        assert_eq!(at(1649367553 - 200), Ok(()));
+        assert_eq!(at(1649367553 + 301), Err(SignatureError::Timestamp(300)));
+        assert_eq!(at(1649367553 - 301), Err(SignatureError::Timestamp(300)));
     }
 
     #[test]
