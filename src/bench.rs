@@ -14,8 +14,9 @@ use sqlx::postgres::PgConnectOptions;
 use tokio::net::TcpListener;
 
 use crate::config::Config;
-use crate::messaging::Broker;
 use crate::queue::{self, Fleet, Job, JobContext, NewJob, Registry};
+use crate::secret::SecretUrl;
+use crate::startup::Roles;
 use crate::webhooks::signature::StandardSecret;
 use crate::{db, startup};
 
@@ -40,8 +41,8 @@ pub struct QueueArgs {
 }
 
 /// Drops and recreates `<database>_bench` and migrates it.
-async fn scratch(config: &Config) -> anyhow::Result<(PgPool, String)> {
-    let options = PgConnectOptions::from_str(&config.database_url)?;
+async fn scratch(config: &Config) -> anyhow::Result<(PgPool, SecretUrl)> {
+    let options = PgConnectOptions::from_str(config.database_url.expose())?;
     let name = format!("{}_bench", options.get_database().unwrap_or("payfleet"));
     let drop = format!(
         "DROP DATABASE IF EXISTS {} WITH (FORCE)",
@@ -50,7 +51,7 @@ async fn scratch(config: &Config) -> anyhow::Result<(PgPool, String)> {
     db::on_maintenance_database(&options, drop)
         .await
         .context("cannot drop the scratch database")?;
-    let url = with_database(&config.database_url, &name)?;
+    let url = SecretUrl::new(with_database(config.database_url.expose(), &name)?);
     let pool = db::connect(&url, config.db_pool_size.max(40)).await?;
     db::migrate(&pool).await?;
     Ok((pool, url))
@@ -105,8 +106,7 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
     };
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let state = startup::app_state(&app_config, pool.clone(), Broker::default());
-    let server = tokio::spawn(startup::serve(listener, state, std::future::pending()));
+    let server = startup::start(&app_config, pool.clone(), Roles::SERVE, Some(listener))?;
     let mut lines = Vec::new();
     let mut results = Vec::new();
     let mut next_id = 0usize;
@@ -160,7 +160,8 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
     if stored as usize != next_id {
         bail!("sent {next_id} distinct webhooks but {stored} events are stored");
     }
-    server.abort();
+    lines.extend(refusals(addr, &secret).await?);
+    server.stop().await;
 
     // The baseline: one durable insert per transaction into a table of the same shape.
     sqlx::query("CREATE TABLE bench_events (LIKE payment_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES)")
@@ -193,7 +194,7 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
                 "-f",
             ])
             .arg(&script)
-            .arg(&url)
+            .arg(url.expose())
             .output()
             .await
             .context("cannot run pgbench")?;
@@ -222,10 +223,96 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The cost of refusing the worst requests a sender can make, beside the machine's own cost
+/// of the one HMAC such a request needs: CPU time of this process per refused request, with
+/// a 1 MiB body and (a) 8,000 signatures in the header (about 380 KB, under hyper's limit),
+/// (b) the most signatures accepted with a fresh timestamp, (c) a stale timestamp.
+async fn refusals(
+    addr: std::net::SocketAddr,
+    secret: &StandardSecret,
+) -> anyhow::Result<Vec<String>> {
+    const N: usize = 200;
+    let body = axum::body::Bytes::from(vec![b'{'; 1024 * 1024 - 4096]);
+    let ts = chrono::Utc::now().timestamp();
+    let fake = secret.sign("msg_other", ts, b"{}");
+    let header = |n: usize| vec![fake.as_str(); n].join(" ");
+    let cases = [
+        ("refused_8000_signatures", header(8000), ts),
+        (
+            "refused_max_signatures",
+            header(crate::webhooks::signature::MAX_CANDIDATES),
+            ts,
+        ),
+        ("refused_stale", header(1), ts - 3600),
+    ];
+    let mut lines = Vec::new();
+    for (name, sig, ts) in cases {
+        let requests = (0..N)
+            .map(|i| {
+                hyper::Request::post("/webhooks/internal")
+                    .header("host", addr.to_string())
+                    .header("webhook-id", format!("msg_refused_{i}"))
+                    .header("webhook-timestamp", ts.to_string())
+                    .header("webhook-signature", sig.clone())
+                    .header("content-type", "application/json")
+                    .body(http_body_util::Full::new(body.clone()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let cpu = process_cpu();
+        let started = Instant::now();
+        let mut lat = send_expecting(addr, requests, 401).await?;
+        let wall = started.elapsed();
+        let per_request_ms = process_cpu()
+            .zip(cpu)
+            .map(|(after, before)| (after - before).as_secs_f64() * 1000.0 / N as f64);
+        lat.sort();
+        let p99 = percentile(&lat, 0.99);
+        match per_request_ms {
+            Some(ms) => {
+                eprintln!(
+                    "ingest: {name}: {ms:.2} ms of CPU per refusal (sender included), p99 {p99:.2} ms, {N} in {wall:?}"
+                );
+                lines.push(format!("ingest_{name}_cpu_ms={ms:.2}"));
+            }
+            None => eprintln!("ingest: {name}: p99 {p99:.2} ms (no CPU clock on this system)"),
+        }
+        lines.push(format!("ingest_{name}_p99_ms={p99:.2}"));
+    }
+    // The machine's own cost of the one HMAC a refusal with a fresh timestamp must compute.
+    let started = Instant::now();
+    for i in 0..N {
+        std::hint::black_box(secret.sign(&format!("m{i}"), ts, &body));
+    }
+    let hmac_ms = started.elapsed().as_secs_f64() * 1000.0 / N as f64;
+    eprintln!("machine: one HMAC-SHA256 over 1 MiB: {hmac_ms:.2} ms");
+    lines.push(format!("hmac_1mib_ms={hmac_ms:.2}"));
+    Ok(lines)
+}
+
+/// CPU time (user and system) this process has used, where the system tells it (Linux).
+fn process_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The fields after the command name, which is in parentheses and may hold spaces.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    // Linux reports clock ticks of 1/100 s (USER_HZ) to user space.
+    Some(Duration::from_millis((utime + stime) * 10))
+}
+
 /// One sender: its own HTTP/1 connection, one request at a time, as a gateway's delivery worker.
 async fn send_all(
     addr: std::net::SocketAddr,
     requests: Vec<hyper::Request<http_body_util::Full<axum::body::Bytes>>>,
+) -> anyhow::Result<Vec<Duration>> {
+    send_expecting(addr, requests, 200).await
+}
+
+/// Sends the requests one after the other on one connection; each must answer `expected`.
+async fn send_expecting(
+    addr: std::net::SocketAddr,
+    requests: Vec<hyper::Request<http_body_util::Full<axum::body::Bytes>>>,
+    expected: u16,
 ) -> anyhow::Result<Vec<Duration>> {
     use http_body_util::BodyExt;
     let stream = tokio::net::TcpStream::connect(addr).await?;
@@ -239,9 +326,9 @@ async fn send_all(
         let resp = sender.send_request(req).await?;
         let status = resp.status();
         let body = resp.into_body().collect().await?.to_bytes();
-        if !status.is_success() {
+        if status.as_u16() != expected {
             bail!(
-                "webhook answered {status}: {}",
+                "webhook answered {status} (expected {expected}): {}",
                 String::from_utf8_lossy(&body)
             );
         }
@@ -343,7 +430,13 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
 
     // Drain with the fleet's default settings.
     let started = Instant::now();
-    let fleet = Fleet::new(pool.clone(), registry, config.queues.clone()).start();
+    let fleet = Fleet::new(
+        pool.clone(),
+        registry,
+        config.queues.clone(),
+        &config.host_name,
+    )
+    .start();
     let pool2 = pool.clone();
     wait_until(
         || {

@@ -5,9 +5,10 @@ use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
 
 use crate::config::Config;
-use crate::messaging::Broker;
+use crate::payments::events::{self, Replayed};
 use crate::queue::{JobId, admin};
-use crate::{bench, db, startup};
+use crate::startup::{self, Roles};
+use crate::{bench, db};
 
 #[derive(Parser)]
 #[command(
@@ -26,7 +27,8 @@ enum Command {
     Migrate,
     /// Run the HTTP receiver (webhooks, health, metrics).
     Serve,
-    /// Run a worker process: every queue of jobs/queues.toml.
+    /// Run a worker process: every queue of jobs/queues.toml. With PAYFLEET_WORKER_BIND set, it
+    /// serves /healthz, /readyz and /metrics there.
     Work,
     /// Everything in one process, migrations included: the local default.
     Up,
@@ -34,6 +36,11 @@ enum Command {
     Jobs {
         #[command(subcommand)]
         action: Option<JobsAction>,
+    },
+    /// Stored payment events that are not processed, and replaying them.
+    Events {
+        #[command(subcommand)]
+        action: EventsAction,
     },
     /// Benchmarks against the configured database server (in a scratch database).
     Bench {
@@ -60,15 +67,32 @@ enum JobsAction {
 }
 
 #[derive(Subcommand)]
+enum EventsAction {
+    /// Events not processed, oldest first: pending (no outcome yet), waiting (for their
+    /// payment) or rejected (with the reason), and the state of their processing job.
+    Unprocessed {
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// Process an event again (by the ID `events unprocessed` shows), or every unprocessed one.
+    Replay {
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        id: Option<i64>,
+        #[arg(long)]
+        all: bool,
+    },
+}
+
+#[derive(Subcommand)]
 enum BenchCommand {
-    /// Signed webhooks per second and latency at 1, 8 and 32 senders, beside pgbench.
+    /// Signed webhooks per second and latency at 1, 8 and 32 senders, beside pgbench; the CPU
+    /// cost of refusing the worst request a sender can make.
     Ingest(bench::IngestArgs),
     /// Enqueue and drain rates, and enqueue-to-start latency.
     Queue(bench::QueueArgs),
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
-    startup::install_tls_provider();
     let config = Config::from_env()?;
     match cli.command {
         Command::Migrate => {
@@ -77,10 +101,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             println!("migrations applied");
             Ok(())
         }
-        Command::Serve => serve(config).await,
-        Command::Work => work(config).await,
+        Command::Serve => serve(config, Roles::SERVE).await,
+        Command::Work => serve(config, Roles::WORK).await,
         Command::Up => up(config).await,
         Command::Jobs { action } => jobs(config, action.unwrap_or(JobsAction::Counts)).await,
+        Command::Events { action } => events_command(config, action).await,
         Command::Bench { which } => match which {
             BenchCommand::Ingest(args) => bench::ingest(&config, args).await,
             BenchCommand::Queue(args) => bench::queue(&config, args).await,
@@ -88,32 +113,32 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-async fn serve(config: Config) -> anyhow::Result<()> {
+/// `serve` and `work`: connect, start the roles, run until SIGTERM.
+async fn serve(config: Config, roles: Roles) -> anyhow::Result<()> {
     let pool = db::connect(&config.database_url, config.db_pool_size).await?;
-    let (broker, _supervisor) = Broker::start(config.amqp_url.clone());
-    let listener = TcpListener::bind(config.bind)
-        .await
-        .with_context(|| format!("cannot listen on {}", config.bind))?;
-    tracing::info!(address = %config.bind, gateways = ?enabled(&config), "serving");
-    startup::serve(
-        listener,
-        startup::app_state(&config, pool, broker),
-        startup::shutdown_signal(),
-    )
-    .await?;
-    Ok(())
-}
-
-async fn work(config: Config) -> anyhow::Result<()> {
-    let pool = db::connect(&config.database_url, config.db_pool_size).await?;
-    let fleet = startup::start_fleet(
-        pool,
-        startup::registry(startup::processor()?)?,
-        config.queues.clone(),
+    let bind = if roles.serve {
+        Some(config.bind)
+    } else {
+        config.worker_bind
+    };
+    let listener = match bind {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr}"))?,
+        ),
+        None => None,
+    };
+    let running = startup::start(&config, pool, roles, listener)?;
+    tracing::info!(
+        database = %config.database_url,
+        address = ?running.addr(),
+        gateways = ?config.webhooks.enabled_gateways(),
+        serve = roles.serve,
+        work = roles.work,
+        "payfleet started"
     );
-    startup::shutdown_signal().await;
-    fleet.shutdown().await;
-    Ok(())
+    running.until(startup::shutdown_signal()).await
 }
 
 async fn up(config: Config) -> anyhow::Result<()> {
@@ -125,36 +150,16 @@ async fn up(config: Config) -> anyhow::Result<()> {
     }
     let pool = db::connect(&config.database_url, config.db_pool_size).await?;
     db::migrate(&pool).await?;
-    let (broker, _supervisor) = Broker::start(config.amqp_url.clone());
-    let fleet = startup::start_fleet(
-        pool.clone(),
-        startup::registry(startup::processor()?)?,
-        config.queues.clone(),
-    );
     let listener = TcpListener::bind(config.bind)
         .await
         .with_context(|| format!("cannot listen on {}", config.bind))?;
+    let running = startup::start(&config, pool, Roles::UP, Some(listener))?;
     println!(
         "payfleet is up on http://{} (gateways: {:?})",
         config.bind,
-        enabled(&config)
+        config.webhooks.enabled_gateways()
     );
-    startup::serve(
-        listener,
-        startup::app_state(&config, pool, broker),
-        startup::shutdown_signal(),
-    )
-    .await?;
-    fleet.shutdown().await;
-    Ok(())
-}
-
-fn enabled(config: &Config) -> Vec<&'static str> {
-    crate::gateways::GatewayName::ALL
-        .iter()
-        .filter(|g| config.webhooks.enabled(**g))
-        .map(|g| g.as_str())
-        .collect()
+    running.until(startup::shutdown_signal()).await
 }
 
 async fn jobs(config: Config, action: JobsAction) -> anyhow::Result<()> {
@@ -195,6 +200,48 @@ async fn jobs(config: Config, action: JobsAction) -> anyhow::Result<()> {
         JobsAction::Discard { id } => {
             admin::discard(&pool, JobId(id)).await?;
             println!("job {id} discarded");
+        }
+    }
+    pool.close().await;
+    Ok(())
+}
+
+async fn events_command(config: Config, action: EventsAction) -> anyhow::Result<()> {
+    let pool = db::connect(&config.database_url, 2).await?;
+    match action {
+        EventsAction::Unprocessed { limit } => {
+            let list = events::unprocessed(&pool, limit).await?;
+            if list.is_empty() {
+                println!("every stored event is processed");
+            } else {
+                println!(
+                    "{:<8} {:<12} {:<32} {:<26} {:<9} {:<10} DETAIL",
+                    "ID", "GATEWAY", "EVENT", "RECEIVED", "STATE", "JOB"
+                );
+            }
+            for e in list {
+                println!(
+                    "{:<8} {:<12} {:<32} {:<26} {:<9} {:<10} {}",
+                    e.id,
+                    e.gateway,
+                    e.event_id,
+                    e.received_at
+                        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                    e.state(),
+                    e.job.map_or("none", |s| s.as_str()),
+                    e.detail.unwrap_or_default()
+                );
+            }
+        }
+        EventsAction::Replay { id: Some(id), .. } => match events::replay(&pool, id).await? {
+            Replayed::Queued => println!("event {id} will be processed again"),
+            Replayed::AlreadyQueued => {
+                println!("event {id} already has a processing job waiting or running")
+            }
+        },
+        EventsAction::Replay { id: None, .. } => {
+            let n = events::replay_all(&pool).await?;
+            println!("{n} unprocessed events will be processed again");
         }
     }
     pool.close().await;

@@ -1,105 +1,191 @@
-//! Configuration from the environment (12-factor). A missing or invalid setting stops start-up
-//! with a message that names it.
+//! Configuration from the environment (12-factor): every variable the process reads is read
+//! here. A missing or invalid setting stops start-up with a message that names it. Secrets and
+//! URLs with passwords are wrapped so they never print.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use crate::queue::{QueuesConfig, QueuesConfigError};
-use crate::webhooks::{SecretError, WebhookSecrets};
+use crate::secret::{Secret, SecretUrl};
+use crate::webhooks::WebhookSecrets;
+use crate::webhooks::signature::StandardSecret;
 
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/payfleet";
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 pub const DEFAULT_BIND: &str = "127.0.0.1:8080";
 pub const DEFAULT_WEBHOOK_BODY_LIMIT: usize = 1024 * 1024;
+pub const DEFAULT_MERCADOPAGO_API_URL: &str = "https://api.mercadopago.com";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("{name} is not valid: {problem}")]
     Invalid { name: &'static str, problem: String },
     #[error(transparent)]
-    Secret(#[from] SecretError),
-    #[error(transparent)]
     Queues(#[from] QueuesConfigError),
+}
+
+fn invalid(name: &'static str, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        name,
+        problem: problem.into(),
+    }
+}
+
+/// Mercado Pago's Payments API, which event processing reads (its webhook bodies are not
+/// signed).
+#[derive(Debug, Clone)]
+pub struct MercadoPagoApi {
+    pub base_url: String,
+    pub access_token: Secret,
 }
 
 #[derive(Debug, Clone)]
 pub struct Config {
-    pub database_url: String,
-    pub amqp_url: String,
+    pub database_url: SecretUrl,
+    pub amqp_url: SecretUrl,
+    /// Where `serve` and `up` listen.
     pub bind: SocketAddr,
+    /// Where a `work` process serves its health and metrics, if anywhere.
+    pub worker_bind: Option<SocketAddr>,
     /// Most connections this process opens to PostgreSQL.
     pub db_pool_size: u32,
     pub webhooks: WebhookSecrets,
     pub webhook_body_limit: usize,
+    /// Webhooks that may wait for the event writer; beyond it a request is refused at once (503).
+    pub webhook_queue_capacity: usize,
     /// How far a signed timestamp may be from now, either way.
     pub webhook_tolerance_secs: i64,
     pub queues: QueuesConfig,
+    pub mercadopago: Option<MercadoPagoApi>,
+    /// Names this machine in worker ids.
+    pub host_name: String,
 }
 
-fn var(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+/// The source of settings: the process environment, or a map (tests).
+pub trait Env {
+    fn get(&self, name: &str) -> Option<String>;
 }
 
-fn parsed<T: std::str::FromStr>(name: &'static str, default: T) -> Result<T, ConfigError>
-where
-    T::Err: std::fmt::Display,
-{
-    match var(name) {
-        None => Ok(default),
-        Some(v) => v.trim().parse().map_err(|e: T::Err| ConfigError::Invalid {
-            name,
-            problem: format!("{v:?}: {e}"),
-        }),
+/// The process environment.
+pub struct ProcessEnv;
+
+impl Env for ProcessEnv {
+    fn get(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok()
     }
 }
 
+impl<const N: usize> Env for [(&str, &str); N] {
+    fn get(&self, name: &str) -> Option<String> {
+        self.iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| (*v).to_owned())
+    }
+}
+
+fn var(env: &dyn Env, name: &str) -> Option<String> {
+    env.get(name)
+        .map(|v| v.trim().to_owned())
+        .filter(|v| !v.is_empty())
+}
+
+fn parsed<T: std::str::FromStr>(
+    env: &dyn Env,
+    name: &'static str,
+    default: T,
+) -> Result<T, ConfigError>
+where
+    T::Err: std::fmt::Display,
+{
+    match var(env, name) {
+        None => Ok(default),
+        Some(v) => v
+            .parse()
+            .map_err(|e: T::Err| invalid(name, format!("{v:?}: {e}"))),
+    }
+}
+
+fn standard_secret(
+    env: &dyn Env,
+    name: &'static str,
+) -> Result<Option<StandardSecret>, ConfigError> {
+    var(env, name)
+        .map(|v| StandardSecret::parse(&v).map_err(|problem| invalid(name, problem)))
+        .transpose()
+}
+
+fn url(
+    env: &dyn Env,
+    name: &'static str,
+    default: &str,
+    schemes: &[&str],
+) -> Result<SecretUrl, ConfigError> {
+    let value = var(env, name).unwrap_or_else(|| default.to_owned());
+    if !schemes
+        .iter()
+        .any(|s| value.starts_with(&format!("{s}://")))
+    {
+        return Err(invalid(
+            name,
+            format!("must start with {}", schemes.join(":// or ") + "://"),
+        ));
+    }
+    Ok(SecretUrl::new(value))
+}
+
 impl Config {
-    /// Reads the environment. Webhook secrets are only those configured: see
-    /// [`WebhookSecrets::with_development_defaults`] for `up`.
+    /// Reads the process environment.
     pub fn from_env() -> Result<Self, ConfigError> {
-        let database_url = var("DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned());
-        if !database_url.starts_with("postgres://") && !database_url.starts_with("postgresql://") {
-            return Err(ConfigError::Invalid {
-                name: "DATABASE_URL",
-                problem: "must start with postgres://".into(),
-            });
-        }
-        let amqp_url = var("AMQP_URL").unwrap_or_else(|| DEFAULT_AMQP_URL.to_owned());
-        if !amqp_url.starts_with("amqp://") && !amqp_url.starts_with("amqps://") {
-            return Err(ConfigError::Invalid {
-                name: "AMQP_URL",
-                problem: "must start with amqp:// or amqps://".into(),
-            });
-        }
-        let bind = parsed(
-            "PAYFLEET_BIND",
-            DEFAULT_BIND.parse().map_err(|e| ConfigError::Invalid {
-                name: "PAYFLEET_BIND",
-                problem: format!("{e}"),
-            })?,
+        Self::from(&ProcessEnv)
+    }
+
+    /// Reads `env`. Webhook secrets are only those configured: see
+    /// [`WebhookSecrets::with_development_defaults`] for `up`.
+    pub fn from(env: &dyn Env) -> Result<Self, ConfigError> {
+        let database_url = url(
+            env,
+            "DATABASE_URL",
+            DEFAULT_DATABASE_URL,
+            &["postgres", "postgresql"],
         )?;
-        let db_pool_size = parsed("PAYFLEET_DB_POOL_SIZE", 20u32)?;
+        let amqp_url = url(env, "AMQP_URL", DEFAULT_AMQP_URL, &["amqp", "amqps"])?;
+        let default_bind: SocketAddr = DEFAULT_BIND
+            .parse()
+            .map_err(|e| invalid("PAYFLEET_BIND", format!("{e}")))?;
+        let bind = parsed(env, "PAYFLEET_BIND", default_bind)?;
+        let worker_bind = var(env, "PAYFLEET_WORKER_BIND")
+            .map(|v| {
+                v.parse::<SocketAddr>()
+                    .map_err(|e| invalid("PAYFLEET_WORKER_BIND", format!("{v:?}: {e}")))
+            })
+            .transpose()?;
+        let db_pool_size = parsed(env, "PAYFLEET_DB_POOL_SIZE", 20u32)?;
         if db_pool_size < 4 {
-            return Err(ConfigError::Invalid {
-                name: "PAYFLEET_DB_POOL_SIZE",
-                problem: "must be at least 4".into(),
-            });
+            return Err(invalid("PAYFLEET_DB_POOL_SIZE", "must be at least 4"));
         }
-        let webhook_body_limit = parsed("PAYFLEET_WEBHOOK_BODY_LIMIT", DEFAULT_WEBHOOK_BODY_LIMIT)?;
+        let webhook_body_limit = parsed(
+            env,
+            "PAYFLEET_WEBHOOK_BODY_LIMIT",
+            DEFAULT_WEBHOOK_BODY_LIMIT,
+        )?;
         if webhook_body_limit == 0 {
-            return Err(ConfigError::Invalid {
-                name: "PAYFLEET_WEBHOOK_BODY_LIMIT",
-                problem: "must be positive".into(),
-            });
+            return Err(invalid("PAYFLEET_WEBHOOK_BODY_LIMIT", "must be positive"));
         }
-        let webhook_tolerance_secs = parsed("PAYFLEET_WEBHOOK_TOLERANCE_SECS", 300i64)?;
+        let webhook_queue_capacity = parsed(env, "PAYFLEET_WEBHOOK_QUEUE_CAPACITY", 1024usize)?;
+        if webhook_queue_capacity == 0 {
+            return Err(invalid(
+                "PAYFLEET_WEBHOOK_QUEUE_CAPACITY",
+                "must be positive",
+            ));
+        }
+        let webhook_tolerance_secs = parsed(env, "PAYFLEET_WEBHOOK_TOLERANCE_SECS", 300i64)?;
         if webhook_tolerance_secs <= 0 {
-            return Err(ConfigError::Invalid {
-                name: "PAYFLEET_WEBHOOK_TOLERANCE_SECS",
-                problem: "must be positive".into(),
-            });
+            return Err(invalid(
+                "PAYFLEET_WEBHOOK_TOLERANCE_SECS",
+                "must be positive",
+            ));
         }
-        let queues = match var("PAYFLEET_QUEUES") {
+        let queues = match var(env, "PAYFLEET_QUEUES") {
             Some(path) => QueuesConfig::from_file(&PathBuf::from(path))?,
             None => {
                 let local = PathBuf::from("jobs/queues.toml");
@@ -110,15 +196,133 @@ impl Config {
                 }
             }
         };
+        let mercadopago = match var(env, "MERCADOPAGO_ACCESS_TOKEN") {
+            None => None,
+            Some(token) => {
+                let base_url = var(env, "MERCADOPAGO_API_URL")
+                    .unwrap_or_else(|| DEFAULT_MERCADOPAGO_API_URL.to_owned());
+                if !base_url.starts_with("http://") && !base_url.starts_with("https://") {
+                    return Err(invalid(
+                        "MERCADOPAGO_API_URL",
+                        "must start with http:// or https://",
+                    ));
+                }
+                Some(MercadoPagoApi {
+                    base_url,
+                    access_token: Secret::new(token),
+                })
+            }
+        };
+        let host_name = var(env, "HOSTNAME")
+            .or_else(|| {
+                std::fs::read_to_string("/etc/hostname")
+                    .ok()
+                    .map(|h| h.trim().to_owned())
+            })
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "host".to_owned());
         Ok(Self {
             database_url,
             amqp_url,
             bind,
+            worker_bind,
             db_pool_size,
-            webhooks: WebhookSecrets::from_env()?,
+            webhooks: WebhookSecrets {
+                stripe: var(env, "STRIPE_WEBHOOK_SECRET").map(Secret::new),
+                mercadopago: var(env, "MERCADOPAGO_WEBHOOK_SECRET").map(Secret::new),
+                razorpay: var(env, "RAZORPAY_WEBHOOK_SECRET").map(Secret::new),
+                internal: standard_secret(env, "INTERNAL_WEBHOOK_SECRET")?,
+                mock: standard_secret(env, "MOCK_WEBHOOK_SECRET")?,
+            },
             webhook_body_limit,
+            webhook_queue_capacity,
             webhook_tolerance_secs,
             queues,
+            mercadopago,
+            host_name,
         })
+    }
+}
+
+/// The log filter (`RUST_LOG`), read before the rest so start-up errors are logged too.
+pub fn log_filter() -> String {
+    var(&ProcessEnv, "RUST_LOG").unwrap_or_else(|| "info,sqlx=warn".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_and_passwords_never_reach_debug_output() {
+        let env = [
+            (
+                "DATABASE_URL",
+                "postgres://app:db-password-123@db:5432/payfleet",
+            ),
+            ("AMQP_URL", "amqp://app:amqp-password-456@mq:5672/%2f"),
+            ("STRIPE_WEBHOOK_SECRET", "whsec_stripe_secret_789"),
+            ("MERCADOPAGO_WEBHOOK_SECRET", "mp-secret-abc"),
+            ("RAZORPAY_WEBHOOK_SECRET", "rzp-secret-def"),
+            (
+                "INTERNAL_WEBHOOK_SECRET",
+                "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+            ),
+            ("MERCADOPAGO_ACCESS_TOKEN", "APP_USR-token-ghi"),
+            ("PAYFLEET_QUEUES", "jobs/queues.toml"),
+        ];
+        let config = Config::from(&env).unwrap();
+        let printed = format!("{config:?} {} {}", config.database_url, config.amqp_url);
+        for secret in [
+            "db-password-123",
+            "amqp-password-456",
+            "whsec_stripe_secret_789",
+            "mp-secret-abc",
+            "rzp-secret-def",
+            "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+            "APP_USR-token-ghi",
+        ] {
+            assert!(!printed.contains(secret), "{secret} printed in {printed}");
+        }
+        assert!(
+            printed.contains("postgres://app:***@db:5432/payfleet"),
+            "{printed}"
+        );
+        assert_eq!(
+            config.database_url.expose(),
+            "postgres://app:db-password-123@db:5432/payfleet"
+        );
+    }
+
+    #[test]
+    fn an_invalid_setting_names_itself() {
+        let e = Config::from(&[
+            ("PAYFLEET_DB_POOL_SIZE", "2"),
+            ("PAYFLEET_QUEUES", "jobs/queues.toml"),
+        ])
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "PAYFLEET_DB_POOL_SIZE is not valid: must be at least 4"
+        );
+        let e = Config::from(&[
+            ("DATABASE_URL", "mysql://x"),
+            ("PAYFLEET_QUEUES", "jobs/queues.toml"),
+        ])
+        .unwrap_err();
+        assert!(
+            e.to_string().starts_with("DATABASE_URL is not valid"),
+            "{e}"
+        );
+        let e = Config::from(&[
+            ("INTERNAL_WEBHOOK_SECRET", "whsec_short"),
+            ("PAYFLEET_QUEUES", "jobs/queues.toml"),
+        ])
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("INTERNAL_WEBHOOK_SECRET is not valid"),
+            "{e}"
+        );
     }
 }

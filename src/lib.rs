@@ -1,16 +1,23 @@
 //! payfleet: the background job worker fleet behind a marketplace's payments.
 //!
-//! Layout (one module per bounded context; the root only assembles):
-//! - `webhooks`  the receiver: signature schemes, the verified [`webhooks::Webhook`], `payment_events`
-//! - `gateways`  each gateway's events and status mappers (safe defaults), the Mercado Pago client
-//! - `payments`  event processing: `payment_orders`, refund and dispute facts, the derived status
-//! - `orders`    the business truth an event leads to
-//! - `queue`     the PostgreSQL job queue and the worker fleet
-//! - `messaging` the shared RabbitMQ connection
-//! - `money`     [`money::Money`]: decimal plus currency
-//! - `http`      router assembly, the one API error type, health and metrics
-//! - `db`        the pool, migrations, and which database errors are outages
-//! - `config`, `startup`, `cli`: environment, wiring, subcommands; `bench`: the benchmarks
+//! Layout (one module per bounded context; the root only assembles). Arrows point one way:
+//! `secret`, `money`, `db`, `tls` -> `gateways` -> `queue` -> `payment_status` -> `orders` ->
+//! `payments` -> `webhooks` -> `http` -> `config`, `startup` -> `cli`.
+//! - `secret`     values that never print (secrets, URLs with passwords)
+//! - `money`      [`money::Money`]: decimal plus currency
+//! - `db`         the pool, migrations, which errors are outages, enums stored as text
+//! - `tls`        the process's one TLS provider
+//! - `gateways`   each gateway's events and status mappers (safe defaults), the API clients
+//! - `queue`      the PostgreSQL job queue and the worker fleet (executor, completer, leases,
+//!   listener, maintenance; its SQL in `queue::store`)
+//! - `payment_status` the provider's truth derived from facts, shared by payments and orders
+//! - `orders`     the business truth an event leads to
+//! - `payments`   event processing: facts, waiting and rejected events, replay
+//! - `webhooks`   signature schemes, the verified [`webhooks::Webhook`], the batching writer
+//! - `messaging`  the shared RabbitMQ connection
+//! - `http`       the routes of each area, the one API error type, health and metrics
+//! - `config`, `startup`, `cli`: environment, the one way to assemble a process, subcommands;
+//!   `bench`: the benchmarks
 
 pub mod bench;
 pub mod cli;
@@ -21,7 +28,10 @@ pub mod http;
 pub mod messaging;
 pub mod money;
 pub mod orders;
+pub mod payment_status;
 pub mod payments;
 pub mod queue;
+pub mod secret;
 pub mod startup;
+pub mod tls;
 pub mod webhooks;

@@ -3,10 +3,9 @@ use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    payfleet::tls::install_provider();
     tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn")),
-        )
+        .with_env_filter(EnvFilter::new(payfleet::config::log_filter()))
         .with_writer(std::io::stderr)
         .init();
     match payfleet::cli::run(payfleet::cli::Cli::parse()).await {

@@ -95,6 +95,9 @@ impl Money {
         if amount.normalize().scale() > currency.exponent() {
             return Err(MoneyError::Precision(amount, currency));
         }
+        // Always written with the currency's minor-unit digits ("19.90", "500", "1.500").
+        let mut amount = amount.normalize();
+        amount.rescale(currency.exponent());
         Ok(Self { amount, currency })
     }
 
@@ -118,6 +121,15 @@ impl Money {
 
     pub fn currency(&self) -> Currency {
         self.currency
+    }
+
+    /// The sum of two amounts of the same currency; `None` for different currencies or an
+    /// overflow.
+    pub fn checked_add(&self, other: &Money) -> Option<Money> {
+        if self.currency != other.currency {
+            return None;
+        }
+        Money::new(self.amount.checked_add(other.amount)?, self.currency).ok()
     }
 }
 
@@ -169,5 +181,15 @@ mod tests {
             Money::parse("19.90", "brl").unwrap().to_string(),
             "19.90 BRL"
         );
+        // Written with the currency's digits, however the input was.
+        assert_eq!(
+            Money::parse("19.9", "BRL").unwrap().to_string(),
+            "19.90 BRL"
+        );
+        assert_eq!(
+            Money::parse("10.0000", "BRL").unwrap().to_string(),
+            "10.00 BRL"
+        );
+        assert_eq!(Money::parse("500.0", "JPY").unwrap().to_string(), "500 JPY");
     }
 }

@@ -1,25 +1,58 @@
-//! Builds the parts of a process from its configuration: the job registry, the HTTP server and
-//! the worker fleet. Tests use the same functions with a listener on port 0 and a database of
-//! their own (see `db` for the pool and the migrations).
+//! The one way to assemble a process: [`start`] runs the parts of its [`Roles`] (the HTTP
+//! receiver, the worker fleet, or both) from a configuration, a pool and a listener. The CLI's
+//! `serve`, `work` and `up`, the benchmarks and the tests' `spawn_app` all go through it, the
+//! tests with a listener on port 0 and a database of their own.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::Context;
 use sqlx::PgPool;
 use tokio::net::TcpListener;
+use tokio::sync::oneshot;
 
 use crate::config::Config;
 use crate::gateways::MercadoPagoClient;
-use crate::http::{self, AppState};
+use crate::http::{self, AppState, Readiness};
 use crate::messaging::Broker;
 use crate::payments::{ProcessPaymentEvent, Processor};
-use crate::queue::{Fleet, FleetHandle, JobContext, Notifier, QueuesConfig, Registry};
-use crate::webhooks::EventWriter;
+use crate::queue::{Fleet, FleetHandle, JobContext, Notifier, Registry};
+use crate::webhooks::{EventWriter, Verifier};
 
-/// One TLS provider (ring) for every client in the process: reqwest and lapin. Idempotent.
-pub fn install_tls_provider() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
+/// What a process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Roles {
+    /// The HTTP receiver: webhooks, health, metrics.
+    pub serve: bool,
+    /// The worker fleet (and, given a listener, its health and metrics).
+    pub work: bool,
+}
+
+impl Roles {
+    pub const SERVE: Roles = Roles {
+        serve: true,
+        work: false,
+    };
+    pub const WORK: Roles = Roles {
+        serve: false,
+        work: true,
+    };
+    pub const UP: Roles = Roles {
+        serve: true,
+        work: true,
+    };
+}
+
+/// The processor as configured: Mercado Pago events need API access to read the payment.
+pub fn processor(config: &Config) -> anyhow::Result<Processor> {
+    let mercadopago = config
+        .mercadopago
+        .as_ref()
+        .map(|api| MercadoPagoClient::new(&api.base_url, api.access_token.clone()))
+        .transpose()
+        .context("cannot build the Mercado Pago client")?;
+    Ok(Processor { mercadopago })
 }
 
 /// Every job kind this fleet runs, with its handler.
@@ -37,47 +70,148 @@ pub fn registry(processor: Processor) -> anyhow::Result<Registry> {
     Ok(registry)
 }
 
-/// The processor as configured: Mercado Pago events need API access to read the payment.
-pub fn processor() -> anyhow::Result<Processor> {
-    let token = std::env::var("MERCADOPAGO_ACCESS_TOKEN")
-        .ok()
-        .filter(|t| !t.is_empty());
-    let base = std::env::var("MERCADOPAGO_API_URL")
-        .unwrap_or_else(|_| "https://api.mercadopago.com".to_owned());
-    let mercadopago = token
-        .map(|t| MercadoPagoClient::new(&base, &t))
-        .transpose()
-        .context("MERCADOPAGO_API_URL")?;
-    Ok(Processor { mercadopago })
+/// A started process. [`Running::stop`] stops it gracefully: the server first (no new
+/// requests), then the workers.
+pub struct Running {
+    addr: Option<SocketAddr>,
+    server: Option<(
+        oneshot::Sender<()>,
+        tokio::task::JoinHandle<std::io::Result<()>>,
+    )>,
+    fleet: Option<FleetHandle>,
+    _broker: Option<Broker>,
 }
 
-/// Serves the HTTP API on `listener` until `shutdown` resolves.
-pub async fn serve(
-    listener: TcpListener,
-    state: AppState,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, http::router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
-}
+impl Running {
+    /// Where the HTTP server listens, if this process serves.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        self.addr
+    }
 
-/// Starts the event writers and the after-commit notifier, so call it inside the runtime.
-pub fn app_state(config: &Config, pool: PgPool, broker: Broker) -> AppState {
-    let pool_for_notifier = pool.clone();
-    let pool_for_writer = pool.clone();
-    AppState {
-        pool,
-        broker,
-        secrets: Arc::new(config.webhooks.clone()),
-        webhook_tolerance_secs: config.webhook_tolerance_secs,
-        webhook_body_limit: config.webhook_body_limit,
-        events: EventWriter::start(pool_for_writer, Some(Notifier::start(pool_for_notifier))),
+    pub fn fleet(&self) -> Option<&FleetHandle> {
+        self.fleet.as_ref()
+    }
+
+    /// Runs until `shutdown` resolves (or the server fails), then stops.
+    pub async fn until(mut self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+        let served = match self.server.as_mut() {
+            Some((_, task)) => {
+                tokio::select! {
+                    r = task => Some(r),
+                    _ = shutdown => None,
+                }
+            }
+            None => {
+                shutdown.await;
+                None
+            }
+        };
+        if let Some(r) = served {
+            self.server = None;
+            self.stop().await;
+            r.context("the HTTP server task failed")?
+                .context("the HTTP server stopped")?;
+            anyhow::bail!("the HTTP server stopped by itself");
+        }
+        self.stop().await;
+        Ok(())
+    }
+
+    pub async fn stop(mut self) {
+        if let Some((stop, task)) = self.server.take() {
+            let _ = stop.send(());
+            match task.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::error!(error = %e, "the HTTP server failed while stopping"),
+                Err(e) => tracing::error!(error = %e, "the HTTP server task failed"),
+            }
+        }
+        if let Some(fleet) = self.fleet.take() {
+            fleet.shutdown().await;
+        }
     }
 }
 
-pub fn start_fleet(pool: PgPool, registry: Registry, queues: QueuesConfig) -> FleetHandle {
-    Fleet::new(pool, registry, queues).start()
+/// Starts the parts of `roles` on the current runtime. `listener` is where HTTP is served: the
+/// receiver for `serve`, only health and metrics for a `work` process (none: no HTTP).
+pub fn start(
+    config: &Config,
+    pool: PgPool,
+    roles: Roles,
+    listener: Option<TcpListener>,
+) -> anyhow::Result<Running> {
+    let fleet = if roles.work {
+        let registry = registry(processor(config)?)?;
+        Some(
+            Fleet::new(
+                pool.clone(),
+                registry,
+                config.queues.clone(),
+                &config.host_name,
+            )
+            .start(),
+        )
+    } else {
+        None
+    };
+    let broker = roles.work.then(|| Broker::start(config.amqp_url.clone()).0);
+    let readiness = Readiness {
+        pool: pool.clone(),
+        events: None,
+        fleet: fleet.as_ref().map(FleetHandle::probe),
+    };
+    let router = if roles.serve {
+        let events = EventWriter::start(
+            (*pool.connect_options()).clone(),
+            Some(Notifier::start(pool.clone())),
+            config.webhook_queue_capacity,
+        );
+        let readiness = Readiness {
+            events: Some(events.clone()),
+            ..readiness
+        };
+        Some(http::router(AppState {
+            pool: pool.clone(),
+            verifier: Verifier::new(
+                Arc::new(config.webhooks.clone()),
+                config.webhook_tolerance_secs,
+            ),
+            events,
+            webhook_body_limit: config.webhook_body_limit,
+            readiness,
+            counters: Arc::default(),
+        }))
+    } else {
+        listener
+            .as_ref()
+            .map(|_| http::worker_router(pool.clone(), readiness))
+    };
+    let mut addr = None;
+    let server = match (router, listener) {
+        (Some(router), Some(listener)) => {
+            addr = Some(
+                listener
+                    .local_addr()
+                    .context("the listener has no address")?,
+            );
+            let (stop, stopped) = oneshot::channel::<()>();
+            let task = tokio::spawn(async move {
+                axum::serve(listener, router)
+                    .with_graceful_shutdown(async {
+                        let _ = stopped.await;
+                    })
+                    .await
+            });
+            Some((stop, task))
+        }
+        _ => None,
+    };
+    Ok(Running {
+        addr,
+        server,
+        fleet,
+        _broker: broker,
+    })
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

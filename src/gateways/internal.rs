@@ -32,6 +32,23 @@ pub fn payment_status(kind: &str) -> PaymentStatus {
     }
 }
 
+/// What a `dispute.*` type means. An unknown one keeps the dispute's last known state.
+pub fn dispute_status(kind: &str) -> Option<DisputeStatus> {
+    match kind {
+        "dispute.created" => Some(DisputeStatus::Open),
+        "dispute.won" => Some(DisputeStatus::Won),
+        "dispute.lost" => Some(DisputeStatus::Lost),
+        "dispute.refunded" => Some(DisputeStatus::Refunded),
+        other => {
+            tracing::warn!(
+                kind = other,
+                "unknown internal dispute event; keeping the dispute's last known state"
+            );
+            None
+        }
+    }
+}
+
 pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
     let e: Event = serde_json::from_slice(body)?;
     let d = e.data;
@@ -67,20 +84,14 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
         "refund.failed" | "refund.created" => {
             return Ok(Interpretation::Ignore(format!("{} moves no money", e.kind)));
         }
-        k @ ("dispute.created" | "dispute.won" | "dispute.lost" | "dispute.updated") => {
-            Fact::Dispute {
-                dispute_id: d
-                    .dispute_id
-                    .clone()
-                    .ok_or(EventError::Missing("data.dispute_id"))?,
-                amount: money()?,
-                status: match k {
-                    "dispute.won" => DisputeStatus::Won,
-                    "dispute.lost" => DisputeStatus::Lost,
-                    _ => DisputeStatus::Open,
-                },
-            }
-        }
+        k if k.starts_with("dispute.") => Fact::Dispute {
+            dispute_id: d
+                .dispute_id
+                .clone()
+                .ok_or(EventError::Missing("data.dispute_id"))?,
+            amount: money()?,
+            status: dispute_status(k),
+        },
         other => {
             return Ok(Interpretation::Ignore(format!(
                 "event type {other:?} is not acted on"

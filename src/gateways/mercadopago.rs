@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use super::{DisputeStatus, EventError, Fact, Interpretation, PaymentRef, PaymentStatus};
 use crate::money::{Money, MoneyError};
+use crate::secret::Secret;
 
 /// Payment `status`.
 pub fn payment_status(s: &str) -> PaymentStatus {
@@ -36,14 +37,25 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum MercadoPagoError {
-    #[error("Mercado Pago is not configured (MERCADOPAGO_ACCESS_TOKEN)")]
-    NotConfigured,
     #[error("request to Mercado Pago failed")]
     Http(#[from] reqwest::Error),
     #[error("Mercado Pago answered {0} for payment {1}")]
     Status(u16, String),
     #[error("Mercado Pago's payment does not read as documented")]
     Event(#[from] EventError),
+}
+
+impl MercadoPagoError {
+    /// Worth asking again later: the network, a timeout, Mercado Pago's own trouble, a rate
+    /// limit, or a payment not visible yet (its notification can arrive before the API has it).
+    /// A refused token or a payment that does not read as documented will not improve.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Http(e) => !e.is_decode(),
+            Self::Status(code, _) => *code == 404 || *code == 429 || *code >= 500,
+            Self::Event(_) => false,
+        }
+    }
 }
 
 impl From<MoneyError> for MercadoPagoError {
@@ -56,7 +68,7 @@ impl From<MoneyError> for MercadoPagoError {
 #[derive(Debug, Clone)]
 pub struct MercadoPagoClient {
     base_url: String,
-    access_token: String,
+    access_token: Secret,
     http: reqwest::Client,
 }
 
@@ -98,15 +110,11 @@ fn id_text(v: &Value) -> String {
 }
 
 impl MercadoPagoClient {
-    pub fn new(base_url: &str, access_token: &str) -> Result<Self, MercadoPagoError> {
-        crate::startup::install_tls_provider();
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(10))
-            .build()?;
+    pub fn new(base_url: &str, access_token: Secret) -> Result<Self, MercadoPagoError> {
         Ok(Self {
             base_url: base_url.trim_end_matches('/').to_owned(),
-            access_token: access_token.to_owned(),
-            http,
+            access_token,
+            http: super::http_client(Duration::from_secs(10))?,
         })
     }
 
@@ -120,7 +128,7 @@ impl MercadoPagoClient {
         let resp = self
             .http
             .get(&url)
-            .bearer_auth(&self.access_token)
+            .bearer_auth(self.access_token.expose())
             .send()
             .await?;
         if !resp.status().is_success() {
@@ -157,17 +165,30 @@ impl MercadoPagoClient {
                 amount: Money::new(decimal(&r.amount)?, currency.parse()?)?,
             });
         }
-        let dispute = match p.status.as_str() {
-            "in_mediation" => Some(DisputeStatus::Open),
-            "charged_back" => Some(DisputeStatus::Lost),
-            _ => None,
-        };
-        if let (Some(status), Some(amount)) = (dispute, amount) {
-            facts.push(Fact::Dispute {
-                dispute_id: format!("mp-{}", id_text(&p.id)),
+        // A mediation is a dispute: `in_mediation` opens it; it ends won when the payment is
+        // `approved` again, lost as a chargeback (`charged_back`), or lost as a refund
+        // (`refunded`: the refunds above carry the money, so the dispute takes nothing back).
+        let dispute_id = format!("mp-{}", id_text(&p.id));
+        match (p.status.as_str(), amount) {
+            ("in_mediation", Some(amount)) => facts.push(Fact::Dispute {
+                dispute_id,
                 amount,
-                status,
-            });
+                status: Some(DisputeStatus::Open),
+            }),
+            ("charged_back", Some(amount)) => facts.push(Fact::Dispute {
+                dispute_id,
+                amount,
+                status: Some(DisputeStatus::Lost),
+            }),
+            ("approved", _) => facts.push(Fact::DisputeDecided {
+                dispute_id,
+                status: DisputeStatus::Won,
+            }),
+            ("refunded", _) => facts.push(Fact::DisputeDecided {
+                dispute_id,
+                status: DisputeStatus::Refunded,
+            }),
+            _ => {}
         }
         let payment = PaymentRef {
             session_id: p.external_reference.filter(|s| !s.is_empty()),

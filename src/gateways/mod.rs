@@ -6,62 +6,21 @@ mod mercadopago;
 mod razorpay;
 mod stripe;
 
-use std::fmt;
-use std::str::FromStr;
-
 use serde::Serialize;
 
 use crate::money::{Money, MoneyError};
 
 pub use mercadopago::{MercadoPagoClient, MercadoPagoError};
+pub use razorpay::event_identity as razorpay_event_identity;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum GatewayName {
-    Stripe,
-    MercadoPago,
-    Razorpay,
-    Internal,
-    Mock,
-}
-
-impl GatewayName {
-    pub const ALL: [GatewayName; 5] = [
-        Self::Stripe,
-        Self::MercadoPago,
-        Self::Razorpay,
-        Self::Internal,
-        Self::Mock,
-    ];
-
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Self::Stripe => "stripe",
-            Self::MercadoPago => "mercadopago",
-            Self::Razorpay => "razorpay",
-            Self::Internal => "internal",
-            Self::Mock => "mock",
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown gateway {0:?}")]
-pub struct UnknownGateway(pub String);
-
-impl FromStr for GatewayName {
-    type Err = UnknownGateway;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL
-            .into_iter()
-            .find(|g| g.as_str() == s)
-            .ok_or_else(|| UnknownGateway(s.to_owned()))
-    }
-}
-
-impl fmt::Display for GatewayName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+crate::text_enum! {
+    /// The gateways payfleet speaks to, by the name used in URLs, configuration and storage.
+    pub enum GatewayName {
+        Stripe = "stripe",
+        MercadoPago = "mercadopago",
+        Razorpay = "razorpay",
+        Internal = "internal",
+        Mock = "mock",
     }
 }
 
@@ -75,22 +34,25 @@ pub enum PaymentStatus {
     Failed,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DisputeStatus {
-    /// Also every dispute status we do not know: the money is held until it is decided.
-    Open,
-    Won,
-    Lost,
+crate::text_enum! {
+    /// Where a dispute stands. It moves once, from `open` to one of the decided states, and
+    /// never back: a late "created" or an unknown status cannot reopen it.
+    pub enum DisputeStatus {
+        /// Not decided: the disputed amount is held.
+        Open = "open",
+        /// Closed in the seller's favour (won, an inquiry closed, a chargeback prevented).
+        Won = "won",
+        /// Lost: a chargeback takes the amount back.
+        Lost = "lost",
+        /// Closed because the buyer was refunded: the refund facts carry the money, so the
+        /// dispute itself takes nothing back (that would move the money twice).
+        Refunded = "refunded",
+    }
 }
 
 impl DisputeStatus {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Self::Open => "open",
-            Self::Won => "won",
-            Self::Lost => "lost",
-        }
+    pub fn is_decided(&self) -> bool {
+        !matches!(self, Self::Open)
     }
 }
 
@@ -106,9 +68,18 @@ pub enum Fact {
         refund_id: String,
         amount: Money,
     },
+    /// A dispute and its status as the gateway reports it. `None`: a status we do not know,
+    /// which keeps the dispute's last known state (a new dispute starts open).
     Dispute {
         dispute_id: String,
         amount: Money,
+        status: Option<DisputeStatus>,
+    },
+    /// The decision of a dispute that may or may not have been opened: it decides an open one
+    /// and does nothing otherwise (Mercado Pago reports `approved` after a mediation was won,
+    /// and also for payments that were never disputed).
+    DisputeDecided {
+        dispute_id: String,
         status: DisputeStatus,
     },
 }
@@ -142,6 +113,15 @@ pub enum EventError {
     Missing(&'static str),
     #[error("the event carries a bad amount")]
     Money(#[from] MoneyError),
+}
+
+/// An HTTP client for a gateway's API: TLS by the process's provider, a bounded wait.
+pub(crate) fn http_client(timeout: std::time::Duration) -> Result<reqwest::Client, reqwest::Error> {
+    crate::tls::install_provider();
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .connect_timeout(timeout.min(std::time::Duration::from_secs(5)))
+        .build()
 }
 
 /// Reads a verified event body.

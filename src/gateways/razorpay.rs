@@ -15,13 +15,45 @@ pub fn payment_status(s: &str) -> PaymentStatus {
     }
 }
 
-/// Dispute entity `status`.
-pub fn dispute_status(s: &str) -> DisputeStatus {
+/// Dispute entity `status`; `closed` is a dispute withdrawn in the merchant's favour. A status
+/// we do not know keeps the dispute's last known state.
+pub fn dispute_status(s: &str) -> Option<DisputeStatus> {
     match s {
-        "won" => DisputeStatus::Won,
-        "lost" => DisputeStatus::Lost,
-        _ => DisputeStatus::Open,
+        "open" | "under_review" => Some(DisputeStatus::Open),
+        "won" | "closed" => Some(DisputeStatus::Won),
+        "lost" => Some(DisputeStatus::Lost),
+        other => {
+            tracing::warn!(
+                status = other,
+                "unknown Razorpay dispute status; keeping the dispute's last known state"
+            );
+            None
+        }
     }
+}
+
+/// The stored identity of a Razorpay event. Its `X-Razorpay-Event-Id` header is not signed, so
+/// a captured delivery could be replayed forever under fresh ids; the identity is built from
+/// what the signature covers instead: the event name, the id of the entity it is about and the
+/// event's `created_at`. A gateway retry resends the same body, so it is a duplicate; so is a
+/// replay.
+pub fn event_identity(v: &Value) -> Option<String> {
+    let event = str_at(v, "event").filter(|e| !e.is_empty())?;
+    let created_at = v.get("created_at").and_then(Value::as_i64)?;
+    let payload = v.get("payload")?.as_object()?;
+    // The entity the event is about: the first one `contains` names, else the payload's first.
+    let named = v.get("contains").and_then(Value::as_array).and_then(|c| {
+        c.iter()
+            .filter_map(Value::as_str)
+            .find(|n| payload.contains_key(*n))
+    });
+    let entity_name = named.or_else(|| payload.keys().next().map(String::as_str))?;
+    let entity_id = payload
+        .get(entity_name)
+        .and_then(|e| e.get("entity"))
+        .and_then(|e| str_at(e, "id"))
+        .filter(|id| !id.is_empty())?;
+    Some(format!("{event}:{entity_id}:{created_at}"))
 }
 
 fn entity<'a>(v: &'a Value, name: &str) -> Option<&'a Value> {
@@ -78,8 +110,9 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
                 .ok_or(EventError::Missing("dispute id"))?
                 .to_owned();
             let status = match k {
-                "payment.dispute.won" => DisputeStatus::Won,
-                "payment.dispute.lost" => DisputeStatus::Lost,
+                "payment.dispute.won" => Some(DisputeStatus::Won),
+                "payment.dispute.lost" => Some(DisputeStatus::Lost),
+                "payment.dispute.closed" => Some(DisputeStatus::Won),
                 _ => dispute_status(str_at(d, "status").unwrap_or("")),
             };
             let payment_id = payment_id.or_else(|| str_at(d, "payment_id"));
@@ -124,5 +157,24 @@ mod tests {
         );
         assert_eq!(payment_status("authorized"), PaymentStatus::Pending);
         assert_eq!(payment_status("never_heard_of_it"), PaymentStatus::Pending);
+    }
+
+    #[test]
+    fn the_identity_comes_from_the_signed_body() {
+        let body: Value = serde_json::from_str(r#"{"entity":"event","event":"payment.captured","contains":["payment"],"payload":{"payment":{"entity":{"id":"pay_1","status":"captured"}}},"created_at":1700000000}"#).unwrap();
+        assert_eq!(
+            event_identity(&body).as_deref(),
+            Some("payment.captured:pay_1:1700000000")
+        );
+        let refund: Value = serde_json::from_str(r#"{"event":"refund.processed","contains":["refund","payment"],"payload":{"payment":{"entity":{"id":"pay_1"}},"refund":{"entity":{"id":"rfnd_9"}}},"created_at":1700000100}"#).unwrap();
+        assert_eq!(
+            event_identity(&refund).as_deref(),
+            Some("refund.processed:rfnd_9:1700000100")
+        );
+        let no_time: Value = serde_json::from_str(
+            r#"{"event":"payment.captured","payload":{"payment":{"entity":{"id":"pay_1"}}}}"#,
+        )
+        .unwrap();
+        assert_eq!(event_identity(&no_time), None);
     }
 }

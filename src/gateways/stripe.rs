@@ -36,12 +36,25 @@ pub fn intent_status(s: &str) -> PaymentStatus {
     }
 }
 
-/// Dispute `status`.
-pub fn dispute_status(s: &str) -> DisputeStatus {
+/// Dispute `status`. `warning_closed` (an inquiry that never became a chargeback) and
+/// `prevented` (stopped before it was filed) end in the seller's favour; `charge_refunded`
+/// closes it because the charge was refunded, which the refund events account for. A status
+/// we do not know is `None`: the dispute keeps its last known state.
+pub fn dispute_status(s: &str) -> Option<DisputeStatus> {
     match s {
-        "won" | "warning_closed" => DisputeStatus::Won,
-        "lost" => DisputeStatus::Lost,
-        _ => DisputeStatus::Open,
+        "warning_needs_response" | "warning_under_review" | "needs_response" | "under_review" => {
+            Some(DisputeStatus::Open)
+        }
+        "won" | "warning_closed" | "prevented" => Some(DisputeStatus::Won),
+        "lost" => Some(DisputeStatus::Lost),
+        "charge_refunded" => Some(DisputeStatus::Refunded),
+        other => {
+            tracing::warn!(
+                status = other,
+                "unknown Stripe dispute status; keeping the dispute's last known state"
+            );
+            None
+        }
     }
 }
 
@@ -212,6 +225,23 @@ mod tests {
     fn unknown_statuses_move_no_money() {
         assert_eq!(session_status("something_new"), PaymentStatus::Pending);
         assert_eq!(intent_status("requires_capture"), PaymentStatus::Pending);
-        assert_eq!(dispute_status("brand_new_state"), DisputeStatus::Open);
+        assert_eq!(dispute_status("brand_new_state"), None);
+    }
+
+    #[test]
+    fn every_documented_dispute_status_ends_in_its_state() {
+        for (status, want) in [
+            ("warning_needs_response", DisputeStatus::Open),
+            ("warning_under_review", DisputeStatus::Open),
+            ("needs_response", DisputeStatus::Open),
+            ("under_review", DisputeStatus::Open),
+            ("won", DisputeStatus::Won),
+            ("warning_closed", DisputeStatus::Won),
+            ("prevented", DisputeStatus::Won),
+            ("lost", DisputeStatus::Lost),
+            ("charge_refunded", DisputeStatus::Refunded),
+        ] {
+            assert_eq!(dispute_status(status), Some(want), "{status}");
+        }
     }
 }

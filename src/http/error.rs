@@ -20,7 +20,7 @@ pub enum ApiError {
     NotFound(String),
     #[error("the body is larger than the limit of {0} bytes")]
     PayloadTooLarge(usize),
-    #[error("a dependency is unavailable; nothing was stored, try again")]
+    #[error("unavailable ({0}); nothing was stored, try again later")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("internal error")]
     Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -72,11 +72,10 @@ impl From<sqlx::Error> for ApiError {
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
-        match &e {
-            StoreError::Database(db) if is_transient(db) => Self::Unavailable(Box::new(e)),
-            // The writers are gone only while the process stops: another instance can take it.
-            StoreError::Stopped => Self::Unavailable(Box::new(e)),
-            _ => Self::Internal(Box::new(e)),
+        if e.is_unavailable() {
+            Self::Unavailable(Box::new(e))
+        } else {
+            Self::Internal(Box::new(e))
         }
     }
 }
@@ -107,6 +106,7 @@ impl From<RejectedWebhook> for ApiError {
             RejectedWebhook::Disabled(_) => Self::NotFound(e.to_string()),
             RejectedWebhook::Signature(_) => Self::Unauthorized(e.to_string()),
             RejectedWebhook::Malformed(_) => Self::BadRequest(e.to_string()),
+            RejectedWebhook::Aborted(_) => Self::Internal(Box::new(e)),
         }
     }
 }

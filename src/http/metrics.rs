@@ -1,55 +1,148 @@
-//! Process counters for `/metrics`, in the Prometheus text format. Queue depths are read from
-//! the database at scrape time, so every process reports the same fleet-wide numbers.
+//! `GET /metrics`, in the Prometheus text format. Counters are this process's (held by its
+//! app, not in globals); gauges are read from the database at scrape time (every process
+//! reports the same fleet-wide numbers), each through a partial index, so a scrape never scans
+//! the whole jobs or events table.
 
 use std::fmt::Write;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::routing::get;
 use sqlx::PgPool;
 
+use super::ApiError;
 use crate::gateways::GatewayName;
+use crate::payments::events;
+use crate::queue::admin;
 use crate::webhooks::Stored;
 
-static WEBHOOKS: [[AtomicU64; 2]; 5] = [const { [const { AtomicU64::new(0) }; 2] }; 5];
+const GATEWAYS: usize = GatewayName::ALL.len();
 
-pub fn webhook_received(gateway: GatewayName, status: Stored) {
-    let g = GatewayName::ALL
-        .iter()
-        .position(|x| *x == gateway)
-        .unwrap_or(0);
-    let s = match status {
-        Stored::Accepted => 0,
-        Stored::Duplicate => 1,
-    };
-    WEBHOOKS[g][s].fetch_add(1, Ordering::Relaxed);
+/// Why a webhook was refused: the reasons of `SignatureError::reason`,
+/// `RejectedWebhook::reason` and the receiver's own.
+const REASONS: [&str; 12] = [
+    "disabled",
+    "missing_header",
+    "malformed",
+    "mismatch",
+    "timestamp",
+    "malformed_body",
+    "too_large",
+    "unreadable_body",
+    "unavailable",
+    "store_refused",
+    "aborted",
+    "other",
+];
+
+/// The receiver's webhook counters.
+#[derive(Default)]
+pub struct WebhookCounters {
+    received: [[AtomicU64; 2]; GATEWAYS],
+    refused: [[AtomicU64; REASONS.len()]; GATEWAYS],
 }
 
-pub async fn render(pool: &PgPool) -> Result<String, sqlx::Error> {
-    let mut out = String::new();
-    out.push_str("# HELP payfleet_webhooks_total Verified webhooks stored (accepted) or recognised as repeats (duplicate).\n");
-    out.push_str("# TYPE payfleet_webhooks_total counter\n");
-    for (gi, g) in GatewayName::ALL.iter().enumerate() {
-        for (si, s) in ["accepted", "duplicate"].iter().enumerate() {
-            let n = WEBHOOKS[gi][si].load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "payfleet_webhooks_total{{gateway=\"{g}\",status=\"{s}\"}} {n}"
-            );
+fn gateway_index(gateway: GatewayName) -> usize {
+    GatewayName::ALL
+        .iter()
+        .position(|x| *x == gateway)
+        .unwrap_or(0)
+}
+
+impl WebhookCounters {
+    pub fn received(&self, gateway: GatewayName, status: Stored) {
+        let s = match status {
+            Stored::Accepted => 0,
+            Stored::Duplicate => 1,
+        };
+        self.received[gateway_index(gateway)][s].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn refused(&self, gateway: GatewayName, reason: &str) {
+        let r = REASONS
+            .iter()
+            .position(|x| *x == reason)
+            .unwrap_or(REASONS.len() - 1);
+        self.refused[gateway_index(gateway)][r].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String) {
+        out.push_str("# HELP payfleet_webhooks_total Verified webhooks stored (accepted) or recognised as repeats (duplicate).\n");
+        out.push_str("# TYPE payfleet_webhooks_total counter\n");
+        for (gi, g) in GatewayName::ALL.iter().enumerate() {
+            for (si, s) in ["accepted", "duplicate"].iter().enumerate() {
+                let n = self.received[gi][si].load(Ordering::Relaxed);
+                let _ = writeln!(
+                    out,
+                    "payfleet_webhooks_total{{gateway=\"{g}\",status=\"{s}\"}} {n}"
+                );
+            }
+        }
+        out.push_str("# HELP payfleet_webhooks_refused_total Webhooks answered with an error, by gateway and reason (mismatch: a wrong secret or a forged request).\n");
+        out.push_str("# TYPE payfleet_webhooks_refused_total counter\n");
+        for (gi, g) in GatewayName::ALL.iter().enumerate() {
+            for (ri, r) in REASONS.iter().enumerate() {
+                let n = self.refused[gi][ri].load(Ordering::Relaxed);
+                let _ = writeln!(
+                    out,
+                    "payfleet_webhooks_refused_total{{gateway=\"{g}\",reason=\"{r}\"}} {n}"
+                );
+            }
         }
     }
-    out.push_str("# HELP payfleet_jobs Jobs by queue and state.\n# TYPE payfleet_jobs gauge\n");
-    for c in crate::queue::admin::counts(pool).await? {
+}
+
+#[derive(Clone)]
+struct MetricsState {
+    pool: PgPool,
+    webhooks: Option<Arc<WebhookCounters>>,
+}
+
+/// `webhooks`: the receiver's counters, when this process receives webhooks.
+pub(super) fn routes(pool: PgPool, webhooks: Option<Arc<WebhookCounters>>) -> axum::Router {
+    axum::Router::new()
+        .route("/metrics", get(metrics_text))
+        .with_state(MetricsState { pool, webhooks })
+}
+
+async fn metrics_text(State(state): State<MetricsState>) -> Result<impl IntoResponse, ApiError> {
+    let mut body = String::new();
+    if let Some(w) = &state.webhooks {
+        w.render(&mut body);
+    }
+    gauges(&state.pool, &mut body).await?;
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body))
+}
+
+async fn gauges(pool: &PgPool, out: &mut String) -> Result<(), sqlx::Error> {
+    out.push_str("# HELP payfleet_jobs Jobs waiting, running and dead, by queue and state.\n# TYPE payfleet_jobs gauge\n");
+    for c in admin::live_counts(pool).await? {
         let _ = writeln!(
             out,
             "payfleet_jobs{{queue=\"{}\",state=\"{}\"}} {}",
             c.queue, c.state, c.count
         );
     }
-    let unprocessed: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM payment_events WHERE processed_at IS NULL")
-            .fetch_one(pool)
-            .await?;
-    out.push_str("# HELP payfleet_payment_events_unprocessed Stored events not yet processed.\n");
+    let backlog = events::backlog(pool).await?;
+    out.push_str("# HELP payfleet_payment_events_unprocessed Stored events not processed, by state (pending: no outcome yet; waiting: for their payment; rejected: need a fix and a replay).\n");
     out.push_str("# TYPE payfleet_payment_events_unprocessed gauge\n");
-    let _ = writeln!(out, "payfleet_payment_events_unprocessed {unprocessed}");
-    Ok(out)
+    out.push_str("# HELP payfleet_payment_events_oldest_unprocessed_seconds Age of the oldest unprocessed event, by state.\n");
+    out.push_str("# TYPE payfleet_payment_events_oldest_unprocessed_seconds gauge\n");
+    for state in ["pending", "waiting", "rejected"] {
+        let b = backlog.iter().find(|b| b.state == state);
+        let _ = writeln!(
+            out,
+            "payfleet_payment_events_unprocessed{{state=\"{state}\"}} {}",
+            b.map_or(0, |b| b.count)
+        );
+        let _ = writeln!(
+            out,
+            "payfleet_payment_events_oldest_unprocessed_seconds{{state=\"{state}\"}} {:.3}",
+            b.map_or(0.0, |b| b.oldest_age_secs)
+        );
+    }
+    Ok(())
 }

@@ -1,74 +1,49 @@
-//! The HTTP surface: assembles each context's routes with health and metrics.
+//! The HTTP surface: one file per area, each with its router (`webhooks`, `health`,
+//! `metrics`), the one error type (`error`), and the assembly below.
 
 mod error;
+mod health;
 pub mod metrics;
+mod webhooks;
 
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
-use axum::routing::get;
-use serde_json::json;
 use sqlx::PgPool;
 
 pub use error::ApiError;
+pub use health::Readiness;
+pub use metrics::WebhookCounters;
 
-use crate::messaging::Broker;
-use crate::webhooks::{self, EventWriter, WebhookSecrets, WebhookState};
+use crate::webhooks::{EventWriter, Verifier};
 
 /// Everything the HTTP handlers share.
 #[derive(Clone)]
 pub struct AppState {
     pub pool: PgPool,
-    pub broker: Broker,
-    pub secrets: Arc<WebhookSecrets>,
-    pub webhook_tolerance_secs: i64,
-    pub webhook_body_limit: usize,
+    pub verifier: Verifier,
     pub events: EventWriter,
+    pub webhook_body_limit: usize,
+    pub readiness: Readiness,
+    pub counters: Arc<WebhookCounters>,
 }
 
+/// The receiver's API: webhooks, health and metrics.
 pub fn router(state: AppState) -> Router {
-    let webhooks = webhooks::routes(WebhookState {
-        events: state.events.clone(),
-        secrets: state.secrets.clone(),
-        tolerance_secs: state.webhook_tolerance_secs,
-        body_limit: state.webhook_body_limit,
-    });
     Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics_text))
-        .with_state(state)
-        .merge(webhooks)
+        .merge(webhooks::routes(state.clone()))
+        .merge(health::routes(state.readiness.clone()))
+        .merge(metrics::routes(
+            state.pool.clone(),
+            Some(state.counters.clone()),
+        ))
         .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
 }
 
-async fn healthz() -> impl IntoResponse {
-    axum::Json(json!({"status": "ok"}))
-}
-
-/// Ready when PostgreSQL answers and the broker connection is up.
-async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
-    let db = sqlx::query_scalar::<_, i32>("SELECT 1")
-        .fetch_one(&state.pool)
-        .await
-        .is_ok();
-    let broker = state.broker.is_connected();
-    let status = if db && broker {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    let word = |ok: bool| if ok { "ok" } else { "unavailable" };
-    (
-        status,
-        axum::Json(json!({"database": word(db), "broker": word(broker)})),
-    )
-}
-
-async fn metrics_text(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {
-    let body = metrics::render(&state.pool).await?;
-    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body))
+/// A worker process's own endpoints: health and metrics.
+pub fn worker_router(pool: PgPool, readiness: Readiness) -> Router {
+    Router::new()
+        .merge(health::routes(readiness))
+        .merge(metrics::routes(pool, None))
+        .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
 }

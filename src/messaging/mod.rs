@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use lapin::{Connection, ConnectionProperties};
 
+use crate::secret::SecretUrl;
+
 #[derive(Clone, Default)]
 pub struct Broker {
     connection: Arc<RwLock<Option<Arc<Connection>>>>,
@@ -22,7 +24,8 @@ impl std::fmt::Debug for Broker {
 
 impl Broker {
     /// Starts the supervisor; the broker may be down now and come up later.
-    pub fn start(url: String) -> (Self, tokio::task::JoinHandle<()>) {
+    pub fn start(url: SecretUrl) -> (Self, tokio::task::JoinHandle<()>) {
+        crate::tls::install_provider();
         let broker = Self::default();
         let task = tokio::spawn(broker.clone().supervise(url));
         (broker, task)
@@ -46,8 +49,8 @@ impl Broker {
         }
     }
 
-    async fn supervise(self, url: String) {
-        let url = with_heartbeat(&url);
+    async fn supervise(self, url: SecretUrl) {
+        let url = with_heartbeat(url.expose());
         let mut failures: u32 = 0;
         loop {
             let props = ConnectionProperties::default().with_connection_name("payfleet".into());

@@ -7,14 +7,29 @@ use serde::Serialize;
 use sqlx::PgConnection;
 
 use crate::gateways::GatewayName;
-use crate::payments::PaymentOrderStatus;
+use crate::payment_status::PaymentOrderStatus;
+
+crate::text_enum! {
+    /// `orders.status` (docs/state_machine.md).
+    pub enum OrderStatus {
+        AwaitingPayment = "awaiting_payment",
+        PaymentFailed = "payment_failed",
+        Paid = "paid",
+        PartiallyRefunded = "partially_refunded",
+        Refunded = "refunded",
+        Disputed = "disputed",
+        ChargedBack = "charged_back",
+        Expired = "expired",
+        Cancelled = "cancelled",
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct Order {
     pub id: i64,
     pub gateway: String,
     pub session_id: String,
-    pub status: String,
+    pub status: OrderStatus,
     pub currency: Option<String>,
     pub total: Option<Decimal>,
     pub amount_refunded: Decimal,
@@ -23,20 +38,19 @@ pub struct Order {
 
 /// The order status a payment status leads to, from the current one. A pending payment
 /// changes nothing; a failed attempt only marks an order still waiting for payment.
-pub fn next_status(current: &str, payment: PaymentOrderStatus) -> String {
-    let next = match payment {
+pub fn next_status(current: OrderStatus, payment: PaymentOrderStatus) -> OrderStatus {
+    match payment {
         PaymentOrderStatus::Pending => current,
         PaymentOrderStatus::Failed => match current {
-            "awaiting_payment" => "payment_failed",
+            OrderStatus::AwaitingPayment => OrderStatus::PaymentFailed,
             other => other,
         },
-        PaymentOrderStatus::Succeeded => "paid",
-        PaymentOrderStatus::PartiallyRefunded => "partially_refunded",
-        PaymentOrderStatus::Refunded => "refunded",
-        PaymentOrderStatus::Disputed => "disputed",
-        PaymentOrderStatus::ChargedBack => "charged_back",
-    };
-    next.to_owned()
+        PaymentOrderStatus::Succeeded => OrderStatus::Paid,
+        PaymentOrderStatus::PartiallyRefunded => OrderStatus::PartiallyRefunded,
+        PaymentOrderStatus::Refunded => OrderStatus::Refunded,
+        PaymentOrderStatus::Disputed => OrderStatus::Disputed,
+        PaymentOrderStatus::ChargedBack => OrderStatus::ChargedBack,
+    }
 }
 
 /// Brings the order of a payment session in line with the payment's derived state, inside the
@@ -63,7 +77,7 @@ pub async fn apply_payment(
     .bind(amount.map(|a| a.1))
     .fetch_one(&mut *tx)
     .await?;
-    let status = next_status(&order.status, payment);
+    let status = next_status(order.status, payment);
     let paid = payment.implies_paid();
     let changed = status != order.status
         || refunded != order.amount_refunded
@@ -76,7 +90,7 @@ pub async fn apply_payment(
              WHERE id = $1",
         )
         .bind(order.id)
-        .bind(&status)
+        .bind(status)
         .bind(refunded)
         .bind(paid)
         .execute(&mut *tx)

@@ -4,20 +4,31 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::PgPool;
 
-use super::JobId;
+use super::{JobId, JobState, store};
 
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct StateCount {
     pub queue: String,
-    pub state: String,
+    pub state: JobState,
     pub count: i64,
 }
 
-/// Jobs by queue and state.
+/// Every job by queue and state: a full count of the table, for the command line.
 pub async fn counts(pool: &PgPool) -> Result<Vec<StateCount>, sqlx::Error> {
-    sqlx::query_as("SELECT queue, state, count(*) AS count FROM jobs GROUP BY queue, state ORDER BY queue, state")
-        .fetch_all(pool)
-        .await
+    sqlx::query_as(store::ALL_COUNTS).fetch_all(pool).await
+}
+
+/// The statements of [`live_counts`], for checking their plans.
+pub const LIVE_COUNT_QUERIES: [&str; 2] = [store::UNFINISHED_COUNTS, store::DEAD_COUNTS];
+
+/// Waiting, running and dead jobs by queue and state, read through partial indexes only: what
+/// a metrics scrape can afford however many completed jobs the table keeps.
+pub async fn live_counts(pool: &PgPool) -> Result<Vec<StateCount>, sqlx::Error> {
+    let mut counts = Vec::new();
+    for sql in LIVE_COUNT_QUERIES {
+        counts.extend(sqlx::query_as::<_, StateCount>(sql).fetch_all(pool).await?);
+    }
+    Ok(counts)
 }
 
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -39,17 +50,11 @@ pub async fn dead(
     queue: Option<&str>,
     limit: i64,
 ) -> Result<Vec<DeadJob>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT id, queue, kind, key, attempt, max_attempts, finished_at, errors -> -1 ->> 'error' AS last_error
-         FROM jobs
-         WHERE state = 'discarded' AND ($1::text IS NULL OR queue = $1)
-         ORDER BY finished_at DESC, id DESC
-         LIMIT $2",
-    )
-    .bind(queue)
-    .bind(limit)
-    .fetch_all(pool)
-    .await
+    sqlx::query_as(store::DEAD)
+        .bind(queue)
+        .bind(limit)
+        .fetch_all(pool)
+        .await
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -59,7 +64,7 @@ pub enum AdminError {
     #[error("job {id} is {state}; only {allowed} jobs can be {action}")]
     WrongState {
         id: JobId,
-        state: String,
+        state: JobState,
         allowed: &'static str,
         action: &'static str,
     },
@@ -73,13 +78,15 @@ pub enum AdminError {
 /// gets one more.
 pub async fn retry(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
     let mut tx = pool.begin().await?;
-    let row: Option<(String, Option<String>)> =
-        sqlx::query_as("SELECT state, key FROM jobs WHERE id = $1 FOR UPDATE")
-            .bind(id)
-            .fetch_optional(&mut *tx)
-            .await?;
+    let row: Option<(JobState, Option<String>)> = sqlx::query_as(store::LOCK_STATE_AND_KEY)
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await?;
     let (state, key) = row.ok_or(AdminError::NotFound(id))?;
-    if !matches!(state.as_str(), "discarded" | "cancelled" | "retryable") {
+    if !matches!(
+        state,
+        JobState::Discarded | JobState::Cancelled | JobState::Retryable
+    ) {
         return Err(AdminError::WrongState {
             id,
             state,
@@ -87,14 +94,7 @@ pub async fn retry(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
             action: "retried",
         });
     }
-    let updated = sqlx::query(
-        "UPDATE jobs SET state = 'available', run_at = now(), finished_at = NULL,
-             max_attempts = greatest(max_attempts, attempt + 1)
-         WHERE id = $1",
-    )
-    .bind(id)
-    .execute(&mut *tx)
-    .await;
+    let updated = sqlx::query(store::RETRY).bind(id).execute(&mut *tx).await;
     match updated {
         Ok(_) => {}
         Err(sqlx::Error::Database(e)) if e.constraint() == Some("jobs_key_unfinished") => {
@@ -113,13 +113,12 @@ pub async fn retry(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
 /// discarded from outside: cancel its key instead, or wait for its run to end.
 pub async fn discard(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
     let mut tx = pool.begin().await?;
-    let state: Option<String> =
-        sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1 FOR UPDATE")
-            .bind(id)
-            .fetch_optional(&mut *tx)
-            .await?;
-    let state = state.ok_or(AdminError::NotFound(id))?;
-    if !matches!(state.as_str(), "available" | "retryable") {
+    let row: Option<(JobState, Option<String>)> = sqlx::query_as(store::LOCK_STATE_AND_KEY)
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let (state, _) = row.ok_or(AdminError::NotFound(id))?;
+    if !matches!(state, JobState::Available | JobState::Retryable) {
         return Err(AdminError::WrongState {
             id,
             state,
@@ -127,15 +126,10 @@ pub async fn discard(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
             action: "discarded",
         });
     }
-    sqlx::query(
-        "UPDATE jobs SET state = 'discarded', finished_at = now(),
-             errors = errors || jsonb_build_array(jsonb_build_object(
-                 'attempt', attempt, 'at', now(), 'error', 'discarded by an operator'))
-         WHERE id = $1",
-    )
-    .bind(id)
-    .execute(&mut *tx)
-    .await?;
+    sqlx::query(store::DISCARD)
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
     tx.commit().await?;
     Ok(())
 }

@@ -2,17 +2,24 @@
 //!
 //! - [`enqueue`], [`schedule`], [`cancel`] take any executor, so a job is written inside the
 //!   caller's transaction and exists if and only if the business write commits.
-//! - [`Fleet`] runs the workers: batched claims with `FOR UPDATE SKIP LOCKED`, leases renewed
-//!   while a job runs, batched completions, LISTEN/NOTIFY wake-ups with a polling fallback,
-//!   rescue of expired leases and pruning of finished jobs.
-//! - The state transitions of a run live in SQL (`jobs_end_runs`, migration 0005), so the
-//!   worker, the rescuer and the shutdown path cannot disagree about them.
+//! - [`Fleet`] runs the workers of one process. Its parts, as River's `internal/` splits them:
+//!   `executor` (a fetcher per queue: batched `FOR UPDATE SKIP LOCKED` claims, each run in its own
+//!   task under a timeout), `completer` (batched run ends), `lease` (renewals, and cancelling a
+//!   run whose lease is lost), `listener` (LISTEN/NOTIFY wake-ups; polling is the fallback) and
+//!   `maintenance` (rescue of expired leases, pruning).
+//! - `store` holds every statement; the rules of a run's end are SQL (`jobs_end_runs`).
 
 pub mod admin;
+mod completer;
 mod config;
+mod executor;
 mod fleet;
+mod lease;
+mod listener;
+mod maintenance;
 mod notifier;
 mod registry;
+mod store;
 
 use std::time::Duration;
 
@@ -21,35 +28,43 @@ use serde::{Serialize, de::DeserializeOwned};
 use sqlx::PgExecutor;
 
 pub use config::{FleetSettings, QueueSettings, QueuesConfig, QueuesConfigError};
-pub use fleet::{Fleet, FleetHandle, prune, rescue_expired, work_until_idle};
+pub use fleet::{Fleet, FleetHandle, FleetProbe, work_until_idle};
+pub use maintenance::{prune, rescue_expired};
 pub use notifier::Notifier;
 pub use registry::{JobContext, Registry, RegistryError};
 
-/// The one INSERT of jobs, as SQL text to place in a statement (a CTE, say), so a business
-/// statement can write its rows and their jobs in one round trip with the same rules as
-/// [`enqueue`]. `$source` names a relation with the columns `job_queue, job_kind, job_key,
-/// job_payload, job_run_at, job_max_attempts`; [`JobColumns`] binds them as arrays for
-/// [`job_columns_from_params!`]. A key held by an unfinished job means nothing is written for
-/// that job, and the statement goes on. Add `RETURNING ...` as needed.
-#[macro_export]
-macro_rules! insert_jobs_from {
-    ($($source:tt)+) => {
-        concat!(
-            "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts) ",
-            "SELECT job_queue, job_kind, job_key, job_payload, COALESCE(job_run_at, now()), job_max_attempts FROM ",
-            $($source)+,
-            " ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable') DO NOTHING"
-        )
-    };
+crate::text_enum! {
+    /// `jobs.state` (docs/state_machine.md).
+    pub enum JobState {
+        /// Waiting for its `run_at`; claimable once due.
+        Available = "available",
+        /// Claimed by a worker that holds a lease.
+        Running = "running",
+        /// Failed an attempt; claimable again at `run_at` (the stored backoff).
+        Retryable = "retryable",
+        Completed = "completed",
+        Discarded = "discarded",
+        Cancelled = "cancelled",
+    }
 }
 
-/// The six parameters [`JobColumns::bind`] fills, as a relation for [`insert_jobs_from!`].
-#[macro_export]
-macro_rules! job_columns_from_params {
-    () => {
-        "unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[], $6::int[]) \
-         AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts)"
-    };
+impl JobState {
+    pub fn is_finished(&self) -> bool {
+        matches!(self, Self::Completed | Self::Discarded | Self::Cancelled)
+    }
+}
+
+crate::text_enum! {
+    /// How a run ended, as `jobs_end_runs` reads it.
+    pub enum RunOutcome {
+        Complete = "complete",
+        Retry = "retry",
+        Fail = "fail",
+        Snooze = "snooze",
+        Cancel = "cancel",
+        /// Handed back without counting an attempt (shutdown).
+        Release = "release",
+    }
 }
 
 /// A kind of job: its payload type, the queue it runs on and how often it may be tried.
@@ -152,11 +167,7 @@ pub async fn enqueue<'c>(
     let mut columns = JobColumns::default();
     columns.push(&job)?;
     let id: Option<(JobId,)> = columns
-        .bind(sqlx::query_as(concat!(
-            "WITH j AS (",
-            insert_jobs_from!(job_columns_from_params!()),
-            " RETURNING id) SELECT id FROM j, pg_notify('payfleet_jobs', $1[1]) AS n"
-        )))
+        .bind(sqlx::query_as(store::ENQUEUE_ONE))
         .fetch_optional(db)
         .await?;
     Ok(id.map(|(id,)| id))
@@ -209,13 +220,7 @@ pub async fn enqueue_many<'c>(db: impl PgExecutor<'c>, jobs: &[NewJob]) -> Resul
         columns.push(job)?;
     }
     let (written,): (i64,) = columns
-        .bind(sqlx::query_as(concat!(
-            "WITH j AS (",
-            insert_jobs_from!(job_columns_from_params!()),
-            " RETURNING id), queues AS (SELECT DISTINCT q FROM unnest($1::text[]) AS q)
-                 SELECT (SELECT count(*) FROM j)
-                 FROM (SELECT count(pg_notify('payfleet_jobs', q)) FROM queues) n"
-        )))
+        .bind(sqlx::query_as(store::ENQUEUE_MANY))
         .fetch_one(db)
         .await?;
     Ok(written as u64)
@@ -239,33 +244,15 @@ pub enum Scheduled {
 pub async fn schedule<'c>(db: impl PgExecutor<'c>, job: NewJob) -> Result<Scheduled, QueueError> {
     check(&job)?;
     let key = job.key.as_deref().ok_or(QueueError::MissingKey)?;
-    let (id, inserted, running): (JobId, bool, bool) = sqlx::query_as(
-        "WITH j AS (
-         INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts)
-         VALUES ($1, $2, $3, $4, COALESCE($5, now()), $6)
-         ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable')
-         DO UPDATE SET
-             queue = EXCLUDED.queue,
-             kind = EXCLUDED.kind,
-             payload = EXCLUDED.payload,
-             run_at = EXCLUDED.run_at,
-             max_attempts = CASE WHEN jobs.state = 'running'
-                                 THEN greatest(EXCLUDED.max_attempts, jobs.attempt)
-                                 ELSE EXCLUDED.max_attempts END,
-             attempt = CASE WHEN jobs.state = 'running' THEN jobs.attempt ELSE 0 END,
-             state = CASE WHEN jobs.state = 'running' THEN 'running' ELSE 'available' END,
-             pending = CASE WHEN jobs.state = 'running' THEN 'reschedule' END
-         RETURNING id, queue, (xmax = 0) AS inserted, state = 'running' AS running)
-         SELECT id, inserted, running FROM j, LATERAL (SELECT pg_notify('payfleet_jobs', j.queue)) n",
-    )
-    .bind(&job.queue)
-    .bind(&job.kind)
-    .bind(key)
-    .bind(&job.payload)
-    .bind(job.run_at)
-    .bind(job.max_attempts)
-    .fetch_one(db)
-    .await?;
+    let (id, inserted, running): (JobId, bool, bool) = sqlx::query_as(store::SCHEDULE)
+        .bind(&job.queue)
+        .bind(&job.kind)
+        .bind(key)
+        .bind(&job.payload)
+        .bind(job.run_at)
+        .bind(job.max_attempts)
+        .fetch_one(db)
+        .await?;
     Ok(match (inserted, running) {
         (true, _) => Scheduled::Inserted(id),
         (false, false) => Scheduled::Replaced(id),
@@ -286,22 +273,27 @@ pub enum Cancelled {
 
 /// Cancels the unfinished job holding `key`.
 pub async fn cancel<'c>(db: impl PgExecutor<'c>, key: &str) -> Result<Cancelled, QueueError> {
-    let row: Option<(JobId, bool)> = sqlx::query_as(
-        "UPDATE jobs SET
-             state = CASE WHEN state = 'running' THEN 'running' ELSE 'cancelled' END,
-             pending = CASE WHEN state = 'running' THEN 'cancel' END,
-             finished_at = CASE WHEN state = 'running' THEN NULL ELSE now() END
-         WHERE key = $1 AND state IN ('available', 'running', 'retryable')
-         RETURNING id, state = 'running'",
-    )
-    .bind(key)
-    .fetch_optional(db)
-    .await?;
+    let row: Option<(JobId, bool)> = sqlx::query_as(store::CANCEL)
+        .bind(key)
+        .fetch_optional(db)
+        .await?;
     Ok(match row {
         None => Cancelled::NotFound,
         Some((id, false)) => Cancelled::Cancelled(id),
         Some((id, true)) => Cancelled::AfterRun(id),
     })
+}
+
+/// The state of the latest job holding `key`: the unfinished one if any, else the newest
+/// discarded one. `None` when neither exists (it completed, was cancelled, or was pruned).
+pub async fn latest_state_of_key<'c>(
+    db: impl PgExecutor<'c>,
+    key: &str,
+) -> Result<Option<JobState>, sqlx::Error> {
+    sqlx::query_scalar(store::LATEST_BY_KEY)
+        .bind(key)
+        .fetch_one(db)
+        .await
 }
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -348,10 +340,16 @@ impl JobError {
     }
 }
 
-/// A database error inside a job is assumed transient: the job is retried with backoff.
+/// A database error inside a job is retried with backoff when it is an outage
+/// ([`crate::db::is_transient`]); anything else (a constraint, bad data) would fail the same way
+/// again, so the job fails at once, keeping the error for an operator.
 impl From<sqlx::Error> for JobError {
     fn from(e: sqlx::Error) -> Self {
-        Self::retry(e)
+        if crate::db::is_transient(&e) {
+            Self::retry(e)
+        } else {
+            Self::fail(e)
+        }
     }
 }
 
@@ -374,14 +372,14 @@ pub(crate) enum RunEnd {
 }
 
 impl RunEnd {
-    fn outcome(&self) -> &'static str {
+    fn outcome(&self) -> RunOutcome {
         match self {
-            Self::Complete => "complete",
-            Self::Retry { .. } => "retry",
-            Self::Fail { .. } => "fail",
-            Self::Snooze(_) => "snooze",
-            Self::Cancel { .. } => "cancel",
-            Self::Release => "release",
+            Self::Complete => RunOutcome::Complete,
+            Self::Retry { .. } => RunOutcome::Retry,
+            Self::Fail { .. } => RunOutcome::Fail,
+            Self::Snooze(_) => RunOutcome::Snooze,
+            Self::Cancel { .. } => RunOutcome::Cancel,
+            Self::Release => RunOutcome::Release,
         }
     }
 
@@ -440,7 +438,7 @@ fn storable(text: &str) -> String {
 }
 
 /// "outer: inner: root", so the stored error keeps its causes.
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
@@ -462,23 +460,23 @@ pub(crate) struct Ended {
     pub end: RunEnd,
 }
 
-/// Ends runs in one statement (see migration 0005). Returns the new state of each run that
-/// still held its lease.
+impl Ended {
+    fn row(&self) -> store::EndRow {
+        store::EndRow {
+            id: self.id,
+            lease_token: self.lease_token,
+            outcome: self.end.outcome(),
+            delay_ms: self.end.delay_ms(),
+            error: self.end.error(),
+        }
+    }
+}
+
+/// Ends runs in one statement. Returns the new state of each run that still held its lease.
 pub(crate) async fn end_runs<'c>(
     db: impl PgExecutor<'c>,
     ended: &[Ended],
-) -> Result<Vec<(JobId, String)>, sqlx::Error> {
-    let ids: Vec<i64> = ended.iter().map(|e| e.id.0).collect();
-    let tokens: Vec<i64> = ended.iter().map(|e| e.lease_token).collect();
-    let outcomes: Vec<&str> = ended.iter().map(|e| e.end.outcome()).collect();
-    let delays: Vec<Option<i64>> = ended.iter().map(|e| e.end.delay_ms()).collect();
-    let errors: Vec<Option<String>> = ended.iter().map(|e| e.end.error()).collect();
-    sqlx::query_as("SELECT job_id, new_state FROM jobs_end_runs($1, $2, $3, $4, $5)")
-        .bind(&ids)
-        .bind(&tokens)
-        .bind(&outcomes)
-        .bind(&delays)
-        .bind(&errors)
-        .fetch_all(db)
-        .await
+) -> Result<Vec<(JobId, JobState)>, sqlx::Error> {
+    let rows: Vec<store::EndRow> = ended.iter().map(Ended::row).collect();
+    store::end_runs(db, &rows).await
 }

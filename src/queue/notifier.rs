@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use sqlx::PgPool;
 use tokio::sync::Notify;
 
-use super::fleet::CHANNEL;
+use super::store;
 
 #[derive(Clone)]
 pub struct Notifier {
@@ -49,12 +49,7 @@ impl Notifier {
             if queues.is_empty() {
                 continue;
             }
-            let sent = sqlx::query("SELECT pg_notify($1, q) FROM unnest($2::text[]) AS q")
-                .bind(CHANNEL)
-                .bind(&queues)
-                .execute(&pool)
-                .await;
-            if let Err(e) = sent {
+            if let Err(e) = store::notify_queues(&pool, &queues).await {
                 tracing::debug!(error = %e, "could not notify workers; they will poll");
             }
         }

@@ -1,5 +1,7 @@
-//! The webhook receiver: verify the signature over the raw body, store the event once per
-//! (gateway, event id) together with its processing job, answer. Nothing else happens here.
+//! Webhook ingestion: verify the signature over the raw body ([`Webhook::verify`], the only way
+//! to build a [`Webhook`]), then store the event once per (gateway, event id) together with its
+//! processing job ([`EventWriter`]). Nothing else happens on the way in. The HTTP endpoint is
+//! `http::webhooks`.
 
 pub mod signature;
 mod writer;
@@ -9,54 +11,26 @@ pub use writer::{EventWriter, StoreError};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use axum::Json;
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::HeaderMap;
-use axum::routing::post;
-use serde::Serialize;
+use tokio::sync::Semaphore;
 
 use crate::gateways::{self, GatewayName};
-use crate::http::ApiError;
+use crate::secret::Secret;
 use signature::{SignatureError, StandardSecret};
 
-#[derive(Debug, thiserror::Error)]
-#[error("{name} is not a valid secret: {problem}")]
-pub struct SecretError {
-    pub name: &'static str,
-    pub problem: &'static str,
-}
-
 /// One secret per integration. A gateway without one is disabled (its endpoint answers 404).
+/// Built by `config`; every field prints redacted.
 #[derive(Debug, Clone, Default)]
 pub struct WebhookSecrets {
-    pub stripe: Option<String>,
-    pub mercadopago: Option<String>,
-    pub razorpay: Option<String>,
+    pub stripe: Option<Secret>,
+    pub mercadopago: Option<Secret>,
+    pub razorpay: Option<Secret>,
     pub internal: Option<StandardSecret>,
     pub mock: Option<StandardSecret>,
 }
 
 impl WebhookSecrets {
-    pub fn from_env() -> Result<Self, SecretError> {
-        let var = |n: &str| std::env::var(n).ok().filter(|v| !v.trim().is_empty());
-        let standard = |name: &'static str| -> Result<Option<StandardSecret>, SecretError> {
-            var(name)
-                .map(|v| {
-                    StandardSecret::parse(v.trim()).map_err(|problem| SecretError { name, problem })
-                })
-                .transpose()
-        };
-        Ok(Self {
-            stripe: var("STRIPE_WEBHOOK_SECRET"),
-            mercadopago: var("MERCADOPAGO_WEBHOOK_SECRET"),
-            razorpay: var("RAZORPAY_WEBHOOK_SECRET"),
-            internal: standard("INTERNAL_WEBHOOK_SECRET")?,
-            mock: standard("MOCK_WEBHOOK_SECRET")?,
-        })
-    }
-
     /// For `up` with nothing configured: the internal and mock gateways get fresh secrets,
     /// returned so they can be printed. Configured secrets are kept.
     pub fn with_development_defaults(mut self) -> (Self, Vec<(&'static str, String)>) {
@@ -83,6 +57,14 @@ impl WebhookSecrets {
             GatewayName::Mock => self.mock.is_some(),
         }
     }
+
+    pub fn enabled_gateways(&self) -> Vec<GatewayName> {
+        GatewayName::ALL
+            .iter()
+            .copied()
+            .filter(|g| self.enabled(*g))
+            .collect()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -93,6 +75,21 @@ pub enum RejectedWebhook {
     Signature(#[from] SignatureError),
     #[error("{0}")]
     Malformed(String),
+    /// A bug, not the sender's fault: the verification task did not finish.
+    #[error("verification did not finish: {0}")]
+    Aborted(String),
+}
+
+impl RejectedWebhook {
+    /// Why, for metrics: `disabled`, `malformed`, or the signature problem.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Disabled(_) => "disabled",
+            Self::Signature(e) => e.reason(),
+            Self::Malformed(_) => "malformed_body",
+            Self::Aborted(_) => "aborted",
+        }
+    }
 }
 
 /// A webhook whose signature checked out. The only way to build one is [`Webhook::verify`].
@@ -119,58 +116,50 @@ const KEPT_HEADERS: &[&str] = &[
     "user-agent",
 ];
 
+/// Longest kept header value: the signature headers are bounded before this, the others are
+/// informational and truncated.
+const MAX_KEPT_HEADER: usize = 512;
+
+/// What a delivery carries, owned, so it can be verified on another thread.
+pub struct Delivery {
+    pub gateway: GatewayName,
+    pub headers: HeaderMap,
+    pub query: HashMap<String, String>,
+    pub body: Bytes,
+}
+
 impl Webhook {
-    /// Checks the gateway's signature over the raw bytes, then reads the event's id from the
-    /// signed headers or (Stripe) the body. Every gateway's body must be JSON.
+    /// Checks the gateway's signature over the raw bytes, then reads the event's id from what
+    /// the signature covers. Every gateway's body must be JSON.
     pub fn verify(
-        gateway: GatewayName,
+        d: &Delivery,
         secrets: &WebhookSecrets,
-        headers: &HeaderMap,
-        query: &HashMap<String, String>,
-        body: Bytes,
         now: i64,
         tolerance: i64,
     ) -> Result<Self, RejectedWebhook> {
+        let gateway = d.gateway;
+        let (headers, query, body) = (&d.headers, &d.query, &d.body);
         let h = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
         let disabled = || RejectedWebhook::Disabled(gateway);
-        // The id when a header carries it; Stripe's is in the body.
-        let header_id = match gateway {
+        match gateway {
             GatewayName::Stripe => {
-                let secret = secrets.stripe.as_deref().ok_or_else(disabled)?;
-                signature::stripe(secret, h("stripe-signature"), &body, now, tolerance)?;
-                None
+                let secret = secrets.stripe.as_ref().ok_or_else(disabled)?;
+                signature::stripe(secret.expose(), h("stripe-signature"), body, now, tolerance)?;
             }
             GatewayName::MercadoPago => {
-                let secret = secrets.mercadopago.as_deref().ok_or_else(disabled)?;
-                let data_id = query.get("data.id").map(String::as_str);
+                let secret = secrets.mercadopago.as_ref().ok_or_else(disabled)?;
                 signature::mercadopago(
-                    secret,
+                    secret.expose(),
                     h("x-signature"),
                     h("x-request-id"),
-                    data_id,
+                    query.get("data.id").map(String::as_str),
                     now,
                     tolerance,
                 )?;
-                // The body's id changes across resends; the signed request id names the delivery,
-                // and processing deduplicates on the payment's state fetched from the API.
-                let data_id = data_id.ok_or_else(|| {
-                    RejectedWebhook::Malformed("missing data.id in the query string".into())
-                })?;
-                let request_id = h("x-request-id")
-                    .ok_or_else(|| RejectedWebhook::Malformed("missing x-request-id".into()))?;
-                Some(format!("{data_id}:{request_id}"))
             }
             GatewayName::Razorpay => {
-                let secret = secrets.razorpay.as_deref().ok_or_else(disabled)?;
-                signature::razorpay(secret, h("x-razorpay-signature"), &body)?;
-                match h("x-razorpay-event-id") {
-                    Some(id) if !id.is_empty() => Some(id.to_owned()),
-                    _ => {
-                        return Err(RejectedWebhook::Malformed(
-                            "missing X-Razorpay-Event-Id".into(),
-                        ));
-                    }
-                }
+                let secret = secrets.razorpay.as_ref().ok_or_else(disabled)?;
+                signature::razorpay(secret.expose(), h("x-razorpay-signature"), body)?;
             }
             GatewayName::Internal | GatewayName::Mock => {
                 let secret = if gateway == GatewayName::Internal {
@@ -184,49 +173,64 @@ impl Webhook {
                     h("webhook-id"),
                     h("webhook-timestamp"),
                     h("webhook-signature"),
-                    &body,
+                    body,
                     now,
                     tolerance,
                 )?;
-                h("webhook-id").map(str::to_owned)
-            }
-        };
-        let json: serde_json::Value = serde_json::from_slice(&body)
-            .map_err(|e| RejectedWebhook::Malformed(format!("the body is not JSON: {e}")))?;
-        if gateway == GatewayName::MercadoPago {
-            // The body is not signed: it must name the resource the signed query names, since
-            // processing reads the resource from it.
-            let body_id = match json.get("data").and_then(|d| d.get("id")) {
-                Some(serde_json::Value::String(s)) => s.clone(),
-                Some(serde_json::Value::Number(n)) => n.to_string(),
-                _ => String::new(),
-            };
-            let signed = query.get("data.id").map(String::as_str).unwrap_or_default();
-            if !body_id.eq_ignore_ascii_case(signed) {
-                return Err(RejectedWebhook::Malformed(
-                    "the body's data.id differs from the signed data.id".into(),
-                ));
             }
         }
-        let event_id = match header_id {
-            Some(id) => id,
-            None => json
+        let json: serde_json::Value = serde_json::from_slice(body)
+            .map_err(|e| RejectedWebhook::Malformed(format!("the body is not JSON: {e}")))?;
+        let malformed = |m: &str| RejectedWebhook::Malformed(m.to_owned());
+        let event_id = match gateway {
+            // The id is in the signed body.
+            GatewayName::Stripe => json
                 .get("id")
                 .and_then(serde_json::Value::as_str)
                 .map(str::to_owned)
-                .ok_or_else(|| {
-                    RejectedWebhook::Malformed("the body has no string \"id\"".into())
-                })?,
+                .ok_or_else(|| malformed("the body has no string \"id\""))?,
+            GatewayName::MercadoPago => {
+                // The body is not signed: it must name the resource the signed query names,
+                // since processing reads the resource from it. Its own id changes across
+                // resends; the signed request id names the delivery, and processing
+                // deduplicates on the payment's state fetched from the API.
+                let signed = query
+                    .get("data.id")
+                    .filter(|s| !s.is_empty())
+                    .ok_or_else(|| malformed("missing data.id in the query string"))?;
+                let body_id = match json.get("data").and_then(|d| d.get("id")) {
+                    Some(serde_json::Value::String(s)) => s.clone(),
+                    Some(serde_json::Value::Number(n)) => n.to_string(),
+                    _ => String::new(),
+                };
+                if !body_id.eq_ignore_ascii_case(signed) {
+                    return Err(malformed(
+                        "the body's data.id differs from the signed data.id",
+                    ));
+                }
+                let request_id =
+                    h("x-request-id").ok_or_else(|| malformed("missing x-request-id"))?;
+                format!("{signed}:{request_id}")
+            }
+            // Its event id header is not signed: the identity comes from the signed body.
+            GatewayName::Razorpay => gateways::razorpay_event_identity(&json).ok_or_else(|| {
+                malformed("the body has no event, created_at and entity id to identify it by")
+            })?,
+            // Standard Webhooks sign the id.
+            GatewayName::Internal | GatewayName::Mock => h("webhook-id")
+                .map(str::to_owned)
+                .ok_or_else(|| malformed("missing webhook-id"))?,
         };
         if event_id.is_empty() || event_id.len() > 255 {
-            return Err(RejectedWebhook::Malformed(
-                "the event id must be 1 to 255 characters".into(),
-            ));
+            return Err(malformed("the event id must be 1 to 255 characters"));
         }
         let mut kept: serde_json::Map<String, serde_json::Value> = KEPT_HEADERS
             .iter()
             .filter_map(|name| {
-                h(name).map(|v| ((*name).to_owned(), serde_json::Value::String(v.to_owned())))
+                h(name).map(|v| {
+                    let v: String = v.chars().take(MAX_KEPT_HEADER).collect();
+                    ((*name).to_owned(), serde_json::Value::String(v))
+                })
             })
             .collect();
         if let Some(data_id) = query.get("data.id") {
@@ -239,7 +243,7 @@ impl Webhook {
             gateway,
             event_type: gateways::event_type(gateway, &json),
             event_id,
-            body,
+            body: body.clone(),
             headers: serde_json::Value::Object(kept),
         })
     }
@@ -253,61 +257,56 @@ impl Webhook {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+/// Bodies up to this size are verified where the request is handled: one HMAC over 64 KiB is
+/// tens of microseconds. Larger ones go to the blocking pool.
+const INLINE_VERIFY_MAX: usize = 64 * 1024;
+
+/// Verifies webhooks without holding up the threads that serve other requests and drive the
+/// event writer: a large body's HMAC and JSON parse run on the blocking pool, at most as many
+/// at once as the machine has cores (the rest wait their turn, asynchronously).
+#[derive(Clone)]
+pub struct Verifier {
+    secrets: Arc<WebhookSecrets>,
+    tolerance_secs: i64,
+    permits: Arc<Semaphore>,
+}
+
+impl Verifier {
+    pub fn new(secrets: Arc<WebhookSecrets>, tolerance_secs: i64) -> Self {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Self {
+            secrets,
+            tolerance_secs,
+            permits: Arc::new(Semaphore::new(cores)),
+        }
+    }
+
+    pub fn secrets(&self) -> &WebhookSecrets {
+        &self.secrets
+    }
+
+    pub async fn verify(&self, delivery: Delivery) -> Result<Webhook, RejectedWebhook> {
+        let now = chrono::Utc::now().timestamp();
+        if delivery.body.len() <= INLINE_VERIFY_MAX {
+            return Webhook::verify(&delivery, &self.secrets, now, self.tolerance_secs);
+        }
+        // The semaphore is never closed.
+        let _permit = self
+            .permits
+            .acquire()
+            .await
+            .map_err(|_| RejectedWebhook::Aborted("the verifier has stopped".into()))?;
+        let secrets = self.secrets.clone();
+        let tolerance = self.tolerance_secs;
+        tokio::task::spawn_blocking(move || Webhook::verify(&delivery, &secrets, now, tolerance))
+            .await
+            .map_err(|e| RejectedWebhook::Aborted(e.to_string()))?
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Stored {
     Accepted,
     Duplicate,
-}
-
-/// What the webhook endpoints need.
-#[derive(Clone)]
-pub struct WebhookState {
-    pub events: EventWriter,
-    pub secrets: Arc<WebhookSecrets>,
-    pub tolerance_secs: i64,
-    pub body_limit: usize,
-}
-
-#[derive(Serialize)]
-struct Receipt {
-    status: Stored,
-}
-
-pub fn routes(state: WebhookState) -> axum::Router {
-    axum::Router::new()
-        .route("/webhooks/{gateway}", post(receive))
-        .layer(DefaultBodyLimit::max(state.body_limit))
-        .with_state(state)
-}
-
-async fn receive(
-    State(state): State<WebhookState>,
-    Path(gateway): Path<String>,
-    Query(query): Query<HashMap<String, String>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Json<Receipt>, ApiError> {
-    let gateway: GatewayName = gateway
-        .parse()
-        .map_err(|e: gateways::UnknownGateway| ApiError::NotFound(e.to_string()))?;
-    if !state.secrets.enabled(gateway) {
-        return Err(ApiError::NotFound(format!(
-            "gateway {gateway} is not enabled"
-        )));
-    }
-    let body = body.map_err(|r| ApiError::from_body(r, state.body_limit))?;
-    let now = chrono::Utc::now().timestamp();
-    let webhook = Webhook::verify(
-        gateway,
-        &state.secrets,
-        &headers,
-        &query,
-        body,
-        now,
-        state.tolerance_secs,
-    )?;
-    let status = state.events.store(webhook).await?;
-    crate::http::metrics::webhook_received(gateway, status);
-    Ok(Json(Receipt { status }))
 }

@@ -1,13 +1,25 @@
-//! The gateways' signing schemes, verified over the raw bytes with constant-time comparison
-//! (`Mac::verify_slice` compares in constant time and rejects a tag of the wrong length, so an
-//! empty signature never matches). Test vectors: ../shared/background/webhook-signatures.md.
+//! The gateways' signing schemes, verified over the raw bytes.
+//!
+//! The sender chooses the headers, so the cost of a refusal is bounded whatever they hold: a
+//! signature header longer than [`MAX_HEADER_BYTES`] or carrying more than [`MAX_CANDIDATES`]
+//! signatures is refused before any hashing; the signed timestamp is checked before any
+//! hashing; and the expected MAC is computed once per request, then compared with each
+//! candidate in constant time. The worst refused request costs one HMAC over the body.
+//! Test vectors: ../shared/background/webhook-signatures.md.
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use subtle::ConstantTimeEq;
 
 type HmacSha256 = Hmac<Sha256>;
+
+/// Longest signature header accepted. Real ones are well under 1 KiB (a timestamp and one or
+/// two signatures while a secret rolls).
+pub const MAX_HEADER_BYTES: usize = 2048;
+/// Most signatures one header may carry.
+pub const MAX_CANDIDATES: usize = 8;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SignatureError {
@@ -24,29 +36,58 @@ pub enum SignatureError {
     Timestamp(i64),
 }
 
-fn mac(key: &[u8], parts: &[&[u8]]) -> HmacSha256 {
+impl SignatureError {
+    /// The reason, for metrics: `missing_header`, `malformed`, `mismatch` or `timestamp`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::MissingHeader(_) => "missing_header",
+            Self::Malformed { .. } => "malformed",
+            Self::Mismatch(_) => "mismatch",
+            Self::Timestamp(_) => "timestamp",
+        }
+    }
+}
+
+/// The expected tag of a message, computed once.
+fn expected(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     // HMAC takes keys of any length; new_from_slice cannot fail for it.
     let mut m = <HmacSha256 as Mac>::new_from_slice(key)
         .unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
     for p in parts {
         m.update(p);
     }
-    m
+    m.finalize().into_bytes().into()
 }
 
-fn matches(key: &[u8], parts: &[&[u8]], candidate: &[u8]) -> bool {
-    mac(key, parts).verify_slice(candidate).is_ok()
+/// Whether any candidate equals the expected tag. Every candidate is compared in full, in
+/// constant time; one of the wrong length never matches.
+fn any_matches<'a>(expected: &[u8; 32], candidates: impl IntoIterator<Item = &'a [u8]>) -> bool {
+    let mut found = subtle::Choice::from(0);
+    for c in candidates {
+        if c.len() == expected.len() {
+            found |= c.ct_eq(expected);
+        }
+    }
+    found.into()
 }
 
 fn malformed(header: &'static str, problem: &'static str) -> SignatureError {
     SignatureError::Malformed { header, problem }
 }
 
-/// The `key=value` items of a comma-separated signature header.
+fn bounded(header: &'static str, value: &str) -> Result<(), SignatureError> {
+    if value.len() > MAX_HEADER_BYTES {
+        return Err(malformed(header, "longer than 2048 bytes"));
+    }
+    Ok(())
+}
+
+/// The `key=value` items of a comma-separated signature header (already bounded in length).
 fn pairs<'a>(
     header: &'a str,
     name: &'static str,
 ) -> Result<Vec<(&'a str, &'a str)>, SignatureError> {
+    bounded(name, header)?;
     header
         .split(',')
         .map(|item| {
@@ -91,16 +132,16 @@ pub fn stripe(
     if v1.is_empty() {
         return Err(malformed(H, "no v1 signature"));
     }
-    let parts: [&[u8]; 3] = [t.as_bytes(), b".", body];
-    let any = v1
-        .iter()
-        .filter_map(|s| hex::decode(s).ok())
-        .any(|sig| matches(secret.as_bytes(), &parts, &sig));
-    if !any {
-        return Err(SignatureError::Mismatch(H));
+    if v1.len() > MAX_CANDIDATES {
+        return Err(malformed(H, "more than 8 v1 signatures"));
     }
     if !within(ts, now, tolerance) {
         return Err(SignatureError::Timestamp(tolerance));
+    }
+    let want = expected(secret.as_bytes(), &[t.as_bytes(), b".", body]);
+    let decoded: Vec<Vec<u8>> = v1.iter().filter_map(|s| hex::decode(s).ok()).collect();
+    if !any_matches(&want, decoded.iter().map(Vec::as_slice)) {
+        return Err(SignatureError::Mismatch(H));
     }
     Ok(())
 }
@@ -132,24 +173,33 @@ pub fn mercadopago(
     let ts_ms: i64 = ts
         .parse()
         .map_err(|_| malformed(H, "ts is not an integer"))?;
+    if !within(ts_ms / 1000, now, tolerance) {
+        return Err(SignatureError::Timestamp(tolerance));
+    }
+    let data_id = data_id.filter(|s| !s.is_empty());
+    let request_id = request_id.filter(|s| !s.is_empty());
+    if data_id.is_some_and(|d| d.len() > 256) || request_id.is_some_and(|r| r.len() > 256) {
+        return Err(malformed(
+            H,
+            "data.id or x-request-id longer than 256 bytes",
+        ));
+    }
     let mut manifest = String::new();
-    if let Some(id) = data_id.filter(|s| !s.is_empty()) {
+    if let Some(id) = data_id {
         if id.chars().all(|c| c.is_ascii_alphanumeric()) {
             manifest.push_str(&format!("id:{};", id.to_ascii_lowercase()));
         } else {
             manifest.push_str(&format!("id:{id};"));
         }
     }
-    if let Some(rid) = request_id.filter(|s| !s.is_empty()) {
+    if let Some(rid) = request_id {
         manifest.push_str(&format!("request-id:{rid};"));
     }
     manifest.push_str(&format!("ts:{ts};"));
     let sig = hex::decode(v1).map_err(|_| SignatureError::Mismatch(H))?;
-    if !matches(secret.as_bytes(), &[manifest.as_bytes()], &sig) {
+    let want = expected(secret.as_bytes(), &[manifest.as_bytes()]);
+    if !any_matches(&want, [sig.as_slice()]) {
         return Err(SignatureError::Mismatch(H));
-    }
-    if !within(ts_ms / 1000, now, tolerance) {
-        return Err(SignatureError::Timestamp(tolerance));
     }
     Ok(())
 }
@@ -158,8 +208,13 @@ pub fn mercadopago(
 pub fn razorpay(secret: &str, header: Option<&str>, body: &[u8]) -> Result<(), SignatureError> {
     const H: &str = "X-Razorpay-Signature";
     let header = header.ok_or(SignatureError::MissingHeader(H))?;
+    bounded(H, header)?;
     let sig = hex::decode(header.trim()).map_err(|_| SignatureError::Mismatch(H))?;
-    if !matches(secret.as_bytes(), &[body], &sig) {
+    if sig.len() != 32 {
+        return Err(SignatureError::Mismatch(H));
+    }
+    let want = expected(secret.as_bytes(), &[body]);
+    if !any_matches(&want, [sig.as_slice()]) {
         return Err(SignatureError::Mismatch(H));
     }
     Ok(())
@@ -196,9 +251,7 @@ impl StandardSecret {
     /// The `webhook-signature` value for a message: what a sender (and a test) puts on it.
     pub fn sign(&self, id: &str, ts: i64, body: &[u8]) -> String {
         let ts = ts.to_string();
-        let tag = mac(&self.0, &[id.as_bytes(), b".", ts.as_bytes(), b".", body])
-            .finalize()
-            .into_bytes();
+        let tag = expected(&self.0, &[id.as_bytes(), b".", ts.as_bytes(), b".", body]);
         format!("v1,{}", B64.encode(tag))
     }
 }
@@ -214,30 +267,45 @@ pub fn standard(
     now: i64,
     tolerance: i64,
 ) -> Result<(), SignatureError> {
+    const H: &str = "webhook-signature";
     let id = id.ok_or(SignatureError::MissingHeader("webhook-id"))?;
     let ts_text = timestamp.ok_or(SignatureError::MissingHeader("webhook-timestamp"))?;
-    let signature = signature.ok_or(SignatureError::MissingHeader("webhook-signature"))?;
+    let signature = signature.ok_or(SignatureError::MissingHeader(H))?;
+    bounded(H, signature)?;
+    if id.len() > 256 {
+        return Err(malformed("webhook-id", "longer than 256 bytes"));
+    }
     let ts: i64 = ts_text
         .parse()
         .map_err(|_| malformed("webhook-timestamp", "not an integer"))?;
-    let parts: [&[u8]; 5] = [id.as_bytes(), b".", ts_text.as_bytes(), b".", body];
-    let any = signature
-        .split(' ')
-        .filter_map(|entry| entry.strip_prefix("v1,"))
-        .filter_map(|b64| B64.decode(b64).ok())
-        .any(|sig| matches(&secret.0, &parts, &sig));
-    if !any {
-        return Err(SignatureError::Mismatch("webhook-signature"));
+    let entries: Vec<&str> = signature.split(' ').filter(|e| !e.is_empty()).collect();
+    if entries.len() > MAX_CANDIDATES {
+        return Err(malformed(H, "more than 8 signatures"));
     }
     if !within(ts, now, tolerance) {
         return Err(SignatureError::Timestamp(tolerance));
+    }
+    let candidates: Vec<Vec<u8>> = entries
+        .iter()
+        .filter_map(|entry| entry.strip_prefix("v1,"))
+        .filter_map(|b64| B64.decode(b64).ok())
+        .collect();
+    if candidates.is_empty() {
+        return Err(SignatureError::Mismatch(H));
+    }
+    let want = expected(
+        &secret.0,
+        &[id.as_bytes(), b".", ts_text.as_bytes(), b".", body],
+    );
+    if !any_matches(&want, candidates.iter().map(Vec::as_slice)) {
+        return Err(SignatureError::Mismatch(H));
     }
     Ok(())
 }
 
 /// Hex HMAC-SHA256, as Stripe and Razorpay senders compute it; for stand-ins and tests.
 pub fn hex_hmac(secret: &[u8], parts: &[&[u8]]) -> String {
-    hex::encode(mac(secret, parts).finalize().into_bytes())
+    hex::encode(expected(secret, parts))
 }
 
 #[cfg(test)]
@@ -422,6 +490,92 @@ mod tests {
         assert_eq!(at(1649367553 - 200), Ok(()));
         assert_eq!(at(1649367553 + 301), Err(SignatureError::Timestamp(300)));
         assert_eq!(at(1649367553 - 301), Err(SignatureError::Timestamp(300)));
+    }
+
+    #[test]
+    fn oversized_headers_and_too_many_candidates_are_refused_before_hashing() {
+        let s = StandardSecret::parse("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        let body = b"{}";
+        let good = s.sign("msg_1", 1614265330, body);
+        let nine = std::iter::repeat_n(good.as_str(), 9)
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert!(matches!(
+            standard(
+                &s,
+                Some("msg_1"),
+                Some("1614265330"),
+                Some(&nine),
+                body,
+                1614265330,
+                300
+            ),
+            Err(SignatureError::Malformed {
+                problem: "more than 8 signatures",
+                ..
+            })
+        ));
+        let eight = std::iter::repeat_n(good.as_str(), 8)
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert_eq!(
+            standard(
+                &s,
+                Some("msg_1"),
+                Some("1614265330"),
+                Some(&eight),
+                body,
+                1614265330,
+                300
+            ),
+            Ok(())
+        );
+        let huge = format!("{good} {}", "x".repeat(MAX_HEADER_BYTES));
+        assert!(matches!(
+            standard(
+                &s,
+                Some("msg_1"),
+                Some("1614265330"),
+                Some(&huge),
+                body,
+                1614265330,
+                300
+            ),
+            Err(SignatureError::Malformed {
+                problem: "longer than 2048 bytes",
+                ..
+            })
+        ));
+        let many_v1 = format!("t=1700000000,{}", ["v1=00"; 9].join(","));
+        assert!(matches!(
+            stripe("whsec_x", Some(&many_v1), body, 1700000000, 300),
+            Err(SignatureError::Malformed {
+                problem: "more than 8 v1 signatures",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_stale_timestamp_is_refused_whatever_the_signature() {
+        // Checked first: a stale request costs no hashing at all.
+        let s = StandardSecret::parse("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        assert_eq!(
+            standard(
+                &s,
+                Some("m"),
+                Some("1000"),
+                Some("v1,AAAA"),
+                b"{}",
+                5000,
+                300
+            ),
+            Err(SignatureError::Timestamp(300))
+        );
+        assert_eq!(
+            stripe("whsec_x", Some("t=1000,v1=00"), b"{}", 5000, 300),
+            Err(SignatureError::Timestamp(300))
+        );
     }
 
     #[test]

@@ -1,14 +1,13 @@
 use std::net::SocketAddr;
-use std::sync::Arc;
 
+use payfleet::config::Config;
 use payfleet::gateways::GatewayName;
-use payfleet::http::AppState;
-use payfleet::messaging::Broker;
 use payfleet::payments::{ProcessPaymentEvent, Processor};
 use payfleet::queue::{Job, QueueSettings, Registry, work_until_idle};
-use payfleet::startup;
+use payfleet::secret::Secret;
+use payfleet::startup::{self, Roles, Running};
+use payfleet::webhooks::WebhookSecrets;
 use payfleet::webhooks::signature::{StandardSecret, hex_hmac};
-use payfleet::webhooks::{EventWriter, WebhookSecrets};
 use sqlx::PgPool;
 use tokio::net::TcpListener;
 
@@ -20,44 +19,43 @@ pub const MOCK_SECRET: &str = "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD";
 
 pub fn all_secrets() -> WebhookSecrets {
     WebhookSecrets {
-        stripe: Some(STRIPE_SECRET.into()),
-        mercadopago: Some(MP_SECRET.into()),
-        razorpay: Some(RAZORPAY_SECRET.into()),
+        stripe: Some(Secret::new(STRIPE_SECRET)),
+        mercadopago: Some(Secret::new(MP_SECRET)),
+        razorpay: Some(Secret::new(RAZORPAY_SECRET)),
         internal: Some(StandardSecret::parse(INTERNAL_SECRET).unwrap()),
         mock: Some(StandardSecret::parse(MOCK_SECRET).unwrap()),
     }
+}
+
+/// The configuration of a test process: the built-in defaults, every gateway enabled.
+pub fn test_config() -> Config {
+    let mut config = Config::from(&[("PAYFLEET_QUEUES", "jobs/queues.toml")]).unwrap();
+    config.webhooks = all_secrets();
+    config
 }
 
 pub struct TestApp {
     pub addr: SocketAddr,
     pub pool: PgPool,
     pub http: reqwest::Client,
+    /// Keeps the server (and its event writer) for the test's duration.
+    _running: Running,
 }
 
 pub async fn spawn_app(pool: PgPool) -> TestApp {
-    spawn_app_with(pool, all_secrets(), 1024 * 1024).await
+    spawn_app_with(pool, test_config()).await
 }
 
-pub async fn spawn_app_with(pool: PgPool, secrets: WebhookSecrets, body_limit: usize) -> TestApp {
-    startup::install_tls_provider();
+/// Starts the receiver as `payfleet serve` does, on port 0 against the test's database.
+pub async fn spawn_app_with(pool: PgPool, config: Config) -> TestApp {
+    payfleet::tls::install_provider();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let state = AppState {
-        pool: pool.clone(),
-        broker: Broker::default(),
-        secrets: Arc::new(secrets),
-        webhook_tolerance_secs: 300,
-        webhook_body_limit: body_limit,
-        events: EventWriter::start(
-            pool.clone(),
-            Some(payfleet::queue::Notifier::start(pool.clone())),
-        ),
-    };
-    tokio::spawn(startup::serve(listener, state, std::future::pending()));
+    let running = startup::start(&config, pool.clone(), Roles::SERVE, Some(listener)).unwrap();
     TestApp {
-        addr,
+        addr: running.addr().unwrap(),
         pool,
         http: reqwest::Client::new(),
+        _running: running,
     }
 }
 
@@ -170,6 +168,17 @@ impl TestApp {
         let status = resp.status().as_u16();
         let body = resp.json().await.unwrap_or(serde_json::Value::Null);
         (status, body)
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, String) {
+        let resp = self
+            .http
+            .get(format!("http://{}{path}", self.addr))
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.text().await.unwrap())
     }
 
     pub async fn events(&self) -> i64 {
@@ -286,5 +295,98 @@ pub async fn deliver_payments(app: &std::sync::Arc<TestApp>, n: usize) {
     }
     while let Some(r) = tasks.join_next().await {
         r.unwrap();
+    }
+}
+
+/// How [`DbProxy`] treats connections to the database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Link {
+    /// Bytes flow both ways.
+    Up,
+    /// The port is closed: connecting is refused at once, open connections are cut.
+    Refused,
+    /// Connections are accepted and then nothing ever answers (a partition, a hung server).
+    Blackhole,
+}
+
+/// A TCP proxy in front of PostgreSQL, so a test can make the database really unreachable for
+/// the app under test while other tests keep using the server.
+pub struct DbProxy {
+    pub addr: SocketAddr,
+    link: tokio::sync::watch::Sender<Link>,
+}
+
+impl DbProxy {
+    pub async fn start(pool: &PgPool) -> DbProxy {
+        let o = pool.connect_options();
+        let host = if o.get_host().starts_with('/') {
+            "127.0.0.1".to_owned()
+        } else {
+            o.get_host().to_owned()
+        };
+        let upstream = format!("{host}:{}", o.get_port());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (link, mut watch) = tokio::sync::watch::channel(Link::Up);
+        tokio::spawn(async move {
+            let mut listener = Some(listener);
+            loop {
+                let mode = *watch.borrow_and_update();
+                match (&listener, mode) {
+                    (Some(_), Link::Refused) => listener = None,
+                    (None, Link::Up | Link::Blackhole) => {
+                        listener = Some(TcpListener::bind(addr).await.unwrap());
+                    }
+                    _ => {}
+                }
+                let Some(l) = &listener else {
+                    if watch.changed().await.is_err() {
+                        return;
+                    }
+                    continue;
+                };
+                tokio::select! {
+                    accepted = l.accept() => {
+                        let Ok((client, _)) = accepted else { continue };
+                        let mut cut = watch.clone();
+                        let upstream = upstream.clone();
+                        tokio::spawn(async move {
+                            if mode == Link::Blackhole {
+                                // Hold the socket, answer nothing, until the link changes.
+                                let _ = cut.changed().await;
+                                drop(client);
+                                return;
+                            }
+                            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else { return };
+                            let (mut cr, mut cw) = client.into_split();
+                            let (mut sr, mut sw) = server.into_split();
+                            tokio::select! {
+                                _ = tokio::io::copy(&mut cr, &mut sw) => {}
+                                _ = tokio::io::copy(&mut sr, &mut cw) => {}
+                                _ = async { while cut.changed().await.is_ok() && *cut.borrow() == Link::Up {} } => {}
+                            }
+                        });
+                    }
+                    changed = watch.changed() => if changed.is_err() { return },
+                }
+            }
+        });
+        DbProxy { addr, link }
+    }
+
+    pub fn set(&self, link: Link) {
+        self.link.send_replace(link);
+    }
+
+    /// A pool for the app under test that reaches the database through this proxy.
+    pub fn pool(&self, pool: &PgPool) -> PgPool {
+        let options = (*pool.connect_options())
+            .clone()
+            .host(&self.addr.ip().to_string())
+            .port(self.addr.port());
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(10)
+            .acquire_timeout(std::time::Duration::from_secs(5))
+            .connect_lazy_with(options)
     }
 }

@@ -1,7 +1,9 @@
 //! The integration tests: each one gets its own database on the real PostgreSQL server
 //! (#[sqlx::test]) and, where it needs HTTP, its own server on port 0.
 
+mod health;
 mod helpers;
+mod outage;
 mod process;
 mod processing;
 mod queue;

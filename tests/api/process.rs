@@ -169,3 +169,147 @@ async fn the_jobs_command_shows_counts_and_refuses_bad_ids_plainly(pool: PgPool)
         "no dead jobs"
     );
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn operators_list_unprocessed_events_and_replay_them(pool: PgPool) {
+    let app = Arc::new(spawn_app(pool.clone()).await);
+    deliver_payments(&app, 3).await;
+    // sess_0's job died during an outage; sess_1's refund waits for a payment; sess_2 is fine.
+    sqlx::query(
+        "UPDATE jobs SET state = 'discarded', finished_at = now() WHERE key = 'payment_event:internal:msg_0'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    app.deliver(&internal("msg_r", &refund_body("sess_9", "r9", "1.00")))
+        .await;
+    process_events(&pool, payfleet::payments::Processor::default()).await;
+
+    let out = payfleet(&pool, &["events", "unprocessed"])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    assert_eq!(
+        (rows[0][2], rows[0][4], rows[0][5]),
+        ("msg_0", "pending", "discarded"),
+        "{text}"
+    );
+    assert_eq!(
+        (rows[1][2], rows[1][4], rows[1][5]),
+        ("msg_r", "waiting", "none"),
+        "{text}"
+    );
+    assert!(text.contains("waiting for payment:pay_sess_9"), "{text}");
+
+    let id = rows[0][0];
+    let out = payfleet(&pool, &["events", "replay", id])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap().trim(),
+        format!("event {id} will be processed again")
+    );
+    process_events(&pool, payfleet::payments::Processor::default()).await;
+    assert_eq!(
+        order_status(&pool, "internal", "sess_0").await.unwrap().0,
+        "paid"
+    );
+
+    // A processed event and an unknown id are plain refusals.
+    let out = payfleet(&pool, &["events", "replay", id])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    assert_eq!(
+        String::from_utf8(out.stderr).unwrap().trim(),
+        format!(
+            "payfleet: payment event {id} is already processed (applied); there is nothing to replay"
+        )
+    );
+    let out = payfleet(&pool, &["events", "replay", "999999"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(
+        String::from_utf8(out.stderr).unwrap().trim(),
+        "payfleet: no payment event 999999"
+    );
+    let out = payfleet(&pool, &["events", "replay", "--all"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap().trim(),
+        "1 unprocessed events will be processed again"
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_worker_reports_its_own_readiness_and_never_logs_a_password(pool: PgPool) {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    // Trust authentication ignores the password, so it can be a marker to look for.
+    let url = database_url(&pool).replacen("postgres@", "postgres:hunter2-marker@", 1);
+    let queues = queues_file("ready", 2);
+    let worker = payfleet(&pool, &["work"])
+        .env("DATABASE_URL", &url)
+        .env("PAYFLEET_QUEUES", &queues)
+        .env("PAYFLEET_WORKER_BIND", format!("127.0.0.1:{port}"))
+        .env("RUST_LOG", "debug,sqlx=debug")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = None;
+    for _ in 0..100 {
+        if let Ok(resp) = reqwest::get(format!("http://127.0.0.1:{port}/readyz")).await {
+            ready = Some((resp.status().as_u16(), resp.text().await.unwrap()));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, body) = ready.expect("the worker serves /readyz");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap(),
+        serde_json::json!({"database": "ok", "workers": "ok"})
+    );
+    let metrics = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("payfleet_payment_events_unprocessed"),
+        "{metrics}"
+    );
+    let pid = worker.id().unwrap().to_string();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    let out = worker.wait_with_output().await.unwrap();
+    let logs = String::from_utf8_lossy(&out.stderr);
+    assert!(logs.contains("payfleet started"), "{logs}");
+    assert!(
+        logs.contains("postgres:***@"),
+        "the database is named, redacted: {logs}"
+    );
+    assert!(
+        !logs.contains("hunter2-marker"),
+        "a password reached the logs: {logs}"
+    );
+}

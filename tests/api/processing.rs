@@ -1,9 +1,11 @@
 use axum::Json;
 use axum::extract::Path;
+use axum::response::IntoResponse;
 use axum::routing::get;
 use payfleet::gateways::{GatewayName, MercadoPagoClient};
 use payfleet::payments::{Processed, Processor};
 use payfleet::queue::rescue_expired;
+use payfleet::secret::Secret;
 use sqlx::PgPool;
 
 use crate::helpers::*;
@@ -285,37 +287,44 @@ async fn stripe_refund_before_the_checkout_waits_for_it(pool: PgPool) {
     let paid = r#"{"id":"evt_p","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
     app.deliver(&stripe(refund, now())).await;
     process_events(&pool, Processor::default()).await;
-    let (state, error): (String, String) =
-        sqlx::query_as("SELECT state, errors -> 0 ->> 'error' FROM jobs")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!(state, "retryable");
-    assert!(error.contains("pi_1 is not known yet"), "{error}");
-
-    app.deliver(&stripe(paid, now())).await;
-    process_events(&pool, Processor::default()).await;
+    // Kept, not retried: its job is done and the event says what it waits for.
+    let (job_state, outcome, waiting_for): (String, String, String) = sqlx::query_as(
+        "SELECT j.state, e.outcome, e.waiting_for FROM payment_events e
+         JOIN jobs j ON j.key = 'payment_event:stripe:' || e.event_id",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
     assert_eq!(
-        order_status(&pool, "stripe", "cs_1").await.unwrap().0,
-        "paid"
+        (job_state.as_str(), outcome.as_str(), waiting_for.as_str()),
+        ("completed", "waiting", "payment:pi_1")
     );
-    sqlx::query("UPDATE jobs SET run_at = now() WHERE state = 'retryable'")
-        .execute(&pool)
-        .await
-        .unwrap();
+
+    // The payment arrives (days later, for all it matters): it confirms the order and brings
+    // the waiting refund back, which then applies.
+    app.deliver(&stripe(paid, now())).await;
     process_events(&pool, Processor::default()).await;
     let (order, payment) = order_status(&pool, "stripe", "cs_1").await.unwrap();
     assert_eq!(
         (order.as_str(), payment.as_deref()),
         ("refunded", Some("refunded"))
     );
+    let outcomes: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT outcome, waiting_for FROM payment_events ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        outcomes,
+        vec![("applied".into(), None), ("applied".into(), None)]
+    );
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn razorpay_captured_payment_confirms_the_order(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
-    let authorized = r#"{"entity":"event","event":"payment.authorized","payload":{"payment":{"entity":{"id":"pay_1","amount":50000,"currency":"INR","status":"authorized","order_id":"order_1"}}}}"#;
-    let captured = r#"{"entity":"event","event":"payment.captured","payload":{"payment":{"entity":{"id":"pay_1","amount":50000,"currency":"INR","status":"captured","order_id":"order_1"}}}}"#;
+    let authorized = r#"{"entity":"event","event":"payment.authorized","contains":["payment"],"payload":{"payment":{"entity":{"id":"pay_1","amount":50000,"currency":"INR","status":"authorized","order_id":"order_1"}}},"created_at":1700000000}"#;
+    let captured = r#"{"entity":"event","event":"payment.captured","contains":["payment"],"payload":{"payment":{"entity":{"id":"pay_1","amount":50000,"currency":"INR","status":"captured","order_id":"order_1"}}},"created_at":1700000060}"#;
     app.deliver(&razorpay("evt_a", authorized)).await;
     process_events(&pool, Processor::default()).await;
     assert_eq!(
@@ -350,19 +359,31 @@ async fn mercadopago_events_are_checked_against_the_api(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
     app.deliver(&mercadopago("777", "req-1", now() * 1000))
         .await;
-    // Without API access the event waits (retry), it is not lost.
+    // Without API access the event cannot be read: rejected with the reason, kept, and
+    // replayable once the access token is configured.
     process_events(&pool, Processor::default()).await;
-    let state: String = sqlx::query_scalar("SELECT state FROM jobs")
+    let (job_state, outcome, detail): (String, String, String) = sqlx::query_as(
+        "SELECT j.state, e.outcome, e.outcome_detail FROM payment_events e
+         JOIN jobs j ON j.key = 'payment_event:mercadopago:' || e.event_id",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (job_state.as_str(), outcome.as_str()),
+        ("completed", "rejected")
+    );
+    assert!(detail.contains("MERCADOPAGO_ACCESS_TOKEN"), "{detail}");
+    let id: i64 = sqlx::query_scalar("SELECT id FROM payment_events")
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(state, "retryable");
-    sqlx::query("UPDATE jobs SET run_at = now()")
-        .execute(&pool)
-        .await
-        .unwrap();
+    assert_eq!(
+        payfleet::payments::events::replay(&pool, id).await.unwrap(),
+        payfleet::payments::events::Replayed::Queued
+    );
     let processor = Processor {
-        mercadopago: Some(MercadoPagoClient::new(&base, "TEST-token").unwrap()),
+        mercadopago: Some(MercadoPagoClient::new(&base, Secret::new("TEST-token")).unwrap()),
     };
     process_events(&pool, processor).await;
     let (order, payment) = order_status(&pool, "mercadopago", "pref_1").await.unwrap();
@@ -370,4 +391,328 @@ async fn mercadopago_events_are_checked_against_the_api(pool: PgPool) {
         (order.as_str(), payment.as_deref()),
         ("paid", Some("succeeded"))
     );
+}
+
+async fn event_outcome(pool: &PgPool, event_id: &str) -> (String, Option<String>, String, i32) {
+    sqlx::query_as(
+        "SELECT e.outcome, e.outcome_detail, j.state, j.attempt FROM payment_events e
+         JOIN jobs j ON j.key = 'payment_event:' || e.gateway || ':' || e.event_id
+         WHERE e.event_id = $1",
+    )
+    .bind(event_id)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn permanent_failures_are_rejected_at_once_with_their_reason(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    app.deliver(&internal(
+        "paid",
+        &payment_body("payment.succeeded", "s1", "10.00"),
+    ))
+    .await;
+    app.deliver(&internal("too_much", &refund_body("s1", "r1", "15.00")))
+        .await;
+    app.deliver(&internal(
+        "other_currency",
+        r#"{"type":"refund.succeeded","data":{"session_id":"s1","payment_id":"pay_s1","refund_id":"r2","amount":"1.00","currency":"USD"}}"#,
+    ))
+    .await;
+    app.deliver(&internal(
+        "overflow",
+        &payment_body("payment.succeeded", "s2", "100000000000000000000.00"),
+    ))
+    .await;
+    process_events(&pool, Processor::default()).await;
+
+    for (event, reason) in [
+        (
+            "too_much",
+            "would bring the refunds to 15.00 BRL, more than the 10.00 BRL paid",
+        ),
+        (
+            "other_currency",
+            "refund r2 is in USD but the payment is in BRL",
+        ),
+        ("overflow", "numeric field overflow"),
+    ] {
+        let (outcome, detail, job_state, attempt) = event_outcome(&pool, event).await;
+        assert_eq!(
+            (outcome.as_str(), job_state.as_str(), attempt),
+            ("rejected", "completed", 1),
+            "{event}: not retried"
+        );
+        let detail = detail.unwrap();
+        assert!(detail.contains(reason), "{event}: {detail}");
+    }
+    // Nothing of them applied: the first payment is paid and not refunded.
+    let refunded: rust_decimal::Decimal =
+        sqlx::query_scalar("SELECT amount_refunded FROM orders WHERE session_id = 's1'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(refunded, rust_decimal::Decimal::ZERO);
+    assert_eq!(
+        order_status(&pool, "internal", "s1").await.unwrap().0,
+        "paid"
+    );
+    assert_eq!(order_status(&pool, "internal", "s2").await, None);
+
+    // Replayed after a fix (here: a refund that fits once the payment is known larger), a
+    // rejected event is processed again; one that still does not fit stays rejected.
+    let id: i64 = sqlx::query_scalar("SELECT id FROM payment_events WHERE event_id = 'too_much'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    payfleet::payments::events::replay(&pool, id).await.unwrap();
+    process_events(&pool, Processor::default()).await;
+    let (outcome, _, _, _) = event_outcome(&pool, "too_much").await;
+    assert_eq!(outcome, "rejected");
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_handler_error_that_is_not_an_outage_is_not_retried(pool: PgPool) {
+    use payfleet::queue::{self, Job, JobContext, NewJob, QueueSettings, Registry};
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct DividesByZero;
+    impl Job for DividesByZero {
+        const KIND: &'static str = "divides_by_zero";
+        const QUEUE: &'static str = "test";
+    }
+    let mut registry = Registry::new();
+    registry
+        .register::<DividesByZero, _, _>(|ctx: JobContext, _job| async move {
+            sqlx::query("SELECT 1 / 0").execute(&ctx.pool).await?;
+            Ok(())
+        })
+        .unwrap();
+    queue::enqueue(&pool, NewJob::of(&DividesByZero).unwrap())
+        .await
+        .unwrap();
+    let settings = QueueSettings {
+        concurrency: 1,
+        timeout_ms: 5000,
+    };
+    queue::work_until_idle(&pool, &registry, "test", &settings)
+        .await
+        .unwrap();
+    let (state, attempt, error): (String, i32, String) =
+        sqlx::query_as("SELECT state, attempt, errors -> -1 ->> 'error' FROM jobs")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), attempt), ("discarded", 1));
+    assert!(error.contains("division by zero"), "{error}");
+}
+
+fn stripe_dispute(evt: &str, kind: &str, status: &str) -> String {
+    format!(
+        r#"{{"id":"{evt}","type":"charge.dispute.{kind}","data":{{"object":{{"id":"dp_1","payment_intent":"pi_1","amount":1990,"currency":"brl","status":"{status}"}}}}}}"#
+    )
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn stripe_disputes_end_in_their_state_and_stay_decided(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    let paid = r#"{"id":"evt_p","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
+    let dispute_state = async || -> String {
+        sqlx::query_scalar("SELECT status FROM payment_disputes WHERE dispute_id = 'dp_1'")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    app.deliver(&stripe(paid, now())).await;
+    app.deliver(&stripe(
+        &stripe_dispute("evt_d1", "created", "needs_response"),
+        now(),
+    ))
+    .await;
+    process_events(&pool, Processor::default()).await;
+    assert_eq!(
+        order_status(&pool, "stripe", "cs_1").await.unwrap().0,
+        "disputed"
+    );
+    // An inquiry that closes without a chargeback ends in the seller's favour.
+    app.deliver(&stripe(
+        &stripe_dispute("evt_d2", "closed", "warning_closed"),
+        now(),
+    ))
+    .await;
+    process_events(&pool, Processor::default()).await;
+    assert_eq!(dispute_state().await, "won");
+    assert_eq!(
+        order_status(&pool, "stripe", "cs_1").await.unwrap().0,
+        "paid"
+    );
+    // Late and unknown statuses never reopen or change it.
+    for (evt, kind, status) in [
+        ("evt_d3", "created", "needs_response"),
+        ("evt_d4", "updated", "a_status_from_the_future"),
+        ("evt_d5", "closed", "lost"),
+    ] {
+        app.deliver(&stripe(&stripe_dispute(evt, kind, status), now()))
+            .await;
+        process_events(&pool, Processor::default()).await;
+        assert_eq!(dispute_state().await, "won", "{status}");
+    }
+    assert_eq!(
+        order_status(&pool, "stripe", "cs_1").await.unwrap().0,
+        "paid"
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn every_stripe_closing_status_decides_the_dispute(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    for (n, (status, dispute, order)) in [
+        ("won", "won", "paid"),
+        ("warning_closed", "won", "paid"),
+        ("prevented", "won", "paid"),
+        ("lost", "lost", "charged_back"),
+        ("charge_refunded", "refunded", "paid"),
+        ("a_status_from_the_future", "open", "disputed"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (cs, pi, dp) = (format!("cs_{n}"), format!("pi_{n}"), format!("dp_{n}"));
+        let paid = format!(
+            r#"{{"id":"evt_p{n}","type":"checkout.session.completed","data":{{"object":{{"id":"{cs}","payment_intent":"{pi}","amount_total":1990,"currency":"brl","payment_status":"paid"}}}}}}"#
+        );
+        let opened = format!(
+            r#"{{"id":"evt_o{n}","type":"charge.dispute.created","data":{{"object":{{"id":"{dp}","payment_intent":"{pi}","amount":1990,"currency":"brl","status":"needs_response"}}}}}}"#
+        );
+        let closed = format!(
+            r#"{{"id":"evt_c{n}","type":"charge.dispute.closed","data":{{"object":{{"id":"{dp}","payment_intent":"{pi}","amount":1990,"currency":"brl","status":"{status}"}}}}}}"#
+        );
+        for body in [paid, opened, closed] {
+            app.deliver(&stripe(&body, now())).await;
+            process_events(&pool, Processor::default()).await;
+        }
+        let got: String =
+            sqlx::query_scalar("SELECT status FROM payment_disputes WHERE dispute_id = $1")
+                .bind(&dp)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(got, dispute, "{status}");
+        assert_eq!(
+            order_status(&pool, "stripe", &cs).await.unwrap().0,
+            order,
+            "{status}"
+        );
+    }
+}
+
+/// A Mercado Pago Payments API stand-in whose payments the test changes.
+async fn mercadopago_api(
+    payments: std::sync::Arc<
+        std::sync::Mutex<std::collections::HashMap<String, serde_json::Value>>,
+    >,
+) -> String {
+    let api = axum::Router::new().route(
+        "/v1/payments/{id}",
+        get(move |Path(id): Path<String>| {
+            let payments = payments.clone();
+            async move {
+                match payments.lock().unwrap().get(&id) {
+                    Some(p) => Json(p.clone()).into_response(),
+                    None => (
+                        axum::http::StatusCode::NOT_FOUND,
+                        Json(serde_json::json!({"message": "Payment not found", "status": 404})),
+                    )
+                        .into_response(),
+                }
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, api).await });
+    base
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn mercadopago_mediations_end_won_or_as_a_refund(pool: PgPool) {
+    let payments = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+    let base = mercadopago_api(payments.clone()).await;
+    let processor = Processor {
+        mercadopago: Some(MercadoPagoClient::new(&base, Secret::new("TEST-token")).unwrap()),
+    };
+    let app = spawn_app(pool.clone()).await;
+    let set = |id: &str, status: &str, refunds: serde_json::Value| {
+        payments.lock().unwrap().insert(
+            id.to_owned(),
+            serde_json::json!({
+                "id": id.parse::<i64>().unwrap(), "status": status, "transaction_amount": 50,
+                "currency_id": "BRL", "external_reference": format!("pref_{id}"), "refunds": refunds
+            }),
+        );
+    };
+    let mut request = 0;
+    let mut notify = async |id: &str| {
+        request += 1;
+        app.deliver(&mercadopago(id, &format!("req-{request}"), now() * 1000))
+            .await;
+        process_events(&pool, processor.clone()).await;
+    };
+    let dispute = async |id: &str| -> (String, String) {
+        let state: String =
+            sqlx::query_scalar("SELECT status FROM payment_disputes WHERE dispute_id = $1")
+                .bind(format!("mp-{id}"))
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        (
+            state,
+            order_status(&pool, "mercadopago", &format!("pref_{id}"))
+                .await
+                .unwrap()
+                .0,
+        )
+    };
+
+    // Won: in mediation, then approved again.
+    set("101", "approved", serde_json::json!([]));
+    notify("101").await;
+    set("101", "in_mediation", serde_json::json!([]));
+    notify("101").await;
+    assert_eq!(dispute("101").await, ("open".into(), "disputed".into()));
+    set("101", "approved", serde_json::json!([]));
+    notify("101").await;
+    assert_eq!(dispute("101").await, ("won".into(), "paid".into()));
+
+    // Lost as a refund: the refund carries the money, the dispute takes nothing more.
+    set("202", "approved", serde_json::json!([]));
+    notify("202").await;
+    set("202", "in_mediation", serde_json::json!([]));
+    notify("202").await;
+    set(
+        "202",
+        "refunded",
+        serde_json::json!([{"id": 9001, "amount": 50, "status": "approved"}]),
+    );
+    notify("202").await;
+    assert_eq!(dispute("202").await, ("refunded".into(), "refunded".into()));
+    let refunded: rust_decimal::Decimal =
+        sqlx::query_scalar("SELECT amount_refunded FROM orders WHERE session_id = 'pref_202'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(refunded, "50".parse().unwrap());
+
+    // A chargeback: lost.
+    set("303", "approved", serde_json::json!([]));
+    notify("303").await;
+    set("303", "in_mediation", serde_json::json!([]));
+    notify("303").await;
+    set("303", "charged_back", serde_json::json!([]));
+    notify("303").await;
+    assert_eq!(dispute("303").await, ("lost".into(), "charged_back".into()));
+    // A later approval does not undo a decided dispute.
+    set("303", "approved", serde_json::json!([]));
+    notify("303").await;
+    assert_eq!(dispute("303").await, ("lost".into(), "charged_back".into()));
 }

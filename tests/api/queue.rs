@@ -210,7 +210,7 @@ async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends
     else {
         panic!()
     };
-    let fleet = Fleet::new(pool.clone(), registry, fast_config("")).start();
+    let fleet = Fleet::new(pool.clone(), registry, fast_config(""), "test").start();
     started.notified().await;
     let later = Utc::now() + chrono::Duration::hours(1);
     let again = queue::schedule(
@@ -450,7 +450,13 @@ async fn a_job_that_keeps_killing_workers_ends_discarded(pool: PgPool) {
 async fn the_fleet_runs_jobs_on_notification_and_future_jobs_on_time(pool: PgPool) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     // The poll interval is 10 s: only LISTEN/NOTIFY and the next-run timer can explain prompt starts.
-    let fleet = Fleet::new(pool.clone(), recording(seen.clone()), fast_config("")).start();
+    let fleet = Fleet::new(
+        pool.clone(),
+        recording(seen.clone()),
+        fast_config(""),
+        "test",
+    )
+    .start();
     tokio::time::sleep(Duration::from_millis(300)).await;
     queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap())
         .await
@@ -520,7 +526,7 @@ async fn a_running_job_keeps_its_lease_and_a_dead_workers_job_is_rescued(pool: P
     .execute(&pool)
     .await
     .unwrap();
-    let fleet = Fleet::new(pool.clone(), registry, fast_config("")).start();
+    let fleet = Fleet::new(pool.clone(), registry, fast_config(""), "test").start();
     tokio::time::sleep(Duration::from_millis(2300)).await;
     fleet.shutdown().await;
     assert_eq!(job(&pool, id).await.0, "completed");
@@ -556,7 +562,7 @@ async fn shutdown_finishes_short_jobs_and_releases_long_ones(pool: PgPool) {
     .await
     .unwrap()
     .unwrap();
-    let fleet = Fleet::new(pool.clone(), outcomes(), fast_config("")).start();
+    let fleet = Fleet::new(pool.clone(), outcomes(), fast_config(""), "test").start();
     tokio::time::sleep(Duration::from_millis(400)).await;
     let t = std::time::Instant::now();
     fleet.shutdown().await;
@@ -663,14 +669,62 @@ async fn operators_see_counts_and_dead_jobs_and_can_retry_or_discard(pool: PgPoo
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn the_schema_refuses_inconsistent_states(pool: PgPool) {
-    for bad in [
-        "INSERT INTO jobs (queue, kind, state) VALUES ('q', 'k', 'running')",
-        "INSERT INTO jobs (queue, kind, state) VALUES ('q', 'k', 'completed')",
-        "INSERT INTO jobs (queue, kind, state) VALUES ('q', 'k', 'exploded')",
-        "INSERT INTO jobs (queue, kind, attempt, max_attempts) VALUES ('q', 'k', 3, 2)",
-        "INSERT INTO jobs (queue, kind, pending) VALUES ('q', 'k', 'cancel')",
+    for (bad, constraint) in [
+        (
+            "INSERT INTO jobs (queue, kind, state) VALUES ('q', 'k', 'running')",
+            "jobs_lease_iff_running",
+        ),
+        (
+            "INSERT INTO jobs (queue, kind, state) VALUES ('q', 'k', 'completed')",
+            "jobs_finished_iff_final",
+        ),
+        (
+            "INSERT INTO jobs (queue, kind, state) VALUES ('q', 'k', 'exploded')",
+            "jobs_state_valid",
+        ),
+        (
+            "INSERT INTO jobs (queue, kind, attempt, max_attempts) VALUES ('q', 'k', 3, 2)",
+            "jobs_attempts_valid",
+        ),
+        (
+            "INSERT INTO jobs (queue, kind, pending) VALUES ('q', 'k', 'cancel')",
+            "jobs_pending_only_while_running",
+        ),
     ] {
-        assert!(sqlx::query(bad).execute(&pool).await.is_err(), "{bad}");
+        let e = sqlx::query(bad).execute(&pool).await.unwrap_err();
+        assert_eq!(payfleet::db::constraint(&e), Some(constraint), "{bad}: {e}");
+    }
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_unknown_run_outcome_raises_instead_of_discarding_the_job(pool: PgPool) {
+    let e = sqlx::query_scalar::<_, String>("SELECT jobs_next_state(NULL, $1, 1, 3)")
+        .bind("exploded")
+        .fetch_one(&pool)
+        .await
+        .unwrap_err();
+    let sqlx::Error::Database(db) = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(db.code().as_deref(), Some("22023"), "{e}");
+    assert!(e.to_string().contains("unknown run end"), "{e}");
+    // Every known outcome still maps, inlined or not.
+    for (outcome, attempt, want) in [
+        ("complete", 1, "completed"),
+        ("retry", 1, "retryable"),
+        ("retry", 3, "discarded"),
+        ("fail", 1, "discarded"),
+        ("snooze", 1, "available"),
+        ("cancel", 1, "cancelled"),
+        ("release", 1, "available"),
+    ] {
+        let got: String = sqlx::query_scalar("SELECT jobs_next_state(NULL, $1, $2, 3)")
+            .bind(outcome)
+            .bind(attempt)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(got, want, "{outcome}");
     }
 }
 
@@ -679,10 +733,10 @@ fn registering_a_kind_twice_is_an_error() {
     let mut r = Registry::new();
     r.register::<Echo, _, _>(|_c: JobContext, _j: Echo| async { Ok(()) })
         .unwrap();
-    assert!(
-        r.register::<Echo, _, _>(|_c: JobContext, _j: Echo| async { Ok(()) })
-            .is_err()
-    );
+    assert!(matches!(
+        r.register::<Echo, _, _>(|_c: JobContext, _j: Echo| async { Ok(()) }),
+        Err(payfleet::queue::RegistryError::Duplicate("echo"))
+    ));
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -708,7 +762,7 @@ async fn a_job_cancelled_while_running_ends_cancelled_whatever_its_outcome(pool:
     else {
         panic!()
     };
-    let fleet = Fleet::new(pool.clone(), registry, fast_config("")).start();
+    let fleet = Fleet::new(pool.clone(), registry, fast_config(""), "test").start();
     started.notified().await;
     assert_eq!(
         queue::cancel(&pool, "k").await.unwrap(),
@@ -745,7 +799,7 @@ async fn a_queue_never_runs_more_than_its_concurrency(pool: PgPool) {
         "t",
     )
     .unwrap();
-    let fleet = Fleet::new(pool.clone(), registry, config).start();
+    let fleet = Fleet::new(pool.clone(), registry, config, "test").start();
     tokio::time::sleep(Duration::from_millis(900)).await;
     fleet.shutdown().await;
     assert_eq!(state_counts(&pool).await, vec![("completed".into(), 12)]);
@@ -760,7 +814,7 @@ async fn without_a_notification_polling_still_finds_the_job(pool: PgPool) {
         "t",
     )
     .unwrap();
-    let fleet = Fleet::new(pool.clone(), recording(seen.clone()), config).start();
+    let fleet = Fleet::new(pool.clone(), recording(seen.clone()), config, "test").start();
     tokio::time::sleep(Duration::from_millis(200)).await;
     // Written behind the queue's back: no NOTIFY.
     sqlx::query("INSERT INTO jobs (queue, kind, payload) VALUES ('test', 'echo', '{\"n\": 7}')")
@@ -776,7 +830,13 @@ async fn without_a_notification_polling_still_finds_the_job(pool: PgPool) {
 async fn the_listener_reconnects_by_itself(pool: PgPool) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     // A 10 s poll: a prompt start can only come from a notification.
-    let fleet = Fleet::new(pool.clone(), recording(seen.clone()), fast_config("")).start();
+    let fleet = Fleet::new(
+        pool.clone(),
+        recording(seen.clone()),
+        fast_config(""),
+        "test",
+    )
+    .start();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let killed: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
@@ -807,7 +867,7 @@ async fn ends_postgres_would_refuse_as_given_are_still_written(pool: PgPool) {
                 .unwrap(),
         );
     }
-    let fleet = Fleet::new(pool.clone(), registry, fast_config("")).start();
+    let fleet = Fleet::new(pool.clone(), registry, fast_config(""), "test").start();
     tokio::time::sleep(Duration::from_millis(800)).await;
     fleet.shutdown().await;
 
@@ -838,5 +898,181 @@ async fn ends_postgres_would_refuse_as_given_are_still_written(pool: PgPool) {
         job(&pool, ids[3]).await.0,
         "completed",
         "the others in the batch were written"
+    );
+}
+
+/// Counts runs per payload and notes runs that were stopped before they finished.
+#[derive(Default)]
+struct RunLog {
+    runs: std::sync::Mutex<std::collections::HashMap<i64, usize>>,
+    cut_short: std::sync::Mutex<Vec<i64>>,
+}
+
+struct CutShort(Arc<RunLog>, i64, bool);
+
+impl Drop for CutShort {
+    fn drop(&mut self) {
+        if !self.2 {
+            self.0.cut_short.lock().unwrap().push(self.1);
+        }
+    }
+}
+
+/// Echo jobs that take `ms` to run, logged in `log`.
+fn slow(log: Arc<RunLog>, ms: u64) -> Registry {
+    let mut r = Registry::new();
+    r.register::<Echo, _, _>(move |_ctx: JobContext, job: Echo| {
+        let log = log.clone();
+        async move {
+            *log.runs.lock().unwrap().entry(job.n).or_default() += 1;
+            let mut guard = CutShort(log.clone(), job.n, false);
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            guard.2 = true;
+            Ok(())
+        }
+    })
+    .unwrap();
+    r
+}
+
+async fn wait_running(pool: &PgPool, n: i64) {
+    for _ in 0..200 {
+        let running: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        if running == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the jobs did not start");
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_row_locked_by_another_transaction_does_not_hold_up_other_renewals(pool: PgPool) {
+    let log = Arc::new(RunLog::default());
+    let a = queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let b = queue::enqueue(&pool, NewJob::of(&Echo { n: 2 }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    // Leases of 600 ms; each run takes 2 s.
+    let fleet = Fleet::new(
+        pool.clone(),
+        slow(log.clone(), 2000),
+        fast_config(""),
+        "test",
+    )
+    .start();
+    wait_running(&pool, 2).await;
+
+    // A long business transaction holds A's row (a schedule or cancel of its key, say) for
+    // longer than a lease.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM jobs WHERE id = $1 FOR UPDATE")
+        .bind(a)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let b_lease_left: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM lease_expires_at - now())::float8 FROM jobs WHERE id = $1",
+    )
+    .bind(b)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        b_lease_left > 0.0,
+        "B's lease was renewed meanwhile ({b_lease_left} s left)"
+    );
+    tx.commit().await.unwrap();
+
+    // B ran once, to its end. A could not be renewed for a whole lease: it was stopped (another
+    // worker could have taken it), and runs again later.
+    for _ in 0..100 {
+        if job(&pool, b).await.0 == "completed" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    fleet.shutdown().await;
+    let (b_state, b_attempt, _, _) = job(&pool, b).await;
+    assert_eq!((b_state.as_str(), b_attempt), ("completed", 1));
+    assert_eq!(
+        log.runs.lock().unwrap().get(&2),
+        Some(&1),
+        "B never ran twice"
+    );
+    assert_eq!(
+        *log.cut_short.lock().unwrap(),
+        vec![1],
+        "only A was stopped"
+    );
+    let (a_state, _, _, errors) = job(&pool, a).await;
+    assert!(
+        matches!(a_state.as_str(), "retryable" | "available"),
+        "{a_state}"
+    );
+    assert!(
+        errors[0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("could not be renewed in time"),
+        "{errors}"
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_run_whose_job_another_worker_took_is_cancelled_and_its_end_refused(pool: PgPool) {
+    let log = Arc::new(RunLog::default());
+    let id = queue::enqueue(&pool, NewJob::of(&Echo { n: 7 }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let fleet = Fleet::new(
+        pool.clone(),
+        slow(log.clone(), 5000),
+        fast_config(""),
+        "test",
+    )
+    .start();
+    wait_running(&pool, 1).await;
+    // Another worker holds the job now (as after a rescue and a new claim).
+    sqlx::query(
+        "UPDATE jobs SET lease_token = nextval('jobs_lease_token_seq'), locked_by = 'other-worker',
+             lease_expires_at = now() + interval '1 hour' WHERE id = $1",
+    )
+    .bind(id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    for _ in 0..100 {
+        if !log.cut_short.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        *log.cut_short.lock().unwrap(),
+        vec![7],
+        "the run was told to stop"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fleet.shutdown().await;
+    // Its end was refused by the fencing token: the other worker's run is untouched.
+    let (state, locked_by): (String, String) =
+        sqlx::query_as("SELECT state, locked_by FROM jobs WHERE id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (state.as_str(), locked_by.as_str()),
+        ("running", "other-worker")
     );
 }

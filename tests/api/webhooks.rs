@@ -5,6 +5,8 @@ use sqlx::postgres::PgPoolOptions;
 
 use crate::helpers::*;
 
+const RAZORPAY_CAPTURED: &str = r#"{"entity":"event","event":"payment.captured","contains":["payment"],"payload":{"payment":{"entity":{"id":"pay_1","amount":50000,"currency":"INR","status":"captured","order_id":"order_1"}}},"created_at":1700000000}"#;
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn every_gateway_accepts_its_signed_webhook_and_stores_it_with_its_job(pool: PgPool) {
     let app = spawn_app(pool).await;
@@ -14,7 +16,7 @@ async fn every_gateway_accepts_its_signed_webhook_and_stores_it_with_its_job(poo
             now(),
         ),
         mercadopago("123456", "req-1", now() * 1000),
-        razorpay("evt_rzp_1", r#"{"event":"payment.captured","payload":{}}"#),
+        razorpay("evt_rzp_1", RAZORPAY_CAPTURED),
         internal("msg_1", &payment_body("payment.succeeded", "s1", "10.00")),
         standard(
             GatewayName::Mock,
@@ -42,7 +44,7 @@ async fn every_gateway_accepts_its_signed_webhook_and_stores_it_with_its_job(poo
     let expected = [
         ("stripe", "evt_1"),
         ("mercadopago", "123456:req-1"),
-        ("razorpay", "evt_rzp_1"),
+        ("razorpay", "payment.captured:pay_1:1700000000"),
         ("internal", "msg_1"),
         ("mock", "msg_1"),
     ];
@@ -56,7 +58,7 @@ async fn every_gateway_accepts_its_signed_webhook_and_stores_it_with_its_job(poo
             .fetch_one(&app.pool)
             .await
             .unwrap();
-    assert_eq!(raw, br#"{"event":"payment.captured","payload":{}}"#);
+    assert_eq!(raw, RAZORPAY_CAPTURED.as_bytes());
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -165,11 +167,12 @@ async fn concurrent_duplicate_deliveries_store_one_row_and_all_get_200(pool: PgP
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn unknown_and_disabled_gateways_are_404(pool: PgPool) {
-    let secrets = WebhookSecrets {
+    let mut config = test_config();
+    config.webhooks = WebhookSecrets {
         internal: all_secrets().internal,
         ..Default::default()
     };
-    let app = spawn_app_with(pool, secrets, 1024).await;
+    let app = spawn_app_with(pool, config).await;
     let resp = app
         .http
         .post(format!("http://{}/webhooks/paypal", app.addr))
@@ -187,7 +190,9 @@ async fn unknown_and_disabled_gateways_are_404(pool: PgPool) {
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn an_oversized_body_is_413_and_a_signed_non_json_body_is_400(pool: PgPool) {
-    let app = spawn_app_with(pool, all_secrets(), 1024).await;
+    let mut config = test_config();
+    config.webhook_body_limit = 1024;
+    let app = spawn_app_with(pool, config).await;
     let big = format!(
         r#"{{"type":"payment.succeeded","pad":"{}"}}"#,
         "x".repeat(2000)
@@ -339,4 +344,127 @@ async fn an_event_the_database_refuses_does_not_fail_the_others_written_with_it(
         .await
         .unwrap();
     assert_eq!(jobs, 23);
+}
+
+/// A Standard Webhooks delivery with a fresh timestamp, a `body` and `n` wrong signatures.
+fn forged(id: &str, n: usize, body: Vec<u8>) -> Delivery {
+    let wrong = payfleet::webhooks::signature::StandardSecret::parse(MOCK_SECRET)
+        .unwrap()
+        .sign(id, now(), b"{}");
+    Delivery {
+        gateway: GatewayName::Internal,
+        headers: vec![
+            ("webhook-id".into(), id.into()),
+            ("webhook-timestamp".into(), now().to_string()),
+            (
+                "webhook-signature".into(),
+                vec![wrong.as_str(); n].join(" "),
+            ),
+        ],
+        query: String::new(),
+        body,
+    }
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_worst_request_a_sender_can_make_is_refused_cheaply(pool: PgPool) {
+    let app = spawn_app(pool).await;
+    let body = vec![b'{'; 1024 * 1024 - 1024];
+    // 8,000 signatures (about 380 KB of header, under hyper's limit) and a 1 MiB body: once
+    // 8,000 HMACs over the body (seconds of CPU); now refused before any hashing.
+    let started = std::time::Instant::now();
+    let (status, resp) = app.deliver(&forged("m1", 8000, body.clone())).await;
+    let took = started.elapsed();
+    assert_eq!(status, 401, "{resp}");
+    assert!(
+        resp["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("longer than 2048 bytes")),
+        "{resp}"
+    );
+    assert!(took < std::time::Duration::from_secs(1), "took {took:?}");
+    // The most signatures accepted, a fresh timestamp and a 1 MiB body: one HMAC, then 401.
+    let started = std::time::Instant::now();
+    let (status, resp) = app
+        .deliver(&forged(
+            "m2",
+            payfleet::webhooks::signature::MAX_CANDIDATES,
+            body,
+        ))
+        .await;
+    let took = started.elapsed();
+    assert_eq!(status, 401, "{resp}");
+    assert!(took < std::time::Duration::from_secs(1), "took {took:?}");
+    assert_eq!(app.events().await, 0);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_replayed_razorpay_delivery_under_a_fresh_event_id_is_a_duplicate(pool: PgPool) {
+    let app = spawn_app(pool).await;
+    let (status, body) = app
+        .deliver(&razorpay("evt_original", RAZORPAY_CAPTURED))
+        .await;
+    assert_eq!((status, body["status"].as_str()), (200, Some("accepted")));
+    // Someone who captured the delivery sends it again with a new (unsigned) event id header.
+    for fresh in ["evt_replay_1", "evt_replay_2"] {
+        let (status, body) = app.deliver(&razorpay(fresh, RAZORPAY_CAPTURED)).await;
+        assert_eq!(
+            (status, body["status"].as_str()),
+            (200, Some("duplicate")),
+            "{body}"
+        );
+    }
+    assert_eq!(app.events().await, 1);
+    // A body without what identifies it cannot be stored.
+    let (status, body) = app
+        .deliver(&razorpay(
+            "evt_x",
+            r#"{"event":"payment.captured","payload":{}}"#,
+        ))
+        .await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (400, Some("bad_request"))
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_redelivery_re_drives_an_event_whose_job_died(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    let body = payment_body("payment.succeeded", "sess_1", "10.00");
+    app.deliver(&internal("msg_1", &body)).await;
+    // Its job died (attempts used up during a long outage) and the event is not processed.
+    sqlx::query("UPDATE jobs SET state = 'discarded', finished_at = now()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        process_events(&pool, payfleet::payments::Processor::default()).await,
+        0
+    );
+    // The gateway resends: still a duplicate for the sender, but the event is processed again.
+    let (status, resp) = app.deliver(&internal("msg_1", &body)).await;
+    assert_eq!((status, resp["status"].as_str()), (200, Some("duplicate")));
+    let states: Vec<String> = sqlx::query_scalar("SELECT state FROM jobs ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(states, vec!["discarded", "available"]);
+    // A resend while a job is still waiting adds nothing.
+    app.deliver(&internal("msg_1", &body)).await;
+    assert_eq!(
+        process_events(&pool, payfleet::payments::Processor::default()).await,
+        1
+    );
+    assert_eq!(
+        order_status(&pool, "internal", "sess_1").await.unwrap().0,
+        "paid"
+    );
+    // Once processed, a resend enqueues nothing.
+    app.deliver(&internal("msg_1", &body)).await;
+    let jobs: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(jobs, 2);
 }

@@ -1,0 +1,69 @@
+//! `GET /healthz` (the process is up) and `GET /readyz` (it can do its work). What "ready"
+//! means depends on the process's role: a receiver needs the database and a live event
+//! writer, not RabbitMQ (webhooks must land while the broker is down); a worker needs the
+//! database and a running fleet.
+
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use serde_json::{Map, Value, json};
+use sqlx::PgPool;
+
+use crate::queue::FleetProbe;
+use crate::webhooks::EventWriter;
+
+/// What `/readyz` checks in this process.
+#[derive(Clone)]
+pub struct Readiness {
+    pub pool: PgPool,
+    /// Serving webhooks: the writer must be alive.
+    pub events: Option<EventWriter>,
+    /// Running workers: the fleet must be running.
+    pub fleet: Option<FleetProbe>,
+}
+
+pub(super) fn routes(readiness: Readiness) -> axum::Router {
+    axum::Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .with_state(readiness)
+}
+
+async fn healthz() -> impl IntoResponse {
+    axum::Json(json!({"status": "ok"}))
+}
+
+async fn readyz(State(r): State<Readiness>) -> impl IntoResponse {
+    let mut checks = Map::new();
+    let mut ready = true;
+    let mut check = |name: &str, ok: bool| {
+        ready &= ok;
+        checks.insert(
+            name.to_owned(),
+            Value::String(if ok { "ok" } else { "unavailable" }.to_owned()),
+        );
+    };
+    // A probe must answer fast even when the database is gone.
+    let db = tokio::time::timeout(
+        Duration::from_secs(1),
+        sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(&r.pool),
+    )
+    .await
+    .is_ok_and(|r| r.is_ok());
+    check("database", db);
+    if let Some(events) = &r.events {
+        check("event_writer", events.is_alive());
+    }
+    if let Some(fleet) = &r.fleet {
+        check("workers", fleet.is_running());
+    }
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, axum::Json(Value::Object(checks)))
+}

@@ -1,0 +1,76 @@
+//! `POST /webhooks/{gateway}`: verify, store, answer. Every refusal is counted by gateway and
+//! reason (`payfleet_webhooks_refused_total`), so a wrong secret shows on a dashboard.
+
+use std::collections::HashMap;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::HeaderMap;
+use axum::routing::post;
+use serde::Serialize;
+
+use super::{ApiError, AppState};
+use crate::gateways::GatewayName;
+use crate::webhooks::{Delivery, Stored};
+
+#[derive(Serialize)]
+struct Receipt {
+    status: Stored,
+}
+
+pub(super) fn routes(state: AppState) -> axum::Router {
+    let limit = state.webhook_body_limit;
+    axum::Router::new()
+        .route("/webhooks/{gateway}", post(receive))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+async fn receive(
+    State(state): State<AppState>,
+    Path(gateway): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Receipt>, ApiError> {
+    // An unknown name is not counted by name: the sender chooses it.
+    let gateway: GatewayName = gateway
+        .parse()
+        .map_err(|_| ApiError::NotFound(format!("unknown gateway {gateway:?}")))?;
+    let refused = |reason: &'static str| state.counters.refused(gateway, reason);
+    if !state.verifier.secrets().enabled(gateway) {
+        refused("disabled");
+        return Err(ApiError::NotFound(format!(
+            "gateway {gateway} is not enabled"
+        )));
+    }
+    let body = body.map_err(|r| {
+        let e = ApiError::from_body(r, state.webhook_body_limit);
+        refused(match e {
+            ApiError::PayloadTooLarge(_) => "too_large",
+            _ => "unreadable_body",
+        });
+        e
+    })?;
+    let webhook = state
+        .verifier
+        .verify(Delivery {
+            gateway,
+            headers,
+            query,
+            body,
+        })
+        .await
+        .inspect_err(|e| refused(e.reason()))?;
+    let status = state.events.store(webhook).await.inspect_err(|e| {
+        refused(if e.is_unavailable() {
+            "unavailable"
+        } else {
+            "store_refused"
+        })
+    })?;
+    state.counters.received(gateway, status);
+    Ok(Json(Receipt { status }))
+}

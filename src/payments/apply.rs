@@ -1,0 +1,525 @@
+//! Applying an event's facts to its payment, inside the event's transaction.
+//!
+//! Refunds and disputes only apply to a payment known to have succeeded, with its amount: only
+//! then can they be checked (same currency, never more than was paid). One that arrives first
+//! waits: its event is kept as `waiting` for `session:<id>` or `payment:<id>`, and the event that
+//! makes the payment known enqueues it again in the same transaction. Both sides take the same
+//! advisory locks on the payment's keys first, so a waiter cannot slip in between a payment's
+//! commit and its check for waiters.
+
+use rust_decimal::Decimal;
+use sqlx::PgConnection;
+
+use super::{ProcessError, ProcessPaymentEvent};
+use crate::gateways::{DisputeStatus, Fact, GatewayName, PaymentRef, PaymentStatus};
+use crate::money::Money;
+use crate::orders;
+use crate::payment_status::{Facts, derive_status};
+use crate::queue::{self, NewJob};
+
+/// A fact that can never apply as it stands.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    #[error("{what} {id} is in {got} but the payment is in {payment}")]
+    Currency {
+        what: &'static str,
+        id: String,
+        got: String,
+        payment: String,
+    },
+    #[error(
+        "refund {refund_id} of {amount} would bring the refunds to {total}, more than the {paid} paid"
+    )]
+    RefundExceedsPayment {
+        refund_id: String,
+        amount: Money,
+        total: Money,
+        paid: Money,
+    },
+    #[error("dispute {dispute_id} of {amount} is more than the {paid} paid")]
+    DisputeExceedsPayment {
+        dispute_id: String,
+        amount: Money,
+        paid: Money,
+    },
+    #[error("the payment was recorded as {recorded}; this event says {got}")]
+    PaymentAmountChanged { recorded: String, got: String },
+}
+
+/// What applying an event did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Applied {
+    Changed,
+    Unchanged,
+    /// Kept until this payment key is known to have succeeded.
+    Waiting(String),
+}
+
+#[derive(sqlx::FromRow)]
+struct PaymentRow {
+    id: i64,
+    session_id: String,
+    payment_id: Option<String>,
+    succeeded: bool,
+    amount: Option<Decimal>,
+    currency: Option<String>,
+}
+
+impl PaymentRow {
+    /// What was paid, for a payment known to have succeeded with its amount.
+    fn captured(&self) -> Option<Money> {
+        if !self.succeeded {
+            return None;
+        }
+        let (amount, currency) = self.amount.zip(self.currency.as_deref())?;
+        Money::new(amount, currency.parse().ok()?).ok()
+    }
+}
+
+const PAYMENT_COLUMNS: &str = "id, session_id, payment_id, succeeded_at IS NOT NULL AS succeeded, amount, currency::text AS currency";
+
+fn session_key(session: &str) -> String {
+    format!("session:{session}")
+}
+
+fn payment_key(payment: &str) -> String {
+    format!("payment:{payment}")
+}
+
+/// The keys an event about `payment` waits on and wakes: the gateway's payment id when known
+/// (refunds and disputes often name only that), else the session.
+fn wait_key(payment: &PaymentRef) -> String {
+    match (&payment.payment_id, &payment.session_id) {
+        (Some(p), _) => payment_key(p),
+        (None, Some(s)) => session_key(s),
+        // ref_of() guarantees one of them.
+        (None, None) => session_key(""),
+    }
+}
+
+/// Serialises every event of one payment on its keys, for the rest of the transaction.
+async fn lock_keys(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    keys: &[String],
+) -> Result<(), sqlx::Error> {
+    let mut names: Vec<String> = keys.iter().map(|k| format!("{gateway}:{k}")).collect();
+    names.sort();
+    names.dedup();
+    // Taken in sorted order (unnest keeps the array's): no two events can deadlock on them.
+    sqlx::query(
+        "SELECT pg_advisory_xact_lock(hashtextextended(k, 0)) FROM unnest($1::text[]) AS k",
+    )
+    .bind(&names)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+fn keys_of(payment: &PaymentRef) -> Vec<String> {
+    let mut keys = Vec::new();
+    if let Some(s) = &payment.session_id {
+        keys.push(session_key(s));
+    }
+    if let Some(p) = &payment.payment_id {
+        keys.push(payment_key(p));
+    }
+    keys
+}
+
+async fn find(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    payment: &PaymentRef,
+) -> Result<Option<PaymentRow>, sqlx::Error> {
+    if let Some(session) = &payment.session_id {
+        let row = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT {PAYMENT_COLUMNS} FROM payment_orders WHERE gateway = $1 AND session_id = $2 FOR UPDATE"
+        )))
+        .bind(gateway.as_str())
+        .bind(session)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if row.is_some() {
+            return Ok(row);
+        }
+    }
+    match &payment.payment_id {
+        Some(pid) => {
+            sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT {PAYMENT_COLUMNS} FROM payment_orders WHERE gateway = $1 AND payment_id = $2
+                 ORDER BY id LIMIT 1 FOR UPDATE"
+            )))
+            .bind(gateway.as_str())
+            .bind(pid)
+            .fetch_optional(&mut *tx)
+            .await
+        }
+        None => Ok(None),
+    }
+}
+
+/// Records the facts, derives the payment's status, brings the order in line and wakes the
+/// events that waited for this payment.
+pub(crate) async fn apply(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    payment: &PaymentRef,
+    facts: &[Fact],
+    event_id: i64,
+) -> Result<Applied, ProcessError> {
+    let g = gateway.as_str();
+    lock_keys(tx, gateway, &keys_of(payment)).await?;
+
+    let has_payment_fact = facts.iter().any(|f| matches!(f, Fact::Payment { .. }));
+    let mut po = match find(tx, gateway, payment).await? {
+        Some(po) => po,
+        // Only a payment event can make a payment known, and only with its session (our key).
+        None => match (&payment.session_id, has_payment_fact) {
+            (Some(session), true) => {
+                sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO payment_orders (gateway, session_id, payment_id) VALUES ($1, $2, $3)
+                     RETURNING {PAYMENT_COLUMNS}"
+            )))
+                .bind(g)
+                .bind(session)
+                .bind(&payment.payment_id)
+                .fetch_one(&mut *tx)
+                .await?
+            }
+            _ => return Ok(Applied::Waiting(wait_key(payment))),
+        },
+    };
+
+    let mut changed = false;
+    // Payment facts first: an event that carries a payment and its refunds (a Mercado Pago
+    // lookup) makes the payment known before its refunds are checked against it.
+    let mut ordered: Vec<&Fact> = facts.iter().collect();
+    ordered.sort_by_key(|f| !matches!(f, Fact::Payment { .. }));
+    for fact in ordered {
+        match fact {
+            Fact::Payment {
+                status: PaymentStatus::Succeeded,
+                amount,
+            } => {
+                if let (Some(m), Some(paid)) = (amount, po.captured())
+                    && *m != paid
+                {
+                    return Err(Rejection::PaymentAmountChanged {
+                        recorded: paid.to_string(),
+                        got: m.to_string(),
+                    }
+                    .into());
+                }
+                let rows = sqlx::query(
+                    "UPDATE payment_orders SET
+                         succeeded_at = COALESCE(succeeded_at, now()),
+                         amount = COALESCE(amount, $2), currency = COALESCE(currency, $3),
+                         payment_id = COALESCE($4, payment_id), updated_at = now()
+                     WHERE id = $1 AND (succeeded_at IS NULL OR (amount IS NULL AND $2::numeric IS NOT NULL)
+                                        OR payment_id IS DISTINCT FROM COALESCE($4, payment_id))",
+                )
+                .bind(po.id)
+                .bind(amount.map(|m| m.amount()))
+                .bind(amount.map(|m| m.currency().to_string()))
+                .bind(&payment.payment_id)
+                .execute(&mut *tx)
+                .await?;
+                if rows.rows_affected() > 0 {
+                    changed = true;
+                    po.succeeded = true;
+                    if po.amount.is_none()
+                        && let Some(m) = amount
+                    {
+                        po.amount = Some(m.amount());
+                        po.currency = Some(m.currency().to_string());
+                    }
+                    if payment.payment_id.is_some() {
+                        po.payment_id = payment.payment_id.clone();
+                    }
+                }
+            }
+            Fact::Payment {
+                status: PaymentStatus::Failed,
+                ..
+            } => {
+                let rows = sqlx::query(
+                    "UPDATE payment_orders SET failed_at = now(), updated_at = now() WHERE id = $1 AND failed_at IS NULL",
+                )
+                .bind(po.id)
+                .execute(&mut *tx)
+                .await?;
+                changed |= rows.rows_affected() > 0;
+            }
+            Fact::Payment {
+                status: PaymentStatus::Pending,
+                ..
+            } => {}
+            Fact::Refund { refund_id, amount } => {
+                let Some(paid) = po.captured() else {
+                    return Ok(Applied::Waiting(wait_key(payment)));
+                };
+                changed |=
+                    record_refund(tx, gateway, po.id, paid, refund_id, amount, event_id).await?;
+            }
+            Fact::Dispute {
+                dispute_id,
+                amount,
+                status,
+            } => {
+                let Some(paid) = po.captured() else {
+                    return Ok(Applied::Waiting(wait_key(payment)));
+                };
+                changed |=
+                    record_dispute(tx, gateway, po.id, paid, dispute_id, amount, *status).await?;
+            }
+            Fact::DisputeDecided { dispute_id, status } => {
+                let rows = sqlx::query(
+                    "UPDATE payment_disputes SET status = $3, updated_at = now()
+                     WHERE gateway = $1 AND dispute_id = $2 AND status = 'open'",
+                )
+                .bind(g)
+                .bind(dispute_id)
+                .bind(status)
+                .execute(&mut *tx)
+                .await?;
+                changed |= rows.rows_affected() > 0;
+            }
+        }
+    }
+
+    let (order_changed, captured) = derive_and_apply(tx, gateway, po.id).await?;
+    if captured {
+        let mut keys = vec![session_key(&po.session_id)];
+        if let Some(p) = &po.payment_id {
+            keys.push(payment_key(p));
+        }
+        if let Some(p) = &payment.payment_id {
+            keys.push(payment_key(p));
+        }
+        wake_waiting(tx, gateway, &keys, event_id).await?;
+    }
+    Ok(if changed || order_changed {
+        Applied::Changed
+    } else {
+        Applied::Unchanged
+    })
+}
+
+async fn record_refund(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    payment_order: i64,
+    paid: Money,
+    refund_id: &str,
+    amount: &Money,
+    event_id: i64,
+) -> Result<bool, ProcessError> {
+    let known: Option<i64> =
+        sqlx::query_scalar("SELECT id FROM payment_refunds WHERE gateway = $1 AND refund_id = $2")
+            .bind(gateway.as_str())
+            .bind(refund_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    if known.is_some() {
+        return Ok(false);
+    }
+    if amount.currency() != paid.currency() {
+        return Err(Rejection::Currency {
+            what: "refund",
+            id: refund_id.to_owned(),
+            got: amount.currency().to_string(),
+            payment: paid.currency().to_string(),
+        }
+        .into());
+    }
+    let refunded: Decimal = sqlx::query_scalar(
+        "SELECT COALESCE(sum(amount), 0) FROM payment_refunds WHERE payment_order_id = $1",
+    )
+    .bind(payment_order)
+    .fetch_one(&mut *tx)
+    .await?;
+    let total = Money::new(refunded, paid.currency())
+        .ok()
+        .and_then(|r| r.checked_add(amount));
+    match total {
+        Some(total) if total.amount() <= paid.amount() => {}
+        total => {
+            return Err(Rejection::RefundExceedsPayment {
+                refund_id: refund_id.to_owned(),
+                amount: *amount,
+                total: total.unwrap_or(*amount),
+                paid,
+            }
+            .into());
+        }
+    }
+    sqlx::query(
+        "INSERT INTO payment_refunds (payment_order_id, gateway, refund_id, amount, currency, event_id)
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(payment_order)
+    .bind(gateway.as_str())
+    .bind(refund_id)
+    .bind(amount.amount())
+    .bind(amount.currency().to_string())
+    .bind(event_id)
+    .execute(&mut *tx)
+    .await?;
+    Ok(true)
+}
+
+/// A dispute moves once, from open to decided. A decided dispute stays decided whatever
+/// arrives later (a late "created", another decision, a status we do not know).
+async fn record_dispute(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    payment_order: i64,
+    paid: Money,
+    dispute_id: &str,
+    amount: &Money,
+    status: Option<DisputeStatus>,
+) -> Result<bool, ProcessError> {
+    let known: Option<DisputeStatus> = sqlx::query_scalar(
+        "SELECT status FROM payment_disputes WHERE gateway = $1 AND dispute_id = $2 FOR UPDATE",
+    )
+    .bind(gateway.as_str())
+    .bind(dispute_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    match (known, status) {
+        (None, status) => {
+            if amount.currency() != paid.currency() {
+                return Err(Rejection::Currency {
+                    what: "dispute",
+                    id: dispute_id.to_owned(),
+                    got: amount.currency().to_string(),
+                    payment: paid.currency().to_string(),
+                }
+                .into());
+            }
+            if amount.amount() > paid.amount() {
+                return Err(Rejection::DisputeExceedsPayment {
+                    dispute_id: dispute_id.to_owned(),
+                    amount: *amount,
+                    paid,
+                }
+                .into());
+            }
+            sqlx::query(
+                "INSERT INTO payment_disputes (payment_order_id, gateway, dispute_id, status, amount, currency)
+                 VALUES ($1, $2, $3, $4, $5, $6)",
+            )
+            .bind(payment_order)
+            .bind(gateway.as_str())
+            .bind(dispute_id)
+            .bind(status.unwrap_or(DisputeStatus::Open))
+            .bind(amount.amount())
+            .bind(amount.currency().to_string())
+            .execute(&mut *tx)
+            .await?;
+            Ok(true)
+        }
+        (Some(DisputeStatus::Open), Some(next)) if next.is_decided() => {
+            sqlx::query(
+                "UPDATE payment_disputes SET status = $3, updated_at = now() WHERE gateway = $1 AND dispute_id = $2",
+            )
+            .bind(gateway.as_str())
+            .bind(dispute_id)
+            .bind(next)
+            .execute(&mut *tx)
+            .await?;
+            Ok(true)
+        }
+        (Some(current), Some(next)) if current.is_decided() && next != current => {
+            tracing::warn!(%gateway, dispute = dispute_id, %current, reported = %next, "a decided dispute stays decided; ignoring the later status");
+            Ok(false)
+        }
+        _ => Ok(false),
+    }
+}
+
+/// Derives the payment's status from its facts and brings the payment row and the order in
+/// line. Returns whether the order changed and whether the payment is known to have succeeded
+/// with its amount.
+async fn derive_and_apply(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    po_id: i64,
+) -> Result<(bool, bool), sqlx::Error> {
+    let (session_id, succeeded, failed, amount, currency, refunded, disputes): (
+        String,
+        bool,
+        bool,
+        Option<Decimal>,
+        Option<String>,
+        Decimal,
+        Vec<DisputeStatus>,
+    ) = sqlx::query_as(
+        "SELECT po.session_id, po.succeeded_at IS NOT NULL, po.failed_at IS NOT NULL, po.amount, po.currency::text,
+                COALESCE((SELECT sum(amount) FROM payment_refunds r WHERE r.payment_order_id = po.id), 0),
+                ARRAY(SELECT status FROM payment_disputes d WHERE d.payment_order_id = po.id)
+         FROM payment_orders po WHERE po.id = $1",
+    )
+    .bind(po_id)
+    .fetch_one(&mut *tx)
+    .await?;
+    let facts = Facts {
+        succeeded,
+        failed,
+        amount,
+        refunded,
+        disputes,
+    };
+    let status = derive_status(&facts);
+    sqlx::query(
+        "UPDATE payment_orders SET status = $2, amount_refunded = $3, updated_at = now()
+         WHERE id = $1 AND (status <> $2 OR amount_refunded <> $3)",
+    )
+    .bind(po_id)
+    .bind(status)
+    .bind(refunded)
+    .execute(&mut *tx)
+    .await?;
+    let captured = succeeded && amount.is_some();
+    let amount = amount.zip(currency.as_deref());
+    let (order_id, order_changed) =
+        orders::apply_payment(tx, gateway, &session_id, status, amount, refunded).await?;
+    sqlx::query(
+        "UPDATE payment_orders SET order_id = $2 WHERE id = $1 AND order_id IS DISTINCT FROM $2",
+    )
+    .bind(po_id)
+    .bind(order_id)
+    .execute(&mut *tx)
+    .await?;
+    Ok((order_changed, captured))
+}
+
+/// Enqueues, in this transaction, the processing of every event that waited for one of these
+/// payment keys. An event whose job is still unfinished keeps that job (the key is taken).
+async fn wake_waiting(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    keys: &[String],
+    current_event: i64,
+) -> Result<(), ProcessError> {
+    let waiting: Vec<String> = sqlx::query_scalar(
+        "SELECT event_id FROM payment_events
+         WHERE gateway = $1 AND waiting_for = ANY($2) AND outcome = 'waiting' AND id <> $3",
+    )
+    .bind(gateway.as_str())
+    .bind(keys)
+    .bind(current_event)
+    .fetch_all(&mut *tx)
+    .await?;
+    if waiting.is_empty() {
+        return Ok(());
+    }
+    let jobs: Vec<NewJob> = waiting
+        .iter()
+        .map(|id| ProcessPaymentEvent::job(gateway, id))
+        .collect::<Result<_, _>>()?;
+    let woken = queue::enqueue_many(&mut *tx, &jobs).await?;
+    tracing::info!(%gateway, waiting = waiting.len(), woken, "payment known: waiting events enqueued again");
+    Ok(())
+}

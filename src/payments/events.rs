@@ -1,0 +1,184 @@
+//! The processing state of stored events, for the processor and for operators: marking an
+//! outcome, listing what is not processed (and why), replaying, and the backlog the metrics
+//! report. No stored event may stay unprocessed unnoticed.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{PgConnection, PgPool};
+
+use super::{EventOutcome, ProcessPaymentEvent, Processed};
+use crate::gateways::GatewayName;
+use crate::queue::{self, JobState, QueueError};
+
+/// Records what processing concluded, in the processing transaction. Applied and ignored are
+/// final; waiting and rejected leave the event to be processed again.
+pub(crate) async fn mark(
+    tx: &mut PgConnection,
+    event: i64,
+    result: &Processed,
+) -> Result<(), sqlx::Error> {
+    let (outcome, detail, waiting_for) = match result {
+        Processed::Applied => (EventOutcome::Applied, None, None),
+        Processed::Ignored(reason) => (EventOutcome::Ignored, Some(reason.clone()), None),
+        Processed::Waiting(key) => (
+            EventOutcome::Waiting,
+            Some(format!("waiting for {key} to be known as paid")),
+            Some(key.as_str()),
+        ),
+        Processed::Rejected(reason) => (EventOutcome::Rejected, Some(reason.clone()), None),
+        Processed::AlreadyProcessed => return Ok(()),
+    };
+    let final_outcome = matches!(outcome, EventOutcome::Applied | EventOutcome::Ignored);
+    sqlx::query(
+        "UPDATE payment_events SET outcome = $2, outcome_detail = $3, waiting_for = $4,
+             processed_at = CASE WHEN $5 THEN now() END
+         WHERE id = $1 AND processed_at IS NULL",
+    )
+    .bind(event)
+    .bind(outcome)
+    .bind(detail)
+    .bind(waiting_for)
+    .bind(final_outcome)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// Marks an event rejected with its reason, outside the (rolled back) processing transaction.
+pub(crate) async fn mark_rejected(
+    pool: &PgPool,
+    event: i64,
+    reason: &str,
+) -> Result<(), sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    mark(&mut conn, event, &Processed::Rejected(reason.to_owned())).await
+}
+
+/// A stored event that is not processed, with why.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct UnprocessedEvent {
+    pub id: i64,
+    pub gateway: GatewayName,
+    pub event_id: String,
+    pub event_type: Option<String>,
+    pub received_at: DateTime<Utc>,
+    /// `None`: no outcome yet (its job has not run, is retrying after an outage, or died).
+    pub outcome: Option<EventOutcome>,
+    pub detail: Option<String>,
+    /// The state of its latest processing job, if one is left: `None` means nothing will
+    /// process it unless it is replayed (or redelivered).
+    #[sqlx(skip)]
+    pub job: Option<JobState>,
+}
+
+impl UnprocessedEvent {
+    /// `pending`, `waiting` or `rejected`.
+    pub fn state(&self) -> &'static str {
+        self.outcome.map(|o| o.as_str()).unwrap_or("pending")
+    }
+}
+
+/// The oldest unprocessed events first.
+pub async fn unprocessed(pool: &PgPool, limit: i64) -> Result<Vec<UnprocessedEvent>, sqlx::Error> {
+    let mut events: Vec<UnprocessedEvent> = sqlx::query_as(
+        "SELECT id, gateway, event_id, event_type, received_at, outcome, outcome_detail AS detail
+         FROM payment_events WHERE processed_at IS NULL
+         ORDER BY received_at, id LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    for e in &mut events {
+        e.job = queue::latest_state_of_key(pool, &ProcessPaymentEvent::key(e.gateway, &e.event_id))
+            .await?;
+    }
+    Ok(events)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("no payment event {0}")]
+    NotFound(i64),
+    #[error("payment event {id} is already processed ({outcome}); there is nothing to replay")]
+    AlreadyProcessed { id: i64, outcome: EventOutcome },
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// What a replay did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replayed {
+    /// A processing job was enqueued.
+    Queued,
+    /// Its processing job is still waiting or running: nothing to add.
+    AlreadyQueued,
+}
+
+/// Enqueues the processing of one unprocessed event (by its row id).
+pub async fn replay(pool: &PgPool, id: i64) -> Result<Replayed, ReplayError> {
+    let row: Option<(GatewayName, String, Option<EventOutcome>, bool)> = sqlx::query_as(
+        "SELECT gateway, event_id, outcome, processed_at IS NOT NULL FROM payment_events WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await?;
+    let (gateway, event_id, outcome, processed) = row.ok_or(ReplayError::NotFound(id))?;
+    if processed {
+        return Err(ReplayError::AlreadyProcessed {
+            id,
+            outcome: outcome.unwrap_or(EventOutcome::Applied),
+        });
+    }
+    let job = ProcessPaymentEvent::job(gateway, &event_id)?;
+    Ok(match queue::enqueue(pool, job).await? {
+        Some(_) => Replayed::Queued,
+        None => Replayed::AlreadyQueued,
+    })
+}
+
+/// Enqueues the processing of every unprocessed event that has no unfinished job. Returns how
+/// many were enqueued.
+pub async fn replay_all(pool: &PgPool) -> Result<u64, ReplayError> {
+    let mut after = 0i64;
+    let mut queued = 0;
+    loop {
+        let batch: Vec<(i64, GatewayName, String)> = sqlx::query_as(
+            "SELECT id, gateway, event_id FROM payment_events
+             WHERE processed_at IS NULL AND id > $1 ORDER BY id LIMIT 1000",
+        )
+        .bind(after)
+        .fetch_all(pool)
+        .await?;
+        let Some(last) = batch.last() else {
+            return Ok(queued);
+        };
+        after = last.0;
+        let jobs = batch
+            .iter()
+            .map(|(_, g, e)| ProcessPaymentEvent::job(*g, e))
+            .collect::<Result<Vec<_>, _>>()?;
+        queued += queue::enqueue_many(pool, &jobs).await?;
+    }
+}
+
+/// Unprocessed events by state, with the age of the oldest of each. Reads the partial index of
+/// unprocessed events only.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Backlog {
+    pub state: String,
+    pub count: i64,
+    pub oldest_age_secs: f64,
+}
+
+pub async fn backlog(pool: &PgPool) -> Result<Vec<Backlog>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT COALESCE(outcome, 'pending') AS state, count(*) AS count,
+                COALESCE(extract(epoch FROM now() - min(received_at)), 0)::float8 AS oldest_age_secs
+         FROM payment_events WHERE processed_at IS NULL
+         GROUP BY 1 ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+}

@@ -1,0 +1,301 @@
+//! The executor: a fetcher per queue claims what its free slots can take and runs each job in
+//! its own task, under the queue's timeout, with panics caught and a way to be cancelled when
+//! its lease is lost.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::fleet::{Shared, backoff, pause, stop_requested};
+use super::registry::{JobContext, Registry};
+use super::store::{self, Claimed};
+use super::{Ended, JobId, QueueSettings, RunEnd};
+
+/// Runs one claimed job to its end: decode, run under the timeout, catch panics, stop if told
+/// its lease is lost.
+pub(crate) async fn run_one(
+    pool: &PgPool,
+    registry: &Registry,
+    queue: &str,
+    timeout: Duration,
+    job: Claimed,
+    lease_lost: Option<oneshot::Receiver<String>>,
+) -> RunEnd {
+    let Some(handler) = registry.get(&job.kind) else {
+        // Maybe a newer release of the fleet knows this kind: retry rather than discard.
+        return RunEnd::Retry {
+            error: format!("no handler for job kind {:?} in this worker", job.kind),
+            after: None,
+        };
+    };
+    let ctx = JobContext {
+        id: job.id,
+        kind: job.kind.clone(),
+        queue: queue.to_owned(),
+        attempt: job.attempt,
+        max_attempts: job.max_attempts,
+        pool: pool.clone(),
+    };
+    // Decoding and the handler's synchronous part run in the job's own task too, so a panic
+    // anywhere in the handler is caught and a timeout or a lost lease can stop it.
+    let kind = job.kind;
+    let payload = job.payload;
+    let mut task = AbortOnDrop(tokio::spawn(async move {
+        match handler(ctx, payload) {
+            Ok(future) => Ok(future.await),
+            Err(e) => Err(e),
+        }
+    }));
+    let lost = async {
+        match lease_lost {
+            Some(rx) => match rx.await {
+                Ok(reason) => reason,
+                // The keeper is gone (the fleet is stopping): never a reason to stop a run.
+                Err(_) => std::future::pending().await,
+            },
+            None => std::future::pending().await,
+        }
+    };
+    let finished = tokio::select! {
+        r = tokio::time::timeout(timeout, &mut task.0) => r,
+        reason = lost => {
+            // Dropping the task aborts the handler.
+            return RunEnd::Retry { error: format!("cancelled: {reason}"), after: None };
+        }
+    };
+    match finished {
+        Err(_) => RunEnd::Retry {
+            error: format!("timed out after {timeout:?}"),
+            after: None,
+        },
+        Ok(Err(e)) if e.is_panic() => RunEnd::Retry {
+            error: format!("handler panicked: {}", panic_text(e)),
+            after: None,
+        },
+        Ok(Err(e)) => RunEnd::Retry {
+            error: format!("handler task ended: {e}"),
+            after: None,
+        },
+        Ok(Ok(Err(e))) => RunEnd::Fail {
+            error: format!("payload does not decode as a {kind} job: {e}"),
+        },
+        Ok(Ok(Ok(result))) => RunEnd::from(result),
+    }
+}
+
+fn panic_text(e: tokio::task::JoinError) -> String {
+    let payload = e.into_panic();
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
+    }
+}
+
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The loop of one queue: claim what the free slots can take, run each job in its own task,
+/// sleep until a notification, the next run time or the poll interval. On stop: let running
+/// jobs finish until the shutdown deadline, then release the rest for other workers.
+pub(crate) async fn fetch(
+    shared: Arc<Shared>,
+    queue: String,
+    settings: QueueSettings,
+    waker: Arc<Notify>,
+    ended: mpsc::Sender<Ended>,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let fleet = &shared.config.fleet;
+    let slots = Arc::new(Semaphore::new(settings.concurrency as usize));
+    let mut running: JoinSet<()> = JoinSet::new();
+    let mut runs: HashMap<tokio::task::Id, (JobId, i64)> = HashMap::new();
+    let mut failures = 0u32;
+
+    'work: loop {
+        if *stopped.borrow() {
+            break;
+        }
+        // Wait for a free slot; this fetcher is the only one taking permits.
+        tokio::select! {
+            permit = slots.clone().acquire_owned() => drop(permit),
+            _ = stop_requested(&mut stopped) => break 'work,
+        }
+        while let Some(done) = running.try_join_next_with_id() {
+            match done {
+                Ok((id, ())) => {
+                    runs.remove(&id);
+                }
+                Err(e) => end_lost_run(&shared, &ended, runs.remove(&e.id()), &e).await,
+            }
+        }
+        let want = slots.available_permits().min(fleet.claim_batch as usize);
+        let claim_sent = Instant::now();
+        let claimed = match store::claim(
+            &shared.pool,
+            &queue,
+            want as i64,
+            fleet.lease(),
+            &shared.worker_id,
+        )
+        .await
+        {
+            Ok(c) => {
+                failures = 0;
+                c
+            }
+            Err(e) => {
+                failures += 1;
+                let wait = backoff(failures);
+                tracing::warn!(%queue, error = %e, retry_in = ?wait, "claim failed");
+                if !pause(&mut stopped, wait).await {
+                    break;
+                }
+                continue;
+            }
+        };
+        let got = claimed.len();
+        let deadline = claim_sent + fleet.lease();
+        let mut cancels: Vec<oneshot::Receiver<String>> = claimed
+            .iter()
+            .map(|job| shared.leases.hold(job.id, job.lease_token, deadline))
+            .collect();
+        for (job, lease_lost) in claimed.into_iter().zip(cancels.drain(..)) {
+            let Ok(permit) = slots.clone().try_acquire_owned() else {
+                // Cannot happen (we counted the permits); never drop a claimed job on the floor.
+                tracing::error!(%queue, job = %job.id, "no free slot for a claimed job; releasing it");
+                let _ = ended
+                    .send(Ended {
+                        id: job.id,
+                        lease_token: job.lease_token,
+                        end: RunEnd::Release,
+                    })
+                    .await;
+                continue;
+            };
+            let (id, token) = (job.id, job.lease_token);
+            let shared_run = shared.clone();
+            let ended = ended.clone();
+            let queue_name = queue.clone();
+            let timeout = settings.timeout();
+            let handle = running.spawn(async move {
+                let end = run_one(
+                    &shared_run.pool,
+                    &shared_run.registry,
+                    &queue_name,
+                    timeout,
+                    job,
+                    Some(lease_lost),
+                )
+                .await;
+                if let RunEnd::Retry { error, .. } | RunEnd::Fail { error } = &end {
+                    tracing::warn!(queue = %queue_name, job = %id, %error, "job run failed");
+                }
+                shared_run.leases.ending(id, token);
+                // Holding the slot until the end is queued bounds the unwritten ends.
+                let _ = ended
+                    .send(Ended {
+                        id,
+                        lease_token: token,
+                        end,
+                    })
+                    .await;
+                drop(permit);
+            });
+            runs.insert(handle.id(), (id, token));
+        }
+        if got == want {
+            continue; // there may be more due right now
+        }
+        let nap = match store::next_due_in(&shared.pool, &queue).await {
+            Ok(Some(due)) => due.min(fleet.poll_interval()),
+            Ok(None) => fleet.poll_interval(),
+            Err(e) => {
+                tracing::warn!(%queue, error = %e, "could not read the next run time");
+                fleet.poll_interval()
+            }
+        };
+        if nap.is_zero() {
+            continue;
+        }
+        tokio::select! {
+            _ = waker.notified() => {},
+            _ = tokio::time::sleep(nap) => {},
+            _ = stop_requested(&mut stopped) => break 'work,
+        }
+    }
+
+    // Graceful stop: let running jobs finish until the deadline, then release the rest.
+    let deadline = Instant::now() + fleet.shutdown_timeout();
+    while !running.is_empty() {
+        match tokio::time::timeout_at(deadline, running.join_next_with_id()).await {
+            Ok(Some(Ok((id, ())))) => {
+                runs.remove(&id);
+            }
+            Ok(Some(Err(e))) => end_lost_run(&shared, &ended, runs.remove(&e.id()), &e).await,
+            Ok(None) | Err(_) => break,
+        }
+    }
+    if !running.is_empty() {
+        running.abort_all();
+        while let Some(done) = running.join_next_with_id().await {
+            match done {
+                Ok((id, ())) => {
+                    runs.remove(&id);
+                }
+                // Aborted before its end was queued: hand the job back for another worker.
+                Err(e) => {
+                    if let Some((id, token)) = runs.remove(&e.id()) {
+                        tracing::warn!(%queue, job = %id, "job still running at the shutdown deadline; releasing it");
+                        shared.leases.ending(id, token);
+                        let _ = ended
+                            .send(Ended {
+                                id,
+                                lease_token: token,
+                                end: RunEnd::Release,
+                            })
+                            .await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A job task that died without queueing its end (it cannot, short of a bug in the runtime:
+/// `run_one` catches the handler's panics) would keep its lease renewed forever. End it as a
+/// failed attempt instead.
+async fn end_lost_run(
+    shared: &Shared,
+    ended: &mpsc::Sender<Ended>,
+    run: Option<(JobId, i64)>,
+    e: &tokio::task::JoinError,
+) {
+    if let Some((id, lease_token)) = run {
+        tracing::error!(job = %id, error = %e, "job task died without an outcome");
+        shared.leases.ending(id, lease_token);
+        let end = RunEnd::Retry {
+            error: format!("job task died: {e}"),
+            after: None,
+        };
+        let _ = ended
+            .send(Ended {
+                id,
+                lease_token,
+                end,
+            })
+            .await;
+    }
+}

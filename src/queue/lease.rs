@@ -1,0 +1,205 @@
+//! The lease keeper: renews the lease of every run this process holds, and tells a run whose
+//! lease is lost to stop, so that no job runs twice at once.
+//!
+//! A lease can be lost two ways. Another worker took the job (the lease expired and the job was
+//! rescued, or claimed again): the database no longer has our token. Or we could not renew for
+//! a whole lease (a database failover, a row held locked by a long transaction): another worker
+//! may take it at any moment. Either way the run is cancelled with a warning; its end would be
+//! refused by its fencing token anyway, and the completer says so.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::JobId;
+use super::store;
+
+struct Lease {
+    token: i64,
+    /// When the lease runs out as far as this process can tell: measured from before the
+    /// statement that set it was sent, so it is never later than the database's expiry.
+    deadline: Instant,
+    /// Tells the run to stop; taken when it is used.
+    cancel: Option<oneshot::Sender<String>>,
+    /// The run has ended and its end is queued for the completer.
+    ending: bool,
+    lost: bool,
+}
+
+/// The runs of this process that hold a lease, by job.
+#[derive(Default)]
+pub(crate) struct Leases(Mutex<HashMap<JobId, Lease>>);
+
+impl Leases {
+    fn map(&self) -> MutexGuard<'_, HashMap<JobId, Lease>> {
+        // Every operation is one short call; the map stays consistent even after a panic.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records a claimed run. The receiver fires with a reason if the run must stop.
+    pub(crate) fn hold(
+        &self,
+        id: JobId,
+        token: i64,
+        deadline: Instant,
+    ) -> oneshot::Receiver<String> {
+        let (tx, rx) = oneshot::channel();
+        self.map().insert(
+            id,
+            Lease {
+                token,
+                deadline,
+                cancel: Some(tx),
+                ending: false,
+                lost: false,
+            },
+        );
+        rx
+    }
+
+    /// The run ended; its end is on its way to the database. Its lease is still renewed until
+    /// the end is written (an outage may delay that), but there is nothing left to cancel.
+    pub(crate) fn ending(&self, id: JobId, token: i64) {
+        if let Some(l) = self.map().get_mut(&id).filter(|l| l.token == token) {
+            l.ending = true;
+            l.cancel = None;
+        }
+    }
+
+    /// The run's end is written (or refused): the lease is no longer ours to keep.
+    pub(crate) fn release(&self, id: JobId, token: i64) {
+        let mut map = self.map();
+        if map.get(&id).is_some_and(|l| l.token == token) {
+            map.remove(&id);
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.map().len()
+    }
+
+    fn to_renew(&self) -> (Vec<i64>, Vec<i64>) {
+        self.map()
+            .iter()
+            .filter(|(_, l)| !l.lost)
+            .map(|(id, l)| (id.0, l.token))
+            .unzip()
+    }
+
+    fn renewed(&self, ids: &[JobId], deadline: Instant) {
+        let mut map = self.map();
+        for id in ids {
+            if let Some(l) = map.get_mut(id) {
+                l.deadline = deadline;
+            }
+        }
+    }
+
+    /// Marks a run's lease lost and cancels the run if it is still running.
+    fn lose(&self, id: JobId, token: i64, why: &str) {
+        let mut map = self.map();
+        let Some(l) = map.get_mut(&id).filter(|l| l.token == token && !l.lost) else {
+            return;
+        };
+        l.lost = true;
+        match l.cancel.take() {
+            Some(cancel) => {
+                tracing::warn!(job = %id, reason = why, "lease lost; cancelling the run so the job cannot run twice at once");
+                let _ = cancel.send(why.to_owned());
+            }
+            // The run has ended: if its end was refused, the completer says so.
+            None => {
+                tracing::debug!(job = %id, reason = why, "lease of an ended run no longer held")
+            }
+        }
+    }
+
+    /// Runs whose lease ran out here before any renewal could extend it.
+    fn expired(&self, now: Instant) -> Vec<(JobId, i64)> {
+        self.map()
+            .iter()
+            .filter(|(_, l)| !l.lost && l.deadline <= now)
+            .map(|(id, l)| (*id, l.token))
+            .collect()
+    }
+}
+
+/// Renews every third of the lease; when a row was locked, tries it again soon. Checks the
+/// local deadlines every tenth of the lease, so a run is stopped before the database's expiry
+/// lets another worker take its job. Runs until the fleet aborts it.
+pub(crate) async fn keep(control: PgPool, leases: std::sync::Arc<Leases>, lease: Duration) {
+    let tick = (lease / 10).max(Duration::from_millis(10));
+    let mut next_renewal = Instant::now() + lease / 3;
+    loop {
+        tokio::time::sleep(tick).await;
+        let now = Instant::now();
+        if now >= next_renewal {
+            next_renewal = now + lease / 3;
+            if renew(&control, &leases, lease).await {
+                // Some rows were locked by another transaction: try them again soon.
+                next_renewal = now + tick;
+            }
+        }
+        // A margin of one tick: the check itself runs only once a tick.
+        for (id, token) in leases.expired(Instant::now() + tick) {
+            leases.lose(
+                id,
+                token,
+                "the lease could not be renewed in time (database unreachable, or the job's row held locked)",
+            );
+        }
+    }
+}
+
+/// One renewal round. Returns whether some runs still hold their lease but could not be
+/// renewed because their rows were locked.
+async fn renew(control: &PgPool, leases: &Leases, lease: Duration) -> bool {
+    let (ids, tokens) = leases.to_renew();
+    if ids.is_empty() {
+        return false;
+    }
+    let sent = Instant::now();
+    let renewed = match store::renew_leases(control, &ids, &tokens, lease).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(error = %e, runs = ids.len(), "could not renew leases");
+            return false;
+        }
+    };
+    leases.renewed(&renewed, sent + lease);
+    if renewed.len() == ids.len() {
+        return false;
+    }
+    let renewed: HashSet<JobId> = renewed.into_iter().collect();
+    let (missing_ids, missing_tokens): (Vec<i64>, Vec<i64>) = ids
+        .iter()
+        .zip(&tokens)
+        .filter(|(id, _)| !renewed.contains(&JobId(**id)))
+        .map(|(id, t)| (*id, *t))
+        .unzip();
+    let held: HashSet<JobId> = match store::still_held(control, &missing_ids, &missing_tokens).await
+    {
+        Ok(h) => h.into_iter().collect(),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not check leases that were not renewed");
+            return true;
+        }
+    };
+    for (id, token) in missing_ids.iter().zip(&missing_tokens) {
+        let id = JobId(*id);
+        if held.contains(&id) {
+            tracing::debug!(job = %id, "job row locked by another transaction; lease renewal retried soon");
+        } else {
+            leases.lose(
+                id,
+                *token,
+                "another worker holds the job now (its lease expired and it was rescued or claimed again)",
+            );
+        }
+    }
+    !held.is_empty()
+}

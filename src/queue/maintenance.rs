@@ -1,0 +1,92 @@
+//! Maintenance: rescues runs whose lease expired and prunes finished jobs past their
+//! retention. Every worker runs it; `SKIP LOCKED` keeps two of them from doing the same rows.
+
+use std::sync::Arc;
+
+use sqlx::PgPool;
+use tokio::sync::watch;
+
+use super::fleet::{Shared, stop_requested};
+use super::{Ended, RunEnd, end_runs, store};
+
+const RESCUE_BATCH: i64 = 1000;
+const PRUNE_BATCH: i64 = 5000;
+
+pub(crate) async fn maintain(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
+    let fleet = &shared.config.fleet;
+    let mut rescue_every = tokio::time::interval(fleet.rescue_interval());
+    let mut prune_every = tokio::time::interval(fleet.prune_interval());
+    rescue_every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    prune_every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = rescue_every.tick() => {
+                match rescue_expired(&shared.control).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::warn!(jobs = n, "rescued jobs whose worker stopped renewing the lease"),
+                    Err(e) => tracing::warn!(error = %e, "rescue failed"),
+                }
+            }
+            _ = prune_every.tick() => {
+                match prune(&shared.control, fleet.completed_retention_secs, fleet.discarded_retention_secs).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(jobs = n, "pruned finished jobs"),
+                    Err(e) => tracing::warn!(error = %e, "prune failed"),
+                }
+            }
+            _ = stop_requested(&mut stopped) => return,
+        }
+    }
+}
+
+/// Ends, as a failed attempt, every run whose lease has expired: the job is retried, or
+/// discarded once it has used its attempts, so a job that keeps killing workers cannot loop.
+pub async fn rescue_expired(pool: &PgPool) -> Result<u64, sqlx::Error> {
+    let mut rescued = 0;
+    loop {
+        let mut tx = pool.begin().await?;
+        let expired = store::lock_expired(&mut *tx, RESCUE_BATCH).await?;
+        if expired.is_empty() {
+            return Ok(rescued);
+        }
+        let batch: Vec<Ended> = expired
+            .iter()
+            .map(|(id, token, worker, expired_at)| Ended {
+                id: *id,
+                lease_token: *token,
+                end: RunEnd::Retry {
+                    error: format!("lease expired at {expired_at}: worker {worker} stopped renewing it (it died or stalled)"),
+                    after: None,
+                },
+            })
+            .collect();
+        end_runs(&mut *tx, &batch).await?;
+        tx.commit().await?;
+        rescued += batch.len() as u64;
+        if (batch.len() as i64) < RESCUE_BATCH {
+            return Ok(rescued);
+        }
+    }
+}
+
+/// Deletes finished jobs older than their retention, in bounded batches.
+pub async fn prune(
+    pool: &PgPool,
+    completed_retention_secs: u64,
+    discarded_retention_secs: u64,
+) -> Result<u64, sqlx::Error> {
+    let mut pruned = 0;
+    loop {
+        let n = store::prune_batch(
+            pool,
+            completed_retention_secs,
+            discarded_retention_secs,
+            PRUNE_BATCH,
+        )
+        .await?;
+        pruned += n;
+        if (n as i64) < PRUNE_BATCH {
+            return Ok(pruned);
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! Every statement the queue runs, in one place. The rules of a run's end live in SQL
+//! (`jobs_end_runs`, `jobs_next_state`: migrations 0005 and 0006), so the worker, the rescue
+//! and the shutdown release cannot disagree about them.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgExecutor, PgPool};
+
+use super::{JobId, JobState, RunOutcome};
+
+/// The channel every LISTENing worker waits on; the payload is the queue's name.
+pub(crate) const CHANNEL: &str = "payfleet_jobs";
+
+/// The one INSERT of jobs, as SQL text to place in a statement (a CTE, say), so a business
+/// statement can write its rows and their jobs in one round trip with the same rules as
+/// `queue::enqueue`. `$source` names a relation with the columns `job_queue, job_kind, job_key,
+/// job_payload, job_run_at, job_max_attempts`; `JobColumns` binds them as arrays for
+/// [`job_columns_from_params!`]. A key held by an unfinished job means nothing is written for
+/// that job, and the statement goes on. Add `RETURNING ...` as needed.
+#[macro_export]
+macro_rules! insert_jobs_from {
+    ($($source:tt)+) => {
+        concat!(
+            "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts) ",
+            "SELECT job_queue, job_kind, job_key, job_payload, COALESCE(job_run_at, now()), job_max_attempts FROM ",
+            $($source)+,
+            " ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable') DO NOTHING"
+        )
+    };
+}
+
+/// The six parameters `JobColumns::bind` fills, as a relation for [`insert_jobs_from!`].
+#[macro_export]
+macro_rules! job_columns_from_params {
+    () => {
+        "unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[], $6::int[]) \
+         AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts)"
+    };
+}
+
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+// ---- enqueue, schedule, cancel -------------------------------------------------------------
+
+pub(crate) const ENQUEUE_ONE: &str = concat!(
+    "WITH j AS (",
+    insert_jobs_from!(job_columns_from_params!()),
+    " RETURNING id) SELECT id FROM j, pg_notify('payfleet_jobs', $1[1]) AS n"
+);
+
+pub(crate) const ENQUEUE_MANY: &str = concat!(
+    "WITH j AS (",
+    insert_jobs_from!(job_columns_from_params!()),
+    " RETURNING id), queues AS (SELECT DISTINCT q FROM unnest($1::text[]) AS q)
+         SELECT (SELECT count(*) FROM j)
+         FROM (SELECT count(pg_notify('payfleet_jobs', q)) FROM queues) n"
+);
+
+/// Inserts a keyed job or replaces the unfinished one holding the key, in one statement:
+/// concurrent calls serialise on the key's row. A running job keeps running and is marked to
+/// become available with the new payload and time when its run ends.
+pub(crate) const SCHEDULE: &str = "WITH j AS (
+     INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts)
+     VALUES ($1, $2, $3, $4, COALESCE($5, now()), $6)
+     ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable')
+     DO UPDATE SET
+         queue = EXCLUDED.queue,
+         kind = EXCLUDED.kind,
+         payload = EXCLUDED.payload,
+         run_at = EXCLUDED.run_at,
+         max_attempts = CASE WHEN jobs.state = 'running'
+                             THEN greatest(EXCLUDED.max_attempts, jobs.attempt)
+                             ELSE EXCLUDED.max_attempts END,
+         attempt = CASE WHEN jobs.state = 'running' THEN jobs.attempt ELSE 0 END,
+         state = CASE WHEN jobs.state = 'running' THEN 'running' ELSE 'available' END,
+         pending = CASE WHEN jobs.state = 'running' THEN 'reschedule' END
+     RETURNING id, queue, (xmax = 0) AS inserted, state = 'running' AS running)
+     SELECT id, inserted, running FROM j, LATERAL (SELECT pg_notify('payfleet_jobs', j.queue)) n";
+
+pub(crate) const CANCEL: &str = "UPDATE jobs SET
+         state = CASE WHEN state = 'running' THEN 'running' ELSE 'cancelled' END,
+         pending = CASE WHEN state = 'running' THEN 'cancel' END,
+         finished_at = CASE WHEN state = 'running' THEN NULL ELSE now() END
+     WHERE key = $1 AND state IN ('available', 'running', 'retryable')
+     RETURNING id, state = 'running'";
+
+// ---- claiming and running ------------------------------------------------------------------
+
+/// A claimed job, as the claim statement returns it.
+#[derive(Debug, sqlx::FromRow)]
+pub(crate) struct Claimed {
+    pub id: JobId,
+    pub kind: String,
+    pub payload: serde_json::Value,
+    pub attempt: i32,
+    pub max_attempts: i32,
+    pub lease_token: i64,
+}
+
+/// Claims up to `limit` due jobs of `queue` in one statement.
+pub(crate) async fn claim(
+    pool: &PgPool,
+    queue: &str,
+    limit: i64,
+    lease: Duration,
+    worker: &str,
+) -> Result<Vec<Claimed>, sqlx::Error> {
+    sqlx::query_as(
+        "WITH next AS (
+             SELECT id FROM jobs
+             WHERE queue = $1 AND state IN ('available', 'retryable') AND run_at <= now()
+             ORDER BY run_at, id
+             LIMIT $2
+             FOR UPDATE SKIP LOCKED
+         )
+         UPDATE jobs j SET
+             state = 'running',
+             attempt = j.attempt + 1,
+             attempted_at = now(),
+             lease_token = nextval('jobs_lease_token_seq'),
+             lease_expires_at = now() + $3 * interval '1 millisecond',
+             locked_by = $4
+         FROM next WHERE j.id = next.id
+         RETURNING j.id, j.kind, j.payload, j.attempt, j.max_attempts, j.lease_token",
+    )
+    .bind(queue)
+    .bind(limit)
+    .bind(millis(lease))
+    .bind(worker)
+    .fetch_all(pool)
+    .await
+}
+
+/// How long until the earliest waiting job of `queue` is due (zero if one is due now).
+pub(crate) async fn next_due_in(
+    pool: &PgPool,
+    queue: &str,
+) -> Result<Option<Duration>, sqlx::Error> {
+    let ms: Option<f64> = sqlx::query_scalar(
+        "SELECT (extract(epoch FROM min(run_at) - now()) * 1000)::float8
+         FROM jobs WHERE queue = $1 AND state IN ('available', 'retryable')",
+    )
+    .bind(queue)
+    .fetch_one(pool)
+    .await?;
+    Ok(ms.map(|ms| Duration::from_millis(ms.max(0.0).ceil() as u64)))
+}
+
+/// One run's end, named by its lease.
+#[derive(Debug, Clone)]
+pub(crate) struct EndRow {
+    pub id: JobId,
+    pub lease_token: i64,
+    pub outcome: RunOutcome,
+    pub delay_ms: Option<i64>,
+    pub error: Option<String>,
+}
+
+/// Ends runs in one statement. Returns the new state of each run that still held its lease;
+/// a run missing from the answer had lost it (rescued, or claimed by another worker).
+pub(crate) async fn end_runs<'c>(
+    db: impl PgExecutor<'c>,
+    ends: &[EndRow],
+) -> Result<Vec<(JobId, JobState)>, sqlx::Error> {
+    let ids: Vec<i64> = ends.iter().map(|e| e.id.0).collect();
+    let tokens: Vec<i64> = ends.iter().map(|e| e.lease_token).collect();
+    let outcomes: Vec<RunOutcome> = ends.iter().map(|e| e.outcome).collect();
+    let delays: Vec<Option<i64>> = ends.iter().map(|e| e.delay_ms).collect();
+    let errors: Vec<Option<&str>> = ends.iter().map(|e| e.error.as_deref()).collect();
+    sqlx::query_as("SELECT job_id, new_state FROM jobs_end_runs($1, $2, $3, $4, $5)")
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(&outcomes)
+        .bind(&delays)
+        .bind(&errors)
+        .fetch_all(db)
+        .await
+}
+
+// ---- leases --------------------------------------------------------------------------------
+
+/// Extends the leases this worker holds. A row locked by someone else (a long transaction that
+/// reschedules or cancels the job) is skipped, not waited for: one locked row must not hold up
+/// the renewal of every other run. Returns the ids renewed.
+pub(crate) async fn renew_leases(
+    pool: &PgPool,
+    ids: &[i64],
+    tokens: &[i64],
+    lease: Duration,
+) -> Result<Vec<JobId>, sqlx::Error> {
+    sqlx::query_scalar(
+        "WITH held AS (
+             SELECT j.id FROM jobs j
+             JOIN unnest($1::bigint[], $2::bigint[]) AS l(id, token) ON j.id = l.id AND j.lease_token = l.token
+             WHERE j.state = 'running'
+             ORDER BY j.id
+             FOR UPDATE OF j SKIP LOCKED)
+         UPDATE jobs j SET lease_expires_at = now() + $3 * interval '1 millisecond'
+         FROM held WHERE j.id = held.id
+         RETURNING j.id",
+    )
+    .bind(ids)
+    .bind(tokens)
+    .bind(millis(lease))
+    .fetch_all(pool)
+    .await
+}
+
+/// Which of these runs still hold their lease, read without waiting for any lock.
+pub(crate) async fn still_held(
+    pool: &PgPool,
+    ids: &[i64],
+    tokens: &[i64],
+) -> Result<Vec<JobId>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT j.id FROM jobs j
+         JOIN unnest($1::bigint[], $2::bigint[]) AS l(id, token) ON j.id = l.id AND j.lease_token = l.token
+         WHERE j.state = 'running'",
+    )
+    .bind(ids)
+    .bind(tokens)
+    .fetch_all(pool)
+    .await
+}
+
+// ---- maintenance ---------------------------------------------------------------------------
+
+/// Runs whose lease has expired, locked for this transaction (skipping any another rescuer
+/// holds), oldest first.
+pub(crate) async fn lock_expired<'c>(
+    db: impl PgExecutor<'c>,
+    limit: i64,
+) -> Result<Vec<(JobId, i64, String, DateTime<Utc>)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, lease_token, locked_by, lease_expires_at FROM jobs
+         WHERE state = 'running' AND lease_expires_at < now()
+         ORDER BY lease_expires_at
+         LIMIT $1
+         FOR UPDATE SKIP LOCKED",
+    )
+    .bind(limit)
+    .fetch_all(db)
+    .await
+}
+
+/// Deletes up to `limit` finished jobs past their retention.
+pub(crate) async fn prune_batch(
+    pool: &PgPool,
+    completed_retention_secs: u64,
+    discarded_retention_secs: u64,
+    limit: i64,
+) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "DELETE FROM jobs WHERE id IN (
+             SELECT id FROM jobs
+             WHERE (state IN ('completed', 'cancelled') AND finished_at < now() - $1 * interval '1 second')
+                OR (state = 'discarded' AND finished_at < now() - $2 * interval '1 second')
+             LIMIT $3
+             FOR UPDATE SKIP LOCKED)",
+    )
+    .bind(completed_retention_secs as f64)
+    .bind(discarded_retention_secs as f64)
+    .bind(limit)
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// Wakes the workers of these queues (outside any transaction: see `Notifier`).
+pub(crate) async fn notify_queues(pool: &PgPool, queues: &[String]) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_notify($1, q) FROM unnest($2::text[]) AS q")
+        .bind(CHANNEL)
+        .bind(queues)
+        .execute(pool)
+        .await
+        .map(|_| ())
+}
+
+// ---- the operator's view -------------------------------------------------------------------
+
+/// Jobs that are not finished, by queue and state. Reads only the partial indexes of waiting
+/// and running jobs, so its cost follows the backlog, not the table (completed jobs are kept a
+/// day and can be millions).
+pub(crate) const UNFINISHED_COUNTS: &str = "SELECT queue, state, count(*) AS count FROM jobs
+     WHERE state IN ('available', 'retryable') GROUP BY queue, state
+     UNION ALL
+     SELECT queue, state, count(*) AS count FROM jobs
+     WHERE state = 'running' GROUP BY queue, state
+     ORDER BY queue, state";
+
+/// Discarded jobs by queue, through the index of finished jobs.
+pub(crate) const DEAD_COUNTS: &str = "SELECT queue, state, count(*) AS count FROM jobs
+     WHERE state = 'discarded' AND finished_at IS NOT NULL
+     GROUP BY queue, state ORDER BY queue, state";
+
+/// Every job by queue and state (a full count, for the command line).
+pub(crate) const ALL_COUNTS: &str =
+    "SELECT queue, state, count(*) AS count FROM jobs GROUP BY queue, state ORDER BY queue, state";
+
+pub(crate) const DEAD: &str = "SELECT id, queue, kind, key, attempt, max_attempts, finished_at,
+         errors -> -1 ->> 'error' AS last_error
+     FROM jobs
+     WHERE state = 'discarded' AND ($1::text IS NULL OR queue = $1)
+     ORDER BY finished_at DESC, id DESC
+     LIMIT $2";
+
+pub(crate) const LOCK_STATE_AND_KEY: &str = "SELECT state, key FROM jobs WHERE id = $1 FOR UPDATE";
+
+pub(crate) const RETRY: &str =
+    "UPDATE jobs SET state = 'available', run_at = now(), finished_at = NULL,
+         max_attempts = greatest(max_attempts, attempt + 1)
+     WHERE id = $1";
+
+pub(crate) const DISCARD: &str = "UPDATE jobs SET state = 'discarded', finished_at = now(),
+         errors = errors || jsonb_build_array(jsonb_build_object(
+             'attempt', attempt, 'at', now(), 'error', 'discarded by an operator'))
+     WHERE id = $1";
+
+/// The latest job of a key: the unfinished one if any (through the unique key index), else the
+/// newest discarded one (through the index of finished jobs).
+pub(crate) const LATEST_BY_KEY: &str = "SELECT coalesce(
+         (SELECT state FROM jobs WHERE key = $1 AND state IN ('available', 'running', 'retryable')),
+         (SELECT state FROM jobs WHERE key = $1 AND state = 'discarded' AND finished_at IS NOT NULL
+          ORDER BY finished_at DESC LIMIT 1))";

@@ -1,0 +1,183 @@
+//! Readiness by role, metrics a dashboard can alert on, and what a scrape costs.
+
+use std::sync::Arc;
+
+use payfleet::http::{self, Readiness};
+use payfleet::secret::Secret;
+use payfleet::webhooks::EventWriter;
+use sqlx::PgPool;
+
+use crate::helpers::*;
+
+fn metric(text: &str, line_start: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(line_start))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {line_start} in\n{text}"))
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_receiver_is_ready_with_its_database_and_writer_whatever_rabbitmq_does(pool: PgPool) {
+    // No broker runs for a receiver in this test: webhooks must land even when RabbitMQ is down.
+    let app = spawn_app(pool).await;
+    let (status, body) = app.get("/readyz").await;
+    assert_eq!(status, 200, "{body}");
+    let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"database": "ok", "event_writer": "ok"})
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn readiness_fails_when_the_database_is_gone(pool: PgPool) {
+    let proxy = DbProxy::start(&pool).await;
+    let app = spawn_app(proxy.pool(&pool)).await;
+    proxy.set(Link::Refused);
+    let started = std::time::Instant::now();
+    let (status, body) = app.get("/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains(r#""database":"unavailable""#), "{body}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(3));
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn readiness_fails_when_the_event_writer_has_ended(pool: PgPool) {
+    // A writer whose task has ended (here: its runtime is gone).
+    let options = (*pool.connect_options()).clone();
+    let dead = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let writer = rt.block_on(async { EventWriter::start(options, None, 8) });
+        drop(rt);
+        writer
+    })
+    .join()
+    .unwrap();
+    assert!(!dead.is_alive());
+    let router = http::worker_router(
+        pool.clone(),
+        Readiness {
+            pool,
+            events: Some(dead),
+            fleet: None,
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let resp = reqwest::get(format!("http://{addr}/readyz")).await.unwrap();
+    assert_eq!(resp.status(), 503);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["event_writer"], "unavailable");
+    assert_eq!(body["database"], "ok");
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn refused_webhooks_are_counted_by_gateway_and_reason(pool: PgPool) {
+    let mut config = test_config();
+    // The gateway signs with a secret we do not have: every delivery is a mismatch.
+    config.webhooks.stripe = Some(Secret::new("whsec_rotated_without_telling_us"));
+    let app = spawn_app_with(pool, config).await;
+    for i in 0..3 {
+        let (status, _) = app
+            .deliver(&stripe(&format!(r#"{{"id":"evt_{i}"}}"#), now()))
+            .await;
+        assert_eq!(status, 401);
+    }
+    let (status, _) = app
+        .deliver(&standard(
+            payfleet::gateways::GatewayName::Internal,
+            "m_old",
+            now() - 3600,
+            "{}",
+        ))
+        .await;
+    assert_eq!(status, 401);
+    let (status, _) = app
+        .deliver(&internal(
+            "m_ok",
+            &payment_body("payment.succeeded", "s", "1.00"),
+        ))
+        .await;
+    assert_eq!(status, 200);
+
+    let (_, text) = app.get("/metrics").await;
+    assert_eq!(
+        metric(
+            &text,
+            r#"payfleet_webhooks_refused_total{gateway="stripe",reason="mismatch"}"#
+        ),
+        3.0
+    );
+    assert_eq!(
+        metric(
+            &text,
+            r#"payfleet_webhooks_refused_total{gateway="internal",reason="timestamp"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &text,
+            r#"payfleet_webhooks_total{gateway="internal",status="accepted"}"#
+        ),
+        1.0
+    );
+    // The stored event waits for its job: counted, with its age.
+    assert_eq!(
+        metric(
+            &text,
+            r#"payfleet_payment_events_unprocessed{state="pending"}"#
+        ),
+        1.0
+    );
+    assert!(
+        metric(
+            &text,
+            r#"payfleet_payment_events_oldest_unprocessed_seconds{state="pending"}"#
+        ) >= 0.0
+    );
+    assert_eq!(
+        metric(&text, r#"payfleet_jobs{queue="events",state="available"}"#),
+        1.0
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_scrape_reads_the_backlog_not_the_whole_jobs_table(pool: PgPool) {
+    // A day of completed jobs, a few live ones.
+    sqlx::query(
+        "INSERT INTO jobs (queue, kind, state, finished_at, attempt)
+         SELECT 'default', 'k', 'completed', now(), 1 FROM generate_series(1, 20000)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("INSERT INTO jobs (queue, kind) SELECT 'default', 'k' FROM generate_series(1, 3)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("ANALYZE jobs").execute(&pool).await.unwrap();
+    for sql in [
+        payfleet::queue::admin::LIVE_COUNT_QUERIES[0],
+        payfleet::queue::admin::LIVE_COUNT_QUERIES[1],
+    ] {
+        let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {sql}")))
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        let plan = plan.join("\n");
+        assert!(!plan.contains("Seq Scan"), "{sql}\n{plan}");
+    }
+    let counts = payfleet::queue::admin::live_counts(&pool).await.unwrap();
+    assert_eq!(counts.len(), 1);
+    assert_eq!(
+        (counts[0].state.as_str(), counts[0].count),
+        ("available", 3)
+    );
+    let _ = Arc::new(());
+}
