@@ -324,15 +324,7 @@ async fn record_refund(
     if known.is_some() {
         return Ok(false);
     }
-    if amount.currency() != paid.currency() {
-        return Err(Rejection::Currency {
-            what: "refund",
-            id: refund_id.to_owned(),
-            got: amount.currency().to_string(),
-            payment: paid.currency().to_string(),
-        }
-        .into());
-    }
+    same_currency("refund", refund_id, amount, &paid)?;
     let refunded: Decimal = sqlx::query_scalar(
         "SELECT COALESCE(sum(amount), 0) FROM payment_refunds WHERE payment_order_id = $1",
     )
@@ -369,6 +361,24 @@ async fn record_refund(
     Ok(true)
 }
 
+/// A refund or dispute moves money in the payment's currency, never another.
+fn same_currency(
+    what: &'static str,
+    id: &str,
+    amount: &Money,
+    paid: &Money,
+) -> Result<(), Rejection> {
+    if amount.currency() == paid.currency() {
+        return Ok(());
+    }
+    Err(Rejection::Currency {
+        what,
+        id: id.to_owned(),
+        got: amount.currency().to_string(),
+        payment: paid.currency().to_string(),
+    })
+}
+
 /// A dispute moves once, from open to decided. A decided dispute stays decided whatever
 /// arrives later (a late "created", another decision, a status we do not know).
 async fn record_dispute(
@@ -389,15 +399,7 @@ async fn record_dispute(
     .await?;
     match (known, status) {
         (None, status) => {
-            if amount.currency() != paid.currency() {
-                return Err(Rejection::Currency {
-                    what: "dispute",
-                    id: dispute_id.to_owned(),
-                    got: amount.currency().to_string(),
-                    payment: paid.currency().to_string(),
-                }
-                .into());
-            }
+            same_currency("dispute", dispute_id, amount, &paid)?;
             if amount.amount() > paid.amount() {
                 return Err(Rejection::DisputeExceedsPayment {
                     dispute_id: dispute_id.to_owned(),

@@ -15,6 +15,30 @@ async fn wait_for(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bo
     }
 }
 
+/// Runs `payfleet <args>` to its end.
+async fn run(pool: &PgPool, args: &[&str]) -> std::process::Output {
+    payfleet(pool, args).output().await.unwrap()
+}
+
+/// A `payfleet work` process, once it has processed `at_least` events.
+async fn worker_that_processed(
+    pool: &PgPool,
+    queues: &std::path::Path,
+    at_least: i64,
+) -> tokio::process::Child {
+    let worker = payfleet(pool, &["work"])
+        .env("PAYFLEET_QUEUES", queues)
+        .spawn()
+        .unwrap();
+    wait_for(
+        "the worker to get going",
+        Duration::from_secs(30),
+        async || processed_events(pool).await >= at_least,
+    )
+    .await;
+    worker
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_worker_killed_mid_stream_leaves_every_event_to_exactly_one_effect(pool: PgPool) {
     const N: i64 = 600;
@@ -22,16 +46,7 @@ async fn a_worker_killed_mid_stream_leaves_every_event_to_exactly_one_effect(poo
     deliver_payments(&app, N as usize).await;
     let queues = queues_file("kill", 16);
 
-    let mut first = payfleet(&pool, &["work"])
-        .env("PAYFLEET_QUEUES", &queues)
-        .spawn()
-        .unwrap();
-    wait_for(
-        "the first worker to get going",
-        Duration::from_secs(30),
-        async || processed_events(&pool).await >= 50,
-    )
-    .await;
+    let mut first = worker_that_processed(&pool, &queues, 50).await;
     first.kill().await.unwrap(); // SIGKILL: no shutdown, no completions written, leases left behind
     let at_kill = processed_events(&pool).await;
     let running: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running'")
@@ -104,16 +119,7 @@ async fn sigterm_stops_a_worker_cleanly_and_leaves_no_job_running(pool: PgPool) 
     let app = Arc::new(spawn_app(pool.clone()).await);
     deliver_payments(&app, 300).await;
     let queues = queues_file("term", 4);
-    let mut worker = payfleet(&pool, &["work"])
-        .env("PAYFLEET_QUEUES", &queues)
-        .spawn()
-        .unwrap();
-    wait_for(
-        "the worker to get going",
-        Duration::from_secs(30),
-        async || processed_events(&pool).await >= 20,
-    )
-    .await;
+    let mut worker = worker_that_processed(&pool, &queues, 20).await;
     let pid = worker.id().unwrap().to_string();
     let sent = std::process::Command::new("kill")
         .args(["-TERM", &pid])
@@ -144,7 +150,7 @@ async fn sigterm_stops_a_worker_cleanly_and_leaves_no_job_running(pool: PgPool) 
 async fn the_jobs_command_shows_counts_and_refuses_bad_ids_plainly(pool: PgPool) {
     let app = Arc::new(spawn_app(pool.clone()).await);
     deliver_payments(&app, 3).await;
-    let out = payfleet(&pool, &["jobs"]).output().await.unwrap();
+    let out = run(&pool, &["jobs"]).await;
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(
@@ -153,17 +159,14 @@ async fn the_jobs_command_shows_counts_and_refuses_bad_ids_plainly(pool: PgPool)
         "{text}"
     );
 
-    let out = payfleet(&pool, &["jobs", "retry", "424242"])
-        .output()
-        .await
-        .unwrap();
+    let out = run(&pool, &["jobs", "retry", "424242"]).await;
     assert!(!out.status.success());
     assert_eq!(
         String::from_utf8(out.stderr).unwrap().trim(),
         "payfleet: no job 424242"
     );
 
-    let out = payfleet(&pool, &["jobs", "dead"]).output().await.unwrap();
+    let out = run(&pool, &["jobs", "dead"]).await;
     assert_eq!(
         String::from_utf8(out.stdout).unwrap().trim(),
         "no dead jobs"
@@ -185,10 +188,7 @@ async fn operators_list_unprocessed_events_and_replay_them(pool: PgPool) {
         .await;
     process_events(&pool, payfleet::payments::Processor::default()).await;
 
-    let out = payfleet(&pool, &["events", "unprocessed"])
-        .output()
-        .await
-        .unwrap();
+    let out = run(&pool, &["events", "unprocessed"]).await;
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
     let rows: Vec<Vec<&str>> = text
@@ -210,10 +210,7 @@ async fn operators_list_unprocessed_events_and_replay_them(pool: PgPool) {
     assert!(text.contains("waiting for payment:pay_sess_9"), "{text}");
 
     let id = rows[0][0];
-    let out = payfleet(&pool, &["events", "replay", id])
-        .output()
-        .await
-        .unwrap();
+    let out = run(&pool, &["events", "replay", id]).await;
     assert!(out.status.success());
     assert_eq!(
         String::from_utf8(out.stdout).unwrap().trim(),
@@ -226,10 +223,7 @@ async fn operators_list_unprocessed_events_and_replay_them(pool: PgPool) {
     );
 
     // A processed event and an unknown id are plain refusals.
-    let out = payfleet(&pool, &["events", "replay", id])
-        .output()
-        .await
-        .unwrap();
+    let out = run(&pool, &["events", "replay", id]).await;
     assert!(!out.status.success());
     assert_eq!(
         String::from_utf8(out.stderr).unwrap().trim(),
@@ -237,18 +231,12 @@ async fn operators_list_unprocessed_events_and_replay_them(pool: PgPool) {
             "payfleet: payment event {id} is already processed (applied); there is nothing to replay"
         )
     );
-    let out = payfleet(&pool, &["events", "replay", "999999"])
-        .output()
-        .await
-        .unwrap();
+    let out = run(&pool, &["events", "replay", "999999"]).await;
     assert_eq!(
         String::from_utf8(out.stderr).unwrap().trim(),
         "payfleet: no payment event 999999"
     );
-    let out = payfleet(&pool, &["events", "replay", "--all"])
-        .output()
-        .await
-        .unwrap();
+    let out = run(&pool, &["events", "replay", "--all"]).await;
     assert_eq!(
         String::from_utf8(out.stdout).unwrap().trim(),
         "1 unprocessed events will be processed again"

@@ -53,6 +53,11 @@ async fn state_counts(pool: &PgPool) -> Vec<(String, i64)> {
         .unwrap()
 }
 
+/// A fleet with short leases and a 10 s poll over `registry`.
+fn start_fleet(pool: &PgPool, registry: Registry) -> payfleet::queue::FleetHandle {
+    Fleet::new(pool.clone(), registry, fast_config(""), "test").start()
+}
+
 /// Records every payload it runs.
 fn recording(seen: Arc<std::sync::Mutex<Vec<i64>>>) -> Registry {
     let mut r = Registry::new();
@@ -210,7 +215,7 @@ async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends
     else {
         panic!()
     };
-    let fleet = Fleet::new(pool.clone(), registry, fast_config(""), "test").start();
+    let fleet = start_fleet(&pool, registry);
     started.notified().await;
     let later = Utc::now() + chrono::Duration::hours(1);
     let again = queue::schedule(
@@ -450,13 +455,7 @@ async fn a_job_that_keeps_killing_workers_ends_discarded(pool: PgPool) {
 async fn the_fleet_runs_jobs_on_notification_and_future_jobs_on_time(pool: PgPool) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     // The poll interval is 10 s: only LISTEN/NOTIFY and the next-run timer can explain prompt starts.
-    let fleet = Fleet::new(
-        pool.clone(),
-        recording(seen.clone()),
-        fast_config(""),
-        "test",
-    )
-    .start();
+    let fleet = start_fleet(&pool, recording(seen.clone()));
     tokio::time::sleep(Duration::from_millis(300)).await;
     queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap())
         .await
@@ -526,7 +525,7 @@ async fn a_running_job_keeps_its_lease_and_a_dead_workers_job_is_rescued(pool: P
     .execute(&pool)
     .await
     .unwrap();
-    let fleet = Fleet::new(pool.clone(), registry, fast_config(""), "test").start();
+    let fleet = start_fleet(&pool, registry);
     tokio::time::sleep(Duration::from_millis(2300)).await;
     fleet.shutdown().await;
     assert_eq!(job(&pool, id).await.0, "completed");
@@ -562,7 +561,7 @@ async fn shutdown_finishes_short_jobs_and_releases_long_ones(pool: PgPool) {
     .await
     .unwrap()
     .unwrap();
-    let fleet = Fleet::new(pool.clone(), outcomes(), fast_config(""), "test").start();
+    let fleet = start_fleet(&pool, outcomes());
     tokio::time::sleep(Duration::from_millis(400)).await;
     let t = std::time::Instant::now();
     fleet.shutdown().await;
@@ -762,7 +761,7 @@ async fn a_job_cancelled_while_running_ends_cancelled_whatever_its_outcome(pool:
     else {
         panic!()
     };
-    let fleet = Fleet::new(pool.clone(), registry, fast_config(""), "test").start();
+    let fleet = start_fleet(&pool, registry);
     started.notified().await;
     assert_eq!(
         queue::cancel(&pool, "k").await.unwrap(),
@@ -830,13 +829,7 @@ async fn without_a_notification_polling_still_finds_the_job(pool: PgPool) {
 async fn the_listener_reconnects_by_itself(pool: PgPool) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     // A 10 s poll: a prompt start can only come from a notification.
-    let fleet = Fleet::new(
-        pool.clone(),
-        recording(seen.clone()),
-        fast_config(""),
-        "test",
-    )
-    .start();
+    let fleet = start_fleet(&pool, recording(seen.clone()));
     tokio::time::sleep(Duration::from_millis(300)).await;
     let killed: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
@@ -867,7 +860,7 @@ async fn ends_postgres_would_refuse_as_given_are_still_written(pool: PgPool) {
                 .unwrap(),
         );
     }
-    let fleet = Fleet::new(pool.clone(), registry, fast_config(""), "test").start();
+    let fleet = start_fleet(&pool, registry);
     tokio::time::sleep(Duration::from_millis(800)).await;
     fleet.shutdown().await;
 
@@ -935,6 +928,28 @@ fn slow(log: Arc<RunLog>, ms: u64) -> Registry {
     r
 }
 
+/// Enqueues an Echo job per payload and starts a fleet (leases of 600 ms) whose runs take `ms`;
+/// returns once they all run.
+async fn running_slowly(
+    pool: &PgPool,
+    log: &Arc<RunLog>,
+    ms: u64,
+    payloads: &[i64],
+) -> (Vec<JobId>, payfleet::queue::FleetHandle) {
+    let mut ids = Vec::new();
+    for n in payloads {
+        ids.push(
+            queue::enqueue(pool, NewJob::of(&Echo { n: *n }).unwrap())
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    let fleet = start_fleet(pool, slow(log.clone(), ms));
+    wait_running(pool, payloads.len() as i64).await;
+    (ids, fleet)
+}
+
 async fn wait_running(pool: &PgPool, n: i64) {
     for _ in 0..200 {
         let running: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running'")
@@ -952,23 +967,9 @@ async fn wait_running(pool: &PgPool, n: i64) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_row_locked_by_another_transaction_does_not_hold_up_other_renewals(pool: PgPool) {
     let log = Arc::new(RunLog::default());
-    let a = queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap())
-        .await
-        .unwrap()
-        .unwrap();
-    let b = queue::enqueue(&pool, NewJob::of(&Echo { n: 2 }).unwrap())
-        .await
-        .unwrap()
-        .unwrap();
     // Leases of 600 ms; each run takes 2 s.
-    let fleet = Fleet::new(
-        pool.clone(),
-        slow(log.clone(), 2000),
-        fast_config(""),
-        "test",
-    )
-    .start();
-    wait_running(&pool, 2).await;
+    let (ids, fleet) = running_slowly(&pool, &log, 2000, &[1, 2]).await;
+    let (a, b) = (ids[0], ids[1]);
 
     // A long business transaction holds A's row (a schedule or cancel of its key, say) for
     // longer than a lease.
@@ -1030,18 +1031,9 @@ async fn a_row_locked_by_another_transaction_does_not_hold_up_other_renewals(poo
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_run_whose_job_another_worker_took_is_cancelled_and_its_end_refused(pool: PgPool) {
     let log = Arc::new(RunLog::default());
-    let id = queue::enqueue(&pool, NewJob::of(&Echo { n: 7 }).unwrap())
-        .await
-        .unwrap()
-        .unwrap();
-    let fleet = Fleet::new(
-        pool.clone(),
-        slow(log.clone(), 5000),
-        fast_config(""),
-        "test",
-    )
-    .start();
-    wait_running(&pool, 1).await;
+    let (ids, fleet) = running_slowly(&pool, &log, 5000, &[7]).await;
+    let id = ids[0];
+
     // Another worker holds the job now (as after a rescue and a new claim).
     sqlx::query(
         "UPDATE jobs SET lease_token = nextval('jobs_lease_token_seq'), locked_by = 'other-worker',
