@@ -323,6 +323,10 @@ async fn send_expecting(
     let mut lat = Vec::with_capacity(requests.len());
     for req in requests {
         let t = Instant::now();
+        sender
+            .ready()
+            .await
+            .context("the receiver closed the connection")?;
         let resp = sender.send_request(req).await?;
         let status = resp.status();
         let body = resp.into_body().collect().await?.to_bytes();

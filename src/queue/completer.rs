@@ -32,9 +32,9 @@ pub(crate) async fn complete(shared: Arc<Shared>, mut ended: mpsc::Receiver<Ende
                 }
             }
         }
-        for e in &batch {
-            shared.leases.release(e.id, e.lease_token);
-        }
+        shared
+            .leases
+            .release(batch.iter().map(|e| (e.id, e.lease_token)));
         batch.clear();
     }
 }

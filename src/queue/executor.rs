@@ -138,7 +138,7 @@ pub(crate) async fn fetch(
                 Ok((id, ())) => {
                     runs.remove(&id);
                 }
-                Err(e) => end_lost_run(&shared, &ended, runs.remove(&e.id()), &e).await,
+                Err(e) => end_lost_run(&ended, runs.remove(&e.id()), &e).await,
             }
         }
         let want = slots.available_permits().min(fleet.claim_batch as usize);
@@ -167,12 +167,11 @@ pub(crate) async fn fetch(
             }
         };
         let got = claimed.len();
-        let deadline = claim_sent + fleet.lease();
-        let mut cancels: Vec<oneshot::Receiver<String>> = claimed
-            .iter()
-            .map(|job| shared.leases.hold(job.id, job.lease_token, deadline))
-            .collect();
-        for (job, lease_lost) in claimed.into_iter().zip(cancels.drain(..)) {
+        let cancels = shared.leases.hold(
+            claimed.iter().map(|job| (job.id, job.lease_token)),
+            claim_sent + fleet.lease(),
+        );
+        for (job, lease_lost) in claimed.into_iter().zip(cancels) {
             let Ok(permit) = slots.clone().try_acquire_owned() else {
                 // Cannot happen (we counted the permits); never drop a claimed job on the floor.
                 tracing::error!(%queue, job = %job.id, "no free slot for a claimed job; releasing it");
@@ -203,7 +202,6 @@ pub(crate) async fn fetch(
                 if let RunEnd::Retry { error, .. } | RunEnd::Fail { error } = &end {
                     tracing::warn!(queue = %queue_name, job = %id, %error, "job run failed");
                 }
-                shared_run.leases.ending(id, token);
                 // Holding the slot until the end is queued bounds the unwritten ends.
                 let _ = ended
                     .send(Ended {
@@ -244,7 +242,7 @@ pub(crate) async fn fetch(
             Ok(Some(Ok((id, ())))) => {
                 runs.remove(&id);
             }
-            Ok(Some(Err(e))) => end_lost_run(&shared, &ended, runs.remove(&e.id()), &e).await,
+            Ok(Some(Err(e))) => end_lost_run(&ended, runs.remove(&e.id()), &e).await,
             Ok(None) | Err(_) => break,
         }
     }
@@ -259,7 +257,6 @@ pub(crate) async fn fetch(
                 Err(e) => {
                     if let Some((id, token)) = runs.remove(&e.id()) {
                         tracing::warn!(%queue, job = %id, "job still running at the shutdown deadline; releasing it");
-                        shared.leases.ending(id, token);
                         let _ = ended
                             .send(Ended {
                                 id,
@@ -278,14 +275,12 @@ pub(crate) async fn fetch(
 /// `run_one` catches the handler's panics) would keep its lease renewed forever. End it as a
 /// failed attempt instead.
 async fn end_lost_run(
-    shared: &Shared,
     ended: &mpsc::Sender<Ended>,
     run: Option<(JobId, i64)>,
     e: &tokio::task::JoinError,
 ) {
     if let Some((id, lease_token)) = run {
         tracing::error!(job = %id, error = %e, "job task died without an outcome");
-        shared.leases.ending(id, lease_token);
         let end = RunEnd::Retry {
             error: format!("job task died: {e}"),
             after: None,

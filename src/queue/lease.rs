@@ -23,10 +23,9 @@ struct Lease {
     /// When the lease runs out as far as this process can tell: measured from before the
     /// statement that set it was sent, so it is never later than the database's expiry.
     deadline: Instant,
-    /// Tells the run to stop; taken when it is used.
+    /// Tells the run to stop; taken when it is used. A run that has ended has dropped the
+    /// other side: its end is on its way to the completer.
     cancel: Option<oneshot::Sender<String>>,
-    /// The run has ended and its end is queued for the completer.
-    ending: bool,
     lost: bool,
 }
 
@@ -40,41 +39,37 @@ impl Leases {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Records a claimed run. The receiver fires with a reason if the run must stop.
+    /// Records the claimed runs of a batch. Each receiver fires with a reason if its run must
+    /// stop. A lease is renewed until the run's end is written (an outage may delay that).
     pub(crate) fn hold(
         &self,
-        id: JobId,
-        token: i64,
+        runs: impl Iterator<Item = (JobId, i64)>,
         deadline: Instant,
-    ) -> oneshot::Receiver<String> {
-        let (tx, rx) = oneshot::channel();
-        self.map().insert(
-            id,
-            Lease {
-                token,
-                deadline,
-                cancel: Some(tx),
-                ending: false,
-                lost: false,
-            },
-        );
-        rx
-    }
-
-    /// The run ended; its end is on its way to the database. Its lease is still renewed until
-    /// the end is written (an outage may delay that), but there is nothing left to cancel.
-    pub(crate) fn ending(&self, id: JobId, token: i64) {
-        if let Some(l) = self.map().get_mut(&id).filter(|l| l.token == token) {
-            l.ending = true;
-            l.cancel = None;
-        }
-    }
-
-    /// The run's end is written (or refused): the lease is no longer ours to keep.
-    pub(crate) fn release(&self, id: JobId, token: i64) {
+    ) -> Vec<oneshot::Receiver<String>> {
         let mut map = self.map();
-        if map.get(&id).is_some_and(|l| l.token == token) {
-            map.remove(&id);
+        runs.map(|(id, token)| {
+            let (tx, rx) = oneshot::channel();
+            map.insert(
+                id,
+                Lease {
+                    token,
+                    deadline,
+                    cancel: Some(tx),
+                    lost: false,
+                },
+            );
+            rx
+        })
+        .collect()
+    }
+
+    /// These runs' ends are written (or refused): their leases are no longer ours to keep.
+    pub(crate) fn release(&self, runs: impl Iterator<Item = (JobId, i64)>) {
+        let mut map = self.map();
+        for (id, token) in runs {
+            if map.get(&id).is_some_and(|l| l.token == token) {
+                map.remove(&id);
+            }
         }
     }
 
@@ -106,15 +101,15 @@ impl Leases {
             return;
         };
         l.lost = true;
-        match l.cancel.take() {
-            Some(cancel) => {
-                tracing::warn!(job = %id, reason = why, "lease lost; cancelling the run so the job cannot run twice at once");
-                let _ = cancel.send(why.to_owned());
-            }
-            // The run has ended: if its end was refused, the completer says so.
-            None => {
-                tracing::debug!(job = %id, reason = why, "lease of an ended run no longer held")
-            }
+        let told = l
+            .cancel
+            .take()
+            .is_some_and(|c| c.send(why.to_owned()).is_ok());
+        if told {
+            tracing::warn!(job = %id, reason = why, "lease lost; cancelling the run so the job cannot run twice at once");
+        } else {
+            // The run has ended: if its end is refused, the completer says so.
+            tracing::debug!(job = %id, reason = why, "lease of an ended run no longer held");
         }
     }
 

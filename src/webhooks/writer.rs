@@ -280,11 +280,12 @@ impl Writer {
         for p in batch.drain(..) {
             // The first request for a new event is the one that stored it.
             let first = inserted.remove(&(p.webhook.gateway, p.webhook.event_id.clone()));
-            let _ = p.reply.send(Ok(if first {
-                Stored::Accepted
-            } else {
-                Stored::Duplicate
-            }));
+            let answer = match (first, &rows.redrive_failed) {
+                (true, _) => Ok(Stored::Accepted),
+                (false, None) => Ok(Stored::Duplicate),
+                (false, Some(e)) => Err(StoreError::Unavailable(e.clone())),
+            };
+            let _ = p.reply.send(answer);
         }
         if rows.jobs
             && let Some(n) = &self.notifier
@@ -310,13 +311,15 @@ fn timed_out(what: &str) -> sqlx::Error {
 struct Written {
     /// The (gateway, event id) of the events inserted.
     inserted: HashSet<(GatewayName, String)>,
-    /// Whether any processing job may have been written (new events, or repeats of events not
-    /// processed yet).
+    /// Whether any processing job may have been written.
     jobs: bool,
+    /// Re-driving the repeats failed (an outage): they are answered 503 so the gateway resends.
+    redrive_failed: Option<Arc<sqlx::Error>>,
 }
 
-/// Writes the events of `batch` that are new, each with its job, in one statement; a repeat of
-/// an event that is not processed gets its job again unless one is still unfinished.
+/// Writes the events of `batch` that are new, each with its job, in one statement. Repeats are
+/// rare (a gateway resending after a timeout): for those only, a second statement enqueues the
+/// processing again of the ones not processed yet, unless a job is still unfinished for them.
 async fn write(conn: &mut PgConnection, batch: &[Pending]) -> Result<Written, sqlx::Error> {
     let mut jobs = JobColumns::default();
     let mut gateways = Vec::with_capacity(batch.len());
@@ -333,7 +336,7 @@ async fn write(conn: &mut PgConnection, batch: &[Pending]) -> Result<Written, sq
         bodies.push(p.webhook.body.as_ref());
         headers.push(&p.webhook.headers);
     }
-    let rows: Vec<(GatewayName, String, bool)> = jobs
+    let rows: Vec<(GatewayName, String)> = jobs
         .bind(sqlx::query_as(
             concat!(
                 "WITH t AS (
@@ -346,18 +349,10 @@ async fn write(conn: &mut PgConnection, batch: &[Pending]) -> Result<Written, sq
                      SELECT gateway, event_id, event_type, raw_body, headers FROM t
                      ON CONFLICT (gateway, event_id) DO NOTHING
                      RETURNING gateway, event_id),
-                 again AS (
-                     SELECT DISTINCT p.gateway, p.event_id FROM payment_events p
-                     JOIN t ON t.gateway = p.gateway AND t.event_id = p.event_id
-                     WHERE p.processed_at IS NULL),
                  jobs AS (",
-                crate::insert_jobs_from!(
-                    "(SELECT t.* FROM t WHERE (t.gateway, t.event_id) IN
-                          (SELECT gateway, event_id FROM ev UNION SELECT gateway, event_id FROM again)) AS src"
-                ),
+                crate::insert_jobs_from!("ev JOIN t USING (gateway, event_id)"),
                 ")
-                 SELECT gateway, event_id, true FROM ev
-                 UNION ALL SELECT gateway, event_id, false FROM again"
+                 SELECT gateway, event_id FROM ev"
             ),
         ))
         .bind(&gateways)
@@ -365,14 +360,67 @@ async fn write(conn: &mut PgConnection, batch: &[Pending]) -> Result<Written, sq
         .bind(&types)
         .bind(&bodies)
         .bind(&headers)
-        .fetch_all(conn)
+        .fetch_all(&mut *conn)
         .await?;
-    Ok(Written {
-        jobs: !rows.is_empty(),
-        inserted: rows
-            .into_iter()
-            .filter(|(_, _, new)| *new)
-            .map(|(g, id, _)| (g, id))
-            .collect(),
-    })
+    let inserted: HashSet<(GatewayName, String)> = rows.into_iter().collect();
+    let repeats: Vec<&Pending> = batch
+        .iter()
+        .filter(|p| !inserted.contains(&(p.webhook.gateway, p.webhook.event_id.clone())))
+        .collect();
+    let mut written = Written {
+        jobs: !inserted.is_empty(),
+        inserted,
+        redrive_failed: None,
+    };
+    if !repeats.is_empty() {
+        match redrive(conn, &repeats).await {
+            Ok(n) => written.jobs |= n > 0,
+            Err(e) => {
+                tracing::warn!(error = %e, repeats = repeats.len(), "could not re-drive repeated events");
+                written.redrive_failed = Some(Arc::new(e));
+            }
+        }
+    }
+    Ok(written)
+}
+
+/// Enqueues the processing of the repeated events that are not processed, unless a job is
+/// still unfinished for them (its key is taken). Returns how many jobs were written.
+async fn redrive(conn: &mut PgConnection, repeats: &[&Pending]) -> Result<u64, sqlx::Error> {
+    let mut jobs = JobColumns::default();
+    let mut gateways = Vec::with_capacity(repeats.len());
+    let mut ids = Vec::with_capacity(repeats.len());
+    for p in repeats {
+        jobs.push(&p.job)
+            .map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
+        gateways.push(p.webhook.gateway);
+        ids.push(p.webhook.event_id.as_str());
+    }
+    let (written,): (i64,) = jobs
+        .bind(sqlx::query_as(concat!(
+            "WITH t AS (
+                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[],
+                                      $6::int[], $7::text[], $8::text[])
+                     AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts,
+                          gateway, event_id)),
+             jobs AS (",
+            crate::insert_jobs_from!(
+                "(SELECT t.* FROM t WHERE EXISTS (
+                     SELECT 1 FROM payment_events p
+                     WHERE p.gateway = t.gateway AND p.event_id = t.event_id AND p.processed_at IS NULL)) AS src"
+            ),
+            " RETURNING id)
+             SELECT count(*) FROM jobs"
+        )))
+        .bind(&gateways)
+        .bind(&ids)
+        .fetch_one(conn)
+        .await?;
+    if written > 0 {
+        tracing::info!(
+            jobs = written,
+            "repeated deliveries of unprocessed events enqueued them again"
+        );
+    }
+    Ok(written as u64)
 }
