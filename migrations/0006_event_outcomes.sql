@@ -11,14 +11,14 @@ ALTER TABLE payment_events
     DROP CONSTRAINT payment_events_outcome_iff_processed,
     DROP CONSTRAINT payment_events_outcome_valid,
     ADD COLUMN waiting_for text CHECK (waiting_for <> ''),
+    -- NOT VALID: checked for new rows now, for the existing ones by 0007 under a lock that
+    -- lets webhooks keep landing (payment_events only grows).
     ADD CONSTRAINT payment_events_outcome_valid
-        CHECK (outcome IS NULL OR outcome IN ('applied', 'ignored', 'waiting', 'rejected')),
+        CHECK (outcome IS NULL OR outcome IN ('applied', 'ignored', 'waiting', 'rejected')) NOT VALID,
     ADD CONSTRAINT payment_events_processed_iff_final
-        CHECK ((processed_at IS NOT NULL) = COALESCE(outcome IN ('applied', 'ignored'), false)),
+        CHECK ((processed_at IS NOT NULL) = COALESCE(outcome IN ('applied', 'ignored'), false)) NOT VALID,
     ADD CONSTRAINT payment_events_waiting_for_iff_waiting
-        CHECK ((waiting_for IS NOT NULL) = COALESCE(outcome = 'waiting', false));
-
-CREATE INDEX payment_events_waiting ON payment_events (gateway, waiting_for) WHERE outcome = 'waiting';
+        CHECK ((waiting_for IS NOT NULL) = COALESCE(outcome = 'waiting', false)) NOT VALID;
 
 -- A processed event is final: neither its mark nor its outcome may change.
 CREATE OR REPLACE FUNCTION payment_events_immutable() RETURNS trigger LANGUAGE plpgsql AS $$

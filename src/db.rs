@@ -73,8 +73,9 @@ pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
 }
 
 /// Connection trouble, pool exhaustion, a restarting server, a deadlock or serialization
-/// failure, exhausted resources: the same work may succeed later. Anything else (a constraint,
-/// bad data) will fail the same way again.
+/// failure, exhausted resources, a statement or lock timeout, a server that turned read-only
+/// (a failover to a standby), a system or internal error: the same work may succeed later.
+/// Anything else (a constraint, bad data, a bug in a statement) will fail the same way again.
 pub fn is_transient(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_)
@@ -84,10 +85,25 @@ pub fn is_transient(e: &sqlx::Error) -> bool {
         | sqlx::Error::Protocol(_)
         | sqlx::Error::WorkerCrashed => true,
         sqlx::Error::Database(db) => db.code().is_some_and(|c| {
-            ["08", "40", "53", "57P"]
+            // 08 connection, 40 rollback (deadlock, serialization), 53 resources, 57 operator
+            // intervention (timeouts, shutdown), 58 system, XX internal; 55P03 lock timeout;
+            // 25006 read-only transaction.
+            ["08", "40", "53", "57", "58", "XX", "55P03", "25006"]
                 .iter()
                 .any(|class| c.starts_with(class))
         }),
+        _ => false,
+    }
+}
+
+/// The database refused this row for what it holds (bad data, a constraint, a trigger's
+/// refusal): the same statement without it would succeed.
+pub fn is_about_the_row(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|c| c.starts_with("22") || c.starts_with("23") || c.starts_with("P0")),
+        sqlx::Error::Encode(_) => true,
         _ => false,
     }
 }

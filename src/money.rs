@@ -16,7 +16,13 @@ pub enum MoneyError {
     Precision(Decimal, Currency),
     #[error("amount must not be negative (got {0})")]
     Negative(Decimal),
+    #[error("amount {0} is too large (at most 999999999999.9999 per amount)")]
+    TooLarge(Decimal),
 }
+
+/// The largest amount payfleet stores: what `numeric(20, 4)` holds, with room for sums of many
+/// of them in the same column type (ledger balances, invoice totals).
+pub const MAX_AMOUNT: Decimal = Decimal::from_parts(3_567_587_328, 232, 0, false, 0);
 
 /// An ISO 4217 code, upper case.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -79,10 +85,10 @@ impl<'de> Deserialize<'de> for Currency {
     }
 }
 
-/// A non-negative amount in a currency, with no more decimals than the currency has.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+/// A non-negative amount in a currency, with no more decimals than the currency has, below
+/// [`MAX_AMOUNT`]. Serialised as `{"amount": "19.90", "currency": "BRL"}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Money {
-    #[serde(with = "rust_decimal::serde::str")]
     amount: Decimal,
     currency: Currency,
 }
@@ -94,6 +100,9 @@ impl Money {
         }
         if amount.normalize().scale() > currency.exponent() {
             return Err(MoneyError::Precision(amount, currency));
+        }
+        if amount >= MAX_AMOUNT {
+            return Err(MoneyError::TooLarge(amount));
         }
         // Always written with the currency's minor-unit digits ("19.90", "500", "1.500").
         let mut amount = amount.normalize();
@@ -124,12 +133,80 @@ impl Money {
     }
 
     /// The sum of two amounts of the same currency; `None` for different currencies or an
-    /// overflow.
+    /// amount beyond [`MAX_AMOUNT`].
     pub fn checked_add(&self, other: &Money) -> Option<Money> {
         if self.currency != other.currency {
             return None;
         }
         Money::new(self.amount.checked_add(other.amount)?, self.currency).ok()
+    }
+
+    /// The difference; `None` for different currencies or a negative result.
+    pub fn checked_sub(&self, other: &Money) -> Option<Money> {
+        if self.currency != other.currency {
+            return None;
+        }
+        Money::new(self.amount.checked_sub(other.amount)?, self.currency).ok()
+    }
+
+    /// `quantity` times this amount; `None` beyond [`MAX_AMOUNT`].
+    pub fn times(&self, quantity: u32) -> Option<Money> {
+        Money::new(
+            self.amount.checked_mul(Decimal::from(quantity))?,
+            self.currency,
+        )
+        .ok()
+    }
+
+    pub fn zero(currency: Currency) -> Money {
+        Money {
+            amount: Decimal::new(0, currency.exponent()),
+            currency,
+        }
+    }
+
+    pub fn is_zero(&self) -> bool {
+        self.amount.is_zero()
+    }
+
+    /// `percent` % of this amount, rounded half-even (banker's rounding) to the currency's
+    /// minor unit.
+    pub fn percent(&self, percent: Decimal) -> Option<Money> {
+        let exact = self
+            .amount
+            .checked_mul(percent)?
+            .checked_div(Decimal::ONE_HUNDRED)?;
+        let rounded = exact.round_dp_with_strategy(
+            self.currency.exponent(),
+            rust_decimal::RoundingStrategy::MidpointNearestEven,
+        );
+        Money::new(rounded, self.currency).ok()
+    }
+
+    /// The smaller of two amounts of the same currency.
+    pub fn min(self, other: Money) -> Money {
+        if other.amount < self.amount {
+            other
+        } else {
+            self
+        }
+    }
+
+    /// The amount in minor units (cents, paise), as Stripe and Razorpay want it.
+    pub fn minor_units(&self) -> Option<i64> {
+        let mut m = self.amount;
+        m.rescale(self.currency.exponent());
+        i64::try_from(m.mantissa()).ok()
+    }
+}
+
+impl Serialize for Money {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("Money", 2)?;
+        st.serialize_field("amount", &self.amount.to_string())?;
+        st.serialize_field("currency", &self.currency)?;
+        st.end()
     }
 }
 
@@ -191,5 +268,39 @@ mod tests {
             "10.00 BRL"
         );
         assert_eq!(Money::parse("500.0", "JPY").unwrap().to_string(), "500 JPY");
+        assert!(matches!(
+            Money::parse("1000000000000", "BRL"),
+            Err(MoneyError::TooLarge(_))
+        ));
+        assert!(Money::parse("999999999999.99", "BRL").is_ok());
+    }
+
+    #[test]
+    fn the_limit_is_a_trillion() {
+        assert_eq!(MAX_AMOUNT, Decimal::from(1_000_000_000_000i64));
+    }
+
+    #[test]
+    fn percentages_round_half_even_to_the_minor_unit() {
+        let fee = |amount: &str, currency: &str, pct: &str| {
+            Money::parse(amount, currency)
+                .unwrap()
+                .percent(pct.parse().unwrap())
+                .unwrap()
+                .to_string()
+        };
+        // 10 % of 0.25 is 0.025: half-way, to the even cent.
+        assert_eq!(fee("0.25", "BRL", "10"), "0.02 BRL");
+        assert_eq!(fee("0.35", "BRL", "10"), "0.04 BRL");
+        assert_eq!(fee("19.90", "BRL", "10"), "1.99 BRL");
+        assert_eq!(fee("1005", "JPY", "10"), "100 JPY");
+        assert_eq!(fee("1015", "JPY", "10"), "102 JPY");
+        assert_eq!(fee("1.005", "KWD", "50"), "0.502 KWD");
+        assert_eq!(fee("10.00", "BRL", "0"), "0.00 BRL");
+        assert_eq!(
+            Money::parse("19.90", "BRL").unwrap().minor_units(),
+            Some(1990)
+        );
+        assert_eq!(Money::parse("500", "JPY").unwrap().minor_units(), Some(500));
     }
 }

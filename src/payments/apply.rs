@@ -44,6 +44,12 @@ pub enum Rejection {
     },
     #[error("the payment was recorded as {recorded}; this event says {got}")]
     PaymentAmountChanged { recorded: String, got: String },
+    #[error("payment {payment_id} belongs to session {recorded}; this event names session {got}")]
+    PaymentOfAnotherSession {
+        payment_id: String,
+        recorded: String,
+        got: String,
+    },
 }
 
 /// What applying an event did.
@@ -172,7 +178,18 @@ pub(crate) async fn apply(
     lock_keys(tx, gateway, &keys_of(payment)).await?;
 
     let has_payment_fact = facts.iter().any(|f| matches!(f, Fact::Payment { .. }));
-    let mut po = match find(tx, gateway, payment).await? {
+    let found = find(tx, gateway, payment).await?;
+    if let (Some(po), Some(session), Some(pid)) = (&found, &payment.session_id, &payment.payment_id)
+        && &po.session_id != session
+    {
+        return Err(Rejection::PaymentOfAnotherSession {
+            payment_id: pid.clone(),
+            recorded: po.session_id.clone(),
+            got: session.clone(),
+        }
+        .into());
+    }
+    let mut po = match found {
         Some(po) => po,
         // Only a payment event can make a payment known, and only with its session (our key).
         None => match (&payment.session_id, has_payment_fact) {
@@ -192,6 +209,7 @@ pub(crate) async fn apply(
     };
 
     let mut changed = false;
+    let mut waiting = None;
     // Payment facts first: an event that carries a payment and its refunds (a Mercado Pago
     // lookup) makes the payment known before its refunds are checked against it.
     let mut ordered: Vec<&Fact> = facts.iter().collect();
@@ -257,7 +275,8 @@ pub(crate) async fn apply(
             } => {}
             Fact::Refund { refund_id, amount } => {
                 let Some(paid) = po.captured() else {
-                    return Ok(Applied::Waiting(wait_key(payment)));
+                    waiting = Some(wait_key(payment));
+                    break;
                 };
                 changed |=
                     record_refund(tx, gateway, po.id, paid, refund_id, amount, event_id).await?;
@@ -268,7 +287,8 @@ pub(crate) async fn apply(
                 status,
             } => {
                 let Some(paid) = po.captured() else {
-                    return Ok(Applied::Waiting(wait_key(payment)));
+                    waiting = Some(wait_key(payment));
+                    break;
                 };
                 changed |=
                     record_dispute(tx, gateway, po.id, paid, dispute_id, amount, *status).await?;
@@ -288,21 +308,22 @@ pub(crate) async fn apply(
         }
     }
 
-    let (order_changed, captured) = derive_and_apply(tx, gateway, po.id).await?;
-    if captured {
-        let mut keys = vec![session_key(&po.session_id)];
-        if let Some(p) = &po.payment_id {
-            keys.push(payment_key(p));
-        }
-        if let Some(p) = &payment.payment_id {
-            keys.push(payment_key(p));
-        }
-        wake_waiting(tx, gateway, &keys, event_id).await?;
+    // The facts recorded so far are kept (and derived from) even when a later one must wait.
+    let order_changed = derive_and_apply(tx, gateway, po.id).await?;
+    // The payment is known now: whatever waited for it looks again (if it is still not captured,
+    // a refund simply waits again).
+    let mut keys = vec![session_key(&po.session_id)];
+    if let Some(p) = &po.payment_id {
+        keys.push(payment_key(p));
     }
-    Ok(if changed || order_changed {
-        Applied::Changed
-    } else {
-        Applied::Unchanged
+    if let Some(p) = &payment.payment_id {
+        keys.push(payment_key(p));
+    }
+    wake_waiting(tx, gateway, &keys, event_id).await?;
+    Ok(match waiting {
+        Some(key) => Applied::Waiting(key),
+        None if changed || order_changed => Applied::Changed,
+        None => Applied::Unchanged,
     })
 }
 
@@ -442,13 +463,12 @@ async fn record_dispute(
 }
 
 /// Derives the payment's status from its facts and brings the payment row and the order in
-/// line. Returns whether the order changed and whether the payment is known to have succeeded
-/// with its amount.
+/// line. Returns whether the order changed.
 async fn derive_and_apply(
     tx: &mut PgConnection,
     gateway: GatewayName,
     po_id: i64,
-) -> Result<(bool, bool), sqlx::Error> {
+) -> Result<bool, sqlx::Error> {
     let (session_id, succeeded, failed, amount, currency, refunded, disputes): (
         String,
         bool,
@@ -483,7 +503,6 @@ async fn derive_and_apply(
     .bind(refunded)
     .execute(&mut *tx)
     .await?;
-    let captured = succeeded && amount.is_some();
     let amount = amount.zip(currency.as_deref());
     let (order_id, order_changed) =
         orders::apply_payment(tx, gateway, &session_id, status, amount, refunded).await?;
@@ -494,7 +513,7 @@ async fn derive_and_apply(
     .bind(order_id)
     .execute(&mut *tx)
     .await?;
-    Ok((order_changed, captured))
+    Ok(order_changed)
 }
 
 /// Enqueues, in this transaction, the processing of every event that waited for one of these
@@ -521,7 +540,9 @@ async fn wake_waiting(
         .iter()
         .map(|id| ProcessPaymentEvent::job(gateway, id))
         .collect::<Result<_, _>>()?;
-    let woken = queue::enqueue_many(&mut *tx, &jobs).await?;
+    // A waiter whose own run is still being recorded (it decided to wait moments ago) runs
+    // again after it: it must not miss its payment.
+    let woken = queue::enqueue_or_rerun(&mut *tx, &jobs).await?;
     tracing::info!(%gateway, waiting = waiting.len(), woken, "payment known: waiting events enqueued again");
     Ok(())
 }

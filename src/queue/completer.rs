@@ -1,50 +1,142 @@
 //! The completer: writes run ends in batches, whatever has queued up while the previous batch
-//! was written. An outage is waited out, never dropped. An end the database refuses (bad data
-//! in an error text, say) is written alone, so it cannot block the others; if it still fails,
-//! its lease is let go and the rescue records the run as a failed attempt. An end refused by its
-//! fencing token (the run had lost its lease) is reported, never dropped silently.
+//! was written.
+//! - An outage is waited out, never dropped.
+//! - An end the database refuses (bad data in an error text, say) is written alone, so it cannot
+//!   block the others; if it still fails, its lease is let go and the rescue records the run as
+//!   a failed attempt.
+//! - A run whose row another transaction holds locked is skipped, not waited for (one long
+//!   transaction must not stall every completion), and written again shortly.
+//! - An end refused by its fencing token (the run had lost its lease) is reported, never
+//!   dropped silently.
+//! - A panic while writing a batch is caught: those runs' leases are let go (the rescue ends
+//!   them) and the completer goes on.
 
 use std::collections::HashSet;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::time::Duration;
 
+use futures_util::FutureExt;
 use sqlx::PgPool;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use super::fleet::{Shared, backoff};
-use super::{Ended, JobId, end_runs};
+use super::{Ended, JobId, end_runs, store};
+
+/// How soon ends skipped for a locked row are tried again.
+const LOCKED_RETRY: Duration = Duration::from_millis(100);
 
 pub(crate) async fn complete(shared: Arc<Shared>, mut ended: mpsc::Receiver<Ended>) {
     let max = shared.config.fleet.complete_batch as usize;
     let mut batch: Vec<Ended> = Vec::with_capacity(max);
-    while ended.recv_many(&mut batch, max).await > 0 {
-        batch.sort_by_key(|e| e.id); // a stable lock order
-        match write_ends(&shared.control, &batch).await {
-            Ok(applied) => report_refused(&batch, &applied),
-            Err(e) => {
-                tracing::warn!(error = %e, jobs = batch.len(), "a run end was refused; writing them one by one");
-                for end in &batch {
-                    match write_ends(&shared.control, std::slice::from_ref(end)).await {
-                        Ok(applied) => report_refused(std::slice::from_ref(end), &applied),
-                        Err(e) => {
-                            tracing::error!(job = %end.id, error = %e, "run end refused; the rescue will end this run")
-                        }
-                    }
-                }
+    let mut open = true;
+    // Once the fleet stops, ends skipped for a locked row are tried until the shutdown timeout.
+    let mut give_up_at: Option<Instant> = None;
+    loop {
+        let room = max.saturating_sub(batch.len());
+        if open && room > 0 {
+            if batch.is_empty() {
+                open = ended.recv_many(&mut batch, room).await > 0;
+            } else if let Ok(n) =
+                tokio::time::timeout(LOCKED_RETRY, ended.recv_many(&mut batch, room)).await
+            {
+                open = n > 0;
             }
         }
-        shared
-            .leases
-            .release(batch.iter().map(|e| (e.id, e.lease_token)));
-        batch.clear();
+        if batch.is_empty() {
+            if open {
+                continue;
+            }
+            return;
+        }
+        if !open {
+            let deadline = *give_up_at
+                .get_or_insert_with(|| Instant::now() + shared.config.fleet.shutdown_timeout());
+            if Instant::now() >= deadline {
+                tracing::error!(
+                    runs = batch.len(),
+                    "stopping with run ends still blocked by locked rows; the rescue will end those runs"
+                );
+                return;
+            }
+            tokio::time::sleep(LOCKED_RETRY).await;
+        }
+        batch.sort_by_key(|e| e.id); // a stable lock order
+        let skipped = match AssertUnwindSafe(write_batch(&shared, &batch))
+            .catch_unwind()
+            .await
+        {
+            Ok(skipped) => skipped,
+            Err(_) => {
+                tracing::error!(
+                    runs = batch.len(),
+                    "the completer panicked writing a batch; the rescue will end those runs"
+                );
+                HashSet::new()
+            }
+        };
+        shared.leases.release(
+            batch
+                .iter()
+                .filter(|e| !skipped.contains(&e.id))
+                .map(|e| (e.id, e.lease_token)),
+        );
+        batch.retain(|e| skipped.contains(&e.id));
     }
 }
 
-/// Ends missing from the database's answer belonged to runs that had lost their lease: another
-/// worker may have run (or be running) the job, so this run's outcome does not count.
-fn report_refused(batch: &[Ended], applied: &HashSet<JobId>) {
-    for e in batch.iter().filter(|e| !applied.contains(&e.id)) {
+/// Writes a batch; returns the runs skipped because another transaction held their row.
+async fn write_batch(shared: &Shared, batch: &[Ended]) -> HashSet<JobId> {
+    match write_ends(&shared.control, batch).await {
+        Ok(applied) => sort_out_missing(&shared.control, batch, &applied).await,
+        Err(e) => {
+            tracing::warn!(error = %e, jobs = batch.len(), "a run end was refused; writing them one by one");
+            let mut skipped = HashSet::new();
+            for end in batch {
+                let one = std::slice::from_ref(end);
+                match write_ends(&shared.control, one).await {
+                    Ok(applied) => {
+                        skipped.extend(sort_out_missing(&shared.control, one, &applied).await)
+                    }
+                    Err(e) => {
+                        tracing::error!(job = %end.id, error = %e, "run end refused; the rescue will end this run")
+                    }
+                }
+            }
+            skipped
+        }
+    }
+}
+
+/// An end missing from the database's answer was either skipped (its row was locked by another
+/// transaction: it still holds its lease) or refused by its fencing token (the run had lost its
+/// lease: another worker may have run the job, so this outcome does not count).
+async fn sort_out_missing(
+    pool: &PgPool,
+    batch: &[Ended],
+    applied: &HashSet<JobId>,
+) -> HashSet<JobId> {
+    let (ids, tokens): (Vec<i64>, Vec<i64>) = batch
+        .iter()
+        .filter(|e| !applied.contains(&e.id))
+        .map(|e| (e.id.0, e.lease_token))
+        .unzip();
+    if ids.is_empty() {
+        return HashSet::new();
+    }
+    let held: HashSet<JobId> = match store::still_held(pool, &ids, &tokens).await {
+        Ok(h) => h.into_iter().collect(),
+        // Cannot tell: try them again; a refused one is refused again.
+        Err(_) => return ids.into_iter().map(JobId).collect(),
+    };
+    for e in batch
+        .iter()
+        .filter(|e| !applied.contains(&e.id) && !held.contains(&e.id))
+    {
         tracing::warn!(job = %e.id, lease_token = e.lease_token, "run end refused: the run had lost its lease (the job was rescued or claimed by another worker); its outcome is not recorded");
     }
+    held
 }
 
 /// Writes ends, waiting out outages; returns the jobs whose end was applied, or a refusal.

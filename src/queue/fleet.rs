@@ -170,10 +170,15 @@ impl Fleet {
             }));
         }
         {
-            let (control, leases) = (shared.control.clone(), shared.leases.clone());
+            // The keeper's own connections: nothing else can use them up.
+            let pool = PgPoolOptions::new()
+                .max_connections(2)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect_lazy_with((*shared.pool.connect_options()).clone());
+            let leases = shared.leases.clone();
             let lease = shared.config.fleet.lease();
             background.spawn(supervise("lease keeper", move || {
-                lease::keep(control.clone(), leases.clone(), lease)
+                lease::keep(pool.clone(), leases.clone(), lease)
             }));
         }
         {

@@ -8,7 +8,7 @@
 //! refused by its fencing token anyway, and the completer says so.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -123,21 +123,41 @@ impl Leases {
     }
 }
 
-/// Renews every third of the lease; when a row was locked, tries it again soon. Checks the
-/// local deadlines every tenth of the lease, so a run is stopped before the database's expiry
-/// lets another worker take its job. Runs until the fleet aborts it.
-pub(crate) async fn keep(control: PgPool, leases: std::sync::Arc<Leases>, lease: Duration) {
+/// Renews every third of the lease, each round bounded in time and run beside the deadline
+/// checks (a renewal stuck on a dead connection must not keep runs going past their lease);
+/// when a round failed or met locked rows, tries again at the next check. Checks the local
+/// deadlines every tenth of the lease, so a run is stopped before the database's expiry lets
+/// another worker take its job. `pool` is the keeper's own: nothing else can use up its
+/// connections. Runs until the fleet aborts it.
+pub(crate) async fn keep(pool: PgPool, leases: Arc<Leases>, lease: Duration) {
     let tick = (lease / 10).max(Duration::from_millis(10));
+    let mut every = tokio::time::interval(tick);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut next_renewal = Instant::now() + lease / 3;
+    let mut round: Option<tokio::task::JoinHandle<bool>> = None;
     loop {
-        tokio::time::sleep(tick).await;
+        every.tick().await;
         let now = Instant::now();
-        if now >= next_renewal {
-            next_renewal = now + lease / 3;
-            if renew(&control, &leases, lease).await {
-                // Some rows were locked by another transaction: try them again soon.
-                next_renewal = now + tick;
+        if round.as_ref().is_some_and(|r| r.is_finished())
+            && let Some(r) = round.take()
+        {
+            // A failed, timed-out or panicked round, or locked rows: try again at the next check.
+            if !matches!(r.await, Ok(true)) {
+                next_renewal = now;
             }
+        }
+        if round.is_none() && now >= next_renewal {
+            next_renewal = now + lease / 3;
+            let (pool, leases) = (pool.clone(), leases.clone());
+            round = Some(tokio::spawn(async move {
+                match tokio::time::timeout(lease / 4, renew(&pool, &leases, lease)).await {
+                    Ok(done) => done,
+                    Err(_) => {
+                        tracing::warn!(timeout = ?(lease / 4), "lease renewal timed out");
+                        false
+                    }
+                }
+            }));
         }
         // A margin of one tick: the check itself runs only once a tick.
         for (id, token) in leases.expired(Instant::now() + tick) {
@@ -150,12 +170,12 @@ pub(crate) async fn keep(control: PgPool, leases: std::sync::Arc<Leases>, lease:
     }
 }
 
-/// One renewal round. Returns whether some runs still hold their lease but could not be
-/// renewed because their rows were locked.
+/// One renewal round. Returns whether every lease held was renewed (false: a failure, or rows
+/// locked by another transaction, to try again soon).
 async fn renew(control: &PgPool, leases: &Leases, lease: Duration) -> bool {
     let (ids, tokens) = leases.to_renew();
     if ids.is_empty() {
-        return false;
+        return true;
     }
     let sent = Instant::now();
     let renewed = match store::renew_leases(control, &ids, &tokens, lease).await {
@@ -167,7 +187,7 @@ async fn renew(control: &PgPool, leases: &Leases, lease: Duration) -> bool {
     };
     leases.renewed(&renewed, sent + lease);
     if renewed.len() == ids.len() {
-        return false;
+        return true;
     }
     let renewed: HashSet<JobId> = renewed.into_iter().collect();
     let (missing_ids, missing_tokens): (Vec<i64>, Vec<i64>) = ids
@@ -181,7 +201,7 @@ async fn renew(control: &PgPool, leases: &Leases, lease: Duration) -> bool {
         Ok(h) => h.into_iter().collect(),
         Err(e) => {
             tracing::warn!(error = %e, "could not check leases that were not renewed");
-            return true;
+            return false;
         }
     };
     for (id, token) in missing_ids.iter().zip(&missing_tokens) {
@@ -196,5 +216,5 @@ async fn renew(control: &PgPool, leases: &Leases, lease: Duration) -> bool {
             );
         }
     }
-    !held.is_empty()
+    held.is_empty()
 }

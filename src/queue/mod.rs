@@ -226,6 +226,25 @@ pub async fn enqueue_many<'c>(db: impl PgExecutor<'c>, jobs: &[NewJob]) -> Resul
     Ok(written as u64)
 }
 
+/// Adds jobs like [`enqueue_many`], except that a key held by a job running right now makes
+/// that job run again once its run ends: for work that must not be missed when it arrives while
+/// the job that would do it is already running (a payment waking an event whose own run has
+/// just decided to wait). Returns how many jobs were added or marked.
+pub async fn enqueue_or_rerun<'c>(
+    db: impl PgExecutor<'c>,
+    jobs: &[NewJob],
+) -> Result<u64, QueueError> {
+    let mut columns = JobColumns::default();
+    for job in jobs {
+        columns.push(job)?;
+    }
+    let (written,): (i64,) = columns
+        .bind(sqlx::query_as(store::ENQUEUE_OR_RERUN))
+        .fetch_one(db)
+        .await?;
+    Ok(written as u64)
+}
+
 /// What [`schedule`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scheduled {

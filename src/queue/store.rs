@@ -59,6 +59,22 @@ pub(crate) const ENQUEUE_MANY: &str = concat!(
          FROM (SELECT count(pg_notify('payfleet_jobs', q)) FROM queues) n"
 );
 
+/// Adds jobs; for a key held by a job that is running right now, marks that job to run again
+/// when its run ends (a reschedule keeping its payload), so work that arrived during the run is
+/// not missed. A key held by a waiting job is left as it is: that job will run.
+pub(crate) const ENQUEUE_OR_RERUN: &str = concat!(
+    "WITH j AS (",
+    "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts) ",
+    "SELECT job_queue, job_kind, job_key, job_payload, COALESCE(job_run_at, now()), job_max_attempts FROM ",
+    job_columns_from_params!(),
+    " ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable')
+      DO UPDATE SET pending = 'reschedule', run_at = now()
+      WHERE jobs.state = 'running' AND jobs.pending IS DISTINCT FROM 'cancel'
+      RETURNING id), queues AS (SELECT DISTINCT q FROM unnest($1::text[]) AS q)
+     SELECT (SELECT count(*) FROM j)
+     FROM (SELECT count(pg_notify('payfleet_jobs', q)) FROM queues) n"
+);
+
 /// Inserts a keyed job or replaces the unfinished one holding the key, in one statement:
 /// concurrent calls serialise on the key's row. A running job keeps running and is marked to
 /// become available with the new payload and time when its run ends.

@@ -195,9 +195,9 @@ impl Writer {
                 let e = Arc::new(e);
                 answer_all(batch, || StoreError::Unavailable(e.clone()));
             }
-            // The database refused an event of the batch: write them one by one, so only that
-            // one is refused.
-            Err(e) if batch.len() > 1 => {
+            // The database refused an event of the batch for what it holds: write them one by
+            // one, so only that one is refused.
+            Err(e) if batch.len() > 1 && crate::db::is_about_the_row(&e) => {
                 tracing::warn!(error = %e, events = batch.len(), "an event of the batch was refused; writing them one by one");
                 self.one_by_one(batch).await;
             }
@@ -224,7 +224,10 @@ impl Writer {
                 Err(e) => Err(e),
             };
             match written {
-                Ok(rows) => self.answer(&mut vec![p], rows),
+                Ok(rows) => {
+                    self.healthy();
+                    self.answer(&mut vec![p], rows);
+                }
                 Err(e) if crate::db::is_transient(&e) => {
                     self.outage(&e);
                     let e = Arc::new(e);

@@ -425,6 +425,12 @@ async fn permanent_failures_are_rejected_at_once_with_their_reason(pool: PgPool)
         &payment_body("payment.succeeded", "s2", "100000000000000000000.00"),
     ))
     .await;
+    // Another session claiming s1's payment id.
+    app.deliver(&internal(
+        "same_payment_id",
+        r#"{"type":"payment.succeeded","data":{"session_id":"s3","payment_id":"pay_s1","amount":"10.00","currency":"BRL"}}"#,
+    ))
+    .await;
     process_events(&pool, Processor::default()).await;
 
     for (event, reason) in [
@@ -436,7 +442,11 @@ async fn permanent_failures_are_rejected_at_once_with_their_reason(pool: PgPool)
             "other_currency",
             "refund r2 is in USD but the payment is in BRL",
         ),
-        ("overflow", "numeric field overflow"),
+        ("overflow", "is too large"),
+        (
+            "same_payment_id",
+            "payment pay_s1 belongs to session s1; this event names session s3",
+        ),
     ] {
         let (outcome, detail, job_state, attempt) = event_outcome(&pool, event).await;
         assert_eq!(
@@ -715,4 +725,27 @@ async fn mercadopago_mediations_end_won_or_as_a_refund(pool: PgPool) {
     set("303", "approved", serde_json::json!([]));
     notify("303").await;
     assert_eq!(dispute("303").await, ("lost".into(), "charged_back".into()));
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_and_its_payment_processed_in_one_batch_both_apply(pool: PgPool) {
+    // The refund decides to wait while its own run is still being recorded, and the payment,
+    // processed right after in the same batch, must still bring it back.
+    let app = spawn_app(pool.clone()).await;
+    let refund = r#"{"id":"evt_r","type":"charge.refunded","data":{"object":{"id":"ch_1","payment_intent":"pi_1","refunds":{"data":[{"id":"re_1","amount":990,"currency":"brl","status":"succeeded"}]}}}}"#;
+    let paid = r#"{"id":"evt_p","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
+    app.deliver(&stripe(refund, now())).await;
+    app.deliver(&stripe(paid, now())).await;
+    process_events(&pool, Processor::default()).await;
+    let (order, payment) = order_status(&pool, "stripe", "cs_1").await.unwrap();
+    assert_eq!(
+        (order.as_str(), payment.as_deref()),
+        ("partially_refunded", Some("partially_refunded"))
+    );
+    let outcomes: Vec<String> =
+        sqlx::query_scalar("SELECT outcome FROM payment_events ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(outcomes, vec!["applied", "applied"]);
 }
