@@ -8,7 +8,7 @@ use crate::config::Config;
 use crate::payments::events::{self, Replayed};
 use crate::queue::{JobId, admin};
 use crate::startup::{self, Roles};
-use crate::{bench, db};
+use crate::{bench, db, demo};
 
 #[derive(Parser)]
 #[command(
@@ -42,6 +42,9 @@ enum Command {
         #[command(subcommand)]
         action: EventsAction,
     },
+    /// Drive the fleet `up` started: a catalogue, checkouts, payments, an expiry, each order's
+    /// journey.
+    Demo(demo::DemoArgs),
     /// Benchmarks against the configured database server (in a scratch database).
     Bench {
         #[command(subcommand)]
@@ -106,6 +109,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Up => up(config).await,
         Command::Jobs { action } => jobs(config, action.unwrap_or(JobsAction::Counts)).await,
         Command::Events { action } => events_command(config, action).await,
+        Command::Demo(args) => demo::run(&config, args).await,
         Command::Bench { which } => match which {
             BenchCommand::Ingest(args) => bench::ingest(&config, args).await,
             BenchCommand::Queue(args) => bench::queue(&config, args).await,
@@ -142,14 +146,14 @@ async fn serve(config: Config, roles: Roles) -> anyhow::Result<()> {
 }
 
 async fn up(config: Config) -> anyhow::Result<()> {
-    let mut config = config;
-    let (secrets, made) = config.webhooks.clone().with_development_defaults();
-    config.webhooks = secrets;
-    for (name, value) in made {
-        println!("development secret (set {name} to keep it): {name}={value}");
-    }
     let pool = db::connect(&config.database_url, config.db_pool_size).await?;
     db::migrate(&pool).await?;
+    let (config, shown) = demo::development_config(&pool, config).await?;
+    for (name, value) in shown {
+        println!(
+            "development setting (kept in the database; `payfleet demo` uses it): {name}={value}"
+        );
+    }
     let listener = TcpListener::bind(config.bind)
         .await
         .with_context(|| format!("cannot listen on {}", config.bind))?;

@@ -31,12 +31,27 @@ fn invalid(name: &'static str, problem: impl Into<String>) -> ConfigError {
     }
 }
 
-/// Mercado Pago's Payments API, which event processing reads (its webhook bodies are not
-/// signed).
+/// Mercado Pago's API: event processing reads payments (its webhook bodies are not signed), the
+/// payment side creates preferences and refunds.
 #[derive(Debug, Clone)]
 pub struct MercadoPagoApi {
     pub base_url: String,
     pub access_token: Secret,
+}
+
+/// Stripe's API, for Connect direct charges.
+#[derive(Debug, Clone)]
+pub struct StripeApi {
+    pub base_url: String,
+    pub secret_key: Secret,
+}
+
+/// Razorpay's API.
+#[derive(Debug, Clone)]
+pub struct RazorpayApi {
+    pub base_url: String,
+    pub key_id: String,
+    pub key_secret: Secret,
 }
 
 #[derive(Debug, Clone)]
@@ -57,8 +72,27 @@ pub struct Config {
     pub webhook_tolerance_secs: i64,
     pub queues: QueuesConfig,
     pub mercadopago: Option<MercadoPagoApi>,
+    pub stripe: Option<StripeApi>,
+    pub razorpay: Option<RazorpayApi>,
     /// Names this machine in worker ids.
     pub host_name: String,
+    /// Turns the admin API on.
+    pub admin_token: Option<Secret>,
+    /// The platform's commission, in percent of each order's total.
+    pub platform_fee_percent: rust_decimal::Decimal,
+    /// How long an order waits for its payment.
+    pub order_expiry: std::time::Duration,
+    /// Where buyers reach this receiver (payment pages, the pages gateways send them back to).
+    pub public_url: String,
+    /// Where the hosted gateways deliver their events.
+    pub internal_webhook_url: String,
+    pub mock_webhook_url: String,
+    /// How long the order side waits for the payment side's answer.
+    pub rpc_timeout: std::time::Duration,
+    /// Prefix of this fleet's RabbitMQ queues.
+    pub amqp_namespace: String,
+    /// Queues unused this long are dropped by RabbitMQ (tests, preview set-ups).
+    pub amqp_queue_ttl_ms: Option<u32>,
 }
 
 /// The source of settings: the process environment, or a map (tests).
@@ -213,6 +247,93 @@ impl Config {
                 })
             }
         };
+        let api = |name: &'static str, default: &str| -> Result<String, ConfigError> {
+            let v = var(env, name).unwrap_or_else(|| default.to_owned());
+            if !v.starts_with("http://") && !v.starts_with("https://") {
+                return Err(invalid(name, "must start with http:// or https://"));
+            }
+            Ok(v.trim_end_matches('/').to_owned())
+        };
+        let stripe = match var(env, "STRIPE_SECRET_KEY") {
+            None => None,
+            Some(key) => Some(StripeApi {
+                base_url: api("STRIPE_API_URL", "https://api.stripe.com")?,
+                secret_key: Secret::new(key),
+            }),
+        };
+        let razorpay = match (var(env, "RAZORPAY_KEY_ID"), var(env, "RAZORPAY_KEY_SECRET")) {
+            (None, None) => None,
+            (Some(key_id), Some(secret)) => Some(RazorpayApi {
+                base_url: api("RAZORPAY_API_URL", "https://api.razorpay.com")?,
+                key_id,
+                key_secret: Secret::new(secret),
+            }),
+            _ => {
+                return Err(invalid(
+                    "RAZORPAY_KEY_ID",
+                    "set both RAZORPAY_KEY_ID and RAZORPAY_KEY_SECRET, or neither",
+                ));
+            }
+        };
+        let admin_token = var(env, "PAYFLEET_ADMIN_TOKEN").map(Secret::new);
+        if admin_token.as_ref().is_some_and(|t| t.expose().len() < 16) {
+            return Err(invalid(
+                "PAYFLEET_ADMIN_TOKEN",
+                "must be at least 16 characters",
+            ));
+        }
+        let platform_fee_percent = parsed(
+            env,
+            "PAYFLEET_PLATFORM_FEE_PERCENT",
+            rust_decimal::Decimal::TEN,
+        )?;
+        if platform_fee_percent.is_sign_negative()
+            || platform_fee_percent > rust_decimal::Decimal::ONE_HUNDRED
+        {
+            return Err(invalid("PAYFLEET_PLATFORM_FEE_PERCENT", "must be 0 to 100"));
+        }
+        let order_expiry_secs = parsed(env, "PAYFLEET_ORDER_EXPIRY_SECS", 1800u64)?;
+        if !(1..=30 * 86_400).contains(&order_expiry_secs) {
+            return Err(invalid(
+                "PAYFLEET_ORDER_EXPIRY_SECS",
+                "must be 1 to 2592000 (30 days)",
+            ));
+        }
+        let public_url = api("PAYFLEET_PUBLIC_URL", &format!("http://{bind}"))?;
+        let internal_webhook_url = api(
+            "PAYFLEET_INTERNAL_WEBHOOK_URL",
+            &format!("{public_url}/webhooks/internal"),
+        )?;
+        let mock_webhook_url = api(
+            "PAYFLEET_MOCK_WEBHOOK_URL",
+            &format!("{public_url}/webhooks/mock"),
+        )?;
+        let rpc_timeout_ms = parsed(env, "PAYFLEET_RPC_TIMEOUT_MS", 5000u64)?;
+        if !(1..=120_000).contains(&rpc_timeout_ms) {
+            return Err(invalid("PAYFLEET_RPC_TIMEOUT_MS", "must be 1 to 120000"));
+        }
+        let amqp_namespace =
+            var(env, "PAYFLEET_AMQP_NAMESPACE").unwrap_or_else(|| "payfleet".to_owned());
+        if !amqp_namespace
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            || amqp_namespace.len() > 100
+        {
+            return Err(invalid(
+                "PAYFLEET_AMQP_NAMESPACE",
+                "letters, digits, - _ . only, at most 100",
+            ));
+        }
+        let amqp_queue_ttl_ms = var(env, "PAYFLEET_AMQP_QUEUE_TTL_MS")
+            .map(|v| {
+                v.parse::<u32>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    invalid(
+                        "PAYFLEET_AMQP_QUEUE_TTL_MS",
+                        "must be a positive number of milliseconds",
+                    )
+                })
+            })
+            .transpose()?;
         let host_name = var(env, "HOSTNAME")
             .or_else(|| {
                 std::fs::read_to_string("/etc/hostname")
@@ -239,7 +360,18 @@ impl Config {
             webhook_tolerance_secs,
             queues,
             mercadopago,
+            stripe,
+            razorpay,
             host_name,
+            admin_token,
+            platform_fee_percent,
+            order_expiry: std::time::Duration::from_secs(order_expiry_secs),
+            public_url,
+            internal_webhook_url,
+            mock_webhook_url,
+            rpc_timeout: std::time::Duration::from_millis(rpc_timeout_ms),
+            amqp_namespace,
+            amqp_queue_ttl_ms,
         })
     }
 }
@@ -269,6 +401,10 @@ mod tests {
                 "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
             ),
             ("MERCADOPAGO_ACCESS_TOKEN", "APP_USR-token-ghi"),
+            ("STRIPE_SECRET_KEY", "sk_test_stripe_key_jkl"),
+            ("RAZORPAY_KEY_ID", "rzp_test_id"),
+            ("RAZORPAY_KEY_SECRET", "rzp-key-secret-mno"),
+            ("PAYFLEET_ADMIN_TOKEN", "admin-token-pqr-0123456789"),
             ("PAYFLEET_QUEUES", "jobs/queues.toml"),
         ];
         let config = Config::from(&env).unwrap();
@@ -281,6 +417,9 @@ mod tests {
             "rzp-secret-def",
             "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
             "APP_USR-token-ghi",
+            "sk_test_stripe_key_jkl",
+            "rzp-key-secret-mno",
+            "admin-token-pqr-0123456789",
         ] {
             assert!(!printed.contains(secret), "{secret} printed in {printed}");
         }

@@ -20,9 +20,11 @@
 //!   `bench`: the benchmarks
 
 pub mod bench;
+pub mod catalogue;
 pub mod cli;
 pub mod config;
 pub mod db;
+pub mod demo;
 pub mod gateways;
 pub mod http;
 pub mod messaging;

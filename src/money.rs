@@ -200,6 +200,18 @@ impl Money {
     }
 }
 
+impl<'de> Deserialize<'de> for Money {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        struct Wire {
+            amount: String,
+            currency: String,
+        }
+        let w = Wire::deserialize(d)?;
+        Money::parse(&w.amount, &w.currency).map_err(serde::de::Error::custom)
+    }
+}
+
 impl Serialize for Money {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;

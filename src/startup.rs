@@ -13,11 +13,19 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
 use crate::config::Config;
-use crate::gateways::MercadoPagoClient;
+use crate::gateways::hosted::HostedGateway;
+use crate::gateways::{
+    GatewayName, GatewayRegistry, MercadoPagoClient, RazorpayGateway, StripeConnect,
+};
 use crate::http::{self, AppState, Readiness};
 use crate::messaging::Broker;
-use crate::payments::{ProcessPaymentEvent, Processor};
-use crate::queue::{Fleet, FleetHandle, JobContext, Notifier, Registry};
+use crate::messaging::rpc::{self, RpcClient};
+use crate::orders::checkout::Checkout;
+use crate::orders::expiry::{self, ExpireOrder, Expiry};
+use crate::payments::hosted::{DeliverHostedEvent, Deliverer, QueueSink};
+use crate::payments::links::LinkService;
+use crate::payments::{ProcessPaymentEvent, Processor, RefundLatePayment};
+use crate::queue::{Fleet, FleetHandle, JobContext, JobError, Notifier, Registry};
 use crate::webhooks::{EventWriter, Verifier};
 
 /// What a process runs.
@@ -55,9 +63,71 @@ pub fn processor(config: &Config) -> anyhow::Result<Processor> {
     Ok(Processor { mercadopago })
 }
 
+/// The gateways buyers can pay through: a gateway is enabled when its webhook secret is
+/// configured (its events can be received) and, for an outside gateway, its API credentials.
+/// Also the hosted ones (internal, mock) by themselves, for their payment pages.
+pub fn gateways(
+    config: &Config,
+    pool: &PgPool,
+) -> anyhow::Result<(GatewayRegistry, Vec<HostedGateway>)> {
+    let mut registry = GatewayRegistry::default();
+    let mut hosted = Vec::new();
+    let secrets = &config.webhooks;
+    for (name, enabled) in [
+        (GatewayName::Internal, secrets.internal.is_some()),
+        (GatewayName::Mock, secrets.mock.is_some()),
+    ] {
+        if enabled {
+            let g = HostedGateway::new(name, pool.clone(), &config.public_url, Arc::new(QueueSink));
+            registry.register(Arc::new(g.clone()))?;
+            hosted.push(g);
+        }
+    }
+    if let (Some(api), true) = (&config.stripe, secrets.stripe.is_some()) {
+        let g = StripeConnect::new(&api.base_url, api.secret_key.clone(), &config.public_url)
+            .context("cannot build the Stripe client")?;
+        registry.register(Arc::new(g))?;
+    }
+    if let (Some(api), true) = (&config.mercadopago, secrets.mercadopago.is_some()) {
+        let g = MercadoPagoClient::new(&api.base_url, api.access_token.clone())
+            .context("cannot build the Mercado Pago client")?;
+        registry.register(Arc::new(g))?;
+    }
+    if let (Some(api), true) = (&config.razorpay, secrets.razorpay.is_some()) {
+        let g = RazorpayGateway::new(
+            &api.base_url,
+            &api.key_id,
+            api.key_secret.clone(),
+            &config.public_url,
+        )
+        .context("cannot build the Razorpay client")?;
+        registry.register(Arc::new(g))?;
+    }
+    Ok((registry, hosted))
+}
+
 /// Every job kind this fleet runs, with its handler.
-pub fn registry(processor: Processor) -> anyhow::Result<Registry> {
-    let processor = Arc::new(processor);
+pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
+    let processor = Arc::new(processor(config)?);
+    let (gateways, _) = gateways(config, pool)?;
+    let mut targets = Vec::new();
+    if let Some(s) = &config.webhooks.internal {
+        targets.push((
+            GatewayName::Internal,
+            config.internal_webhook_url.clone(),
+            s.clone(),
+        ));
+    }
+    if let Some(s) = &config.webhooks.mock {
+        targets.push((
+            GatewayName::Mock,
+            config.mock_webhook_url.clone(),
+            s.clone(),
+        ));
+    }
+    let deliverer = Arc::new(
+        Deliverer::new(pool.clone(), targets).context("cannot build the event deliverer")?,
+    );
     let mut registry = Registry::new();
     registry.register::<ProcessPaymentEvent, _, _>(move |ctx: JobContext, job: ProcessPaymentEvent| {
         let processor = processor.clone();
@@ -67,6 +137,28 @@ pub fn registry(processor: Processor) -> anyhow::Result<Registry> {
             Ok(())
         }
     })?;
+    registry.register::<ExpireOrder, _, _>(|ctx: JobContext, job: ExpireOrder| async move {
+        match expiry::expire(&ctx.pool, job.number).await? {
+            Expiry::NotYet(wait) => Err(JobError::Snooze(wait)),
+            done => {
+                tracing::debug!(order = job.number, ?done, "order expiry ran");
+                Ok(())
+            }
+        }
+    })?;
+    registry.register::<DeliverHostedEvent, _, _>(
+        move |_ctx: JobContext, job: DeliverHostedEvent| {
+            let deliverer = deliverer.clone();
+            async move { Ok(deliverer.deliver(&job.id).await?) }
+        },
+    )?;
+    let refunds = gateways.clone();
+    registry.register::<RefundLatePayment, _, _>(
+        move |_ctx: JobContext, job: RefundLatePayment| {
+            let gateways = refunds.clone();
+            async move { job.run(&gateways).await }
+        },
+    )?;
     Ok(registry)
 }
 
@@ -79,7 +171,7 @@ pub struct Running {
         tokio::task::JoinHandle<std::io::Result<()>>,
     )>,
     fleet: Option<FleetHandle>,
-    _broker: Option<Broker>,
+    broker: Broker,
 }
 
 impl Running {
@@ -90,6 +182,10 @@ impl Running {
 
     pub fn fleet(&self) -> Option<&FleetHandle> {
         self.fleet.as_ref()
+    }
+
+    pub fn broker(&self) -> &Broker {
+        &self.broker
     }
 
     /// Runs until `shutdown` resolves (or the server fails), then stops.
@@ -140,21 +236,30 @@ pub fn start(
     roles: Roles,
     listener: Option<TcpListener>,
 ) -> anyhow::Result<Running> {
+    let broker = Broker::start(
+        config.amqp_url.clone(),
+        &config.amqp_namespace,
+        config.amqp_queue_ttl_ms,
+    );
+    let (gateways, hosted) = gateways(config, &pool)?;
     let fleet = if roles.work {
-        let registry = registry(processor(config)?)?;
-        Some(
-            Fleet::new(
-                pool.clone(),
-                registry,
-                config.queues.clone(),
-                &config.host_name,
-            )
-            .start(),
+        let fleet = Fleet::new(
+            pool.clone(),
+            registry(config, &pool)?,
+            config.queues.clone(),
+            &config.host_name,
         )
+        .start();
+        // The payment side of the payment-link RPC lives in the workers.
+        let links = Arc::new(LinkService {
+            pool: pool.clone(),
+            gateways: gateways.clone(),
+        });
+        tokio::spawn(rpc::serve(broker.clone(), links, 16));
+        Some(fleet)
     } else {
         None
     };
-    let broker = roles.work.then(|| Broker::start(config.amqp_url.clone()).0);
     let readiness = Readiness {
         pool: pool.clone(),
         events: None,
@@ -170,6 +275,13 @@ pub fn start(
             events: Some(events.clone()),
             ..readiness
         };
+        let checkout = Checkout {
+            pool: pool.clone(),
+            links: Arc::new(RpcClient::start(broker.clone(), config.rpc_timeout)),
+            fee_percent: config.platform_fee_percent,
+            expiry: config.order_expiry,
+            gateways: gateways.names(),
+        };
         Some(http::router(AppState {
             pool: pool.clone(),
             verifier: Verifier::new(
@@ -180,6 +292,10 @@ pub fn start(
             webhook_body_limit: config.webhook_body_limit,
             readiness,
             counters: Arc::default(),
+            checkout,
+            hosted,
+            admin_token: config.admin_token.clone(),
+            razorpay_key_id: config.razorpay.as_ref().map(|r| r.key_id.clone()),
         }))
     } else {
         listener
@@ -210,7 +326,7 @@ pub fn start(
         addr,
         server,
         fleet,
-        _broker: broker,
+        broker,
     })
 }
 

@@ -6,7 +6,13 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{DisputeStatus, EventError, Fact, Interpretation, PaymentRef, PaymentStatus};
+use super::api::{
+    GatewayError, GatewayFuture, PaymentGateway, PaymentState, RefundReceipt, RefundRequest,
+    Session, SessionRequest, read_json, unknown_status,
+};
+use super::{
+    DisputeStatus, EventError, Fact, GatewayName, Interpretation, PaymentRef, PaymentStatus,
+};
 use crate::money::{Money, MoneyError};
 use crate::secret::Secret;
 
@@ -195,5 +201,172 @@ impl MercadoPagoClient {
             payment_id: Some(id_text(&p.id)),
         };
         Ok((payment, facts))
+    }
+}
+
+// ---- the gateway: preferences (the link), payment search (status), refunds ------------------
+
+const NAME: GatewayName = GatewayName::MercadoPago;
+
+/// Mercado Pago's error body: `{"message", "error", "status", "cause": [...]}`.
+fn mp_error(body: &Value) -> (Option<String>, Option<String>) {
+    (
+        body["error"].as_str().map(str::to_owned),
+        body["message"].as_str().map(str::to_owned),
+    )
+}
+
+/// A JSON number with the amount's decimal text (Mercado Pago takes amounts as numbers).
+fn number(m: &Money) -> Value {
+    m.amount()
+        .to_string()
+        .parse::<serde_json::Number>()
+        .map(Value::Number)
+        .unwrap_or(Value::Null)
+}
+
+#[derive(Deserialize)]
+struct Preference {
+    init_point: String,
+}
+
+#[derive(Deserialize)]
+struct Search {
+    #[serde(default)]
+    results: Vec<Payment>,
+}
+
+#[derive(Deserialize)]
+struct RefundAnswer {
+    id: Value,
+    status: Option<String>,
+}
+
+impl MercadoPagoClient {
+    /// Our session is the preference's `external_reference`, which every payment made through
+    /// it carries back (that is how events find their order).
+    async fn create(&self, r: &SessionRequest) -> Result<Session, GatewayError> {
+        let session_id = format!("order-{}", r.order_number);
+        let body = serde_json::json!({
+            "items": [{
+                "title": r.description,
+                "quantity": 1,
+                "unit_price": number(&r.amount),
+                "currency_id": r.amount.currency(),
+            }],
+            "external_reference": session_id,
+            "marketplace_fee": number(&r.platform_fee),
+            "metadata": r.metadata,
+        });
+        let pref: Preference = read_json(
+            NAME,
+            self.http
+                .post(format!("{}/checkout/preferences", self.base_url))
+                .bearer_auth(self.access_token.expose())
+                .header("X-Idempotency-Key", &r.idempotency_key)
+                .json(&body)
+                .send()
+                .await,
+            mp_error,
+        )
+        .await?;
+        Ok(Session {
+            session_id,
+            url: pref.init_point,
+        })
+    }
+
+    async fn read(&self, session_id: &str) -> Result<PaymentState, GatewayError> {
+        let found: Search = read_json(
+            NAME,
+            self.http
+                .get(format!("{}/v1/payments/search", self.base_url))
+                .bearer_auth(self.access_token.expose())
+                .query(&[
+                    ("external_reference", session_id),
+                    ("sort", "date_created"),
+                    ("criteria", "desc"),
+                ])
+                .send()
+                .await,
+            mp_error,
+        )
+        .await?;
+        // The payment that took the money, if any; else the latest attempt.
+        let chosen = found
+            .results
+            .iter()
+            .find(|p| payment_status(&p.status) == PaymentStatus::Succeeded)
+            .or_else(|| found.results.first());
+        let Some(p) = chosen else {
+            return Ok(PaymentState {
+                status: PaymentStatus::Pending,
+                payment_id: None,
+                amount: None,
+            });
+        };
+        let amount = match (&p.transaction_amount, p.currency_id.as_deref()) {
+            (Some(a), Some(c)) => decimal(a)
+                .ok()
+                .and_then(|d| Money::new(d, c.parse().ok()?).ok()),
+            _ => None,
+        };
+        Ok(PaymentState {
+            status: self.map_status(&p.status),
+            payment_id: Some(id_text(&p.id)),
+            amount,
+        })
+    }
+
+    async fn refund_payment(&self, r: &RefundRequest) -> Result<RefundReceipt, GatewayError> {
+        let answer: RefundAnswer = read_json(
+            NAME,
+            self.http
+                .post(format!(
+                    "{}/v1/payments/{}/refunds",
+                    self.base_url, r.payment_id
+                ))
+                .bearer_auth(self.access_token.expose())
+                .header("X-Idempotency-Key", &r.idempotency_key)
+                .json(&serde_json::json!({"amount": number(&r.amount)}))
+                .send()
+                .await,
+            mp_error,
+        )
+        .await?;
+        Ok(RefundReceipt {
+            refund_id: id_text(&answer.id),
+            succeeded: answer.status.as_deref() == Some("approved"),
+        })
+    }
+}
+
+impl PaymentGateway for MercadoPagoClient {
+    fn name(&self) -> GatewayName {
+        NAME
+    }
+
+    fn create_session<'a>(&'a self, request: &'a SessionRequest) -> GatewayFuture<'a, Session> {
+        Box::pin(self.create(request))
+    }
+
+    fn status<'a>(
+        &'a self,
+        session_id: &'a str,
+        _seller_account: Option<&'a str>,
+    ) -> GatewayFuture<'a, PaymentState> {
+        Box::pin(self.read(session_id))
+    }
+
+    fn refund<'a>(&'a self, request: &'a RefundRequest) -> GatewayFuture<'a, RefundReceipt> {
+        Box::pin(self.refund_payment(request))
+    }
+
+    fn map_status(&self, raw: &str) -> PaymentStatus {
+        match raw {
+            "approved" | "refunded" | "charged_back" | "in_mediation" | "rejected"
+            | "cancelled" | "pending" | "in_process" | "authorized" => payment_status(raw),
+            other => unknown_status(NAME, other),
+        }
     }
 }

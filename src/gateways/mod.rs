@@ -1,17 +1,22 @@
 //! The gateways: their names, how each one's webhook events read, and how each one's statuses
 //! map onto ours. Every mapper has a safe default: a status we do not know moves no money.
 
+pub mod api;
+pub mod hosted;
 mod internal;
 mod mercadopago;
 mod razorpay;
 mod stripe;
+mod stripe_connect;
 
 use serde::Serialize;
 
 use crate::money::{Money, MoneyError};
 
+pub use api::{GatewayError, GatewayRegistry, PaymentGateway};
 pub use mercadopago::{MercadoPagoClient, MercadoPagoError};
-pub use razorpay::event_identity as razorpay_event_identity;
+pub use razorpay::{RazorpayGateway, event_identity as razorpay_event_identity};
+pub use stripe_connect::StripeConnect;
 
 crate::text_enum! {
     /// The gateways payfleet speaks to, by the name used in URLs, configuration and storage.

@@ -1,7 +1,17 @@
 //! Razorpay events: `{"event", "payload": {"payment": {"entity"}, "refund": {"entity"}, ...}}`,
 //! amounts in minor units. The session is the Razorpay order (`order_...`).
 
+use std::time::Duration;
+
+use serde::Deserialize;
 use serde_json::Value;
+
+use super::GatewayName;
+use super::api::{
+    GatewayError, GatewayFuture, PaymentGateway, PaymentState, RefundReceipt, RefundRequest,
+    Session, SessionRequest, read_json, unknown_status,
+};
+use crate::secret::Secret;
 
 use super::{DisputeStatus, EventError, Fact, Interpretation, PaymentStatus, ref_of};
 use crate::money::Money;
@@ -176,5 +186,186 @@ mod tests {
         )
         .unwrap();
         assert_eq!(event_identity(&no_time), None);
+    }
+}
+
+// ---- the gateway: orders (the session), their payments (status), refunds -------------------
+
+const NAME: GatewayName = GatewayName::Razorpay;
+
+/// Razorpay's Orders API. A Razorpay order is our session: its payments carry its id back in
+/// their events (`order_id`). The buyer pays on a page of ours that opens Razorpay Checkout for
+/// the order.
+#[derive(Debug, Clone)]
+pub struct RazorpayGateway {
+    api: String,
+    key_id: String,
+    key_secret: Secret,
+    public_url: String,
+    http: reqwest::Client,
+}
+
+/// Razorpay's error body: `{"error": {"code", "description"}}`.
+fn rzp_error(body: &Value) -> (Option<String>, Option<String>) {
+    let e = &body["error"];
+    (
+        e["code"].as_str().map(str::to_owned),
+        e["description"].as_str().map(str::to_owned),
+    )
+}
+
+#[derive(Deserialize)]
+struct RzpOrder {
+    id: String,
+}
+
+#[derive(Deserialize)]
+struct RzpPayments {
+    #[serde(default)]
+    items: Vec<RzpPayment>,
+}
+
+#[derive(Deserialize)]
+struct RzpPayment {
+    id: String,
+    status: String,
+    amount: i64,
+    currency: String,
+}
+
+#[derive(Deserialize)]
+struct RzpRefund {
+    id: String,
+    status: Option<String>,
+}
+
+fn minor(m: &Money) -> Result<i64, GatewayError> {
+    m.minor_units()
+        .ok_or_else(|| GatewayError::Refused(format!("{m} does not fit Razorpay's minor units")))
+}
+
+impl RazorpayGateway {
+    pub fn new(
+        api: &str,
+        key_id: &str,
+        key_secret: Secret,
+        public_url: &str,
+    ) -> Result<Self, reqwest::Error> {
+        Ok(Self {
+            api: api.trim_end_matches('/').to_owned(),
+            key_id: key_id.to_owned(),
+            key_secret,
+            public_url: public_url.trim_end_matches('/').to_owned(),
+            http: super::http_client(Duration::from_secs(15))?,
+        })
+    }
+
+    /// The key id buyers' browsers use to open Checkout (public, unlike the secret).
+    pub fn key_id(&self) -> &str {
+        &self.key_id
+    }
+
+    async fn create(&self, r: &SessionRequest) -> Result<Session, GatewayError> {
+        let order: RzpOrder = read_json(
+            NAME,
+            self.http
+                .post(format!("{}/v1/orders", self.api))
+                .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                .json(&serde_json::json!({
+                    "amount": minor(&r.amount)?,
+                    "currency": r.amount.currency(),
+                    "receipt": format!("order-{}", r.order_number),
+                    "notes": r.metadata,
+                }))
+                .send()
+                .await,
+            rzp_error,
+        )
+        .await?;
+        let url = format!("{}/pay/razorpay/{}", self.public_url, order.id);
+        Ok(Session {
+            session_id: order.id,
+            url,
+        })
+    }
+
+    async fn read(&self, session_id: &str) -> Result<PaymentState, GatewayError> {
+        let payments: RzpPayments = read_json(
+            NAME,
+            self.http
+                .get(format!("{}/v1/orders/{session_id}/payments", self.api))
+                .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                .send()
+                .await,
+            rzp_error,
+        )
+        .await?;
+        let chosen = payments
+            .items
+            .iter()
+            .find(|p| payment_status(&p.status) == PaymentStatus::Succeeded)
+            .or_else(|| payments.items.first());
+        Ok(match chosen {
+            Some(p) => PaymentState {
+                status: self.map_status(&p.status),
+                payment_id: Some(p.id.clone()),
+                amount: Money::from_minor(p.amount, &p.currency).ok(),
+            },
+            None => PaymentState {
+                status: PaymentStatus::Pending,
+                payment_id: None,
+                amount: None,
+            },
+        })
+    }
+
+    async fn refund_payment(&self, r: &RefundRequest) -> Result<RefundReceipt, GatewayError> {
+        let refund: RzpRefund = read_json(
+            NAME,
+            self.http
+                .post(format!("{}/v1/payments/{}/refund", self.api, r.payment_id))
+                .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                .json(&serde_json::json!({
+                    "amount": minor(&r.amount)?,
+                    "receipt": r.idempotency_key,
+                }))
+                .send()
+                .await,
+            rzp_error,
+        )
+        .await?;
+        Ok(RefundReceipt {
+            refund_id: refund.id,
+            succeeded: refund.status.as_deref() == Some("processed"),
+        })
+    }
+}
+
+impl PaymentGateway for RazorpayGateway {
+    fn name(&self) -> GatewayName {
+        NAME
+    }
+
+    fn create_session<'a>(&'a self, request: &'a SessionRequest) -> GatewayFuture<'a, Session> {
+        Box::pin(self.create(request))
+    }
+
+    fn status<'a>(
+        &'a self,
+        session_id: &'a str,
+        _seller_account: Option<&'a str>,
+    ) -> GatewayFuture<'a, PaymentState> {
+        Box::pin(self.read(session_id))
+    }
+
+    fn refund<'a>(&'a self, request: &'a RefundRequest) -> GatewayFuture<'a, RefundReceipt> {
+        Box::pin(self.refund_payment(request))
+    }
+
+    fn map_status(&self, raw: &str) -> PaymentStatus {
+        match raw {
+            "created" | "authorized" | "captured" | "refunded" | "failed" => payment_status(raw),
+            other => unknown_status(NAME, other),
+        }
     }
 }

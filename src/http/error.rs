@@ -1,4 +1,6 @@
-//! The one HTTP error type: every failure a handler can meet, and its status, in one place.
+//! The one HTTP error type: every failure a handler can meet, its status and its code, in one
+//! place. Domain errors map here (and only here) to their answers; database constraint names
+//! have already been turned into domain errors by their contexts.
 
 use axum::Json;
 use axum::extract::rejection::BytesRejection;
@@ -6,34 +8,57 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
+use crate::catalogue::CatalogueError;
 use crate::db::is_transient;
+use crate::orders::ReopenError;
+use crate::orders::checkout::CheckoutError;
 use crate::queue::QueueError;
 use crate::webhooks::{RejectedWebhook, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    #[error("{0}")]
-    BadRequest(String),
+    #[error("{message}")]
+    BadRequest { code: &'static str, message: String },
     #[error("{0}")]
     Unauthorized(String),
     #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
     NotFound(String),
+    #[error("{message}")]
+    Conflict { code: &'static str, message: String },
+    #[error("{message}")]
+    Unprocessable { code: &'static str, message: String },
     #[error("the body is larger than the limit of {0} bytes")]
     PayloadTooLarge(usize),
     #[error("unavailable ({0}); nothing was stored, try again later")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// A dependency is down, with what it means for this request.
+    #[error("{message}")]
+    DependencyDown { code: &'static str, message: String },
     #[error("internal error")]
     Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 impl ApiError {
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::BadRequest {
+            code: "bad_request",
+            message: message.into(),
+        }
+    }
+
     fn status_and_code(&self) -> (StatusCode, &'static str) {
         match self {
-            Self::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            Self::BadRequest { code, .. } => (StatusCode::BAD_REQUEST, code),
             Self::Unauthorized(_) => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            Self::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            Self::Conflict { code, .. } => (StatusCode::CONFLICT, code),
+            Self::Unprocessable { code, .. } => (StatusCode::UNPROCESSABLE_ENTITY, code),
             Self::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
             Self::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            Self::DependencyDown { code, .. } => (StatusCode::SERVICE_UNAVAILABLE, code),
             Self::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         }
     }
@@ -44,6 +69,7 @@ impl IntoResponse for ApiError {
         let (status, code) = self.status_and_code();
         match &self {
             Self::Unavailable(e) => tracing::warn!(error = %e, "answering 503"),
+            Self::DependencyDown { message, .. } => tracing::warn!(%message, "answering 503"),
             Self::Internal(e) => tracing::error!(error = %e, "answering 500"),
             _ => {}
         }
@@ -95,7 +121,7 @@ impl ApiError {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             Self::PayloadTooLarge(limit)
         } else {
-            Self::BadRequest(r.body_text())
+            Self::bad_request(r.body_text())
         }
     }
 }
@@ -105,8 +131,85 @@ impl From<RejectedWebhook> for ApiError {
         match e {
             RejectedWebhook::Disabled(_) => Self::NotFound(e.to_string()),
             RejectedWebhook::Signature(_) => Self::Unauthorized(e.to_string()),
-            RejectedWebhook::Malformed(_) => Self::BadRequest(e.to_string()),
+            RejectedWebhook::Malformed(_) => Self::bad_request(e.to_string()),
             RejectedWebhook::Aborted(_) => Self::Internal(Box::new(e)),
+        }
+    }
+}
+
+impl From<CatalogueError> for ApiError {
+    fn from(e: CatalogueError) -> Self {
+        let message = e.to_string();
+        match e {
+            CatalogueError::Invalid { .. } => Self::Unprocessable {
+                code: "invalid_request",
+                message,
+            },
+            CatalogueError::UnknownSeller(_) => Self::Unprocessable {
+                code: "unknown_seller",
+                message,
+            },
+            CatalogueError::UnknownProduct(_) => Self::Unprocessable {
+                code: "unknown_product",
+                message,
+            },
+            CatalogueError::CodeTaken(_) => Self::Conflict {
+                code: "coupon_code_taken",
+                message,
+            },
+            CatalogueError::Database(e) => e.into(),
+        }
+    }
+}
+
+impl From<CheckoutError> for ApiError {
+    fn from(e: CheckoutError) -> Self {
+        let message = e.to_string();
+        let unprocessable = |code| Self::Unprocessable {
+            code,
+            message: message.clone(),
+        };
+        match e {
+            CheckoutError::MissingKey => Self::BadRequest {
+                code: "missing_idempotency_key",
+                message,
+            },
+            CheckoutError::BadKey => Self::BadRequest {
+                code: "invalid_idempotency_key",
+                message,
+            },
+            CheckoutError::BadRequest(_) => Self::bad_request(message),
+            CheckoutError::KeyReused => unprocessable("idempotency_key_reused"),
+            CheckoutError::KeyInUse => Self::Conflict {
+                code: "idempotency_key_in_use",
+                message,
+            },
+            CheckoutError::UnknownProduct(_) => unprocessable("unknown_product"),
+            CheckoutError::InvalidItems(_) => unprocessable("invalid_items"),
+            CheckoutError::CouponUnavailable(_) => unprocessable("coupon_unavailable"),
+            CheckoutError::GatewayUnavailable(_) => unprocessable("gateway_unavailable"),
+            CheckoutError::InvalidBuyer(_) => unprocessable("invalid_request"),
+            CheckoutError::LinksUnavailable { .. } => Self::DependencyDown {
+                code: "payment_link_unavailable",
+                message,
+            },
+            CheckoutError::Queue(e) => e.into(),
+            CheckoutError::Database(e) => e.into(),
+        }
+    }
+}
+
+impl From<ReopenError> for ApiError {
+    fn from(e: ReopenError) -> Self {
+        let message = e.to_string();
+        match e {
+            ReopenError::NotFound(_) => Self::NotFound(message),
+            ReopenError::NotPayable { .. } => Self::Conflict {
+                code: "order_not_payable",
+                message,
+            },
+            ReopenError::Queue(e) => e.into(),
+            ReopenError::Database(e) => e.into(),
         }
     }
 }

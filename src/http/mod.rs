@@ -1,20 +1,29 @@
 //! The HTTP surface: one file per area, each with its router (`webhooks`, `health`,
 //! `metrics`), the one error type (`error`), and the assembly below.
 
+mod admin;
 mod error;
 mod health;
 pub mod metrics;
+mod orders;
+mod pay;
 mod webhooks;
 
 use std::sync::Arc;
 
 use axum::Router;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, Request};
+use serde::de::DeserializeOwned;
 use sqlx::PgPool;
 
 pub use error::ApiError;
 pub use health::Readiness;
 pub use metrics::WebhookCounters;
 
+use crate::gateways::hosted::HostedGateway;
+use crate::orders::checkout::Checkout;
+use crate::secret::Secret;
 use crate::webhooks::{EventWriter, Verifier};
 
 /// Everything the HTTP handlers share.
@@ -26,12 +35,20 @@ pub struct AppState {
     pub webhook_body_limit: usize,
     pub readiness: Readiness,
     pub counters: Arc<WebhookCounters>,
+    pub checkout: Checkout,
+    /// The hosted gateways (internal, mock) whose payment pages this receiver serves.
+    pub hosted: Vec<HostedGateway>,
+    pub admin_token: Option<Secret>,
+    pub razorpay_key_id: Option<String>,
 }
 
 /// The receiver's API: webhooks, health and metrics.
 pub fn router(state: AppState) -> Router {
     Router::new()
         .merge(webhooks::routes(state.clone()))
+        .merge(orders::routes(state.clone()))
+        .merge(admin::routes(state.clone()))
+        .merge(pay::routes(state.clone()))
         .merge(health::routes(state.readiness.clone()))
         .merge(metrics::routes(
             state.pool.clone(),
@@ -46,4 +63,27 @@ pub fn worker_router(pool: PgPool, readiness: Readiness) -> Router {
         .merge(health::routes(readiness))
         .merge(metrics::routes(pool, None))
         .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
+}
+
+/// A JSON body, refused with the one error shape: 400 when it is not JSON, 422 when it is JSON
+/// of the wrong shape.
+pub struct JsonBody<T>(pub T);
+
+impl<S, T> FromRequest<S> for JsonBody<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::Json::<T>::from_request(req, state).await {
+            Ok(axum::Json(v)) => Ok(JsonBody(v)),
+            Err(JsonRejection::JsonDataError(e)) => Err(ApiError::Unprocessable {
+                code: "invalid_request",
+                message: e.body_text(),
+            }),
+            Err(other) => Err(ApiError::bad_request(other.body_text())),
+        }
+    }
 }

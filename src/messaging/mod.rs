@@ -1,89 +1,139 @@
 //! RabbitMQ. One shared connection per process, kept up by a supervisor that reconnects with
-//! backoff; its state feeds `/readyz`. (The payment-link RPC and the per-service order messages
-//! build on this connection.)
+//! backoff and tells the parts that use it ([`Broker::connected`]); each part opens its own
+//! channel on it and handles that channel's errors where it uses it (a consumer's stream, a
+//! publish's confirmation), then waits for the next connection. The connection's own error
+//! events are drained and logged by the supervisor: an error nobody listens to must never take
+//! the process down.
+//!
+//! - [`rpc`]: the payment-link RPC between the order side (client) and the payment side (the
+//!   consumer inside the worker processes).
 
-use std::sync::{Arc, RwLock};
+pub mod rpc;
+
+use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use lapin::{Connection, ConnectionProperties};
+use tokio::sync::watch;
 
 use crate::secret::SecretUrl;
 
-#[derive(Clone, Default)]
+/// The shared connection of a process. Cheap to clone.
+#[derive(Clone)]
 pub struct Broker {
-    connection: Arc<RwLock<Option<Arc<Connection>>>>,
+    connection: watch::Receiver<Option<Arc<Connection>>>,
+    /// Prefix of every queue and exchange this fleet declares, so that fleets (and tests) can
+    /// share a broker.
+    namespace: Arc<str>,
+    /// Queues unused this long are dropped by the broker (test and preview set-ups).
+    queue_ttl_ms: Option<u32>,
 }
 
 impl std::fmt::Debug for Broker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Broker")
             .field("connected", &self.is_connected())
+            .field("namespace", &self.namespace)
             .finish()
     }
 }
 
 impl Broker {
-    /// Starts the supervisor; the broker may be down now and come up later.
-    pub fn start(url: SecretUrl) -> (Self, tokio::task::JoinHandle<()>) {
+    /// Starts the supervisor on the current runtime; the broker may be down now and come up
+    /// later.
+    pub fn start(url: SecretUrl, namespace: &str, queue_ttl_ms: Option<u32>) -> Self {
         crate::tls::install_provider();
-        let broker = Self::default();
-        let task = tokio::spawn(broker.clone().supervise(url));
-        (broker, task)
+        let (tx, rx) = watch::channel(None);
+        tokio::spawn(supervise(url, tx));
+        Self {
+            connection: rx,
+            namespace: namespace.into(),
+            queue_ttl_ms,
+        }
     }
 
     pub fn is_connected(&self) -> bool {
         self.connection
-            .read()
-            .map(|c| c.as_ref().is_some_and(|c| c.status().connected()))
-            .unwrap_or(false)
+            .borrow()
+            .as_ref()
+            .is_some_and(|c| c.status().connected())
     }
 
-    /// The shared connection, when it is up.
-    pub fn connection(&self) -> Option<Arc<Connection>> {
-        self.connection.read().ok().and_then(|c| c.clone())
-    }
-
-    fn set(&self, c: Option<Arc<Connection>>) {
-        if let Ok(mut slot) = self.connection.write() {
-            *slot = c;
+    /// The shared connection, once it is up.
+    pub async fn connected(&self) -> Arc<Connection> {
+        let mut rx = self.connection.clone();
+        loop {
+            if let Some(c) = rx
+                .borrow_and_update()
+                .as_ref()
+                .filter(|c| c.status().connected())
+            {
+                return c.clone();
+            }
+            if rx.changed().await.is_err() {
+                // The supervisor is gone (the process is stopping): never connected again.
+                std::future::pending::<()>().await;
+            }
         }
     }
 
-    async fn supervise(self, url: SecretUrl) {
-        let url = with_heartbeat(url.expose());
-        let mut failures: u32 = 0;
-        loop {
-            let props = ConnectionProperties::default().with_connection_name("payfleet".into());
-            match Connection::connect(&url, props).await {
-                Ok(c) => {
-                    if failures > 0 {
-                        tracing::info!("connected to RabbitMQ");
-                    }
-                    failures = 0;
-                    self.set(Some(Arc::new(c)));
-                    // Watch the connection; lapin reports a lost one through its status.
-                    loop {
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                        let alive = self
-                            .connection()
-                            .is_some_and(|c| c.status().connected() || c.status().connecting());
-                        if !alive {
-                            tracing::warn!("RabbitMQ connection lost; reconnecting");
-                            break;
-                        }
-                    }
-                    self.set(None);
+    /// `{namespace}.{name}`.
+    pub fn name(&self, name: &str) -> String {
+        format!("{}.{name}", self.namespace)
+    }
+
+    fn queue_arguments(&self) -> lapin::types::FieldTable {
+        let mut args = lapin::types::FieldTable::default();
+        if let Some(ms) = self.queue_ttl_ms {
+            args.insert("x-expires".into(), lapin::types::AMQPValue::LongUInt(ms));
+        }
+        args
+    }
+}
+
+async fn supervise(url: SecretUrl, slot: watch::Sender<Option<Arc<Connection>>>) {
+    let url = with_heartbeat(url.expose());
+    let mut failures: u32 = 0;
+    loop {
+        let props = ConnectionProperties::default().with_connection_name("payfleet".into());
+        match Connection::connect(&url, props).await {
+            Ok(c) => {
+                if failures > 0 {
+                    tracing::info!("connected to RabbitMQ");
                 }
-                Err(e) => {
-                    failures += 1;
-                    if failures == 1 || failures.is_multiple_of(30) {
-                        tracing::warn!(error = %e, "cannot connect to RabbitMQ; retrying");
+                failures = 0;
+                let c = Arc::new(c);
+                let mut events = c.events_listener();
+                slot.send_replace(Some(c.clone()));
+                // Watch the connection: its error events, and its status in case an error
+                // goes unreported.
+                loop {
+                    tokio::select! {
+                        event = events.next() => match event {
+                            Some(lapin::Event::Error(e)) => tracing::warn!(error = %e, "RabbitMQ connection error"),
+                            Some(lapin::Event::ConnectionBlocked(why)) => tracing::warn!(reason = %why, "RabbitMQ blocked the connection"),
+                            Some(_) => {}
+                            None => break,
+                        },
+                        _ = tokio::time::sleep(Duration::from_millis(500)) => {}
                     }
-                    tokio::time::sleep(Duration::from_millis(
-                        (250u64 << failures.min(4)).min(5_000),
-                    ))
-                    .await;
+                    if !(c.status().connected() || c.status().connecting()) {
+                        break;
+                    }
                 }
+                tracing::warn!("RabbitMQ connection lost; reconnecting");
+                slot.send_replace(None);
+            }
+            Err(e) => {
+                failures += 1;
+                if failures == 1 || failures.is_multiple_of(30) {
+                    tracing::warn!(error = %e, "cannot connect to RabbitMQ; retrying");
+                }
+                tokio::time::sleep(Duration::from_millis(
+                    (250u64 << failures.min(4)).min(5_000),
+                ))
+                .await;
             }
         }
     }

@@ -1,12 +1,19 @@
-//! Orders: the business truth. A payment is an input; the order's state is the result. For now
-//! an order record is created by its first payment event; checkout will create it up front.
+//! Orders: the business truth. Checkout creates them (`checkout`, priced by `pricing`); a paid
+//! event confirms one exactly once ([`apply_payment`]); an unpaid one expires by itself
+//! (`expiry`). The order's state and the provider's state of its payment are kept side by side.
+
+pub mod checkout;
+pub mod expiry;
+pub mod pricing;
 
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
 use serde::Serialize;
-use sqlx::PgConnection;
+use sqlx::{PgConnection, PgExecutor};
 
+use crate::catalogue::{Interval, ProductKind, SellerId};
 use crate::gateways::GatewayName;
+use crate::money::Money;
 use crate::payment_status::PaymentOrderStatus;
 
 crate::text_enum! {
@@ -24,21 +31,32 @@ crate::text_enum! {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
-pub struct Order {
-    pub id: i64,
-    pub gateway: String,
-    pub session_id: String,
-    pub status: OrderStatus,
-    pub currency: Option<String>,
-    pub total: Option<Decimal>,
-    pub amount_refunded: Decimal,
-    pub paid_at: Option<DateTime<Utc>>,
+impl OrderStatus {
+    /// Waiting for its money: it can be paid, and it expires.
+    pub fn is_payable(&self) -> bool {
+        matches!(self, Self::AwaitingPayment | Self::PaymentFailed)
+    }
 }
 
-/// The order status a payment status leads to, from the current one. A pending payment
-/// changes nothing; a failed attempt only marks an order still waiting for payment.
+crate::text_enum! {
+    /// What happened to an order, recorded once each in its own transaction (`order_events`):
+    /// what the order side tells other services.
+    pub enum OrderEventKind {
+        Created = "created",
+        Paid = "paid",
+        Expired = "expired",
+        LatePayment = "late_payment",
+        Reopened = "reopened",
+    }
+}
+
+/// The order status a payment status leads to, from the current one. A pending payment changes
+/// nothing; a failed attempt only marks an order still waiting for payment; an expired or
+/// cancelled order stays so (a payment that comes after it is refunded: [`PaymentEffect`]).
 pub fn next_status(current: OrderStatus, payment: PaymentOrderStatus) -> OrderStatus {
+    if matches!(current, OrderStatus::Expired | OrderStatus::Cancelled) {
+        return current;
+    }
     match payment {
         PaymentOrderStatus::Pending => current,
         PaymentOrderStatus::Failed => match current {
@@ -53,63 +71,390 @@ pub fn next_status(current: OrderStatus, payment: PaymentOrderStatus) -> OrderSt
     }
 }
 
-/// Brings the order of a payment session in line with the payment's derived state, inside the
-/// caller's transaction. Returns whether the order changed. Applying the same state twice
-/// changes nothing: `paid_at` is set once.
-pub async fn apply_payment(
-    tx: &mut PgConnection,
-    gateway: GatewayName,
-    session_id: &str,
-    payment: PaymentOrderStatus,
-    amount: Option<(Decimal, &str)>,
-    refunded: Decimal,
-) -> Result<(i64, bool), sqlx::Error> {
-    let order: Order = sqlx::query_as(
-        "INSERT INTO orders (gateway, session_id, total, currency) VALUES ($1, $2, $3, $4)
-         ON CONFLICT (gateway, session_id) DO UPDATE SET
-             total = COALESCE(orders.total, EXCLUDED.total),
-             currency = COALESCE(orders.currency, EXCLUDED.currency)
-         RETURNING id, gateway, session_id, status, currency::text, total, amount_refunded, paid_at",
-    )
-    .bind(gateway.as_str())
-    .bind(session_id)
-    .bind(amount.map(|a| a.0))
-    .bind(amount.map(|a| a.1))
-    .fetch_one(&mut *tx)
-    .await?;
-    let status = next_status(order.status, payment);
-    let paid = payment.implies_paid();
-    let changed = status != order.status
-        || refunded != order.amount_refunded
-        || (paid && order.paid_at.is_none());
-    if changed {
-        sqlx::query(
-            "UPDATE orders SET status = $2, amount_refunded = $3,
-                 paid_at = CASE WHEN $4 THEN COALESCE(paid_at, now()) ELSE paid_at END,
-                 updated_at = now()
-             WHERE id = $1",
-        )
-        .bind(order.id)
-        .bind(status)
-        .bind(refunded)
-        .bind(paid)
-        .execute(&mut *tx)
-        .await?;
-    }
-    Ok((order.id, changed))
+/// What a payment did to its order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PaymentEffect {
+    Changed,
+    Unchanged,
+    /// Paid after the order expired. The rule: the order stays expired and the payment is
+    /// refunded automatically (the caller enqueues the refund; `first` is true only the first
+    /// time this is seen, so it is enqueued once).
+    LatePayment {
+        first: bool,
+    },
+    /// The payment does not match what the order costs: nothing confirmed.
+    AmountMismatch {
+        order: Money,
+        paid: Money,
+    },
 }
 
-pub async fn by_session(
-    db: &sqlx::PgPool,
+#[derive(sqlx::FromRow)]
+struct Locked {
+    id: i64,
+    status: OrderStatus,
+    payment_status: PaymentOrderStatus,
+    total: Decimal,
+    currency: String,
+    amount_refunded: Decimal,
+    paid_at: Option<DateTime<Utc>>,
+    session_id: Option<String>,
+}
+
+/// Brings order `number` in line with its payment's derived state, inside the caller's
+/// transaction (the order row is locked: concurrent events, the expiry and reconciliation
+/// serialise on it). Confirmation happens once: the order turns paid once and one `paid` event
+/// is recorded, whatever the duplicates, reorderings or crashes before.
+#[allow(clippy::too_many_arguments)]
+pub async fn apply_payment(
+    tx: &mut PgConnection,
+    number: i64,
     gateway: GatewayName,
-    session_id: &str,
-) -> Result<Option<Order>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT id, gateway, session_id, status, currency::text, total, amount_refunded, paid_at
-         FROM orders WHERE gateway = $1 AND session_id = $2",
+    (session_id, url): (&str, &str),
+    payment: PaymentOrderStatus,
+    paid: Option<Money>,
+    refunded: Decimal,
+) -> Result<Option<PaymentEffect>, sqlx::Error> {
+    let order: Option<Locked> = sqlx::query_as(
+        "SELECT id, status, payment_status, total, currency::text AS currency, amount_refunded, paid_at, session_id
+         FROM orders WHERE number = $1 AND gateway = $2 FOR UPDATE",
     )
-    .bind(gateway.as_str())
-    .bind(session_id)
-    .fetch_optional(db)
+    .bind(number)
+    .bind(gateway)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(o) = order else {
+        return Ok(None);
+    };
+    if payment.implies_paid()
+        && let Some(paid) = paid
+    {
+        let total = Money::new(o.total, paid.currency());
+        if o.currency != paid.currency().as_str() || total.as_ref().ok() != Some(&paid) {
+            let order =
+                Money::new(o.total, o.currency.parse().unwrap_or(paid.currency())).unwrap_or(paid);
+            return Ok(Some(PaymentEffect::AmountMismatch { order, paid }));
+        }
+    }
+    // The payment side knew the session before the order side stored it (a lost answer):
+    // the order learns it now.
+    if o.session_id.is_none() {
+        sqlx::query("UPDATE orders SET session_id = $2, payment_url = $3 WHERE id = $1 AND session_id IS NULL")
+            .bind(o.id)
+            .bind(session_id)
+            .bind(url)
+            .execute(&mut *tx)
+            .await?;
+    }
+    if matches!(o.status, OrderStatus::Expired | OrderStatus::Cancelled) && payment.implies_paid() {
+        sqlx::query("UPDATE orders SET payment_status = $2, updated_at = now() WHERE id = $1 AND payment_status <> $2")
+            .bind(o.id)
+            .bind(payment)
+            .execute(&mut *tx)
+            .await?;
+        let first = record_event(
+            tx,
+            o.id,
+            OrderEventKind::LatePayment,
+            serde_json::json!({"payment_status": payment}),
+        )
+        .await?;
+        return Ok(Some(PaymentEffect::LatePayment { first }));
+    }
+    let status = next_status(o.status, payment);
+    let now_paid = payment.implies_paid() && o.paid_at.is_none();
+    let changed = status != o.status
+        || payment != o.payment_status
+        || refunded != o.amount_refunded
+        || now_paid;
+    if !changed {
+        return Ok(Some(PaymentEffect::Unchanged));
+    }
+    sqlx::query(
+        "UPDATE orders SET status = $2, payment_status = $3, amount_refunded = $4,
+             paid_at = CASE WHEN $5 THEN COALESCE(paid_at, now()) ELSE paid_at END,
+             updated_at = now()
+         WHERE id = $1",
+    )
+    .bind(o.id)
+    .bind(status)
+    .bind(payment)
+    .bind(refunded)
+    .bind(payment.implies_paid())
+    .execute(&mut *tx)
+    .await?;
+    if now_paid {
+        record_event(
+            tx,
+            o.id,
+            OrderEventKind::Paid,
+            serde_json::json!({"number": number}),
+        )
+        .await?;
+    }
+    Ok(Some(PaymentEffect::Changed))
+}
+
+/// Records what happened to an order, once for every kind but `reopened`. Returns whether it
+/// was new.
+pub(crate) async fn record_event(
+    tx: &mut PgConnection,
+    order_id: i64,
+    kind: OrderEventKind,
+    payload: serde_json::Value,
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(
+        "INSERT INTO order_events (order_id, kind, payload) VALUES ($1, $2, $3)
+         ON CONFLICT (order_id, kind) WHERE kind <> 'reopened' DO NOTHING",
+    )
+    .bind(order_id)
+    .bind(kind)
+    .bind(payload)
+    .execute(&mut *tx)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// An order as clients see it: its own state and its payment's, side by side.
+#[derive(Debug, Clone, Serialize)]
+pub struct OrderView {
+    pub number: i64,
+    pub seller_id: SellerId,
+    pub buyer_id: String,
+    pub kind: ProductKind,
+    pub interval: Option<Interval>,
+    pub currency: String,
+    pub subtotal: String,
+    pub discount: String,
+    pub total: String,
+    pub platform_fee: String,
+    pub seller_net: String,
+    pub amount_refunded: String,
+    pub status: OrderStatus,
+    pub payment_status: PaymentOrderStatus,
+    pub gateway: GatewayName,
+    pub payment: Option<PaymentLinkView>,
+    pub expires_at: DateTime<Utc>,
+    pub paid_at: Option<DateTime<Utc>>,
+    pub created_at: DateTime<Utc>,
+    pub items: Vec<ItemView>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PaymentLinkView {
+    pub gateway: GatewayName,
+    pub session_id: String,
+    pub url: String,
+}
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct ItemView {
+    pub product_id: crate::catalogue::ProductId,
+    pub name: String,
+    #[serde(with = "rust_decimal::serde::str")]
+    pub unit_price: Decimal,
+    pub quantity: i32,
+    #[serde(with = "rust_decimal::serde::str")]
+    pub subtotal: Decimal,
+    #[serde(with = "rust_decimal::serde::str")]
+    pub discount: Decimal,
+}
+
+#[derive(sqlx::FromRow)]
+struct OrderRow {
+    id: i64,
+    number: i64,
+    seller_id: SellerId,
+    buyer_id: String,
+    kind: ProductKind,
+    interval: Option<Interval>,
+    currency: String,
+    subtotal: Decimal,
+    discount: Decimal,
+    total: Decimal,
+    platform_fee: Decimal,
+    seller_net: Decimal,
+    amount_refunded: Decimal,
+    status: OrderStatus,
+    payment_status: PaymentOrderStatus,
+    gateway: GatewayName,
+    session_id: Option<String>,
+    payment_url: Option<String>,
+    expires_at: DateTime<Utc>,
+    paid_at: Option<DateTime<Utc>>,
+    created_at: DateTime<Utc>,
+}
+
+const ORDER_COLUMNS: &str = "id, number, seller_id, buyer_id, kind, \"interval\", currency::text AS currency,
+     subtotal, discount, total, platform_fee, seller_net, amount_refunded, status, payment_status, gateway,
+     session_id, payment_url, expires_at, paid_at, created_at";
+
+/// An amount as the API writes it: with the currency's minor-unit digits.
+fn amount(value: Decimal, currency: &str) -> String {
+    currency
+        .parse()
+        .ok()
+        .and_then(|c| Money::new(value.normalize(), c).ok())
+        .map(|m| m.amount().to_string())
+        .unwrap_or_else(|| value.normalize().to_string())
+}
+
+async fn items<'c>(db: impl PgExecutor<'c>, order_id: i64) -> Result<Vec<ItemView>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT product_id, name, unit_price, quantity, subtotal, discount FROM order_items
+         WHERE order_id = $1 ORDER BY line",
+    )
+    .bind(order_id)
+    .fetch_all(db)
     .await
+}
+
+fn view_of(o: OrderRow, items: Vec<ItemView>) -> OrderView {
+    let c = o.currency.clone();
+    let items = items
+        .into_iter()
+        .map(|mut i| {
+            i.unit_price = amount(i.unit_price, &c).parse().unwrap_or(i.unit_price);
+            i.subtotal = amount(i.subtotal, &c).parse().unwrap_or(i.subtotal);
+            i.discount = amount(i.discount, &c).parse().unwrap_or(i.discount);
+            i
+        })
+        .collect();
+    OrderView {
+        number: o.number,
+        seller_id: o.seller_id,
+        buyer_id: o.buyer_id,
+        kind: o.kind,
+        interval: o.interval,
+        subtotal: amount(o.subtotal, &c),
+        discount: amount(o.discount, &c),
+        total: amount(o.total, &c),
+        platform_fee: amount(o.platform_fee, &c),
+        seller_net: amount(o.seller_net, &c),
+        amount_refunded: amount(o.amount_refunded, &c),
+        currency: o.currency,
+        status: o.status,
+        payment_status: o.payment_status,
+        gateway: o.gateway,
+        payment: match (o.session_id, o.payment_url) {
+            (Some(session_id), Some(url)) => Some(PaymentLinkView {
+                gateway: o.gateway,
+                session_id,
+                url,
+            }),
+            _ => None,
+        },
+        expires_at: o.expires_at,
+        paid_at: o.paid_at,
+        created_at: o.created_at,
+        items,
+    }
+}
+
+/// Order `number`, as clients see it.
+pub async fn view(pool: &sqlx::PgPool, number: i64) -> Result<Option<OrderView>, sqlx::Error> {
+    let row: Option<OrderRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {ORDER_COLUMNS} FROM orders WHERE number = $1"
+    )))
+    .bind(number)
+    .fetch_optional(pool)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let items = items(pool, row.id).await?;
+    Ok(Some(view_of(row, items)))
+}
+
+/// The orders of a checkout, by number.
+pub async fn of_checkout(
+    pool: &sqlx::PgPool,
+    checkout: i64,
+) -> Result<Vec<OrderView>, sqlx::Error> {
+    let rows: Vec<OrderRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {ORDER_COLUMNS} FROM orders WHERE checkout_id = $1 ORDER BY number"
+    )))
+    .bind(checkout)
+    .fetch_all(pool)
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        let items = items(pool, row.id).await?;
+        out.push(view_of(row, items));
+    }
+    Ok(out)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReopenError {
+    #[error("no order {0}")]
+    NotFound(i64),
+    #[error("order {number} is {status}; only an order awaiting payment can be paid")]
+    NotPayable { number: i64, status: OrderStatus },
+    #[error(transparent)]
+    Queue(#[from] crate::queue::QueueError),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// The buyer reopens payment of an order still waiting for it: its expiry moves to `expiry`
+/// from now (the expiry job is replaced). Returns the order.
+pub async fn reopen(
+    pool: &sqlx::PgPool,
+    number: i64,
+    expiry: std::time::Duration,
+) -> Result<OrderView, ReopenError> {
+    let mut tx = pool.begin().await?;
+    let row: Option<(i64, OrderStatus)> =
+        sqlx::query_as("SELECT id, status FROM orders WHERE number = $1 FOR UPDATE")
+            .bind(number)
+            .fetch_optional(&mut *tx)
+            .await?;
+    let (id, status) = row.ok_or(ReopenError::NotFound(number))?;
+    if !status.is_payable() {
+        return Err(ReopenError::NotPayable { number, status });
+    }
+    let expires_at =
+        Utc::now() + chrono::Duration::from_std(expiry).unwrap_or(chrono::Duration::minutes(30));
+    sqlx::query(
+        "UPDATE orders SET status = 'awaiting_payment', expires_at = $2, updated_at = now() WHERE id = $1",
+    )
+    .bind(id)
+    .bind(expires_at)
+    .execute(&mut *tx)
+    .await?;
+    expiry::schedule(&mut tx, number, expires_at).await?;
+    record_event(
+        &mut tx,
+        id,
+        OrderEventKind::Reopened,
+        serde_json::json!({"expires_at": expires_at}),
+    )
+    .await?;
+    tx.commit().await?;
+    view(pool, number)
+        .await?
+        .ok_or(ReopenError::NotFound(number))
+}
+
+/// An operator ends the wait of an order now: its expiry job is moved to now (replacing it),
+/// and the workers expire it as they would have later.
+pub async fn expire_now(pool: &sqlx::PgPool, number: i64) -> Result<(), ReopenError> {
+    let mut tx = pool.begin().await?;
+    let row: Option<(i64, OrderStatus)> =
+        sqlx::query_as("SELECT id, status FROM orders WHERE number = $1 FOR UPDATE")
+            .bind(number)
+            .fetch_optional(&mut *tx)
+            .await?;
+    let (id, status) = row.ok_or(ReopenError::NotFound(number))?;
+    if !status.is_payable() {
+        return Err(ReopenError::NotPayable { number, status });
+    }
+    let now = Utc::now();
+    sqlx::query("UPDATE orders SET expires_at = $2, updated_at = now() WHERE id = $1")
+        .bind(id)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+    expiry::schedule(&mut tx, number, now).await?;
+    tx.commit().await?;
+    Ok(())
 }

@@ -10,10 +10,10 @@
 use rust_decimal::Decimal;
 use sqlx::PgConnection;
 
-use super::{ProcessError, ProcessPaymentEvent};
+use super::{ProcessError, ProcessPaymentEvent, RefundLatePayment};
 use crate::gateways::{DisputeStatus, Fact, GatewayName, PaymentRef, PaymentStatus};
 use crate::money::Money;
-use crate::orders;
+use crate::orders::{self, PaymentEffect};
 use crate::payment_status::{Facts, derive_status};
 use crate::queue::{self, NewJob};
 
@@ -44,6 +44,8 @@ pub enum Rejection {
     },
     #[error("the payment was recorded as {recorded}; this event says {got}")]
     PaymentAmountChanged { recorded: String, got: String },
+    #[error("paid {paid} for an order of {order}: the order is not confirmed")]
+    AmountMismatch { order: Money, paid: Money },
     #[error("payment {payment_id} belongs to session {recorded}; this event names session {got}")]
     PaymentOfAnotherSession {
         payment_id: String,
@@ -309,7 +311,7 @@ pub(crate) async fn apply(
     }
 
     // The facts recorded so far are kept (and derived from) even when a later one must wait.
-    let order_changed = derive_and_apply(tx, gateway, po.id).await?;
+    let order_changed = derive_and_apply(tx, gateway, po.id, event_id).await?;
     // The payment is known now: whatever waited for it looks again (if it is still not captured,
     // a refund simply waits again).
     let mut keys = vec![session_key(&po.session_id)];
@@ -462,30 +464,50 @@ async fn record_dispute(
     }
 }
 
-/// Derives the payment's status from its facts and brings the payment row and the order in
-/// line. Returns whether the order changed.
+/// Everything recorded about a payment.
+#[derive(sqlx::FromRow)]
+struct Known {
+    session_id: String,
+    payment_id: Option<String>,
+    succeeded: bool,
+    failed: bool,
+    amount: Option<Decimal>,
+    currency: Option<String>,
+    refunded: Decimal,
+    disputes: Vec<DisputeStatus>,
+}
+
+/// Derives the payment's status from its facts and brings the payment row and its order in
+/// line. The order is found through the payment side's own record of the session
+/// (`payment_sessions`): a payment that no checkout asked for is recorded as an unmatched payment
+/// for an operator, never turned into an order. Returns whether the order (or the unmatched
+/// record) changed.
 async fn derive_and_apply(
     tx: &mut PgConnection,
     gateway: GatewayName,
     po_id: i64,
-) -> Result<bool, sqlx::Error> {
-    let (session_id, succeeded, failed, amount, currency, refunded, disputes): (
-        String,
-        bool,
-        bool,
-        Option<Decimal>,
-        Option<String>,
-        Decimal,
-        Vec<DisputeStatus>,
-    ) = sqlx::query_as(
-        "SELECT po.session_id, po.succeeded_at IS NOT NULL, po.failed_at IS NOT NULL, po.amount, po.currency::text,
-                COALESCE((SELECT sum(amount) FROM payment_refunds r WHERE r.payment_order_id = po.id), 0),
-                ARRAY(SELECT status FROM payment_disputes d WHERE d.payment_order_id = po.id)
+    event_id: i64,
+) -> Result<bool, ProcessError> {
+    let known: Known = sqlx::query_as(
+        "SELECT po.session_id, po.payment_id, po.succeeded_at IS NOT NULL AS succeeded,
+                po.failed_at IS NOT NULL AS failed, po.amount, po.currency::text AS currency,
+                COALESCE((SELECT sum(amount) FROM payment_refunds r WHERE r.payment_order_id = po.id), 0) AS refunded,
+                ARRAY(SELECT status FROM payment_disputes d WHERE d.payment_order_id = po.id) AS disputes
          FROM payment_orders po WHERE po.id = $1",
     )
     .bind(po_id)
     .fetch_one(&mut *tx)
     .await?;
+    let Known {
+        session_id,
+        payment_id,
+        succeeded,
+        failed,
+        amount,
+        currency,
+        refunded,
+        disputes,
+    } = known;
     let facts = Facts {
         succeeded,
         failed,
@@ -503,17 +525,110 @@ async fn derive_and_apply(
     .bind(refunded)
     .execute(&mut *tx)
     .await?;
-    let amount = amount.zip(currency.as_deref());
-    let (order_id, order_changed) =
-        orders::apply_payment(tx, gateway, &session_id, status, amount, refunded).await?;
-    sqlx::query(
-        "UPDATE payment_orders SET order_id = $2 WHERE id = $1 AND order_id IS DISTINCT FROM $2",
+    let paid: Option<Money> = amount
+        .zip(currency.as_deref())
+        .and_then(|(a, c)| Money::new(a, c.parse().ok()?).ok());
+    let session: Option<(i64, String, serde_json::Value)> = sqlx::query_as(
+        "SELECT order_number, url, metadata FROM payment_sessions WHERE gateway = $1 AND session_id = $2",
     )
-    .bind(po_id)
-    .bind(order_id)
+    .bind(gateway)
+    .bind(&session_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let effect = match &session {
+        Some((number, url, _)) => {
+            orders::apply_payment(
+                tx,
+                *number,
+                gateway,
+                (&session_id, url),
+                status,
+                paid,
+                refunded,
+            )
+            .await?
+        }
+        None => None,
+    };
+    match effect {
+        None => {
+            record_unmatched(
+                tx,
+                gateway,
+                &session_id,
+                payment_id.as_deref(),
+                status,
+                paid,
+                event_id,
+            )
+            .await
+        }
+        Some(PaymentEffect::Changed) => Ok(true),
+        Some(PaymentEffect::Unchanged) => Ok(false),
+        Some(PaymentEffect::AmountMismatch { order, paid }) => {
+            Err(Rejection::AmountMismatch { order, paid }.into())
+        }
+        Some(PaymentEffect::LatePayment { first }) => {
+            if first
+                && let (Some(payment_id), Some(paid), Some((number, _, metadata))) =
+                    (payment_id, paid, session)
+            {
+                let refund = RefundLatePayment {
+                    gateway,
+                    order_number: number,
+                    session_id: session_id.clone(),
+                    payment_id,
+                    amount: paid,
+                    seller_account: metadata
+                        .get("seller_account")
+                        .and_then(serde_json::Value::as_str)
+                        .map(str::to_owned),
+                };
+                queue::enqueue(&mut *tx, refund.job()?).await?;
+                tracing::warn!(%gateway, order = number, "paid after the order expired: refunding it");
+            }
+            Ok(true)
+        }
+    }
+}
+
+/// A payment no checkout asked for: kept for an operator, with its latest state.
+#[allow(clippy::too_many_arguments)]
+async fn record_unmatched(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    session_id: &str,
+    payment_id: Option<&str>,
+    status: crate::payment_status::PaymentOrderStatus,
+    paid: Option<Money>,
+    event_id: i64,
+) -> Result<bool, ProcessError> {
+    let changed = sqlx::query(
+        "INSERT INTO unmatched_payments (gateway, session_id, payment_id, status, amount, currency, event_id)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)
+         ON CONFLICT (gateway, session_id) DO UPDATE SET
+             payment_id = COALESCE(EXCLUDED.payment_id, unmatched_payments.payment_id),
+             status = EXCLUDED.status,
+             amount = COALESCE(EXCLUDED.amount, unmatched_payments.amount),
+             currency = COALESCE(EXCLUDED.currency, unmatched_payments.currency),
+             updated_at = now()
+         WHERE unmatched_payments.status IS DISTINCT FROM EXCLUDED.status
+            OR unmatched_payments.payment_id IS DISTINCT FROM COALESCE(EXCLUDED.payment_id, unmatched_payments.payment_id)
+            OR unmatched_payments.amount IS DISTINCT FROM COALESCE(EXCLUDED.amount, unmatched_payments.amount)",
+    )
+    .bind(gateway)
+    .bind(session_id)
+    .bind(payment_id)
+    .bind(status)
+    .bind(paid.map(|m| m.amount()))
+    .bind(paid.map(|m| m.currency().to_string()))
+    .bind(event_id)
     .execute(&mut *tx)
     .await?;
-    Ok(order_changed)
+    if changed.rows_affected() > 0 {
+        tracing::warn!(%gateway, session = session_id, %status, "a payment no checkout asked for: recorded as unmatched");
+    }
+    Ok(changed.rows_affected() > 0)
 }
 
 /// Enqueues, in this transaction, the processing of every event that waited for one of these

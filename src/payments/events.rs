@@ -182,3 +182,29 @@ pub async fn backlog(pool: &PgPool) -> Result<Vec<Backlog>, sqlx::Error> {
     .fetch_all(pool)
     .await
 }
+
+/// A payment no checkout asked for.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct UnmatchedPayment {
+    pub id: i64,
+    pub gateway: GatewayName,
+    pub session_id: String,
+    pub payment_id: Option<String>,
+    pub status: String,
+    pub amount: Option<String>,
+    pub currency: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// Payments no checkout asked for, newest first.
+pub async fn unmatched(pool: &PgPool, limit: i64) -> Result<Vec<UnmatchedPayment>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, gateway, session_id, payment_id, status, amount::text AS amount, currency::text AS currency,
+                created_at, updated_at
+         FROM unmatched_payments ORDER BY updated_at DESC, id DESC LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}

@@ -15,6 +15,9 @@
 
 mod apply;
 pub mod events;
+pub mod hosted;
+pub mod links;
+mod refunds;
 
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -25,6 +28,7 @@ use crate::gateways::{
 use crate::queue::{Job, JobError, NewJob, QueueError};
 
 pub use apply::Rejection;
+pub use refunds::RefundLatePayment;
 
 crate::text_enum! {
     /// `payment_events.outcome`.

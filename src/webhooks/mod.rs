@@ -31,23 +31,6 @@ pub struct WebhookSecrets {
 }
 
 impl WebhookSecrets {
-    /// For `up` with nothing configured: the internal and mock gateways get fresh secrets,
-    /// returned so they can be printed. Configured secrets are kept.
-    pub fn with_development_defaults(mut self) -> (Self, Vec<(&'static str, String)>) {
-        let mut made = Vec::new();
-        if self.internal.is_none() {
-            let (s, text) = StandardSecret::generate();
-            self.internal = Some(s);
-            made.push(("INTERNAL_WEBHOOK_SECRET", text));
-        }
-        if self.mock.is_none() {
-            let (s, text) = StandardSecret::generate();
-            self.mock = Some(s);
-            made.push(("MOCK_WEBHOOK_SECRET", text));
-        }
-        (self, made)
-    }
-
     pub fn enabled(&self, gateway: GatewayName) -> bool {
         match gateway {
             GatewayName::Stripe => self.stripe.is_some(),

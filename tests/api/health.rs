@@ -32,7 +32,7 @@ async fn a_receiver_is_ready_with_its_database_and_writer_whatever_rabbitmq_does
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn readiness_fails_when_the_database_is_gone(pool: PgPool) {
-    let proxy = DbProxy::start(&pool).await;
+    let proxy = DbProxy::for_database(&pool).await;
     let app = spawn_app(proxy.pool(&pool)).await;
     proxy.set(Link::Refused);
     let started = std::time::Instant::now();

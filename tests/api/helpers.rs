@@ -2,7 +2,7 @@ use std::net::SocketAddr;
 
 use payfleet::config::Config;
 use payfleet::gateways::GatewayName;
-use payfleet::payments::{ProcessPaymentEvent, Processor};
+use payfleet::payments::ProcessPaymentEvent;
 use payfleet::queue::{Job, QueueSettings, Registry, work_until_idle};
 use payfleet::secret::Secret;
 use payfleet::startup::{self, Roles, Running};
@@ -27,10 +27,21 @@ pub fn all_secrets() -> WebhookSecrets {
     }
 }
 
-/// The configuration of a test process: the built-in defaults, every gateway enabled.
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
+
+/// The configuration of a test process: the built-in defaults, every gateway's webhooks
+/// enabled, an admin token, and RabbitMQ queues of its own (dropped by the broker a minute
+/// after the test stops using them).
 pub fn test_config() -> Config {
-    let mut config = Config::from(&[("PAYFLEET_QUEUES", "jobs/queues.toml")]).unwrap();
+    let mut config = Config::from(&[
+        ("PAYFLEET_QUEUES", "jobs/queues.toml"),
+        ("PAYFLEET_RPC_TIMEOUT_MS", "3000"),
+        ("PAYFLEET_AMQP_QUEUE_TTL_MS", "60000"),
+    ])
+    .unwrap();
     config.webhooks = all_secrets();
+    config.admin_token = Some(Secret::new(ADMIN_TOKEN));
+    config.amqp_namespace = format!("test-{:016x}", rand::random::<u64>());
     config
 }
 
@@ -38,6 +49,8 @@ pub struct TestApp {
     pub addr: SocketAddr,
     pub pool: PgPool,
     pub http: reqwest::Client,
+    /// The configuration it runs with (its public URL is its own address).
+    pub config: Config,
     /// Keeps the server (and its event writer) for the test's duration.
     _running: Running,
 }
@@ -48,13 +61,28 @@ pub async fn spawn_app(pool: PgPool) -> TestApp {
 
 /// Starts the receiver as `payfleet serve` does, on port 0 against the test's database.
 pub async fn spawn_app_with(pool: PgPool, config: Config) -> TestApp {
+    spawn_roles(pool, config, Roles::SERVE).await
+}
+
+/// Starts the receiver and the workers in one process, as `payfleet up` does.
+pub async fn spawn_fleet(pool: PgPool, config: Config) -> TestApp {
+    spawn_roles(pool, config, Roles::UP).await
+}
+
+pub async fn spawn_roles(pool: PgPool, mut config: Config, roles: Roles) -> TestApp {
     payfleet::tls::install_provider();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let running = startup::start(&config, pool.clone(), Roles::SERVE, Some(listener)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    // Payment pages and the hosted gateway's deliveries point at this server.
+    config.public_url = format!("http://{addr}");
+    config.internal_webhook_url = format!("http://{addr}/webhooks/internal");
+    config.mock_webhook_url = format!("http://{addr}/webhooks/mock");
+    let running = startup::start(&config, pool.clone(), roles, Some(listener)).unwrap();
     TestApp {
         addr: running.addr().unwrap(),
         pool,
         http: reqwest::Client::new(),
+        config,
         _running: running,
     }
 }
@@ -189,25 +217,58 @@ impl TestApp {
     }
 }
 
-/// The fleet's handlers, as `work` registers them.
-pub fn registry(processor: Processor) -> Registry {
-    startup::registry(processor).unwrap()
+/// Steps the event workers: runs every due processing job now, in this task.
+pub async fn process_events(pool: &PgPool) -> usize {
+    process_events_with(pool, &test_config()).await
 }
 
-/// Steps the event workers: runs every due processing job now, in this task.
-pub async fn process_events(pool: &PgPool, processor: Processor) -> usize {
+/// Steps a queue's workers, as `work` would run them with `config`.
+pub async fn step(pool: &PgPool, config: &Config, queue: &str) -> usize {
     let settings = QueueSettings {
         concurrency: 10,
         timeout_ms: 30_000,
     };
-    work_until_idle(
-        pool,
-        &registry(processor),
-        ProcessPaymentEvent::QUEUE,
-        &settings,
+    let registry: Registry = startup::registry(config, pool).unwrap();
+    work_until_idle(pool, &registry, queue, &settings)
+        .await
+        .unwrap()
+}
+
+pub async fn process_events_with(pool: &PgPool, config: &Config) -> usize {
+    step(pool, config, ProcessPaymentEvent::QUEUE).await
+}
+
+/// Orders as checkout would have made them, one per session, each with the payment side's
+/// session record, so that events for these sessions find their orders.
+pub async fn orders_for(
+    pool: &PgPool,
+    gateway: &str,
+    sessions: &[&str],
+    total: &str,
+    currency: &str,
+) {
+    sqlx::query(
+        "WITH s AS (INSERT INTO sellers (name, payout_frequency, payout_minimum)
+                    VALUES ('Fixture seller', 'weekly', 0) RETURNING id),
+              c AS (INSERT INTO checkouts (buyer_id, gateway) VALUES ('fixture-buyer', $1) RETURNING id),
+              n AS (UPDATE order_numbers SET last = last + cardinality($2::text[]) RETURNING last),
+              o AS (INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, currency, subtotal, total,
+                                        platform_fee, seller_net, gateway, session_id, payment_url, expires_at)
+                    SELECT n.last - cardinality($2::text[]) + t.i, c.id, s.id, 'fixture-buyer', 'one_off', $4,
+                           $3::numeric, $3::numeric, 0, $3::numeric, $1, t.session, 'http://pay/' || t.session,
+                           now() + interval '1 hour'
+                    FROM unnest($2::text[]) WITH ORDINALITY AS t(session, i), n, c, s
+                    RETURNING number, session_id)
+         INSERT INTO payment_sessions (order_number, gateway, session_id, url, amount, currency, platform_fee)
+         SELECT number, $1, session_id, 'http://pay/' || session_id, $3::numeric, $4, 0 FROM o",
     )
+    .bind(gateway)
+    .bind(sessions)
+    .bind(total)
+    .bind(currency)
+    .execute(pool)
     .await
-    .unwrap()
+    .unwrap();
 }
 
 pub async fn order_status(
@@ -216,7 +277,8 @@ pub async fn order_status(
     session: &str,
 ) -> Option<(String, Option<String>)> {
     sqlx::query_as(
-        "SELECT o.status, po.status FROM orders o LEFT JOIN payment_orders po ON po.order_id = o.id
+        "SELECT o.status, po.status FROM orders o
+         LEFT JOIN payment_orders po ON po.gateway = o.gateway AND po.session_id = o.session_id
          WHERE o.gateway = $1 AND o.session_id = $2",
     )
     .bind(gateway)
@@ -277,8 +339,12 @@ pub async fn processed_events(pool: &PgPool) -> i64 {
         .unwrap()
 }
 
-/// Delivers `n` payment webhooks for sessions `sess_0..n`, 16 at a time.
+/// Delivers `n` payment webhooks for the orders of sessions `sess_0..n` (made here), 16 at a
+/// time.
 pub async fn deliver_payments(app: &std::sync::Arc<TestApp>, n: usize) {
+    let sessions: Vec<String> = (0..n).map(|i| format!("sess_{i}")).collect();
+    let names: Vec<&str> = sessions.iter().map(String::as_str).collect();
+    orders_for(&app.pool, "internal", &names, "10.00", "BRL").await;
     let mut tasks = tokio::task::JoinSet::new();
     for w in 0..16 {
         let app = app.clone();
@@ -309,22 +375,29 @@ pub enum Link {
     Blackhole,
 }
 
-/// A TCP proxy in front of PostgreSQL, so a test can make the database really unreachable for
-/// the app under test while other tests keep using the server.
-pub struct DbProxy {
+/// A TCP proxy in front of PostgreSQL or RabbitMQ, so a test can make them really unreachable
+/// for the app under test while other tests keep using the servers.
+pub struct TcpProxy {
     pub addr: SocketAddr,
     link: tokio::sync::watch::Sender<Link>,
 }
 
-impl DbProxy {
-    pub async fn start(pool: &PgPool) -> DbProxy {
+/// The proxy in front of the test's PostgreSQL server.
+pub type DbProxy = TcpProxy;
+
+impl TcpProxy {
+    pub async fn for_database(pool: &PgPool) -> TcpProxy {
         let o = pool.connect_options();
         let host = if o.get_host().starts_with('/') {
             "127.0.0.1".to_owned()
         } else {
             o.get_host().to_owned()
         };
-        let upstream = format!("{host}:{}", o.get_port());
+        Self::start(&format!("{host}:{}", o.get_port())).await
+    }
+
+    pub async fn start(upstream: &str) -> TcpProxy {
+        let upstream = upstream.to_owned();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (link, mut watch) = tokio::sync::watch::channel(Link::Up);
@@ -371,7 +444,7 @@ impl DbProxy {
                 }
             }
         });
-        DbProxy { addr, link }
+        TcpProxy { addr, link }
     }
 
     pub fn set(&self, link: Link) {

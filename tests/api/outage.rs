@@ -58,7 +58,7 @@ fn assert_all_unavailable_within(
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn with_the_database_gone_every_sender_gets_a_fast_503_and_nothing_is_lost(pool: PgPool) {
-    let proxy = DbProxy::start(&pool).await;
+    let proxy = DbProxy::for_database(&pool).await;
     let app = Arc::new(spawn_app(proxy.pool(&pool)).await);
     let (status, _) = app
         .deliver(&internal(
@@ -116,7 +116,7 @@ async fn with_the_database_gone_every_sender_gets_a_fast_503_and_nothing_is_lost
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_full_writer_queue_refuses_at_once_instead_of_blocking(pool: PgPool) {
-    let proxy = DbProxy::start(&pool).await;
+    let proxy = DbProxy::for_database(&pool).await;
     let mut config = test_config();
     config.webhook_queue_capacity = 8;
     let app = Arc::new(spawn_app_with(proxy.pool(&pool), config).await);

@@ -186,7 +186,7 @@ async fn operators_list_unprocessed_events_and_replay_them(pool: PgPool) {
     .unwrap();
     app.deliver(&internal("msg_r", &refund_body("sess_9", "r9", "1.00")))
         .await;
-    process_events(&pool, payfleet::payments::Processor::default()).await;
+    process_events(&pool).await;
 
     let out = run(&pool, &["events", "unprocessed"]).await;
     assert!(out.status.success());
@@ -216,7 +216,7 @@ async fn operators_list_unprocessed_events_and_replay_them(pool: PgPool) {
         String::from_utf8(out.stdout).unwrap().trim(),
         format!("event {id} will be processed again")
     );
-    process_events(&pool, payfleet::payments::Processor::default()).await;
+    process_events(&pool).await;
     assert_eq!(
         order_status(&pool, "internal", "sess_0").await.unwrap().0,
         "paid"

@@ -2,7 +2,8 @@ use axum::Json;
 use axum::extract::Path;
 use axum::response::IntoResponse;
 use axum::routing::get;
-use payfleet::gateways::{GatewayName, MercadoPagoClient};
+use payfleet::config::MercadoPagoApi;
+use payfleet::gateways::GatewayName;
 use payfleet::payments::{Processed, Processor};
 use payfleet::queue::rescue_expired;
 use payfleet::secret::Secret;
@@ -13,6 +14,7 @@ use crate::helpers::*;
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_paid_event_becomes_one_paid_order(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_1"], "19.90", "BRL").await;
     app.deliver(&internal(
         "msg_1",
         &payment_body("payment.succeeded", "sess_1", "19.90"),
@@ -26,7 +28,7 @@ async fn a_paid_event_becomes_one_paid_order(pool: PgPool) {
         &payment_body("payment.succeeded", "sess_1", "19.90"),
     ))
     .await;
-    assert_eq!(process_events(&pool, Processor::default()).await, 1);
+    assert_eq!(process_events(&pool).await, 1);
 
     let (order, payment) = order_status(&pool, "internal", "sess_1").await.unwrap();
     assert_eq!(
@@ -63,6 +65,7 @@ async fn a_paid_event_becomes_one_paid_order(pool: PgPool) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_second_paid_event_for_the_same_payment_is_one_effect(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_1"], "10.00", "BRL").await;
     // Two different event ids saying the same thing (a gateway that re-emits).
     app.deliver(&internal(
         "msg_a",
@@ -74,7 +77,7 @@ async fn a_second_paid_event_for_the_same_payment_is_one_effect(pool: PgPool) {
         &payment_body("payment.succeeded", "sess_1", "10.00"),
     ))
     .await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     let outcomes: Vec<String> =
         sqlx::query_scalar("SELECT outcome FROM payment_events ORDER BY id")
             .fetch_all(&pool)
@@ -91,18 +94,20 @@ async fn a_second_paid_event_for_the_same_payment_is_one_effect(pool: PgPool) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_refund_before_its_payment_ends_refunded(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_1"], "25.00", "BRL").await;
+    orders_for(&pool, "internal", &["sess_2"], "30.00", "BRL").await;
     app.deliver(&internal(
         "msg_refund",
         &refund_body("sess_1", "ref_1", "25.00"),
     ))
     .await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     app.deliver(&internal(
         "msg_paid",
         &payment_body("payment.succeeded", "sess_1", "25.00"),
     ))
     .await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     let (order, payment) = order_status(&pool, "internal", "sess_1").await.unwrap();
     assert_eq!(
         (order.as_str(), payment.as_deref()),
@@ -125,7 +130,7 @@ async fn a_refund_before_its_payment_ends_refunded(pool: PgPool) {
         &refund_body("sess_2", "ref_2", "10.00"),
     ))
     .await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     let (order, _) = order_status(&pool, "internal", "sess_2").await.unwrap();
     assert_eq!(order, "partially_refunded");
     let refunded: rust_decimal::Decimal =
@@ -143,12 +148,13 @@ async fn a_refund_before_its_payment_ends_refunded(pool: PgPool) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_failed_attempt_then_success_ends_paid_and_a_late_failure_does_not_undo_it(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_1"], "5.00", "BRL").await;
     app.deliver(&internal(
         "m1",
         &payment_body("payment.failed", "sess_1", "5.00"),
     ))
     .await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     assert_eq!(
         order_status(&pool, "internal", "sess_1").await.unwrap().0,
         "payment_failed"
@@ -163,7 +169,7 @@ async fn a_failed_attempt_then_success_ends_paid_and_a_late_failure_does_not_und
         &payment_body("payment.failed", "sess_1", "5.00"),
     ))
     .await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     assert_eq!(
         order_status(&pool, "internal", "sess_1").await.unwrap().0,
         "paid"
@@ -173,6 +179,7 @@ async fn a_failed_attempt_then_success_ends_paid_and_a_late_failure_does_not_und
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_dispute_decided_before_it_was_opened_stays_decided(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["s"], "8.00", "BRL").await;
     let dispute = |kind: &str| {
         format!(
             r#"{{"type":"{kind}","data":{{"session_id":"s","payment_id":"p","dispute_id":"dp_1","amount":"8.00","currency":"BRL"}}}}"#
@@ -186,7 +193,7 @@ async fn a_dispute_decided_before_it_was_opened_stays_decided(pool: PgPool) {
     app.deliver(&internal("m2", &dispute("dispute.lost"))).await;
     app.deliver(&internal("m3", &dispute("dispute.created")))
         .await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     assert_eq!(
         order_status(&pool, "internal", "s").await.unwrap().0,
         "charged_back"
@@ -196,6 +203,7 @@ async fn a_dispute_decided_before_it_was_opened_stays_decided(pool: PgPool) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn concurrent_processing_of_one_event_applies_it_once(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_1"], "10.00", "BRL").await;
     app.deliver(&internal(
         "msg_1",
         &payment_body("payment.succeeded", "sess_1", "10.00"),
@@ -224,6 +232,7 @@ async fn concurrent_processing_of_one_event_applies_it_once(pool: PgPool) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_worker_that_died_mid_way_leaves_the_event_to_be_processed_again(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_1"], "10.00", "BRL").await;
     app.deliver(&internal(
         "msg_1",
         &payment_body("payment.succeeded", "sess_1", "10.00"),
@@ -232,7 +241,7 @@ async fn a_worker_that_died_mid_way_leaves_the_event_to_be_processed_again(pool:
     // The dead worker claimed the job and got half-way through the effects: its transaction
     // never committed, so only its claim is left, with a lease nobody renews.
     let mut tx = pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO orders (gateway, session_id, status) VALUES ('internal', 'sess_1', 'awaiting_payment')")
+    sqlx::query("UPDATE orders SET status = 'paid', paid_at = now() WHERE session_id = 'sess_1'")
         .execute(&mut *tx)
         .await
         .unwrap();
@@ -245,7 +254,7 @@ async fn a_worker_that_died_mid_way_leaves_the_event_to_be_processed_again(pool:
     .await
     .unwrap();
     assert_eq!(
-        process_events(&pool, Processor::default()).await,
+        process_events(&pool).await,
         0,
         "a leased job is not claimable"
     );
@@ -255,7 +264,7 @@ async fn a_worker_that_died_mid_way_leaves_the_event_to_be_processed_again(pool:
         .execute(&pool)
         .await
         .unwrap(); // skip the backoff
-    assert_eq!(process_events(&pool, Processor::default()).await, 1);
+    assert_eq!(process_events(&pool).await, 1);
     let (order, _) = order_status(&pool, "internal", "sess_1").await.unwrap();
     assert_eq!(order, "paid");
     let (attempt, errors): (i32, serde_json::Value) =
@@ -283,10 +292,11 @@ async fn a_worker_that_died_mid_way_leaves_the_event_to_be_processed_again(pool:
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn stripe_refund_before_the_checkout_waits_for_it(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "stripe", &["cs_1"], "19.90", "BRL").await;
     let refund = r#"{"id":"evt_r","type":"charge.refunded","data":{"object":{"id":"ch_1","payment_intent":"pi_1","refunds":{"data":[{"id":"re_1","amount":1990,"currency":"brl","status":"succeeded"}]}}}}"#;
     let paid = r#"{"id":"evt_p","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
     app.deliver(&stripe(refund, now())).await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     // Kept, not retried: its job is done and the event says what it waits for.
     let (job_state, outcome, waiting_for): (String, String, String) = sqlx::query_as(
         "SELECT j.state, e.outcome, e.waiting_for FROM payment_events e
@@ -303,7 +313,7 @@ async fn stripe_refund_before_the_checkout_waits_for_it(pool: PgPool) {
     // The payment arrives (days later, for all it matters): it confirms the order and brings
     // the waiting refund back, which then applies.
     app.deliver(&stripe(paid, now())).await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     let (order, payment) = order_status(&pool, "stripe", "cs_1").await.unwrap();
     assert_eq!(
         (order.as_str(), payment.as_deref()),
@@ -323,17 +333,18 @@ async fn stripe_refund_before_the_checkout_waits_for_it(pool: PgPool) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn razorpay_captured_payment_confirms_the_order(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "razorpay", &["order_1"], "500.00", "INR").await;
     let authorized = r#"{"entity":"event","event":"payment.authorized","contains":["payment"],"payload":{"payment":{"entity":{"id":"pay_1","amount":50000,"currency":"INR","status":"authorized","order_id":"order_1"}}},"created_at":1700000000}"#;
     let captured = r#"{"entity":"event","event":"payment.captured","contains":["payment"],"payload":{"payment":{"entity":{"id":"pay_1","amount":50000,"currency":"INR","status":"captured","order_id":"order_1"}}},"created_at":1700000060}"#;
     app.deliver(&razorpay("evt_a", authorized)).await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     assert_eq!(
         order_status(&pool, "razorpay", "order_1").await.unwrap().0,
         "awaiting_payment",
         "authorized is not money yet"
     );
     app.deliver(&razorpay("evt_c", captured)).await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     assert_eq!(
         order_status(&pool, "razorpay", "order_1").await.unwrap().0,
         "paid"
@@ -357,11 +368,12 @@ async fn mercadopago_events_are_checked_against_the_api(pool: PgPool) {
     tokio::spawn(async move { axum::serve(listener, api).await });
 
     let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "mercadopago", &["pref_1"], "120.50", "BRL").await;
     app.deliver(&mercadopago("777", "req-1", now() * 1000))
         .await;
     // Without API access the event cannot be read: rejected with the reason, kept, and
     // replayable once the access token is configured.
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     let (job_state, outcome, detail): (String, String, String) = sqlx::query_as(
         "SELECT j.state, e.outcome, e.outcome_detail FROM payment_events e
          JOIN jobs j ON j.key = 'payment_event:mercadopago:' || e.event_id",
@@ -382,10 +394,12 @@ async fn mercadopago_events_are_checked_against_the_api(pool: PgPool) {
         payfleet::payments::events::replay(&pool, id).await.unwrap(),
         payfleet::payments::events::Replayed::Queued
     );
-    let processor = Processor {
-        mercadopago: Some(MercadoPagoClient::new(&base, Secret::new("TEST-token")).unwrap()),
-    };
-    process_events(&pool, processor).await;
+    let mut config = test_config();
+    config.mercadopago = Some(MercadoPagoApi {
+        base_url: base.clone(),
+        access_token: Secret::new("TEST-token"),
+    });
+    process_events_with(&pool, &config).await;
     let (order, payment) = order_status(&pool, "mercadopago", "pref_1").await.unwrap();
     assert_eq!(
         (order.as_str(), payment.as_deref()),
@@ -408,6 +422,7 @@ async fn event_outcome(pool: &PgPool, event_id: &str) -> (String, Option<String>
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn permanent_failures_are_rejected_at_once_with_their_reason(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["s1", "s2", "s3"], "10.00", "BRL").await;
     app.deliver(&internal(
         "paid",
         &payment_body("payment.succeeded", "s1", "10.00"),
@@ -431,7 +446,7 @@ async fn permanent_failures_are_rejected_at_once_with_their_reason(pool: PgPool)
         r#"{"type":"payment.succeeded","data":{"session_id":"s3","payment_id":"pay_s1","amount":"10.00","currency":"BRL"}}"#,
     ))
     .await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
 
     for (event, reason) in [
         (
@@ -468,7 +483,10 @@ async fn permanent_failures_are_rejected_at_once_with_their_reason(pool: PgPool)
         order_status(&pool, "internal", "s1").await.unwrap().0,
         "paid"
     );
-    assert_eq!(order_status(&pool, "internal", "s2").await, None);
+    assert_eq!(
+        order_status(&pool, "internal", "s2").await,
+        Some(("awaiting_payment".into(), None))
+    );
 
     // Replayed after a fix (here: a refund that fits once the payment is known larger), a
     // rejected event is processed again; one that still does not fit stays rejected.
@@ -477,7 +495,7 @@ async fn permanent_failures_are_rejected_at_once_with_their_reason(pool: PgPool)
         .await
         .unwrap();
     payfleet::payments::events::replay(&pool, id).await.unwrap();
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     let (outcome, _, _, _) = event_outcome(&pool, "too_much").await;
     assert_eq!(outcome, "rejected");
 }
@@ -526,6 +544,7 @@ fn stripe_dispute(evt: &str, kind: &str, status: &str) -> String {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn stripe_disputes_end_in_their_state_and_stay_decided(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "stripe", &["cs_1"], "19.90", "BRL").await;
     let paid = r#"{"id":"evt_p","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
     let dispute_state = async || -> String {
         sqlx::query_scalar("SELECT status FROM payment_disputes WHERE dispute_id = 'dp_1'")
@@ -539,7 +558,7 @@ async fn stripe_disputes_end_in_their_state_and_stay_decided(pool: PgPool) {
         now(),
     ))
     .await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     assert_eq!(
         order_status(&pool, "stripe", "cs_1").await.unwrap().0,
         "disputed"
@@ -550,7 +569,7 @@ async fn stripe_disputes_end_in_their_state_and_stay_decided(pool: PgPool) {
         now(),
     ))
     .await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     assert_eq!(dispute_state().await, "won");
     assert_eq!(
         order_status(&pool, "stripe", "cs_1").await.unwrap().0,
@@ -564,7 +583,7 @@ async fn stripe_disputes_end_in_their_state_and_stay_decided(pool: PgPool) {
     ] {
         app.deliver(&stripe(&stripe_dispute(evt, kind, status), now()))
             .await;
-        process_events(&pool, Processor::default()).await;
+        process_events(&pool).await;
         assert_eq!(dispute_state().await, "won", "{status}");
     }
     assert_eq!(
@@ -576,6 +595,14 @@ async fn stripe_disputes_end_in_their_state_and_stay_decided(pool: PgPool) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn every_stripe_closing_status_decides_the_dispute(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
+    orders_for(
+        &pool,
+        "stripe",
+        &["cs_0", "cs_1", "cs_2", "cs_3", "cs_4", "cs_5"],
+        "19.90",
+        "BRL",
+    )
+    .await;
     for (n, (status, dispute, order)) in [
         ("won", "won", "paid"),
         ("warning_closed", "won", "paid"),
@@ -599,7 +626,7 @@ async fn every_stripe_closing_status_decides_the_dispute(pool: PgPool) {
         );
         for body in [paid, opened, closed] {
             app.deliver(&stripe(&body, now())).await;
-            process_events(&pool, Processor::default()).await;
+            process_events(&pool).await;
         }
         let got: String =
             sqlx::query_scalar("SELECT status FROM payment_disputes WHERE dispute_id = $1")
@@ -648,10 +675,20 @@ async fn mercadopago_api(
 async fn mercadopago_mediations_end_won_or_as_a_refund(pool: PgPool) {
     let payments = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
     let base = mercadopago_api(payments.clone()).await;
-    let processor = Processor {
-        mercadopago: Some(MercadoPagoClient::new(&base, Secret::new("TEST-token")).unwrap()),
-    };
+    let mut config = test_config();
+    config.mercadopago = Some(MercadoPagoApi {
+        base_url: base,
+        access_token: Secret::new("TEST-token"),
+    });
     let app = spawn_app(pool.clone()).await;
+    orders_for(
+        &pool,
+        "mercadopago",
+        &["pref_101", "pref_202", "pref_303"],
+        "50.00",
+        "BRL",
+    )
+    .await;
     let set = |id: &str, status: &str, refunds: serde_json::Value| {
         payments.lock().unwrap().insert(
             id.to_owned(),
@@ -666,7 +703,7 @@ async fn mercadopago_mediations_end_won_or_as_a_refund(pool: PgPool) {
         request += 1;
         app.deliver(&mercadopago(id, &format!("req-{request}"), now() * 1000))
             .await;
-        process_events(&pool, processor.clone()).await;
+        process_events_with(&pool, &config).await;
     };
     let dispute = async |id: &str| -> (String, String) {
         let state: String =
@@ -732,11 +769,12 @@ async fn a_refund_and_its_payment_processed_in_one_batch_both_apply(pool: PgPool
     // The refund decides to wait while its own run is still being recorded, and the payment,
     // processed right after in the same batch, must still bring it back.
     let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "stripe", &["cs_1"], "19.90", "BRL").await;
     let refund = r#"{"id":"evt_r","type":"charge.refunded","data":{"object":{"id":"ch_1","payment_intent":"pi_1","refunds":{"data":[{"id":"re_1","amount":990,"currency":"brl","status":"succeeded"}]}}}}"#;
     let paid = r#"{"id":"evt_p","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
     app.deliver(&stripe(refund, now())).await;
     app.deliver(&stripe(paid, now())).await;
-    process_events(&pool, Processor::default()).await;
+    process_events(&pool).await;
     let (order, payment) = order_status(&pool, "stripe", "cs_1").await.unwrap();
     assert_eq!(
         (order.as_str(), payment.as_deref()),

@@ -1,0 +1,203 @@
+//! One interface for every gateway: create a payment session (the payment link), read a
+//! payment's state, refund, and map the gateway's statuses to ours (an unknown status maps to a
+//! safe default, pending, and is logged). A registry picks implementations by name; registering
+//! a name twice is an error.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use super::{GatewayName, PaymentStatus};
+use crate::money::Money;
+
+pub type GatewayFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, GatewayError>> + Send + 'a>>;
+
+/// A payment session to create for one order.
+#[derive(Debug, Clone)]
+pub struct SessionRequest {
+    pub order_number: i64,
+    pub amount: Money,
+    /// The platform's commission (Stripe Connect takes it on the charge).
+    pub platform_fee: Money,
+    /// The seller's Stripe Connect account, for direct charges.
+    pub seller_account: Option<String>,
+    pub description: String,
+    /// A subscription's billing interval (`day`, `week`, `month`, `year`).
+    pub recurring_interval: Option<String>,
+    /// Carried with the session (the seller, the split) and back in the gateway's events.
+    pub metadata: BTreeMap<String, String>,
+    /// The same key for the same order: a repeated request creates nothing new.
+    pub idempotency_key: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Session {
+    pub session_id: String,
+    pub url: String,
+}
+
+/// What the gateway says about a session's payment now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PaymentState {
+    pub status: PaymentStatus,
+    pub payment_id: Option<String>,
+    pub amount: Option<Money>,
+}
+
+#[derive(Debug, Clone)]
+pub struct RefundRequest {
+    pub session_id: String,
+    pub payment_id: String,
+    pub amount: Money,
+    pub seller_account: Option<String>,
+    /// The same key for the same refund: asking twice refunds once.
+    pub idempotency_key: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefundReceipt {
+    pub refund_id: String,
+    /// Done (`true`) or accepted and still processing.
+    pub succeeded: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("{gateway} is not reachable")]
+    Unreachable {
+        gateway: GatewayName,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("{gateway} answered {status}: {message}")]
+    Api {
+        gateway: GatewayName,
+        status: u16,
+        code: Option<String>,
+        message: String,
+    },
+    #[error("{gateway}'s answer does not read as documented")]
+    Decode {
+        gateway: GatewayName,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A request this gateway cannot take (a seller without a Stripe account, an amount too
+    /// large for minor units, a refund beyond the payment, an unknown session).
+    #[error("{0}")]
+    Refused(String),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+impl GatewayError {
+    /// Asking again later may work: the network, a rate limit, the gateway's own trouble, a
+    /// concurrent request with the same idempotency key, an outage of our database.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Unreachable { .. } => true,
+            Self::Api { status, .. } => *status == 409 || *status == 429 || *status >= 500,
+            Self::Decode { .. } | Self::Refused(_) => false,
+            Self::Database(e) => crate::db::is_transient(e),
+        }
+    }
+
+    /// A short machine-readable code.
+    pub fn code(&self) -> &str {
+        match self {
+            Self::Unreachable { .. } => "gateway_unreachable",
+            Self::Api { code: Some(c), .. } => c,
+            Self::Api { .. } => "gateway_error",
+            Self::Decode { .. } => "gateway_answer_unreadable",
+            Self::Refused(_) => "gateway_refused",
+            Self::Database(_) => "unavailable",
+        }
+    }
+}
+
+/// A payment gateway.
+pub trait PaymentGateway: Send + Sync {
+    fn name(&self) -> GatewayName;
+    /// Creates (or, for the same idempotency key, finds) the session an order is paid through.
+    fn create_session<'a>(&'a self, request: &'a SessionRequest) -> GatewayFuture<'a, Session>;
+    /// The state of a session's payment, asked of the gateway now.
+    fn status<'a>(
+        &'a self,
+        session_id: &'a str,
+        seller_account: Option<&'a str>,
+    ) -> GatewayFuture<'a, PaymentState>;
+    fn refund<'a>(&'a self, request: &'a RefundRequest) -> GatewayFuture<'a, RefundReceipt>;
+    /// The gateway's payment status in our words; anything unknown is pending (moves no money)
+    /// and is logged.
+    fn map_status(&self, raw: &str) -> PaymentStatus;
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("gateway {0} is registered twice")]
+pub struct DuplicateGateway(pub GatewayName);
+
+/// The enabled gateways, by name.
+#[derive(Clone, Default)]
+pub struct GatewayRegistry {
+    gateways: HashMap<GatewayName, Arc<dyn PaymentGateway>>,
+}
+
+impl std::fmt::Debug for GatewayRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.names()).finish()
+    }
+}
+
+impl GatewayRegistry {
+    pub fn register(&mut self, gateway: Arc<dyn PaymentGateway>) -> Result<(), DuplicateGateway> {
+        let name = gateway.name();
+        if self.gateways.contains_key(&name) {
+            return Err(DuplicateGateway(name));
+        }
+        self.gateways.insert(name, gateway);
+        Ok(())
+    }
+
+    pub fn get(&self, name: GatewayName) -> Option<Arc<dyn PaymentGateway>> {
+        self.gateways.get(&name).cloned()
+    }
+
+    pub fn names(&self) -> Vec<GatewayName> {
+        let mut names: Vec<GatewayName> = self.gateways.keys().copied().collect();
+        names.sort_by_key(|g| g.as_str());
+        names
+    }
+}
+
+/// Logs a status a mapper did not know (the mapper then answers pending).
+pub(crate) fn unknown_status(gateway: GatewayName, raw: &str) -> PaymentStatus {
+    tracing::warn!(%gateway, status = raw, "unknown payment status; treated as pending");
+    PaymentStatus::Pending
+}
+
+/// Reads a gateway's JSON answer, or its error.
+pub(crate) async fn read_json<T: serde::de::DeserializeOwned>(
+    gateway: GatewayName,
+    response: Result<reqwest::Response, reqwest::Error>,
+    error_message: impl Fn(&serde_json::Value) -> (Option<String>, Option<String>),
+) -> Result<T, GatewayError> {
+    let response = response.map_err(|source| GatewayError::Unreachable { gateway, source })?;
+    let status = response.status();
+    let bytes = response
+        .bytes()
+        .await
+        .map_err(|source| GatewayError::Unreachable { gateway, source })?;
+    if !status.is_success() {
+        let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+        let (code, message) = error_message(&body);
+        return Err(GatewayError::Api {
+            gateway,
+            status: status.as_u16(),
+            code,
+            message: message
+                .unwrap_or_else(|| status.canonical_reason().unwrap_or("an error").to_owned()),
+        });
+    }
+    serde_json::from_slice(&bytes).map_err(|source| GatewayError::Decode { gateway, source })
+}

@@ -1,0 +1,326 @@
+//! The internal gateway (and the mock, which behaves the same under another name): payfleet's
+//! own, with the platform as merchant of record. The whole amount lands in the platform's
+//! account; the split (seller, fee, net) travels in the session's metadata and is settled in the
+//! seller's ledger when paid. Its state lives in our database (`internal_payments`,
+//! `internal_refunds`) as an outside gateway's would live in theirs, and it reports what happens
+//! the way they do: a Standard Webhooks-signed event (`internal_events`), delivered to the
+//! receiver by whoever implements [`EventSink`] (a job with retries).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use rust_decimal::Decimal;
+use serde_json::json;
+use sqlx::{PgConnection, PgPool};
+
+use super::api::{
+    GatewayError, GatewayFuture, PaymentGateway, PaymentState, RefundReceipt, RefundRequest,
+    Session, SessionRequest, unknown_status,
+};
+use super::{GatewayName, PaymentStatus};
+use crate::money::Money;
+
+/// Receives the events the gateway emits, inside the transaction that produced them, to deliver
+/// them once it commits.
+pub trait EventSink: Send + Sync {
+    fn emitted<'a>(
+        &'a self,
+        tx: &'a mut PgConnection,
+        gateway: GatewayName,
+        event_id: &'a str,
+    ) -> Pin<Box<dyn Future<Output = Result<(), sqlx::Error>> + Send + 'a>>;
+}
+
+/// The buyer's choice on the hosted payment page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Succeeded,
+    Failed,
+}
+
+/// A session of the hosted gateway, as its payment page shows it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct HostedPayment {
+    pub session_id: String,
+    pub gateway: GatewayName,
+    pub order_number: i64,
+    pub amount: Decimal,
+    pub currency: String,
+    pub status: String,
+    pub payment_id: Option<String>,
+}
+
+impl HostedPayment {
+    pub fn money(&self) -> Result<Money, crate::money::MoneyError> {
+        Money::new(self.amount, self.currency.parse()?)
+    }
+}
+
+#[derive(Clone)]
+pub struct HostedGateway {
+    name: GatewayName,
+    pool: PgPool,
+    public_url: String,
+    sink: Arc<dyn EventSink>,
+}
+
+fn random_id(prefix: &str) -> String {
+    format!("{prefix}_{:024x}", rand::random::<u128>() >> 32)
+}
+
+impl HostedGateway {
+    /// `name`: internal or mock. Payment pages are served under `public_url`.
+    pub fn new(
+        name: GatewayName,
+        pool: PgPool,
+        public_url: &str,
+        sink: Arc<dyn EventSink>,
+    ) -> Self {
+        Self {
+            name,
+            pool,
+            public_url: public_url.trim_end_matches('/').to_owned(),
+            sink,
+        }
+    }
+
+    async fn create(&self, r: &SessionRequest) -> Result<Session, GatewayError> {
+        let prefix = if self.name == GatewayName::Mock {
+            "mps"
+        } else {
+            "ips"
+        };
+        let metadata = serde_json::to_value(&r.metadata).unwrap_or_default();
+        // Idempotent by order: a second request finds the first session.
+        let session_id: String = sqlx::query_scalar(
+            "WITH new AS (
+                 INSERT INTO internal_payments (session_id, gateway, order_number, amount, currency, metadata)
+                 VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (gateway, order_number) DO NOTHING
+                 RETURNING session_id)
+             SELECT session_id FROM new
+             UNION ALL SELECT session_id FROM internal_payments WHERE gateway = $2 AND order_number = $3
+             LIMIT 1",
+        )
+        .bind(random_id(prefix))
+        .bind(self.name)
+        .bind(r.order_number)
+        .bind(r.amount.amount())
+        .bind(r.amount.currency().as_str())
+        .bind(metadata)
+        .fetch_one(&self.pool)
+        .await?;
+        let url = format!("{}/pay/{session_id}", self.public_url);
+        Ok(Session { session_id, url })
+    }
+
+    async fn read(&self, session_id: &str) -> Result<PaymentState, GatewayError> {
+        let p = payment(&self.pool, session_id)
+            .await?
+            .filter(|p| p.gateway == self.name)
+            .ok_or_else(|| {
+                GatewayError::Refused(format!("no {} session {session_id}", self.name))
+            })?;
+        Ok(PaymentState {
+            status: self.map_status(&p.status),
+            payment_id: p.payment_id.clone(),
+            amount: p.money().ok(),
+        })
+    }
+
+    /// Records the buyer's choice on the payment page, once: a session is decided once. Returns
+    /// the session as it stands (already decided: unchanged).
+    pub async fn decide(
+        &self,
+        session_id: &str,
+        outcome: Outcome,
+    ) -> Result<HostedPayment, GatewayError> {
+        let mut tx = self.pool.begin().await?;
+        let (status, payment_id) = match outcome {
+            Outcome::Succeeded => ("succeeded", Some(random_id("ipay"))),
+            Outcome::Failed => ("failed", None),
+        };
+        let decided: Option<HostedPayment> = sqlx::query_as(
+            "UPDATE internal_payments SET status = $3, payment_id = $4, decided_at = now()
+             WHERE session_id = $1 AND gateway = $2 AND status = 'pending'
+             RETURNING session_id, gateway, order_number, amount, currency::text AS currency, status, payment_id",
+        )
+        .bind(session_id)
+        .bind(self.name)
+        .bind(status)
+        .bind(&payment_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(p) = decided else {
+            return payment(&self.pool, session_id)
+                .await?
+                .filter(|p| p.gateway == self.name)
+                .ok_or_else(|| {
+                    GatewayError::Refused(format!("no {} session {session_id}", self.name))
+                });
+        };
+        let kind = match outcome {
+            Outcome::Succeeded => "payment.succeeded",
+            Outcome::Failed => "payment.failed",
+        };
+        let data = json!({
+            "session_id": p.session_id,
+            "payment_id": p.payment_id,
+            "amount": p.money().map(|m| m.amount().to_string()).unwrap_or_default(),
+            "currency": p.currency,
+        });
+        self.emit(&mut tx, kind, data).await?;
+        tx.commit().await?;
+        Ok(p)
+    }
+
+    async fn refund_payment(&self, r: &RefundRequest) -> Result<RefundReceipt, GatewayError> {
+        let mut tx = self.pool.begin().await?;
+        // The same refund asked twice is one refund.
+        let known: Option<String> =
+            sqlx::query_scalar("SELECT refund_id FROM internal_refunds WHERE idempotency_key = $1")
+                .bind(&r.idempotency_key)
+                .fetch_optional(&mut *tx)
+                .await?;
+        if let Some(refund_id) = known {
+            return Ok(RefundReceipt {
+                refund_id,
+                succeeded: true,
+            });
+        }
+        let p: Option<HostedPayment> = sqlx::query_as(
+            "SELECT session_id, gateway, order_number, amount, currency::text AS currency, status, payment_id
+             FROM internal_payments WHERE session_id = $1 AND gateway = $2 FOR UPDATE",
+        )
+        .bind(&r.session_id)
+        .bind(self.name)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let p = p
+            .filter(|p| {
+                p.status == "succeeded" && p.payment_id.as_deref() == Some(r.payment_id.as_str())
+            })
+            .ok_or_else(|| {
+                GatewayError::Refused(format!("no paid payment {} to refund", r.payment_id))
+            })?;
+        let refunded: Decimal = sqlx::query_scalar(
+            "SELECT COALESCE(sum(amount), 0) FROM internal_refunds WHERE session_id = $1",
+        )
+        .bind(&r.session_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        if r.amount.currency().as_str() != p.currency || refunded + r.amount.amount() > p.amount {
+            return Err(GatewayError::Refused(format!(
+                "a refund of {} would exceed the {} {} paid",
+                r.amount, p.amount, p.currency
+            )));
+        }
+        let refund_id = random_id("irf");
+        sqlx::query(
+            "INSERT INTO internal_refunds (refund_id, session_id, amount, idempotency_key) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(&refund_id)
+        .bind(&r.session_id)
+        .bind(r.amount.amount())
+        .bind(&r.idempotency_key)
+        .execute(&mut *tx)
+        .await?;
+        let data = json!({
+            "session_id": r.session_id,
+            "payment_id": r.payment_id,
+            "refund_id": refund_id,
+            "amount": r.amount.amount().to_string(),
+            "currency": r.amount.currency(),
+        });
+        self.emit(&mut tx, "refund.succeeded", data).await?;
+        tx.commit().await?;
+        Ok(RefundReceipt {
+            refund_id,
+            succeeded: true,
+        })
+    }
+
+    async fn emit(
+        &self,
+        tx: &mut PgConnection,
+        kind: &str,
+        data: serde_json::Value,
+    ) -> Result<(), GatewayError> {
+        let id = random_id("msg");
+        sqlx::query("INSERT INTO internal_events (id, gateway, body) VALUES ($1, $2, $3)")
+            .bind(&id)
+            .bind(self.name)
+            .bind(json!({"type": kind, "data": data}))
+            .execute(&mut *tx)
+            .await?;
+        self.sink.emitted(tx, self.name, &id).await?;
+        Ok(())
+    }
+}
+
+/// A hosted session by id, whichever hosted gateway made it.
+pub async fn payment(
+    pool: &PgPool,
+    session_id: &str,
+) -> Result<Option<HostedPayment>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT session_id, gateway, order_number, amount, currency::text AS currency, status, payment_id
+         FROM internal_payments WHERE session_id = $1",
+    )
+    .bind(session_id)
+    .fetch_optional(pool)
+    .await
+}
+
+/// An event the hosted gateway emitted, to deliver: its gateway and signed body.
+pub async fn event(
+    pool: &PgPool,
+    id: &str,
+) -> Result<Option<(GatewayName, serde_json::Value)>, sqlx::Error> {
+    sqlx::query_as("SELECT gateway, body FROM internal_events WHERE id = $1")
+        .bind(id)
+        .fetch_optional(pool)
+        .await
+}
+
+pub async fn mark_delivered(pool: &PgPool, id: &str) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE internal_events SET delivered_at = COALESCE(delivered_at, now()) WHERE id = $1",
+    )
+    .bind(id)
+    .execute(pool)
+    .await
+    .map(|_| ())
+}
+
+impl PaymentGateway for HostedGateway {
+    fn name(&self) -> GatewayName {
+        self.name
+    }
+
+    fn create_session<'a>(&'a self, request: &'a SessionRequest) -> GatewayFuture<'a, Session> {
+        Box::pin(self.create(request))
+    }
+
+    fn status<'a>(
+        &'a self,
+        session_id: &'a str,
+        _seller_account: Option<&'a str>,
+    ) -> GatewayFuture<'a, PaymentState> {
+        Box::pin(self.read(session_id))
+    }
+
+    fn refund<'a>(&'a self, request: &'a RefundRequest) -> GatewayFuture<'a, RefundReceipt> {
+        Box::pin(self.refund_payment(request))
+    }
+
+    fn map_status(&self, raw: &str) -> PaymentStatus {
+        match raw {
+            "succeeded" => PaymentStatus::Succeeded,
+            "failed" => PaymentStatus::Failed,
+            "pending" => PaymentStatus::Pending,
+            other => unknown_status(self.name, other),
+        }
+    }
+}

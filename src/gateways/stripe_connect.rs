@@ -1,0 +1,261 @@
+//! Stripe Connect with direct charges: Checkout Sessions are created on the seller's connected
+//! account (`Stripe-Account`), with the platform's fee taken on the charge itself
+//! (`payment_intent_data[application_fee_amount]`, in minor units; for a subscription,
+//! `subscription_data[application_fee_percent]`). Requests are form-encoded, as Stripe's API
+//! takes them, and every POST carries an `Idempotency-Key`.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::api::{
+    GatewayError, GatewayFuture, PaymentGateway, PaymentState, RefundReceipt, RefundRequest,
+    Session, SessionRequest, read_json, unknown_status,
+};
+use super::{GatewayName, PaymentStatus};
+use crate::money::Money;
+use crate::secret::Secret;
+
+const NAME: GatewayName = GatewayName::Stripe;
+
+#[derive(Debug, Clone)]
+pub struct StripeConnect {
+    api: String,
+    secret_key: Secret,
+    success_url: String,
+    cancel_url: String,
+    http: reqwest::Client,
+}
+
+#[derive(Deserialize)]
+struct CheckoutSession {
+    id: String,
+    url: Option<String>,
+    payment_status: Option<String>,
+    payment_intent: Option<Value>,
+    amount_total: Option<i64>,
+    currency: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct StripeRefund {
+    id: String,
+    status: Option<String>,
+}
+
+/// Stripe's error body: `{"error": {"type", "code", "message"}}`.
+fn stripe_error(body: &Value) -> (Option<String>, Option<String>) {
+    let e = &body["error"];
+    let code = e["code"]
+        .as_str()
+        .or_else(|| e["type"].as_str())
+        .map(str::to_owned);
+    (code, e["message"].as_str().map(str::to_owned))
+}
+
+fn minor(m: &Money) -> Result<i64, GatewayError> {
+    m.minor_units()
+        .ok_or_else(|| GatewayError::Refused(format!("{m} does not fit Stripe's minor units")))
+}
+
+impl StripeConnect {
+    /// `api`: Stripe's base URL (`https://api.stripe.com`); `public_url`: where buyers come back.
+    pub fn new(api: &str, secret_key: Secret, public_url: &str) -> Result<Self, reqwest::Error> {
+        let public = public_url.trim_end_matches('/');
+        Ok(Self {
+            api: api.trim_end_matches('/').to_owned(),
+            secret_key,
+            success_url: format!("{public}/orders/paid?session_id={{CHECKOUT_SESSION_ID}}"),
+            cancel_url: format!("{public}/orders/cancelled"),
+            http: super::http_client(Duration::from_secs(15))?,
+        })
+    }
+
+    fn post(
+        &self,
+        path: &str,
+        account: Option<&str>,
+        idempotency_key: &str,
+        form: &[(String, String)],
+    ) -> reqwest::RequestBuilder {
+        let mut req = self
+            .http
+            .post(format!("{}{path}", self.api))
+            .bearer_auth(self.secret_key.expose())
+            .header("Idempotency-Key", idempotency_key)
+            .form(form);
+        if let Some(a) = account {
+            req = req.header("Stripe-Account", a);
+        }
+        req
+    }
+
+    async fn create(&self, r: &SessionRequest) -> Result<Session, GatewayError> {
+        let account = r.seller_account.as_deref().ok_or_else(|| {
+            GatewayError::Refused(
+                "the seller has no Stripe account (stripe_account) for direct charges".into(),
+            )
+        })?;
+        let currency = r.amount.currency().as_str().to_ascii_lowercase();
+        let mut form: Vec<(String, String)> = vec![
+            ("line_items[0][quantity]".into(), "1".into()),
+            ("line_items[0][price_data][currency]".into(), currency),
+            (
+                "line_items[0][price_data][unit_amount]".into(),
+                minor(&r.amount)?.to_string(),
+            ),
+            (
+                "line_items[0][price_data][product_data][name]".into(),
+                r.description.clone(),
+            ),
+            ("client_reference_id".into(), r.order_number.to_string()),
+            ("success_url".into(), self.success_url.clone()),
+            ("cancel_url".into(), self.cancel_url.clone()),
+        ];
+        match &r.recurring_interval {
+            Some(interval) => {
+                form.push(("mode".into(), "subscription".into()));
+                form.push((
+                    "line_items[0][price_data][recurring][interval]".into(),
+                    interval.clone(),
+                ));
+                // Subscriptions take the fee as a percentage of each invoice.
+                let percent = if r.amount.is_zero() {
+                    rust_decimal::Decimal::ZERO
+                } else {
+                    (r.platform_fee.amount() * rust_decimal::Decimal::ONE_HUNDRED
+                        / r.amount.amount())
+                    .round_dp(2)
+                };
+                form.push((
+                    "subscription_data[application_fee_percent]".into(),
+                    percent.to_string(),
+                ));
+                for (k, v) in &r.metadata {
+                    form.push((format!("subscription_data[metadata][{k}]"), v.clone()));
+                }
+            }
+            None => {
+                form.push(("mode".into(), "payment".into()));
+                form.push((
+                    "payment_intent_data[application_fee_amount]".into(),
+                    minor(&r.platform_fee)?.to_string(),
+                ));
+                for (k, v) in &r.metadata {
+                    form.push((format!("payment_intent_data[metadata][{k}]"), v.clone()));
+                }
+            }
+        }
+        for (k, v) in &r.metadata {
+            form.push((format!("metadata[{k}]"), v.clone()));
+        }
+        let session: CheckoutSession = read_json(
+            NAME,
+            self.post(
+                "/v1/checkout/sessions",
+                Some(account),
+                &r.idempotency_key,
+                &form,
+            )
+            .send()
+            .await,
+            stripe_error,
+        )
+        .await?;
+        let url = session.url.ok_or_else(|| {
+            GatewayError::Refused("Stripe returned a session without a url".into())
+        })?;
+        Ok(Session {
+            session_id: session.id,
+            url,
+        })
+    }
+
+    async fn read(
+        &self,
+        session_id: &str,
+        account: Option<&str>,
+    ) -> Result<PaymentState, GatewayError> {
+        let mut req = self
+            .http
+            .get(format!("{}/v1/checkout/sessions/{session_id}", self.api))
+            .bearer_auth(self.secret_key.expose());
+        if let Some(a) = account {
+            req = req.header("Stripe-Account", a);
+        }
+        let s: CheckoutSession = read_json(NAME, req.send().await, stripe_error).await?;
+        let amount = match (s.amount_total, s.currency.as_deref()) {
+            (Some(units), Some(c)) => Some(
+                Money::from_minor(units, c)
+                    .map_err(|e| GatewayError::Refused(format!("Stripe's amount: {e}")))?,
+            ),
+            _ => None,
+        };
+        let payment_id = match s.payment_intent {
+            Some(Value::String(id)) => Some(id),
+            Some(Value::Object(o)) => o.get("id").and_then(Value::as_str).map(str::to_owned),
+            _ => None,
+        };
+        Ok(PaymentState {
+            status: self.map_status(s.payment_status.as_deref().unwrap_or("")),
+            payment_id,
+            amount,
+        })
+    }
+
+    async fn refund_payment(&self, r: &RefundRequest) -> Result<RefundReceipt, GatewayError> {
+        let form = vec![
+            ("payment_intent".to_owned(), r.payment_id.clone()),
+            ("amount".to_owned(), minor(&r.amount)?.to_string()),
+        ];
+        let refund: StripeRefund = read_json(
+            NAME,
+            self.post(
+                "/v1/refunds",
+                r.seller_account.as_deref(),
+                &r.idempotency_key,
+                &form,
+            )
+            .send()
+            .await,
+            stripe_error,
+        )
+        .await?;
+        Ok(RefundReceipt {
+            refund_id: refund.id,
+            succeeded: refund.status.as_deref() == Some("succeeded"),
+        })
+    }
+}
+
+impl PaymentGateway for StripeConnect {
+    fn name(&self) -> GatewayName {
+        NAME
+    }
+
+    fn create_session<'a>(&'a self, request: &'a SessionRequest) -> GatewayFuture<'a, Session> {
+        Box::pin(self.create(request))
+    }
+
+    fn status<'a>(
+        &'a self,
+        session_id: &'a str,
+        seller_account: Option<&'a str>,
+    ) -> GatewayFuture<'a, PaymentState> {
+        Box::pin(self.read(session_id, seller_account))
+    }
+
+    fn refund<'a>(&'a self, request: &'a RefundRequest) -> GatewayFuture<'a, RefundReceipt> {
+        Box::pin(self.refund_payment(request))
+    }
+
+    /// A Checkout Session's `payment_status`.
+    fn map_status(&self, raw: &str) -> PaymentStatus {
+        match raw {
+            "paid" | "no_payment_required" => PaymentStatus::Succeeded,
+            "unpaid" => PaymentStatus::Pending,
+            other => unknown_status(NAME, other),
+        }
+    }
+}

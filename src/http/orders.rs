@@ -1,0 +1,70 @@
+//! Checkout and orders: `POST /checkout`, `GET /orders/{number}`,
+//! `POST /orders/{number}/payment`.
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::{get, post};
+
+use super::{ApiError, AppState, JsonBody};
+use crate::orders::{self, OrderView};
+
+pub(super) fn routes(state: AppState) -> axum::Router {
+    axum::Router::new()
+        .route("/checkout", post(checkout))
+        .route("/orders/{number}", get(order))
+        .route("/orders/{number}/payment", post(reopen))
+        .with_state(state)
+}
+
+async fn checkout(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody<serde_json::Value>,
+) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+    let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
+    let answer = state.checkout.run(key, body).await?;
+    Ok((StatusCode::CREATED, Json(answer)))
+}
+
+fn number(raw: &str) -> Result<i64, ApiError> {
+    raw.parse::<i64>()
+        .ok()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| ApiError::NotFound(format!("no order {raw:?}")))
+}
+
+async fn order(
+    State(state): State<AppState>,
+    Path(raw): Path<String>,
+) -> Result<Json<OrderView>, ApiError> {
+    let n = number(&raw)?;
+    let order = orders::view(&state.pool, n)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no order {n}")))?;
+    Ok(Json(order))
+}
+
+/// The buyer reopens payment: the expiry moves to a full period from now, and the order gets
+/// its payment link if it had none yet.
+async fn reopen(
+    State(state): State<AppState>,
+    Path(raw): Path<String>,
+) -> Result<Json<OrderView>, ApiError> {
+    let n = number(&raw)?;
+    let order = orders::reopen(&state.pool, n, state.checkout.expiry).await?;
+    if order.payment.is_none() {
+        orders::checkout::link(&state.pool, state.checkout.links.as_ref(), &order)
+            .await
+            .map_err(|(reason, _)| ApiError::DependencyDown {
+                code: "payment_link_unavailable",
+                message: format!(
+                    "order {n} is kept and payable, but the payment side did not give its link ({reason}); try again"
+                ),
+            })?;
+    }
+    let order = orders::view(&state.pool, n)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no order {n}")))?;
+    Ok(Json(order))
+}

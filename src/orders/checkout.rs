@@ -1,0 +1,509 @@
+//! `POST /checkout`: from a cart to orders with payment links, idempotent by `Idempotency-Key`.
+//!
+//! 1. The key is claimed (a row in `idempotency_keys`, committed at once): a repeat with the
+//!    same body gets the first answer; with another body, 422; while the first request still
+//!    runs, 409. A crashed request lets go of the key after [`KEY_LOCK`].
+//! 2. One transaction prices the cart from the server's own catalogue, takes the coupon's
+//!    redemptions under its row lock, numbers the orders from the counter row (sequential, no
+//!    gaps), writes orders, items, redemptions and their `created` events, schedules each
+//!    order's expiry, and ties the checkout to the key.
+//! 3. For each order without a link, the payment side is asked over RabbitMQ. If it does not
+//!    answer, the buyer gets 503 and the orders are kept: the same request again (or
+//!    `POST /orders/{number}/payment`) asks again. Once every order has its link, the answer is
+//!    stored with the key and returned to every repeat.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use rust_decimal::Decimal;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use sqlx::{PgConnection, PgPool};
+
+use super::pricing::{self, PricingError};
+use super::{OrderEventKind, OrderView, expiry, of_checkout, record_event};
+use crate::catalogue::{self, ProductId, ProductKind};
+use crate::gateways::GatewayName;
+use crate::messaging::rpc::{PaymentLinkReply, PaymentLinkRequest, PaymentLinks, RpcError};
+use crate::queue::QueueError;
+
+/// How long a request holds its key before another may take over (it crashed).
+pub const KEY_LOCK: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CheckoutRequest {
+    pub buyer_id: String,
+    pub items: Vec<CheckoutItem>,
+    pub coupon: Option<String>,
+    pub gateway: String,
+}
+
+/// A line of the cart. Anything else the client sends (a price, say) is not read.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CheckoutItem {
+    pub product_id: String,
+    pub quantity: i64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckoutError {
+    #[error("the Idempotency-Key header is missing")]
+    MissingKey,
+    #[error("the Idempotency-Key must be 1 to 255 visible characters")]
+    BadKey,
+    #[error("the request body is not a checkout: {0}")]
+    BadRequest(String),
+    #[error("this Idempotency-Key was used with a different request")]
+    KeyReused,
+    #[error("a request with this Idempotency-Key is still running")]
+    KeyInUse,
+    #[error("{0}")]
+    UnknownProduct(String),
+    #[error("{0}")]
+    InvalidItems(String),
+    #[error("{0}")]
+    CouponUnavailable(String),
+    #[error("{0}")]
+    GatewayUnavailable(String),
+    #[error("{0}")]
+    InvalidBuyer(String),
+    #[error(
+        "the orders are kept, but the payment side did not give their payment links ({reason}); send the same request again, or POST /orders/{{number}}/payment, to get them"
+    )]
+    LinksUnavailable { reason: String, transient: bool },
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+impl From<PricingError> for CheckoutError {
+    fn from(e: PricingError) -> Self {
+        match e {
+            PricingError::InvalidItems(m) => Self::InvalidItems(m),
+            PricingError::CouponUnavailable(m) => Self::CouponUnavailable(m),
+        }
+    }
+}
+
+impl CheckoutError {
+    /// A refusal of the input: nothing was stored, and the key is free again.
+    fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            Self::UnknownProduct(_)
+                | Self::InvalidItems(_)
+                | Self::CouponUnavailable(_)
+                | Self::GatewayUnavailable(_)
+                | Self::InvalidBuyer(_)
+        )
+    }
+}
+
+/// What checkout needs.
+#[derive(Clone)]
+pub struct Checkout {
+    pub pool: PgPool,
+    pub links: Arc<dyn PaymentLinks>,
+    /// The platform's commission, in percent of each order's total.
+    pub fee_percent: Decimal,
+    /// How long an order waits for its payment.
+    pub expiry: Duration,
+    /// The gateways buyers can pay through.
+    pub gateways: Vec<GatewayName>,
+}
+
+/// The answer: the checkout's orders.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CheckoutAnswer {
+    pub orders: Vec<OrderView>,
+}
+
+enum Claim {
+    /// The first complete answer, stored.
+    Answered(serde_json::Value),
+    /// Ours to work on; the checkout, if its orders exist already.
+    Owned(Option<i64>),
+}
+
+fn request_hash(body: &serde_json::Value) -> Vec<u8> {
+    // serde_json keeps object keys sorted: the same request hashes the same however it was
+    // spaced or ordered.
+    Sha256::digest(body.to_string().as_bytes()).to_vec()
+}
+
+impl Checkout {
+    /// Runs a checkout; returns the answer's JSON (stored with the key once complete).
+    pub async fn run(
+        &self,
+        key: Option<&str>,
+        body: serde_json::Value,
+    ) -> Result<serde_json::Value, CheckoutError> {
+        let key = key.ok_or(CheckoutError::MissingKey)?.trim();
+        if key.is_empty() || key.len() > 255 || key.chars().any(|c| c.is_control()) {
+            return Err(CheckoutError::BadKey);
+        }
+        let request: CheckoutRequest = serde_json::from_value(body.clone())
+            .map_err(|e| CheckoutError::BadRequest(e.to_string()))?;
+        let checkout = match self.claim(key, &request_hash(&body)).await? {
+            Claim::Answered(answer) => return Ok(answer),
+            Claim::Owned(Some(checkout)) => checkout,
+            Claim::Owned(None) => match self.create(key, &request).await {
+                Ok(c) => c,
+                Err(e) => {
+                    self.let_go(key, e.is_refusal()).await;
+                    return Err(e);
+                }
+            },
+        };
+        let result = self.complete(key, checkout).await;
+        if result.is_err() {
+            self.let_go(key, false).await;
+        }
+        result
+    }
+
+    async fn claim(&self, key: &str, hash: &[u8]) -> Result<Claim, CheckoutError> {
+        let lock_secs = KEY_LOCK.as_secs_f64();
+        let inserted: Option<String> = sqlx::query_scalar(
+            "INSERT INTO idempotency_keys (key, request_hash, locked_until)
+             VALUES ($1, $2, now() + $3 * interval '1 second')
+             ON CONFLICT (key) DO NOTHING RETURNING key",
+        )
+        .bind(key)
+        .bind(hash)
+        .bind(lock_secs)
+        .fetch_optional(&self.pool)
+        .await?;
+        if inserted.is_some() {
+            return Ok(Claim::Owned(None));
+        }
+        let (stored_hash, _checkout, response, locked): (
+            Vec<u8>,
+            Option<i64>,
+            Option<serde_json::Value>,
+            bool,
+        ) = sqlx::query_as(
+            "SELECT request_hash, checkout_id, response, COALESCE(locked_until > now(), false)
+                 FROM idempotency_keys WHERE key = $1",
+        )
+        .bind(key)
+        .fetch_one(&self.pool)
+        .await?;
+        if stored_hash != hash {
+            return Err(CheckoutError::KeyReused);
+        }
+        if let Some(answer) = response {
+            return Ok(Claim::Answered(answer));
+        }
+        if locked {
+            return Err(CheckoutError::KeyInUse);
+        }
+        // The first request ended without a complete answer (503, or it crashed): take over.
+        let taken: Option<Option<i64>> = sqlx::query_scalar(
+            "UPDATE idempotency_keys SET locked_until = now() + $2 * interval '1 second'
+             WHERE key = $1 AND response IS NULL AND (locked_until IS NULL OR locked_until <= now())
+             RETURNING checkout_id",
+        )
+        .bind(key)
+        .bind(lock_secs)
+        .fetch_optional(&self.pool)
+        .await?;
+        match taken {
+            Some(checkout) => Ok(Claim::Owned(checkout)),
+            None => Err(CheckoutError::KeyInUse),
+        }
+    }
+
+    /// Gives the key up: removed after a refusal (nothing was stored, the client may fix the
+    /// request and send it with the same key), unlocked otherwise.
+    async fn let_go(&self, key: &str, refused: bool) {
+        let sql = if refused {
+            "DELETE FROM idempotency_keys WHERE key = $1 AND checkout_id IS NULL"
+        } else {
+            "UPDATE idempotency_keys SET locked_until = NULL WHERE key = $1"
+        };
+        if let Err(e) = sqlx::query(sql).bind(key).execute(&self.pool).await {
+            // It lets go by itself after KEY_LOCK.
+            tracing::warn!(error = %e, "could not release an idempotency key");
+        }
+    }
+
+    /// The checkout's transaction: orders, items, redemptions, numbers, expiry jobs, key.
+    async fn create(&self, key: &str, r: &CheckoutRequest) -> Result<i64, CheckoutError> {
+        let buyer = r.buyer_id.trim();
+        if buyer.is_empty() || buyer.chars().count() > 200 {
+            return Err(CheckoutError::InvalidBuyer(
+                "buyer_id must be 1 to 200 characters".into(),
+            ));
+        }
+        let gateway: GatewayName = r.gateway.parse().map_err(|_| {
+            CheckoutError::GatewayUnavailable(format!("unknown gateway {:?}", r.gateway))
+        })?;
+        if !self.gateways.contains(&gateway) {
+            return Err(CheckoutError::GatewayUnavailable(format!(
+                "gateway {gateway} is not enabled here"
+            )));
+        }
+        let mut wanted: Vec<(ProductId, u32)> = Vec::with_capacity(r.items.len());
+        for item in &r.items {
+            let id: ProductId = item.product_id.parse().map_err(|_| {
+                CheckoutError::UnknownProduct(format!("no product {:?}", item.product_id))
+            })?;
+            let quantity = u32::try_from(item.quantity)
+                .ok()
+                .filter(|q| (1..=i32::MAX as u32).contains(q))
+                .ok_or_else(|| {
+                    CheckoutError::InvalidItems(format!(
+                        "quantity {} of product {id} must be at least 1",
+                        item.quantity
+                    ))
+                })?;
+            wanted.push((id, quantity));
+        }
+        if wanted.is_empty() {
+            return Err(CheckoutError::InvalidItems("the cart is empty".into()));
+        }
+
+        let mut tx = self.pool.begin().await?;
+        // Only one request works on a key at a time (the claim), but the row lock makes the
+        // tie between key and checkout exact.
+        let existing: Option<i64> = sqlx::query_scalar(
+            "SELECT checkout_id FROM idempotency_keys WHERE key = $1 FOR UPDATE",
+        )
+        .bind(key)
+        .fetch_one(&mut *tx)
+        .await?;
+        if let Some(checkout) = existing {
+            return Ok(checkout);
+        }
+        let ids: Vec<ProductId> = wanted.iter().map(|(id, _)| *id).collect();
+        let products = catalogue::products(&mut *tx, &ids).await?;
+        let mut items = Vec::with_capacity(wanted.len());
+        for (id, quantity) in &wanted {
+            let product = products
+                .iter()
+                .find(|p| p.id == *id)
+                .ok_or_else(|| CheckoutError::UnknownProduct(format!("no product {id}")))?;
+            items.push((product.clone(), *quantity));
+        }
+        let coupon = match &r.coupon {
+            Some(code) if !code.trim().is_empty() => Some(
+                catalogue::lock_coupon(&mut tx, code)
+                    .await?
+                    .ok_or_else(|| {
+                        CheckoutError::CouponUnavailable(format!("no coupon {code:?}"))
+                    })?,
+            ),
+            _ => None,
+        };
+        let now = Utc::now();
+        let priced = pricing::price(&items, coupon.as_ref(), self.fee_percent, now)?;
+        if gateway == GatewayName::Stripe {
+            self.check_stripe_accounts(&mut tx, &priced).await?;
+        }
+        let redemptions = priced.iter().filter(|o| o.uses_coupon()).count() as i32;
+        if let Some(c) = &coupon
+            && redemptions > 0
+            && !catalogue::redeem(&mut tx, c.id, redemptions).await?
+        {
+            return Err(CheckoutError::CouponUnavailable(format!(
+                "coupon {} is used up",
+                c.code
+            )));
+        }
+        let checkout: i64 = sqlx::query_scalar(
+            "INSERT INTO checkouts (buyer_id, gateway, coupon_id) VALUES ($1, $2, $3) RETURNING id",
+        )
+        .bind(buyer)
+        .bind(gateway)
+        .bind(coupon.as_ref().map(|c| c.id))
+        .fetch_one(&mut *tx)
+        .await?;
+        let expires_at =
+            now + chrono::Duration::from_std(self.expiry).unwrap_or(chrono::Duration::minutes(30));
+        // Numbers last: the counter row stays locked until commit, so the less follows it the
+        // more checkouts run at once.
+        let last: i64 = sqlx::query_scalar(
+            "UPDATE order_numbers SET last = last + $1 WHERE singleton RETURNING last",
+        )
+        .bind(priced.len() as i64)
+        .fetch_one(&mut *tx)
+        .await?;
+        let first = last - priced.len() as i64 + 1;
+        for (i, o) in priced.iter().enumerate() {
+            let number = first + i as i64;
+            let order_id: i64 = sqlx::query_scalar(
+                "INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, \"interval\", currency,
+                                     subtotal, discount, total, platform_fee, seller_net, gateway, coupon_id, expires_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) RETURNING id",
+            )
+            .bind(number)
+            .bind(checkout)
+            .bind(o.seller_id)
+            .bind(buyer)
+            .bind(o.kind)
+            .bind(o.interval)
+            .bind(o.currency.as_str())
+            .bind(o.subtotal.amount())
+            .bind(o.discount.amount())
+            .bind(o.total.amount())
+            .bind(o.platform_fee.amount())
+            .bind(o.seller_net.amount())
+            .bind(gateway)
+            .bind(o.uses_coupon().then(|| coupon.as_ref().map(|c| c.id)).flatten())
+            .bind(expires_at)
+            .fetch_one(&mut *tx)
+            .await?;
+            for (line, l) in o.lines.iter().enumerate() {
+                sqlx::query(
+                    "INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                )
+                .bind(order_id)
+                .bind(line as i32 + 1)
+                .bind(l.product.id)
+                .bind(&l.product.name)
+                .bind(l.unit_price.amount())
+                .bind(l.quantity as i32)
+                .bind(l.subtotal.amount())
+                .bind(l.discount.amount())
+                .execute(&mut *tx)
+                .await?;
+            }
+            if o.uses_coupon()
+                && let Some(c) = &coupon
+            {
+                sqlx::query("INSERT INTO coupon_redemptions (order_id, coupon_id) VALUES ($1, $2)")
+                    .bind(order_id)
+                    .bind(c.id)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            record_event(
+                &mut tx,
+                order_id,
+                OrderEventKind::Created,
+                serde_json::json!({"number": number}),
+            )
+            .await?;
+            expiry::schedule(&mut tx, number, expires_at).await?;
+        }
+        sqlx::query("UPDATE idempotency_keys SET checkout_id = $2 WHERE key = $1")
+            .bind(key)
+            .bind(checkout)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(checkout)
+    }
+
+    /// Direct charges need each seller's Stripe account.
+    async fn check_stripe_accounts(
+        &self,
+        tx: &mut PgConnection,
+        priced: &[pricing::PricedOrder],
+    ) -> Result<(), CheckoutError> {
+        for o in priced {
+            let seller = catalogue::seller(&mut *tx, o.seller_id).await?;
+            if seller.and_then(|s| s.stripe_account).is_none() {
+                return Err(CheckoutError::GatewayUnavailable(format!(
+                    "seller {} has no Stripe account to be paid through Stripe",
+                    o.seller_id
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Asks for the links the checkout's orders lack; stores the answer once complete.
+    async fn complete(&self, key: &str, checkout: i64) -> Result<serde_json::Value, CheckoutError> {
+        let orders = of_checkout(&self.pool, checkout).await?;
+        let mut failure: Option<(String, bool)> = None;
+        for o in orders.iter().filter(|o| o.payment.is_none()) {
+            if let Err(e) = link(&self.pool, self.links.as_ref(), o).await {
+                failure = Some(e);
+            }
+        }
+        if let Some((reason, transient)) = failure {
+            return Err(CheckoutError::LinksUnavailable { reason, transient });
+        }
+        let orders = of_checkout(&self.pool, checkout).await?;
+        let answer = serde_json::to_value(CheckoutAnswer { orders }).unwrap_or_default();
+        sqlx::query(
+            "UPDATE idempotency_keys SET response = $2, locked_until = NULL WHERE key = $1",
+        )
+        .bind(key)
+        .bind(&answer)
+        .execute(&self.pool)
+        .await?;
+        Ok(answer)
+    }
+}
+
+/// Asks the payment side for an order's link and stores it on the order. Returns why not, and
+/// whether asking again later may work.
+pub async fn link(
+    pool: &PgPool,
+    links: &dyn PaymentLinks,
+    o: &OrderView,
+) -> Result<(), (String, bool)> {
+    let seller = catalogue::seller(pool, o.seller_id)
+        .await
+        .map_err(|e| (e.to_string(), true))?;
+    let money =
+        |v: &str| crate::money::Money::parse(v, &o.currency).map_err(|e| (e.to_string(), false));
+    let request = PaymentLinkRequest {
+        order_number: o.number,
+        gateway: o.gateway,
+        amount: money(&o.total)?,
+        platform_fee: money(&o.platform_fee)?,
+        seller_id: o.seller_id.to_string(),
+        seller_account: seller.and_then(|s| s.stripe_account),
+        buyer_id: o.buyer_id.clone(),
+        description: format!(
+            "Order {}{}",
+            o.number,
+            if o.kind == ProductKind::Subscription {
+                " (subscription)"
+            } else {
+                ""
+            }
+        ),
+        recurring_interval: o.interval.map(|i| i.as_str().to_owned()),
+    };
+    match links.create(&request).await {
+        Ok(PaymentLinkReply::Created { session_id, url }) => {
+            sqlx::query(
+                "UPDATE orders SET session_id = $2, payment_url = $3, updated_at = now()
+                 WHERE number = $1 AND session_id IS NULL",
+            )
+            .bind(o.number)
+            .bind(&session_id)
+            .bind(&url)
+            .execute(pool)
+            .await
+            .map_err(|e| (e.to_string(), true))?;
+            Ok(())
+        }
+        Ok(PaymentLinkReply::Failed {
+            code,
+            message,
+            retryable,
+        }) => {
+            tracing::warn!(order = o.number, %code, %message, "the payment side could not make a link");
+            Err((format!("{code}: {message}"), retryable))
+        }
+        Err(
+            e @ (RpcError::Timeout(_)
+            | RpcError::NotConnected
+            | RpcError::Lost
+            | RpcError::Publish(_)),
+        ) => {
+            tracing::warn!(order = o.number, error = %e, "no payment link");
+            Err((e.to_string(), true))
+        }
+        Err(e) => Err((e.to_string(), false)),
+    }
+}

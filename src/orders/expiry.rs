@@ -1,0 +1,110 @@
+//! An unpaid order expires by itself: one job per order (`order_expiry:<number>`), scheduled at
+//! checkout; scheduling it again (the buyer reopens payment) replaces the previous one. Expiry
+//! gives back the order's coupon redemption. A payment that arrives after expiry is refunded
+//! (see `apply_payment`).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sqlx::{PgConnection, PgPool};
+
+use super::{OrderEventKind, OrderStatus, record_event};
+use crate::catalogue::{self, CouponId};
+use crate::queue::{self, Job, NewJob, QueueError, Scheduled};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExpireOrder {
+    pub number: i64,
+}
+
+impl Job for ExpireOrder {
+    const KIND: &'static str = "expire_order";
+    const QUEUE: &'static str = "orders";
+}
+
+impl ExpireOrder {
+    pub fn key(number: i64) -> String {
+        format!("order_expiry:{number}")
+    }
+}
+
+/// Schedules (or moves) the expiry of order `number`, in the caller's transaction.
+pub async fn schedule(
+    tx: &mut PgConnection,
+    number: i64,
+    at: DateTime<Utc>,
+) -> Result<Scheduled, QueueError> {
+    queue::schedule(
+        &mut *tx,
+        NewJob::of(&ExpireOrder { number })?
+            .key(ExpireOrder::key(number))
+            .run_at(at),
+    )
+    .await
+}
+
+/// What an expiry run found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expiry {
+    Expired,
+    /// Paid (or otherwise decided) first: nothing to do.
+    NotPayable(OrderStatus),
+    /// Its time moved (payment reopened): run again then.
+    NotYet(Duration),
+    NoSuchOrder,
+}
+
+#[derive(sqlx::FromRow)]
+struct Row {
+    id: i64,
+    status: OrderStatus,
+    expires_at: DateTime<Utc>,
+}
+
+/// Expires order `number` if it is still waiting for payment and its time has come.
+pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let row: Option<Row> =
+        sqlx::query_as("SELECT id, status, expires_at FROM orders WHERE number = $1 FOR UPDATE")
+            .bind(number)
+            .fetch_optional(&mut *tx)
+            .await?;
+    let Some(o) = row else {
+        return Ok(Expiry::NoSuchOrder);
+    };
+    if !o.status.is_payable() {
+        return Ok(Expiry::NotPayable(o.status));
+    }
+    let now = Utc::now();
+    if o.expires_at > now {
+        return Ok(Expiry::NotYet(
+            (o.expires_at - now).to_std().unwrap_or_default(),
+        ));
+    }
+    sqlx::query(
+        "UPDATE orders SET status = 'expired', expired_at = now(), updated_at = now() WHERE id = $1",
+    )
+    .bind(o.id)
+    .execute(&mut *tx)
+    .await?;
+    let released: Option<CouponId> = sqlx::query_scalar(
+        "UPDATE coupon_redemptions SET released_at = now()
+         WHERE order_id = $1 AND released_at IS NULL RETURNING coupon_id",
+    )
+    .bind(o.id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some(coupon) = released {
+        catalogue::release_redemption(&mut tx, coupon).await?;
+    }
+    record_event(
+        &mut tx,
+        o.id,
+        OrderEventKind::Expired,
+        serde_json::json!({"number": number}),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(Expiry::Expired)
+}

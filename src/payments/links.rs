@@ -1,0 +1,114 @@
+//! The payment side of the payment-link RPC: one gateway session per order, created once.
+//! Asking again (a retry after a timeout, a reopened payment) returns the same session; the
+//! gateway is asked with an idempotency key per order, so even two requests racing create one
+//! session where the gateway honours it, and the first stored wins.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+
+use sqlx::PgPool;
+
+use crate::gateways::GatewayRegistry;
+use crate::gateways::api::SessionRequest;
+use crate::messaging::rpc::{LinkHandler, PaymentLinkReply, PaymentLinkRequest};
+
+pub struct LinkService {
+    pub pool: PgPool,
+    pub gateways: GatewayRegistry,
+}
+
+fn failed(code: &str, message: impl Into<String>, retryable: bool) -> PaymentLinkReply {
+    PaymentLinkReply::Failed {
+        code: code.to_owned(),
+        message: message.into(),
+        retryable,
+    }
+}
+
+impl LinkService {
+    pub async fn link(&self, r: PaymentLinkRequest) -> PaymentLinkReply {
+        match self.stored(r.order_number).await {
+            Ok(Some((session_id, url))) => return PaymentLinkReply::Created { session_id, url },
+            Ok(None) => {}
+            Err(e) => return failed("unavailable", e.to_string(), true),
+        }
+        let Some(gateway) = self.gateways.get(r.gateway) else {
+            return failed(
+                "gateway_unavailable",
+                format!("gateway {} is not enabled on the payment side", r.gateway),
+                false,
+            );
+        };
+        let mut metadata = BTreeMap::new();
+        metadata.insert("order_number".to_owned(), r.order_number.to_string());
+        metadata.insert("seller_id".to_owned(), r.seller_id.clone());
+        metadata.insert(
+            "platform_fee".to_owned(),
+            r.platform_fee.amount().to_string(),
+        );
+        if let Some(net) = r.amount.checked_sub(&r.platform_fee) {
+            metadata.insert("seller_net".to_owned(), net.amount().to_string());
+        }
+        if let Some(account) = &r.seller_account {
+            metadata.insert("seller_account".to_owned(), account.clone());
+        }
+        let request = SessionRequest {
+            order_number: r.order_number,
+            amount: r.amount,
+            platform_fee: r.platform_fee,
+            seller_account: r.seller_account.clone(),
+            description: r.description.clone(),
+            recurring_interval: r.recurring_interval.clone(),
+            metadata: metadata.clone(),
+            idempotency_key: format!("payfleet-order-{}", r.order_number),
+        };
+        let session = match gateway.create_session(&request).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(order = r.order_number, gateway = %r.gateway, error = %e, "the gateway did not create a session");
+                return failed(e.code(), e.to_string(), e.is_transient());
+            }
+        };
+        let stored = sqlx::query_as::<_, (String, String)>(
+            "WITH new AS (
+                 INSERT INTO payment_sessions (order_number, gateway, session_id, url, amount, currency, platform_fee, metadata)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                 ON CONFLICT (order_number) DO NOTHING
+                 RETURNING session_id, url)
+             SELECT session_id, url FROM new
+             UNION ALL SELECT session_id, url FROM payment_sessions WHERE order_number = $1
+             LIMIT 1",
+        )
+        .bind(r.order_number)
+        .bind(r.gateway)
+        .bind(&session.session_id)
+        .bind(&session.url)
+        .bind(r.amount.amount())
+        .bind(r.amount.currency().as_str())
+        .bind(r.platform_fee.amount())
+        .bind(serde_json::to_value(&metadata).unwrap_or_default())
+        .fetch_one(&self.pool)
+        .await;
+        match stored {
+            Ok((session_id, url)) => PaymentLinkReply::Created { session_id, url },
+            Err(e) => failed("unavailable", e.to_string(), true),
+        }
+    }
+
+    async fn stored(&self, order: i64) -> Result<Option<(String, String)>, sqlx::Error> {
+        sqlx::query_as("SELECT session_id, url FROM payment_sessions WHERE order_number = $1")
+            .bind(order)
+            .fetch_optional(&self.pool)
+            .await
+    }
+}
+
+impl LinkHandler for LinkService {
+    fn handle(
+        &self,
+        request: PaymentLinkRequest,
+    ) -> Pin<Box<dyn Future<Output = PaymentLinkReply> + Send + '_>> {
+        Box::pin(self.link(request))
+    }
+}

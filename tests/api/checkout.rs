@@ -1,0 +1,692 @@
+//! Catalogue, checkout and orders over HTTP, with the payment links asked over the real
+//! RabbitMQ from the payment side running in the same process (as `payfleet up`), or not
+//! running at all.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use payfleet::startup::Roles;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+use crate::helpers::*;
+
+/// A marketplace's front end and admin, talking to a test fleet.
+pub struct Shop {
+    pub app: Arc<TestApp>,
+}
+
+impl Shop {
+    pub async fn post(&self, path: &str, token: Option<&str>, body: Value) -> (u16, Value) {
+        let mut req = self
+            .app
+            .http
+            .post(format!("http://{}{path}", self.app.addr))
+            .json(&body);
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    pub async fn admin(&self, path: &str, body: Value) -> Value {
+        let (status, body) = self.post(path, Some(ADMIN_TOKEN), body).await;
+        assert_eq!(status, 201, "{path}: {body}");
+        body
+    }
+
+    pub async fn seller(&self, name: &str) -> String {
+        let s = self
+            .admin(
+                "/admin/sellers",
+                json!({"name": name, "payout_frequency": "weekly", "payout_minimum": "50.00"}),
+            )
+            .await;
+        s["id"].as_str().unwrap().to_owned()
+    }
+
+    pub async fn product(&self, seller: &str, price: &str, currency: &str) -> String {
+        let p = self
+            .admin(
+                "/admin/products",
+                json!({"seller_id": seller, "name": format!("p{price}"), "kind": "one_off", "price": price, "currency": currency}),
+            )
+            .await;
+        p["id"].as_str().unwrap().to_owned()
+    }
+
+    pub async fn checkout(&self, key: Option<&str>, body: Value) -> (u16, Value) {
+        let mut req = self
+            .app
+            .http
+            .post(format!("http://{}/checkout", self.app.addr))
+            .json(&body);
+        if let Some(k) = key {
+            req = req.header("Idempotency-Key", k);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    pub async fn order(&self, number: i64) -> Value {
+        let (status, body) = self.app.get(&format!("/orders/{number}")).await;
+        assert_eq!(status, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    }
+}
+
+pub async fn shop(pool: PgPool) -> Shop {
+    Shop {
+        app: Arc::new(spawn_fleet(pool, test_config()).await),
+    }
+}
+
+fn cart(items: &[(&str, i64)]) -> Value {
+    json!({
+        "buyer_id": "buyer-1",
+        "gateway": "internal",
+        "items": items.iter().map(|(p, q)| json!({"product_id": p, "quantity": q, "price": "0.01"})).collect::<Vec<_>>(),
+    })
+}
+
+async fn count(pool: &PgPool, table: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_admin_api_needs_its_token_and_is_off_without_one(pool: PgPool) {
+    let mut config = test_config();
+    config.admin_token = None;
+    let off = Shop {
+        app: Arc::new(spawn_app_with(pool.clone(), config).await),
+    };
+    let body = json!({"name": "A", "payout_frequency": "weekly", "payout_minimum": "1"});
+    let (status, answer) = off
+        .post("/admin/sellers", Some(ADMIN_TOKEN), body.clone())
+        .await;
+    assert_eq!(status, 403);
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("PAYFLEET_ADMIN_TOKEN"),
+        "{answer}"
+    );
+
+    let on = Shop {
+        app: Arc::new(spawn_app(pool.clone()).await),
+    };
+    let (status, _) = on.post("/admin/sellers", None, body.clone()).await;
+    assert_eq!(status, 401);
+    let (status, _) = on
+        .post("/admin/sellers", Some("not-the-token-at-all"), body.clone())
+        .await;
+    assert_eq!(status, 403);
+    assert_eq!(count(&pool, "sellers").await, 0);
+    let (status, seller) = on.post("/admin/sellers", Some(ADMIN_TOKEN), body).await;
+    assert_eq!(status, 201, "{seller}");
+    assert_eq!(seller["holding_days"], 14);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn catalogue_input_is_refused_field_by_field_and_stores_nothing(pool: PgPool) {
+    let shop = Shop {
+        app: Arc::new(spawn_app(pool.clone()).await),
+    };
+    let seller = shop.seller("Chips").await;
+    for (path, body, code) in [
+        (
+            "/admin/sellers",
+            json!({"name": "", "payout_frequency": "weekly", "payout_minimum": "1"}),
+            "invalid_request",
+        ),
+        (
+            "/admin/sellers",
+            json!({"name": "B", "payout_frequency": "yearly", "payout_minimum": "1"}),
+            "invalid_request",
+        ),
+        (
+            "/admin/sellers",
+            json!({"name": "B", "payout_frequency": "daily", "payout_minimum": "-1"}),
+            "invalid_request",
+        ),
+        (
+            "/admin/sellers",
+            json!({"name": "B", "payout_frequency": "daily", "payout_minimum": "1", "stripe_account": "nope"}),
+            "invalid_request",
+        ),
+        (
+            "/admin/products",
+            json!({"seller_id": "00000000-0000-0000-0000-000000000000", "name": "x", "kind": "one_off", "price": "1.00", "currency": "BRL"}),
+            "unknown_seller",
+        ),
+        (
+            "/admin/products",
+            json!({"seller_id": seller, "name": "x", "kind": "subscription", "price": "1.00", "currency": "BRL"}),
+            "invalid_request",
+        ),
+        (
+            "/admin/products",
+            json!({"seller_id": seller, "name": "x", "kind": "one_off", "price": "1.001", "currency": "BRL"}),
+            "invalid_request",
+        ),
+        (
+            "/admin/products",
+            json!({"seller_id": seller, "name": "x", "kind": "one_off", "price": "0", "currency": "BRL"}),
+            "invalid_request",
+        ),
+        (
+            "/admin/products",
+            json!({"seller_id": seller, "name": "x", "kind": "one_off", "price": "1.00", "currency": "RS"}),
+            "invalid_request",
+        ),
+        (
+            "/admin/coupons",
+            json!({"code": "BOTH", "percent_off": "10", "amount_off": "5.00", "currency": "BRL"}),
+            "invalid_request",
+        ),
+        (
+            "/admin/coupons",
+            json!({"code": "NOCUR", "amount_off": "5.00"}),
+            "invalid_request",
+        ),
+        (
+            "/admin/coupons",
+            json!({"code": "TOOMUCH", "percent_off": "101"}),
+            "invalid_request",
+        ),
+        (
+            "/admin/coupons",
+            json!({"code": "bad code!", "percent_off": "5"}),
+            "invalid_request",
+        ),
+    ] {
+        let (status, answer) = shop.post(path, Some(ADMIN_TOKEN), body.clone()).await;
+        assert_eq!(
+            (status, answer["error"]["code"].as_str()),
+            (422, Some(code)),
+            "{body}: {answer}"
+        );
+    }
+    assert_eq!(
+        (
+            count(&pool, "sellers").await,
+            count(&pool, "products").await,
+            count(&pool, "coupons").await
+        ),
+        (1, 0, 0)
+    );
+    shop.admin(
+        "/admin/coupons",
+        json!({"code": "Spring", "percent_off": "10"}),
+    )
+    .await;
+    let (status, answer) = shop
+        .post(
+            "/admin/coupons",
+            Some(ADMIN_TOKEN),
+            json!({"code": "SPRING", "amount_off": "1.00", "currency": "BRL"}),
+        )
+        .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (409, Some("coupon_code_taken")),
+        "{answer}"
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_checkout_prices_on_the_server_and_makes_one_order_per_seller_and_kind(pool: PgPool) {
+    let shop = shop(pool.clone()).await;
+    let (a, b) = (shop.seller("A").await, shop.seller("B").await);
+    let a1 = shop.product(&a, "10.00", "BRL").await;
+    let b1 = shop.product(&b, "0.25", "BRL").await;
+    let sub = shop
+        .admin(
+            "/admin/products",
+            json!({"seller_id": a, "name": "club", "kind": "subscription", "price": "19.90", "currency": "BRL", "interval": "month"}),
+        )
+        .await;
+    shop.admin(
+        "/admin/coupons",
+        json!({"code": "AONLY", "percent_off": "15", "seller_id": a}),
+    )
+    .await;
+    let mut body = cart(&[(&a1, 2), (&b1, 1), (sub["id"].as_str().unwrap(), 1)]);
+    body["coupon"] = json!("aonly");
+    let (status, answer) = shop.checkout(Some("key-1"), body).await;
+    assert_eq!(status, 201, "{answer}");
+    let orders = answer["orders"].as_array().unwrap();
+    let summary: Vec<String> = orders
+        .iter()
+        .map(|o| {
+            [
+                "number",
+                "kind",
+                "subtotal",
+                "discount",
+                "total",
+                "platform_fee",
+                "seller_net",
+                "status",
+            ]
+            .iter()
+            .map(|f| match &o[*f] {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+        })
+        .collect();
+    // The client's prices (0.01) are not read. 10 % fee, half-even: 10 % of 0.25 is 0.02.
+    assert_eq!(
+        summary,
+        vec![
+            (
+                1,
+                "one_off",
+                "20.00",
+                "3.00",
+                "17.00",
+                "1.70",
+                "15.30",
+                "awaiting_payment"
+            ),
+            (
+                2,
+                "one_off",
+                "0.25",
+                "0.00",
+                "0.25",
+                "0.02",
+                "0.23",
+                "awaiting_payment"
+            ),
+            (
+                3,
+                "subscription",
+                "19.90",
+                "2.98",
+                "16.92",
+                "1.69",
+                "15.23",
+                "awaiting_payment"
+            ),
+        ]
+    );
+    for o in orders {
+        let url = o["payment"]["url"].as_str().unwrap();
+        let session = o["payment"]["session_id"].as_str().unwrap();
+        assert_eq!(o["payment"]["gateway"], "internal");
+        assert!(url.ends_with(&format!("/pay/{session}")), "{url}");
+        // The payment page shows the order's amount.
+        let page = reqwest::get(url).await.unwrap().text().await.unwrap();
+        assert!(
+            page.contains(&format!("{} BRL", o["total"].as_str().unwrap())),
+            "{page}"
+        );
+    }
+    // Order and payment state side by side.
+    let first = shop.order(1).await;
+    assert_eq!(
+        (first["status"].as_str(), first["payment_status"].as_str()),
+        (Some("awaiting_payment"), Some("pending"))
+    );
+    assert_eq!(first["items"][0]["quantity"], 2);
+    let redemptions: i32 = sqlx::query_scalar("SELECT redemptions FROM coupons")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(redemptions, 2, "one per order the coupon applied to");
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_idempotency_key_gives_the_first_answer_and_refuses_other_bodies(pool: PgPool) {
+    let shop = shop(pool.clone()).await;
+    let s = shop.seller("A").await;
+    let p = shop.product(&s, "5.00", "BRL").await;
+    let (status, first) = shop.checkout(Some("same-key"), cart(&[(&p, 1)])).await;
+    assert_eq!(status, 201, "{first}");
+    // The same body, written differently (spacing, key order): the first answer.
+    let (status, again) = shop
+        .checkout(Some("same-key"), json!({"items": [{"quantity": 1, "price": "0.01", "product_id": p}], "gateway": "internal", "buyer_id": "buyer-1"}))
+        .await;
+    assert_eq!((status, &again), (201, &first));
+    let (status, answer) = shop.checkout(Some("same-key"), cart(&[(&p, 2)])).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (422, Some("idempotency_key_reused"))
+    );
+    let (status, answer) = shop.checkout(None, cart(&[(&p, 1)])).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (400, Some("missing_idempotency_key"))
+    );
+    // A first request still running holds its key.
+    sqlx::query(
+        "INSERT INTO idempotency_keys (key, request_hash, locked_until) VALUES ('busy', $1, now() + interval '1 minute')",
+    )
+    .bind(sha256_of(&cart(&[(&p, 1)])))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (status, answer) = shop.checkout(Some("busy"), cart(&[(&p, 1)])).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (409, Some("idempotency_key_in_use"))
+    );
+    // One that crashed lets go after its lock: the repeat does the work.
+    sqlx::query(
+        "UPDATE idempotency_keys SET locked_until = now() - interval '1 second' WHERE key = 'busy'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (status, answer) = shop.checkout(Some("busy"), cart(&[(&p, 1)])).await;
+    assert_eq!(status, 201, "{answer}");
+    assert_eq!(count(&pool, "orders").await, 2);
+}
+
+fn sha256_of(body: &Value) -> Vec<u8> {
+    use sha2::Digest;
+    sha2::Sha256::digest(body.to_string().as_bytes()).to_vec()
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn bad_carts_get_their_422_and_store_nothing(pool: PgPool) {
+    let shop = shop(pool.clone()).await;
+    let s = shop.seller("A").await;
+    let brl = shop.product(&s, "5.00", "BRL").await;
+    let usd = shop.product(&s, "5.00", "USD").await;
+    let huge = shop.product(&s, "999999999999.00", "BRL").await;
+    shop.admin(
+        "/admin/coupons",
+        json!({"code": "OLD", "percent_off": "10", "valid_until": "2020-01-01T00:00:00Z"}),
+    )
+    .await;
+    let with_coupon = |code: &str| {
+        let mut c = cart(&[(&brl, 1)]);
+        c["coupon"] = json!(code);
+        c
+    };
+    let mut other_gateway = cart(&[(&brl, 1)]);
+    other_gateway["gateway"] = json!("paypal");
+    for (body, code) in [
+        (cart(&[]), "invalid_items"),
+        (cart(&[(&brl, 0)]), "invalid_items"),
+        (cart(&[(&brl, -3)]), "invalid_items"),
+        (cart(&[(&brl, 1), (&usd, 1)]), "invalid_items"),
+        (cart(&[(&huge, 2)]), "invalid_items"),
+        (
+            cart(&[("00000000-0000-0000-0000-000000000000", 1)]),
+            "unknown_product",
+        ),
+        (cart(&[("not-an-id", 1)]), "unknown_product"),
+        (with_coupon("NOPE"), "coupon_unavailable"),
+        (with_coupon("OLD"), "coupon_unavailable"),
+        (other_gateway, "gateway_unavailable"),
+    ] {
+        let (status, answer) = shop.checkout(Some("k"), body.clone()).await;
+        assert_eq!(
+            (status, answer["error"]["code"].as_str()),
+            (422, Some(code)),
+            "{body}: {answer}"
+        );
+    }
+    let (status, _) = shop.checkout(Some("k"), json!({"items": "many"})).await;
+    assert_eq!(status, 400);
+    for table in [
+        "orders",
+        "checkouts",
+        "idempotency_keys",
+        "order_items",
+        "jobs",
+    ] {
+        assert_eq!(count(&pool, table).await, 0, "{table}");
+    }
+    // The key was not used up by the refusals.
+    let (status, answer) = shop.checkout(Some("k"), cart(&[(&brl, 1)])).await;
+    assert_eq!(status, 201, "{answer}");
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn concurrent_checkouts_number_orders_without_gaps_and_never_pass_a_coupon_limit(
+    pool: PgPool,
+) {
+    let shop = Arc::new(shop(pool.clone()).await);
+    let s = shop.seller("A").await;
+    let p = shop.product(&s, "5.00", "BRL").await;
+    shop.admin(
+        "/admin/coupons",
+        json!({"code": "FIVE", "percent_off": "50", "max_redemptions": 5}),
+    )
+    .await;
+    let tasks: Vec<_> = (0..24)
+        .map(|i| {
+            let (shop, p) = (shop.clone(), p.clone());
+            tokio::spawn(async move {
+                let mut body = cart(&[(&p, 1)]);
+                // Half try the coupon; a refused one must not use up a number.
+                if i % 2 == 0 {
+                    body["coupon"] = json!("FIVE");
+                }
+                shop.checkout(Some(&format!("key-{i}")), body).await
+            })
+        })
+        .collect();
+    let mut used_coupon = 0;
+    let mut refused = 0;
+    for t in tasks {
+        let (status, answer) = t.await.unwrap();
+        match status {
+            201 if answer["orders"][0]["discount"] == "2.50" => used_coupon += 1,
+            201 => {}
+            422 => {
+                assert_eq!(answer["error"]["code"], "coupon_unavailable", "{answer}");
+                refused += 1;
+            }
+            other => panic!("{other}: {answer}"),
+        }
+    }
+    assert_eq!((used_coupon, refused), (5, 7));
+    let numbers: Vec<i64> = sqlx::query_scalar("SELECT number FROM orders ORDER BY number")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(numbers, (1..=17).collect::<Vec<_>>());
+    let redemptions: i32 = sqlx::query_scalar("SELECT redemptions FROM coupons")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(redemptions, 5);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn without_the_payment_side_the_buyer_gets_a_503_and_the_order_waits(pool: PgPool) {
+    let config = test_config();
+    // Only the order side runs: nobody answers payment-link requests.
+    let receiver = Shop {
+        app: Arc::new(spawn_app_with(pool.clone(), config.clone()).await),
+    };
+    let s = receiver.seller("A").await;
+    let p = receiver.product(&s, "5.00", "BRL").await;
+    tokio::time::sleep(Duration::from_millis(500)).await; // the RPC client's channel
+    let started = Instant::now();
+    let (status, answer) = receiver.checkout(Some("k"), cart(&[(&p, 1)])).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (503, Some("payment_link_unavailable")),
+        "{answer}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "{:?}",
+        started.elapsed()
+    );
+    let order = receiver.order(1).await;
+    assert_eq!(
+        (order["status"].as_str(), &order["payment"]),
+        (Some("awaiting_payment"), &Value::Null)
+    );
+
+    // The payment side comes up (a worker process): the same request gets the links.
+    let _workers = spawn_roles(pool.clone(), config, Roles::WORK).await;
+    let mut answer = Value::Null;
+    for _ in 0..50 {
+        let (status, a) = receiver.checkout(Some("k"), cart(&[(&p, 1)])).await;
+        answer = a;
+        if status == 201 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        answer["orders"][0]["payment"]["url"].is_string(),
+        "{answer}"
+    );
+    assert_eq!(count(&pool, "orders").await, 1);
+    // Asking again for the same order gives the same session.
+    let (status, reopened) = receiver.post("/orders/1/payment", None, json!({})).await;
+    assert_eq!(status, 200, "{reopened}");
+    assert_eq!(reopened["payment"], answer["orders"][0]["payment"]);
+    assert_eq!(count(&pool, "payment_sessions").await, 1);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn both_sides_of_the_rpc_survive_losing_the_broker(pool: PgPool) {
+    let amqp = TcpProxy::start("127.0.0.1:5672").await;
+    let mut config = test_config();
+    config.amqp_url =
+        payfleet::secret::SecretUrl::new(format!("amqp://guest:guest@{}/%2f", amqp.addr));
+    let shop = Shop {
+        app: Arc::new(spawn_fleet(pool.clone(), config).await),
+    };
+    let s = shop.seller("A").await;
+    let p = shop.product(&s, "5.00", "BRL").await;
+    let until_created = async |key: &str| {
+        let start = Instant::now();
+        loop {
+            let (status, answer) = shop.checkout(Some(key), cart(&[(&p, 1)])).await;
+            if status == 201 {
+                return answer;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "{status}: {answer}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    until_created("before").await;
+    // The broker goes away (every connection cut, the port closed): the buyer hears it at once.
+    amqp.set(Link::Refused);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let (status, answer) = shop.checkout(Some("during"), cart(&[(&p, 1)])).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (503, Some("payment_link_unavailable")),
+        "{answer}"
+    );
+    // Back: both sides reconnect by themselves and the kept order gets its link.
+    amqp.set(Link::Up);
+    let answer = until_created("during").await;
+    assert!(answer["orders"][0]["payment"]["url"].is_string());
+    until_created("after").await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_unpaid_order_expires_once_and_reopening_moves_its_one_expiry_job(pool: PgPool) {
+    let mut config = test_config();
+    config.order_expiry = Duration::from_secs(2);
+    let shop = Shop {
+        app: Arc::new(spawn_app_with(pool.clone(), config.clone()).await),
+    };
+    // The payment side answers links; the queues are stepped by hand.
+    let _links = payment_side(&pool, &shop.app.config);
+    let s = shop.seller("A").await;
+    let p = shop.product(&s, "5.00", "BRL").await;
+    shop.admin(
+        "/admin/coupons",
+        json!({"code": "ONE", "percent_off": "10", "max_redemptions": 1}),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut body = cart(&[(&p, 1)]);
+    body["coupon"] = json!("ONE");
+    let (status, answer) = shop.checkout(Some("k"), body.clone()).await;
+    assert_eq!(status, 201, "{answer}");
+    let expiry_jobs = async || -> Vec<(String, f64)> {
+        sqlx::query_as("SELECT state, extract(epoch FROM run_at - now())::float8 FROM jobs WHERE key = 'order_expiry:1'")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    };
+    let jobs = expiry_jobs().await;
+    assert_eq!(jobs.len(), 1);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Reopened a second later: the same job, two seconds from now again.
+    let (status, order) = shop.post("/orders/1/payment", None, json!({})).await;
+    assert_eq!(
+        (status, order["status"].as_str()),
+        (200, Some("awaiting_payment"))
+    );
+    let jobs = expiry_jobs().await;
+    assert_eq!(jobs.len(), 1, "scheduling again replaced the job");
+    assert!(jobs[0].1 > 1.5, "{jobs:?}");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    step(&pool, &config, "orders").await;
+    assert_eq!(
+        shop.order(1).await["status"],
+        "awaiting_payment",
+        "its old time passed: not expired"
+    );
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    step(&pool, &config, "orders").await;
+    let order = shop.order(1).await;
+    assert_eq!(order["status"], "expired");
+    let (status, answer) = shop.post("/orders/1/payment", None, json!({})).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (409, Some("order_not_payable"))
+    );
+    // Its coupon redemption is back: another buyer can use it.
+    let redemptions: i32 = sqlx::query_scalar("SELECT redemptions FROM coupons")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(redemptions, 0);
+    let (status, answer) = shop.checkout(Some("k2"), body).await;
+    assert_eq!(status, 201, "{answer}");
+    let events: Vec<String> = sqlx::query_scalar(
+        "SELECT e.kind FROM order_events e JOIN orders o ON o.id = e.order_id WHERE o.number = 1 ORDER BY e.id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(events, vec!["created", "reopened", "expired"]);
+}
+
+/// Runs the payment side's RPC consumer (not the workers) for `config`'s queues.
+pub fn payment_side(
+    pool: &PgPool,
+    config: &payfleet::config::Config,
+) -> tokio::task::JoinHandle<()> {
+    let broker = payfleet::messaging::Broker::start(
+        config.amqp_url.clone(),
+        &config.amqp_namespace,
+        config.amqp_queue_ttl_ms,
+    );
+    let (gateways, _) = payfleet::startup::gateways(config, pool).unwrap();
+    let links = Arc::new(payfleet::payments::links::LinkService {
+        pool: pool.clone(),
+        gateways,
+    });
+    tokio::spawn(payfleet::messaging::rpc::serve(broker, links, 4))
+}
