@@ -289,36 +289,9 @@ async fn a_checkout_prices_on_the_server_and_makes_one_order_per_seller_and_kind
     assert_eq!(
         summary,
         vec![
-            (
-                1,
-                "one_off",
-                "20.00",
-                "3.00",
-                "17.00",
-                "1.70",
-                "15.30",
-                "awaiting_payment"
-            ),
-            (
-                2,
-                "one_off",
-                "0.25",
-                "0.00",
-                "0.25",
-                "0.02",
-                "0.23",
-                "awaiting_payment"
-            ),
-            (
-                3,
-                "subscription",
-                "19.90",
-                "2.98",
-                "16.92",
-                "1.69",
-                "15.23",
-                "awaiting_payment"
-            ),
+            "1 one_off 20.00 3.00 17.00 1.70 15.30 awaiting_payment",
+            "2 one_off 0.25 0.00 0.25 0.02 0.23 awaiting_payment",
+            "3 subscription 19.90 2.98 16.92 1.69 15.23 awaiting_payment",
         ]
     );
     for o in orders {
