@@ -2,8 +2,10 @@
 //! (#[sqlx::test]) and, where it needs HTTP, its own server on port 0.
 
 mod checkout;
+mod gateways;
 mod health;
 mod helpers;
+mod orders;
 mod outage;
 mod process;
 mod processing;

@@ -1,0 +1,487 @@
+//! The outside gateways against local stand-ins that speak their documented APIs: what we send
+//! (form or JSON, headers, idempotency keys) and how we read their answers and errors.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::response::IntoResponse;
+use payfleet::gateways::api::{GatewayError, PaymentState, RefundRequest, SessionRequest};
+use payfleet::gateways::{
+    MercadoPagoClient, PaymentGateway, PaymentStatus, RazorpayGateway, StripeConnect,
+};
+use payfleet::money::Money;
+use payfleet::secret::Secret;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+use crate::checkout::Shop;
+use crate::helpers::*;
+
+/// What a stand-in received.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: Method,
+    uri: String,
+    headers: HeaderMap,
+    body: String,
+}
+
+type Log = Arc<Mutex<Vec<Seen>>>;
+
+impl Seen {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    fn form(&self) -> HashMap<String, String> {
+        url_pairs(&self.body)
+    }
+}
+
+fn url_pairs(s: &str) -> HashMap<String, String> {
+    s.split('&')
+        .filter(|p| !p.is_empty())
+        .filter_map(|p| p.split_once('='))
+        .map(|(k, v)| (decode(k), decode(v)))
+        .collect()
+}
+
+/// Percent-decoding of a form field.
+fn decode(s: &str) -> String {
+    let bytes = s.replace('+', " ").into_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).unwrap()
+}
+
+/// Serves `router` on port 0, recording every request; returns its base URL.
+async fn stand_in(router: Router<Log>, log: Log) -> String {
+    let recording = log.clone();
+    let app = router
+        .layer(axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                let log = recording.clone();
+                async move {
+                    let (parts, body) = req.into_parts();
+                    let bytes = axum::body::to_bytes(body, 1 << 20)
+                        .await
+                        .unwrap_or_default();
+                    log.lock().unwrap().push(Seen {
+                        method: parts.method.clone(),
+                        uri: parts.uri.to_string(),
+                        headers: parts.headers.clone(),
+                        body: String::from_utf8_lossy(&bytes).into_owned(),
+                    });
+                    next.run(axum::extract::Request::from_parts(
+                        parts,
+                        axum::body::Body::from(bytes),
+                    ))
+                    .await
+                }
+            },
+        ))
+        .with_state(log);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    base
+}
+
+fn brl(s: &str) -> Money {
+    Money::parse(s, "BRL").unwrap()
+}
+
+fn session_request(account: Option<&str>, interval: Option<&str>) -> SessionRequest {
+    SessionRequest {
+        order_number: 7,
+        amount: brl("19.90"),
+        platform_fee: brl("1.99"),
+        seller_account: account.map(str::to_owned),
+        description: "Order 7".into(),
+        recurring_interval: interval.map(str::to_owned),
+        metadata: BTreeMap::from([("order_number".to_owned(), "7".to_owned())]),
+        idempotency_key: "payfleet-order-7".into(),
+    }
+}
+
+/// A Stripe stand-in: Checkout Sessions, refunds, and Stripe's error JSON for a bad account.
+fn stripe_api() -> Router<Log> {
+    async fn create(headers: HeaderMap, body: Bytes) -> impl IntoResponse {
+        if headers.get("stripe-account").and_then(|v| v.to_str().ok()) == Some("acct_gone") {
+            return (
+                StatusCode::BAD_REQUEST,
+                axum::Json(
+                    json!({"error": {"type": "invalid_request_error", "code": "account_invalid", "message": "No such account: 'acct_gone'"}}),
+                ),
+            );
+        }
+        let form = url_pairs(std::str::from_utf8(&body).unwrap());
+        let id = format!(
+            "cs_test_{}",
+            form.get("client_reference_id").cloned().unwrap_or_default()
+        );
+        (
+            StatusCode::OK,
+            axum::Json(
+                json!({"id": id, "object": "checkout.session", "url": format!("https://checkout.stripe.test/c/pay/{id}"), "payment_status": "unpaid"}),
+            ),
+        )
+    }
+    Router::new()
+        .route("/v1/checkout/sessions", axum::routing::post(create))
+        .route(
+            "/v1/checkout/sessions/{id}",
+            axum::routing::get(|Path(id): Path<String>| async move {
+                axum::Json(json!({"id": id, "object": "checkout.session", "payment_status": "paid", "payment_intent": "pi_1", "amount_total": 1990, "currency": "brl"}))
+            }),
+        )
+        .route(
+            "/v1/refunds",
+            axum::routing::post(|| async { axum::Json(json!({"id": "re_1", "object": "refund", "status": "succeeded"})) }),
+        )
+}
+
+#[tokio::test]
+async fn stripe_connect_speaks_stripes_documented_api() {
+    let log = Log::default();
+    let base = stand_in(stripe_api(), log.clone()).await;
+    let stripe = StripeConnect::new(&base, Secret::new("sk_test_123"), "http://shop.test").unwrap();
+
+    let session = stripe
+        .create_session(&session_request(Some("acct_1"), None))
+        .await
+        .unwrap();
+    assert_eq!(session.session_id, "cs_test_7");
+    assert_eq!(session.url, "https://checkout.stripe.test/c/pay/cs_test_7");
+    let sent = log.lock().unwrap()[0].clone();
+    assert_eq!(
+        (sent.method.as_str(), sent.uri.as_str()),
+        ("POST", "/v1/checkout/sessions")
+    );
+    assert_eq!(sent.header("authorization"), Some("Bearer sk_test_123"));
+    assert_eq!(
+        sent.header("stripe-account"),
+        Some("acct_1"),
+        "a direct charge on the seller's account"
+    );
+    assert_eq!(sent.header("idempotency-key"), Some("payfleet-order-7"));
+    assert_eq!(
+        sent.header("content-type"),
+        Some("application/x-www-form-urlencoded")
+    );
+    let form = sent.form();
+    for (k, v) in [
+        ("mode", "payment"),
+        ("line_items[0][price_data][currency]", "brl"),
+        ("line_items[0][price_data][unit_amount]", "1990"),
+        ("line_items[0][quantity]", "1"),
+        ("payment_intent_data[application_fee_amount]", "199"),
+        ("payment_intent_data[metadata][order_number]", "7"),
+        ("metadata[order_number]", "7"),
+        ("client_reference_id", "7"),
+    ] {
+        assert_eq!(form.get(k).map(String::as_str), Some(v), "{k} in {form:?}");
+    }
+
+    // A subscription takes the fee as a percentage of each invoice.
+    stripe
+        .create_session(&session_request(Some("acct_1"), Some("month")))
+        .await
+        .unwrap();
+    let form = log.lock().unwrap()[1].form();
+    assert_eq!(form.get("mode").map(String::as_str), Some("subscription"));
+    assert_eq!(
+        form.get("line_items[0][price_data][recurring][interval]")
+            .map(String::as_str),
+        Some("month")
+    );
+    assert_eq!(
+        form.get("subscription_data[application_fee_percent]")
+            .map(String::as_str),
+        Some("10")
+    );
+
+    let state = stripe.status("cs_test_7", Some("acct_1")).await.unwrap();
+    assert_eq!(
+        state,
+        PaymentState {
+            status: PaymentStatus::Succeeded,
+            payment_id: Some("pi_1".into()),
+            amount: Some(brl("19.90")),
+        }
+    );
+    assert_eq!(
+        log.lock().unwrap()[2].header("stripe-account"),
+        Some("acct_1")
+    );
+
+    let receipt = stripe
+        .refund(&RefundRequest {
+            session_id: "cs_test_7".into(),
+            payment_id: "pi_1".into(),
+            amount: brl("5.00"),
+            seller_account: Some("acct_1".into()),
+            idempotency_key: "refund-1".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        (receipt.refund_id.as_str(), receipt.succeeded),
+        ("re_1", true)
+    );
+    let sent = log.lock().unwrap()[3].clone();
+    assert_eq!(sent.header("idempotency-key"), Some("refund-1"));
+    assert_eq!(sent.form().get("amount").map(String::as_str), Some("500"));
+    assert_eq!(
+        sent.form().get("payment_intent").map(String::as_str),
+        Some("pi_1")
+    );
+
+    // Stripe's error JSON becomes a typed error; a seller without an account is refused here.
+    let e = stripe
+        .create_session(&session_request(Some("acct_gone"), None))
+        .await
+        .unwrap_err();
+    let GatewayError::Api {
+        status,
+        code,
+        message,
+        ..
+    } = &e
+    else {
+        panic!("{e}")
+    };
+    assert_eq!((*status, code.as_deref()), (400, Some("account_invalid")));
+    assert!(message.contains("No such account"), "{message}");
+    assert!(!e.is_transient());
+    assert!(matches!(
+        stripe.create_session(&session_request(None, None)).await,
+        Err(GatewayError::Refused(_))
+    ));
+    assert_eq!(
+        stripe.map_status("a_new_status"),
+        PaymentStatus::Pending,
+        "unknown: the safe default"
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_stripe_checkout_is_paid_on_the_sellers_account_and_confirmed_by_its_event(pool: PgPool) {
+    let log = Log::default();
+    let base = stand_in(stripe_api(), log.clone()).await;
+    let mut config = test_config();
+    config.stripe = Some(payfleet::config::StripeApi {
+        base_url: base,
+        secret_key: Secret::new("sk_test_123"),
+    });
+    let shop = Shop {
+        app: Arc::new(spawn_fleet(pool.clone(), config).await),
+    };
+    let no_account = shop.seller("No account").await;
+    let seller = shop
+        .admin(
+            "/admin/sellers",
+            json!({"name": "Connected", "payout_frequency": "weekly", "payout_minimum": "0", "stripe_account": "acct_seller1"}),
+        )
+        .await;
+    let p = shop
+        .product(seller["id"].as_str().unwrap(), "19.90", "BRL")
+        .await;
+    let q = shop.product(&no_account, "5.00", "BRL").await;
+    let cart = |product: &str| json!({"buyer_id": "b", "gateway": "stripe", "items": [{"product_id": product, "quantity": 1}]});
+    let (status, answer) = shop.checkout(Some("no-account"), cart(&q)).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (422, Some("gateway_unavailable")),
+        "{answer}"
+    );
+    let mut answer = Value::Null;
+    for _ in 0..50 {
+        let (status, a) = shop.checkout(Some("k"), cart(&p)).await;
+        answer = a;
+        if status == 201 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let order = &answer["orders"][0];
+    assert_eq!(order["payment"]["session_id"], "cs_test_1", "{answer}");
+    let sent = log.lock().unwrap()[0].clone();
+    assert_eq!(sent.header("stripe-account"), Some("acct_seller1"));
+    assert_eq!(
+        sent.form()
+            .get("payment_intent_data[application_fee_amount]")
+            .map(String::as_str),
+        Some("199")
+    );
+
+    let completed = r#"{"id":"evt_1","type":"checkout.session.completed","data":{"object":{"id":"cs_test_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
+    let (status, _) = shop.app.deliver(&stripe(completed, now())).await;
+    assert_eq!(status, 200);
+    let start = std::time::Instant::now();
+    while shop.order(1).await["status"] != "paid" {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(20),
+            "not confirmed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn mercadopago_preferences_payments_and_refunds_as_documented() {
+    let log = Log::default();
+    let api = Router::new()
+        .route(
+            "/checkout/preferences",
+            axum::routing::post(|| async { axum::Json(json!({"id": "pref-123", "init_point": "https://mp.test/checkout?pref_id=pref-123"})) }),
+        )
+        .route(
+            "/v1/payments/search",
+            axum::routing::get(|uri: Uri| async move {
+                assert!(uri.query().unwrap_or("").contains("external_reference=order-7"), "{uri}");
+                axum::Json(json!({"results": [
+                    {"id": 1001, "status": "rejected", "transaction_amount": 19.9, "currency_id": "BRL"},
+                    {"id": 1002, "status": "approved", "transaction_amount": 19.9, "currency_id": "BRL"}
+                ]}))
+            }),
+        )
+        .route(
+            "/v1/payments/{id}/refunds",
+            axum::routing::post(|Path(id): Path<String>, State(_): State<Log>| async move {
+                assert_eq!(id, "1002");
+                axum::Json(json!({"id": 555, "payment_id": 1002, "amount": 5, "status": "approved"}))
+            }),
+        );
+    let base = stand_in(api, log.clone()).await;
+    let mp = MercadoPagoClient::new(&base, Secret::new("APP_USR-token")).unwrap();
+    let session = mp
+        .create_session(&session_request(None, None))
+        .await
+        .unwrap();
+    assert_eq!(session.session_id, "order-7");
+    assert_eq!(session.url, "https://mp.test/checkout?pref_id=pref-123");
+    let sent = log.lock().unwrap()[0].clone();
+    assert_eq!(sent.header("authorization"), Some("Bearer APP_USR-token"));
+    assert_eq!(sent.header("x-idempotency-key"), Some("payfleet-order-7"));
+    let body: Value = serde_json::from_str(&sent.body).unwrap();
+    assert_eq!(body["external_reference"], "order-7");
+    assert_eq!(body["items"][0]["unit_price"], json!(19.90));
+    assert_eq!(body["items"][0]["currency_id"], "BRL");
+    assert_eq!(body["marketplace_fee"], json!(1.99));
+
+    let state = mp.status("order-7", None).await.unwrap();
+    assert_eq!(
+        state,
+        PaymentState {
+            status: PaymentStatus::Succeeded,
+            payment_id: Some("1002".into()),
+            amount: Some(brl("19.90")),
+        }
+    );
+    let receipt = mp
+        .refund(&RefundRequest {
+            session_id: "order-7".into(),
+            payment_id: "1002".into(),
+            amount: brl("5.00"),
+            seller_account: None,
+            idempotency_key: "r-1".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        (receipt.refund_id.as_str(), receipt.succeeded),
+        ("555", true)
+    );
+    assert_eq!(
+        log.lock().unwrap()[2].header("x-idempotency-key"),
+        Some("r-1")
+    );
+}
+
+#[tokio::test]
+async fn razorpay_orders_payments_and_refunds_as_documented() {
+    let log = Log::default();
+    let api = Router::new()
+        .route(
+            "/v1/orders",
+            axum::routing::post(|| async { axum::Json(json!({"id": "order_Rz1", "entity": "order", "amount": 1990, "currency": "BRL", "status": "created"})) }),
+        )
+        .route(
+            "/v1/orders/{id}/payments",
+            axum::routing::get(|| async {
+                axum::Json(json!({"entity": "collection", "count": 1, "items": [{"id": "pay_Rz1", "entity": "payment", "amount": 1990, "currency": "BRL", "status": "captured", "order_id": "order_Rz1"}]}))
+            }),
+        )
+        .route(
+            "/v1/payments/{id}/refund",
+            axum::routing::post(|| async {
+                (StatusCode::BAD_REQUEST, axum::Json(json!({"error": {"code": "BAD_REQUEST_ERROR", "description": "The refund amount exceeds the captured amount"}})))
+            }),
+        );
+    let base = stand_in(api, log.clone()).await;
+    let rzp = RazorpayGateway::new(
+        &base,
+        "rzp_test_key",
+        Secret::new("rzp_secret"),
+        "http://shop.test",
+    )
+    .unwrap();
+    let session = rzp
+        .create_session(&session_request(None, None))
+        .await
+        .unwrap();
+    assert_eq!(session.session_id, "order_Rz1");
+    assert_eq!(session.url, "http://shop.test/pay/razorpay/order_Rz1");
+    let sent = log.lock().unwrap()[0].clone();
+    // Basic auth with the key id and secret.
+    assert_eq!(
+        sent.header("authorization"),
+        Some("Basic cnpwX3Rlc3Rfa2V5OnJ6cF9zZWNyZXQ=")
+    );
+    let body: Value = serde_json::from_str(&sent.body).unwrap();
+    assert_eq!(
+        (body["amount"].as_i64(), body["receipt"].as_str()),
+        (Some(1990), Some("order-7"))
+    );
+    let state = rzp.status("order_Rz1", None).await.unwrap();
+    assert_eq!(
+        (state.status, state.payment_id.as_deref()),
+        (PaymentStatus::Succeeded, Some("pay_Rz1"))
+    );
+    let e = rzp
+        .refund(&RefundRequest {
+            session_id: "order_Rz1".into(),
+            payment_id: "pay_Rz1".into(),
+            amount: brl("99.00"),
+            seller_account: None,
+            idempotency_key: "r-1".into(),
+        })
+        .await
+        .unwrap_err();
+    let GatewayError::Api { code, message, .. } = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(code.as_deref(), Some("BAD_REQUEST_ERROR"));
+    assert!(message.contains("exceeds the captured amount"));
+}
