@@ -137,7 +137,7 @@ async fn serve(config: Config, roles: Roles) -> anyhow::Result<()> {
     tracing::info!(
         database = %config.database_url,
         address = ?running.addr(),
-        gateways = ?config.webhooks.enabled_gateways(),
+        webhooks = %names(&config.webhooks.enabled_gateways()),
         serve = roles.serve,
         work = roles.work,
         "payfleet started"
@@ -159,11 +159,19 @@ async fn up(config: Config) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", config.bind))?;
     let running = startup::start(&config, pool, Roles::UP, Some(listener))?;
     println!(
-        "payfleet is up on http://{} (gateways: {:?})",
+        "payfleet is up on http://{} (gateways: {})",
         config.bind,
-        config.webhooks.enabled_gateways()
+        names(&config.webhooks.enabled_gateways())
     );
     running.until(startup::shutdown_signal()).await
+}
+
+fn names(gateways: &[crate::gateways::GatewayName]) -> String {
+    gateways
+        .iter()
+        .map(|g| g.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 async fn jobs(config: Config, action: JobsAction) -> anyhow::Result<()> {

@@ -201,3 +201,50 @@ pub(crate) async fn read_json<T: serde::de::DeserializeOwned>(
     }
     serde_json::from_slice(&bytes).map_err(|source| GatewayError::Decode { gateway, source })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fake(GatewayName);
+
+    impl PaymentGateway for Fake {
+        fn name(&self) -> GatewayName {
+            self.0
+        }
+        fn create_session<'a>(&'a self, _: &'a SessionRequest) -> GatewayFuture<'a, Session> {
+            Box::pin(async { Err(GatewayError::Refused("fake".into())) })
+        }
+        fn status<'a>(&'a self, _: &'a str, _: Option<&'a str>) -> GatewayFuture<'a, PaymentState> {
+            Box::pin(async { Err(GatewayError::Refused("fake".into())) })
+        }
+        fn refund<'a>(&'a self, _: &'a RefundRequest) -> GatewayFuture<'a, RefundReceipt> {
+            Box::pin(async { Err(GatewayError::Refused("fake".into())) })
+        }
+        fn map_status(&self, raw: &str) -> PaymentStatus {
+            unknown_status(self.0, raw)
+        }
+    }
+
+    #[test]
+    fn a_name_is_registered_once() {
+        let mut registry = GatewayRegistry::default();
+        registry
+            .register(Arc::new(Fake(GatewayName::Mock)))
+            .unwrap();
+        registry
+            .register(Arc::new(Fake(GatewayName::Stripe)))
+            .unwrap();
+        assert_eq!(
+            registry
+                .register(Arc::new(Fake(GatewayName::Mock)))
+                .unwrap_err(),
+            DuplicateGateway(GatewayName::Mock)
+        );
+        assert_eq!(
+            registry.names(),
+            vec![GatewayName::Mock, GatewayName::Stripe]
+        );
+        assert!(registry.get(GatewayName::Razorpay).is_none());
+    }
+}
