@@ -170,6 +170,46 @@ impl GatewayRegistry {
     }
 }
 
+/// Implements [`PaymentGateway`] for a type with the inherent methods `gateway`, `create`,
+/// `read`, `refund_payment` and `map`: the trait's boxing in one place.
+macro_rules! payment_gateway {
+    ($ty:ty) => {
+        impl $crate::gateways::api::PaymentGateway for $ty {
+            fn name(&self) -> $crate::gateways::GatewayName {
+                self.gateway()
+            }
+
+            fn create_session<'a>(
+                &'a self,
+                request: &'a $crate::gateways::api::SessionRequest,
+            ) -> $crate::gateways::api::GatewayFuture<'a, $crate::gateways::api::Session> {
+                Box::pin(self.create(request))
+            }
+
+            fn status<'a>(
+                &'a self,
+                session_id: &'a str,
+                seller_account: Option<&'a str>,
+            ) -> $crate::gateways::api::GatewayFuture<'a, $crate::gateways::api::PaymentState> {
+                Box::pin(self.read(session_id, seller_account))
+            }
+
+            fn refund<'a>(
+                &'a self,
+                request: &'a $crate::gateways::api::RefundRequest,
+            ) -> $crate::gateways::api::GatewayFuture<'a, $crate::gateways::api::RefundReceipt>
+            {
+                Box::pin(self.refund_payment(request))
+            }
+
+            fn map_status(&self, raw: &str) -> $crate::gateways::PaymentStatus {
+                self.map(raw)
+            }
+        }
+    };
+}
+pub(crate) use payment_gateway;
+
 /// Logs a status a mapper did not know (the mapper then answers pending).
 pub(crate) fn unknown_status(gateway: GatewayName, raw: &str) -> PaymentStatus {
     tracing::warn!(%gateway, status = raw, "unknown payment status; treated as pending");

@@ -15,8 +15,8 @@ use serde_json::json;
 use sqlx::{PgConnection, PgPool};
 
 use super::api::{
-    GatewayError, GatewayFuture, PaymentGateway, PaymentState, RefundReceipt, RefundRequest,
-    Session, SessionRequest, unknown_status,
+    GatewayError, PaymentState, RefundReceipt, RefundRequest, Session, SessionRequest,
+    unknown_status,
 };
 use super::{GatewayName, PaymentStatus};
 use crate::money::Money;
@@ -115,7 +115,11 @@ impl HostedGateway {
         Ok(Session { session_id, url })
     }
 
-    async fn read(&self, session_id: &str) -> Result<PaymentState, GatewayError> {
+    async fn read(
+        &self,
+        session_id: &str,
+        _seller_account: Option<&str>,
+    ) -> Result<PaymentState, GatewayError> {
         let p = payment(&self.pool, session_id)
             .await?
             .filter(|p| p.gateway == self.name)
@@ -123,7 +127,7 @@ impl HostedGateway {
                 GatewayError::Refused(format!("no {} session {session_id}", self.name))
             })?;
         Ok(PaymentState {
-            status: self.map_status(&p.status),
+            status: self.map(&p.status),
             payment_id: p.payment_id.clone(),
             amount: p.money().ok(),
         })
@@ -294,28 +298,15 @@ pub async fn mark_delivered(pool: &PgPool, id: &str) -> Result<(), sqlx::Error> 
     .map(|_| ())
 }
 
-impl PaymentGateway for HostedGateway {
-    fn name(&self) -> GatewayName {
+super::api::payment_gateway!(HostedGateway);
+
+impl HostedGateway {
+    fn gateway(&self) -> GatewayName {
         self.name
     }
 
-    fn create_session<'a>(&'a self, request: &'a SessionRequest) -> GatewayFuture<'a, Session> {
-        Box::pin(self.create(request))
-    }
-
-    fn status<'a>(
-        &'a self,
-        session_id: &'a str,
-        _seller_account: Option<&'a str>,
-    ) -> GatewayFuture<'a, PaymentState> {
-        Box::pin(self.read(session_id))
-    }
-
-    fn refund<'a>(&'a self, request: &'a RefundRequest) -> GatewayFuture<'a, RefundReceipt> {
-        Box::pin(self.refund_payment(request))
-    }
-
-    fn map_status(&self, raw: &str) -> PaymentStatus {
+    /// The gateway's payment status in our words (unknown: pending, logged).
+    fn map(&self, raw: &str) -> PaymentStatus {
         match raw {
             "succeeded" => PaymentStatus::Succeeded,
             "failed" => PaymentStatus::Failed,

@@ -7,8 +7,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::api::{
-    GatewayError, GatewayFuture, PaymentGateway, PaymentState, RefundReceipt, RefundRequest,
-    Session, SessionRequest, read_json, unknown_status,
+    GatewayError, PaymentState, RefundReceipt, RefundRequest, Session, SessionRequest, read_json,
+    unknown_status,
 };
 use super::{
     DisputeStatus, EventError, Fact, GatewayName, Interpretation, PaymentRef, PaymentStatus,
@@ -276,7 +276,11 @@ impl MercadoPagoClient {
         })
     }
 
-    async fn read(&self, session_id: &str) -> Result<PaymentState, GatewayError> {
+    async fn read(
+        &self,
+        session_id: &str,
+        _seller_account: Option<&str>,
+    ) -> Result<PaymentState, GatewayError> {
         let found: Search = read_json(
             NAME,
             self.http
@@ -312,7 +316,7 @@ impl MercadoPagoClient {
             _ => None,
         };
         Ok(PaymentState {
-            status: self.map_status(&p.status),
+            status: self.map(&p.status),
             payment_id: Some(id_text(&p.id)),
             amount,
         })
@@ -341,28 +345,15 @@ impl MercadoPagoClient {
     }
 }
 
-impl PaymentGateway for MercadoPagoClient {
-    fn name(&self) -> GatewayName {
+super::api::payment_gateway!(MercadoPagoClient);
+
+impl MercadoPagoClient {
+    fn gateway(&self) -> GatewayName {
         NAME
     }
 
-    fn create_session<'a>(&'a self, request: &'a SessionRequest) -> GatewayFuture<'a, Session> {
-        Box::pin(self.create(request))
-    }
-
-    fn status<'a>(
-        &'a self,
-        session_id: &'a str,
-        _seller_account: Option<&'a str>,
-    ) -> GatewayFuture<'a, PaymentState> {
-        Box::pin(self.read(session_id))
-    }
-
-    fn refund<'a>(&'a self, request: &'a RefundRequest) -> GatewayFuture<'a, RefundReceipt> {
-        Box::pin(self.refund_payment(request))
-    }
-
-    fn map_status(&self, raw: &str) -> PaymentStatus {
+    /// The gateway's payment status in our words (unknown: pending, logged).
+    fn map(&self, raw: &str) -> PaymentStatus {
         match raw {
             "approved" | "refunded" | "charged_back" | "in_mediation" | "rejected"
             | "cancelled" | "pending" | "in_process" | "authorized" => payment_status(raw),

@@ -8,8 +8,8 @@ use serde_json::Value;
 
 use super::GatewayName;
 use super::api::{
-    GatewayError, GatewayFuture, PaymentGateway, PaymentState, RefundReceipt, RefundRequest,
-    Session, SessionRequest, read_json, unknown_status,
+    GatewayError, PaymentState, RefundReceipt, RefundRequest, Session, SessionRequest, read_json,
+    unknown_status,
 };
 use crate::secret::Secret;
 
@@ -289,7 +289,11 @@ impl RazorpayGateway {
         })
     }
 
-    async fn read(&self, session_id: &str) -> Result<PaymentState, GatewayError> {
+    async fn read(
+        &self,
+        session_id: &str,
+        _seller_account: Option<&str>,
+    ) -> Result<PaymentState, GatewayError> {
         let payments: RzpPayments = read_json(
             NAME,
             self.http
@@ -307,7 +311,7 @@ impl RazorpayGateway {
             .or_else(|| payments.items.first());
         Ok(match chosen {
             Some(p) => PaymentState {
-                status: self.map_status(&p.status),
+                status: self.map(&p.status),
                 payment_id: Some(p.id.clone()),
                 amount: Money::from_minor(p.amount, &p.currency).ok(),
             },
@@ -341,28 +345,15 @@ impl RazorpayGateway {
     }
 }
 
-impl PaymentGateway for RazorpayGateway {
-    fn name(&self) -> GatewayName {
+super::api::payment_gateway!(RazorpayGateway);
+
+impl RazorpayGateway {
+    fn gateway(&self) -> GatewayName {
         NAME
     }
 
-    fn create_session<'a>(&'a self, request: &'a SessionRequest) -> GatewayFuture<'a, Session> {
-        Box::pin(self.create(request))
-    }
-
-    fn status<'a>(
-        &'a self,
-        session_id: &'a str,
-        _seller_account: Option<&'a str>,
-    ) -> GatewayFuture<'a, PaymentState> {
-        Box::pin(self.read(session_id))
-    }
-
-    fn refund<'a>(&'a self, request: &'a RefundRequest) -> GatewayFuture<'a, RefundReceipt> {
-        Box::pin(self.refund_payment(request))
-    }
-
-    fn map_status(&self, raw: &str) -> PaymentStatus {
+    /// The gateway's payment status in our words (unknown: pending, logged).
+    fn map(&self, raw: &str) -> PaymentStatus {
         match raw {
             "created" | "authorized" | "captured" | "refunded" | "failed" => payment_status(raw),
             other => unknown_status(NAME, other),

@@ -10,8 +10,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::api::{
-    GatewayError, GatewayFuture, PaymentGateway, PaymentState, RefundReceipt, RefundRequest,
-    Session, SessionRequest, read_json, unknown_status,
+    GatewayError, PaymentState, RefundReceipt, RefundRequest, Session, SessionRequest, read_json,
+    unknown_status,
 };
 use super::{GatewayName, PaymentStatus};
 use crate::money::Money;
@@ -198,7 +198,7 @@ impl StripeConnect {
             _ => None,
         };
         Ok(PaymentState {
-            status: self.map_status(s.payment_status.as_deref().unwrap_or("")),
+            status: self.map(s.payment_status.as_deref().unwrap_or("")),
             payment_id,
             amount,
         })
@@ -229,29 +229,15 @@ impl StripeConnect {
     }
 }
 
-impl PaymentGateway for StripeConnect {
-    fn name(&self) -> GatewayName {
+super::api::payment_gateway!(StripeConnect);
+
+impl StripeConnect {
+    fn gateway(&self) -> GatewayName {
         NAME
     }
 
-    fn create_session<'a>(&'a self, request: &'a SessionRequest) -> GatewayFuture<'a, Session> {
-        Box::pin(self.create(request))
-    }
-
-    fn status<'a>(
-        &'a self,
-        session_id: &'a str,
-        seller_account: Option<&'a str>,
-    ) -> GatewayFuture<'a, PaymentState> {
-        Box::pin(self.read(session_id, seller_account))
-    }
-
-    fn refund<'a>(&'a self, request: &'a RefundRequest) -> GatewayFuture<'a, RefundReceipt> {
-        Box::pin(self.refund_payment(request))
-    }
-
-    /// A Checkout Session's `payment_status`.
-    fn map_status(&self, raw: &str) -> PaymentStatus {
+    /// The gateway's payment status in our words (unknown: pending, logged).
+    fn map(&self, raw: &str) -> PaymentStatus {
         match raw {
             "paid" | "no_payment_required" => PaymentStatus::Succeeded,
             "unpaid" => PaymentStatus::Pending,

@@ -395,14 +395,8 @@ pub enum ReopenError {
     Database(#[from] sqlx::Error),
 }
 
-/// The buyer reopens payment of an order still waiting for it: its expiry moves to `expiry`
-/// from now (the expiry job is replaced). Returns the order.
-pub async fn reopen(
-    pool: &sqlx::PgPool,
-    number: i64,
-    expiry: std::time::Duration,
-) -> Result<OrderView, ReopenError> {
-    let mut tx = pool.begin().await?;
+/// Locks order `number` for the transaction; it must be waiting for its payment.
+async fn lock_payable(tx: &mut PgConnection, number: i64) -> Result<i64, ReopenError> {
     let row: Option<(i64, OrderStatus)> =
         sqlx::query_as("SELECT id, status FROM orders WHERE number = $1 FOR UPDATE")
             .bind(number)
@@ -412,6 +406,18 @@ pub async fn reopen(
     if !status.is_payable() {
         return Err(ReopenError::NotPayable { number, status });
     }
+    Ok(id)
+}
+
+/// The buyer reopens payment of an order still waiting for it: its expiry moves to `expiry`
+/// from now (the expiry job is replaced). Returns the order.
+pub async fn reopen(
+    pool: &sqlx::PgPool,
+    number: i64,
+    expiry: std::time::Duration,
+) -> Result<OrderView, ReopenError> {
+    let mut tx = pool.begin().await?;
+    let id = lock_payable(&mut tx, number).await?;
     let expires_at =
         Utc::now() + chrono::Duration::from_std(expiry).unwrap_or(chrono::Duration::minutes(30));
     sqlx::query(
@@ -439,15 +445,7 @@ pub async fn reopen(
 /// and the workers expire it as they would have later.
 pub async fn expire_now(pool: &sqlx::PgPool, number: i64) -> Result<(), ReopenError> {
     let mut tx = pool.begin().await?;
-    let row: Option<(i64, OrderStatus)> =
-        sqlx::query_as("SELECT id, status FROM orders WHERE number = $1 FOR UPDATE")
-            .bind(number)
-            .fetch_optional(&mut *tx)
-            .await?;
-    let (id, status) = row.ok_or(ReopenError::NotFound(number))?;
-    if !status.is_payable() {
-        return Err(ReopenError::NotPayable { number, status });
-    }
+    let id = lock_payable(&mut tx, number).await?;
     let now = Utc::now();
     sqlx::query("UPDATE orders SET expires_at = $2, updated_at = now() WHERE id = $1")
         .bind(id)
