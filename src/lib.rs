@@ -27,6 +27,7 @@ pub mod db;
 pub mod demo;
 pub mod gateways;
 pub mod http;
+pub mod ledger;
 pub mod messaging;
 pub mod money;
 pub mod orders;

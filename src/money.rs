@@ -183,6 +183,26 @@ impl Money {
         Money::new(rounded, self.currency).ok()
     }
 
+    /// This amount's share `part / whole` (a refund's part that the seller bears, say), rounded
+    /// half-even to the currency's minor unit.
+    pub fn share(&self, part: &Money, whole: &Money) -> Option<Money> {
+        if whole.amount.is_zero()
+            || part.currency != self.currency
+            || whole.currency != self.currency
+        {
+            return None;
+        }
+        let exact = self
+            .amount
+            .checked_mul(part.amount)?
+            .checked_div(whole.amount)?;
+        let rounded = exact.round_dp_with_strategy(
+            self.currency.exponent(),
+            rust_decimal::RoundingStrategy::MidpointNearestEven,
+        );
+        Money::new(rounded, self.currency).ok()
+    }
+
     /// The smaller of two amounts of the same currency.
     pub fn min(self, other: Money) -> Money {
         if other.amount < self.amount {

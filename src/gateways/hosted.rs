@@ -92,16 +92,12 @@ impl HostedGateway {
             "ips"
         };
         let metadata = serde_json::to_value(&r.metadata).unwrap_or_default();
-        // Idempotent by order: a second request finds the first session.
-        let session_id: String = sqlx::query_scalar(
-            "WITH new AS (
-                 INSERT INTO internal_payments (session_id, gateway, order_number, amount, currency, metadata)
-                 VALUES ($1, $2, $3, $4, $5, $6)
-                 ON CONFLICT (gateway, order_number) DO NOTHING
-                 RETURNING session_id)
-             SELECT session_id FROM new
-             UNION ALL SELECT session_id FROM internal_payments WHERE gateway = $2 AND order_number = $3
-             LIMIT 1",
+        // Idempotent by order: a second request finds the first session (read in a statement
+        // of its own, which sees a concurrent request's committed row).
+        sqlx::query(
+            "INSERT INTO internal_payments (session_id, gateway, order_number, amount, currency, metadata)
+             VALUES ($1, $2, $3, $4, $5, $6)
+             ON CONFLICT (gateway, order_number) DO NOTHING",
         )
         .bind(random_id(prefix))
         .bind(self.name)
@@ -109,6 +105,13 @@ impl HostedGateway {
         .bind(r.amount.amount())
         .bind(r.amount.currency().as_str())
         .bind(metadata)
+        .execute(&self.pool)
+        .await?;
+        let session_id: String = sqlx::query_scalar(
+            "SELECT session_id FROM internal_payments WHERE gateway = $1 AND order_number = $2",
+        )
+        .bind(self.name)
+        .bind(r.order_number)
         .fetch_one(&self.pool)
         .await?;
         let url = format!("{}/pay/{session_id}", self.public_url);

@@ -205,9 +205,11 @@ impl StripeConnect {
     }
 
     async fn refund_payment(&self, r: &RefundRequest) -> Result<RefundReceipt, GatewayError> {
+        // The platform's fee goes back in proportion, as the ledger books it.
         let form = vec![
             ("payment_intent".to_owned(), r.payment_id.clone()),
             ("amount".to_owned(), minor(&r.amount)?.to_string()),
+            ("refund_application_fee".to_owned(), "true".to_owned()),
         ];
         let refund: StripeRefund = read_json(
             NAME,

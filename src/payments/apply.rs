@@ -12,6 +12,7 @@ use sqlx::PgConnection;
 
 use super::{ProcessError, ProcessPaymentEvent, RefundLatePayment};
 use crate::gateways::{DisputeStatus, Fact, GatewayName, PaymentRef, PaymentStatus};
+use crate::ledger::sales::{self, Sale};
 use crate::money::Money;
 use crate::orders::{self, PaymentEffect};
 use crate::payment_status::{Facts, derive_status};
@@ -563,8 +564,12 @@ async fn derive_and_apply(
             )
             .await
         }
-        Some(PaymentEffect::Changed) => Ok(true),
-        Some(PaymentEffect::Unchanged) => Ok(false),
+        Some(effect @ (PaymentEffect::Changed | PaymentEffect::Unchanged)) => {
+            if let Some((number, _, _)) = &session {
+                sync_ledger(tx, gateway, po_id, *number).await?;
+            }
+            Ok(effect == PaymentEffect::Changed)
+        }
         Some(PaymentEffect::AmountMismatch { order, paid }) => {
             Err(Rejection::AmountMismatch { order, paid }.into())
         }
@@ -590,6 +595,95 @@ async fn derive_and_apply(
             Ok(true)
         }
     }
+}
+
+/// A confirmed order as the ledger needs it.
+#[derive(sqlx::FromRow)]
+struct SaleRow {
+    seller_id: String,
+    total: Decimal,
+    platform_fee: Decimal,
+    seller_net: Decimal,
+    currency: String,
+    paid_at: Option<chrono::DateTime<chrono::Utc>>,
+    status: crate::orders::OrderStatus,
+    holding_days: i32,
+}
+
+/// Brings the seller's ledger in line with a confirmed order's payment: the sale, each refund,
+/// each dispute in its current status. Every posting is keyed by its source, so running this
+/// again (a duplicate, a reprocessed event) posts nothing twice, and facts that arrived in any
+/// order end in the same ledger.
+async fn sync_ledger(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    po_id: i64,
+    number: i64,
+) -> Result<(), ProcessError> {
+    let row: Option<SaleRow> = sqlx::query_as(
+        "SELECT o.seller_id::text AS seller_id, o.total, o.platform_fee, o.seller_net, o.currency::text AS currency,
+                o.paid_at, o.status, s.holding_days
+         FROM orders o JOIN sellers s ON s.id = o.seller_id WHERE o.number = $1",
+    )
+    .bind(number)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(SaleRow {
+        seller_id,
+        total,
+        platform_fee: fee,
+        seller_net: net,
+        currency,
+        paid_at: Some(paid_at),
+        status,
+        holding_days,
+    }) = row
+    else {
+        return Ok(());
+    };
+    if matches!(
+        status,
+        crate::orders::OrderStatus::Expired | crate::orders::OrderStatus::Cancelled
+    ) {
+        return Ok(());
+    }
+    let c: crate::money::Currency = currency
+        .parse()
+        .map_err(|_| crate::ledger::LedgerError::Mismatch(format!("order {number}")))?;
+    let money = |d: Decimal| {
+        Money::new(d, c)
+            .map_err(|_| crate::ledger::LedgerError::Mismatch(format!("order {number}")))
+    };
+    let sale = Sale {
+        order_number: number,
+        seller_id,
+        gateway,
+        total: money(total)?,
+        fee: money(fee)?,
+        net: money(net)?,
+        paid_at,
+        holding_days,
+    };
+    sales::record_sale(tx, &sale).await?;
+    let refunds: Vec<(String, Decimal)> = sqlx::query_as(
+        "SELECT refund_id, amount FROM payment_refunds WHERE payment_order_id = $1 ORDER BY id",
+    )
+    .bind(po_id)
+    .fetch_all(&mut *tx)
+    .await?;
+    for (refund_id, amount) in refunds {
+        sales::record_refund(tx, &sale, &refund_id, money(amount)?).await?;
+    }
+    let disputes: Vec<(String, Decimal, DisputeStatus)> = sqlx::query_as(
+        "SELECT dispute_id, amount, status FROM payment_disputes WHERE payment_order_id = $1 ORDER BY id",
+    )
+    .bind(po_id)
+    .fetch_all(&mut *tx)
+    .await?;
+    for (dispute_id, amount, status) in disputes {
+        sales::record_dispute(tx, &sale, &dispute_id, money(amount)?, status).await?;
+    }
+    Ok(())
 }
 
 /// A payment no checkout asked for: kept for an operator, with its latest state.

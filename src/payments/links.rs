@@ -70,15 +70,25 @@ impl LinkService {
                 return failed(e.code(), e.to_string(), e.is_transient());
             }
         };
-        let stored = sqlx::query_as::<_, (String, String)>(
-            "WITH new AS (
-                 INSERT INTO payment_sessions (order_number, gateway, session_id, url, amount, currency, platform_fee, metadata)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-                 ON CONFLICT (order_number) DO NOTHING
-                 RETURNING session_id, url)
-             SELECT session_id, url FROM new
-             UNION ALL SELECT session_id, url FROM payment_sessions WHERE order_number = $1
-             LIMIT 1",
+        let stored = self.store(&r, &session, &metadata).await;
+        match stored {
+            Ok((session_id, url)) => PaymentLinkReply::Created { session_id, url },
+            Err(e) => failed("unavailable", e.to_string(), true),
+        }
+    }
+
+    /// Keeps the session; the first stored wins when two requests raced (the gateway was asked
+    /// with the same idempotency key, so it is normally the same session anyway).
+    async fn store(
+        &self,
+        r: &PaymentLinkRequest,
+        session: &crate::gateways::api::Session,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<(String, String), sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO payment_sessions (order_number, gateway, session_id, url, amount, currency, platform_fee, metadata)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+             ON CONFLICT (order_number) DO NOTHING",
         )
         .bind(r.order_number)
         .bind(r.gateway)
@@ -87,13 +97,13 @@ impl LinkService {
         .bind(r.amount.amount())
         .bind(r.amount.currency().as_str())
         .bind(r.platform_fee.amount())
-        .bind(serde_json::to_value(&metadata).unwrap_or_default())
-        .fetch_one(&self.pool)
-        .await;
-        match stored {
-            Ok((session_id, url)) => PaymentLinkReply::Created { session_id, url },
-            Err(e) => failed("unavailable", e.to_string(), true),
-        }
+        .bind(serde_json::to_value(metadata).unwrap_or_default())
+        .execute(&self.pool)
+        .await?;
+        // A separate statement sees the winner's row whoever it was.
+        self.stored(r.order_number)
+            .await?
+            .ok_or(sqlx::Error::RowNotFound)
     }
 
     async fn stored(&self, order: i64) -> Result<Option<(String, String)>, sqlx::Error> {

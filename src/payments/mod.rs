@@ -93,6 +93,8 @@ pub enum ProcessError {
     MercadoPago(#[from] MercadoPagoError),
     #[error("could not enqueue the events that waited for this payment")]
     Queue(#[from] QueueError),
+    #[error("the ledger refused the posting")]
+    Ledger(#[from] crate::ledger::LedgerError),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
@@ -104,6 +106,7 @@ impl ProcessError {
         match self {
             Self::Database(e) | Self::Queue(QueueError::Database(e)) => crate::db::is_transient(e),
             Self::MercadoPago(e) => e.is_transient(),
+            Self::Ledger(crate::ledger::LedgerError::Database(e)) => crate::db::is_transient(e),
             _ => false,
         }
     }

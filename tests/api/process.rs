@@ -245,6 +245,7 @@ async fn operators_list_unprocessed_events_and_replay_them(pool: PgPool) {
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_worker_reports_its_own_readiness_and_never_logs_a_password(pool: PgPool) {
+    payfleet::tls::install_provider();
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()

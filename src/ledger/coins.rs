@@ -1,0 +1,299 @@
+//! Internal coins: a wallet per buyer and currency, as ledger accounts. Paying with coins is
+//! reserve, then approve (the reservation is spent) or release (it goes back to the wallet).
+//! Each step is idempotent by the reservation's id. Every change locks the buyer's accounts;
+//! a CHECK constraint keeping the wallet and the reservations at or above zero is the last
+//! barrier: a reservation beyond the balance fails cleanly, never leaves a negative balance.
+
+use rust_decimal::Decimal;
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+
+use super::{AccountKind, AccountRef, LedgerError, Transfer, TransferKind, account, lock, post};
+use crate::money::{Currency, Money};
+
+crate::text_enum! {
+    pub enum ReservationState {
+        Reserved = "reserved",
+        Approved = "approved",
+        Released = "released",
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CoinError {
+    #[error("buyer {buyer} has {balance} coins; {wanted} were asked")]
+    Insufficient {
+        buyer: String,
+        balance: String,
+        wanted: String,
+    },
+    #[error("no reservation {0}")]
+    UnknownReservation(String),
+    #[error("reservation {id} is {state}; it cannot be {action}")]
+    Decided {
+        id: String,
+        state: ReservationState,
+        action: &'static str,
+    },
+    #[error("reservation {0} exists with another buyer or amount")]
+    Conflict(String),
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Wallet {
+    pub buyer_id: String,
+    pub currency: String,
+    pub balance: String,
+    pub reserved: String,
+}
+
+fn refs(buyer: &str, c: Currency) -> (AccountRef, AccountRef, AccountRef, AccountRef) {
+    (
+        AccountRef::new(AccountKind::CoinsIssued, buyer, c),
+        AccountRef::new(AccountKind::BuyerWallet, buyer, c),
+        AccountRef::new(AccountKind::CoinsReserved, buyer, c),
+        AccountRef::new(AccountKind::CoinsSpent, buyer, c),
+    )
+}
+
+async fn lock_buyer(
+    tx: &mut sqlx::PgConnection,
+    buyer: &str,
+    c: Currency,
+) -> Result<Decimal, sqlx::Error> {
+    let (issued, wallet, reserved, spent) = refs(buyer, c);
+    let wallet_id = account(tx, &wallet).await?;
+    let mut ids = vec![
+        account(tx, &issued).await?,
+        wallet_id,
+        account(tx, &reserved).await?,
+        account(tx, &spent).await?,
+    ];
+    ids.sort_unstable();
+    let balances = lock(tx, &ids).await?;
+    Ok(balances
+        .iter()
+        .find(|(id, _)| *id == wallet_id)
+        .map(|(_, b)| *b)
+        .unwrap_or_default())
+}
+
+fn transfer(
+    key: String,
+    kind: TransferKind,
+    from: AccountRef,
+    to: AccountRef,
+    amount: Money,
+    reservation: &str,
+) -> Transfer {
+    Transfer {
+        source_key: key,
+        kind,
+        from,
+        to,
+        amount,
+        available_at: None,
+        order_number: None,
+        reference: Some(reservation.to_owned()),
+    }
+}
+
+/// Gives a buyer coins (a promotion, a refund in coins). Once per `key`.
+pub async fn grant(
+    pool: &PgPool,
+    buyer: &str,
+    amount: Money,
+    key: &str,
+) -> Result<Wallet, CoinError> {
+    let mut tx = pool.begin().await?;
+    lock_buyer(&mut tx, buyer, amount.currency()).await?;
+    let (issued, wallet, _, _) = refs(buyer, amount.currency());
+    post(
+        &mut tx,
+        &transfer(
+            format!("coins_grant:{key}"),
+            TransferKind::CoinsGrant,
+            issued,
+            wallet,
+            amount,
+            key,
+        ),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(wallet_of(pool, buyer, amount.currency()).await?)
+}
+
+/// Reserves coins for a payment. Asking again with the same id gives the same reservation.
+pub async fn reserve(
+    pool: &PgPool,
+    id: &str,
+    buyer: &str,
+    amount: Money,
+    order: Option<i64>,
+) -> Result<ReservationState, CoinError> {
+    let mut tx = pool.begin().await?;
+    let balance = lock_buyer(&mut tx, buyer, amount.currency()).await?;
+    let existing: Option<(String, Decimal, String, ReservationState)> = sqlx::query_as(
+        "SELECT buyer_id, amount, currency::text, state FROM coin_reservations WHERE id = $1 FOR UPDATE",
+    )
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some((b, a, c, state)) = existing {
+        if b != buyer || a != amount.amount() || c != amount.currency().as_str() {
+            return Err(CoinError::Conflict(id.to_owned()));
+        }
+        return Ok(state);
+    }
+    if balance < amount.amount() {
+        return Err(CoinError::Insufficient {
+            buyer: buyer.to_owned(),
+            balance: balance.normalize().to_string(),
+            wanted: amount.to_string(),
+        });
+    }
+    let (_, wallet, reserved, _) = refs(buyer, amount.currency());
+    post(
+        &mut tx,
+        &transfer(
+            format!("coins_reserve:{id}"),
+            TransferKind::CoinsReserve,
+            wallet.clone(),
+            reserved,
+            amount,
+            id,
+        ),
+    )
+    .await
+    .map_err(|e| match e {
+        // The CHECK refused it: the same answer as the check above.
+        LedgerError::Insufficient { .. } => CoinError::Insufficient {
+            buyer: buyer.to_owned(),
+            balance: balance.normalize().to_string(),
+            wanted: amount.to_string(),
+        },
+        other => CoinError::Ledger(other),
+    })?;
+    sqlx::query(
+        "INSERT INTO coin_reservations (id, buyer_id, amount, currency, order_number) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(id)
+    .bind(buyer)
+    .bind(amount.amount())
+    .bind(amount.currency().as_str())
+    .bind(order)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(ReservationState::Reserved)
+}
+
+/// Approves (spends) or releases (gives back) a reservation. Doing the same again is a no-op;
+/// the other step after one is refused.
+pub async fn decide(pool: &PgPool, id: &str, approve: bool) -> Result<ReservationState, CoinError> {
+    let mut tx = pool.begin().await?;
+    let row: Option<(String, Decimal, String, ReservationState)> = sqlx::query_as(
+        "SELECT buyer_id, amount, currency::text, state FROM coin_reservations WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let (buyer, amount, currency, _) =
+        row.ok_or_else(|| CoinError::UnknownReservation(id.to_owned()))?;
+    let c: Currency = currency
+        .parse()
+        .map_err(|_| CoinError::UnknownReservation(id.to_owned()))?;
+    lock_buyer(&mut tx, &buyer, c).await?;
+    // Read again under the lock: a concurrent decision has committed or not.
+    let state: ReservationState =
+        sqlx::query_scalar("SELECT state FROM coin_reservations WHERE id = $1 FOR UPDATE")
+            .bind(id)
+            .fetch_one(&mut *tx)
+            .await?;
+    let (want, action) = if approve {
+        (ReservationState::Approved, "approved")
+    } else {
+        (ReservationState::Released, "released")
+    };
+    match state {
+        s if s == want => return Ok(s),
+        ReservationState::Reserved => {}
+        s => {
+            return Err(CoinError::Decided {
+                id: id.to_owned(),
+                state: s,
+                action,
+            });
+        }
+    }
+    let amount = Money::new(amount, c).map_err(|_| CoinError::UnknownReservation(id.to_owned()))?;
+    let (_, wallet, reserved, spent) = refs(&buyer, c);
+    let t = if approve {
+        transfer(
+            format!("coins_spend:{id}"),
+            TransferKind::CoinsSpend,
+            reserved,
+            spent,
+            amount,
+            id,
+        )
+    } else {
+        transfer(
+            format!("coins_release:{id}"),
+            TransferKind::CoinsRelease,
+            reserved,
+            wallet,
+            amount,
+            id,
+        )
+    };
+    post(&mut tx, &t).await?;
+    sqlx::query("UPDATE coin_reservations SET state = $2, decided_at = now() WHERE id = $1")
+        .bind(id)
+        .bind(want)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(want)
+}
+
+/// A buyer's wallet in one currency.
+pub async fn wallet_of(pool: &PgPool, buyer: &str, c: Currency) -> Result<Wallet, sqlx::Error> {
+    let (balance, reserved): (Decimal, Decimal) = sqlx::query_as(
+        "SELECT COALESCE(sum(balance) FILTER (WHERE kind = 'buyer_wallet'), 0),
+                COALESCE(sum(balance) FILTER (WHERE kind = 'coins_reserved'), 0)
+         FROM ledger_accounts WHERE owner = $1 AND currency = $2 AND kind IN ('buyer_wallet', 'coins_reserved')",
+    )
+    .bind(buyer)
+    .bind(c.as_str())
+    .fetch_one(pool)
+    .await?;
+    Ok(Wallet {
+        buyer_id: buyer.to_owned(),
+        currency: c.to_string(),
+        balance: super::decimal_text(balance, c.as_str()),
+        reserved: super::decimal_text(reserved, c.as_str()),
+    })
+}
+
+/// A buyer's wallets, one per currency they hold coins in.
+pub async fn wallets(pool: &PgPool, buyer: &str) -> Result<Vec<Wallet>, sqlx::Error> {
+    let currencies: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT currency::text FROM ledger_accounts WHERE owner = $1 AND kind = 'buyer_wallet' ORDER BY 1",
+    )
+    .bind(buyer)
+    .fetch_all(pool)
+    .await?;
+    let mut out = Vec::new();
+    for c in currencies {
+        if let Ok(c) = c.parse() {
+            out.push(wallet_of(pool, buyer, c).await?);
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,233 @@
+//! Commission invoices: per seller and period (a calendar month by default), the platform's
+//! commission as the ledger recorded it: a line per order (its fee, less what refunds and
+//! disputes gave back in the period), totals per currency, a sequential number without gaps
+//! (taken from a counter row inside the invoice's transaction). Made once per seller and period:
+//! a rerun returns the same invoice.
+
+use chrono::{DateTime, Datelike, NaiveDate, Utc};
+use rust_decimal::Decimal;
+use serde::Serialize;
+use sqlx::{PgConnection, PgPool};
+
+use crate::catalogue::SellerId;
+
+/// The calendar month before the one `today` falls in: the period a monthly run invoices.
+pub fn previous_month(today: NaiveDate) -> (NaiveDate, NaiveDate) {
+    let this_month = today.with_day(1).unwrap_or(today);
+    let start = (this_month - chrono::Duration::days(1))
+        .with_day(1)
+        .unwrap_or(this_month);
+    (start, this_month)
+}
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct InvoiceLine {
+    pub line: i32,
+    pub order_number: i64,
+    pub currency: String,
+    #[serde(with = "rust_decimal::serde::str")]
+    pub commission: Decimal,
+    pub description: String,
+}
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct InvoiceTotal {
+    pub currency: String,
+    #[serde(with = "rust_decimal::serde::str")]
+    pub commission: Decimal,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Invoice {
+    pub number: i64,
+    pub seller_id: SellerId,
+    pub seller_name: String,
+    pub period_start: NaiveDate,
+    pub period_end: NaiveDate,
+    pub created_at: DateTime<Utc>,
+    pub lines: Vec<InvoiceLine>,
+    pub totals: Vec<InvoiceTotal>,
+}
+
+/// Invoices every seller that earned the platform commission in `[start, end)`. Returns their
+/// numbers (made now or before).
+pub async fn run(pool: &PgPool, start: NaiveDate, end: NaiveDate) -> Result<Vec<i64>, sqlx::Error> {
+    let sellers: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT a.owner FROM ledger_transfers t
+         JOIN ledger_accounts a ON a.kind = 'platform_revenue' AND a.id IN (t.from_account, t.to_account)
+         WHERE t.created_at >= $1 AND t.created_at < $2 ORDER BY a.owner",
+    )
+    .bind(start.and_hms_opt(0, 0, 0).map(|d| d.and_utc()))
+    .bind(end.and_hms_opt(0, 0, 0).map(|d| d.and_utc()))
+    .fetch_all(pool)
+    .await?;
+    let mut numbers = Vec::new();
+    for seller in sellers {
+        if let Some(n) = create(pool, &seller, start, end).await? {
+            numbers.push(n);
+        }
+    }
+    Ok(numbers)
+}
+
+/// The invoice of `seller` for `[start, end)`: made if there was commission and it is not made
+/// yet. Returns its number.
+pub async fn create(
+    pool: &PgPool,
+    seller: &str,
+    start: NaiveDate,
+    end: NaiveDate,
+) -> Result<Option<i64>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    // One invoice of a seller is made at a time: a concurrent run waits, then finds it.
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('invoice:' || $1, 0))")
+        .bind(seller)
+        .execute(&mut *tx)
+        .await?;
+    let existing: Option<i64> = sqlx::query_scalar(
+        "SELECT number FROM invoices WHERE seller_id = $1::uuid AND period_start = $2",
+    )
+    .bind(seller)
+    .bind(start)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if existing.is_some() {
+        return Ok(existing);
+    }
+    let lines: Vec<(i64, String, Decimal)> = sqlx::query_as(
+        "SELECT t.order_number, t.currency::text,
+                sum(CASE WHEN t.to_account = a.id THEN t.amount ELSE -t.amount END)
+         FROM ledger_transfers t
+         JOIN ledger_accounts a ON a.kind = 'platform_revenue' AND a.owner = $1
+                               AND a.id IN (t.from_account, t.to_account)
+         WHERE t.created_at >= $2 AND t.created_at < $3 AND t.order_number IS NOT NULL
+         GROUP BY t.order_number, t.currency ORDER BY t.order_number, t.currency",
+    )
+    .bind(seller)
+    .bind(start.and_hms_opt(0, 0, 0).map(|d| d.and_utc()))
+    .bind(end.and_hms_opt(0, 0, 0).map(|d| d.and_utc()))
+    .fetch_all(&mut *tx)
+    .await?;
+    if lines.is_empty() {
+        return Ok(None);
+    }
+    let number = next_number(&mut tx).await?;
+    let invoice: i64 = sqlx::query_scalar(
+        "INSERT INTO invoices (number, seller_id, period_start, period_end) VALUES ($1, $2::uuid, $3, $4) RETURNING id",
+    )
+    .bind(number)
+    .bind(seller)
+    .bind(start)
+    .bind(end)
+    .fetch_one(&mut *tx)
+    .await?;
+    for (i, (order, currency, commission)) in lines.iter().enumerate() {
+        let description = if *commission < Decimal::ZERO {
+            format!("Commission returned on order {order} (refund or dispute)")
+        } else {
+            format!("Commission on order {order}")
+        };
+        sqlx::query(
+            "INSERT INTO invoice_lines (invoice_id, line, order_number, currency, commission, description)
+             VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(invoice)
+        .bind(i as i32 + 1)
+        .bind(order)
+        .bind(currency)
+        .bind(commission)
+        .bind(description)
+        .execute(&mut *tx)
+        .await?;
+    }
+    sqlx::query(
+        "INSERT INTO invoice_totals (invoice_id, currency, commission)
+         SELECT $1, currency, sum(commission) FROM invoice_lines WHERE invoice_id = $1 GROUP BY currency",
+    )
+    .bind(invoice)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    tracing::info!(invoice = number, %seller, %start, "commission invoice made");
+    Ok(Some(number))
+}
+
+async fn next_number(tx: &mut PgConnection) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("UPDATE invoice_numbers SET last = last + 1 WHERE singleton RETURNING last")
+        .fetch_one(&mut *tx)
+        .await
+}
+
+#[derive(sqlx::FromRow)]
+struct Head {
+    id: i64,
+    number: i64,
+    seller_id: SellerId,
+    seller_name: String,
+    period_start: NaiveDate,
+    period_end: NaiveDate,
+    created_at: DateTime<Utc>,
+}
+
+const HEAD: &str = "SELECT i.id, i.number, i.seller_id, s.name AS seller_name, i.period_start, i.period_end, i.created_at
+     FROM invoices i JOIN sellers s ON s.id = i.seller_id";
+
+async fn complete(pool: &PgPool, h: Head) -> Result<Invoice, sqlx::Error> {
+    let lines = sqlx::query_as(
+        "SELECT line, order_number, currency::text AS currency, commission, description
+         FROM invoice_lines WHERE invoice_id = $1 ORDER BY line",
+    )
+    .bind(h.id)
+    .fetch_all(pool)
+    .await?;
+    let totals = sqlx::query_as(
+        "SELECT currency::text AS currency, commission FROM invoice_totals WHERE invoice_id = $1 ORDER BY currency",
+    )
+    .bind(h.id)
+    .fetch_all(pool)
+    .await?;
+    Ok(Invoice {
+        number: h.number,
+        seller_id: h.seller_id,
+        seller_name: h.seller_name,
+        period_start: h.period_start,
+        period_end: h.period_end,
+        created_at: h.created_at,
+        lines,
+        totals,
+    })
+}
+
+/// A seller's invoices, newest first.
+pub async fn list(pool: &PgPool, seller: SellerId) -> Result<Vec<Invoice>, sqlx::Error> {
+    let heads: Vec<Head> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "{HEAD} WHERE i.seller_id = $1 ORDER BY i.number DESC"
+    )))
+    .bind(seller)
+    .fetch_all(pool)
+    .await?;
+    let mut out = Vec::with_capacity(heads.len());
+    for h in heads {
+        out.push(complete(pool, h).await?);
+    }
+    Ok(out)
+}
+
+/// Invoice `number` of `seller`.
+pub async fn get(
+    pool: &PgPool,
+    seller: SellerId,
+    number: i64,
+) -> Result<Option<Invoice>, sqlx::Error> {
+    let head: Option<Head> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "{HEAD} WHERE i.seller_id = $1 AND i.number = $2"
+    )))
+    .bind(seller)
+    .bind(number)
+    .fetch_optional(pool)
+    .await?;
+    match head {
+        Some(h) => Ok(Some(complete(pool, h).await?)),
+        None => Ok(None),
+    }
+}

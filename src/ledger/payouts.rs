@@ -1,0 +1,218 @@
+//! Payouts: each seller is paid its available balance once per payout period (a day, an ISO
+//! week or a month, as the seller chose) when it is at least the seller's minimum. A payout
+//! moves the amount from `seller_available` to `payouts_in_transit` and is `pending` until the
+//! bank confirms it (`paid`: to `bank`) or refuses it (`failed`: back to `seller_available`, once).
+//! Two runs for the same period, from two workers at once, make one payout: the period is part
+//! of the payout's key and the seller's accounts are locked while it is taken.
+
+use chrono::{DateTime, Datelike, NaiveDate, Utc};
+use rust_decimal::Decimal;
+use serde::Serialize;
+use sqlx::PgPool;
+
+use super::{AccountKind, AccountRef, LedgerError, Transfer, TransferKind, account, lock, post};
+use crate::catalogue::PayoutFrequency;
+use crate::money::{Currency, Money};
+
+crate::text_enum! {
+    pub enum PayoutState {
+        Pending = "pending",
+        Paid = "paid",
+        Failed = "failed",
+    }
+}
+
+/// The first day of the payout period `date` falls in.
+pub fn period_start(frequency: PayoutFrequency, date: NaiveDate) -> NaiveDate {
+    match frequency {
+        PayoutFrequency::Daily => date,
+        PayoutFrequency::Weekly => {
+            date - chrono::Duration::days(i64::from(date.weekday().num_days_from_monday()))
+        }
+        PayoutFrequency::Monthly => date.with_day(1).unwrap_or(date),
+    }
+}
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct Payout {
+    pub id: i64,
+    pub seller_id: crate::catalogue::SellerId,
+    pub currency: String,
+    pub period_start: NaiveDate,
+    #[serde(with = "rust_decimal::serde::str")]
+    pub amount: Decimal,
+    pub state: PayoutState,
+    pub failure: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub decided_at: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PayoutError {
+    #[error("no payout {0}")]
+    NotFound(i64),
+    #[error("payout {id} is {state}; only a pending payout can be marked paid or failed")]
+    Decided { id: i64, state: PayoutState },
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+fn accounts(seller: &str, currency: Currency) -> (AccountRef, AccountRef, AccountRef) {
+    (
+        AccountRef::new(AccountKind::SellerAvailable, seller, currency),
+        AccountRef::new(AccountKind::PayoutsInTransit, seller, currency),
+        AccountRef::new(AccountKind::Bank, seller, currency),
+    )
+}
+
+/// Pays every seller that is due on `today`. Returns the payouts made.
+pub async fn run(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, PayoutError> {
+    let candidates: Vec<(String, PayoutFrequency, Decimal, String)> = sqlx::query_as(
+        "SELECT s.id::text, s.payout_frequency, s.payout_minimum, a.currency::text
+         FROM sellers s JOIN ledger_accounts a ON a.owner = s.id::text AND a.kind = 'seller_available'
+         WHERE a.balance > 0 AND a.balance >= s.payout_minimum
+         ORDER BY s.id, a.currency",
+    )
+    .fetch_all(pool)
+    .await?;
+    let mut made = Vec::new();
+    for (seller, frequency, minimum, currency) in candidates {
+        let Ok(c) = currency.parse::<Currency>() else {
+            continue;
+        };
+        let (available, transit, _) = accounts(&seller, c);
+        let mut tx = pool.begin().await?;
+        let mut ids = vec![
+            account(&mut tx, &available).await?,
+            account(&mut tx, &transit).await?,
+        ];
+        ids.sort_unstable();
+        let balances = lock(&mut tx, &ids).await?;
+        let available_id = account(&mut tx, &available).await?;
+        let balance = balances
+            .iter()
+            .find(|(id, _)| *id == available_id)
+            .map(|(_, b)| *b)
+            .unwrap_or_default();
+        if balance <= Decimal::ZERO || balance < minimum {
+            continue;
+        }
+        let period = period_start(frequency, today);
+        let id: Option<i64> = sqlx::query_scalar(
+            "INSERT INTO payouts (seller_id, currency, period_start, amount) VALUES ($1::uuid, $2, $3, $4)
+             ON CONFLICT (seller_id, currency, period_start) DO NOTHING RETURNING id",
+        )
+        .bind(&seller)
+        .bind(c.as_str())
+        .bind(period)
+        .bind(balance)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(id) = id else {
+            continue; // paid already this period
+        };
+        let amount =
+            Money::new(balance, c).map_err(|_| LedgerError::Mismatch(format!("payout {id}")))?;
+        post(
+            &mut tx,
+            &Transfer {
+                source_key: format!("payout:{id}"),
+                kind: TransferKind::PayoutDebit,
+                from: available,
+                to: transit,
+                amount,
+                available_at: None,
+                order_number: None,
+                reference: Some(id.to_string()),
+            },
+        )
+        .await?;
+        tx.commit().await?;
+        tracing::info!(payout = id, %seller, %amount, %period, "payout made");
+        made.push(id);
+    }
+    Ok(made)
+}
+
+/// The bank confirmed (`Ok(true)` for paid) or refused the payout. Once: a decided payout stays.
+pub async fn decide(pool: &PgPool, id: i64, failure: Option<&str>) -> Result<Payout, PayoutError> {
+    let mut tx = pool.begin().await?;
+    let row: Option<(String, String, PayoutState, Decimal)> = sqlx::query_as(
+        "SELECT seller_id::text, currency::text, state, amount FROM payouts WHERE id = $1 FOR UPDATE",
+    )
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let (seller, currency, state, amount) = row.ok_or(PayoutError::NotFound(id))?;
+    if state != PayoutState::Pending {
+        return Err(PayoutError::Decided { id, state });
+    }
+    let c: Currency = currency
+        .parse()
+        .map_err(|_| LedgerError::Mismatch(format!("payout {id}")))?;
+    let amount =
+        Money::new(amount, c).map_err(|_| LedgerError::Mismatch(format!("payout {id}")))?;
+    let (available, transit, bank) = accounts(&seller, c);
+    let (key, kind, to, next) = match failure {
+        None => (
+            format!("payout_paid:{id}"),
+            TransferKind::PayoutPaid,
+            bank,
+            PayoutState::Paid,
+        ),
+        // A failed payout gives the seller the money back, once.
+        Some(_) => (
+            format!("payout_failed:{id}"),
+            TransferKind::PayoutReversal,
+            available,
+            PayoutState::Failed,
+        ),
+    };
+    post(
+        &mut tx,
+        &Transfer {
+            source_key: key,
+            kind,
+            from: transit,
+            to,
+            amount,
+            available_at: None,
+            order_number: None,
+            reference: Some(id.to_string()),
+        },
+    )
+    .await?;
+    sqlx::query("UPDATE payouts SET state = $2, failure = $3, decided_at = now() WHERE id = $1")
+        .bind(id)
+        .bind(next)
+        .bind(failure)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    list_where(pool, "id", &id.to_string())
+        .await?
+        .pop()
+        .ok_or(PayoutError::NotFound(id))
+}
+
+/// Payouts whose `column` (a fixed name, never input) reads as `value`.
+async fn list_where(
+    pool: &PgPool,
+    column: &'static str,
+    value: &str,
+) -> Result<Vec<Payout>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT id, seller_id, currency::text AS currency, period_start, amount, state, failure, created_at, decided_at
+         FROM payouts WHERE {column}::text = $1 ORDER BY id DESC"
+    )))
+    .bind(value)
+    .fetch_all(pool)
+    .await
+}
+
+/// A seller's payouts, newest first.
+pub async fn list(pool: &PgPool, seller: &str) -> Result<Vec<Payout>, sqlx::Error> {
+    list_where(pool, "seller_id", seller).await
+}

@@ -1,0 +1,382 @@
+//! What a paid order, its refunds and its disputes post, and the holding period's release.
+//!
+//! Where the platform is merchant of record (the internal gateway, the mock, Razorpay), the whole
+//! amount reaches the platform's clearing account for the gateway: the seller's net is credited
+//! to the seller's pending balance, available after the seller's holding period, and the fee to
+//! the platform's revenue. Where the gateway pays the seller directly (Stripe Connect, Mercado
+//! Pago's marketplace split), the sale is recorded for reporting (`seller_connected`) and the fee
+//! for invoicing.
+//!
+//! Refunds and disputes are split like the sale: the seller bears `amount × net / total`
+//! rounded half-even to the minor unit, the platform's fee the rest. A refund or dispute takes
+//! from the seller's pending balance while the sale is in its holding period, from the available
+//! balance after (which may go below zero: the seller then owes it from later sales). A dispute
+//! debits once when it opens and is reversed once if it ends in the seller's favour, or if it
+//! ends as a refund (the refund then debits). Everything is keyed by its source (order, refund
+//! id, dispute id), so a fact seen twice, or processed again, posts nothing more.
+
+use chrono::{DateTime, Utc};
+use rust_decimal::Decimal;
+use sqlx::{PgConnection, PgPool};
+
+use super::{
+    AccountKind, AccountRef, LedgerError, Posted, Transfer, TransferKind, account, lock, post,
+};
+use crate::gateways::{DisputeStatus, GatewayName};
+use crate::money::{Currency, Money};
+
+/// A paid order, as the ledger sees it.
+#[derive(Debug, Clone)]
+pub struct Sale {
+    pub order_number: i64,
+    pub seller_id: String,
+    pub gateway: GatewayName,
+    pub total: Money,
+    pub fee: Money,
+    pub net: Money,
+    pub paid_at: DateTime<Utc>,
+    pub holding_days: i32,
+}
+
+/// Whether the money of a gateway's payments reaches the platform (which then owes the seller),
+/// or goes straight to the seller.
+pub fn settles_through_platform(gateway: GatewayName) -> bool {
+    matches!(
+        gateway,
+        GatewayName::Internal | GatewayName::Mock | GatewayName::Razorpay
+    )
+}
+
+struct Accounts {
+    clearing: AccountRef,
+    revenue: AccountRef,
+    pending: AccountRef,
+    available: AccountRef,
+    connected: AccountRef,
+}
+
+impl Sale {
+    fn currency(&self) -> Currency {
+        self.total.currency()
+    }
+
+    fn accounts(&self) -> Accounts {
+        let (seller, c) = (self.seller_id.as_str(), self.currency());
+        let clearing_kind = if settles_through_platform(self.gateway) {
+            AccountKind::GatewayClearing
+        } else {
+            AccountKind::ConnectedClearing
+        };
+        Accounts {
+            clearing: AccountRef::new(clearing_kind, format!("{}:{seller}", self.gateway), c),
+            revenue: AccountRef::new(AccountKind::PlatformRevenue, seller, c),
+            pending: AccountRef::new(AccountKind::SellerPending, seller, c),
+            available: AccountRef::new(AccountKind::SellerAvailable, seller, c),
+            connected: AccountRef::new(AccountKind::SellerConnected, seller, c),
+        }
+    }
+
+    /// The seller's part of an amount taken back (refund, dispute); the rest is the fee's.
+    pub fn split(&self, amount: &Money) -> Result<(Money, Money), LedgerError> {
+        let seller = amount
+            .share(&self.net, &self.total)
+            .ok_or_else(|| LedgerError::Mismatch(format!("order {}", self.order_number)))?;
+        let platform = amount
+            .checked_sub(&seller)
+            .ok_or_else(|| LedgerError::Mismatch(format!("order {}", self.order_number)))?;
+        Ok((seller, platform))
+    }
+
+    fn transfer(
+        &self,
+        key: String,
+        kind: TransferKind,
+        from: &AccountRef,
+        to: &AccountRef,
+        amount: Money,
+    ) -> Transfer {
+        Transfer {
+            source_key: key,
+            kind,
+            from: from.clone(),
+            to: to.clone(),
+            amount,
+            available_at: None,
+            order_number: Some(self.order_number),
+            reference: None,
+        }
+    }
+}
+
+/// Locks every account of the seller a sale touches, in id order, before any posting: all the
+/// postings of one seller and currency serialise here, and never deadlock on each other.
+async fn lock_seller(tx: &mut PgConnection, a: &Accounts) -> Result<(), sqlx::Error> {
+    let mut ids = Vec::with_capacity(5);
+    for r in [
+        &a.clearing,
+        &a.revenue,
+        &a.pending,
+        &a.available,
+        &a.connected,
+    ] {
+        ids.push(account(tx, r).await?);
+    }
+    ids.sort_unstable();
+    lock(tx, &ids).await?;
+    Ok(())
+}
+
+/// Whether the sale's holding period has been dealt with (read under the seller's lock).
+async fn released(tx: &mut PgConnection, order: i64) -> Result<bool, sqlx::Error> {
+    let r: Option<i64> =
+        sqlx::query_scalar("SELECT order_number FROM ledger_releases WHERE order_number = $1")
+            .bind(order)
+            .fetch_optional(&mut *tx)
+            .await?;
+    Ok(r.is_some())
+}
+
+/// Where the seller's part of a refund or dispute comes from now.
+async fn seller_bucket(
+    tx: &mut PgConnection,
+    sale: &Sale,
+    a: &Accounts,
+) -> Result<AccountRef, sqlx::Error> {
+    Ok(if !settles_through_platform(sale.gateway) {
+        a.connected.clone()
+    } else if released(tx, sale.order_number).await? {
+        a.available.clone()
+    } else {
+        a.pending.clone()
+    })
+}
+
+/// The paid order's credit and fee. Once per order.
+pub async fn record_sale(tx: &mut PgConnection, sale: &Sale) -> Result<(), LedgerError> {
+    let a = sale.accounts();
+    lock_seller(tx, &a).await?;
+    let n = sale.order_number;
+    if settles_through_platform(sale.gateway) {
+        let mut credit = sale.transfer(
+            format!("sale:{n}"),
+            TransferKind::SaleCredit,
+            &a.clearing,
+            &a.pending,
+            sale.net,
+        );
+        credit.available_at =
+            Some(sale.paid_at + chrono::Duration::days(i64::from(sale.holding_days)));
+        post(tx, &credit).await?;
+    } else {
+        let t = sale.transfer(
+            format!("sale:{n}"),
+            TransferKind::ConnectedSale,
+            &a.clearing,
+            &a.connected,
+            sale.net,
+        );
+        post(tx, &t).await?;
+    }
+    let fee = sale.transfer(
+        format!("fee:{n}"),
+        TransferKind::Fee,
+        &a.clearing,
+        &a.revenue,
+        sale.fee,
+    );
+    post(tx, &fee).await?;
+    Ok(())
+}
+
+/// A refund of the sale, split between the seller and the fee. Once per refund.
+pub async fn record_refund(
+    tx: &mut PgConnection,
+    sale: &Sale,
+    refund_id: &str,
+    amount: Money,
+) -> Result<(), LedgerError> {
+    let a = sale.accounts();
+    lock_seller(tx, &a).await?;
+    let (seller, platform) = sale.split(&amount)?;
+    let key = format!("refund:{}:{refund_id}", sale.gateway);
+    let from = seller_bucket(tx, sale, &a).await?;
+    let mut t = sale.transfer(
+        format!("{key}:seller"),
+        TransferKind::RefundDebit,
+        &from,
+        &a.clearing,
+        seller,
+    );
+    t.reference = Some(refund_id.to_owned());
+    post(tx, &t).await?;
+    let mut t = sale.transfer(
+        format!("{key}:fee"),
+        TransferKind::FeeRefund,
+        &a.revenue,
+        &a.clearing,
+        platform,
+    );
+    t.reference = Some(refund_id.to_owned());
+    post(tx, &t).await?;
+    Ok(())
+}
+
+/// A dispute of the sale in its current status: debited once when seen, reversed once if it
+/// ended in the seller's favour or as a refund.
+pub async fn record_dispute(
+    tx: &mut PgConnection,
+    sale: &Sale,
+    dispute_id: &str,
+    amount: Money,
+    status: DisputeStatus,
+) -> Result<(), LedgerError> {
+    let a = sale.accounts();
+    lock_seller(tx, &a).await?;
+    let (seller, platform) = sale.split(&amount)?;
+    let key = format!("dispute:{}:{dispute_id}", sale.gateway);
+    // The debit's source account, if it was posted before (a reversal goes back there).
+    let debited_from: Option<i64> =
+        sqlx::query_scalar("SELECT from_account FROM ledger_transfers WHERE source_key = $1")
+            .bind(format!("{key}:seller"))
+            .fetch_optional(&mut *tx)
+            .await?;
+    let from = seller_bucket(tx, sale, &a).await?;
+    let mut t = sale.transfer(
+        format!("{key}:seller"),
+        TransferKind::DisputeDebit,
+        &from,
+        &a.clearing,
+        seller,
+    );
+    t.reference = Some(dispute_id.to_owned());
+    let posted = post(tx, &t).await?;
+    let mut t = sale.transfer(
+        format!("{key}:fee"),
+        TransferKind::DisputeFeeDebit,
+        &a.revenue,
+        &a.clearing,
+        platform,
+    );
+    t.reference = Some(dispute_id.to_owned());
+    post(tx, &t).await?;
+    if matches!(status, DisputeStatus::Won | DisputeStatus::Refunded) {
+        let back_to = match (posted, debited_from) {
+            (Posted::AlreadyPosted, Some(id)) => account_ref(tx, id).await?.unwrap_or(from),
+            _ => from,
+        };
+        let mut t = sale.transfer(
+            format!("dispute_reversal:{}:{dispute_id}:seller", sale.gateway),
+            TransferKind::DisputeReversal,
+            &a.clearing,
+            &back_to,
+            seller,
+        );
+        t.reference = Some(dispute_id.to_owned());
+        post(tx, &t).await?;
+        let mut t = sale.transfer(
+            format!("dispute_reversal:{}:{dispute_id}:fee", sale.gateway),
+            TransferKind::DisputeFeeReversal,
+            &a.clearing,
+            &a.revenue,
+            platform,
+        );
+        t.reference = Some(dispute_id.to_owned());
+        post(tx, &t).await?;
+    }
+    Ok(())
+}
+
+async fn account_ref(tx: &mut PgConnection, id: i64) -> Result<Option<AccountRef>, sqlx::Error> {
+    let row: Option<(AccountKind, String, String)> =
+        sqlx::query_as("SELECT kind, owner, currency::text FROM ledger_accounts WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    Ok(row.and_then(|(kind, owner, c)| Some(AccountRef::new(kind, owner, c.parse().ok()?))))
+}
+
+/// Moves the sales whose holding period has passed from pending to available: what is left of
+/// each sale in pending (its credit less the refunds and disputes taken from pending meanwhile),
+/// once per sale, however many workers run it at once. Returns how many sales it dealt with.
+pub async fn release_matured(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, LedgerError> {
+    let mut done = 0;
+    loop {
+        let mut tx = pool.begin().await?;
+        // Several workers may run this: each takes different sales.
+        let due: Vec<(i64, String, String, Decimal)> = sqlx::query_as(
+            "SELECT t.order_number, a.owner, t.currency::text, t.amount
+             FROM ledger_transfers t JOIN ledger_accounts a ON a.id = t.to_account
+             WHERE t.kind = 'sale_credit' AND t.available_at <= $1
+               AND NOT EXISTS (SELECT 1 FROM ledger_releases r WHERE r.order_number = t.order_number)
+             ORDER BY t.available_at LIMIT 100
+             FOR UPDATE OF t SKIP LOCKED",
+        )
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await?;
+        if due.is_empty() {
+            return Ok(done);
+        }
+        for (order, seller, currency, credit) in &due {
+            let c: Currency = currency
+                .parse()
+                .map_err(|_| LedgerError::Mismatch(format!("order {order}")))?;
+            let pending = AccountRef::new(AccountKind::SellerPending, seller.as_str(), c);
+            let available = AccountRef::new(AccountKind::SellerAvailable, seller.as_str(), c);
+            let mut ids = vec![
+                account(&mut tx, &pending).await?,
+                account(&mut tx, &available).await?,
+            ];
+            ids.sort_unstable();
+            lock(&mut tx, &ids).await?;
+            let claimed = sqlx::query(
+                "INSERT INTO ledger_releases (order_number, amount) VALUES ($1, 0) ON CONFLICT DO NOTHING",
+            )
+            .bind(order)
+            .execute(&mut *tx)
+            .await?;
+            if claimed.rows_affected() == 0 {
+                continue;
+            }
+            // What left pending for this order since its credit, and what came back to it.
+            let moved: Decimal = sqlx::query_scalar(
+                "SELECT COALESCE(sum(CASE WHEN t.to_account = a.id THEN t.amount ELSE -t.amount END), 0)
+                 FROM ledger_transfers t JOIN ledger_accounts a
+                   ON a.kind = 'seller_pending' AND a.owner = $2 AND a.currency = $3
+                 WHERE t.order_number = $1 AND t.kind <> 'sale_credit'
+                   AND (t.from_account = a.id OR t.to_account = a.id)",
+            )
+            .bind(order)
+            .bind(seller)
+            .bind(currency)
+            .fetch_one(&mut *tx)
+            .await?;
+            let left = credit + moved;
+            if left > Decimal::ZERO {
+                let amount = Money::new(left, c)
+                    .map_err(|_| LedgerError::Mismatch(format!("order {order}")))?;
+                post(
+                    &mut tx,
+                    &Transfer {
+                        source_key: format!("release:{order}"),
+                        kind: TransferKind::Release,
+                        from: pending,
+                        to: available,
+                        amount,
+                        available_at: None,
+                        order_number: Some(*order),
+                        reference: None,
+                    },
+                )
+                .await?;
+                sqlx::query("UPDATE ledger_releases SET amount = $2 WHERE order_number = $1")
+                    .bind(order)
+                    .bind(left)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            done += 1;
+        }
+        tx.commit().await?;
+    }
+}
