@@ -53,8 +53,9 @@ CREATE TABLE idempotency_keys (
     checkout_id  bigint      REFERENCES checkouts (id),
     -- The first complete answer, returned as it is to every repeat.
     response     jsonb,
-    -- A request is working on the key until then (a crashed one lets go by itself).
+    -- A request is working on the key until then (a crashed one lets go by itself), and which.
     locked_until timestamptz,
+    locked_by    text,
     created_at   timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT idempotency_keys_response_after_checkout CHECK (response IS NULL OR checkout_id IS NOT NULL)
 );
@@ -79,6 +80,10 @@ CREATE TABLE orders (
     -- The provider's truth, beside it (payment_orders.status, kept in step by processing).
     payment_status  text          NOT NULL DEFAULT 'pending',
     gateway         text          NOT NULL,
+    -- Payment attempts: a failed attempt's session is spent; reopening payment starts the next.
+    payment_attempt integer       NOT NULL DEFAULT 1 CHECK (payment_attempt > 0),
+    -- Names this order's sessions at the gateways, unguessable and unique across installations.
+    payment_token   uuid          NOT NULL DEFAULT gen_random_uuid(),
     session_id      text,
     payment_url     text,
     coupon_id       uuid          REFERENCES coupons (id),
@@ -134,9 +139,10 @@ CREATE TABLE coupon_redemptions (
 CREATE TABLE order_events (
     id         bigserial   PRIMARY KEY,
     order_id   bigint      NOT NULL REFERENCES orders (id),
-    kind       text        NOT NULL CHECK (kind IN ('created', 'paid', 'expired', 'late_payment', 'reopened')),
+    kind       text        NOT NULL CHECK (kind IN ('created', 'paid', 'expired', 'late_payment', 'extra_payment', 'reopened')),
     payload    jsonb       NOT NULL DEFAULT '{}'::jsonb,
     created_at timestamptz NOT NULL DEFAULT now()
 );
--- An order is paid, expires, is created once; it may be reopened several times.
-CREATE UNIQUE INDEX order_events_once ON order_events (order_id, kind) WHERE kind <> 'reopened';
+-- An order is created, paid, expires once; it may be reopened (and paid again by mistake)
+-- several times.
+CREATE UNIQUE INDEX order_events_once ON order_events (order_id, kind) WHERE kind NOT IN ('reopened', 'extra_payment');

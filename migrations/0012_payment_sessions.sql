@@ -1,6 +1,8 @@
--- The payment side: one gateway session per order (asking twice gives the same session).
+-- The payment side: one gateway session per order and payment attempt (asking twice gives the
+-- same session).
 CREATE TABLE payment_sessions (
-    order_number bigint        PRIMARY KEY,
+    order_number bigint        NOT NULL,
+    attempt      integer       NOT NULL CHECK (attempt > 0),
     gateway      text          NOT NULL,
     session_id   text          NOT NULL CHECK (session_id <> ''),
     url          text          NOT NULL CHECK (url <> ''),
@@ -10,6 +12,7 @@ CREATE TABLE payment_sessions (
     -- What the gateway carries for us: the seller, the split.
     metadata     jsonb         NOT NULL DEFAULT '{}'::jsonb,
     created_at   timestamptz   NOT NULL DEFAULT now(),
+    PRIMARY KEY (order_number, attempt),
     CONSTRAINT payment_sessions_session_key UNIQUE (gateway, session_id)
 );
 
@@ -19,6 +22,7 @@ CREATE TABLE internal_payments (
     session_id   text          PRIMARY KEY,
     gateway      text          NOT NULL CHECK (gateway IN ('internal', 'mock')),
     order_number bigint        NOT NULL,
+    attempt      integer       NOT NULL,
     amount       numeric(20, 4) NOT NULL CHECK (amount > 0),
     currency     char(3)       NOT NULL,
     -- The split (seller, platform fee, seller's net), settled in the seller's ledger when paid.
@@ -27,7 +31,7 @@ CREATE TABLE internal_payments (
     payment_id   text          UNIQUE,
     decided_at   timestamptz,
     created_at   timestamptz   NOT NULL DEFAULT now(),
-    CONSTRAINT internal_payments_order_key UNIQUE (gateway, order_number),
+    CONSTRAINT internal_payments_order_key UNIQUE (gateway, order_number, attempt),
     CONSTRAINT internal_payments_decided CHECK ((status = 'pending') = (decided_at IS NULL)),
     CONSTRAINT internal_payments_paid_has_id CHECK ((status = 'succeeded') = (payment_id IS NOT NULL))
 );

@@ -24,7 +24,7 @@ use crate::orders::checkout::Checkout;
 use crate::orders::expiry::{self, ExpireOrder, Expiry};
 use crate::payments::hosted::{DeliverHostedEvent, Deliverer, QueueSink};
 use crate::payments::links::LinkService;
-use crate::payments::{ProcessPaymentEvent, Processor, RefundLatePayment};
+use crate::payments::{ProcessPaymentEvent, Processor, RefundPayment};
 use crate::queue::{Fleet, FleetHandle, JobContext, JobError, Notifier, Registry};
 use crate::webhooks::{EventWriter, Verifier};
 
@@ -153,12 +153,10 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
         },
     )?;
     let refunds = gateways.clone();
-    registry.register::<RefundLatePayment, _, _>(
-        move |_ctx: JobContext, job: RefundLatePayment| {
-            let gateways = refunds.clone();
-            async move { job.run(&gateways).await }
-        },
-    )?;
+    registry.register::<RefundPayment, _, _>(move |_ctx: JobContext, job: RefundPayment| {
+        let gateways = refunds.clone();
+        async move { job.run(&gateways).await }
+    })?;
     Ok(registry)
 }
 
@@ -222,6 +220,8 @@ impl Running {
                 Err(e) => tracing::error!(error = %e, "the HTTP server task failed"),
             }
         }
+        // No more payment-link requests taken; the connection closes.
+        self.broker.stop();
         if let Some(fleet) = self.fleet.take() {
             fleet.shutdown().await;
         }
@@ -281,6 +281,7 @@ pub fn start(
             fee_percent: config.platform_fee_percent,
             expiry: config.order_expiry,
             gateways: gateways.names(),
+            rpc_timeout: config.rpc_timeout,
         };
         Some(http::router(AppState {
             pool: pool.clone(),

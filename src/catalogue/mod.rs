@@ -121,6 +121,9 @@ fn name_field(field: &'static str, name: &str) -> Result<String, CatalogueError>
     if name.is_empty() || name.chars().count() > 200 {
         return Err(invalid(field, "must be 1 to 200 characters"));
     }
+    if name.chars().any(char::is_control) {
+        return Err(invalid(field, "must not contain control characters"));
+    }
     Ok(name.to_owned())
 }
 

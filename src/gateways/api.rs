@@ -17,6 +17,7 @@ pub type GatewayFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, GatewayErr
 #[derive(Debug, Clone)]
 pub struct SessionRequest {
     pub order_number: i64,
+    pub attempt: i32,
     pub amount: Money,
     /// The platform's commission (Stripe Connect takes it on the charge).
     pub platform_fee: Money,
@@ -27,8 +28,13 @@ pub struct SessionRequest {
     pub recurring_interval: Option<String>,
     /// Carried with the session (the seller, the split) and back in the gateway's events.
     pub metadata: BTreeMap<String, String>,
-    /// The same key for the same order: a repeated request creates nothing new.
+    /// The same key for the same order and attempt: a repeated request creates nothing new.
+    /// Unique across installations.
     pub idempotency_key: String,
+    /// Names the session where a gateway wants our own reference (Mercado Pago).
+    pub reference: String,
+    /// When the order stops waiting: a gateway that can, stops taking payment then.
+    pub expires_at: chrono::DateTime<chrono::Utc>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -95,23 +95,25 @@ impl HostedGateway {
         // Idempotent by order: a second request finds the first session (read in a statement
         // of its own, which sees a concurrent request's committed row).
         sqlx::query(
-            "INSERT INTO internal_payments (session_id, gateway, order_number, amount, currency, metadata)
-             VALUES ($1, $2, $3, $4, $5, $6)
-             ON CONFLICT (gateway, order_number) DO NOTHING",
+            "INSERT INTO internal_payments (session_id, gateway, order_number, attempt, amount, currency, metadata)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)
+             ON CONFLICT (gateway, order_number, attempt) DO NOTHING",
         )
         .bind(random_id(prefix))
         .bind(self.name)
         .bind(r.order_number)
+        .bind(r.attempt)
         .bind(r.amount.amount())
         .bind(r.amount.currency().as_str())
         .bind(metadata)
         .execute(&self.pool)
         .await?;
         let session_id: String = sqlx::query_scalar(
-            "SELECT session_id FROM internal_payments WHERE gateway = $1 AND order_number = $2",
+            "SELECT session_id FROM internal_payments WHERE gateway = $1 AND order_number = $2 AND attempt = $3",
         )
         .bind(self.name)
         .bind(r.order_number)
+        .bind(r.attempt)
         .fetch_one(&self.pool)
         .await?;
         let url = format!("{}/pay/{session_id}", self.public_url);

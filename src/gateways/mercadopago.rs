@@ -246,7 +246,7 @@ impl MercadoPagoClient {
     /// Our session is the preference's `external_reference`, which every payment made through
     /// it carries back (that is how events find their order).
     async fn create(&self, r: &SessionRequest) -> Result<Session, GatewayError> {
-        let session_id = format!("order-{}", r.order_number);
+        let session_id = r.reference.clone();
         let body = serde_json::json!({
             "items": [{
                 "title": r.description,
@@ -256,6 +256,8 @@ impl MercadoPagoClient {
             }],
             "external_reference": session_id,
             "marketplace_fee": number(&r.platform_fee),
+            "expires": true,
+            "expiration_date_to": r.expires_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             "metadata": r.metadata,
         });
         let pref: Preference = read_json(

@@ -110,6 +110,17 @@ impl StripeConnect {
                 r.description.clone(),
             ),
             ("client_reference_id".into(), r.order_number.to_string()),
+            // Stripe takes 30 minutes to 24 hours: the session ends with the order, within those.
+            (
+                "expires_at".into(),
+                r.expires_at
+                    .clamp(
+                        chrono::Utc::now() + chrono::Duration::minutes(31),
+                        chrono::Utc::now() + chrono::Duration::hours(23),
+                    )
+                    .timestamp()
+                    .to_string(),
+            ),
             ("success_url".into(), self.success_url.clone()),
             ("cancel_url".into(), self.cancel_url.clone()),
         ];

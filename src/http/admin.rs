@@ -75,9 +75,10 @@ async fn create_coupon(
 async fn expire_order(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(number): Path<i64>,
+    Path(raw): Path<String>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     authorize(state.admin_token.as_ref(), &headers)?;
+    let number = super::orders::number(&raw)?;
     orders::expire_now(&state.pool, number).await?;
     Ok((
         StatusCode::ACCEPTED,

@@ -193,6 +193,7 @@ impl From<CheckoutError> for ApiError {
                 code: "payment_link_unavailable",
                 message,
             },
+            CheckoutError::LinksRefused { .. } => unprocessable("payment_link_refused"),
             CheckoutError::Queue(e) => e.into(),
             CheckoutError::Database(e) => e.into(),
         }

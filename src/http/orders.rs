@@ -27,7 +27,8 @@ async fn checkout(
     Ok((StatusCode::CREATED, Json(answer)))
 }
 
-fn number(raw: &str) -> Result<i64, ApiError> {
+/// An order number from the path; anything else is "no such order", in the JSON error shape.
+pub(super) fn number(raw: &str) -> Result<i64, ApiError> {
     raw.parse::<i64>()
         .ok()
         .filter(|n| *n > 0)

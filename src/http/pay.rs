@@ -4,6 +4,7 @@
 //! Checkout for a Razorpay order, and the pages Stripe sends buyers back to.
 
 use axum::Form;
+use axum::extract::rejection::FormRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::Html;
@@ -93,8 +94,12 @@ struct Decision {
 async fn decide(
     State(state): State<AppState>,
     Path(session): Path<String>,
-    Form(form): Form<Decision>,
+    form: Result<Form<Decision>, FormRejection>,
 ) -> Result<(StatusCode, Html<String>), ApiError> {
+    let Form(form) = form.map_err(|e| ApiError::BadRequest {
+        code: "invalid_form",
+        message: format!("expected a form with outcome=succeeded or outcome=failed: {e}"),
+    })?;
     let outcome = match form.outcome.as_str() {
         "succeeded" => Outcome::Succeeded,
         "failed" => Outcome::Failed,

@@ -23,6 +23,8 @@ use crate::secret::SecretUrl;
 #[derive(Clone)]
 pub struct Broker {
     connection: watch::Receiver<Option<Arc<Connection>>>,
+    /// Tells the supervisor and every part on the connection to stop (the process stops).
+    stop: Arc<watch::Sender<bool>>,
     /// Prefix of every queue and exchange this fleet declares, so that fleets (and tests) can
     /// share a broker.
     namespace: Arc<str>,
@@ -45,11 +47,29 @@ impl Broker {
     pub fn start(url: SecretUrl, namespace: &str, queue_ttl_ms: Option<u32>) -> Self {
         crate::tls::install_provider();
         let (tx, rx) = watch::channel(None);
-        tokio::spawn(supervise(url, tx));
+        let (stop, stopped) = watch::channel(false);
+        tokio::spawn(supervise(url, tx, stopped));
         Self {
             connection: rx,
+            stop: Arc::new(stop),
             namespace: namespace.into(),
             queue_ttl_ms,
+        }
+    }
+
+    /// Stops the supervisor (closing the connection) and every part waiting on
+    /// [`Broker::stopped`].
+    pub fn stop(&self) {
+        self.stop.send_replace(true);
+    }
+
+    /// Resolves once [`Broker::stop`] was called.
+    pub async fn stopped(&self) {
+        let mut rx = self.stop.subscribe();
+        while !*rx.borrow_and_update() {
+            if rx.changed().await.is_err() {
+                return;
+            }
         }
     }
 
@@ -92,10 +112,17 @@ impl Broker {
     }
 }
 
-async fn supervise(url: SecretUrl, slot: watch::Sender<Option<Arc<Connection>>>) {
+async fn supervise(
+    url: SecretUrl,
+    slot: watch::Sender<Option<Arc<Connection>>>,
+    mut stop: watch::Receiver<bool>,
+) {
     let url = with_heartbeat(url.expose());
     let mut failures: u32 = 0;
     loop {
+        if *stop.borrow() {
+            return;
+        }
         let props = ConnectionProperties::default().with_connection_name("payfleet".into());
         match Connection::connect(&url, props).await {
             Ok(c) => {
@@ -110,6 +137,11 @@ async fn supervise(url: SecretUrl, slot: watch::Sender<Option<Arc<Connection>>>)
                 // goes unreported.
                 loop {
                     tokio::select! {
+                        _ = stop.changed() => {
+                            slot.send_replace(None);
+                            let _ = c.close(200, "payfleet is stopping".into()).await;
+                            return;
+                        }
                         event = events.next() => match event {
                             Some(lapin::Event::Error(e)) => tracing::warn!(error = %e, "RabbitMQ connection error"),
                             Some(lapin::Event::ConnectionBlocked(why)) => tracing::warn!(reason = %why, "RabbitMQ blocked the connection"),

@@ -50,6 +50,13 @@ pub struct PaymentLinkRequest {
     pub description: String,
     /// For a subscription: its billing interval.
     pub recurring_interval: Option<String>,
+    /// The order's payment attempt: a failed attempt's session is spent, the next gets its own.
+    pub attempt: i32,
+    /// Unique across installations and attempts, unguessable: the gateways' idempotency keys
+    /// and references are made of it.
+    pub link_key: String,
+    /// When the order stops waiting for its payment: the session should not outlive it.
+    pub expires_at: chrono::DateTime<chrono::Utc>,
 }
 
 /// The payment side's answer.
@@ -128,6 +135,13 @@ impl RpcClient {
     }
 
     async fn keep_channel(self) {
+        tokio::select! {
+            _ = self.broker.stopped() => {}
+            _ = self.clone().keep_channel_until_stopped() => {}
+        }
+    }
+
+    async fn keep_channel_until_stopped(self) {
         loop {
             let connection = self.broker.connected().await;
             let setup = async {
@@ -201,25 +215,24 @@ impl RpcClient {
             .filter(|c| c.status().connected())
             .ok_or(RpcError::NotConnected)?;
         let correlation_id = format!("{:032x}", rand::random::<u128>());
+        let body = serde_json::to_vec(request).map_err(RpcError::Encode)?;
         let (tx, rx) = oneshot::channel();
         self.pending
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(correlation_id.clone(), tx);
-        let forget = || {
-            self.pending
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&correlation_id);
+        // However this call ends (an answer, a timeout, its caller gone), its entry goes.
+        let _forget = Forget {
+            pending: self.pending.clone(),
+            id: correlation_id.clone(),
         };
-        let body = serde_json::to_vec(request).map_err(RpcError::Encode)?;
         let properties = BasicProperties::default()
             .with_content_type("application/json".into())
             .with_correlation_id(correlation_id.as_str().into())
             .with_reply_to(DIRECT_REPLY_TO.into())
             // A request nobody took before its caller gave up is dropped by the broker.
             .with_expiration(self.timeout.as_millis().to_string().into());
-        let published = channel
+        channel
             .basic_publish(
                 "".into(),
                 self.broker.name(QUEUE).as_str().into(),
@@ -227,19 +240,28 @@ impl RpcClient {
                 &body,
                 properties,
             )
-            .await;
-        if let Err(e) = published {
-            forget();
-            return Err(RpcError::Publish(e));
-        }
+            .await
+            .map_err(RpcError::Publish)?;
         match tokio::time::timeout(self.timeout, rx).await {
             Ok(Ok(data)) => serde_json::from_slice(&data).map_err(RpcError::Decode),
             Ok(Err(_)) => Err(RpcError::Lost),
-            Err(_) => {
-                forget();
-                Err(RpcError::Timeout(self.timeout))
-            }
+            Err(_) => Err(RpcError::Timeout(self.timeout)),
         }
+    }
+}
+
+/// Removes a call's entry from the waiting calls when the call ends, whichever way.
+struct Forget {
+    pending: Pending,
+    id: String,
+}
+
+impl Drop for Forget {
+    fn drop(&mut self) {
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.id);
     }
 }
 
@@ -264,6 +286,13 @@ pub trait LinkHandler: Send + Sync + 'static {
 /// every reconnection. Requests are handled concurrently (up to `prefetch`), each acknowledged
 /// once answered; a request that cannot be read is dropped with a warning (it would never read).
 pub async fn serve(broker: Broker, handler: Arc<dyn LinkHandler>, prefetch: u16) {
+    tokio::select! {
+        _ = broker.stopped() => tracing::info!("no longer answering payment-link requests"),
+        _ = serve_until_stopped(broker.clone(), handler, prefetch) => {}
+    }
+}
+
+async fn serve_until_stopped(broker: Broker, handler: Arc<dyn LinkHandler>, prefetch: u16) {
     loop {
         let connection = broker.connected().await;
         let queue = broker.name(QUEUE);

@@ -2,7 +2,9 @@
 //!
 //! 1. The key is claimed (a row in `idempotency_keys`, committed at once): a repeat with the
 //!    same body gets the first answer; with another body, 422; while the first request still
-//!    runs, 409. A crashed request lets go of the key after [`KEY_LOCK`].
+//!    runs, 409. The request that holds the key is named in it, so only it can store the answer
+//!    or let go; one that crashed lets go by itself after its lock (twice the payment side's
+//!    timeout and then some: the links are asked for all at once, under one timeout).
 //! 2. One transaction prices the cart from the server's own catalogue, takes the coupon's
 //!    redemptions under its row lock, numbers the orders from the counter row (sequential, no
 //!    gaps), writes orders, items, redemptions and their `created` events, schedules each
@@ -28,8 +30,9 @@ use crate::gateways::GatewayName;
 use crate::messaging::rpc::{PaymentLinkReply, PaymentLinkRequest, PaymentLinks, RpcError};
 use crate::queue::QueueError;
 
-/// How long a request holds its key before another may take over (it crashed).
-pub const KEY_LOCK: Duration = Duration::from_secs(30);
+/// How long a request holds its key beyond the payment side's timeout, before another may take
+/// over (it crashed).
+const KEY_LOCK_MARGIN: Duration = Duration::from_secs(20);
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct CheckoutRequest {
@@ -69,9 +72,11 @@ pub enum CheckoutError {
     #[error("{0}")]
     InvalidBuyer(String),
     #[error(
-        "the orders are kept, but the payment side did not give their payment links ({reason}); send the same request again, or POST /orders/{{number}}/payment, to get them"
+        "orders {orders:?} are kept, but the payment side did not give their payment links ({reason}); send the same request again, or POST /orders/{{number}}/payment, to get them"
     )]
-    LinksUnavailable { reason: String, transient: bool },
+    LinksUnavailable { orders: Vec<i64>, reason: String },
+    #[error("orders {orders:?} are kept, but the gateway refused their payment links: {reason}")]
+    LinksRefused { orders: Vec<i64>, reason: String },
     #[error(transparent)]
     Queue(#[from] QueueError),
     #[error(transparent)]
@@ -112,6 +117,8 @@ pub struct Checkout {
     pub expiry: Duration,
     /// The gateways buyers can pay through.
     pub gateways: Vec<GatewayName>,
+    /// How long the payment side is given to answer (all links are asked at once).
+    pub rpc_timeout: Duration,
 }
 
 /// The answer: the checkout's orders.
@@ -146,51 +153,62 @@ impl Checkout {
         }
         let request: CheckoutRequest = serde_json::from_value(body.clone())
             .map_err(|e| CheckoutError::BadRequest(e.to_string()))?;
-        let checkout = match self.claim(key, &request_hash(&body)).await? {
+        let me = format!("{:032x}", rand::random::<u128>());
+        let checkout = match self.claim(key, &request_hash(&body), &me).await? {
             Claim::Answered(answer) => return Ok(answer),
-            Claim::Owned(Some(checkout)) => checkout,
-            Claim::Owned(None) => match self.create(key, &request).await {
-                Ok(c) => c,
-                Err(e) => {
-                    self.let_go(key, e.is_refusal()).await;
-                    return Err(e);
-                }
-            },
+            Claim::Owned(existing) => existing,
         };
-        let result = self.complete(key, checkout).await;
-        if result.is_err() {
-            self.let_go(key, false).await;
+        // If this request is dropped half-way (the client went away), the key is let go at once
+        // rather than when its lock runs out.
+        let mut guard = KeyGuard {
+            pool: self.pool.clone(),
+            key: key.to_owned(),
+            me: me.clone(),
+            armed: true,
+        };
+        let result = async {
+            let checkout = match checkout {
+                Some(c) => c,
+                None => self.create(key, &me, &request).await?,
+            };
+            self.complete(key, &me, checkout).await
+        }
+        .await;
+        guard.armed = false;
+        if let Err(e) = &result {
+            let_go(&self.pool, key, &me, e.is_refusal()).await;
         }
         result
     }
 
-    async fn claim(&self, key: &str, hash: &[u8]) -> Result<Claim, CheckoutError> {
-        let lock_secs = KEY_LOCK.as_secs_f64();
+    fn key_lock(&self) -> Duration {
+        self.rpc_timeout * 2 + KEY_LOCK_MARGIN
+    }
+
+    async fn claim(&self, key: &str, hash: &[u8], me: &str) -> Result<Claim, CheckoutError> {
+        let lock_secs = self.key_lock().as_secs_f64();
         let inserted: Option<String> = sqlx::query_scalar(
-            "INSERT INTO idempotency_keys (key, request_hash, locked_until)
-             VALUES ($1, $2, now() + $3 * interval '1 second')
+            "INSERT INTO idempotency_keys (key, request_hash, locked_until, locked_by)
+             VALUES ($1, $2, now() + $3 * interval '1 second', $4)
              ON CONFLICT (key) DO NOTHING RETURNING key",
         )
         .bind(key)
         .bind(hash)
         .bind(lock_secs)
+        .bind(me)
         .fetch_optional(&self.pool)
         .await?;
         if inserted.is_some() {
             return Ok(Claim::Owned(None));
         }
-        let (stored_hash, _checkout, response, locked): (
-            Vec<u8>,
-            Option<i64>,
-            Option<serde_json::Value>,
-            bool,
-        ) = sqlx::query_as(
-            "SELECT request_hash, checkout_id, response, COALESCE(locked_until > now(), false)
-                 FROM idempotency_keys WHERE key = $1",
-        )
-        .bind(key)
-        .fetch_one(&self.pool)
-        .await?;
+        let (stored_hash, response, locked): (Vec<u8>, Option<serde_json::Value>, bool) =
+            sqlx::query_as(
+                "SELECT request_hash, response, COALESCE(locked_until > now(), false)
+             FROM idempotency_keys WHERE key = $1",
+            )
+            .bind(key)
+            .fetch_one(&self.pool)
+            .await?;
         if stored_hash != hash {
             return Err(CheckoutError::KeyReused);
         }
@@ -202,12 +220,13 @@ impl Checkout {
         }
         // The first request ended without a complete answer (503, or it crashed): take over.
         let taken: Option<Option<i64>> = sqlx::query_scalar(
-            "UPDATE idempotency_keys SET locked_until = now() + $2 * interval '1 second'
+            "UPDATE idempotency_keys SET locked_until = now() + $2 * interval '1 second', locked_by = $3
              WHERE key = $1 AND response IS NULL AND (locked_until IS NULL OR locked_until <= now())
              RETURNING checkout_id",
         )
         .bind(key)
         .bind(lock_secs)
+        .bind(me)
         .fetch_optional(&self.pool)
         .await?;
         match taken {
@@ -216,26 +235,19 @@ impl Checkout {
         }
     }
 
-    /// Gives the key up: removed after a refusal (nothing was stored, the client may fix the
-    /// request and send it with the same key), unlocked otherwise.
-    async fn let_go(&self, key: &str, refused: bool) {
-        let sql = if refused {
-            "DELETE FROM idempotency_keys WHERE key = $1 AND checkout_id IS NULL"
-        } else {
-            "UPDATE idempotency_keys SET locked_until = NULL WHERE key = $1"
-        };
-        if let Err(e) = sqlx::query(sql).bind(key).execute(&self.pool).await {
-            // It lets go by itself after KEY_LOCK.
-            tracing::warn!(error = %e, "could not release an idempotency key");
-        }
-    }
-
     /// The checkout's transaction: orders, items, redemptions, numbers, expiry jobs, key.
-    async fn create(&self, key: &str, r: &CheckoutRequest) -> Result<i64, CheckoutError> {
+    async fn create(&self, key: &str, me: &str, r: &CheckoutRequest) -> Result<i64, CheckoutError> {
         let buyer = r.buyer_id.trim();
-        if buyer.is_empty() || buyer.chars().count() > 200 {
+        if buyer.is_empty() || buyer.chars().count() > 200 || buyer.chars().any(char::is_control) {
             return Err(CheckoutError::InvalidBuyer(
-                "buyer_id must be 1 to 200 characters".into(),
+                "buyer_id must be 1 to 200 printable characters".into(),
+            ));
+        }
+        if let Some(code) = &r.coupon
+            && (code.chars().count() > 64 || code.chars().any(char::is_control))
+        {
+            return Err(CheckoutError::CouponUnavailable(
+                "a coupon code is at most 64 printable characters".into(),
             ));
         }
         let gateway: GatewayName = r.gateway.parse().map_err(|_| {
@@ -267,16 +279,18 @@ impl Checkout {
         }
 
         let mut tx = self.pool.begin().await?;
-        // Only one request works on a key at a time (the claim), but the row lock makes the
-        // tie between key and checkout exact.
-        let existing: Option<i64> = sqlx::query_scalar(
-            "SELECT checkout_id FROM idempotency_keys WHERE key = $1 FOR UPDATE",
+        // Only the request holding the key writes (a crashed one may have been taken over), and
+        // the row lock makes the tie between key and checkout exact.
+        let row: Option<(Option<i64>, Option<String>)> = sqlx::query_as(
+            "SELECT checkout_id, locked_by FROM idempotency_keys WHERE key = $1 FOR UPDATE",
         )
         .bind(key)
-        .fetch_one(&mut *tx)
+        .fetch_optional(&mut *tx)
         .await?;
-        if let Some(checkout) = existing {
-            return Ok(checkout);
+        match row {
+            Some((Some(checkout), _)) => return Ok(checkout),
+            Some((None, Some(owner))) if owner == me => {}
+            _ => return Err(CheckoutError::KeyInUse),
         }
         let ids: Vec<ProductId> = wanted.iter().map(|(id, _)| *id).collect();
         let products = catalogue::products(&mut *tx, &ids).await?;
@@ -417,28 +431,89 @@ impl Checkout {
         Ok(())
     }
 
-    /// Asks for the links the checkout's orders lack; stores the answer once complete.
-    async fn complete(&self, key: &str, checkout: i64) -> Result<serde_json::Value, CheckoutError> {
+    /// Asks for the links the checkout's payable orders lack, all at once under one timeout;
+    /// stores the answer once complete (only the request holding the key does).
+    async fn complete(
+        &self,
+        key: &str,
+        me: &str,
+        checkout: i64,
+    ) -> Result<serde_json::Value, CheckoutError> {
         let orders = of_checkout(&self.pool, checkout).await?;
-        let mut failure: Option<(String, bool)> = None;
-        for o in orders.iter().filter(|o| o.payment.is_none()) {
-            if let Err(e) = link(&self.pool, self.links.as_ref(), o).await {
-                failure = Some(e);
+        let missing: Vec<&OrderView> = orders
+            .iter()
+            .filter(|o| o.payment.is_none() && o.status.is_payable())
+            .collect();
+        let results = futures_util::future::join_all(
+            missing
+                .iter()
+                .map(|o| link(&self.pool, self.links.as_ref(), o)),
+        )
+        .await;
+        let mut unavailable = (Vec::new(), None);
+        let mut refused = (Vec::new(), None);
+        for (o, r) in missing.iter().zip(results) {
+            match r {
+                Ok(()) => {}
+                Err((reason, true)) => {
+                    unavailable.0.push(o.number);
+                    unavailable.1 = Some(reason);
+                }
+                Err((reason, false)) => {
+                    refused.0.push(o.number);
+                    refused.1 = Some(reason);
+                }
             }
         }
-        if let Some((reason, transient)) = failure {
-            return Err(CheckoutError::LinksUnavailable { reason, transient });
+        if let (orders, Some(reason)) = refused {
+            return Err(CheckoutError::LinksRefused { orders, reason });
+        }
+        if let (orders, Some(reason)) = unavailable {
+            return Err(CheckoutError::LinksUnavailable { orders, reason });
         }
         let orders = of_checkout(&self.pool, checkout).await?;
         let answer = serde_json::to_value(CheckoutAnswer { orders }).unwrap_or_default();
         sqlx::query(
-            "UPDATE idempotency_keys SET response = $2, locked_until = NULL WHERE key = $1",
+            "UPDATE idempotency_keys SET response = $2, locked_until = NULL, locked_by = NULL
+             WHERE key = $1 AND locked_by = $3",
         )
         .bind(key)
         .bind(&answer)
+        .bind(me)
         .execute(&self.pool)
         .await?;
         Ok(answer)
+    }
+}
+
+/// Gives the key up: removed after a refusal (nothing was stored, the client may fix the
+/// request and send it with the same key), unlocked otherwise. Only by the request holding it.
+async fn let_go(pool: &PgPool, key: &str, me: &str, refused: bool) {
+    let sql = if refused {
+        "DELETE FROM idempotency_keys WHERE key = $1 AND checkout_id IS NULL AND locked_by = $2"
+    } else {
+        "UPDATE idempotency_keys SET locked_until = NULL, locked_by = NULL WHERE key = $1 AND locked_by = $2"
+    };
+    if let Err(e) = sqlx::query(sql).bind(key).bind(me).execute(pool).await {
+        // It lets go by itself when its lock runs out.
+        tracing::warn!(error = %e, "could not release an idempotency key");
+    }
+}
+
+/// Lets go of a key whose request was dropped half-way.
+struct KeyGuard {
+    pool: PgPool,
+    key: String,
+    me: String,
+    armed: bool,
+}
+
+impl Drop for KeyGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            let (pool, key, me) = (self.pool.clone(), self.key.clone(), self.me.clone());
+            tokio::spawn(async move { let_go(&pool, &key, &me, false).await });
+        }
     }
 }
 
@@ -472,16 +547,20 @@ pub async fn link(
             }
         ),
         recurring_interval: o.interval.map(|i| i.as_str().to_owned()),
+        attempt: o.payment_attempt,
+        link_key: format!("{}-{}", o.payment_token.simple(), o.payment_attempt),
+        expires_at: o.expires_at,
     };
     match links.create(&request).await {
         Ok(PaymentLinkReply::Created { session_id, url }) => {
             sqlx::query(
                 "UPDATE orders SET session_id = $2, payment_url = $3, updated_at = now()
-                 WHERE number = $1 AND session_id IS NULL",
+                 WHERE number = $1 AND session_id IS NULL AND payment_attempt = $4",
             )
             .bind(o.number)
             .bind(&session_id)
             .bind(&url)
+            .bind(o.payment_attempt)
             .execute(pool)
             .await
             .map_err(|e| (e.to_string(), true))?;

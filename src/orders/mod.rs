@@ -46,6 +46,8 @@ crate::text_enum! {
         Paid = "paid",
         Expired = "expired",
         LatePayment = "late_payment",
+        /// Paid again through another session after it was paid: refunded.
+        ExtraPayment = "extra_payment",
         Reopened = "reopened",
     }
 }
@@ -76,10 +78,12 @@ pub fn next_status(current: OrderStatus, payment: PaymentOrderStatus) -> OrderSt
 pub enum PaymentEffect {
     Changed,
     Unchanged,
-    /// Paid after the order expired. The rule: the order stays expired and the payment is
-    /// refunded automatically (the caller enqueues the refund; `first` is true only the first
-    /// time this is seen, so it is enqueued once).
-    LatePayment {
+    /// A payment the order cannot take, to give back: paid after the order expired (the rule:
+    /// the order stays expired and the payment is refunded automatically), or paid again
+    /// through another session after the order was paid. `first` is true only the first time
+    /// this is seen, so the refund is enqueued once.
+    Refund {
+        reason: OrderEventKind,
         first: bool,
     },
     /// The payment does not match what the order costs: nothing confirmed.
@@ -159,7 +163,36 @@ pub async fn apply_payment(
             serde_json::json!({"payment_status": payment}),
         )
         .await?;
-        return Ok(Some(PaymentEffect::LatePayment { first }));
+        return Ok(Some(PaymentEffect::Refund {
+            reason: OrderEventKind::LatePayment,
+            first,
+        }));
+    }
+    // Paid already, through another session (an earlier attempt that the gateway took late,
+    // a second tab): this second payment is given back.
+    if payment.implies_paid() && o.paid_at.is_some() && o.session_id.as_deref() != Some(session_id)
+    {
+        let first = sqlx::query_scalar::<_, bool>(
+            "SELECT NOT EXISTS (SELECT 1 FROM order_events WHERE order_id = $1 AND kind = 'extra_payment'
+                                AND payload ->> 'session_id' = $2)",
+        )
+        .bind(o.id)
+        .bind(session_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        if first {
+            record_event(
+                tx,
+                o.id,
+                OrderEventKind::ExtraPayment,
+                serde_json::json!({"session_id": session_id}),
+            )
+            .await?;
+        }
+        return Ok(Some(PaymentEffect::Refund {
+            reason: OrderEventKind::ExtraPayment,
+            first,
+        }));
     }
     let status = next_status(o.status, payment);
     let now_paid = payment.implies_paid() && o.paid_at.is_none();
@@ -195,7 +228,8 @@ pub async fn apply_payment(
     Ok(Some(PaymentEffect::Changed))
 }
 
-/// Records what happened to an order, once for every kind but `reopened`. Returns whether it
+/// Records what happened to an order, once for every kind but `reopened` and `extra_payment`.
+/// Returns whether it
 /// was new.
 pub(crate) async fn record_event(
     tx: &mut PgConnection,
@@ -205,7 +239,7 @@ pub(crate) async fn record_event(
 ) -> Result<bool, sqlx::Error> {
     let done = sqlx::query(
         "INSERT INTO order_events (order_id, kind, payload) VALUES ($1, $2, $3)
-         ON CONFLICT (order_id, kind) WHERE kind <> 'reopened' DO NOTHING",
+         ON CONFLICT (order_id, kind) WHERE kind NOT IN ('reopened', 'extra_payment') DO NOTHING",
     )
     .bind(order_id)
     .bind(kind)
@@ -233,6 +267,10 @@ pub struct OrderView {
     pub status: OrderStatus,
     pub payment_status: PaymentOrderStatus,
     pub gateway: GatewayName,
+    /// The current payment attempt (a failed one is followed by a new session).
+    pub payment_attempt: i32,
+    #[serde(skip)]
+    pub payment_token: uuid::Uuid,
     pub payment: Option<PaymentLinkView>,
     pub expires_at: DateTime<Utc>,
     pub paid_at: Option<DateTime<Utc>>,
@@ -278,6 +316,8 @@ struct OrderRow {
     status: OrderStatus,
     payment_status: PaymentOrderStatus,
     gateway: GatewayName,
+    payment_attempt: i32,
+    payment_token: uuid::Uuid,
     session_id: Option<String>,
     payment_url: Option<String>,
     expires_at: DateTime<Utc>,
@@ -287,7 +327,7 @@ struct OrderRow {
 
 const ORDER_COLUMNS: &str = "id, number, seller_id, buyer_id, kind, \"interval\", currency::text AS currency,
      subtotal, discount, total, platform_fee, seller_net, amount_refunded, status, payment_status, gateway,
-     session_id, payment_url, expires_at, paid_at, created_at";
+     payment_attempt, payment_token, session_id, payment_url, expires_at, paid_at, created_at";
 
 /// An amount as the API writes it: with the currency's minor-unit digits.
 fn amount(value: Decimal, currency: &str) -> String {
@@ -336,6 +376,8 @@ fn view_of(o: OrderRow, items: Vec<ItemView>) -> OrderView {
         status: o.status,
         payment_status: o.payment_status,
         gateway: o.gateway,
+        payment_attempt: o.payment_attempt,
+        payment_token: o.payment_token,
         payment: match (o.session_id, o.payment_url) {
             (Some(session_id), Some(url)) => Some(PaymentLinkView {
                 gateway: o.gateway,
@@ -420,8 +462,14 @@ pub async fn reopen(
     let id = lock_payable(&mut tx, number).await?;
     let expires_at =
         Utc::now() + chrono::Duration::from_std(expiry).unwrap_or(chrono::Duration::minutes(30));
+    // After a failed payment, its session is spent: the next attempt gets a new one.
     sqlx::query(
-        "UPDATE orders SET status = 'awaiting_payment', expires_at = $2, updated_at = now() WHERE id = $1",
+        "UPDATE orders SET
+             payment_attempt = payment_attempt + CASE WHEN status = 'payment_failed' THEN 1 ELSE 0 END,
+             session_id = CASE WHEN status = 'payment_failed' THEN NULL ELSE session_id END,
+             payment_url = CASE WHEN status = 'payment_failed' THEN NULL ELSE payment_url END,
+             status = 'awaiting_payment', expires_at = $2, updated_at = now()
+         WHERE id = $1",
     )
     .bind(id)
     .bind(expires_at)

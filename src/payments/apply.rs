@@ -10,7 +10,7 @@
 use rust_decimal::Decimal;
 use sqlx::PgConnection;
 
-use super::{ProcessError, ProcessPaymentEvent, RefundLatePayment};
+use super::{ProcessError, ProcessPaymentEvent, RefundPayment};
 use crate::gateways::{DisputeStatus, Fact, GatewayName, PaymentRef, PaymentStatus};
 use crate::ledger::sales::{self, Sale};
 use crate::money::Money;
@@ -542,7 +542,7 @@ async fn derive_and_apply(
                 tx,
                 *number,
                 gateway,
-                (&session_id, url),
+                (&session_id, url.as_str()),
                 status,
                 paid,
                 refunded,
@@ -550,6 +550,20 @@ async fn derive_and_apply(
             .await?
         }
         None => None,
+    };
+    let seller_account = session.as_ref().and_then(|(_, _, m)| {
+        m.get("seller_account")
+            .and_then(serde_json::Value::as_str)
+            .map(str::to_owned)
+    });
+    let give_back = |number: Option<i64>, reason: &str| RefundPayment {
+        gateway,
+        order_number: number,
+        session_id: session_id.clone(),
+        payment_id: payment_id.clone(),
+        amount: paid,
+        seller_account: seller_account.clone(),
+        reason: reason.to_owned(),
     };
     match effect {
         None => {
@@ -570,27 +584,31 @@ async fn derive_and_apply(
             }
             Ok(effect == PaymentEffect::Changed)
         }
-        Some(PaymentEffect::AmountMismatch { order, paid }) => {
-            Err(Rejection::AmountMismatch { order, paid }.into())
+        // Money that cannot confirm its order goes back to the buyer, automatically and once
+        // (the refund job is keyed by the session, the gateway asked with an idempotency key),
+        // and stays visible: an order event, or an unmatched payment for a wrong amount.
+        Some(PaymentEffect::AmountMismatch { order, paid: got }) => {
+            let number = session.as_ref().map(|(n, _, _)| *n);
+            record_unmatched(
+                tx,
+                gateway,
+                &session_id,
+                payment_id.as_deref(),
+                status,
+                Some(got),
+                event_id,
+            )
+            .await?;
+            let refund = give_back(number, &format!("paid {got} for an order of {order}"));
+            queue::enqueue(&mut *tx, refund.job()?).await?;
+            tracing::warn!(%gateway, order = ?number, %got, %order, "a payment of the wrong amount: refunding it");
+            Ok(true)
         }
-        Some(PaymentEffect::LatePayment { first }) => {
-            if first
-                && let (Some(payment_id), Some(paid), Some((number, _, metadata))) =
-                    (payment_id, paid, session)
-            {
-                let refund = RefundLatePayment {
-                    gateway,
-                    order_number: number,
-                    session_id: session_id.clone(),
-                    payment_id,
-                    amount: paid,
-                    seller_account: metadata
-                        .get("seller_account")
-                        .and_then(serde_json::Value::as_str)
-                        .map(str::to_owned),
-                };
-                queue::enqueue(&mut *tx, refund.job()?).await?;
-                tracing::warn!(%gateway, order = number, "paid after the order expired: refunding it");
+        Some(PaymentEffect::Refund { reason, first }) => {
+            if first {
+                let number = session.as_ref().map(|(n, _, _)| *n);
+                queue::enqueue(&mut *tx, give_back(number, reason.as_str()).job()?).await?;
+                tracing::warn!(%gateway, order = ?number, %reason, "a payment the order cannot take: refunding it");
             }
             Ok(true)
         }

@@ -1,7 +1,8 @@
-//! The payment side of the payment-link RPC: one gateway session per order, created once.
-//! Asking again (a retry after a timeout, a reopened payment) returns the same session; the
-//! gateway is asked with an idempotency key per order, so even two requests racing create one
-//! session where the gateway honours it, and the first stored wins.
+//! The payment side of the payment-link RPC: one gateway session per order and payment attempt,
+//! created once. Asking again (a retry after a timeout) returns the same session; the gateway is
+//! asked with an idempotency key per order and attempt (unique across installations), so even
+//! two requests racing create one session where the gateway honours it, and the first stored
+//! wins.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -28,7 +29,7 @@ fn failed(code: &str, message: impl Into<String>, retryable: bool) -> PaymentLin
 
 impl LinkService {
     pub async fn link(&self, r: PaymentLinkRequest) -> PaymentLinkReply {
-        match self.stored(r.order_number).await {
+        match self.stored(r.order_number, r.attempt).await {
             Ok(Some((session_id, url))) => return PaymentLinkReply::Created { session_id, url },
             Ok(None) => {}
             Err(e) => return failed("unavailable", e.to_string(), true),
@@ -42,6 +43,7 @@ impl LinkService {
         };
         let mut metadata = BTreeMap::new();
         metadata.insert("order_number".to_owned(), r.order_number.to_string());
+        metadata.insert("attempt".to_owned(), r.attempt.to_string());
         metadata.insert("seller_id".to_owned(), r.seller_id.clone());
         metadata.insert(
             "platform_fee".to_owned(),
@@ -55,13 +57,16 @@ impl LinkService {
         }
         let request = SessionRequest {
             order_number: r.order_number,
+            attempt: r.attempt,
             amount: r.amount,
             platform_fee: r.platform_fee,
             seller_account: r.seller_account.clone(),
             description: r.description.clone(),
             recurring_interval: r.recurring_interval.clone(),
             metadata: metadata.clone(),
-            idempotency_key: format!("payfleet-order-{}", r.order_number),
+            idempotency_key: format!("payfleet-{}", r.link_key),
+            reference: format!("pf-{}", r.link_key),
+            expires_at: r.expires_at,
         };
         let session = match gateway.create_session(&request).await {
             Ok(s) => s,
@@ -86,9 +91,9 @@ impl LinkService {
         metadata: &BTreeMap<String, String>,
     ) -> Result<(String, String), sqlx::Error> {
         sqlx::query(
-            "INSERT INTO payment_sessions (order_number, gateway, session_id, url, amount, currency, platform_fee, metadata)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-             ON CONFLICT (order_number) DO NOTHING",
+            "INSERT INTO payment_sessions (order_number, attempt, gateway, session_id, url, amount, currency, platform_fee, metadata)
+             VALUES ($1, $9, $2, $3, $4, $5, $6, $7, $8)
+             ON CONFLICT (order_number, attempt) DO NOTHING",
         )
         .bind(r.order_number)
         .bind(r.gateway)
@@ -98,19 +103,27 @@ impl LinkService {
         .bind(r.amount.currency().as_str())
         .bind(r.platform_fee.amount())
         .bind(serde_json::to_value(metadata).unwrap_or_default())
+        .bind(r.attempt)
         .execute(&self.pool)
         .await?;
         // A separate statement sees the winner's row whoever it was.
-        self.stored(r.order_number)
+        self.stored(r.order_number, r.attempt)
             .await?
             .ok_or(sqlx::Error::RowNotFound)
     }
 
-    async fn stored(&self, order: i64) -> Result<Option<(String, String)>, sqlx::Error> {
-        sqlx::query_as("SELECT session_id, url FROM payment_sessions WHERE order_number = $1")
-            .bind(order)
-            .fetch_optional(&self.pool)
-            .await
+    async fn stored(
+        &self,
+        order: i64,
+        attempt: i32,
+    ) -> Result<Option<(String, String)>, sqlx::Error> {
+        sqlx::query_as(
+            "SELECT session_id, url FROM payment_sessions WHERE order_number = $1 AND attempt = $2",
+        )
+        .bind(order)
+        .bind(attempt)
+        .fetch_optional(&self.pool)
+        .await
     }
 }
 

@@ -28,7 +28,7 @@ use crate::gateways::{
 use crate::queue::{Job, JobError, NewJob, QueueError};
 
 pub use apply::Rejection;
-pub use refunds::RefundLatePayment;
+pub use refunds::RefundPayment;
 
 crate::text_enum! {
     /// `payment_events.outcome`.

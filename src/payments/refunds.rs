@@ -1,7 +1,9 @@
-//! Refunding a payment that arrived after its order expired (the stated rule: the order stays
-//! expired and the buyer gets the money back, automatically, once). The job is keyed by the
-//! session and the gateway is asked with an idempotency key of its own, so the refund happens
-//! once however often the job runs; the gateway's refund event then records it as any refund.
+//! Giving back a payment its order cannot take: it arrived after the order expired (the stated
+//! rule: the order stays expired and the buyer gets the money back, automatically, once), the
+//! order was already paid through another session, or the amount was not the order's. The job
+//! is keyed by the session and the gateway is asked with an idempotency key of its own, so the
+//! refund happens once however often the job runs; the gateway's refund event then records it
+//! as any refund.
 
 use serde::{Deserialize, Serialize};
 
@@ -11,26 +13,38 @@ use crate::money::Money;
 use crate::queue::{Job, JobError, NewJob, QueueError};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RefundLatePayment {
+pub struct RefundPayment {
     pub gateway: GatewayName,
-    pub order_number: i64,
+    pub order_number: Option<i64>,
     pub session_id: String,
-    pub payment_id: String,
-    pub amount: Money,
+    pub payment_id: Option<String>,
+    pub amount: Option<Money>,
     pub seller_account: Option<String>,
+    pub reason: String,
 }
 
-impl Job for RefundLatePayment {
-    const KIND: &'static str = "refund_late_payment";
+impl Job for RefundPayment {
+    const KIND: &'static str = "refund_payment";
     const QUEUE: &'static str = "payments";
 }
 
-impl RefundLatePayment {
+impl RefundPayment {
     pub fn job(&self) -> Result<NewJob, QueueError> {
-        Ok(NewJob::of(self)?.key(format!("late_refund:{}:{}", self.gateway, self.session_id)))
+        Ok(NewJob::of(self)?.key(format!(
+            "refund_payment:{}:{}",
+            self.gateway, self.session_id
+        )))
     }
 
     pub async fn run(&self, gateways: &GatewayRegistry) -> Result<(), JobError> {
+        // Without these the gateway cannot be asked: the job ends dead, listed for an operator
+        // to refund by hand (`payfleet jobs dead`), never silently.
+        let (Some(payment_id), Some(amount)) = (&self.payment_id, self.amount) else {
+            return Err(JobError::fail(format!(
+                "{} session {} ({}): no payment id or amount to refund with; refund it at the gateway by hand",
+                self.gateway, self.session_id, self.reason
+            )));
+        };
         let gateway = gateways.get(self.gateway).ok_or_else(|| {
             JobError::retry(format!(
                 "gateway {} is not enabled in this worker; the refund waits for one that has it",
@@ -39,14 +53,14 @@ impl RefundLatePayment {
         })?;
         let request = RefundRequest {
             session_id: self.session_id.clone(),
-            payment_id: self.payment_id.clone(),
-            amount: self.amount,
+            payment_id: payment_id.clone(),
+            amount,
             seller_account: self.seller_account.clone(),
-            idempotency_key: format!("payfleet-late-refund-{}-{}", self.gateway, self.session_id),
+            idempotency_key: format!("payfleet-refund-{}-{}", self.gateway, self.session_id),
         };
         match gateway.refund(&request).await {
             Ok(receipt) => {
-                tracing::info!(gateway = %self.gateway, order = self.order_number, refund = %receipt.refund_id, "late payment refunded");
+                tracing::info!(gateway = %self.gateway, order = ?self.order_number, refund = %receipt.refund_id, reason = %self.reason, "payment given back");
                 Ok(())
             }
             Err(e) if e.is_transient() => Err(JobError::retry(e)),

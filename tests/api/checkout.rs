@@ -148,6 +148,11 @@ async fn catalogue_input_is_refused_field_by_field_and_stores_nothing(pool: PgPo
         ),
         (
             "/admin/sellers",
+            json!({"name": "B\u{0}", "payout_frequency": "weekly", "payout_minimum": "1"}),
+            "invalid_request",
+        ),
+        (
+            "/admin/sellers",
             json!({"name": "B", "payout_frequency": "yearly", "payout_minimum": "1"}),
             "invalid_request",
         ),
@@ -305,7 +310,27 @@ async fn a_checkout_prices_on_the_server_and_makes_one_order_per_seller_and_kind
             page.contains(&format!("{} BRL", o["total"].as_str().unwrap())),
             "{page}"
         );
+        // A form that is not a decision gets the JSON error, and decides nothing.
+        let answer = reqwest::Client::new()
+            .post(url)
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body("nonsense=1")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 400);
+        let answer: Value = answer.json().await.unwrap();
+        assert_eq!(answer["error"]["code"], "invalid_form", "{answer}");
     }
+    // An order number that is not one is a JSON 404 on the admin side too.
+    let (status, answer) = shop
+        .post("/admin/orders/abc/expire", Some(ADMIN_TOKEN), json!({}))
+        .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (404, Some("not_found")),
+        "{answer}"
+    );
     // Order and payment state side by side.
     let first = shop.order(1).await;
     assert_eq!(
@@ -391,6 +416,8 @@ async fn bad_carts_get_their_422_and_store_nothing(pool: PgPool) {
     };
     let mut other_gateway = cart(&[(&brl, 1)]);
     other_gateway["gateway"] = json!("paypal");
+    let mut control_buyer = cart(&[(&brl, 1)]);
+    control_buyer["buyer_id"] = json!("buyer\u{1b}[2J");
     for (body, code) in [
         (cart(&[]), "invalid_items"),
         (cart(&[(&brl, 0)]), "invalid_items"),
@@ -405,6 +432,8 @@ async fn bad_carts_get_their_422_and_store_nothing(pool: PgPool) {
         (with_coupon("NOPE"), "coupon_unavailable"),
         (with_coupon("OLD"), "coupon_unavailable"),
         (other_gateway, "gateway_unavailable"),
+        (control_buyer, "invalid_request"),
+        (with_coupon("OLD\n"), "coupon_unavailable"),
     ] {
         let (status, answer) = shop.checkout(Some("k"), body.clone()).await;
         assert_eq!(

@@ -114,6 +114,9 @@ fn brl(s: &str) -> Money {
 fn session_request(account: Option<&str>, interval: Option<&str>) -> SessionRequest {
     SessionRequest {
         order_number: 7,
+        attempt: 1,
+        reference: "pf-token-1".into(),
+        expires_at: chrono::Utc::now() + chrono::Duration::hours(1),
         amount: brl("19.90"),
         platform_fee: brl("1.99"),
         seller_account: account.map(str::to_owned),
@@ -359,7 +362,7 @@ async fn mercadopago_preferences_payments_and_refunds_as_documented() {
         .route(
             "/v1/payments/search",
             axum::routing::get(|uri: Uri| async move {
-                assert!(uri.query().unwrap_or("").contains("external_reference=order-7"), "{uri}");
+                assert!(uri.query().unwrap_or("").contains("external_reference=pf-token-1"), "{uri}");
                 axum::Json(json!({"results": [
                     {"id": 1001, "status": "rejected", "transaction_amount": 19.9, "currency_id": "BRL"},
                     {"id": 1002, "status": "approved", "transaction_amount": 19.9, "currency_id": "BRL"}
@@ -379,18 +382,19 @@ async fn mercadopago_preferences_payments_and_refunds_as_documented() {
         .create_session(&session_request(None, None))
         .await
         .unwrap();
-    assert_eq!(session.session_id, "order-7");
+    assert_eq!(session.session_id, "pf-token-1");
     assert_eq!(session.url, "https://mp.test/checkout?pref_id=pref-123");
     let sent = log.lock().unwrap()[0].clone();
     assert_eq!(sent.header("authorization"), Some("Bearer APP_USR-token"));
     assert_eq!(sent.header("x-idempotency-key"), Some("payfleet-order-7"));
     let body: Value = serde_json::from_str(&sent.body).unwrap();
-    assert_eq!(body["external_reference"], "order-7");
+    assert_eq!(body["external_reference"], "pf-token-1");
+    assert_eq!(body["expires"], true);
     assert_eq!(body["items"][0]["unit_price"], json!(19.90));
     assert_eq!(body["items"][0]["currency_id"], "BRL");
     assert_eq!(body["marketplace_fee"], json!(1.99));
 
-    let state = mp.status("order-7", None).await.unwrap();
+    let state = mp.status("pf-token-1", None).await.unwrap();
     assert_eq!(
         state,
         PaymentState {
@@ -401,7 +405,7 @@ async fn mercadopago_preferences_payments_and_refunds_as_documented() {
     );
     let receipt = mp
         .refund(&RefundRequest {
-            session_id: "order-7".into(),
+            session_id: "pf-token-1".into(),
             payment_id: "1002".into(),
             amount: brl("5.00"),
             seller_account: None,

@@ -259,8 +259,8 @@ pub async fn orders_for(
                            now() + interval '1 hour'
                     FROM unnest($2::text[]) WITH ORDINALITY AS t(session, i), n, c, s
                     RETURNING number, session_id)
-         INSERT INTO payment_sessions (order_number, gateway, session_id, url, amount, currency, platform_fee)
-         SELECT number, $1, session_id, 'http://pay/' || session_id, $3::numeric, $4, 0 FROM o",
+         INSERT INTO payment_sessions (order_number, attempt, gateway, session_id, url, amount, currency, platform_fee)
+         SELECT number, 1, $1, session_id, 'http://pay/' || session_id, $3::numeric, $4, 0 FROM o",
     )
     .bind(gateway)
     .bind(sessions)

@@ -195,7 +195,7 @@ async fn a_payment_that_arrives_after_expiry_is_refunded_automatically(pool: PgP
         (Some("expired"), Some("succeeded"))
     );
     let refund_jobs: Vec<String> =
-        sqlx::query_scalar("SELECT key FROM jobs WHERE kind = 'refund_late_payment'")
+        sqlx::query_scalar("SELECT key FROM jobs WHERE kind = 'refund_payment'")
             .fetch_all(&pool)
             .await
             .unwrap();
@@ -269,7 +269,7 @@ async fn a_payment_no_checkout_asked_for_is_recorded_for_an_operator_not_made_an
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn a_payment_of_the_wrong_amount_confirms_nothing(pool: PgPool) {
+async fn a_payment_of_the_wrong_amount_confirms_nothing_and_is_given_back(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
     orders_for(&pool, "internal", &["sess_1"], "19.90", "BRL").await;
     app.deliver(&internal(
@@ -278,18 +278,107 @@ async fn a_payment_of_the_wrong_amount_confirms_nothing(pool: PgPool) {
     ))
     .await;
     process_events(&pool).await;
-    let (outcome, detail): (String, String) =
-        sqlx::query_as("SELECT outcome, outcome_detail FROM payment_events")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!(outcome, "rejected");
-    assert!(
-        detail.contains("paid 1.00 BRL for an order of 19.90 BRL"),
-        "{detail}"
-    );
     assert_eq!(
         order_status(&pool, "internal", "sess_1").await.unwrap().0,
         "awaiting_payment"
     );
+    // Kept for an operator, and refunded.
+    let (status, amount): (String, String) =
+        sqlx::query_as("SELECT status, amount::text FROM unmatched_payments")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((status.as_str(), amount.as_str()), ("succeeded", "1.0000"));
+    let reason: String =
+        sqlx::query_scalar("SELECT payload ->> 'reason' FROM jobs WHERE kind = 'refund_payment'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(reason, "paid 1.00 BRL for an order of 19.90 BRL");
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn after_a_failed_payment_reopening_gives_a_new_session(pool: PgPool) {
+    let (shop, product) = marketplace(&pool).await;
+    let order = checkout_one(&shop, "k", &product).await;
+    let n = order["number"].as_i64().unwrap();
+    pay(&order, "failed").await;
+    settle(&pool, &shop).await;
+    assert_eq!(shop.order(n).await["status"], "payment_failed");
+    // The failed session is spent: reopening gives the next attempt its own.
+    let (status, reopened) = shop
+        .post(&format!("/orders/{n}/payment"), None, json!({}))
+        .await;
+    assert_eq!(status, 200, "{reopened}");
+    assert_eq!(reopened["payment_attempt"], 2);
+    assert_ne!(
+        reopened["payment"]["session_id"],
+        order["payment"]["session_id"]
+    );
+    assert_eq!(pay(&reopened, "succeeded").await, 200);
+    settle(&pool, &shop).await;
+    let o = shop.order(n).await;
+    assert_eq!(
+        (o["status"].as_str(), o["payment_status"].as_str()),
+        (Some("paid"), Some("succeeded"))
+    );
+    assert_eq!(
+        order_events(&pool, n).await,
+        vec!["created", "reopened", "paid"]
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_second_payment_of_a_paid_order_through_another_session_is_given_back(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    // The order's first attempt (sess_a) and a second one (sess_b) both taken by the buyer.
+    sqlx::query(
+        "INSERT INTO payment_sessions (order_number, attempt, gateway, session_id, url, amount, currency, platform_fee)
+         VALUES (1, 2, 'internal', 'sess_b', 'http://pay/sess_b', 10, 'BRL', 0)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    app.deliver(&internal(
+        "m_a",
+        &payment_body("payment.succeeded", "sess_a", "10.00"),
+    ))
+    .await;
+    app.deliver(&internal(
+        "m_b",
+        &payment_body("payment.succeeded", "sess_b", "10.00"),
+    ))
+    .await;
+    process_events(&pool).await;
+    assert_eq!(
+        order_status(&pool, "internal", "sess_a").await.unwrap().0,
+        "paid"
+    );
+    let refunds: Vec<(String, String)> =
+        sqlx::query_as("SELECT key, payload ->> 'reason' FROM jobs WHERE kind = 'refund_payment'")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        refunds,
+        vec![(
+            "refund_payment:internal:sess_b".into(),
+            "extra_payment".into()
+        )]
+    );
+    // Seen again (a resend, reprocessing): not refunded twice.
+    let (status, _) = app
+        .deliver(&internal(
+            "m_b2",
+            &payment_body("payment.succeeded", "sess_b", "10.00"),
+        ))
+        .await;
+    assert_eq!(status, 200);
+    process_events(&pool).await;
+    let jobs: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE kind = 'refund_payment'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(jobs, 1);
 }
