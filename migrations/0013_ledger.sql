@@ -138,18 +138,25 @@ CREATE TABLE invoice_totals (
 );
 
 -- Internal coins: reservations are idempotent by their id; the wallet balances are ledger
--- accounts (buyer_wallet, coins_reserved) that a CHECK keeps at or above zero.
+-- accounts (buyer_wallet, coins_reserved) that a CHECK keeps at or above zero. A release of a
+-- reservation never made (its reserve lost in transit, or still in flight) leaves a released
+-- row with no amount, so that the late reserve finds it released instead of holding coins for
+-- an order that is gone.
 CREATE TABLE coin_reservations (
     id           text          PRIMARY KEY CHECK (id <> '' AND length(id) <= 200),
-    buyer_id     text          NOT NULL,
-    amount       numeric(20, 4) NOT NULL CHECK (amount > 0),
-    currency     char(3)       NOT NULL,
+    buyer_id     text,
+    amount       numeric(20, 4) CHECK (amount > 0),
+    currency     char(3),
     state        text          NOT NULL DEFAULT 'reserved' CHECK (state IN ('reserved', 'approved', 'released')),
     order_number bigint,
     created_at   timestamptz   NOT NULL DEFAULT now(),
     decided_at   timestamptz,
-    CONSTRAINT coin_reservations_decided CHECK ((state = 'reserved') = (decided_at IS NULL))
+    CONSTRAINT coin_reservations_decided CHECK ((state = 'reserved') = (decided_at IS NULL)),
+    CONSTRAINT coin_reservations_held_has_amount CHECK (
+        state = 'released' OR (buyer_id IS NOT NULL AND amount IS NOT NULL AND currency IS NOT NULL))
 );
+
+CREATE INDEX coin_reservations_order ON coin_reservations (order_number) WHERE order_number IS NOT NULL;
 
 -- Sales whose holding period has been dealt with (released, or nothing left to release), so the
 -- release job looks at each once.

@@ -42,6 +42,12 @@ enum Command {
         #[command(subcommand)]
         action: EventsAction,
     },
+    /// The ledger's runs, by hand (the workers also run them on their own), payouts waiting
+    /// for the bank, and the ledger's invariants.
+    Money {
+        #[command(subcommand)]
+        action: MoneyAction,
+    },
     /// Drive the fleet `up` started: a catalogue, checkouts, payments, an expiry, each order's
     /// journey.
     Demo(demo::DemoArgs),
@@ -87,6 +93,26 @@ enum EventsAction {
 }
 
 #[derive(Subcommand)]
+enum MoneyAction {
+    /// Move the sales whose holding period has passed from pending to available.
+    Release,
+    /// Pay every seller due on DATE (default today, UTC): once per seller and period.
+    Payouts {
+        #[arg(long)]
+        date: Option<chrono::NaiveDate>,
+    },
+    /// Payouts waiting for the bank's answer.
+    Pending,
+    /// Invoice the commission of MONTH (YYYY-MM; default last month): once per seller.
+    Invoices {
+        #[arg(long)]
+        month: Option<String>,
+    },
+    /// Check that every account's entries sum to its balance and every currency sums to zero.
+    Check,
+}
+
+#[derive(Subcommand)]
 enum BenchCommand {
     /// Signed webhooks per second and latency at 1, 8 and 32 senders, beside pgbench; the CPU
     /// cost of refusing the worst request a sender can make.
@@ -109,6 +135,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Up => up(config).await,
         Command::Jobs { action } => jobs(config, action.unwrap_or(JobsAction::Counts)).await,
         Command::Events { action } => events_command(config, action).await,
+        Command::Money { action } => money_command(config, action).await,
         Command::Demo(args) => demo::run(&config, args).await,
         Command::Bench { which } => match which {
             BenchCommand::Ingest(args) => bench::ingest(&config, args).await,
@@ -254,6 +281,79 @@ async fn events_command(config: Config, action: EventsAction) -> anyhow::Result<
         EventsAction::Replay { id: None, .. } => {
             let n = events::replay_all(&pool).await?;
             println!("{n} unprocessed events will be processed again");
+        }
+    }
+    pool.close().await;
+    Ok(())
+}
+
+/// The first and the day after the last day of a `YYYY-MM` month.
+fn month(text: &str) -> anyhow::Result<(chrono::NaiveDate, chrono::NaiveDate)> {
+    let start = chrono::NaiveDate::parse_from_str(&format!("{}-01", text.trim()), "%Y-%m-%d")
+        .map_err(|_| anyhow::anyhow!("--month takes YYYY-MM, not {text:?}"))?;
+    let end = start
+        .checked_add_months(chrono::Months::new(1))
+        .ok_or_else(|| anyhow::anyhow!("--month {text:?} is out of range"))?;
+    Ok((start, end))
+}
+
+async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()> {
+    use crate::ledger::{self, invoices, payouts, sales};
+    // Checked before connecting: a typo gets its message without a database.
+    let period = match &action {
+        MoneyAction::Invoices { month: Some(m) } => Some(month(m)?),
+        _ => None,
+    };
+    let pool = db::connect(&config.database_url, 2).await?;
+    match action {
+        MoneyAction::Release => {
+            let n = sales::release_matured(&pool, chrono::Utc::now()).await?;
+            println!("{n} matured sales released to available");
+        }
+        MoneyAction::Payouts { date } => {
+            let date = date.unwrap_or_else(|| chrono::Utc::now().date_naive());
+            let made = payouts::run(&pool, date).await?;
+            println!("{} payouts made for {date}: {made:?}", made.len());
+        }
+        MoneyAction::Pending => {
+            let list = payouts::in_state(&pool, payouts::PayoutState::Pending).await?;
+            if list.is_empty() {
+                println!("no payout waits for the bank");
+            }
+            for p in list {
+                println!(
+                    "{}\t{}\t{} {}\tperiod {}\tsince {}",
+                    p.id,
+                    p.seller_id,
+                    ledger::decimal_text(p.amount, &p.currency),
+                    p.currency,
+                    p.period_start,
+                    p.created_at
+                        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+                );
+            }
+        }
+        MoneyAction::Invoices { .. } => {
+            let (start, end) =
+                period.unwrap_or_else(|| invoices::previous_month(chrono::Utc::now().date_naive()));
+            let numbers = invoices::run(&pool, start, end).await?;
+            println!(
+                "{} invoices for {start} to {end}: {numbers:?}",
+                numbers.len()
+            );
+        }
+        MoneyAction::Check => {
+            let (accounts, currencies) = ledger::check(&pool).await?;
+            if accounts.is_empty() && currencies.is_empty() {
+                println!(
+                    "the ledger holds: every account's entries sum to its balance, every currency to zero"
+                );
+            } else {
+                pool.close().await;
+                anyhow::bail!(
+                    "the ledger does not hold: accounts {accounts:?} differ from their entries; currencies {currencies:?} do not sum to zero"
+                );
+            }
         }
     }
     pool.close().await;

@@ -93,6 +93,8 @@ pub struct Config {
     pub amqp_namespace: String,
     /// Queues unused this long are dropped by RabbitMQ (tests, preview set-ups).
     pub amqp_queue_ttl_ms: Option<u32>,
+    /// Whether worker processes keep the ledger's recurring jobs (release, payouts, invoices).
+    pub ledger_schedule: bool,
 }
 
 /// The source of settings: the process environment, or a map (tests).
@@ -372,6 +374,7 @@ impl Config {
             rpc_timeout: std::time::Duration::from_millis(rpc_timeout_ms),
             amqp_namespace,
             amqp_queue_ttl_ms,
+            ledger_schedule: parsed(env, "PAYFLEET_LEDGER_SCHEDULE", true)?,
         })
     }
 }

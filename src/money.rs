@@ -248,6 +248,16 @@ impl fmt::Display for Money {
     }
 }
 
+/// A stored amount as the API writes it: a decimal string with (at least) the currency's
+/// minor-unit digits ("19.90", "500" for yen); as stored if the currency is unknown.
+pub fn amount_text(value: Decimal, currency: &str) -> String {
+    let mut v = value.normalize();
+    if let Ok(c) = currency.parse::<Currency>() {
+        v.rescale(c.exponent().max(v.scale()));
+    }
+    v.to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

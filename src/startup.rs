@@ -18,12 +18,16 @@ use crate::gateways::{
     GatewayName, GatewayRegistry, MercadoPagoClient, RazorpayGateway, StripeConnect,
 };
 use crate::http::{self, AppState, Readiness};
+use crate::ledger::coins::CoinService;
+use crate::ledger::jobs::{ReleaseMatured, RunInvoices, RunPayouts};
 use crate::messaging::Broker;
 use crate::messaging::rpc::{self, RpcClient};
 use crate::orders::checkout::Checkout;
+use crate::orders::coins::SettleCoins;
 use crate::orders::expiry::{self, ExpireOrder, Expiry};
 use crate::payments::hosted::{DeliverHostedEvent, Deliverer, QueueSink};
 use crate::payments::links::LinkService;
+use crate::payments::order_refunds::CarryOutRefund;
 use crate::payments::{ProcessPaymentEvent, Processor, RefundPayment};
 use crate::queue::{Fleet, FleetHandle, JobContext, JobError, Notifier, Registry};
 use crate::webhooks::{EventWriter, Verifier};
@@ -157,6 +161,22 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
         let gateways = refunds.clone();
         async move { job.run(&gateways).await }
     })?;
+    registry.register::<CarryOutRefund, _, _>(move |ctx: JobContext, job: CarryOutRefund| {
+        let gateways = gateways.clone();
+        async move { job.run(&ctx.pool, &gateways).await }
+    })?;
+    registry.register::<SettleCoins, _, _>(|ctx: JobContext, job: SettleCoins| async move {
+        job.run(&ctx.pool).await
+    })?;
+    registry.register::<ReleaseMatured, _, _>(
+        |ctx: JobContext, job: ReleaseMatured| async move { job.run(&ctx.pool).await },
+    )?;
+    registry.register::<RunPayouts, _, _>(|ctx: JobContext, job: RunPayouts| async move {
+        job.run(&ctx.pool).await
+    })?;
+    registry.register::<RunInvoices, _, _>(|ctx: JobContext, job: RunInvoices| async move {
+        job.run(&ctx.pool).await
+    })?;
     Ok(registry)
 }
 
@@ -255,7 +275,18 @@ pub fn start(
             pool: pool.clone(),
             gateways: gateways.clone(),
         });
-        tokio::spawn(rpc::serve(broker.clone(), links, 16));
+        tokio::spawn(rpc::serve::<rpc::PaymentLink>(broker.clone(), links, 16));
+        let coins = Arc::new(CoinService { pool: pool.clone() });
+        tokio::spawn(rpc::serve::<rpc::Coins>(broker.clone(), coins, 16));
+        if config.ledger_schedule {
+            // Not fatal: the database may be down at start; the next worker start tries again.
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                if let Err(e) = crate::ledger::jobs::ensure(&pool).await {
+                    tracing::error!(error = %e, "cannot schedule the ledger's recurring jobs");
+                }
+            });
+        }
         Some(fleet)
     } else {
         None
@@ -275,9 +306,10 @@ pub fn start(
             events: Some(events.clone()),
             ..readiness
         };
+        let rpc = RpcClient::start(broker.clone(), config.rpc_timeout);
         let checkout = Checkout {
             pool: pool.clone(),
-            links: Arc::new(RpcClient::start(broker.clone(), config.rpc_timeout)),
+            links: Arc::new(rpc.clone()),
             fee_percent: config.platform_fee_percent,
             expiry: config.order_expiry,
             gateways: gateways.names(),
@@ -297,6 +329,8 @@ pub fn start(
             hosted,
             admin_token: config.admin_token.clone(),
             razorpay_key_id: config.razorpay.as_ref().map(|r| r.key_id.clone()),
+            gateways: gateways.clone(),
+            rpc,
         }))
     } else {
         listener

@@ -9,7 +9,13 @@ use subtle::ConstantTimeEq;
 
 use super::{ApiError, AppState, JsonBody};
 use crate::catalogue::{self, NewCoupon, NewProduct, NewSeller};
+use crate::ledger::coins;
+use crate::ledger::payouts::{self, PayoutState};
 use crate::orders;
+use crate::orders::checkout::idempotency_key;
+use crate::payments::order_refunds::{
+    self, CarriedOut, NewRefund, RefundError, RefundState, RefundView,
+};
 use crate::secret::Secret;
 
 pub(super) fn routes(state: AppState) -> axum::Router {
@@ -19,6 +25,14 @@ pub(super) fn routes(state: AppState) -> axum::Router {
         .route("/admin/coupons", post(create_coupon))
         .route("/admin/orders/{number}/expire", post(expire_order))
         .route("/admin/unmatched-payments", get(unmatched))
+        .route(
+            "/admin/orders/{number}/refunds",
+            post(refund_order).get(order_refunds),
+        )
+        .route("/admin/payouts", get(pending_payouts))
+        .route("/admin/payouts/{id}/paid", post(payout_paid))
+        .route("/admin/payouts/{id}/failed", post(payout_failed))
+        .route("/admin/wallets/{buyer}/grants", post(grant_coins))
         .with_state(state)
 }
 
@@ -94,4 +108,141 @@ async fn unmatched(
     authorize(state.admin_token.as_ref(), &headers)?;
     let list = crate::payments::events::unmatched(&state.pool, 200).await?;
     Ok(Json(serde_json::json!({ "unmatched_payments": list })))
+}
+
+/// Refunds a paid order, wholly or in part: `Idempotency-Key` required; 201 when the gateway
+/// refunded, 202 while it has not answered yet (the refund is carried out by a job), 422 when it
+/// refused.
+async fn refund_order(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(raw): Path<String>,
+    JsonBody(body): JsonBody<NewRefund>,
+) -> Result<(StatusCode, Json<RefundView>), ApiError> {
+    authorize(state.admin_token.as_ref(), &headers)?;
+    let number = super::orders::number(&raw)?;
+    let key = idempotency_key(headers.get("idempotency-key").and_then(|v| v.to_str().ok()))?;
+    let (view, _) = order_refunds::request(&state.pool, number, key, &body).await?;
+    let view = match order_refunds::carry_out(&state.pool, &state.gateways, view.id).await {
+        Ok(CarriedOut::Answered(view)) => view,
+        Ok(CarriedOut::NotYet(view, e)) => {
+            tracing::warn!(refund_request = view.id, error = %e, "the gateway did not answer; the refund job will ask again");
+            view
+        }
+        // Not enabled in this receiver: a worker that has it carries the refund out.
+        Err(RefundError::GatewayDisabled(_)) => view,
+        Err(e) => return Err(e.into()),
+    };
+    match view.state {
+        RefundState::Succeeded => Ok((StatusCode::CREATED, Json(view))),
+        RefundState::Requested | RefundState::Accepted => Ok((StatusCode::ACCEPTED, Json(view))),
+        RefundState::Failed => Err(ApiError::Unprocessable {
+            code: "refund_refused",
+            message: format!(
+                "the gateway refused refund request {}: {}",
+                view.id,
+                view.failure.as_deref().unwrap_or("no reason given")
+            ),
+        }),
+    }
+}
+
+async fn order_refunds(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(raw): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    authorize(state.admin_token.as_ref(), &headers)?;
+    let number = super::orders::number(&raw)?;
+    let list = order_refunds::of_order(&state.pool, number).await?;
+    Ok(Json(serde_json::json!({ "refunds": list })))
+}
+
+/// Payouts waiting for the bank's answer.
+async fn pending_payouts(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    authorize(state.admin_token.as_ref(), &headers)?;
+    let list = payouts::in_state(&state.pool, PayoutState::Pending).await?;
+    Ok(Json(serde_json::json!({ "payouts": list })))
+}
+
+fn payout_id(raw: &str) -> Result<i64, ApiError> {
+    raw.parse::<i64>()
+        .ok()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| ApiError::NotFound(format!("no payout {raw:?}")))
+}
+
+/// The bank paid the payout.
+async fn payout_paid(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(raw): Path<String>,
+) -> Result<Json<payouts::Payout>, ApiError> {
+    authorize(state.admin_token.as_ref(), &headers)?;
+    let payout = payouts::decide(&state.pool, payout_id(&raw)?, None).await?;
+    Ok(Json(payout))
+}
+
+#[derive(serde::Deserialize)]
+struct Failure {
+    reason: String,
+}
+
+/// The bank refused the payout: the seller's available balance gets it back, once.
+async fn payout_failed(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(raw): Path<String>,
+    JsonBody(body): JsonBody<Failure>,
+) -> Result<Json<payouts::Payout>, ApiError> {
+    authorize(state.admin_token.as_ref(), &headers)?;
+    let reason = body.reason.trim();
+    if reason.is_empty() || reason.chars().count() > 500 || reason.chars().any(char::is_control) {
+        return Err(ApiError::Unprocessable {
+            code: "invalid_request",
+            message: "reason must be 1 to 500 printable characters".into(),
+        });
+    }
+    let payout = payouts::decide(&state.pool, payout_id(&raw)?, Some(reason)).await?;
+    Ok(Json(payout))
+}
+
+#[derive(serde::Deserialize)]
+struct Grant {
+    amount: String,
+    currency: String,
+}
+
+/// Gives a buyer coins; `Idempotency-Key` required (the same key grants once).
+async fn grant_coins(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(buyer): Path<String>,
+    JsonBody(body): JsonBody<Grant>,
+) -> Result<(StatusCode, Json<coins::Wallet>), ApiError> {
+    authorize(state.admin_token.as_ref(), &headers)?;
+    let key = idempotency_key(headers.get("idempotency-key").and_then(|v| v.to_str().ok()))?;
+    if buyer.is_empty() || buyer.chars().count() > 200 || buyer.chars().any(char::is_control) {
+        return Err(ApiError::Unprocessable {
+            code: "invalid_request",
+            message: "buyer_id must be 1 to 200 printable characters".into(),
+        });
+    }
+    let amount = crate::money::Money::parse(&body.amount, &body.currency).map_err(|e| {
+        ApiError::Unprocessable {
+            code: "invalid_request",
+            message: e.to_string(),
+        }
+    })?;
+    if amount.amount() <= rust_decimal::Decimal::ZERO {
+        return Err(ApiError::Unprocessable {
+            code: "invalid_request",
+            message: "a grant is of a positive amount".into(),
+        });
+    }
+    let wallet = coins::grant(&state.pool, &buyer, amount, key).await?;
+    Ok((StatusCode::CREATED, Json(wallet)))
 }

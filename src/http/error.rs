@@ -10,8 +10,13 @@ use serde_json::json;
 
 use crate::catalogue::CatalogueError;
 use crate::db::is_transient;
+use crate::ledger::LedgerError;
+use crate::ledger::coins::CoinError;
+use crate::ledger::payouts::PayoutError;
 use crate::orders::ReopenError;
 use crate::orders::checkout::CheckoutError;
+use crate::orders::coins::CoinPaymentError;
+use crate::payments::order_refunds::RefundError;
 use crate::queue::QueueError;
 use crate::webhooks::{RejectedWebhook, StoreError};
 
@@ -211,6 +216,114 @@ impl From<ReopenError> for ApiError {
             },
             ReopenError::Queue(e) => e.into(),
             ReopenError::Database(e) => e.into(),
+        }
+    }
+}
+
+impl From<RefundError> for ApiError {
+    fn from(e: RefundError) -> Self {
+        let message = e.to_string();
+        match e {
+            RefundError::NoOrder(_) | RefundError::NoRequest(_) => Self::NotFound(message),
+            RefundError::NotRefundable { .. } => Self::Conflict {
+                code: "order_not_refundable",
+                message,
+            },
+            RefundError::InvalidAmount(_) | RefundError::InvalidReason => Self::Unprocessable {
+                code: "invalid_request",
+                message,
+            },
+            RefundError::Exceeds { .. } => Self::Unprocessable {
+                code: "refund_exceeds_payment",
+                message,
+            },
+            RefundError::KeyReused => Self::Unprocessable {
+                code: "idempotency_key_reused",
+                message,
+            },
+            RefundError::GatewayDisabled(_) => Self::Unprocessable {
+                code: "gateway_unavailable",
+                message,
+            },
+            RefundError::Record(e) if e.is_transient() => Self::Unavailable(Box::new(e)),
+            RefundError::Record(e) => Self::Internal(Box::new(e)),
+            RefundError::Queue(e) => e.into(),
+            RefundError::Database(e) => e.into(),
+        }
+    }
+}
+
+impl From<PayoutError> for ApiError {
+    fn from(e: PayoutError) -> Self {
+        let message = e.to_string();
+        match e {
+            PayoutError::NotFound(_) => Self::NotFound(message),
+            PayoutError::Decided { .. } => Self::Conflict {
+                code: "payout_decided",
+                message,
+            },
+            PayoutError::Ledger(e) => e.into(),
+            PayoutError::Database(e) => e.into(),
+        }
+    }
+}
+
+impl From<LedgerError> for ApiError {
+    fn from(e: LedgerError) -> Self {
+        match e {
+            LedgerError::Database(e) => e.into(),
+            other => Self::Internal(Box::new(other)),
+        }
+    }
+}
+
+impl From<CoinError> for ApiError {
+    fn from(e: CoinError) -> Self {
+        let message = e.to_string();
+        match e {
+            CoinError::Insufficient { .. } => Self::Unprocessable {
+                code: "coins_insufficient",
+                message,
+            },
+            CoinError::UnknownReservation(_) => Self::NotFound(message),
+            CoinError::Decided { .. } => Self::Conflict {
+                code: "reservation_decided",
+                message,
+            },
+            CoinError::Conflict(_) => Self::Unprocessable {
+                code: "idempotency_key_reused",
+                message,
+            },
+            CoinError::Ledger(e) => e.into(),
+            CoinError::Database(e) => e.into(),
+        }
+    }
+}
+
+impl From<CoinPaymentError> for ApiError {
+    fn from(e: CoinPaymentError) -> Self {
+        let message = e.to_string();
+        match e {
+            CoinPaymentError::NotFound(_) => Self::NotFound(message),
+            CoinPaymentError::NotPayable { .. } => Self::Conflict {
+                code: "order_not_payable",
+                message,
+            },
+            CoinPaymentError::Refused { code, .. } => Self::Unprocessable {
+                code: if code == "coins_insufficient" {
+                    "coins_insufficient"
+                } else {
+                    "coins_refused"
+                },
+                message,
+            },
+            CoinPaymentError::Unavailable(_) => Self::DependencyDown {
+                code: "coins_unavailable",
+                message,
+            },
+            CoinPaymentError::Ledger(e) => e.into(),
+            CoinPaymentError::Queue(e) => e.into(),
+            CoinPaymentError::Database(e) => e.into(),
         }
     }
 }

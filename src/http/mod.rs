@@ -4,7 +4,9 @@
 mod admin;
 mod error;
 mod health;
+mod html;
 pub mod metrics;
+mod money;
 mod orders;
 mod pay;
 mod webhooks;
@@ -40,6 +42,10 @@ pub struct AppState {
     pub hosted: Vec<HostedGateway>,
     pub admin_token: Option<Secret>,
     pub razorpay_key_id: Option<String>,
+    /// The gateways this receiver may call itself (an operator's refund).
+    pub gateways: crate::gateways::GatewayRegistry,
+    /// The order side's RPC client (payment links, coins).
+    pub rpc: crate::messaging::rpc::RpcClient,
 }
 
 /// The receiver's API: webhooks, health and metrics.
@@ -49,6 +55,7 @@ pub fn router(state: AppState) -> Router {
         .merge(orders::routes(state.clone()))
         .merge(admin::routes(state.clone()))
         .merge(pay::routes(state.clone()))
+        .merge(money::routes(state.clone()))
         .merge(health::routes(state.readiness.clone()))
         .merge(metrics::routes(
             state.pool.clone(),

@@ -14,6 +14,7 @@ pub(super) fn routes(state: AppState) -> axum::Router {
         .route("/checkout", post(checkout))
         .route("/orders/{number}", get(order))
         .route("/orders/{number}/payment", post(reopen))
+        .route("/orders/{number}/coins", post(pay_with_coins))
         .with_state(state)
 }
 
@@ -68,4 +69,15 @@ async fn reopen(
         .await?
         .ok_or_else(|| ApiError::NotFound(format!("no order {n}")))?;
     Ok(Json(order))
+}
+
+/// The buyer pays the order with coins: reserved over the coins RPC, then the order is paid and
+/// the coins spent. 422 `coins_insufficient` changes nothing; 503 `coins_unavailable` spends
+/// nothing (ask again).
+async fn pay_with_coins(
+    State(state): State<AppState>,
+    Path(raw): Path<String>,
+) -> Result<Json<OrderView>, ApiError> {
+    let n = number(&raw)?;
+    Ok(Json(orders::coins::pay(&state.pool, &state.rpc, n).await?))
 }

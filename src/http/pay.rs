@@ -11,6 +11,7 @@ use axum::response::Html;
 use axum::routing::get;
 use serde::Deserialize;
 
+use super::html::{self, escape};
 use super::{ApiError, AppState};
 use crate::gateways::hosted::{self, HostedGateway, Outcome};
 use crate::gateways::{GatewayName, PaymentGateway};
@@ -36,20 +37,11 @@ pub(super) fn routes(state: AppState) -> axum::Router {
         .with_state(state)
 }
 
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
-        .replace('\'', "&#39;")
-}
-
 fn layout(title: &str, body: &str) -> String {
-    format!(
-        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{t}</title>\
-         <style>body{{font-family:sans-serif;max-width:32rem;margin:3rem auto}}button{{font-size:1.1rem;margin-right:1rem}}</style>\
-         </head><body><h1>{t}</h1>{body}</body></html>",
-        t = escape(title)
+    html::page(
+        title,
+        "body{font-family:sans-serif;max-width:32rem;margin:3rem auto}button{font-size:1.1rem;margin-right:1rem}",
+        body,
     )
 }
 

@@ -4,11 +4,15 @@
 //! a CHECK constraint keeping the wallet and the reservations at or above zero is the last
 //! barrier: a reservation beyond the balance fails cleanly, never leaves a negative balance.
 
+use std::future::Future;
+use std::pin::Pin;
+
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
 use super::{AccountKind, AccountRef, LedgerError, Transfer, TransferKind, account, lock, post};
+use crate::messaging::rpc::{CoinReply, CoinRequest, Coins, Handler};
 use crate::money::{Currency, Money};
 
 crate::text_enum! {
@@ -35,7 +39,7 @@ pub enum CoinError {
         state: ReservationState,
         action: &'static str,
     },
-    #[error("reservation {0} exists with another buyer or amount")]
+    #[error("{0} was used before with another buyer or amount")]
     Conflict(String),
     #[error(transparent)]
     Ledger(#[from] LedgerError),
@@ -112,10 +116,12 @@ pub async fn grant(
     let mut tx = pool.begin().await?;
     lock_buyer(&mut tx, buyer, amount.currency()).await?;
     let (issued, wallet, _, _) = refs(buyer, amount.currency());
-    post(
+    let wallet_id = account(&mut tx, &wallet).await?;
+    let source = format!("coins_grant:{key}");
+    let posted = post(
         &mut tx,
         &transfer(
-            format!("coins_grant:{key}"),
+            source.clone(),
             TransferKind::CoinsGrant,
             issued,
             wallet,
@@ -124,6 +130,20 @@ pub async fn grant(
         ),
     )
     .await?;
+    if posted == super::Posted::AlreadyPosted {
+        // The same key is the same grant: to this wallet, of this amount.
+        let same: Option<bool> = sqlx::query_scalar(
+            "SELECT to_account = $2 AND amount = $3 FROM ledger_transfers WHERE source_key = $1",
+        )
+        .bind(&source)
+        .bind(wallet_id)
+        .bind(amount.amount())
+        .fetch_optional(&mut *tx)
+        .await?;
+        if same != Some(true) {
+            return Err(CoinError::Conflict(key.to_owned()));
+        }
+    }
     tx.commit().await?;
     Ok(wallet_of(pool, buyer, amount.currency()).await?)
 }
@@ -138,17 +158,24 @@ pub async fn reserve(
 ) -> Result<ReservationState, CoinError> {
     let mut tx = pool.begin().await?;
     let balance = lock_buyer(&mut tx, buyer, amount.currency()).await?;
-    let existing: Option<(String, Decimal, String, ReservationState)> = sqlx::query_as(
-        "SELECT buyer_id, amount, currency::text, state FROM coin_reservations WHERE id = $1 FOR UPDATE",
+    let existing: Option<Held> = sqlx::query_as(
+        "SELECT buyer_id, amount, currency::text AS currency, state FROM coin_reservations WHERE id = $1 FOR UPDATE",
     )
     .bind(id)
     .fetch_optional(&mut *tx)
     .await?;
-    if let Some((b, a, c, state)) = existing {
-        if b != buyer || a != amount.amount() || c != amount.currency().as_str() {
+    if let Some(h) = existing {
+        // Released before it was made (its order is gone): it stays released.
+        if h.amount.is_none() {
+            return Ok(h.state);
+        }
+        if h.buyer_id.as_deref() != Some(buyer)
+            || h.amount != Some(amount.amount())
+            || h.currency.as_deref() != Some(amount.currency().as_str())
+        {
             return Err(CoinError::Conflict(id.to_owned()));
         }
-        return Ok(state);
+        return Ok(h.state);
     }
     if balance < amount.amount() {
         return Err(CoinError::Insufficient {
@@ -179,8 +206,9 @@ pub async fn reserve(
         },
         other => CoinError::Ledger(other),
     })?;
-    sqlx::query(
-        "INSERT INTO coin_reservations (id, buyer_id, amount, currency, order_number) VALUES ($1, $2, $3, $4, $5)",
+    let made = sqlx::query(
+        "INSERT INTO coin_reservations (id, buyer_id, amount, currency, order_number) VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (id) DO NOTHING",
     )
     .bind(id)
     .bind(buyer)
@@ -189,22 +217,73 @@ pub async fn reserve(
     .bind(order)
     .execute(&mut *tx)
     .await?;
+    if made.rows_affected() == 0 {
+        // Released meanwhile, before it was made: nothing is held (the transfer rolls back).
+        drop(tx);
+        return Ok(ReservationState::Released);
+    }
     tx.commit().await?;
     Ok(ReservationState::Reserved)
 }
 
+/// A reservation as stored; a release that came before its reserve has no amount.
+#[derive(sqlx::FromRow)]
+struct Held {
+    buyer_id: Option<String>,
+    amount: Option<Decimal>,
+    currency: Option<String>,
+    state: ReservationState,
+}
+
 /// Approves (spends) or releases (gives back) a reservation. Doing the same again is a no-op;
-/// the other step after one is refused.
+/// the other step after one is refused. Releasing a reservation that was never made leaves it
+/// released, so a reserve that arrives later holds nothing.
 pub async fn decide(pool: &PgPool, id: &str, approve: bool) -> Result<ReservationState, CoinError> {
+    let (want, action) = if approve {
+        (ReservationState::Approved, "approved")
+    } else {
+        (ReservationState::Released, "released")
+    };
     let mut tx = pool.begin().await?;
-    let row: Option<(String, Decimal, String, ReservationState)> = sqlx::query_as(
-        "SELECT buyer_id, amount, currency::text, state FROM coin_reservations WHERE id = $1",
-    )
-    .bind(id)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let (buyer, amount, currency, _) =
-        row.ok_or_else(|| CoinError::UnknownReservation(id.to_owned()))?;
+    let held = loop {
+        let row: Option<Held> = sqlx::query_as(
+            "SELECT buyer_id, amount, currency::text AS currency, state FROM coin_reservations WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        match row {
+            Some(h) => break h,
+            None if approve => return Err(CoinError::UnknownReservation(id.to_owned())),
+            None => {
+                let marked = sqlx::query(
+                    "INSERT INTO coin_reservations (id, state, decided_at) VALUES ($1, 'released', now())
+                     ON CONFLICT (id) DO NOTHING",
+                )
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+                if marked.rows_affected() == 1 {
+                    tx.commit().await?;
+                    return Ok(ReservationState::Released);
+                }
+                // A reserve committed meanwhile: decide on it.
+            }
+        }
+    };
+    let (Some(buyer), Some(amount), Some(currency)) = (held.buyer_id, held.amount, held.currency)
+    else {
+        // Released before it was made.
+        return if held.state == want {
+            Ok(want)
+        } else {
+            Err(CoinError::Decided {
+                id: id.to_owned(),
+                state: held.state,
+                action,
+            })
+        };
+    };
     let c: Currency = currency
         .parse()
         .map_err(|_| CoinError::UnknownReservation(id.to_owned()))?;
@@ -215,11 +294,6 @@ pub async fn decide(pool: &PgPool, id: &str, approve: bool) -> Result<Reservatio
             .bind(id)
             .fetch_one(&mut *tx)
             .await?;
-    let (want, action) = if approve {
-        (ReservationState::Approved, "approved")
-    } else {
-        (ReservationState::Released, "released")
-    };
     match state {
         s if s == want => return Ok(s),
         ReservationState::Reserved => {}
@@ -260,6 +334,61 @@ pub async fn decide(pool: &PgPool, id: &str, approve: bool) -> Result<Reservatio
         .await?;
     tx.commit().await?;
     Ok(want)
+}
+
+/// The coins' side of the [`Coins`] RPC, answered by the worker processes.
+pub struct CoinService {
+    pub pool: PgPool,
+}
+
+impl CoinService {
+    async fn answer(&self, request: CoinRequest) -> CoinReply {
+        let (id, result) = match request {
+            CoinRequest::Reserve {
+                reservation_id,
+                buyer_id,
+                amount,
+                order_number,
+            } => {
+                let r = reserve(&self.pool, &reservation_id, &buyer_id, amount, order_number).await;
+                (reservation_id, r)
+            }
+            CoinRequest::Approve { reservation_id } => {
+                let r = decide(&self.pool, &reservation_id, true).await;
+                (reservation_id, r)
+            }
+            CoinRequest::Release { reservation_id } => {
+                let r = decide(&self.pool, &reservation_id, false).await;
+                (reservation_id, r)
+            }
+        };
+        let refused = |code: &str, e: &CoinError| CoinReply::Refused {
+            code: code.to_owned(),
+            message: e.to_string(),
+        };
+        match result {
+            Ok(state) => CoinReply::Done {
+                reservation_id: id,
+                state: state.as_str().to_owned(),
+            },
+            Err(e @ CoinError::Insufficient { .. }) => refused("coins_insufficient", &e),
+            Err(e @ CoinError::Decided { .. }) => refused("reservation_decided", &e),
+            Err(e @ CoinError::UnknownReservation(_)) => refused("unknown_reservation", &e),
+            Err(e @ CoinError::Conflict(_)) => refused("reservation_conflict", &e),
+            Err(e) => {
+                tracing::warn!(reservation = %id, error = %e, "a coin request failed");
+                CoinReply::Failed {
+                    message: e.to_string(),
+                }
+            }
+        }
+    }
+}
+
+impl Handler<Coins> for CoinService {
+    fn handle(&self, request: CoinRequest) -> Pin<Box<dyn Future<Output = CoinReply> + Send + '_>> {
+        Box::pin(self.answer(request))
+    }
 }
 
 /// A buyer's wallet in one currency.

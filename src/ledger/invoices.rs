@@ -9,6 +9,7 @@ use rust_decimal::Decimal;
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
 
+use super::decimal_text;
 use crate::catalogue::SellerId;
 
 /// The calendar month before the one `today` falls in: the period a monthly run invoices.
@@ -20,21 +21,20 @@ pub fn previous_month(today: NaiveDate) -> (NaiveDate, NaiveDate) {
     (start, this_month)
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+/// Amounts are decimal strings in the currency's minor unit.
+#[derive(Debug, Clone, Serialize)]
 pub struct InvoiceLine {
     pub line: i32,
     pub order_number: i64,
     pub currency: String,
-    #[serde(with = "rust_decimal::serde::str")]
-    pub commission: Decimal,
+    pub commission: String,
     pub description: String,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize)]
 pub struct InvoiceTotal {
     pub currency: String,
-    #[serde(with = "rust_decimal::serde::str")]
-    pub commission: Decimal,
+    pub commission: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -173,19 +173,38 @@ const HEAD: &str = "SELECT i.id, i.number, i.seller_id, s.name AS seller_name, i
      FROM invoices i JOIN sellers s ON s.id = i.seller_id";
 
 async fn complete(pool: &PgPool, h: Head) -> Result<Invoice, sqlx::Error> {
-    let lines = sqlx::query_as(
-        "SELECT line, order_number, currency::text AS currency, commission, description
+    let lines: Vec<(i32, i64, String, Decimal, String)> = sqlx::query_as(
+        "SELECT line, order_number, currency::text, commission, description
          FROM invoice_lines WHERE invoice_id = $1 ORDER BY line",
     )
     .bind(h.id)
     .fetch_all(pool)
     .await?;
-    let totals = sqlx::query_as(
-        "SELECT currency::text AS currency, commission FROM invoice_totals WHERE invoice_id = $1 ORDER BY currency",
+    let totals: Vec<(String, Decimal)> = sqlx::query_as(
+        "SELECT currency::text, commission FROM invoice_totals WHERE invoice_id = $1 ORDER BY currency",
     )
     .bind(h.id)
     .fetch_all(pool)
     .await?;
+    let lines = lines
+        .into_iter()
+        .map(
+            |(line, order_number, currency, commission, description)| InvoiceLine {
+                line,
+                order_number,
+                commission: decimal_text(commission, &currency),
+                currency,
+                description,
+            },
+        )
+        .collect();
+    let totals = totals
+        .into_iter()
+        .map(|(currency, commission)| InvoiceTotal {
+            commission: decimal_text(commission, &currency),
+            currency,
+        })
+        .collect();
     Ok(Invoice {
         number: h.number,
         seller_id: h.seller_id,

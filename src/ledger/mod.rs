@@ -19,6 +19,7 @@
 
 pub mod coins;
 pub mod invoices;
+pub mod jobs;
 pub mod payouts;
 pub mod sales;
 
@@ -27,6 +28,7 @@ use rust_decimal::Decimal;
 use serde::Serialize;
 use sqlx::PgConnection;
 
+pub use crate::money::amount_text as decimal_text;
 use crate::money::{Currency, Money};
 
 crate::text_enum! {
@@ -253,19 +255,6 @@ pub struct Balance {
     pub connected_sales: String,
 }
 
-/// An amount as the API writes it, with the currency's minor-unit digits.
-pub fn decimal_text(value: Decimal, currency: &str) -> String {
-    currency
-        .parse::<Currency>()
-        .ok()
-        .map(|c| {
-            let mut v = value.normalize();
-            v.rescale(c.exponent().max(v.scale()));
-            v.to_string()
-        })
-        .unwrap_or_else(|| value.normalize().to_string())
-}
-
 pub async fn balances(pool: &sqlx::PgPool, seller: &str) -> Result<Vec<Balance>, sqlx::Error> {
     let rows: Vec<(String, Decimal, Decimal, Decimal)> = sqlx::query_as(
         "SELECT currency::text,
@@ -291,24 +280,58 @@ pub async fn balances(pool: &sqlx::PgPool, seller: &str) -> Result<Vec<Balance>,
 }
 
 /// One line of a seller's ledger.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, sqlx::FromRow)]
 pub struct Entry {
     pub id: i64,
     /// `pending`, `available` or `connected`.
     pub bucket: String,
     pub kind: TransferKind,
     pub currency: String,
-    #[serde(with = "rust_decimal::serde::str")]
     pub amount: Decimal,
-    #[serde(with = "rust_decimal::serde::str")]
     pub balance_before: Decimal,
-    #[serde(with = "rust_decimal::serde::str")]
     pub balance_after: Decimal,
     pub available_at: Option<DateTime<Utc>>,
     pub source_key: String,
     pub order_number: Option<i64>,
     pub reference: Option<String>,
     pub created_at: DateTime<Utc>,
+}
+
+/// Amounts as the API writes them: decimal strings in the currency's minor unit.
+impl Serialize for Entry {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Wire<'a> {
+            id: i64,
+            bucket: &'a str,
+            kind: TransferKind,
+            currency: &'a str,
+            amount: String,
+            balance_before: String,
+            balance_after: String,
+            available_at: Option<DateTime<Utc>>,
+            source_key: &'a str,
+            order_number: Option<i64>,
+            reference: Option<&'a str>,
+            created_at: DateTime<Utc>,
+        }
+        let c = self.currency.as_str();
+        Wire {
+            id: self.id,
+            bucket: &self.bucket,
+            kind: self.kind,
+            currency: c,
+            amount: decimal_text(self.amount, c),
+            balance_before: decimal_text(self.balance_before, c),
+            balance_after: decimal_text(self.balance_after, c),
+            available_at: self.available_at,
+            source_key: &self.source_key,
+            order_number: self.order_number,
+            reference: self.reference.as_deref(),
+            created_at: self.created_at,
+        }
+        .serialize(s)
+    }
 }
 
 /// A seller's entries, oldest first, `limit` after entry `after`.

@@ -33,18 +33,46 @@ pub fn period_start(frequency: PayoutFrequency, date: NaiveDate) -> NaiveDate {
     }
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, sqlx::FromRow)]
 pub struct Payout {
     pub id: i64,
     pub seller_id: crate::catalogue::SellerId,
     pub currency: String,
     pub period_start: NaiveDate,
-    #[serde(with = "rust_decimal::serde::str")]
     pub amount: Decimal,
     pub state: PayoutState,
     pub failure: Option<String>,
     pub created_at: DateTime<Utc>,
     pub decided_at: Option<DateTime<Utc>>,
+}
+
+impl Serialize for Payout {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Wire<'a> {
+            id: i64,
+            seller_id: &'a crate::catalogue::SellerId,
+            currency: &'a str,
+            period_start: NaiveDate,
+            amount: String,
+            state: PayoutState,
+            failure: Option<&'a str>,
+            created_at: DateTime<Utc>,
+            decided_at: Option<DateTime<Utc>>,
+        }
+        Wire {
+            id: self.id,
+            seller_id: &self.seller_id,
+            currency: &self.currency,
+            period_start: self.period_start,
+            amount: super::decimal_text(self.amount, &self.currency),
+            state: self.state,
+            failure: self.failure.as_deref(),
+            created_at: self.created_at,
+            decided_at: self.decided_at,
+        }
+        .serialize(s)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -136,7 +164,8 @@ pub async fn run(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, PayoutErro
     Ok(made)
 }
 
-/// The bank confirmed (`Ok(true)` for paid) or refused the payout. Once: a decided payout stays.
+/// The bank confirmed (`failure` None) or refused the payout. Once: a decided payout stays, the
+/// same decision again returns it, the other one is refused.
 pub async fn decide(pool: &PgPool, id: i64, failure: Option<&str>) -> Result<Payout, PayoutError> {
     let mut tx = pool.begin().await?;
     let row: Option<(String, String, PayoutState, Decimal)> = sqlx::query_as(
@@ -146,6 +175,19 @@ pub async fn decide(pool: &PgPool, id: i64, failure: Option<&str>) -> Result<Pay
     .fetch_optional(&mut *tx)
     .await?;
     let (seller, currency, state, amount) = row.ok_or(PayoutError::NotFound(id))?;
+    let wanted = if failure.is_some() {
+        PayoutState::Failed
+    } else {
+        PayoutState::Paid
+    };
+    if state == wanted {
+        // The same decision again (a retried call): nothing more moves.
+        drop(tx);
+        return list_where(pool, "id", &id.to_string())
+            .await?
+            .pop()
+            .ok_or(PayoutError::NotFound(id));
+    }
     if state != PayoutState::Pending {
         return Err(PayoutError::Decided { id, state });
     }
@@ -215,4 +257,11 @@ async fn list_where(
 /// A seller's payouts, newest first.
 pub async fn list(pool: &PgPool, seller: &str) -> Result<Vec<Payout>, sqlx::Error> {
     list_where(pool, "seller_id", seller).await
+}
+
+/// Payouts in `state`, oldest first: what an operator still has to confirm with the bank.
+pub async fn in_state(pool: &PgPool, state: PayoutState) -> Result<Vec<Payout>, sqlx::Error> {
+    let mut list = list_where(pool, "state", state.as_str()).await?;
+    list.reverse();
+    Ok(list)
 }

@@ -25,12 +25,42 @@ use super::{
 use crate::gateways::{DisputeStatus, GatewayName};
 use crate::money::{Currency, Money};
 
+/// How an order was paid: through a gateway, or with the platform's coins (the platform took
+/// the buyer's coins and owes the seller, as a merchant of record would).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Channel {
+    Gateway(GatewayName),
+    Coins,
+}
+
+impl Channel {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Gateway(g) => g.as_str(),
+            Self::Coins => "coins",
+        }
+    }
+
+    fn through_platform(&self) -> bool {
+        match self {
+            Self::Gateway(g) => settles_through_platform(*g),
+            Self::Coins => true,
+        }
+    }
+}
+
+impl std::fmt::Display for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A paid order, as the ledger sees it.
 #[derive(Debug, Clone)]
 pub struct Sale {
     pub order_number: i64,
     pub seller_id: String,
-    pub gateway: GatewayName,
+    pub channel: Channel,
     pub total: Money,
     pub fee: Money,
     pub net: Money,
@@ -62,13 +92,13 @@ impl Sale {
 
     fn accounts(&self) -> Accounts {
         let (seller, c) = (self.seller_id.as_str(), self.currency());
-        let clearing_kind = if settles_through_platform(self.gateway) {
+        let clearing_kind = if self.channel.through_platform() {
             AccountKind::GatewayClearing
         } else {
             AccountKind::ConnectedClearing
         };
         Accounts {
-            clearing: AccountRef::new(clearing_kind, format!("{}:{seller}", self.gateway), c),
+            clearing: AccountRef::new(clearing_kind, format!("{}:{seller}", self.channel), c),
             revenue: AccountRef::new(AccountKind::PlatformRevenue, seller, c),
             pending: AccountRef::new(AccountKind::SellerPending, seller, c),
             available: AccountRef::new(AccountKind::SellerAvailable, seller, c),
@@ -108,6 +138,63 @@ impl Sale {
     }
 }
 
+/// A confirmed order as the ledger needs it.
+#[derive(sqlx::FromRow)]
+struct SaleRow {
+    seller_id: String,
+    total: Decimal,
+    platform_fee: Decimal,
+    seller_net: Decimal,
+    currency: String,
+    paid_at: Option<DateTime<Utc>>,
+    holding_days: i32,
+}
+
+impl Sale {
+    /// Order `number` as a sale through `channel`, if it was paid and kept (an expired or
+    /// cancelled order is no sale: its late payment is given back).
+    pub async fn of_order(
+        tx: &mut PgConnection,
+        number: i64,
+        channel: Channel,
+    ) -> Result<Option<Sale>, LedgerError> {
+        let row: Option<SaleRow> = sqlx::query_as(
+            "SELECT o.seller_id::text AS seller_id, o.total, o.platform_fee, o.seller_net, o.currency::text AS currency,
+                    o.paid_at, s.holding_days
+             FROM orders o JOIN sellers s ON s.id = o.seller_id
+             WHERE o.number = $1 AND o.status NOT IN ('expired', 'cancelled')",
+        )
+        .bind(number)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(SaleRow {
+            seller_id,
+            total,
+            platform_fee,
+            seller_net,
+            currency,
+            paid_at: Some(paid_at),
+            holding_days,
+        }) = row
+        else {
+            return Ok(None);
+        };
+        let mismatch = || LedgerError::Mismatch(format!("order {number}"));
+        let c: Currency = currency.parse().map_err(|_| mismatch())?;
+        let money = |d: Decimal| Money::new(d, c).map_err(|_| mismatch());
+        Ok(Some(Sale {
+            order_number: number,
+            seller_id,
+            channel,
+            total: money(total)?,
+            fee: money(platform_fee)?,
+            net: money(seller_net)?,
+            paid_at,
+            holding_days,
+        }))
+    }
+}
+
 /// Locks every account of the seller a sale touches, in id order, before any posting: all the
 /// postings of one seller and currency serialise here, and never deadlock on each other.
 async fn lock_seller(tx: &mut PgConnection, a: &Accounts) -> Result<(), sqlx::Error> {
@@ -142,7 +229,7 @@ async fn seller_bucket(
     sale: &Sale,
     a: &Accounts,
 ) -> Result<AccountRef, sqlx::Error> {
-    Ok(if !settles_through_platform(sale.gateway) {
+    Ok(if !sale.channel.through_platform() {
         a.connected.clone()
     } else if released(tx, sale.order_number).await? {
         a.available.clone()
@@ -156,7 +243,7 @@ pub async fn record_sale(tx: &mut PgConnection, sale: &Sale) -> Result<(), Ledge
     let a = sale.accounts();
     lock_seller(tx, &a).await?;
     let n = sale.order_number;
-    if settles_through_platform(sale.gateway) {
+    if sale.channel.through_platform() {
         let mut credit = sale.transfer(
             format!("sale:{n}"),
             TransferKind::SaleCredit,
@@ -198,7 +285,7 @@ pub async fn record_refund(
     let a = sale.accounts();
     lock_seller(tx, &a).await?;
     let (seller, platform) = sale.split(&amount)?;
-    let key = format!("refund:{}:{refund_id}", sale.gateway);
+    let key = format!("refund:{}:{refund_id}", sale.channel);
     let from = seller_bucket(tx, sale, &a).await?;
     let mut t = sale.transfer(
         format!("{key}:seller"),
@@ -233,7 +320,7 @@ pub async fn record_dispute(
     let a = sale.accounts();
     lock_seller(tx, &a).await?;
     let (seller, platform) = sale.split(&amount)?;
-    let key = format!("dispute:{}:{dispute_id}", sale.gateway);
+    let key = format!("dispute:{}:{dispute_id}", sale.channel);
     // The debit's source account, if it was posted before (a reversal goes back there).
     let debited_from: Option<i64> =
         sqlx::query_scalar("SELECT from_account FROM ledger_transfers WHERE source_key = $1")
@@ -265,7 +352,7 @@ pub async fn record_dispute(
             _ => from,
         };
         let mut t = sale.transfer(
-            format!("dispute_reversal:{}:{dispute_id}:seller", sale.gateway),
+            format!("dispute_reversal:{}:{dispute_id}:seller", sale.channel),
             TransferKind::DisputeReversal,
             &a.clearing,
             &back_to,
@@ -274,7 +361,7 @@ pub async fn record_dispute(
         t.reference = Some(dispute_id.to_owned());
         post(tx, &t).await?;
         let mut t = sale.transfer(
-            format!("dispute_reversal:{}:{dispute_id}:fee", sale.gateway),
+            format!("dispute_reversal:{}:{dispute_id}:fee", sale.channel),
             TransferKind::DisputeFeeReversal,
             &a.clearing,
             &a.revenue,

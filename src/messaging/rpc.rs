@@ -1,14 +1,16 @@
-//! The payment-link RPC. The order side asks, the payment side answers:
+//! Request and reply over RabbitMQ, and the two RPCs the fleet speaks: the payment link
+//! ([`PaymentLink`]: the order side asks the payment side for an order's link) and the coins
+//! ([`Coins`]: the order side reserves, approves and releases a buyer's coins). For each:
 //!
-//! - requests go to the durable queue `{namespace}.payment_links`, consumed by every worker
-//!   process (the payment side); each request names where to answer (`reply_to`) and carries a
-//!   `correlation_id`;
+//! - requests go to a durable queue, `{namespace}.payment_links` or `{namespace}.coins`,
+//!   consumed by every worker process; each request names where to answer (`reply_to`) and
+//!   carries a `correlation_id`;
 //! - the order side receives answers on RabbitMQ's direct reply-to pseudo-queue
 //!   (`amq.rabbitmq.reply-to`) of its own channel, matched to the waiting call by correlation id,
 //!   and gives up after a timeout (the buyer gets a clear 503; the order is kept and payable
 //!   later);
-//! - the payment side is idempotent by order, so asking twice (after a timeout, say) gives the
-//!   same session.
+//! - the answering side is idempotent (by order and attempt for a link, by reservation id for
+//!   coins), so asking twice (after a timeout, say) does the work once.
 //!
 //! Both sides survive a broker restart: on a lost connection or channel they wait for the
 //! supervisor's next connection and set up again; calls made meanwhile fail at once.
@@ -26,6 +28,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
@@ -33,8 +36,64 @@ use super::Broker;
 use crate::gateways::GatewayName;
 use crate::money::Money;
 
-const QUEUE: &str = "payment_links";
 const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to";
+
+/// One remote procedure: its queue (under the fleet's namespace), request and reply.
+pub trait Rpc: Send + Sync + 'static {
+    const QUEUE: &'static str;
+    type Request: Serialize + DeserializeOwned + Send + Sync;
+    type Reply: Serialize + DeserializeOwned + Send;
+}
+
+/// The payment link for an order.
+pub struct PaymentLink;
+
+impl Rpc for PaymentLink {
+    const QUEUE: &'static str = "payment_links";
+    type Request = PaymentLinkRequest;
+    type Reply = PaymentLinkReply;
+}
+
+/// A buyer's coins.
+pub struct Coins;
+
+impl Rpc for Coins {
+    const QUEUE: &'static str = "coins";
+    type Request = CoinRequest;
+    type Reply = CoinReply;
+}
+
+/// What the order side asks of the coins: each step idempotent by the reservation's id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum CoinRequest {
+    Reserve {
+        reservation_id: String,
+        buyer_id: String,
+        amount: Money,
+        order_number: Option<i64>,
+    },
+    /// The reservation is spent.
+    Approve { reservation_id: String },
+    /// The reservation goes back to the wallet.
+    Release { reservation_id: String },
+}
+
+/// The coins' answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum CoinReply {
+    /// The reservation's state after the step (`reserved`, `approved`, `released`).
+    Done {
+        reservation_id: String,
+        state: String,
+    },
+    /// Refused for good (`coins_insufficient`, `reservation_decided`, `unknown_reservation`,
+    /// `reservation_conflict`).
+    Refused { code: String, message: String },
+    /// Not done now; asking again later may work.
+    Failed { message: String },
+}
 
 /// What the order side asks for: a payment link for one order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,15 +136,15 @@ pub enum PaymentLinkReply {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RpcError {
-    #[error("the payment side is not reachable (no broker connection)")]
+    #[error("the answering side is not reachable (no broker connection)")]
     NotConnected,
-    #[error("the payment side did not answer within {0:?}")]
+    #[error("no answer within {0:?}")]
     Timeout(Duration),
     #[error("the broker connection was lost while waiting for the answer")]
     Lost,
-    #[error("could not send the request to the payment side")]
+    #[error("could not send the request")]
     Publish(#[source] lapin::Error),
-    #[error("the payment side's answer does not read")]
+    #[error("the answer does not read")]
     Decode(#[source] serde_json::Error),
     #[error("the request could not be written")]
     Encode(#[source] serde_json::Error),
@@ -162,7 +221,7 @@ impl RpcClient {
             let (channel, mut replies) = match setup.await {
                 Ok(s) => s,
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot set up the payment-link RPC client; retrying");
+                    tracing::warn!(error = %e, "cannot set up the RPC client; retrying");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                     continue;
                 }
@@ -191,7 +250,7 @@ impl RpcClient {
                         }
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "the payment-link RPC channel failed; setting it up again");
+                        tracing::warn!(error = %e, "the RPC client's channel failed; setting it up again");
                         break;
                     }
                 }
@@ -206,7 +265,8 @@ impl RpcClient {
         }
     }
 
-    async fn call(&self, request: &PaymentLinkRequest) -> Result<PaymentLinkReply, RpcError> {
+    /// Asks `R`'s answering side and waits for its reply (at most the client's timeout).
+    pub async fn call<R: Rpc>(&self, request: &R::Request) -> Result<R::Reply, RpcError> {
         let channel = self
             .channel
             .lock()
@@ -235,7 +295,7 @@ impl RpcClient {
         channel
             .basic_publish(
                 "".into(),
-                self.broker.name(QUEUE).as_str().into(),
+                self.broker.name(R::QUEUE).as_str().into(),
                 BasicPublishOptions::default(),
                 &body,
                 properties,
@@ -270,32 +330,30 @@ impl PaymentLinks for RpcClient {
         &'a self,
         request: &'a PaymentLinkRequest,
     ) -> Pin<Box<dyn Future<Output = Result<PaymentLinkReply, RpcError>> + Send + 'a>> {
-        Box::pin(self.call(request))
+        Box::pin(self.call::<PaymentLink>(request))
     }
 }
 
-/// What the payment side does with a request.
-pub trait LinkHandler: Send + Sync + 'static {
-    fn handle(
-        &self,
-        request: PaymentLinkRequest,
-    ) -> Pin<Box<dyn Future<Output = PaymentLinkReply> + Send + '_>>;
+/// What the answering side of `R` does with a request.
+pub trait Handler<R: Rpc>: Send + Sync + 'static {
+    fn handle(&self, request: R::Request) -> Pin<Box<dyn Future<Output = R::Reply> + Send + '_>>;
 }
 
-/// The payment side's consumer: runs until the process stops, setting itself up again after
-/// every reconnection. Requests are handled concurrently (up to `prefetch`), each acknowledged
-/// once answered; a request that cannot be read is dropped with a warning (it would never read).
-pub async fn serve(broker: Broker, handler: Arc<dyn LinkHandler>, prefetch: u16) {
+/// The answering side's consumer of `R`: runs until the process stops, setting itself up again
+/// after every reconnection. Requests are handled concurrently (up to `prefetch`), each
+/// acknowledged once answered; a request that cannot be read is dropped with a warning (it
+/// would never read).
+pub async fn serve<R: Rpc>(broker: Broker, handler: Arc<dyn Handler<R>>, prefetch: u16) {
     tokio::select! {
-        _ = broker.stopped() => tracing::info!("no longer answering payment-link requests"),
+        _ = broker.stopped() => tracing::info!(rpc = R::QUEUE, "no longer answering requests"),
         _ = serve_until_stopped(broker.clone(), handler, prefetch) => {}
     }
 }
 
-async fn serve_until_stopped(broker: Broker, handler: Arc<dyn LinkHandler>, prefetch: u16) {
+async fn serve_until_stopped<R: Rpc>(broker: Broker, handler: Arc<dyn Handler<R>>, prefetch: u16) {
     loop {
         let connection = broker.connected().await;
-        let queue = broker.name(QUEUE);
+        let queue = broker.name(R::QUEUE);
         let setup = async {
             let channel = connection.create_channel().await?;
             channel
@@ -324,17 +382,17 @@ async fn serve_until_stopped(broker: Broker, handler: Arc<dyn LinkHandler>, pref
         let (channel, mut requests) = match setup.await {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot set up the payment-link consumer; retrying");
+                tracing::warn!(rpc = R::QUEUE, error = %e, "cannot set up the consumer; retrying");
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 continue;
             }
         };
-        tracing::info!(%queue, "answering payment-link requests");
+        tracing::info!(%queue, "answering requests");
         while let Some(delivery) = requests.next().await {
             let delivery = match delivery {
                 Ok(d) => d,
                 Err(e) => {
-                    tracing::warn!(error = %e, "the payment-link consumer failed; setting it up again");
+                    tracing::warn!(rpc = R::QUEUE, error = %e, "the consumer failed; setting it up again");
                     break;
                 }
             };
@@ -342,10 +400,10 @@ async fn serve_until_stopped(broker: Broker, handler: Arc<dyn LinkHandler>, pref
             tokio::spawn(async move {
                 let reply_to = delivery.properties.reply_to().clone();
                 let correlation_id = delivery.properties.correlation_id().clone();
-                let request: PaymentLinkRequest = match serde_json::from_slice(&delivery.data) {
+                let request: R::Request = match serde_json::from_slice(&delivery.data) {
                     Ok(r) => r,
                     Err(e) => {
-                        tracing::warn!(error = %e, "dropping a payment-link request that does not read");
+                        tracing::warn!(rpc = R::QUEUE, error = %e, "dropping a request that does not read");
                         let _ = delivery
                             .nack(BasicNackOptions {
                                 requeue: false,
@@ -355,7 +413,6 @@ async fn serve_until_stopped(broker: Broker, handler: Arc<dyn LinkHandler>, pref
                         return;
                     }
                 };
-                let order = request.order_number;
                 let reply = handler.handle(request).await;
                 if let (Some(reply_to), Ok(body)) = (reply_to, serde_json::to_vec(&reply)) {
                     let mut properties =
@@ -373,12 +430,12 @@ async fn serve_until_stopped(broker: Broker, handler: Arc<dyn LinkHandler>, pref
                         )
                         .await
                     {
-                        // The caller times out and asks again; the session is kept.
-                        tracing::warn!(order, error = %e, "could not answer a payment-link request");
+                        // The caller times out and asks again; the work done is kept.
+                        tracing::warn!(rpc = R::QUEUE, error = %e, "could not answer a request");
                     }
                 }
                 if let Err(e) = delivery.ack(BasicAckOptions::default()).await {
-                    tracing::warn!(order, error = %e, "could not acknowledge a payment-link request");
+                    tracing::warn!(rpc = R::QUEUE, error = %e, "could not acknowledge a request");
                 }
             });
         }

@@ -140,6 +140,16 @@ fn request_hash(body: &serde_json::Value) -> Vec<u8> {
     Sha256::digest(body.to_string().as_bytes()).to_vec()
 }
 
+/// An `Idempotency-Key` header's value, as every endpoint that takes one reads it: present, 1 to
+/// 255 bytes once trimmed, no control characters.
+pub fn idempotency_key(raw: Option<&str>) -> Result<&str, CheckoutError> {
+    let key = raw.ok_or(CheckoutError::MissingKey)?.trim();
+    if key.is_empty() || key.len() > 255 || key.chars().any(|c| c.is_control()) {
+        return Err(CheckoutError::BadKey);
+    }
+    Ok(key)
+}
+
 impl Checkout {
     /// Runs a checkout; returns the answer's JSON (stored with the key once complete).
     pub async fn run(
@@ -147,10 +157,7 @@ impl Checkout {
         key: Option<&str>,
         body: serde_json::Value,
     ) -> Result<serde_json::Value, CheckoutError> {
-        let key = key.ok_or(CheckoutError::MissingKey)?.trim();
-        if key.is_empty() || key.len() > 255 || key.chars().any(|c| c.is_control()) {
-            return Err(CheckoutError::BadKey);
-        }
+        let key = idempotency_key(key)?;
         let request: CheckoutRequest = serde_json::from_value(body.clone())
             .map_err(|e| CheckoutError::BadRequest(e.to_string()))?;
         let me = format!("{:032x}", rand::random::<u128>());

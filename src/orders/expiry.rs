@@ -63,7 +63,7 @@ struct Row {
 }
 
 /// Expires order `number` if it is still waiting for payment and its time has come.
-pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, sqlx::Error> {
+pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, crate::queue::QueueError> {
     let mut tx = pool.begin().await?;
     let row: Option<Row> =
         sqlx::query_as("SELECT id, status, expires_at FROM orders WHERE number = $1 FOR UPDATE")
@@ -98,6 +98,7 @@ pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, sqlx::Error> {
     if let Some(coupon) = released {
         catalogue::release_redemption(&mut tx, coupon).await?;
     }
+    super::coins::give_back(&mut tx, o.id).await?;
     record_event(
         &mut tx,
         o.id,

@@ -3,6 +3,7 @@
 //! (`expiry`). The order's state and the provider's state of its payment are kept side by side.
 
 pub mod checkout;
+pub mod coins;
 pub mod expiry;
 pub mod pricing;
 
@@ -13,7 +14,7 @@ use sqlx::{PgConnection, PgExecutor};
 
 use crate::catalogue::{Interval, ProductKind, SellerId};
 use crate::gateways::GatewayName;
-use crate::money::Money;
+use crate::money::{Money, amount_text as amount};
 use crate::payment_status::PaymentOrderStatus;
 
 crate::text_enum! {
@@ -103,6 +104,7 @@ struct Locked {
     amount_refunded: Decimal,
     paid_at: Option<DateTime<Utc>>,
     session_id: Option<String>,
+    paid_with_coins: bool,
 }
 
 /// Brings order `number` in line with its payment's derived state, inside the caller's
@@ -118,9 +120,10 @@ pub async fn apply_payment(
     payment: PaymentOrderStatus,
     paid: Option<Money>,
     refunded: Decimal,
-) -> Result<Option<PaymentEffect>, sqlx::Error> {
+) -> Result<Option<PaymentEffect>, crate::queue::QueueError> {
     let order: Option<Locked> = sqlx::query_as(
-        "SELECT id, status, payment_status, total, currency::text AS currency, amount_refunded, paid_at, session_id
+        "SELECT id, status, payment_status, total, currency::text AS currency, amount_refunded, paid_at, session_id,
+                paid_with_coins
          FROM orders WHERE number = $1 AND gateway = $2 FOR UPDATE",
     )
     .bind(number)
@@ -169,8 +172,10 @@ pub async fn apply_payment(
         }));
     }
     // Paid already, through another session (an earlier attempt that the gateway took late,
-    // a second tab): this second payment is given back.
-    if payment.implies_paid() && o.paid_at.is_some() && o.session_id.as_deref() != Some(session_id)
+    // a second tab) or with coins: this second payment is given back.
+    if payment.implies_paid()
+        && o.paid_at.is_some()
+        && (o.paid_with_coins || o.session_id.as_deref() != Some(session_id))
     {
         let first = sqlx::query_scalar::<_, bool>(
             "SELECT NOT EXISTS (SELECT 1 FROM order_events WHERE order_id = $1 AND kind = 'extra_payment'
@@ -224,6 +229,8 @@ pub async fn apply_payment(
             serde_json::json!({"number": number}),
         )
         .await?;
+        // Coins the buyer tried to pay with first go back.
+        coins::give_back(tx, o.id).await?;
     }
     Ok(Some(PaymentEffect::Changed))
 }
@@ -328,16 +335,6 @@ struct OrderRow {
 const ORDER_COLUMNS: &str = "id, number, seller_id, buyer_id, kind, \"interval\", currency::text AS currency,
      subtotal, discount, total, platform_fee, seller_net, amount_refunded, status, payment_status, gateway,
      payment_attempt, payment_token, session_id, payment_url, expires_at, paid_at, created_at";
-
-/// An amount as the API writes it: with the currency's minor-unit digits.
-fn amount(value: Decimal, currency: &str) -> String {
-    currency
-        .parse()
-        .ok()
-        .and_then(|c| Money::new(value.normalize(), c).ok())
-        .map(|m| m.amount().to_string())
-        .unwrap_or_else(|| value.normalize().to_string())
-}
 
 async fn items<'c>(db: impl PgExecutor<'c>, order_id: i64) -> Result<Vec<ItemView>, sqlx::Error> {
     sqlx::query_as(

@@ -175,7 +175,7 @@ pub(crate) async fn apply(
     gateway: GatewayName,
     payment: &PaymentRef,
     facts: &[Fact],
-    event_id: i64,
+    event_id: Option<i64>,
 ) -> Result<Applied, ProcessError> {
     let g = gateway.as_str();
     lock_keys(tx, gateway, &keys_of(payment)).await?;
@@ -337,7 +337,7 @@ async fn record_refund(
     paid: Money,
     refund_id: &str,
     amount: &Money,
-    event_id: i64,
+    event_id: Option<i64>,
 ) -> Result<bool, ProcessError> {
     let known: Option<i64> =
         sqlx::query_scalar("SELECT id FROM payment_refunds WHERE gateway = $1 AND refund_id = $2")
@@ -380,6 +380,15 @@ async fn record_refund(
     .bind(amount.amount())
     .bind(amount.currency().to_string())
     .bind(event_id)
+    .execute(&mut *tx)
+    .await?;
+    // An operator's refund the gateway had only accepted is done now.
+    sqlx::query(
+        "UPDATE refund_requests SET state = 'succeeded', updated_at = now()
+         WHERE gateway = $1 AND refund_id = $2 AND state = 'accepted'",
+    )
+    .bind(gateway.as_str())
+    .bind(refund_id)
     .execute(&mut *tx)
     .await?;
     Ok(true)
@@ -487,7 +496,7 @@ async fn derive_and_apply(
     tx: &mut PgConnection,
     gateway: GatewayName,
     po_id: i64,
-    event_id: i64,
+    event_id: Option<i64>,
 ) -> Result<bool, ProcessError> {
     let known: Known = sqlx::query_as(
         "SELECT po.session_id, po.payment_id, po.succeeded_at IS NOT NULL AS succeeded,
@@ -615,19 +624,6 @@ async fn derive_and_apply(
     }
 }
 
-/// A confirmed order as the ledger needs it.
-#[derive(sqlx::FromRow)]
-struct SaleRow {
-    seller_id: String,
-    total: Decimal,
-    platform_fee: Decimal,
-    seller_net: Decimal,
-    currency: String,
-    paid_at: Option<chrono::DateTime<chrono::Utc>>,
-    status: crate::orders::OrderStatus,
-    holding_days: i32,
-}
-
 /// Brings the seller's ledger in line with a confirmed order's payment: the sale, each refund,
 /// each dispute in its current status. Every posting is keyed by its source, so running this
 /// again (a duplicate, a reprocessed event) posts nothing twice, and facts that arrived in any
@@ -638,49 +634,12 @@ async fn sync_ledger(
     po_id: i64,
     number: i64,
 ) -> Result<(), ProcessError> {
-    let row: Option<SaleRow> = sqlx::query_as(
-        "SELECT o.seller_id::text AS seller_id, o.total, o.platform_fee, o.seller_net, o.currency::text AS currency,
-                o.paid_at, o.status, s.holding_days
-         FROM orders o JOIN sellers s ON s.id = o.seller_id WHERE o.number = $1",
-    )
-    .bind(number)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let Some(SaleRow {
-        seller_id,
-        total,
-        platform_fee: fee,
-        seller_net: net,
-        currency,
-        paid_at: Some(paid_at),
-        status,
-        holding_days,
-    }) = row
-    else {
+    let Some(sale) = Sale::of_order(tx, number, sales::Channel::Gateway(gateway)).await? else {
         return Ok(());
     };
-    if matches!(
-        status,
-        crate::orders::OrderStatus::Expired | crate::orders::OrderStatus::Cancelled
-    ) {
-        return Ok(());
-    }
-    let c: crate::money::Currency = currency
-        .parse()
-        .map_err(|_| crate::ledger::LedgerError::Mismatch(format!("order {number}")))?;
     let money = |d: Decimal| {
-        Money::new(d, c)
+        Money::new(d, sale.total.currency())
             .map_err(|_| crate::ledger::LedgerError::Mismatch(format!("order {number}")))
-    };
-    let sale = Sale {
-        order_number: number,
-        seller_id,
-        gateway,
-        total: money(total)?,
-        fee: money(fee)?,
-        net: money(net)?,
-        paid_at,
-        holding_days,
     };
     sales::record_sale(tx, &sale).await?;
     let refunds: Vec<(String, Decimal)> = sqlx::query_as(
@@ -713,7 +672,7 @@ async fn record_unmatched(
     payment_id: Option<&str>,
     status: crate::payment_status::PaymentOrderStatus,
     paid: Option<Money>,
-    event_id: i64,
+    event_id: Option<i64>,
 ) -> Result<bool, ProcessError> {
     let changed = sqlx::query(
         "INSERT INTO unmatched_payments (gateway, session_id, payment_id, status, amount, currency, event_id)
@@ -749,11 +708,11 @@ async fn wake_waiting(
     tx: &mut PgConnection,
     gateway: GatewayName,
     keys: &[String],
-    current_event: i64,
+    current_event: Option<i64>,
 ) -> Result<(), ProcessError> {
     let waiting: Vec<String> = sqlx::query_scalar(
         "SELECT event_id FROM payment_events
-         WHERE gateway = $1 AND waiting_for = ANY($2) AND outcome = 'waiting' AND id <> $3",
+         WHERE gateway = $1 AND waiting_for = ANY($2) AND outcome = 'waiting' AND id IS DISTINCT FROM $3",
     )
     .bind(gateway.as_str())
     .bind(keys)

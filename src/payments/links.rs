@@ -12,7 +12,7 @@ use sqlx::PgPool;
 
 use crate::gateways::GatewayRegistry;
 use crate::gateways::api::SessionRequest;
-use crate::messaging::rpc::{LinkHandler, PaymentLinkReply, PaymentLinkRequest};
+use crate::messaging::rpc::{Handler, PaymentLink, PaymentLinkReply, PaymentLinkRequest};
 
 pub struct LinkService {
     pub pool: PgPool,
@@ -127,7 +127,7 @@ impl LinkService {
     }
 }
 
-impl LinkHandler for LinkService {
+impl Handler<PaymentLink> for LinkService {
     fn handle(
         &self,
         request: PaymentLinkRequest,

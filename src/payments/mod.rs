@@ -17,6 +17,7 @@ mod apply;
 pub mod events;
 pub mod hosted;
 pub mod links;
+pub mod order_refunds;
 mod refunds;
 
 use serde::{Deserialize, Serialize};
@@ -223,7 +224,7 @@ impl Processor {
         let result = match interpretation {
             Interpretation::Ignore(reason) => Processed::Ignored(reason),
             Interpretation::Update { payment, facts } => {
-                match apply::apply(&mut tx, gateway, &payment, &facts, row.id).await? {
+                match apply::apply(&mut tx, gateway, &payment, &facts, Some(row.id)).await? {
                     apply::Applied::Changed => Processed::Applied,
                     apply::Applied::Unchanged => {
                         Processed::Ignored("every fact was already known".into())

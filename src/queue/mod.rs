@@ -317,6 +317,16 @@ pub async fn latest_state_of_key<'c>(
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// A job that could not enqueue another: retried if the database is out, failed otherwise.
+impl From<QueueError> for JobError {
+    fn from(e: QueueError) -> Self {
+        match e {
+            QueueError::Database(e) => e.into(),
+            other => Self::fail(other),
+        }
+    }
+}
+
 /// How a run that did not simply succeed ends. Returning `Ok(())` completes the job.
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {

@@ -690,5 +690,7 @@ pub fn payment_side(
         pool: pool.clone(),
         gateways,
     });
-    tokio::spawn(payfleet::messaging::rpc::serve(broker, links, 4))
+    tokio::spawn(payfleet::messaging::rpc::serve::<
+        payfleet::messaging::rpc::PaymentLink,
+    >(broker, links, 4))
 }

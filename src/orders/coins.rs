@@ -1,0 +1,255 @@
+//! Paying an order with the buyer's coins (`POST /orders/{number}/coins`).
+//!
+//! 1. The order notes its reservation id (one per order, unguessable) before anything is
+//!    asked, so that however this ends, the order knows to give a reservation back.
+//! 2. The order side reserves the order's total over the coins RPC. Refused (not enough coins):
+//!    nothing changed. No answer: 503, and asking again reserves once (idempotent by id).
+//! 3. One transaction, under the order's lock: the order turns paid (once), its `paid` event and
+//!    the seller's sale are written, and a job to approve the reservation (spend the coins) is
+//!    enqueued. If the order stopped being payable meanwhile (expired, paid through a gateway),
+//!    the job releases the reservation instead.
+//!
+//! The expiry of an order with a reservation id enqueues its release, and a gateway payment for
+//! an order paid with coins is an extra payment, refunded like any.
+
+use serde::{Deserialize, Serialize};
+use sqlx::{PgConnection, PgPool};
+
+use super::{OrderEventKind, OrderStatus, OrderView, record_event, view};
+use crate::ledger::LedgerError;
+use crate::ledger::coins::{self, ReservationState};
+use crate::ledger::sales::{self, Channel, Sale};
+use crate::messaging::rpc::{CoinReply, CoinRequest, Coins, RpcClient, RpcError};
+use crate::money::Money;
+use crate::queue::{self, Job, JobError, NewJob, QueueError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CoinPaymentError {
+    #[error("no order {0}")]
+    NotFound(i64),
+    #[error("order {number} is {status}; only an order awaiting payment can be paid")]
+    NotPayable { number: i64, status: OrderStatus },
+    #[error("the coins refused: {message}")]
+    Refused { code: String, message: String },
+    #[error("the coins did not answer ({0}); nothing was spent, try again")]
+    Unavailable(String),
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+impl From<RpcError> for CoinPaymentError {
+    fn from(e: RpcError) -> Self {
+        Self::Unavailable(e.to_string())
+    }
+}
+
+/// Approves or releases a coin reservation for the order side. The workers host the coins, so
+/// the job asks them in-process; the step is idempotent by the reservation's id.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SettleCoins {
+    pub reservation_id: String,
+    pub approve: bool,
+}
+
+impl Job for SettleCoins {
+    const KIND: &'static str = "settle_coins";
+    const QUEUE: &'static str = "orders";
+}
+
+impl SettleCoins {
+    pub fn job(&self) -> Result<NewJob, QueueError> {
+        let step = if self.approve { "approve" } else { "release" };
+        Ok(NewJob::of(self)?.key(format!("settle_coins:{}:{step}", self.reservation_id)))
+    }
+
+    pub async fn run(&self, pool: &PgPool) -> Result<(), JobError> {
+        match coins::decide(pool, &self.reservation_id, self.approve).await {
+            Ok(state) => {
+                tracing::info!(reservation = %self.reservation_id, %state, "coin reservation settled");
+                Ok(())
+            }
+            Err(coins::CoinError::Database(e)) => Err(e.into()),
+            // Approving what was released (or the reverse) is a bug to look at, never retried.
+            Err(e) => Err(JobError::fail(e)),
+        }
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct Payable {
+    id: i64,
+    status: OrderStatus,
+    buyer_id: String,
+    total: rust_decimal::Decimal,
+    currency: String,
+    coin_reservation: Option<String>,
+    paid_with_coins: bool,
+}
+
+async fn lock(tx: &mut PgConnection, number: i64) -> Result<Payable, CoinPaymentError> {
+    sqlx::query_as(
+        "SELECT id, status, buyer_id, total, currency::text AS currency, coin_reservation, paid_with_coins
+         FROM orders WHERE number = $1 FOR UPDATE",
+    )
+    .bind(number)
+    .fetch_optional(&mut *tx)
+    .await?
+    .ok_or(CoinPaymentError::NotFound(number))
+}
+
+/// Pays order `number` with its buyer's coins. Asking again after it worked returns the order.
+pub async fn pay(
+    pool: &PgPool,
+    rpc: &RpcClient,
+    number: i64,
+) -> Result<OrderView, CoinPaymentError> {
+    // 1. The reservation's id, noted on the order first.
+    let mut tx = pool.begin().await?;
+    let o = lock(&mut tx, number).await?;
+    if o.paid_with_coins {
+        drop(tx);
+        return view(pool, number)
+            .await?
+            .ok_or(CoinPaymentError::NotFound(number));
+    }
+    if !o.status.is_payable() {
+        return Err(CoinPaymentError::NotPayable {
+            number,
+            status: o.status,
+        });
+    }
+    let reservation_id = match o.coin_reservation {
+        Some(id) => id,
+        None => {
+            let id = format!("order-{:032x}", rand::random::<u128>());
+            sqlx::query(
+                "UPDATE orders SET coin_reservation = $2, updated_at = now() WHERE id = $1",
+            )
+            .bind(o.id)
+            .bind(&id)
+            .execute(&mut *tx)
+            .await?;
+            id
+        }
+    };
+    tx.commit().await?;
+    let amount = Money::parse(&o.total.to_string(), &o.currency)
+        .map_err(|e| LedgerError::Mismatch(format!("order {number}: {e}")))?;
+
+    // 2. Reserve over the RPC.
+    let reply = rpc
+        .call::<Coins>(&CoinRequest::Reserve {
+            reservation_id: reservation_id.clone(),
+            buyer_id: o.buyer_id.clone(),
+            amount,
+            order_number: Some(number),
+        })
+        .await?;
+    match reply {
+        CoinReply::Done { state, .. } if state == ReservationState::Reserved.as_str() => {}
+        CoinReply::Done { state, .. } if state == ReservationState::Approved.as_str() => {}
+        CoinReply::Done { state, .. } => {
+            // Released: the order stopped waiting (its expiry gave the reservation back).
+            let status = current_status(pool, number).await?;
+            tracing::info!(order = number, %state, "coin reservation not held");
+            return Err(CoinPaymentError::NotPayable { number, status });
+        }
+        CoinReply::Refused { code, message } => {
+            return Err(CoinPaymentError::Refused { code, message });
+        }
+        CoinReply::Failed { message } => return Err(CoinPaymentError::Unavailable(message)),
+    }
+
+    // 3. Confirm, or give the coins back.
+    let mut tx = pool.begin().await?;
+    let o = lock(&mut tx, number).await?;
+    if !o.status.is_payable() {
+        if !o.paid_with_coins {
+            queue::enqueue(
+                &mut *tx,
+                SettleCoins {
+                    reservation_id,
+                    approve: false,
+                }
+                .job()?,
+            )
+            .await?;
+            tx.commit().await?;
+            return Err(CoinPaymentError::NotPayable {
+                number,
+                status: o.status,
+            });
+        }
+        drop(tx);
+        return view(pool, number)
+            .await?
+            .ok_or(CoinPaymentError::NotFound(number));
+    }
+    sqlx::query(
+        "UPDATE orders SET status = 'paid', payment_status = 'succeeded', paid_at = now(),
+                paid_with_coins = true, updated_at = now()
+         WHERE id = $1",
+    )
+    .bind(o.id)
+    .execute(&mut *tx)
+    .await?;
+    record_event(
+        &mut tx,
+        o.id,
+        OrderEventKind::Paid,
+        serde_json::json!({"number": number, "paid_with": "coins"}),
+    )
+    .await?;
+    if let Some(sale) = Sale::of_order(&mut tx, number, Channel::Coins).await? {
+        sales::record_sale(&mut tx, &sale).await?;
+    }
+    queue::enqueue(
+        &mut *tx,
+        SettleCoins {
+            reservation_id,
+            approve: true,
+        }
+        .job()?,
+    )
+    .await?;
+    tx.commit().await?;
+    tracing::info!(order = number, "order paid with coins");
+    view(pool, number)
+        .await?
+        .ok_or(CoinPaymentError::NotFound(number))
+}
+
+async fn current_status(pool: &PgPool, number: i64) -> Result<OrderStatus, CoinPaymentError> {
+    sqlx::query_scalar("SELECT status FROM orders WHERE number = $1")
+        .bind(number)
+        .fetch_optional(pool)
+        .await?
+        .ok_or(CoinPaymentError::NotFound(number))
+}
+
+/// In the caller's transaction (an expiry, a gateway payment): gives back the order's coin
+/// reservation, if it asked for one and did not pay with it.
+pub async fn give_back(tx: &mut PgConnection, order_id: i64) -> Result<(), QueueError> {
+    let reservation: Option<String> = sqlx::query_scalar(
+        "SELECT coin_reservation FROM orders WHERE id = $1 AND coin_reservation IS NOT NULL AND NOT paid_with_coins",
+    )
+    .bind(order_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some(reservation_id) = reservation {
+        queue::enqueue(
+            &mut *tx,
+            SettleCoins {
+                reservation_id,
+                approve: false,
+            }
+            .job()?,
+        )
+        .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,401 @@
+//! Refunds an operator asks for (`POST /admin/orders/{n}/refunds`).
+//!
+//! A request is written first, with the job that carries it out, in one transaction that holds
+//! the order's lock and checks the amount against what is left to refund (the payment less its
+//! recorded refunds and the requests still under way): two requests can never refund more than
+//! was paid. The gateway is then asked, with the request's own idempotency key, by the request
+//! itself and, if that did not finish (an outage, a crash), by the job later; asking twice
+//! refunds once. The refund the gateway answers with is recorded through the same path as a
+//! refund event (`apply`), so the seller is debited once whether our record or the gateway's
+//! event comes first, or both.
+
+use chrono::{DateTime, Utc};
+use rust_decimal::Decimal;
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+
+use super::ProcessError;
+use crate::gateways::api::RefundRequest;
+use crate::gateways::{Fact, GatewayError, GatewayName, GatewayRegistry, PaymentRef};
+use crate::money::{Currency, Money};
+use crate::orders::OrderStatus;
+use crate::queue::{self, Job, JobError, NewJob, QueueError};
+
+crate::text_enum! {
+    pub enum RefundState {
+        Requested = "requested",
+        Accepted = "accepted",
+        Succeeded = "succeeded",
+        Failed = "failed",
+    }
+}
+
+/// Carries out refund request `id` (when the request itself could not).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CarryOutRefund {
+    pub id: i64,
+}
+
+impl Job for CarryOutRefund {
+    const KIND: &'static str = "carry_out_refund";
+    const QUEUE: &'static str = "payments";
+}
+
+/// How long the request itself has before the job takes over.
+const JOB_DELAY: chrono::Duration = chrono::Duration::seconds(30);
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct RefundView {
+    pub id: i64,
+    pub order_number: i64,
+    pub gateway: GatewayName,
+    #[serde(with = "rust_decimal::serde::str")]
+    pub amount: Decimal,
+    pub currency: String,
+    pub reason: String,
+    pub state: RefundState,
+    pub refund_id: Option<String>,
+    pub failure: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+const COLUMNS: &str =
+    "id, order_number, gateway, amount, currency::text AS currency, reason, state, refund_id,
+                       failure, created_at, updated_at";
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct NewRefund {
+    /// A decimal string; the whole amount left to refund when absent.
+    pub amount: Option<String>,
+    #[serde(default)]
+    pub reason: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RefundError {
+    #[error("no order {0}")]
+    NoOrder(i64),
+    #[error("order {number} is {status}: only a paid order can be refunded")]
+    NotRefundable { number: i64, status: OrderStatus },
+    #[error("{0}")]
+    InvalidAmount(String),
+    #[error("a refund of {amount} exceeds the {left} left to refund on order {number}")]
+    Exceeds {
+        number: i64,
+        amount: Money,
+        left: Money,
+    },
+    #[error("the reason is at most 500 characters")]
+    InvalidReason,
+    #[error("this Idempotency-Key was used for another refund")]
+    KeyReused,
+    #[error("no refund request {0}")]
+    NoRequest(i64),
+    #[error("gateway {0} is not enabled here")]
+    GatewayDisabled(GatewayName),
+    #[error(transparent)]
+    Record(#[from] ProcessError),
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+impl From<crate::ledger::LedgerError> for RefundError {
+    fn from(e: crate::ledger::LedgerError) -> Self {
+        Self::Record(e.into())
+    }
+}
+
+/// What the request's row and the order's payment say.
+#[derive(sqlx::FromRow)]
+struct Paid {
+    status: OrderStatus,
+    gateway: GatewayName,
+    session_id: Option<String>,
+    payment_id: Option<String>,
+    captured: Option<Decimal>,
+    currency: String,
+}
+
+/// Writes refund request `key` for order `number` (or returns the one written before with this
+/// key). Returns the request and whether it was written now.
+pub async fn request(
+    pool: &PgPool,
+    number: i64,
+    key: &str,
+    new: &NewRefund,
+) -> Result<(RefundView, bool), RefundError> {
+    if new.reason.chars().count() > 500 {
+        return Err(RefundError::InvalidReason);
+    }
+    let mut tx = pool.begin().await?;
+    let paid: Option<Paid> = sqlx::query_as(
+        "SELECT o.status, o.gateway, o.session_id, po.payment_id, po.amount AS captured, o.currency::text AS currency
+         FROM orders o LEFT JOIN payment_orders po ON po.gateway = o.gateway AND po.session_id = o.session_id
+         WHERE o.number = $1 FOR UPDATE OF o",
+    )
+    .bind(number)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let paid = paid.ok_or(RefundError::NoOrder(number))?;
+    // Under the order's lock: a concurrent request with the same key has committed or not.
+    if let Some(existing) = by_key(&mut tx, key).await? {
+        let same_amount = match &new.amount {
+            Some(a) => Decimal::from_str_exact(a.trim()).ok() == Some(existing.amount),
+            None => true,
+        };
+        if existing.order_number != number || !same_amount {
+            return Err(RefundError::KeyReused);
+        }
+        return Ok((existing, false));
+    }
+    let c: Currency = paid
+        .currency
+        .parse()
+        .map_err(|_| RefundError::InvalidAmount(format!("order {number} has no currency")))?;
+    let (Some(session), Some(payment), Some(captured)) =
+        (paid.session_id, paid.payment_id, paid.captured)
+    else {
+        return Err(RefundError::NotRefundable {
+            number,
+            status: paid.status,
+        });
+    };
+    if !matches!(
+        paid.status,
+        OrderStatus::Paid | OrderStatus::PartiallyRefunded
+    ) {
+        return Err(RefundError::NotRefundable {
+            number,
+            status: paid.status,
+        });
+    }
+    // Refunded already, plus requests under way that are not recorded as refunds yet.
+    let taken: Decimal = sqlx::query_scalar(
+        "SELECT COALESCE((SELECT sum(r.amount) FROM payment_refunds r
+                            JOIN payment_orders po ON po.id = r.payment_order_id
+                           WHERE po.gateway = $1 AND po.session_id = $2), 0)
+              + COALESCE((SELECT sum(q.amount) FROM refund_requests q
+                           WHERE q.gateway = $1 AND q.session_id = $2
+                             AND q.state IN ('requested', 'accepted')
+                             AND NOT EXISTS (SELECT 1 FROM payment_refunds r
+                                              WHERE r.gateway = q.gateway AND r.refund_id = q.refund_id)), 0)",
+    )
+    .bind(paid.gateway)
+    .bind(&session)
+    .fetch_one(&mut *tx)
+    .await?;
+    let left =
+        Money::new(captured - taken, c).map_err(|e| RefundError::InvalidAmount(e.to_string()))?;
+    let amount = match &new.amount {
+        Some(a) => Money::parse(a, c.as_str()).map_err(|e| {
+            RefundError::InvalidAmount(format!("amount {a:?} is not an amount of {c}: {e}"))
+        })?,
+        None => left,
+    };
+    if amount.amount() <= Decimal::ZERO {
+        return Err(RefundError::InvalidAmount(
+            "a refund is of a positive amount (nothing is left to refund)".into(),
+        ));
+    }
+    if amount.amount() > left.amount() {
+        return Err(RefundError::Exceeds {
+            number,
+            amount,
+            left,
+        });
+    }
+    let view: RefundView = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO refund_requests (idempotency_key, order_number, gateway, session_id, payment_id, amount, currency, reason)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING {COLUMNS}"
+    )))
+    .bind(key)
+    .bind(number)
+    .bind(paid.gateway)
+    .bind(&session)
+    .bind(&payment)
+    .bind(amount.amount())
+    .bind(c.as_str())
+    .bind(new.reason.trim())
+    .fetch_one(&mut *tx)
+    .await?;
+    let job = NewJob::of(&CarryOutRefund { id: view.id })?
+        .key(format!("carry_out_refund:{}", view.id))
+        .run_at(Utc::now() + JOB_DELAY);
+    queue::enqueue(&mut *tx, job).await?;
+    tx.commit().await?;
+    tracing::info!(order = number, refund_request = view.id, %amount, "refund requested");
+    Ok((view, true))
+}
+
+async fn by_key(tx: &mut sqlx::PgConnection, key: &str) -> Result<Option<RefundView>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM refund_requests WHERE idempotency_key = $1"
+    )))
+    .bind(key)
+    .fetch_optional(&mut *tx)
+    .await
+}
+
+pub async fn get(pool: &PgPool, id: i64) -> Result<Option<RefundView>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM refund_requests WHERE id = $1"
+    )))
+    .bind(id)
+    .fetch_optional(pool)
+    .await
+}
+
+/// An order's refund requests, oldest first.
+pub async fn of_order(pool: &PgPool, number: i64) -> Result<Vec<RefundView>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM refund_requests WHERE order_number = $1 ORDER BY id"
+    )))
+    .bind(number)
+    .fetch_all(pool)
+    .await
+}
+
+/// What asking the gateway came to.
+#[derive(Debug)]
+pub enum CarriedOut {
+    /// Answered (succeeded, accepted, failed) now or before.
+    Answered(RefundView),
+    /// The gateway (or our database) did not answer: the request stays `requested`, and its job
+    /// asks again later.
+    NotYet(RefundView, GatewayError),
+}
+
+#[derive(sqlx::FromRow)]
+struct Pending {
+    gateway: GatewayName,
+    session_id: String,
+    payment_id: String,
+    amount: Decimal,
+    currency: String,
+    gateway_key: uuid::Uuid,
+    seller_account: Option<String>,
+}
+
+/// Asks the gateway for request `id`'s refund and records its answer. Safe to run any number of
+/// times, concurrently too: the gateway gets the same idempotency key, and the answer is
+/// recorded once.
+pub async fn carry_out(
+    pool: &PgPool,
+    gateways: &GatewayRegistry,
+    id: i64,
+) -> Result<CarriedOut, RefundError> {
+    let view = get(pool, id).await?.ok_or(RefundError::NoRequest(id))?;
+    if view.state != RefundState::Requested {
+        return Ok(CarriedOut::Answered(view));
+    }
+    let p: Pending = sqlx::query_as(
+        "SELECT q.gateway, q.session_id, q.payment_id, q.amount, q.currency::text AS currency, q.gateway_key,
+                s.metadata ->> 'seller_account' AS seller_account
+         FROM refund_requests q
+         LEFT JOIN payment_sessions s ON s.gateway = q.gateway AND s.session_id = q.session_id
+         WHERE q.id = $1",
+    )
+    .bind(id)
+    .fetch_one(pool)
+    .await?;
+    let gateway = gateways
+        .get(p.gateway)
+        .ok_or(RefundError::GatewayDisabled(p.gateway))?;
+    let c: Currency = p
+        .currency
+        .parse()
+        .map_err(|_| RefundError::InvalidAmount(format!("currency {}", p.currency)))?;
+    let amount = Money::new(p.amount, c).map_err(|e| RefundError::InvalidAmount(e.to_string()))?;
+    let asked = gateway
+        .refund(&RefundRequest {
+            session_id: p.session_id.clone(),
+            payment_id: p.payment_id.clone(),
+            amount,
+            seller_account: p.seller_account,
+            idempotency_key: format!("payfleet-refund-{}", p.gateway_key.simple()),
+        })
+        .await;
+    let mut tx = pool.begin().await?;
+    // Whoever records first wins; the other finds the request answered.
+    let state: RefundState =
+        sqlx::query_scalar("SELECT state FROM refund_requests WHERE id = $1 FOR UPDATE")
+            .bind(id)
+            .fetch_one(&mut *tx)
+            .await?;
+    if state != RefundState::Requested {
+        drop(tx);
+        let view = get(pool, id).await?.ok_or(RefundError::NoRequest(id))?;
+        return Ok(CarriedOut::Answered(view));
+    }
+    match asked {
+        Ok(receipt) if receipt.succeeded => {
+            sqlx::query(
+                "UPDATE refund_requests SET state = 'succeeded', refund_id = $2, updated_at = now() WHERE id = $1",
+            )
+            .bind(id)
+            .bind(&receipt.refund_id)
+            .execute(&mut *tx)
+            .await?;
+            // Recorded as the gateway's refund event would record it; the event, when it comes,
+            // finds it known.
+            let payment = PaymentRef {
+                session_id: Some(p.session_id),
+                payment_id: Some(p.payment_id),
+            };
+            let fact = Fact::Refund {
+                refund_id: receipt.refund_id.clone(),
+                amount,
+            };
+            super::apply::apply(&mut tx, p.gateway, &payment, &[fact], None).await?;
+            tracing::info!(refund_request = id, refund = %receipt.refund_id, "refund done");
+        }
+        Ok(receipt) => {
+            sqlx::query(
+                "UPDATE refund_requests SET state = 'accepted', refund_id = $2, updated_at = now() WHERE id = $1",
+            )
+            .bind(id)
+            .bind(&receipt.refund_id)
+            .execute(&mut *tx)
+            .await?;
+            tracing::info!(refund_request = id, refund = %receipt.refund_id, "refund accepted by the gateway; its event will record it");
+        }
+        // An answer we could not read may hide a refund that was made: asking again with the
+        // same key finds out, so it is not taken as a refusal.
+        Err(e) if e.is_transient() || matches!(e, GatewayError::Decode { .. }) => {
+            drop(tx);
+            let view = get(pool, id).await?.ok_or(RefundError::NoRequest(id))?;
+            return Ok(CarriedOut::NotYet(view, e));
+        }
+        Err(e) => {
+            sqlx::query(
+                "UPDATE refund_requests SET state = 'failed', failure = $2, updated_at = now() WHERE id = $1",
+            )
+            .bind(id)
+            .bind(e.to_string())
+            .execute(&mut *tx)
+            .await?;
+            tracing::warn!(refund_request = id, error = %e, "the gateway refused the refund");
+        }
+    }
+    tx.commit().await?;
+    let view = get(pool, id).await?.ok_or(RefundError::NoRequest(id))?;
+    Ok(CarriedOut::Answered(view))
+}
+
+impl CarryOutRefund {
+    pub async fn run(&self, pool: &PgPool, gateways: &GatewayRegistry) -> Result<(), JobError> {
+        match carry_out(pool, gateways, self.id).await {
+            Ok(CarriedOut::Answered(_)) => Ok(()),
+            Ok(CarriedOut::NotYet(_, e)) => Err(JobError::retry(e)),
+            Err(RefundError::GatewayDisabled(g)) => Err(JobError::retry(format!(
+                "gateway {g} is not enabled in this worker; the refund waits for one that has it"
+            ))),
+            Err(RefundError::Database(e)) => Err(e.into()),
+            Err(RefundError::Record(e)) if e.is_transient() => Err(JobError::retry(e)),
+            Err(e) => Err(JobError::fail(e)),
+        }
+    }
+}
