@@ -60,6 +60,15 @@ pub struct RefundView {
     pub updated_at: DateTime<Utc>,
 }
 
+/// Amounts with the currency's minor-unit digits ("14.90", not the stored "14.9000").
+fn shaped(mut v: RefundView) -> RefundView {
+    if let Ok(c) = v.currency.parse::<Currency>() {
+        v.amount = v.amount.normalize();
+        v.amount.rescale(c.exponent().max(v.amount.scale()));
+    }
+    v
+}
+
 const COLUMNS: &str =
     "id, order_number, gateway, amount, currency::text AS currency, reason, state, refund_id,
                        failure, created_at, updated_at";
@@ -221,6 +230,7 @@ pub async fn request(
     .bind(new.reason.trim())
     .fetch_one(&mut *tx)
     .await?;
+    let view = shaped(view);
     let job = NewJob::of(&CarryOutRefund { id: view.id })?
         .key(format!("carry_out_refund:{}", view.id))
         .run_at(Utc::now() + JOB_DELAY);
@@ -237,6 +247,7 @@ async fn by_key(tx: &mut sqlx::PgConnection, key: &str) -> Result<Option<RefundV
     .bind(key)
     .fetch_optional(&mut *tx)
     .await
+    .map(|v| v.map(shaped))
 }
 
 pub async fn get(pool: &PgPool, id: i64) -> Result<Option<RefundView>, sqlx::Error> {
@@ -246,6 +257,7 @@ pub async fn get(pool: &PgPool, id: i64) -> Result<Option<RefundView>, sqlx::Err
     .bind(id)
     .fetch_optional(pool)
     .await
+    .map(|v| v.map(shaped))
 }
 
 /// An order's refund requests, oldest first.
@@ -256,6 +268,7 @@ pub async fn of_order(pool: &PgPool, number: i64) -> Result<Vec<RefundView>, sql
     .bind(number)
     .fetch_all(pool)
     .await
+    .map(|list| list.into_iter().map(shaped).collect())
 }
 
 /// What asking the gateway came to.

@@ -5,6 +5,7 @@ mod checkout;
 mod gateways;
 mod health;
 mod helpers;
+mod money;
 mod orders;
 mod outage;
 mod process;

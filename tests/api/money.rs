@@ -1,0 +1,1246 @@
+//! The seller's money: the ledger's invariants under concurrency, refunds and disputes debited
+//! once whatever the order and repetition of their facts, the holding period, payouts once per
+//! period, gapless commission invoices, coins that never go negative, the read API; and one
+//! proof that drives a few hundred orders end to end and checks every seller to the cent.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chrono::{Datelike, Utc};
+use payfleet::ledger::{self, AccountKind, AccountRef, Posted, Transfer, TransferKind};
+use payfleet::ledger::{coins, invoices, payouts, sales};
+use payfleet::money::{Currency, Money};
+use rust_decimal::{Decimal, RoundingStrategy};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+use crate::checkout::{Shop, payment_side, shop};
+use crate::helpers::*;
+
+fn d(s: &str) -> Decimal {
+    s.parse().unwrap()
+}
+
+fn brl() -> Currency {
+    "BRL".parse().unwrap()
+}
+
+/// Rounded half-even to cents: the ledger's stated rule.
+fn cents(x: Decimal) -> Decimal {
+    x.round_dp_with_strategy(2, RoundingStrategy::MidpointNearestEven)
+}
+
+async fn eventually(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bool) {
+    let start = Instant::now();
+    while !done().await {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn invariants_hold(pool: &PgPool) {
+    let (accounts, currencies) = ledger::check(pool).await.unwrap();
+    assert!(
+        accounts.is_empty() && currencies.is_empty(),
+        "accounts {accounts:?} differ from their entries; currencies {currencies:?} do not sum to zero"
+    );
+}
+
+impl Shop {
+    /// An admin POST with an Idempotency-Key.
+    async fn keyed(&self, path: &str, key: &str, body: Value) -> (u16, Value) {
+        let resp = self
+            .app
+            .http
+            .post(format!("http://{}{path}", self.app.addr))
+            .bearer_auth(ADMIN_TOKEN)
+            .header("Idempotency-Key", key)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn json(&self, path: &str) -> (u16, Value) {
+        let (status, body) = self.app.get(path).await;
+        (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+    }
+
+    async fn seller_with(
+        &self,
+        name: &str,
+        frequency: &str,
+        minimum: &str,
+        holding: i32,
+    ) -> String {
+        let s = self
+            .admin(
+                "/admin/sellers",
+                json!({"name": name, "payout_frequency": frequency, "payout_minimum": minimum, "holding_days": holding}),
+            )
+            .await;
+        s["id"].as_str().unwrap().to_owned()
+    }
+
+    /// The seller's balance in BRL: (pending, available).
+    async fn balance(&self, seller: &str) -> (Decimal, Decimal) {
+        let (status, b) = self.json(&format!("/sellers/{seller}/balances")).await;
+        assert_eq!(status, 200, "{b}");
+        b["balances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["currency"] == "BRL")
+            .map(|x| {
+                (
+                    d(x["pending"].as_str().unwrap()),
+                    d(x["available"].as_str().unwrap()),
+                )
+            })
+            .unwrap_or_default()
+    }
+
+    async fn checkout_one(&self, key: &str, buyer: &str, product: &str, quantity: i64) -> Value {
+        let (status, answer) = self
+            .checkout(
+                Some(key),
+                json!({"buyer_id": buyer, "gateway": "internal", "items": [{"product_id": product, "quantity": quantity}]}),
+            )
+            .await;
+        assert_eq!(status, 201, "{answer}");
+        answer["orders"][0].clone()
+    }
+}
+
+/// A receiver and the payment side, with the workers stepped by hand.
+async fn stepped(pool: &PgPool) -> Shop {
+    let shop = Shop {
+        app: Arc::new(spawn_app(pool.clone()).await),
+    };
+    payment_side(pool, &shop.app.config);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    shop
+}
+
+fn event(kind: &str, session: &str, extra: Value) -> String {
+    let mut data =
+        json!({"session_id": session, "payment_id": format!("pay_{session}"), "currency": "BRL"});
+    for (k, v) in extra.as_object().unwrap() {
+        data[k] = v.clone();
+    }
+    json!({"type": kind, "data": data}).to_string()
+}
+
+async fn send(shop: &Shop, id: &str, body: &str) {
+    let (status, answer) = shop.app.deliver(&internal(id, body)).await;
+    assert_eq!(status, 200, "{answer}");
+}
+
+async fn process_all(pool: &PgPool, shop: &Shop) {
+    while process_events_with(pool, &shop.app.config).await > 0 {}
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn concurrent_postings_keep_every_balance_equal_to_its_entries(pool: PgPool) {
+    let c = brl();
+    let accounts = [
+        AccountRef::new(AccountKind::GatewayClearing, "internal:s1", c),
+        AccountRef::new(AccountKind::SellerPending, "s1", c),
+        AccountRef::new(AccountKind::SellerAvailable, "s1", c),
+        AccountRef::new(AccountKind::PlatformRevenue, "s1", c),
+    ];
+    // 16 tasks post 40 transfers each around four accounts; 140 of the 640 reuse a source key
+    // another task also posts, which must post once.
+    let tasks: Vec<_> = (0..16)
+        .map(|t| {
+            let (pool, accounts) = (pool.clone(), accounts.clone());
+            tokio::spawn(async move {
+                let mut posted = Vec::new();
+                for i in 0..40 {
+                    let n = t * 40 + i;
+                    let (from, to) = (&accounts[n % 4], &accounts[(n + 1 + t % 3) % 4]);
+                    if from == to {
+                        continue;
+                    }
+                    let amount = Money::new(Decimal::new((n % 997 + 1) as i64, 2), c).unwrap();
+                    let transfer = Transfer {
+                        source_key: format!("k{}", n % 500),
+                        kind: TransferKind::Adjustment,
+                        from: from.clone(),
+                        to: to.clone(),
+                        amount,
+                        available_at: None,
+                        order_number: None,
+                        reference: None,
+                    };
+                    let mut tx = pool.begin().await.unwrap();
+                    let result = ledger::post(&mut tx, &transfer).await.unwrap();
+                    tx.commit().await.unwrap();
+                    if let Posted::Posted(_) = result {
+                        posted.push((from.kind, to.kind, amount.amount()));
+                    }
+                }
+                posted
+            })
+        })
+        .collect();
+    let mut expected: HashMap<AccountKind, Decimal> = HashMap::new();
+    let mut count = 0;
+    for t in tasks {
+        for (from, to, amount) in t.await.unwrap() {
+            *expected.entry(from).or_default() -= amount;
+            *expected.entry(to).or_default() += amount;
+            count += 1;
+        }
+    }
+    let transfers: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger_transfers")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        transfers, count,
+        "one transfer per posting that said it posted"
+    );
+    assert!(count <= 500, "a source key posts once: {count}");
+    let balances: Vec<(String, Decimal)> =
+        sqlx::query_as("SELECT kind, balance FROM ledger_accounts")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    for (kind, balance) in balances {
+        let kind: AccountKind = kind.parse().unwrap();
+        assert_eq!(balance, expected[&kind], "{kind}");
+    }
+    invariants_hold(&pool).await;
+    // Every entry starts where the account's previous one ended.
+    let broken: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (
+             SELECT balance_before, lag(balance_after) OVER (PARTITION BY account_id ORDER BY id) AS previous
+             FROM ledger_entries) e
+         WHERE e.balance_before <> COALESCE(e.previous, 0)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(broken, 0);
+    // A posted movement cannot be changed.
+    let changed = sqlx::query("UPDATE ledger_transfers SET amount = amount + 1")
+        .execute(&pool)
+        .await;
+    assert!(changed.is_err());
+}
+
+/// One paid-for order of 100.00 BRL (fee 10.00, net 90.00) for a seller holding 14 days.
+async fn one_sale(pool: &PgPool) -> (Shop, String, i64, String) {
+    let shop = stepped(pool).await;
+    let seller = shop.seller_with("S", "weekly", "1.00", 14).await;
+    let product = shop.product(&seller, "100.00", "BRL").await;
+    let order = shop.checkout_one("k1", "buyer", &product, 1).await;
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    (shop, seller, order["number"].as_i64().unwrap(), session)
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_debits_once_whether_it_comes_first_twice_or_re_emitted(pool: PgPool) {
+    let (shop, seller, n, session) = one_sale(&pool).await;
+    let refund = event(
+        "refund.succeeded",
+        &session,
+        json!({"refund_id": "rf_1", "amount": "30.00"}),
+    );
+    // The refund overtakes its payment: it waits, nothing is posted.
+    send(&shop, "msg_refund", &refund).await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("0"), d("0")));
+    send(
+        &shop,
+        "msg_paid",
+        &event("payment.succeeded", &session, json!({"amount": "100.00"})),
+    )
+    .await;
+    // The same refund again, and re-emitted under a new id.
+    send(&shop, "msg_refund", &refund).await;
+    send(&shop, "msg_refund_again", &refund).await;
+    process_all(&pool, &shop).await;
+    // 30.00 back: the seller bears 30 × 90/100 = 27.00, the fee 3.00.
+    assert_eq!(shop.balance(&seller).await, (d("63.00"), d("0")));
+    // A second partial refund: 33.33 × 0.9 = 29.997, half-even to 30.00; the fee 3.33.
+    send(
+        &shop,
+        "msg_refund_2",
+        &event(
+            "refund.succeeded",
+            &session,
+            json!({"refund_id": "rf_2", "amount": "33.33"}),
+        ),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("33.00"), d("0")));
+    let revenue: Decimal = sqlx::query_scalar(
+        "SELECT balance FROM ledger_accounts WHERE kind = 'platform_revenue' AND owner = $1",
+    )
+    .bind(&seller)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(revenue, d("3.67"));
+    let o = shop.order(n).await;
+    assert_eq!(o["status"], "partially_refunded");
+    // The seller's ledger: the sale, two refunds; every entry with its balance before and after
+    // and the sale's date of availability.
+    let (_, page) = shop.json(&format!("/sellers/{seller}/ledger")).await;
+    let lines: Vec<(String, String, String, String)> = page["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["kind"].as_str().unwrap().to_owned(),
+                e["amount"].as_str().unwrap().to_owned(),
+                e["balance_before"].as_str().unwrap().to_owned(),
+                e["balance_after"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let line = |k: &str, a: &str, b: &str, c: &str| (k.into(), a.into(), b.into(), c.into());
+    assert_eq!(
+        lines,
+        vec![
+            line("sale_credit", "90.00", "0.00", "90.00"),
+            line("refund_debit", "-27.00", "90.00", "63.00"),
+            line("refund_debit", "-30.00", "63.00", "33.00"),
+        ]
+    );
+    let available_at: chrono::DateTime<Utc> =
+        serde_json::from_value(page["entries"][0]["available_at"].clone()).unwrap();
+    let paid_at: chrono::DateTime<Utc> = serde_json::from_value(o["paid_at"].clone()).unwrap();
+    assert_eq!(available_at - paid_at, chrono::Duration::days(14));
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_dispute_debits_once_and_is_reversed_once_when_won(pool: PgPool) {
+    let (shop, seller, _, session) = one_sale(&pool).await;
+    send(
+        &shop,
+        "msg_paid",
+        &event("payment.succeeded", &session, json!({"amount": "100.00"})),
+    )
+    .await;
+    let opened = event(
+        "dispute.created",
+        &session,
+        json!({"dispute_id": "dp_1", "amount": "100.00"}),
+    );
+    send(&shop, "msg_dispute", &opened).await;
+    send(&shop, "msg_dispute_again", &opened).await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("0")));
+    let won = event(
+        "dispute.won",
+        &session,
+        json!({"dispute_id": "dp_1", "amount": "100.00"}),
+    );
+    send(&shop, "msg_won", &won).await;
+    send(&shop, "msg_won_again", &won).await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("90.00"), d("0")));
+    // A late "created" after the decision changes nothing.
+    send(&shop, "msg_dispute_late", &opened).await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("90.00"), d("0")));
+    let kinds: Vec<String> = sqlx::query_scalar(
+        "SELECT kind FROM ledger_transfers WHERE kind LIKE 'dispute%' ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        kinds,
+        vec![
+            "dispute_debit",
+            "dispute_fee_debit",
+            "dispute_reversal",
+            "dispute_fee_reversal"
+        ]
+    );
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_holding_period_releases_once_however_many_run_it_and_later_refunds_take_from_available(
+    pool: PgPool,
+) {
+    let (shop, seller, _, session) = one_sale(&pool).await;
+    send(
+        &shop,
+        "msg_paid",
+        &event("payment.succeeded", &session, json!({"amount": "100.00"})),
+    )
+    .await;
+    send(
+        &shop,
+        "msg_refund",
+        &event(
+            "refund.succeeded",
+            &session,
+            json!({"refund_id": "rf_1", "amount": "10.00"}),
+        ),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("81.00"), d("0")));
+    // Not yet matured: nothing moves.
+    assert_eq!(
+        sales::release_matured(&pool, Utc::now() + chrono::Duration::days(13))
+            .await
+            .unwrap(),
+        0
+    );
+    let later = Utc::now() + chrono::Duration::days(15);
+    let runs: Vec<_> = (0..4)
+        .map(|_| {
+            let pool = pool.clone();
+            tokio::spawn(async move { sales::release_matured(&pool, later).await.unwrap() })
+        })
+        .collect();
+    let mut released = 0;
+    for r in runs {
+        released += r.await.unwrap();
+    }
+    assert_eq!(released, 1, "one sale, released once");
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("81.00")));
+    // A refund after the holding period takes from available.
+    send(
+        &shop,
+        "msg_refund_2",
+        &event(
+            "refund.succeeded",
+            &session,
+            json!({"refund_id": "rf_2", "amount": "20.00"}),
+        ),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("63.00")));
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn payouts_are_made_once_per_period_and_a_failure_credits_back_once(pool: PgPool) {
+    let (shop, seller, _, session) = one_sale(&pool).await;
+    send(
+        &shop,
+        "msg_paid",
+        &event("payment.succeeded", &session, json!({"amount": "100.00"})),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
+        .await
+        .unwrap();
+    // Two workers run the same period's payouts at once: one payout.
+    let monday = chrono::NaiveDate::from_isoywd_opt(2027, 10, chrono::Weekday::Mon).unwrap();
+    let runs: Vec<_> = (0..3)
+        .map(|i| {
+            let pool = pool.clone();
+            let day = monday + chrono::Duration::days(i);
+            tokio::spawn(async move { payouts::run(&pool, day).await.unwrap() })
+        })
+        .collect();
+    let mut made = Vec::new();
+    for r in runs {
+        made.extend(r.await.unwrap());
+    }
+    assert_eq!(made.len(), 1, "{made:?}");
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("0.00")));
+    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
+    assert_eq!(list["payouts"][0]["amount"], "90.00");
+    assert_eq!(list["payouts"][0]["state"], "pending");
+    assert_eq!(list["payouts"][0]["period_start"], monday.to_string());
+
+    // The bank refuses it: the money is back, once, however often that is said.
+    let id = made[0];
+    let failed = |reason: &'static str| {
+        let shop = &shop;
+        async move {
+            shop.post(
+                &format!("/admin/payouts/{id}/failed"),
+                Some(ADMIN_TOKEN),
+                json!({ "reason": reason }),
+            )
+            .await
+        }
+    };
+    let (status, p) = failed("account closed").await;
+    assert_eq!((status, p["state"].as_str()), (200, Some("failed")), "{p}");
+    let (status, _) = failed("account closed").await;
+    assert_eq!(status, 200);
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("90.00")));
+    let (status, p) = shop
+        .post(
+            &format!("/admin/payouts/{id}/paid"),
+            Some(ADMIN_TOKEN),
+            json!({}),
+        )
+        .await;
+    assert_eq!(
+        (status, p["error"]["code"].as_str()),
+        (409, Some("payout_decided"))
+    );
+    // The same week gets no second payout; the next week pays the balance again, and the bank
+    // confirms it.
+    assert!(
+        payouts::run(&pool, monday + chrono::Duration::days(6))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let next = payouts::run(&pool, monday + chrono::Duration::days(7))
+        .await
+        .unwrap();
+    assert_eq!(next.len(), 1);
+    let (status, p) = shop
+        .post(
+            &format!("/admin/payouts/{}/paid", next[0]),
+            Some(ADMIN_TOKEN),
+            json!({}),
+        )
+        .await;
+    assert_eq!((status, p["state"].as_str()), (200, Some("paid")));
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("0.00")));
+    let (status, _) = shop
+        .post("/admin/payouts/abc/paid", Some(ADMIN_TOKEN), json!({}))
+        .await;
+    assert_eq!(status, 404);
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_seller_below_the_minimum_is_not_paid(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let seller = shop.seller_with("Small", "daily", "100.00", 0).await;
+    let product = shop.product(&seller, "50.00", "BRL").await;
+    let order = shop.checkout_one("k", "b", &product, 1).await;
+    let session = order["payment"]["session_id"].as_str().unwrap();
+    send(
+        &shop,
+        "m1",
+        &event("payment.succeeded", session, json!({"amount": "50.00"})),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    sales::release_matured(&pool, Utc::now()).await.unwrap();
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("45.00")));
+    assert!(
+        payouts::run(&pool, Utc::now().date_naive())
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn invoices_are_numbered_without_gaps_once_per_seller_and_period(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let mut sellers = Vec::new();
+    for (i, price) in ["10.00", "25.50", "7.99"].iter().enumerate() {
+        let s = shop
+            .seller_with(&format!("S{i}"), "monthly", "1.00", 0)
+            .await;
+        let p = shop.product(&s, price, "BRL").await;
+        for j in 0..2 {
+            let o = shop.checkout_one(&format!("k{i}{j}"), "b", &p, j + 1).await;
+            let session = o["payment"]["session_id"].as_str().unwrap();
+            send(
+                &shop,
+                &format!("m{i}{j}"),
+                &event(
+                    "payment.succeeded",
+                    session,
+                    json!({"amount": o["total"].as_str().unwrap()}),
+                ),
+            )
+            .await;
+        }
+        sellers.push(s);
+    }
+    process_all(&pool, &shop).await;
+    let today = Utc::now().date_naive();
+    let start = today.with_day(1).unwrap();
+    let end = start.checked_add_months(chrono::Months::new(1)).unwrap();
+    // Two runs at once, then a rerun: the same three invoices, numbered 1, 2, 3.
+    let (a, b) = tokio::join!(
+        invoices::run(&pool, start, end),
+        invoices::run(&pool, start, end)
+    );
+    let (mut a, mut b) = (a.unwrap(), b.unwrap());
+    a.sort();
+    b.sort();
+    assert_eq!(a, vec![1, 2, 3]);
+    assert_eq!(a, b);
+    assert_eq!(invoices::run(&pool, start, end).await.unwrap(), a);
+    // Seller 1: two orders of 25.50 and 51.00: commission 2.55 (2.550) and 5.10.
+    let (status, list) = shop
+        .json(&format!("/sellers/{}/invoices", sellers[1]))
+        .await;
+    assert_eq!(status, 200);
+    let inv = &list["invoices"][0];
+    let number = inv["number"].as_i64().unwrap();
+    let lines: Vec<&str> = inv["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["commission"].as_str().unwrap())
+        .collect();
+    assert_eq!(lines, vec!["2.55", "5.10"]);
+    assert_eq!(
+        inv["totals"],
+        json!([{"currency": "BRL", "commission": "7.65"}])
+    );
+    let (status, one) = shop
+        .json(&format!("/sellers/{}/invoices/{number}", sellers[1]))
+        .await;
+    assert_eq!((status, &one["number"]), (200, &json!(number)));
+    let (status, page) = shop
+        .app
+        .get(&format!("/sellers/{}/invoices/{number}/print", sellers[1]))
+        .await;
+    assert_eq!(status, 200);
+    assert!(
+        page.contains(&format!("Commission invoice {number}")),
+        "{page}"
+    );
+    assert!(page.contains("7.65"), "{page}");
+    // Another seller's number is not this seller's invoice.
+    let (status, _) = shop
+        .json(&format!("/sellers/{}/invoices/{number}", sellers[0]))
+        .await;
+    assert_eq!(status, 404);
+    // Nothing earned in a period: no invoice, no number used.
+    let (past_start, past_end) = invoices::previous_month(start);
+    assert!(
+        invoices::run(&pool, past_start, past_end)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let last: i64 = sqlx::query_scalar("SELECT last FROM invoice_numbers")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(last, 3);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn concurrent_reservations_beyond_the_balance_fail_cleanly(pool: PgPool) {
+    let hundred = Money::parse("100.00", "BRL").unwrap();
+    coins::grant(&pool, "buyer", hundred, "welcome")
+        .await
+        .unwrap();
+    // The same grant key again grants nothing; with another amount it is refused.
+    coins::grant(&pool, "buyer", hundred, "welcome")
+        .await
+        .unwrap();
+    assert!(matches!(
+        coins::grant(&pool, "buyer", Money::parse("5", "BRL").unwrap(), "welcome").await,
+        Err(coins::CoinError::Conflict(_))
+    ));
+    let fifteen = Money::parse("15.00", "BRL").unwrap();
+    let tasks: Vec<_> = (0..20)
+        .map(|i| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                coins::reserve(&pool, &format!("r{i}"), "buyer", fifteen, None).await
+            })
+        })
+        .collect();
+    let (mut ok, mut refused) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(coins::ReservationState::Reserved) => ok += 1,
+            Err(coins::CoinError::Insufficient { .. }) => refused += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!((ok, refused), (6, 14));
+    let wallet = coins::wallet_of(&pool, "buyer", brl()).await.unwrap();
+    assert_eq!(
+        (wallet.balance.as_str(), wallet.reserved.as_str()),
+        ("10.00", "90.00")
+    );
+    // The CHECK is the last barrier even for a caller that skips the checks.
+    let below = sqlx::query(
+        "UPDATE ledger_accounts SET balance = balance - 11 WHERE kind = 'buyer_wallet' AND owner = 'buyer'",
+    )
+    .execute(&pool)
+    .await;
+    assert!(below.is_err());
+
+    // Each step is idempotent by the reservation's id; the other step after one is refused.
+    let reserved: Vec<String> =
+        sqlx::query_scalar("SELECT id FROM coin_reservations WHERE state = 'reserved' ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let (first, second) = (&reserved[0], &reserved[1]);
+    assert_eq!(
+        coins::reserve(&pool, first, "buyer", fifteen, None)
+            .await
+            .unwrap(),
+        coins::ReservationState::Reserved
+    );
+    assert!(matches!(
+        coins::reserve(&pool, first, "buyer", hundred, None).await,
+        Err(coins::CoinError::Conflict(_))
+    ));
+    for _ in 0..2 {
+        assert_eq!(
+            coins::decide(&pool, first, true).await.unwrap(),
+            coins::ReservationState::Approved
+        );
+        assert_eq!(
+            coins::decide(&pool, second, false).await.unwrap(),
+            coins::ReservationState::Released
+        );
+    }
+    assert!(matches!(
+        coins::decide(&pool, first, false).await,
+        Err(coins::CoinError::Decided { .. })
+    ));
+    let wallet = coins::wallet_of(&pool, "buyer", brl()).await.unwrap();
+    assert_eq!(
+        (wallet.balance.as_str(), wallet.reserved.as_str()),
+        ("25.00", "60.00")
+    );
+    // A release that overtakes its reserve: the late reserve holds nothing.
+    assert_eq!(
+        coins::decide(&pool, "lost", false).await.unwrap(),
+        coins::ReservationState::Released
+    );
+    assert_eq!(
+        coins::reserve(&pool, "lost", "buyer", fifteen, None)
+            .await
+            .unwrap(),
+        coins::ReservationState::Released
+    );
+    let wallet = coins::wallet_of(&pool, "buyer", brl()).await.unwrap();
+    assert_eq!(wallet.balance, "25.00");
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_order_paid_with_coins_spends_them_once_and_an_expired_one_gives_them_back(
+    pool: PgPool,
+) {
+    let shop = shop(pool.clone()).await;
+    let seller = shop.seller_with("S", "weekly", "1.00", 0).await;
+    let product = shop.product(&seller, "19.90", "BRL").await;
+    let (status, wallet) = shop
+        .keyed(
+            "/admin/wallets/rich/grants",
+            "grant-1",
+            json!({"amount": "50.00", "currency": "BRL"}),
+        )
+        .await;
+    assert_eq!(
+        (status, wallet["balance"].as_str()),
+        (201, Some("50.00")),
+        "{wallet}"
+    );
+    let (status, _) = shop
+        .keyed(
+            "/admin/wallets/poor/grants",
+            "grant-2",
+            json!({"amount": "5.00", "currency": "BRL"}),
+        )
+        .await;
+    assert_eq!(status, 201);
+
+    // Paid with coins over the RPC; asking again changes nothing.
+    let order = shop.checkout_one("k1", "rich", &product, 1).await;
+    let n = order["number"].as_i64().unwrap();
+    for _ in 0..2 {
+        let (status, o) = shop
+            .post(&format!("/orders/{n}/coins"), None, json!({}))
+            .await;
+        assert_eq!((status, o["status"].as_str()), (200, Some("paid")), "{o}");
+    }
+    eventually(
+        "the coins to be spent",
+        Duration::from_secs(20),
+        async || {
+            let (_, w) = shop.json("/wallets/rich").await;
+            w["wallets"][0]["balance"] == "30.10" && w["wallets"][0]["reserved"] == "0.00"
+        },
+    )
+    .await;
+    // The seller is credited like any sale through the platform.
+    assert_eq!(shop.balance(&seller).await, (d("17.91"), d("0")));
+    // Its gateway session is paid as well (a second tab that was open): that payment is an
+    // extra one, given back, never a second sale.
+    let page = reqwest::Client::new()
+        .post(order["payment"]["url"].as_str().unwrap())
+        .form(&[("outcome", "succeeded")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(page.status(), 409, "the page itself refuses a paid order");
+    let session = order["payment"]["session_id"].as_str().unwrap();
+    send(
+        &shop,
+        "second-tab",
+        &event("payment.succeeded", session, json!({"amount": "19.90"})),
+    )
+    .await;
+    eventually("the extra payment to be seen", Duration::from_secs(20), async || {
+        let kinds: Vec<String> = sqlx::query_scalar(
+            "SELECT e.kind FROM order_events e JOIN orders o ON o.id = e.order_id WHERE o.number = $1",
+        )
+        .bind(n)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        kinds.iter().any(|k| k == "extra_payment")
+    })
+    .await;
+    assert_eq!(shop.order(n).await["status"], "paid");
+    assert_eq!(shop.balance(&seller).await, (d("17.91"), d("0")));
+
+    // Not enough coins: refused, the order still waits.
+    let poor = shop.checkout_one("k2", "poor", &product, 1).await;
+    let m = poor["number"].as_i64().unwrap();
+    let (status, answer) = shop
+        .post(&format!("/orders/{m}/coins"), None, json!({}))
+        .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (422, Some("coins_insufficient")),
+        "{answer}"
+    );
+    assert_eq!(shop.order(m).await["status"], "awaiting_payment");
+    // Its reservation was made after all (an answer lost on the way, say) once the buyer got
+    // more coins; the order expires, and the coins come back.
+    coins::grant(
+        &pool,
+        "poor",
+        Money::parse("20.00", "BRL").unwrap(),
+        "top-up",
+    )
+    .await
+    .unwrap();
+    let reservation: String =
+        sqlx::query_scalar("SELECT coin_reservation FROM orders WHERE number = $1")
+            .bind(m)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    coins::reserve(
+        &pool,
+        &reservation,
+        "poor",
+        Money::parse("19.90", "BRL").unwrap(),
+        Some(m),
+    )
+    .await
+    .unwrap();
+    let (_, w) = shop.json("/wallets/poor").await;
+    assert_eq!(w["wallets"][0]["balance"], "5.10");
+    let (status, _) = shop
+        .post(
+            &format!("/admin/orders/{m}/expire"),
+            Some(ADMIN_TOKEN),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 202);
+    eventually(
+        "the reservation to come back",
+        Duration::from_secs(20),
+        async || {
+            let (_, w) = shop.json("/wallets/poor").await;
+            w["wallets"][0]["balance"] == "25.00" && w["wallets"][0]["reserved"] == "0.00"
+        },
+    )
+    .await;
+    assert_eq!(shop.order(m).await["status"], "expired");
+    let (status, _) = shop
+        .post(&format!("/orders/{m}/coins"), None, json!({}))
+        .await;
+    assert_eq!(status, 409);
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_operator_refund_calls_the_gateway_and_debits_once_with_its_webhook(pool: PgPool) {
+    let shop = shop(pool.clone()).await;
+    let seller = shop.seller_with("S", "weekly", "1.00", 14).await;
+    let product = shop.product(&seller, "19.90", "BRL").await;
+    let order = shop.checkout_one("k1", "b", &product, 1).await;
+    let n = order["number"].as_i64().unwrap();
+    let path = format!("/admin/orders/{n}/refunds");
+    // Not paid yet: nothing to refund.
+    let (status, answer) = shop.keyed(&path, "r0", json!({"amount": "5.00"})).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (409, Some("order_not_refundable"))
+    );
+    let url = order["payment"]["url"].as_str().unwrap();
+    let paid = reqwest::Client::new()
+        .post(url)
+        .form(&[("outcome", "succeeded")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(paid.status(), 200);
+    eventually(
+        "the order to be paid",
+        Duration::from_secs(20),
+        async || shop.order(n).await["status"] == "paid",
+    )
+    .await;
+    assert_eq!(shop.balance(&seller).await, (d("17.91"), d("0")));
+
+    // 5.00 back: the seller bears 5 × 17.91/19.90 = 4.50.
+    let (status, r) = shop
+        .keyed(&path, "r1", json!({"amount": "5.00", "reason": "damaged"}))
+        .await;
+    assert_eq!(
+        (status, r["state"].as_str()),
+        (201, Some("succeeded")),
+        "{r}"
+    );
+    let (status, again) = shop.keyed(&path, "r1", json!({"amount": "5.00"})).await;
+    assert_eq!((status, &again["id"]), (201, &r["id"]));
+    let (status, reused) = shop.keyed(&path, "r1", json!({"amount": "6.00"})).await;
+    assert_eq!(
+        (status, reused["error"]["code"].as_str()),
+        (422, Some("idempotency_key_reused"))
+    );
+    // The gateway's own refund event arrives and is processed: nothing more is debited.
+    eventually("the refund event to be processed", Duration::from_secs(20), async || {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM payment_events WHERE event_type = 'refund.succeeded' AND processed_at IS NOT NULL",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        n == 1
+    })
+    .await;
+    assert_eq!(shop.balance(&seller).await, (d("13.41"), d("0")));
+    assert_eq!(shop.order(n).await["status"], "partially_refunded");
+
+    // More than is left: refused, nothing asked of the gateway.
+    let (status, answer) = shop.keyed(&path, "r2", json!({"amount": "15.00"})).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (422, Some("refund_exceeds_payment")),
+        "{answer}"
+    );
+    let (status, answer) = shop.keyed(&path, "r3", json!({"amount": "abc"})).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (422, Some("invalid_request"))
+    );
+    let (status, answer) = shop
+        .post(&path, Some(ADMIN_TOKEN), json!({"amount": "1.00"}))
+        .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (400, Some("missing_idempotency_key"))
+    );
+    // The rest, with no amount: the whole 14.90 left.
+    let (status, r) = shop.keyed(&path, "r4", json!({})).await;
+    assert_eq!((status, r["amount"].as_str()), (201, Some("14.90")), "{r}");
+    eventually(
+        "the order to be refunded",
+        Duration::from_secs(20),
+        async || shop.order(n).await["status"] == "refunded",
+    )
+    .await;
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("0")));
+    let (status, list) = shop.json(&path).await;
+    assert_eq!(status, 401, "the listing is an admin endpoint: {list}");
+    let listed = shop
+        .app
+        .http
+        .get(format!("http://{}{path}", shop.app.addr))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json::<Value>()
+        .await
+        .unwrap();
+    assert_eq!(listed["refunds"].as_array().unwrap().len(), 2);
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_read_api_pages_the_ledger_and_refuses_what_is_not_a_seller(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let seller = shop.seller_with("S", "weekly", "1.00", 0).await;
+    let product = shop.product(&seller, "10.00", "BRL").await;
+    for i in 0..3 {
+        let o = shop.checkout_one(&format!("k{i}"), "b", &product, 1).await;
+        let session = o["payment"]["session_id"].as_str().unwrap();
+        send(
+            &shop,
+            &format!("m{i}"),
+            &event("payment.succeeded", session, json!({"amount": "10.00"})),
+        )
+        .await;
+    }
+    process_all(&pool, &shop).await;
+    let mut after = 0;
+    let mut seen = Vec::new();
+    loop {
+        let (status, page) = shop
+            .json(&format!("/sellers/{seller}/ledger?limit=2&after={after}"))
+            .await;
+        assert_eq!(status, 200, "{page}");
+        for e in page["entries"].as_array().unwrap() {
+            seen.push(e["balance_after"].as_str().unwrap().to_owned());
+        }
+        match page["next_after"].as_i64() {
+            Some(next) => after = next,
+            None => break,
+        }
+    }
+    assert_eq!(seen, vec!["9.00", "18.00", "27.00"]);
+    for (path, status) in [
+        ("/sellers/not-a-uuid/balances".to_owned(), 404),
+        (
+            "/sellers/00000000-0000-0000-0000-000000000000/balances".to_owned(),
+            404,
+        ),
+        (format!("/sellers/{seller}/ledger?limit=0"), 400),
+        (format!("/sellers/{seller}/ledger?limit=x"), 400),
+        (format!("/sellers/{seller}/invoices/abc"), 404),
+    ] {
+        let (got, body) = shop.json(&path).await;
+        assert_eq!(got, status, "{path}: {body}");
+        assert!(body["error"]["code"].is_string(), "{path}: {body}");
+    }
+    let (status, w) = shop.json("/wallets/nobody").await;
+    assert_eq!((status, &w["wallets"]), (200, &json!([])));
+}
+
+/// What the test expects of one seller, computed from the amounts it sent.
+#[derive(Default, Debug)]
+struct Expected {
+    net: Decimal,
+    commission: Decimal,
+    orders: usize,
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn proof_a_few_hundred_orders_end_to_end_to_the_cent(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    // Four sellers: holding 0 and 7 days (released by the run below), 14 and 30 (still pending).
+    let mut sellers = Vec::new();
+    for (i, holding) in [0, 7, 14, 30].into_iter().enumerate() {
+        let s = shop
+            .seller_with(&format!("Seller {i}"), "weekly", "0.01", holding)
+            .await;
+        let mut products = Vec::new();
+        for price in ["19.90", "7.33", "120.05"] {
+            products.push(shop.product(&s, price, "BRL").await);
+        }
+        sellers.push((s, holding, products));
+    }
+    // 240 orders, one per checkout.
+    let mut orders = Vec::new();
+    for i in 0..240usize {
+        let (seller, _, products) = &sellers[i % 4];
+        let o = shop
+            .checkout_one(
+                &format!("proof-{i}"),
+                &format!("buyer-{}", i % 9),
+                &products[i % 3],
+                (i % 3 + 1) as i64,
+            )
+            .await;
+        assert_eq!(o["seller_id"].as_str(), Some(seller.as_str()));
+        orders.push(o);
+    }
+    let mut expected: HashMap<String, Expected> = HashMap::new();
+    let fee_rate = d("0.10");
+    // Every order but every tenth is paid; every sixth paid order is refunded in part (a third,
+    // in cents), some of those refunds delivered before their payment; events are duplicated
+    // and re-emitted; one dispute is lost, one won.
+    let mut deliveries: Vec<(String, String)> = Vec::new();
+    let mut late: Vec<(String, String)> = Vec::new();
+    for (i, o) in orders.iter().enumerate() {
+        if i % 10 == 9 {
+            continue;
+        }
+        let seller = o["seller_id"].as_str().unwrap().to_owned();
+        let session = o["payment"]["session_id"].as_str().unwrap();
+        let total = d(o["total"].as_str().unwrap());
+        let fee = cents(total * fee_rate);
+        let net = total - fee;
+        assert_eq!(o["platform_fee"].as_str().unwrap(), fee.to_string());
+        let e = expected.entry(seller).or_default();
+        e.net += net;
+        e.commission += fee;
+        e.orders += 1;
+        let paid = (
+            format!("pay-{i}"),
+            event(
+                "payment.succeeded",
+                session,
+                json!({"amount": total.to_string()}),
+            ),
+        );
+        if i % 6 == 0 {
+            let refund = cents(total / d("3"));
+            let seller_part = cents(refund * net / total);
+            e.net -= seller_part;
+            e.commission -= refund - seller_part;
+            let r = (
+                format!("refund-{i}"),
+                event(
+                    "refund.succeeded",
+                    session,
+                    json!({"refund_id": format!("rf_{i}"), "amount": refund.to_string()}),
+                ),
+            );
+            if i % 12 == 0 {
+                deliveries.push(r.clone());
+                deliveries.push(paid.clone());
+            } else {
+                deliveries.push(paid.clone());
+                deliveries.push(r.clone());
+            }
+            // Re-emitted under a new id.
+            late.push((format!("{}-again", r.0), r.1));
+        } else if i == 7 || i == 11 {
+            let won = i == 11;
+            deliveries.push(paid.clone());
+            let dispute = |kind: &str| {
+                event(
+                    kind,
+                    session,
+                    json!({"dispute_id": format!("dp_{i}"), "amount": total.to_string()}),
+                )
+            };
+            deliveries.push((format!("dispute-{i}"), dispute("dispute.created")));
+            late.push((
+                format!("dispute-{i}-end"),
+                dispute(if won { "dispute.won" } else { "dispute.lost" }),
+            ));
+            if !won {
+                e.net -= net;
+                e.commission -= fee;
+            }
+        } else {
+            deliveries.push(paid.clone());
+        }
+        if i % 5 == 0 {
+            deliveries.push(paid.clone()); // the same delivery again
+        }
+        if i % 7 == 0 {
+            late.push((format!("{}-reemitted", paid.0), paid.1)); // the same facts, a new id
+        }
+    }
+    for (id, body) in deliveries.iter().chain(late.iter()) {
+        send(&shop, id, body).await;
+    }
+    process_all(&pool, &shop).await;
+    // Unpaid orders stay out of the ledger; every event is processed.
+    let unprocessed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM payment_events WHERE processed_at IS NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(unprocessed, 0);
+    let paid_orders: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM orders WHERE paid_at IS NOT NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(paid_orders, 216);
+
+    // Balances before the holding period: all pending.
+    for (seller, _, _) in &sellers {
+        let e = &expected[seller];
+        assert_eq!(
+            shop.balance(seller).await,
+            (e.net, d("0")),
+            "seller {seller}"
+        );
+    }
+    // Ten days on: sellers holding 0 and 7 days are available; a payout run pays them.
+    let later = Utc::now() + chrono::Duration::days(10);
+    sales::release_matured(&pool, later).await.unwrap();
+    let made = payouts::run(&pool, later.date_naive()).await.unwrap();
+    assert_eq!(made.len(), 2);
+    for (seller, holding, _) in &sellers {
+        let e = &expected[seller];
+        let (pending, available) = shop.balance(seller).await;
+        let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
+        if *holding <= 7 {
+            assert_eq!((pending, available), (d("0"), d("0")), "seller {seller}");
+            assert_eq!(list["payouts"].as_array().unwrap().len(), 1);
+            assert_eq!(d(list["payouts"][0]["amount"].as_str().unwrap()), e.net);
+        } else {
+            assert_eq!((pending, available), (e.net, d("0")), "seller {seller}");
+            assert_eq!(list["payouts"], json!([]));
+        }
+    }
+    // The month's invoices: one per seller, gapless, the commission to the cent.
+    let start = Utc::now().date_naive().with_day(1).unwrap();
+    let end = start.checked_add_months(chrono::Months::new(1)).unwrap();
+    let mut numbers = invoices::run(&pool, start, end).await.unwrap();
+    numbers.sort();
+    assert_eq!(numbers, vec![1, 2, 3, 4]);
+    for (seller, _, _) in &sellers {
+        let e = &expected[seller];
+        let (_, list) = shop.json(&format!("/sellers/{seller}/invoices")).await;
+        let inv = &list["invoices"][0];
+        assert_eq!(
+            d(inv["totals"][0]["commission"].as_str().unwrap()),
+            e.commission,
+            "seller {seller}"
+        );
+        let lines: Decimal = inv["lines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| d(l["commission"].as_str().unwrap()))
+            .sum();
+        assert_eq!(lines, e.commission);
+        assert_eq!(inv["lines"].as_array().unwrap().len(), e.orders);
+    }
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn without_the_coins_side_paying_with_coins_is_a_503_that_spends_nothing(pool: PgPool) {
+    // A receiver with no worker: nobody answers the coins RPC.
+    let shop = stepped(&pool).await;
+    let seller = shop.seller_with("S", "weekly", "1.00", 0).await;
+    let product = shop.product(&seller, "10.00", "BRL").await;
+    coins::grant(&pool, "b", Money::parse("50.00", "BRL").unwrap(), "g")
+        .await
+        .unwrap();
+    let order = shop.checkout_one("k", "b", &product, 1).await;
+    let n = order["number"].as_i64().unwrap();
+    let (status, answer) = shop
+        .post(&format!("/orders/{n}/coins"), None, json!({}))
+        .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (503, Some("coins_unavailable")),
+        "{answer}"
+    );
+    assert_eq!(shop.order(n).await["status"], "awaiting_payment");
+    let wallet = coins::wallet_of(&pool, "b", brl()).await.unwrap();
+    assert_eq!((wallet.balance.as_str(), wallet.reserved.as_str()), ("50.00", "0.00"));
+}
