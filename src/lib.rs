@@ -1,8 +1,9 @@
 //! payfleet: the background job worker fleet behind a marketplace's payments.
 //!
 //! Layout (one module per bounded context; the root only assembles). Arrows point one way:
-//! `secret`, `money`, `db`, `tls` -> `gateways` -> `queue` -> `payment_status` -> `orders` ->
-//! `payments` -> `webhooks` -> `http` -> `config`, `startup` -> `cli`.
+//! `secret`, `money`, `db`, `tls` -> `gateways` -> `queue`, `messaging`, `catalogue` ->
+//! `ledger`, `payment_status` -> `orders` -> `payments` -> `webhooks` -> `http` -> `config`,
+//! `startup` -> `cli`, `demo`, `bench`.
 //! - `secret`     values that never print (secrets, URLs with passwords)
 //! - `money`      [`money::Money`]: decimal plus currency
 //! - `db`         the pool, migrations, which errors are outages, enums stored as text
@@ -10,14 +11,18 @@
 //! - `gateways`   each gateway's events and status mappers (safe defaults), the API clients
 //! - `queue`      the PostgreSQL job queue and the worker fleet (executor, completer, leases,
 //!   listener, maintenance; its SQL in `queue::store`)
+//! - `messaging`  the shared RabbitMQ connection and the RPCs (payment links, coins)
+//! - `catalogue`  sellers, products, coupons
+//! - `ledger`     double entry: sales, refunds, disputes, holding period, payouts, commission
+//!   invoices, coins, and their recurring jobs
 //! - `payment_status` the provider's truth derived from facts, shared by payments and orders
-//! - `orders`     the business truth an event leads to
-//! - `payments`   event processing: facts, waiting and rejected events, replay
+//! - `orders`     checkout, pricing, expiry, paying with coins: the business truth
+//! - `payments`   event processing (facts, waiting and rejected events, replay), payment links,
+//!   refunds
 //! - `webhooks`   signature schemes, the verified [`webhooks::Webhook`], the batching writer
-//! - `messaging`  the shared RabbitMQ connection
 //! - `http`       the routes of each area, the one API error type, health and metrics
 //! - `config`, `startup`, `cli`: environment, the one way to assemble a process, subcommands;
-//!   `bench`: the benchmarks
+//!   `demo`: drives a running fleet; `bench`: the benchmarks
 
 pub mod bench;
 pub mod catalogue;
