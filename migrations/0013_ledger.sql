@@ -50,6 +50,8 @@ CREATE TABLE ledger_transfers (
 );
 
 CREATE INDEX ledger_transfers_order ON ledger_transfers (order_number) WHERE order_number IS NOT NULL;
+-- Transfers by posting time, for the invoice runs.
+CREATE INDEX ledger_transfers_created ON ledger_transfers (created_at);
 -- Sale credits waiting for their holding period, for the release job.
 CREATE INDEX ledger_transfers_maturing ON ledger_transfers (available_at) WHERE kind = 'sale_credit';
 
@@ -162,6 +164,7 @@ CREATE INDEX coin_reservations_order ON coin_reservations (order_number) WHERE o
 -- release job looks at each once.
 CREATE TABLE ledger_releases (
     order_number bigint        PRIMARY KEY,
-    amount       numeric(20, 4) NOT NULL CHECK (amount >= 0),
+    -- What moved to available (negative: a shortfall moved back to pending).
+    amount       numeric(20, 4) NOT NULL,
     released_at  timestamptz   NOT NULL DEFAULT now()
 );

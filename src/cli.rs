@@ -103,7 +103,8 @@ enum MoneyAction {
     },
     /// Payouts waiting for the bank's answer.
     Pending,
-    /// Invoice the commission of MONTH (YYYY-MM; default last month): once per seller.
+    /// Invoice the commission of an ended MONTH (YYYY-MM; default: every ended month not
+    /// invoiced yet, up to a year back): once per seller and month.
     Invoices {
         #[arg(long)]
         month: Option<String>,
@@ -301,7 +302,14 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
     use crate::ledger::{self, invoices, payouts, sales};
     // Checked before connecting: a typo gets its message without a database.
     let period = match &action {
-        MoneyAction::Invoices { month: Some(m) } => Some(month(m)?),
+        MoneyAction::Invoices { month: Some(m) } => {
+            let (start, end) = month(m)?;
+            // An invoice is made once: a month still running would leave the rest uninvoiced.
+            if end > chrono::Utc::now().date_naive() {
+                anyhow::bail!("{m} has not ended yet: only an ended month can be invoiced");
+            }
+            Some((start, end))
+        }
         _ => None,
     };
     let pool = db::connect(&config.database_url, 2).await?;

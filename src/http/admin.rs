@@ -2,7 +2,8 @@
 //! wrong one). Without a configured token the admin API is off, and says so.
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 use subtle::ConstantTimeEq;
@@ -55,32 +56,42 @@ pub(super) fn authorize(token: Option<&Secret>, headers: &HeaderMap) -> Result<(
     }
 }
 
+/// An admin request: the token is checked from the headers before the body is read, so a caller
+/// without the token learns nothing about what the body should be.
+pub(super) struct Admin;
+
+impl FromRequestParts<AppState> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        authorize(state.admin_token.as_ref(), &parts.headers)?;
+        Ok(Admin)
+    }
+}
+
 async fn create_seller(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    _admin: Admin,
     JsonBody(body): JsonBody<NewSeller>,
 ) -> Result<(StatusCode, Json<catalogue::Seller>), ApiError> {
-    authorize(state.admin_token.as_ref(), &headers)?;
     let seller = catalogue::create_seller(&state.pool, body).await?;
     Ok((StatusCode::CREATED, Json(seller)))
 }
 
 async fn create_product(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    _admin: Admin,
     JsonBody(body): JsonBody<NewProduct>,
 ) -> Result<(StatusCode, Json<catalogue::Product>), ApiError> {
-    authorize(state.admin_token.as_ref(), &headers)?;
     let product = catalogue::create_product(&state.pool, body).await?;
     Ok((StatusCode::CREATED, Json(product)))
 }
 
 async fn create_coupon(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    _admin: Admin,
     JsonBody(body): JsonBody<NewCoupon>,
 ) -> Result<(StatusCode, Json<catalogue::Coupon>), ApiError> {
-    authorize(state.admin_token.as_ref(), &headers)?;
     let coupon = catalogue::create_coupon(&state.pool, body).await?;
     Ok((StatusCode::CREATED, Json(coupon)))
 }
@@ -88,10 +99,9 @@ async fn create_coupon(
 /// Ends the wait of an unpaid order now: the workers expire it (its coupon given back).
 async fn expire_order(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    _admin: Admin,
     Path(raw): Path<String>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
-    authorize(state.admin_token.as_ref(), &headers)?;
     let number = super::orders::number(&raw)?;
     orders::expire_now(&state.pool, number).await?;
     Ok((
@@ -103,9 +113,8 @@ async fn expire_order(
 /// Payments no checkout asked for, for an operator to look into.
 async fn unmatched(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    _admin: Admin,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    authorize(state.admin_token.as_ref(), &headers)?;
     let list = crate::payments::events::unmatched(&state.pool, 200).await?;
     Ok(Json(serde_json::json!({ "unmatched_payments": list })))
 }
@@ -115,11 +124,11 @@ async fn unmatched(
 /// refused.
 async fn refund_order(
     State(state): State<AppState>,
+    _admin: Admin,
     headers: HeaderMap,
     Path(raw): Path<String>,
     JsonBody(body): JsonBody<NewRefund>,
 ) -> Result<(StatusCode, Json<RefundView>), ApiError> {
-    authorize(state.admin_token.as_ref(), &headers)?;
     let number = super::orders::number(&raw)?;
     let key = idempotency_key(headers.get("idempotency-key").and_then(|v| v.to_str().ok()))?;
     let (view, _) = order_refunds::request(&state.pool, number, key, &body).await?;
@@ -149,10 +158,9 @@ async fn refund_order(
 
 async fn order_refunds(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    _admin: Admin,
     Path(raw): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    authorize(state.admin_token.as_ref(), &headers)?;
     let number = super::orders::number(&raw)?;
     let list = order_refunds::of_order(&state.pool, number).await?;
     Ok(Json(serde_json::json!({ "refunds": list })))
@@ -161,9 +169,8 @@ async fn order_refunds(
 /// Payouts waiting for the bank's answer.
 async fn pending_payouts(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    _admin: Admin,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    authorize(state.admin_token.as_ref(), &headers)?;
     let list = payouts::in_state(&state.pool, PayoutState::Pending).await?;
     Ok(Json(serde_json::json!({ "payouts": list })))
 }
@@ -178,10 +185,9 @@ fn payout_id(raw: &str) -> Result<i64, ApiError> {
 /// The bank paid the payout.
 async fn payout_paid(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    _admin: Admin,
     Path(raw): Path<String>,
 ) -> Result<Json<payouts::Payout>, ApiError> {
-    authorize(state.admin_token.as_ref(), &headers)?;
     let payout = payouts::decide(&state.pool, payout_id(&raw)?, None).await?;
     Ok(Json(payout))
 }
@@ -194,11 +200,10 @@ struct Failure {
 /// The bank refused the payout: the seller's available balance gets it back, once.
 async fn payout_failed(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    _admin: Admin,
     Path(raw): Path<String>,
     JsonBody(body): JsonBody<Failure>,
 ) -> Result<Json<payouts::Payout>, ApiError> {
-    authorize(state.admin_token.as_ref(), &headers)?;
     let reason = body.reason.trim();
     if reason.is_empty() || reason.chars().count() > 500 || reason.chars().any(char::is_control) {
         return Err(ApiError::Unprocessable {
@@ -219,11 +224,11 @@ struct Grant {
 /// Gives a buyer coins; `Idempotency-Key` required (the same key grants once).
 async fn grant_coins(
     State(state): State<AppState>,
+    _admin: Admin,
     headers: HeaderMap,
     Path(buyer): Path<String>,
     JsonBody(body): JsonBody<Grant>,
 ) -> Result<(StatusCode, Json<coins::Wallet>), ApiError> {
-    authorize(state.admin_token.as_ref(), &headers)?;
     let key = idempotency_key(headers.get("idempotency-key").and_then(|v| v.to_str().ok()))?;
     if buyer.is_empty() || buyer.chars().count() > 200 || buyer.chars().any(char::is_control) {
         return Err(ApiError::Unprocessable {

@@ -70,6 +70,43 @@ pub async fn run(pool: &PgPool, start: NaiveDate, end: NaiveDate) -> Result<Vec<
     Ok(numbers)
 }
 
+/// How far back a run looks for months left uninvoiced (the fleet down, the job dead).
+pub const CATCH_UP_MONTHS: u32 = 12;
+
+/// Invoices every ended month (UTC) since [`CATCH_UP_MONTHS`] ago in which a seller earned
+/// commission and has no invoice yet: last month, and any month a run missed. Returns the
+/// numbers made.
+pub async fn run_due(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, sqlx::Error> {
+    let this_month = today.with_day(1).unwrap_or(today);
+    let since = this_month
+        .checked_sub_months(chrono::Months::new(CATCH_UP_MONTHS))
+        .unwrap_or(this_month);
+    let due: Vec<(String, NaiveDate)> = sqlx::query_as(
+        "SELECT DISTINCT a.owner, date_trunc('month', t.created_at AT TIME ZONE 'UTC')::date AS month
+         FROM ledger_transfers t
+         JOIN ledger_accounts a ON a.kind = 'platform_revenue' AND a.id IN (t.from_account, t.to_account)
+         WHERE t.created_at >= $1 AND t.created_at < $2
+           AND NOT EXISTS (SELECT 1 FROM invoices i
+                           WHERE i.seller_id::text = a.owner
+                             AND i.period_start = date_trunc('month', t.created_at AT TIME ZONE 'UTC')::date)
+         ORDER BY month, a.owner",
+    )
+    .bind(since.and_hms_opt(0, 0, 0).map(|d| d.and_utc()))
+    .bind(this_month.and_hms_opt(0, 0, 0).map(|d| d.and_utc()))
+    .fetch_all(pool)
+    .await?;
+    let mut numbers = Vec::new();
+    for (seller, month) in due {
+        let end = month
+            .checked_add_months(chrono::Months::new(1))
+            .unwrap_or(this_month);
+        if let Some(n) = create(pool, &seller, month, end).await? {
+            numbers.push(n);
+        }
+    }
+    Ok(numbers)
+}
+
 /// The invoice of `seller` for `[start, end)`: made if there was commission and it is not made
 /// yet. Returns its number.
 pub async fn create(

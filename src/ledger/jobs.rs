@@ -34,7 +34,7 @@ impl Job for RunPayouts {
     const QUEUE: &'static str = "ledger";
 }
 
-/// Invoices last month's commission.
+/// Invoices last month's commission (and any ended month a run missed).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct RunInvoices {}
 
@@ -126,9 +126,8 @@ impl RunPayouts {
 impl RunInvoices {
     pub async fn run(&self, pool: &PgPool) -> Result<(), JobError> {
         let now = Utc::now();
-        let (start, end) = invoices::previous_month(now.date_naive());
-        let numbers = invoices::run(pool, start, end).await?;
-        tracing::info!(invoices = numbers.len(), %start, "invoice run done");
+        let numbers = invoices::run_due(pool, now.date_naive()).await?;
+        tracing::info!(invoices = numbers.len(), "invoice run done");
         Err(JobError::Snooze(until(next_daily(now, INVOICES_AT), now)))
     }
 }

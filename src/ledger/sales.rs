@@ -19,9 +19,7 @@ use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
 use sqlx::{PgConnection, PgPool};
 
-use super::{
-    AccountKind, AccountRef, LedgerError, Posted, Transfer, TransferKind, account, lock, post,
-};
+use super::{AccountKind, AccountRef, LedgerError, Transfer, TransferKind, account, lock, post};
 use crate::gateways::{DisputeStatus, GatewayName};
 use crate::money::{Currency, Money};
 
@@ -275,16 +273,27 @@ pub async fn record_sale(tx: &mut PgConnection, sale: &Sale) -> Result<(), Ledge
     Ok(())
 }
 
-/// A refund of the sale, split between the seller and the fee. Once per refund.
+/// A refund of the sale, split between the seller and the fee, once per refund. `before` is
+/// what the sale's earlier refunds (in the order they were recorded) returned: the seller's part
+/// is taken on the running total, `share(before + amount) − share(before)`, so the rounding of
+/// many partial refunds never drifts, and refunds of the whole amount return exactly the net.
 pub async fn record_refund(
     tx: &mut PgConnection,
     sale: &Sale,
     refund_id: &str,
     amount: Money,
+    before: Money,
 ) -> Result<(), LedgerError> {
     let a = sale.accounts();
     lock_seller(tx, &a).await?;
-    let (seller, platform) = sale.split(&amount)?;
+    let mismatch = || LedgerError::Mismatch(format!("order {}", sale.order_number));
+    let after = before.checked_add(&amount).ok_or_else(mismatch)?;
+    let (seller_after, _) = sale.split(&after)?;
+    let (seller_before, _) = sale.split(&before)?;
+    let seller = seller_after
+        .checked_sub(&seller_before)
+        .ok_or_else(mismatch)?;
+    let platform = amount.checked_sub(&seller).ok_or_else(mismatch)?;
     let key = format!("refund:{}:{refund_id}", sale.channel);
     let from = seller_bucket(tx, sale, &a).await?;
     let mut t = sale.transfer(
@@ -321,12 +330,6 @@ pub async fn record_dispute(
     lock_seller(tx, &a).await?;
     let (seller, platform) = sale.split(&amount)?;
     let key = format!("dispute:{}:{dispute_id}", sale.channel);
-    // The debit's source account, if it was posted before (a reversal goes back there).
-    let debited_from: Option<i64> =
-        sqlx::query_scalar("SELECT from_account FROM ledger_transfers WHERE source_key = $1")
-            .bind(format!("{key}:seller"))
-            .fetch_optional(&mut *tx)
-            .await?;
     let from = seller_bucket(tx, sale, &a).await?;
     let mut t = sale.transfer(
         format!("{key}:seller"),
@@ -336,7 +339,7 @@ pub async fn record_dispute(
         seller,
     );
     t.reference = Some(dispute_id.to_owned());
-    let posted = post(tx, &t).await?;
+    post(tx, &t).await?;
     let mut t = sale.transfer(
         format!("{key}:fee"),
         TransferKind::DisputeFeeDebit,
@@ -347,10 +350,9 @@ pub async fn record_dispute(
     t.reference = Some(dispute_id.to_owned());
     post(tx, &t).await?;
     if matches!(status, DisputeStatus::Won | DisputeStatus::Refunded) {
-        let back_to = match (posted, debited_from) {
-            (Posted::AlreadyPosted, Some(id)) => account_ref(tx, id).await?.unwrap_or(from),
-            _ => from,
-        };
+        // Back to where the seller's money is now: pending within the holding period, available
+        // after it (the release has moved what was left then, without the disputed amount).
+        let back_to = from;
         let mut t = sale.transfer(
             format!("dispute_reversal:{}:{dispute_id}:seller", sale.channel),
             TransferKind::DisputeReversal,
@@ -373,97 +375,106 @@ pub async fn record_dispute(
     Ok(())
 }
 
-async fn account_ref(tx: &mut PgConnection, id: i64) -> Result<Option<AccountRef>, sqlx::Error> {
-    let row: Option<(AccountKind, String, String)> =
-        sqlx::query_as("SELECT kind, owner, currency::text FROM ledger_accounts WHERE id = $1")
-            .bind(id)
-            .fetch_optional(&mut *tx)
-            .await?;
-    Ok(row.and_then(|(kind, owner, c)| Some(AccountRef::new(kind, owner, c.parse().ok()?))))
-}
-
 /// Moves the sales whose holding period has passed from pending to available: what is left of
 /// each sale in pending (its credit less the refunds and disputes taken from pending meanwhile),
 /// once per sale, however many workers run it at once. Returns how many sales it dealt with.
+///
+/// One transaction per sale: a run never holds many sellers' accounts at once (postings of
+/// other sellers do not wait for it, and two runs cannot deadlock on each other's sellers).
 pub async fn release_matured(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, LedgerError> {
     let mut done = 0;
     loop {
         let mut tx = pool.begin().await?;
-        // Several workers may run this: each takes different sales.
-        let due: Vec<(i64, String, String, Decimal)> = sqlx::query_as(
+        // Several runs may go at once: each takes a different sale.
+        let due: Option<(i64, String, String, Decimal)> = sqlx::query_as(
             "SELECT t.order_number, a.owner, t.currency::text, t.amount
              FROM ledger_transfers t JOIN ledger_accounts a ON a.id = t.to_account
              WHERE t.kind = 'sale_credit' AND t.available_at <= $1
                AND NOT EXISTS (SELECT 1 FROM ledger_releases r WHERE r.order_number = t.order_number)
-             ORDER BY t.available_at LIMIT 100
+             ORDER BY t.available_at LIMIT 1
              FOR UPDATE OF t SKIP LOCKED",
         )
         .bind(now)
-        .fetch_all(&mut *tx)
+        .fetch_optional(&mut *tx)
         .await?;
-        if due.is_empty() {
+        let Some((order, seller, currency, credit)) = due else {
             return Ok(done);
-        }
-        for (order, seller, currency, credit) in &due {
-            let c: Currency = currency
-                .parse()
-                .map_err(|_| LedgerError::Mismatch(format!("order {order}")))?;
-            let pending = AccountRef::new(AccountKind::SellerPending, seller.as_str(), c);
-            let available = AccountRef::new(AccountKind::SellerAvailable, seller.as_str(), c);
-            let mut ids = vec![
-                account(&mut tx, &pending).await?,
-                account(&mut tx, &available).await?,
-            ];
-            ids.sort_unstable();
-            lock(&mut tx, &ids).await?;
-            let claimed = sqlx::query(
-                "INSERT INTO ledger_releases (order_number, amount) VALUES ($1, 0) ON CONFLICT DO NOTHING",
-            )
-            .bind(order)
-            .execute(&mut *tx)
-            .await?;
-            if claimed.rows_affected() == 0 {
-                continue;
-            }
-            // What left pending for this order since its credit, and what came back to it.
-            let moved: Decimal = sqlx::query_scalar(
-                "SELECT COALESCE(sum(CASE WHEN t.to_account = a.id THEN t.amount ELSE -t.amount END), 0)
-                 FROM ledger_transfers t JOIN ledger_accounts a
-                   ON a.kind = 'seller_pending' AND a.owner = $2 AND a.currency = $3
-                 WHERE t.order_number = $1 AND t.kind <> 'sale_credit'
-                   AND (t.from_account = a.id OR t.to_account = a.id)",
-            )
-            .bind(order)
-            .bind(seller)
-            .bind(currency)
-            .fetch_one(&mut *tx)
-            .await?;
-            let left = credit + moved;
-            if left > Decimal::ZERO {
-                let amount = Money::new(left, c)
-                    .map_err(|_| LedgerError::Mismatch(format!("order {order}")))?;
-                post(
-                    &mut tx,
-                    &Transfer {
-                        source_key: format!("release:{order}"),
-                        kind: TransferKind::Release,
-                        from: pending,
-                        to: available,
-                        amount,
-                        available_at: None,
-                        order_number: Some(*order),
-                        reference: None,
-                    },
-                )
-                .await?;
-                sqlx::query("UPDATE ledger_releases SET amount = $2 WHERE order_number = $1")
-                    .bind(order)
-                    .bind(left)
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            done += 1;
-        }
+        };
+        release_one(&mut tx, order, &seller, &currency, credit).await?;
         tx.commit().await?;
+        done += 1;
     }
+}
+
+async fn release_one(
+    tx: &mut PgConnection,
+    order: i64,
+    seller: &str,
+    currency: &str,
+    credit: Decimal,
+) -> Result<(), LedgerError> {
+    let c: Currency = currency
+        .parse()
+        .map_err(|_| LedgerError::Mismatch(format!("order {order}")))?;
+    let pending = AccountRef::new(AccountKind::SellerPending, seller, c);
+    let available = AccountRef::new(AccountKind::SellerAvailable, seller, c);
+    let mut ids = vec![account(tx, &pending).await?, account(tx, &available).await?];
+    ids.sort_unstable();
+    lock(tx, &ids).await?;
+    let claimed = sqlx::query(
+        "INSERT INTO ledger_releases (order_number, amount) VALUES ($1, 0) ON CONFLICT DO NOTHING",
+    )
+    .bind(order)
+    .execute(&mut *tx)
+    .await?;
+    if claimed.rows_affected() == 0 {
+        return Ok(());
+    }
+    // What left pending for this order since its credit, and what came back to it.
+    let moved: Decimal = sqlx::query_scalar(
+        "SELECT COALESCE(sum(CASE WHEN t.to_account = a.id THEN t.amount ELSE -t.amount END), 0)
+         FROM ledger_transfers t JOIN ledger_accounts a
+           ON a.kind = 'seller_pending' AND a.owner = $2 AND a.currency = $3
+         WHERE t.order_number = $1 AND t.kind <> 'sale_credit'
+           AND (t.from_account = a.id OR t.to_account = a.id)",
+    )
+    .bind(order)
+    .bind(seller)
+    .bind(currency)
+    .fetch_one(&mut *tx)
+    .await?;
+    let left = credit + moved;
+    if left.is_zero() {
+        return Ok(());
+    }
+    // More taken back than the sale left (a dispute on a partly refunded sale): the shortfall
+    // moves to pending from available, so that pending holds nothing of a released sale and
+    // available shows what the seller really has.
+    let (from, to) = if left > Decimal::ZERO {
+        (pending, available)
+    } else {
+        (available, pending)
+    };
+    let amount =
+        Money::new(left.abs(), c).map_err(|_| LedgerError::Mismatch(format!("order {order}")))?;
+    post(
+        tx,
+        &Transfer {
+            source_key: format!("release:{order}"),
+            kind: TransferKind::Release,
+            from,
+            to,
+            amount,
+            available_at: None,
+            order_number: Some(order),
+            reference: None,
+        },
+    )
+    .await?;
+    sqlx::query("UPDATE ledger_releases SET amount = $2 WHERE order_number = $1")
+        .bind(order)
+        .bind(left)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
 }

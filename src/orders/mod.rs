@@ -208,9 +208,13 @@ pub async fn apply_payment(
     if !changed {
         return Ok(Some(PaymentEffect::Unchanged));
     }
+    // The session that pays the order becomes its session (an earlier attempt that succeeded
+    // late, after a new one was opened): any other session's payment is then an extra one.
     sqlx::query(
         "UPDATE orders SET status = $2, payment_status = $3, amount_refunded = $4,
              paid_at = CASE WHEN $5 THEN COALESCE(paid_at, now()) ELSE paid_at END,
+             session_id = CASE WHEN $6 THEN $7 ELSE session_id END,
+             payment_url = CASE WHEN $6 THEN $8 ELSE payment_url END,
              updated_at = now()
          WHERE id = $1",
     )
@@ -219,6 +223,9 @@ pub async fn apply_payment(
     .bind(payment)
     .bind(refunded)
     .bind(payment.implies_paid())
+    .bind(now_paid)
+    .bind(session_id)
+    .bind(url)
     .execute(&mut *tx)
     .await?;
     if now_paid {

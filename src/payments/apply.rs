@@ -648,8 +648,13 @@ async fn sync_ledger(
     .bind(po_id)
     .fetch_all(&mut *tx)
     .await?;
+    let mut before = money(Decimal::ZERO)?;
     for (refund_id, amount) in refunds {
-        sales::record_refund(tx, &sale, &refund_id, money(amount)?).await?;
+        let amount = money(amount)?;
+        sales::record_refund(tx, &sale, &refund_id, amount, before).await?;
+        before = before
+            .checked_add(&amount)
+            .ok_or_else(|| crate::ledger::LedgerError::Mismatch(format!("order {number}")))?;
     }
     let disputes: Vec<(String, Decimal, DisputeStatus)> = sqlx::query_as(
         "SELECT dispute_id, amount, status FROM payment_disputes WHERE payment_order_id = $1 ORDER BY id",

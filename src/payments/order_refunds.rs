@@ -229,7 +229,15 @@ pub async fn request(
     .bind(c.as_str())
     .bind(new.reason.trim())
     .fetch_one(&mut *tx)
-    .await?;
+    .await
+    .map_err(|e| {
+        // The same key taken at this moment for another order's refund.
+        if crate::db::constraint(&e) == Some("refund_requests_idempotency_key_key") {
+            RefundError::KeyReused
+        } else {
+            RefundError::Database(e)
+        }
+    })?;
     let view = shaped(view);
     let job = NewJob::of(&CarryOutRefund { id: view.id })?
         .key(format!("carry_out_refund:{}", view.id))
@@ -366,11 +374,18 @@ pub async fn carry_out(
             tracing::info!(refund_request = id, refund = %receipt.refund_id, "refund done");
         }
         Ok(receipt) => {
+            // Its refund event may have been processed already (it overtook this answer): then
+            // the refund is recorded, and the request is done.
             sqlx::query(
-                "UPDATE refund_requests SET state = 'accepted', refund_id = $2, updated_at = now() WHERE id = $1",
+                "UPDATE refund_requests SET refund_id = $2, updated_at = now(),
+                        state = CASE WHEN EXISTS (SELECT 1 FROM payment_refunds r
+                                                  WHERE r.gateway = $3 AND r.refund_id = $2)
+                                     THEN 'succeeded' ELSE 'accepted' END
+                 WHERE id = $1",
             )
             .bind(id)
             .bind(&receipt.refund_id)
+            .bind(p.gateway)
             .execute(&mut *tx)
             .await?;
             tracing::info!(refund_request = id, refund = %receipt.refund_id, "refund accepted by the gateway; its event will record it");

@@ -340,6 +340,11 @@ async fn a_dispute_debits_once_and_is_reversed_once_when_won(pool: PgPool) {
     send(&shop, "msg_dispute_again", &opened).await;
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("0")));
+    // The holding period passes while the dispute is open: nothing is left to release.
+    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
+        .await
+        .unwrap();
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("0.00")));
     let won = event(
         "dispute.won",
         &session,
@@ -348,11 +353,13 @@ async fn a_dispute_debits_once_and_is_reversed_once_when_won(pool: PgPool) {
     send(&shop, "msg_won", &won).await;
     send(&shop, "msg_won_again", &won).await;
     process_all(&pool, &shop).await;
-    assert_eq!(shop.balance(&seller).await, (d("90.00"), d("0")));
+    // Won after the holding period: the money is back where the seller's money is now,
+    // available (not in pending, which nothing releases any more).
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("90.00")));
     // A late "created" after the decision changes nothing.
     send(&shop, "msg_dispute_late", &opened).await;
     process_all(&pool, &shop).await;
-    assert_eq!(shop.balance(&seller).await, (d("90.00"), d("0")));
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("90.00")));
     let kinds: Vec<String> = sqlx::query_scalar(
         "SELECT kind FROM ledger_transfers WHERE kind LIKE 'dispute%' ORDER BY id",
     )
@@ -570,9 +577,14 @@ async fn invoices_are_numbered_without_gaps_once_per_seller_and_period(pool: PgP
         sellers.push(s);
     }
     process_all(&pool, &shop).await;
-    let today = Utc::now().date_naive();
-    let start = today.with_day(1).unwrap();
-    let end = start.checked_add_months(chrono::Months::new(1)).unwrap();
+    // A period around now (two months: the test may cross a month's end).
+    let this_month = Utc::now().date_naive().with_day(1).unwrap();
+    let start = this_month
+        .checked_sub_months(chrono::Months::new(1))
+        .unwrap();
+    let end = this_month
+        .checked_add_months(chrono::Months::new(1))
+        .unwrap();
     // Two runs at once, then a rerun: the same three invoices, numbered 1, 2, 3.
     let (a, b) = tokio::join!(
         invoices::run(&pool, start, end),
@@ -622,7 +634,7 @@ async fn invoices_are_numbered_without_gaps_once_per_seller_and_period(pool: PgP
         .await;
     assert_eq!(status, 404);
     // Nothing earned in a period: no invoice, no number used.
-    let (past_start, past_end) = invoices::previous_month(start);
+    let (past_start, past_end) = invoices::previous_month(start - chrono::Duration::days(40));
     assert!(
         invoices::run(&pool, past_start, past_end)
             .await
@@ -1058,12 +1070,13 @@ async fn proof_a_few_hundred_orders_end_to_end_to_the_cent(pool: PgPool) {
     let mut orders = Vec::new();
     for i in 0..240usize {
         let (seller, _, products) = &sellers[i % 4];
+        let (product, quantity) = (&products[(i / 4) % 3], ((i / 12) % 3 + 1) as i64);
         let o = shop
             .checkout_one(
                 &format!("proof-{i}"),
                 &format!("buyer-{}", i % 9),
-                &products[i % 3],
-                (i % 3 + 1) as i64,
+                product,
+                quantity,
             )
             .await;
         assert_eq!(o["seller_id"].as_str(), Some(seller.as_str()));
@@ -1099,10 +1112,25 @@ async fn proof_a_few_hundred_orders_end_to_end_to_the_cent(pool: PgPool) {
             ),
         );
         if i % 6 == 0 {
+            // A third back; for every fourth of these, the rest too (the whole order refunded).
             let refund = cents(total / d("3"));
             let seller_part = cents(refund * net / total);
             e.net -= seller_part;
             e.commission -= refund - seller_part;
+            if i % 24 == 0 {
+                let rest = total - refund;
+                // On the running total: the whole refund returns exactly the net.
+                e.net -= net - seller_part;
+                e.commission -= rest - (net - seller_part);
+                deliveries.push((
+                    format!("refund-rest-{i}"),
+                    event(
+                        "refund.succeeded",
+                        session,
+                        json!({"refund_id": format!("rf_rest_{i}"), "amount": rest.to_string()}),
+                    ),
+                ));
+            }
             let r = (
                 format!("refund-{i}"),
                 event(
@@ -1194,9 +1222,15 @@ async fn proof_a_few_hundred_orders_end_to_end_to_the_cent(pool: PgPool) {
             assert_eq!(list["payouts"], json!([]));
         }
     }
-    // The month's invoices: one per seller, gapless, the commission to the cent.
-    let start = Utc::now().date_naive().with_day(1).unwrap();
-    let end = start.checked_add_months(chrono::Months::new(1)).unwrap();
+    // The period's invoices (two months around now: the test may cross a month's end): one per
+    // seller, gapless, the commission to the cent.
+    let this_month = Utc::now().date_naive().with_day(1).unwrap();
+    let start = this_month
+        .checked_sub_months(chrono::Months::new(1))
+        .unwrap();
+    let end = this_month
+        .checked_add_months(chrono::Months::new(1))
+        .unwrap();
     let mut numbers = invoices::run(&pool, start, end).await.unwrap();
     numbers.sort();
     assert_eq!(numbers, vec![1, 2, 3, 4]);
@@ -1242,5 +1276,193 @@ async fn without_the_coins_side_paying_with_coins_is_a_503_that_spends_nothing(p
     );
     assert_eq!(shop.order(n).await["status"], "awaiting_payment");
     let wallet = coins::wallet_of(&pool, "b", brl()).await.unwrap();
-    assert_eq!((wallet.balance.as_str(), wallet.reserved.as_str()), ("50.00", "0.00"));
+    assert_eq!(
+        (wallet.balance.as_str(), wallet.reserved.as_str()),
+        ("50.00", "0.00")
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn partial_refunds_round_half_even_on_the_running_total(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let seller = shop.seller_with("S", "weekly", "1.00", 14).await;
+    let product = shop.product(&seller, "10.00", "BRL").await;
+    let order = shop.checkout_one("k", "b", &product, 1).await;
+    let session = order["payment"]["session_id"].as_str().unwrap();
+    send(
+        &shop,
+        "paid",
+        &event("payment.succeeded", session, json!({"amount": "10.00"})),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("9.00"), d("0")));
+    // The seller bears 90 %: 0.05 → 0.045, a tie, half-even to 0.04 (half-up would say 0.05).
+    // Then 0.10 in all → 0.09, so 0.05 more; then the rest: 10.00 in all → exactly the 9.00.
+    let mut expected = d("9.00");
+    for (i, (amount, seller_part)) in [("0.05", "0.04"), ("0.05", "0.05"), ("9.90", "8.91")]
+        .iter()
+        .enumerate()
+    {
+        send(
+            &shop,
+            &format!("refund-{i}"),
+            &event(
+                "refund.succeeded",
+                session,
+                json!({"refund_id": format!("rf_{i}"), "amount": amount}),
+            ),
+        )
+        .await;
+        process_all(&pool, &shop).await;
+        expected -= d(seller_part);
+        assert_eq!(
+            shop.balance(&seller).await,
+            (expected, d("0")),
+            "after refund {i}"
+        );
+    }
+    assert_eq!(expected, d("0"));
+    let revenue: Decimal = sqlx::query_scalar(
+        "SELECT balance FROM ledger_accounts WHERE kind = 'platform_revenue' AND owner = $1",
+    )
+    .bind(&seller)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        revenue,
+        d("0"),
+        "the whole fee is given back, not a cent more"
+    );
+    assert_eq!(
+        shop.order(order["number"].as_i64().unwrap()).await["status"],
+        "refunded"
+    );
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_shortfall_at_release_leaves_the_seller_owing_in_available(pool: PgPool) {
+    let (shop, seller, _, session) = one_sale(&pool).await;
+    send(
+        &shop,
+        "paid",
+        &event("payment.succeeded", &session, json!({"amount": "100.00"})),
+    )
+    .await;
+    send(
+        &shop,
+        "refund",
+        &event(
+            "refund.succeeded",
+            &session,
+            json!({"refund_id": "rf_1", "amount": "30.00"}),
+        ),
+    )
+    .await;
+    // A chargeback of the whole amount after a partial refund: more taken back than the sale
+    // left in pending.
+    send(
+        &shop,
+        "dispute",
+        &event(
+            "dispute.created",
+            &session,
+            json!({"dispute_id": "dp_1", "amount": "100.00"}),
+        ),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("-27.00"), d("0")));
+    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
+        .await
+        .unwrap();
+    // Pending holds nothing of the released sale; the seller owes 27.00 from later sales, and
+    // no payout is made from a balance below zero.
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("-27.00")));
+    assert!(
+        payouts::run(&pool, Utc::now().date_naive() + chrono::Duration::days(15))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_late_success_of_an_earlier_attempt_makes_the_new_attempts_payment_the_extra_one(
+    pool: PgPool,
+) {
+    let shop = stepped(&pool).await;
+    let seller = shop.seller_with("S", "weekly", "1.00", 14).await;
+    let product = shop.product(&seller, "10.00", "BRL").await;
+    let order = shop.checkout_one("k", "b", &product, 1).await;
+    let n = order["number"].as_i64().unwrap();
+    let first = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    send(&shop, "failed", &event("payment.failed", &first, json!({}))).await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.order(n).await["status"], "payment_failed");
+    let (status, reopened) = shop
+        .post(&format!("/orders/{n}/payment"), None, json!({}))
+        .await;
+    assert_eq!(status, 200, "{reopened}");
+    let second = reopened["payment"]["session_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_ne!(first, second);
+    // The first attempt succeeds late, then the buyer pays the second as well.
+    send(
+        &shop,
+        "late",
+        &event("payment.succeeded", &first, json!({"amount": "10.00"})),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    send(
+        &shop,
+        "second",
+        &event("payment.succeeded", &second, json!({"amount": "10.00"})),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    let o = shop.order(n).await;
+    assert_eq!(o["status"], "paid");
+    assert_eq!(o["payment"]["session_id"].as_str(), Some(first.as_str()));
+    let refunds: Vec<String> =
+        sqlx::query_scalar("SELECT key FROM jobs WHERE kind = 'refund_payment'")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(refunds, vec![format!("refund_payment:internal:{second}")]);
+    assert_eq!(shop.balance(&seller).await, (d("9.00"), d("0")));
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_money_command_checks_the_ledger_and_refuses_a_month_not_ended(pool: PgPool) {
+    let out = payfleet(&pool, &["money", "check"]).output().await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("the ledger holds"));
+    let month = Utc::now().format("%Y-%m").to_string();
+    let out = payfleet(&pool, &["money", "invoices", "--month", &month])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("has not ended"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = payfleet(&pool, &["money", "invoices", "--month", "2026-13"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("YYYY-MM"));
 }
