@@ -22,6 +22,8 @@ pub enum ConfigError {
     Invalid { name: &'static str, problem: String },
     #[error(transparent)]
     Queues(#[from] QueuesConfigError),
+    #[error(transparent)]
+    Recurring(#[from] crate::recurring::ScheduleError),
 }
 
 fn invalid(name: &'static str, problem: impl Into<String>) -> ConfigError {
@@ -93,8 +95,8 @@ pub struct Config {
     pub amqp_namespace: String,
     /// Queues unused this long are dropped by RabbitMQ (tests, preview set-ups).
     pub amqp_queue_ttl_ms: Option<u32>,
-    /// Whether worker processes keep the ledger's recurring jobs (release, payouts, invoices).
-    pub ledger_schedule: bool,
+    /// The recurring jobs worker processes schedule (`jobs/recurring.toml`).
+    pub recurring: crate::recurring::Schedules,
 }
 
 /// The source of settings: the process environment, or a map (tests).
@@ -229,6 +231,18 @@ impl Config {
                     QueuesConfig::from_file(&local)?
                 } else {
                     QueuesConfig::built_in()?
+                }
+            }
+        };
+        let recurring = match var(env, "PAYFLEET_RECURRING").as_deref() {
+            Some("off") => crate::recurring::Schedules::none(),
+            Some(path) => crate::recurring::Schedules::from_file(&PathBuf::from(path))?,
+            None => {
+                let local = PathBuf::from("jobs/recurring.toml");
+                if local.is_file() {
+                    crate::recurring::Schedules::from_file(&local)?
+                } else {
+                    crate::recurring::Schedules::built_in()?
                 }
             }
         };
@@ -374,7 +388,7 @@ impl Config {
             rpc_timeout: std::time::Duration::from_millis(rpc_timeout_ms),
             amqp_namespace,
             amqp_queue_ttl_ms,
-            ledger_schedule: parsed(env, "PAYFLEET_LEDGER_SCHEDULE", true)?,
+            recurring,
         })
     }
 }

@@ -2,8 +2,8 @@
 //!
 //! Layout (one module per bounded context; the root only assembles). Arrows point one way:
 //! `secret`, `money`, `db`, `tls` -> `gateways` -> `queue`, `messaging`, `catalogue` ->
-//! `ledger`, `payment_status` -> `orders` -> `payments` -> `webhooks` -> `http` -> `config`,
-//! `startup` -> `cli`, `demo`, `bench`.
+//! `ledger`, `payment_status`, `recurring` -> `orders` -> `payments` -> `webhooks` -> `http` ->
+//! `config`, `startup` -> `cli`, `demo`, `bench`.
 //! - `secret`     values that never print (secrets, URLs with passwords)
 //! - `money`      [`money::Money`]: decimal plus currency
 //! - `db`         the pool, migrations, which errors are outages, enums stored as text
@@ -20,6 +20,7 @@
 //! - `payments`   event processing (facts, waiting and rejected events, replay), payment links,
 //!   refunds
 //! - `webhooks`   signature schemes, the verified [`webhooks::Webhook`], the batching writer
+//! - `recurring`  schedules from jobs/recurring.toml, each period run once by the fleet
 //! - `http`       the routes of each area, the one API error type, health and metrics
 //! - `config`, `startup`, `cli`: environment, the one way to assemble a process, subcommands;
 //!   `demo`: drives a running fleet; `bench`: the benchmarks
@@ -39,6 +40,7 @@ pub mod orders;
 pub mod payment_status;
 pub mod payments;
 pub mod queue;
+pub mod recurring;
 pub mod secret;
 pub mod startup;
 pub mod tls;

@@ -19,7 +19,7 @@ use crate::gateways::{
 };
 use crate::http::{self, AppState, Readiness};
 use crate::ledger::coins::CoinService;
-use crate::ledger::jobs::{ReleaseMatured, RunInvoices, RunPayouts};
+use crate::ledger::jobs as ledger_jobs;
 use crate::messaging::Broker;
 use crate::messaging::rpc::{self, RpcClient};
 use crate::orders::checkout::Checkout;
@@ -30,6 +30,7 @@ use crate::payments::links::LinkService;
 use crate::payments::order_refunds::CarryOutRefund;
 use crate::payments::{ProcessPaymentEvent, Processor, RefundPayment};
 use crate::queue::{Fleet, FleetHandle, JobContext, JobError, Notifier, Registry};
+use crate::recurring::{self, RecurringRun, Tasks};
 use crate::webhooks::{EventWriter, Verifier};
 
 /// What a process runs.
@@ -168,16 +169,37 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
     registry.register::<SettleCoins, _, _>(|ctx: JobContext, job: SettleCoins| async move {
         job.run(&ctx.pool).await
     })?;
-    registry.register::<ReleaseMatured, _, _>(
-        |ctx: JobContext, job: ReleaseMatured| async move { job.run(&ctx.pool).await },
-    )?;
-    registry.register::<RunPayouts, _, _>(|ctx: JobContext, job: RunPayouts| async move {
-        job.run(&ctx.pool).await
-    })?;
-    registry.register::<RunInvoices, _, _>(|ctx: JobContext, job: RunInvoices| async move {
-        job.run(&ctx.pool).await
+    let tasks = Arc::new(recurring_tasks(config));
+    let schedules = Arc::new(config.recurring.clone());
+    registry.register::<RecurringRun, _, _>(move |ctx: JobContext, job: RecurringRun| {
+        let (tasks, schedules) = (tasks.clone(), schedules.clone());
+        async move { recurring::run(&tasks, &schedules, &ctx, &job).await }
     })?;
     Ok(registry)
+}
+
+/// What each recurring job of `jobs/recurring.toml` does.
+pub fn recurring_tasks(config: &Config) -> Tasks {
+    let fleet = config.queues.fleet.clone();
+    let mut tasks = Tasks::default();
+    tasks
+        .add("payouts", ledger_jobs::payouts)
+        .add("invoices", ledger_jobs::invoices)
+        .add("holding_release", ledger_jobs::release)
+        .add("prune", move |pool, _period| {
+            let (completed, discarded) = (
+                fleet.completed_retention_secs,
+                fleet.discarded_retention_secs,
+            );
+            async move {
+                let n = crate::queue::prune(&pool, completed, discarded).await?;
+                if n > 0 {
+                    tracing::info!(jobs = n, "pruned finished jobs");
+                }
+                Ok(())
+            }
+        });
+    tasks
 }
 
 /// A started process. [`Running::stop`] stops it gracefully: the server first (no new
@@ -189,6 +211,7 @@ pub struct Running {
         tokio::task::JoinHandle<std::io::Result<()>>,
     )>,
     fleet: Option<FleetHandle>,
+    scheduler: Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>,
     broker: Broker,
 }
 
@@ -240,6 +263,10 @@ impl Running {
                 Err(e) => tracing::error!(error = %e, "the HTTP server task failed"),
             }
         }
+        if let Some((stop, task)) = self.scheduler.take() {
+            let _ = stop.send(());
+            let _ = task.await;
+        }
         // No more payment-link requests taken; the connection closes.
         self.broker.stop();
         if let Some(fleet) = self.fleet.take() {
@@ -278,19 +305,22 @@ pub fn start(
         tokio::spawn(rpc::serve::<rpc::PaymentLink>(broker.clone(), links, 16));
         let coins = Arc::new(CoinService { pool: pool.clone() });
         tokio::spawn(rpc::serve::<rpc::Coins>(broker.clone(), coins, 16));
-        if config.ledger_schedule {
-            // Not fatal: the database may be down at start; the next worker start tries again.
-            let pool = pool.clone();
-            tokio::spawn(async move {
-                if let Err(e) = crate::ledger::jobs::ensure(&pool).await {
-                    tracing::error!(error = %e, "cannot schedule the ledger's recurring jobs");
-                }
-            });
-        }
         Some(fleet)
     } else {
         None
     };
+    // Each worker process ticks the schedules; the database decides who runs each period.
+    let scheduler = roles.work.then(|| {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(recurring::schedule(
+            pool.clone(),
+            config.recurring.clone(),
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        (stop, task)
+    });
     let readiness = Readiness {
         pool: pool.clone(),
         events: None,
@@ -331,6 +361,7 @@ pub fn start(
             razorpay_key_id: config.razorpay.as_ref().map(|r| r.key_id.clone()),
             gateways: gateways.clone(),
             rpc,
+            recurring: config.recurring.clone(),
         }))
     } else {
         listener
@@ -361,6 +392,7 @@ pub fn start(
         addr,
         server,
         fleet,
+        scheduler,
         broker,
     })
 }

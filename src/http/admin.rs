@@ -2,7 +2,8 @@
 //! wrong one). Without a configured token the admin API is off, and says so.
 
 use axum::Json;
-use axum::extract::{FromRequestParts, Path, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{FromRequestParts, Path, Query, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
@@ -17,6 +18,7 @@ use crate::orders::checkout::idempotency_key;
 use crate::payments::order_refunds::{
     self, CarriedOut, NewRefund, RefundError, RefundState, RefundView,
 };
+use crate::recurring;
 use crate::secret::Secret;
 
 pub(super) fn routes(state: AppState) -> axum::Router {
@@ -30,6 +32,8 @@ pub(super) fn routes(state: AppState) -> axum::Router {
             "/admin/orders/{number}/refunds",
             post(refund_order).get(order_refunds),
         )
+        .route("/admin/recurring", get(recurring_jobs))
+        .route("/admin/recurring/{name}/runs", get(recurring_runs))
         .route("/admin/payouts", get(pending_payouts))
         .route("/admin/payouts/{id}/paid", post(payout_paid))
         .route("/admin/payouts/{id}/failed", post(payout_failed))
@@ -250,4 +254,39 @@ async fn grant_coins(
     }
     let wallet = coins::grant(&state.pool, &buyer, amount, key).await?;
     Ok((StatusCode::CREATED, Json(wallet)))
+}
+
+/// The recurring jobs with their last and next run.
+async fn recurring_jobs(
+    State(state): State<AppState>,
+    _admin: Admin,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let list = recurring::overview(&state.pool, &state.recurring, chrono::Utc::now()).await?;
+    Ok(Json(serde_json::json!({ "recurring": list })))
+}
+
+#[derive(serde::Deserialize)]
+struct Limit {
+    limit: Option<i64>,
+}
+
+/// A recurring job's runs, newest first (`limit` 1 to 500, default 20).
+async fn recurring_runs(
+    State(state): State<AppState>,
+    _admin: Admin,
+    Path(name): Path<String>,
+    limit: Result<Query<Limit>, QueryRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let Query(Limit { limit }) = limit.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let limit = limit.unwrap_or(20);
+    if !(1..=500).contains(&limit) {
+        return Err(ApiError::bad_request(format!(
+            "limit is 1 to 500, not {limit}"
+        )));
+    }
+    if state.recurring.get(&name).is_none() {
+        return Err(ApiError::NotFound(format!("no recurring job {name:?}")));
+    }
+    let runs = recurring::runs(&state.pool, &name, limit).await?;
+    Ok(Json(serde_json::json!({ "name": name, "runs": runs })))
 }

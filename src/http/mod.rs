@@ -46,6 +46,8 @@ pub struct AppState {
     pub gateways: crate::gateways::GatewayRegistry,
     /// The order side's RPC client (payment links, coins).
     pub rpc: crate::messaging::rpc::RpcClient,
+    /// The fleet's recurring jobs, for the admin API.
+    pub recurring: crate::recurring::Schedules,
 }
 
 /// The receiver's API: webhooks, health and metrics.

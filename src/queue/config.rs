@@ -45,8 +45,6 @@ pub struct FleetSettings {
     pub lease_ms: u64,
     /// How often expired leases are looked for.
     pub rescue_interval_ms: u64,
-    /// How often finished jobs past their retention are deleted.
-    pub prune_interval_ms: u64,
     pub completed_retention_secs: u64,
     /// Dead jobs stay longer, for operators to inspect and retry.
     pub discarded_retention_secs: u64,
@@ -64,7 +62,6 @@ impl Default for FleetSettings {
             poll_interval_ms: 1000,
             lease_ms: 30_000,
             rescue_interval_ms: 5_000,
-            prune_interval_ms: 60_000,
             completed_retention_secs: 24 * 3600,
             discarded_retention_secs: 7 * 24 * 3600,
             shutdown_timeout_ms: 10_000,
@@ -83,9 +80,6 @@ impl FleetSettings {
     }
     pub fn rescue_interval(&self) -> Duration {
         Duration::from_millis(self.rescue_interval_ms)
-    }
-    pub fn prune_interval(&self) -> Duration {
-        Duration::from_millis(self.prune_interval_ms)
     }
     pub fn shutdown_timeout(&self) -> Duration {
         Duration::from_millis(self.shutdown_timeout_ms)
@@ -154,10 +148,8 @@ impl QueuesConfig {
                 "fleet.claim_batch, complete_batch and poll_interval_ms must be positive".into(),
             ));
         }
-        if f.rescue_interval_ms == 0 || f.prune_interval_ms == 0 {
-            return Err(invalid(
-                "fleet.rescue_interval_ms and prune_interval_ms must be positive".into(),
-            ));
+        if f.rescue_interval_ms == 0 {
+            return Err(invalid("fleet.rescue_interval_ms must be positive".into()));
         }
         Ok(config)
     }

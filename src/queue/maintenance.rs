@@ -1,5 +1,6 @@
-//! Maintenance: rescues runs whose lease expired and prunes finished jobs past their
-//! retention. Every worker runs it; `SKIP LOCKED` keeps two of them from doing the same rows.
+//! Maintenance: rescues runs whose lease expired (every worker, `SKIP LOCKED` keeping two of
+//! them from doing the same rows), and the pruning of finished jobs past their retention that
+//! the `prune` recurring job runs once per period for the whole fleet.
 
 use std::sync::Arc;
 
@@ -15,9 +16,7 @@ const PRUNE_BATCH: i64 = 5000;
 pub(crate) async fn maintain(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
     let fleet = &shared.config.fleet;
     let mut rescue_every = tokio::time::interval(fleet.rescue_interval());
-    let mut prune_every = tokio::time::interval(fleet.prune_interval());
     rescue_every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    prune_every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = rescue_every.tick() => {
@@ -25,13 +24,6 @@ pub(crate) async fn maintain(shared: Arc<Shared>, mut stopped: watch::Receiver<b
                     Ok(0) => {}
                     Ok(n) => tracing::warn!(jobs = n, "rescued jobs whose worker stopped renewing the lease"),
                     Err(e) => tracing::warn!(error = %e, "rescue failed"),
-                }
-            }
-            _ = prune_every.tick() => {
-                match prune(&shared.control, fleet.completed_retention_secs, fleet.discarded_retention_secs).await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::info!(jobs = n, "pruned finished jobs"),
-                    Err(e) => tracing::warn!(error = %e, "prune failed"),
                 }
             }
             _ = stop_requested(&mut stopped) => return,

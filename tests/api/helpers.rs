@@ -37,8 +37,8 @@ pub fn test_config() -> Config {
         ("PAYFLEET_QUEUES", "jobs/queues.toml"),
         ("PAYFLEET_RPC_TIMEOUT_MS", "3000"),
         ("PAYFLEET_AMQP_QUEUE_TTL_MS", "60000"),
-        // Tests step the ledger's runs themselves.
-        ("PAYFLEET_LEDGER_SCHEDULE", "false"),
+        // Tests step the recurring runs themselves.
+        ("PAYFLEET_RECURRING", "off"),
     ])
     .unwrap();
     config.webhooks = all_secrets();
@@ -329,8 +329,8 @@ pub fn payfleet(pool: &PgPool, args: &[&str]) -> tokio::process::Command {
     cmd.args(args)
         .env("DATABASE_URL", database_url(pool))
         .env("RUST_LOG", "warn")
-        // The ledger's recurring jobs never complete; these tests count jobs to their end.
-        .env("PAYFLEET_LEDGER_SCHEDULE", "false")
+        // Recurring runs would come and go; these tests count jobs to their end.
+        .env("PAYFLEET_RECURRING", "off")
         .env_remove("PAYFLEET_QUEUES")
         .kill_on_drop(true);
     cmd

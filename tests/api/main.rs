@@ -11,4 +11,5 @@ mod outage;
 mod process;
 mod processing;
 mod queue;
+mod recurring;
 mod webhooks;
