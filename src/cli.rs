@@ -48,6 +48,11 @@ enum Command {
         #[command(subcommand)]
         action: MoneyAction,
     },
+    /// The consistency findings still open; `--run` checks the invariants first.
+    Consistency {
+        #[arg(long)]
+        run: bool,
+    },
     /// Drive the fleet `up` started: a catalogue, checkouts, payments, an expiry, each order's
     /// journey.
     Demo(demo::DemoArgs),
@@ -137,6 +142,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Jobs { action } => jobs(config, action.unwrap_or(JobsAction::Counts)).await,
         Command::Events { action } => events_command(config, action).await,
         Command::Money { action } => money_command(config, action).await,
+        Command::Consistency { run } => consistency_command(config, run).await,
         Command::Demo(args) => demo::run(&config, args).await,
         Command::Bench { which } => match which {
             BenchCommand::Ingest(args) => bench::ingest(&config, args).await,
@@ -363,6 +369,34 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
                 );
             }
         }
+    }
+    pool.close().await;
+    Ok(())
+}
+
+async fn consistency_command(config: Config, run: bool) -> anyhow::Result<()> {
+    let pool = db::connect(&config.database_url, 2).await?;
+    if run {
+        let r = crate::consistency::run(&pool, config.consistency_grace).await?;
+        println!(
+            "checked: {} violations ({} new), {} resolved",
+            r.open, r.new, r.resolved
+        );
+    }
+    let findings = crate::consistency::open(&pool, 1000).await?;
+    if findings.is_empty() {
+        println!("no open consistency findings");
+    }
+    for f in findings {
+        println!(
+            "{}\t{}\t{}\tsince {}\t{}",
+            f.id,
+            f.check_name,
+            f.subject,
+            f.first_seen
+                .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            f.detail
+        );
     }
     pool.close().await;
     Ok(())

@@ -97,6 +97,8 @@ pub struct Config {
     pub amqp_queue_ttl_ms: Option<u32>,
     /// The recurring jobs worker processes schedule (`jobs/recurring.toml`).
     pub recurring: crate::recurring::Schedules,
+    /// How long work in flight may take before the consistency checks report it.
+    pub consistency_grace: std::time::Duration,
 }
 
 /// The source of settings: the process environment, or a map (tests).
@@ -389,6 +391,11 @@ impl Config {
             amqp_namespace,
             amqp_queue_ttl_ms,
             recurring,
+            consistency_grace: std::time::Duration::from_secs(parsed(
+                env,
+                "PAYFLEET_CONSISTENCY_GRACE_SECS",
+                900u64,
+            )?),
         })
     }
 }

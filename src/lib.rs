@@ -20,6 +20,7 @@
 //! - `payments`   event processing (facts, waiting and rejected events, replay), payment links,
 //!   refunds
 //! - `webhooks`   signature schemes, the verified [`webhooks::Webhook`], the batching writer
+//! - `consistency` the invariants checked by a recurring job, findings an operator lists
 //! - `recurring`  schedules from jobs/recurring.toml, each period run once by the fleet
 //! - `http`       the routes of each area, the one API error type, health and metrics
 //! - `config`, `startup`, `cli`: environment, the one way to assemble a process, subcommands;
@@ -29,6 +30,7 @@ pub mod bench;
 pub mod catalogue;
 pub mod cli;
 pub mod config;
+pub mod consistency;
 pub mod db;
 pub mod demo;
 pub mod gateways;

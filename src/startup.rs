@@ -181,11 +181,22 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
 /// What each recurring job of `jobs/recurring.toml` does.
 pub fn recurring_tasks(config: &Config) -> Tasks {
     let fleet = config.queues.fleet.clone();
+    let grace = config.consistency_grace;
     let mut tasks = Tasks::default();
     tasks
         .add("payouts", ledger_jobs::payouts)
         .add("invoices", ledger_jobs::invoices)
         .add("holding_release", ledger_jobs::release)
+        .add("consistency", move |pool, _period| async move {
+            let report = crate::consistency::run(&pool, grace).await?;
+            tracing::info!(
+                open = report.open,
+                new = report.new,
+                resolved = report.resolved,
+                "consistency checked"
+            );
+            Ok(())
+        })
         .add("prune", move |pool, _period| {
             let (completed, discarded) = (
                 fleet.completed_retention_secs,

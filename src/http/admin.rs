@@ -32,6 +32,7 @@ pub(super) fn routes(state: AppState) -> axum::Router {
             "/admin/orders/{number}/refunds",
             post(refund_order).get(order_refunds),
         )
+        .route("/admin/consistency", get(consistency_findings))
         .route("/admin/recurring", get(recurring_jobs))
         .route("/admin/recurring/{name}/runs", get(recurring_runs))
         .route("/admin/payouts", get(pending_payouts))
@@ -289,4 +290,13 @@ async fn recurring_runs(
     }
     let runs = recurring::runs(&state.pool, &name, limit).await?;
     Ok(Json(serde_json::json!({ "name": name, "runs": runs })))
+}
+
+/// The consistency findings still open, oldest first.
+async fn consistency_findings(
+    State(state): State<AppState>,
+    _admin: Admin,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let findings = crate::consistency::open(&state.pool, 1000).await?;
+    Ok(Json(serde_json::json!({ "findings": findings })))
 }

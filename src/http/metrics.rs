@@ -144,5 +144,17 @@ async fn gauges(pool: &PgPool, out: &mut String) -> Result<(), sqlx::Error> {
             b.map_or(0.0, |b| b.oldest_age_secs)
         );
     }
+    out.push_str("# HELP payfleet_consistency_violations Open consistency findings, by check (GET /admin/consistency lists them).
+");
+    out.push_str(
+        "# TYPE payfleet_consistency_violations gauge
+",
+    );
+    for (check, n) in crate::consistency::counts(pool).await? {
+        let _ = writeln!(
+            out,
+            "payfleet_consistency_violations{{check=\"{check}\"}} {n}"
+        );
+    }
     Ok(())
 }

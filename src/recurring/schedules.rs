@@ -17,7 +17,13 @@ use toml::Spanned;
 const BUILT_IN: &str = include_str!("../../jobs/recurring.toml");
 
 /// The recurring jobs this fleet knows how to run.
-pub const KNOWN: &[&str] = &["payouts", "invoices", "holding_release", "prune"];
+pub const KNOWN: &[&str] = &[
+    "payouts",
+    "invoices",
+    "holding_release",
+    "consistency",
+    "prune",
+];
 
 const DEFAULT_CATCH_UP: Duration = Duration::from_secs(24 * 3600);
 

@@ -2,6 +2,7 @@
 //! (#[sqlx::test]) and, where it needs HTTP, its own server on port 0.
 
 mod checkout;
+mod consistency;
 mod gateways;
 mod health;
 mod helpers;

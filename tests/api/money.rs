@@ -1253,6 +1253,13 @@ async fn proof_a_few_hundred_orders_end_to_end_to_the_cent(pool: PgPool) {
         assert_eq!(inv["lines"].as_array().unwrap().len(), e.orders);
     }
     invariants_hold(&pool).await;
+    // And the consistency checks, with no grace at all, find nothing to report.
+    assert_eq!(
+        payfleet::consistency::check(&pool, Duration::ZERO)
+            .await
+            .unwrap(),
+        vec![]
+    );
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]

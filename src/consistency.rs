@@ -1,0 +1,248 @@
+//! Consistency checks: the system's invariants, looked at by a recurring job (`consistency`).
+//! Each violation is reported three ways: a log line with the ids, a row an operator can list
+//! (`consistency_findings`, `GET /admin/consistency`, `payfleet consistency`), and the
+//! `payfleet_consistency_violations{check}` gauge. A finding stays open while the violation
+//! lasts and is resolved by the first run that no longer sees it.
+//!
+//! The checks (each given a grace period, so work in flight is not reported):
+//! - `captured_payment_unconfirmed`: a captured payment whose order is not confirmed (nor the
+//!   payment refunded), or a captured payment no checkout asked for that is not refunded;
+//! - `sale_without_credit`: a confirmed order paid through the platform (internal, mock,
+//!   Razorpay, coins) without its ledger credit;
+//! - `ledger_entries_differ`: an account whose entries do not sum to its balance, or a currency
+//!   whose balances do not sum to zero;
+//! - `coin_wallet_negative`: a coin wallet or reservation balance below zero;
+//! - `event_unprocessed`: a stored event not processed past the grace period (pending, waiting
+//!   for its payment, or rejected);
+//! - `job_stuck`: a running job whose lease expired long ago (the rescue should have ended it).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::PgPool;
+
+/// A violation seen by a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    pub check: &'static str,
+    /// What it is about, as ids an operator can look up ("order 42", "account 7").
+    pub subject: String,
+    pub detail: String,
+}
+
+/// The checks, by name.
+pub const CHECKS: &[&str] = &[
+    "captured_payment_unconfirmed",
+    "sale_without_credit",
+    "ledger_entries_differ",
+    "coin_wallet_negative",
+    "event_unprocessed",
+    "job_stuck",
+];
+
+/// Looks at every invariant now. `grace`: how long work in flight may take before it counts.
+pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sqlx::Error> {
+    let grace_secs = grace.as_secs_f64();
+    let mut found = Vec::new();
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('order %s, %s session %s', o.number, po.gateway, po.session_id),
+                format('payment %s since %s, order %s', po.status, po.succeeded_at, o.status)
+         FROM payment_orders po
+         JOIN payment_sessions s ON s.gateway = po.gateway AND s.session_id = po.session_id
+         JOIN orders o ON o.number = s.order_number
+         WHERE po.succeeded_at < now() - make_interval(secs => $1)
+           AND po.status NOT IN ('refunded')
+           AND o.paid_at IS NULL
+         UNION ALL
+         SELECT format('unmatched %s session %s', u.gateway, u.session_id),
+                format('payment %s, no order asked for it', u.status)
+         FROM unmatched_payments u
+         WHERE u.status IN ('succeeded', 'partially_refunded', 'disputed')
+           AND u.updated_at < now() - make_interval(secs => $1)",
+    )
+    .bind(grace_secs)
+    .fetch_all(pool)
+    .await?;
+    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
+        check: "captured_payment_unconfirmed",
+        subject,
+        detail,
+    }));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('order %s', o.number),
+                format('%s order paid at %s has no sale credit in the ledger',
+                       CASE WHEN o.paid_with_coins THEN 'coins' ELSE o.gateway END, o.paid_at)
+         FROM orders o
+         WHERE o.paid_at < now() - make_interval(secs => $1)
+           AND o.status NOT IN ('expired', 'cancelled')
+           AND (o.paid_with_coins OR o.gateway IN ('internal', 'mock', 'razorpay'))
+           AND NOT EXISTS (SELECT 1 FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number)",
+    )
+    .bind(grace_secs)
+    .fetch_all(pool)
+    .await?;
+    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
+        check: "sale_without_credit",
+        subject,
+        detail,
+    }));
+    let (accounts, currencies) = crate::ledger::check(pool).await?;
+    for id in accounts {
+        found.push(Violation {
+            check: "ledger_entries_differ",
+            subject: format!("account {id}"),
+            detail: "its entries do not sum to its balance".into(),
+        });
+    }
+    for c in currencies {
+        found.push(Violation {
+            check: "ledger_entries_differ",
+            subject: format!("currency {c}"),
+            detail: "its accounts' balances do not sum to zero".into(),
+        });
+    }
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('account %s', id), format('%s of buyer %s is %s %s', kind, owner, balance, currency)
+         FROM ledger_accounts WHERE kind IN ('buyer_wallet', 'coins_reserved') AND balance < 0",
+    )
+    .fetch_all(pool)
+    .await?;
+    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
+        check: "coin_wallet_negative",
+        subject,
+        detail,
+    }));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('event %s (%s %s)', id, gateway, event_id),
+                format('%s since %s%s', COALESCE(outcome, 'pending'), received_at,
+                       COALESCE(': ' || outcome_detail, ''))
+         FROM payment_events
+         WHERE processed_at IS NULL AND received_at < now() - make_interval(secs => $1)
+         ORDER BY id LIMIT 1000",
+    )
+    .bind(grace_secs)
+    .fetch_all(pool)
+    .await?;
+    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
+        check: "event_unprocessed",
+        subject,
+        detail,
+    }));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('job %s (%s on %s)', id, kind, queue),
+                format('running on %s, lease expired at %s', locked_by, lease_expires_at)
+         FROM jobs
+         WHERE state = 'running' AND lease_expires_at < now() - make_interval(secs => $1)
+         ORDER BY id LIMIT 1000",
+    )
+    .bind(grace_secs)
+    .fetch_all(pool)
+    .await?;
+    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
+        check: "job_stuck",
+        subject,
+        detail,
+    }));
+    Ok(found)
+}
+
+/// What a run changed in the findings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Report {
+    pub open: usize,
+    pub new: usize,
+    pub resolved: u64,
+}
+
+/// Runs the checks and brings `consistency_findings` in line: new violations opened (and
+/// logged with their ids), lasting ones seen again, gone ones resolved.
+pub async fn run(pool: &PgPool, grace: Duration) -> Result<Report, sqlx::Error> {
+    let found = check(pool, grace).await?;
+    let mut tx = pool.begin().await?;
+    // One run at a time brings the findings in line (two at once would resolve each other's).
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('consistency_findings', 0))")
+        .execute(&mut *tx)
+        .await?;
+    let mut new = 0;
+    for v in &found {
+        let opened: bool = sqlx::query_scalar(
+            "INSERT INTO consistency_findings (check_name, subject, detail) VALUES ($1, $2, $3)
+             ON CONFLICT (check_name, subject) WHERE resolved_at IS NULL
+             DO UPDATE SET detail = EXCLUDED.detail, last_seen = now()
+             RETURNING xmax = 0",
+        )
+        .bind(v.check)
+        .bind(&v.subject)
+        .bind(&v.detail)
+        .fetch_one(&mut *tx)
+        .await?;
+        if opened {
+            new += 1;
+            tracing::error!(check = v.check, subject = %v.subject, detail = %v.detail, "consistency violation");
+        }
+    }
+    let checks: Vec<&str> = found.iter().map(|v| v.check).collect();
+    let subjects: Vec<&str> = found.iter().map(|v| v.subject.as_str()).collect();
+    let resolved = sqlx::query(
+        "UPDATE consistency_findings f SET resolved_at = now()
+         WHERE f.resolved_at IS NULL
+           AND NOT EXISTS (SELECT 1 FROM unnest($1::text[], $2::text[]) AS s(check_name, subject)
+                           WHERE s.check_name = f.check_name AND s.subject = f.subject)",
+    )
+    .bind(&checks)
+    .bind(&subjects)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    tx.commit().await?;
+    if resolved > 0 {
+        tracing::info!(resolved, "consistency findings resolved");
+    }
+    Ok(Report {
+        open: found.len(),
+        new,
+        resolved,
+    })
+}
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct Finding {
+    pub id: i64,
+    pub check_name: String,
+    pub subject: String,
+    pub detail: String,
+    pub first_seen: DateTime<Utc>,
+    pub last_seen: DateTime<Utc>,
+}
+
+/// The open findings, oldest first.
+pub async fn open(pool: &PgPool, limit: i64) -> Result<Vec<Finding>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, check_name, subject, detail, first_seen, last_seen FROM consistency_findings
+         WHERE resolved_at IS NULL ORDER BY id LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
+/// Open findings by check, every check listed (zero included), for the gauge.
+pub async fn counts(pool: &PgPool) -> Result<Vec<(&'static str, i64)>, sqlx::Error> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT check_name, count(*) FROM consistency_findings WHERE resolved_at IS NULL GROUP BY check_name",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(CHECKS
+        .iter()
+        .map(|c| {
+            (
+                *c,
+                rows.iter()
+                    .find(|(n, _)| n == c)
+                    .map_or(0, |(_, count)| *count),
+            )
+        })
+        .collect())
+}

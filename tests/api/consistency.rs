@@ -1,0 +1,198 @@
+//! Consistency checks: every kind of violation is found, reported as a finding an operator can
+//! list and as a gauge, kept open while it lasts and resolved when it is gone.
+
+use std::time::Duration;
+
+use payfleet::consistency;
+use payfleet::ledger::{self, AccountKind, AccountRef, Transfer, TransferKind};
+use payfleet::money::Money;
+use serde_json::Value;
+use sqlx::PgPool;
+
+use crate::helpers::*;
+
+async fn exec(pool: &PgPool, sql: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn every_violation_is_found_listed_counted_and_resolved_when_gone(pool: PgPool) {
+    let grace = Duration::from_secs(60);
+    // A healthy database has nothing to report.
+    assert_eq!(consistency::check(&pool, grace).await.unwrap(), vec![]);
+
+    // A captured payment whose order is still waiting.
+    orders_for(&pool, "internal", &["s_captured", "s_paid"], "10.00", "BRL").await;
+    exec(
+        &pool,
+        "INSERT INTO payment_orders (gateway, session_id, payment_id, status, amount, currency, succeeded_at)
+         VALUES ('internal', 's_captured', 'p1', 'succeeded', 10, 'BRL', now() - interval '1 hour')",
+    )
+    .await;
+    // A captured payment no checkout asked for, never refunded.
+    exec(
+        &pool,
+        "INSERT INTO unmatched_payments (gateway, session_id, status, updated_at)
+         VALUES ('internal', 's_nobody', 'succeeded', now() - interval '1 hour')",
+    )
+    .await;
+    // A confirmed internal-gateway order without its sale credit.
+    exec(
+        &pool,
+        "UPDATE orders SET status = 'paid', payment_status = 'succeeded', paid_at = now() - interval '1 hour'
+         WHERE session_id = 's_paid'",
+    )
+    .await;
+    // An account whose balance moved without an entry.
+    let c = "BRL".parse().unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    ledger::post(
+        &mut tx,
+        &Transfer {
+            source_key: "t1".into(),
+            kind: TransferKind::Adjustment,
+            from: AccountRef::new(AccountKind::GatewayClearing, "internal:x", c),
+            to: AccountRef::new(AccountKind::SellerPending, "x", c),
+            amount: Money::parse("5.00", "BRL").unwrap(),
+            available_at: None,
+            order_number: None,
+            reference: None,
+        },
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    exec(
+        &pool,
+        "UPDATE ledger_accounts SET balance = balance + 1 WHERE kind = 'seller_pending'",
+    )
+    .await;
+    // A negative coin wallet (possible only without the CHECK, which this test drops).
+    exec(
+        &pool,
+        "ALTER TABLE ledger_accounts DROP CONSTRAINT ledger_accounts_wallet_not_negative",
+    )
+    .await;
+    exec(
+        &pool,
+        "INSERT INTO ledger_accounts (kind, owner, currency, balance) VALUES ('buyer_wallet', 'b1', 'BRL', -3)",
+    )
+    .await;
+    // An event nobody processed for an hour.
+    exec(
+        &pool,
+        "INSERT INTO payment_events (gateway, event_id, raw_body, received_at)
+         VALUES ('internal', 'ev_old', '\\x7b7d', now() - interval '1 hour')",
+    )
+    .await;
+    // A job whose lease expired an hour ago and was never rescued.
+    exec(
+        &pool,
+        "INSERT INTO jobs (queue, kind, state, attempt, attempted_at, lease_token, lease_expires_at, locked_by)
+         VALUES ('default', 'echo', 'running', 1, now() - interval '2 hours', 1, now() - interval '1 hour', 'w1')",
+    )
+    .await;
+
+    let report = consistency::run(&pool, grace).await.unwrap();
+    let findings = consistency::open(&pool, 100).await.unwrap();
+    let mut seen: Vec<(String, String)> = findings
+        .iter()
+        .map(|f| (f.check_name.clone(), f.subject.clone()))
+        .collect();
+    seen.sort();
+    let order_captured: i64 =
+        sqlx::query_scalar("SELECT number FROM orders WHERE session_id = 's_captured'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let order_paid = order_captured + 1;
+    let event: i64 = sqlx::query_scalar("SELECT id FROM payment_events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let job: i64 = sqlx::query_scalar("SELECT id FROM jobs")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let pending: i64 =
+        sqlx::query_scalar("SELECT id FROM ledger_accounts WHERE kind = 'seller_pending'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let wallet: i64 =
+        sqlx::query_scalar("SELECT id FROM ledger_accounts WHERE kind = 'buyer_wallet'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let mut expected: Vec<(String, String)> = vec![
+        (
+            "captured_payment_unconfirmed".into(),
+            format!("order {order_captured}, internal session s_captured"),
+        ),
+        (
+            "captured_payment_unconfirmed".into(),
+            "unmatched internal session s_nobody".into(),
+        ),
+        ("coin_wallet_negative".into(), format!("account {wallet}")),
+        (
+            "event_unprocessed".into(),
+            format!("event {event} (internal ev_old)"),
+        ),
+        ("job_stuck".into(), format!("job {job} (echo on default)")),
+        ("ledger_entries_differ".into(), format!("account {pending}")),
+        // The wallet's balance came from no entry either.
+        ("ledger_entries_differ".into(), format!("account {wallet}")),
+        ("ledger_entries_differ".into(), "currency BRL".into()),
+        ("sale_without_credit".into(), format!("order {order_paid}")),
+    ];
+    expected.sort();
+    assert_eq!(seen, expected);
+    assert_eq!((report.open, report.new, report.resolved), (9, 9, 0));
+
+    // Listed for operators (admin token), and counted by the gauge.
+    let app = spawn_app(pool.clone()).await;
+    let list: Value = app
+        .http
+        .get(format!("http://{}/admin/consistency", app.addr))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["findings"].as_array().unwrap().len(), 9);
+    let (_, metrics) = app.get("/metrics").await;
+    assert!(
+        metrics.contains("payfleet_consistency_violations{check=\"ledger_entries_differ\"} 3"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("payfleet_consistency_violations{check=\"job_stuck\"} 1"));
+
+    // Seen again: still open, nothing new. Then the event is processed and the job rescued:
+    // those two are resolved, the rest stay.
+    let again = consistency::run(&pool, grace).await.unwrap();
+    assert_eq!((again.open, again.new, again.resolved), (9, 0, 0));
+    exec(
+        &pool,
+        "UPDATE payment_events SET processed_at = now(), outcome = 'ignored'",
+    )
+    .await;
+    payfleet::queue::rescue_expired(&pool).await.unwrap();
+    let after = consistency::run(&pool, grace).await.unwrap();
+    assert_eq!((after.open, after.new, after.resolved), (7, 0, 2));
+    let (_, metrics) = app.get("/metrics").await;
+    assert!(metrics.contains("payfleet_consistency_violations{check=\"job_stuck\"} 0"));
+    assert!(metrics.contains("payfleet_consistency_violations{check=\"event_unprocessed\"} 0"));
+    // Within the grace period, work in flight is not reported.
+    assert!(
+        consistency::check(&pool, Duration::from_secs(3 * 3600))
+            .await
+            .unwrap()
+            .iter()
+            .all(|v| v.check == "ledger_entries_differ" || v.check == "coin_wallet_negative")
+    );
+}
