@@ -405,6 +405,25 @@ pub fn log_filter() -> String {
     var(&ProcessEnv, "RUST_LOG").unwrap_or_else(|| "info,sqlx=warn".to_owned())
 }
 
+/// How log lines are written (`PAYFLEET_LOG_FORMAT`): text for people, JSON (one object per
+/// line, with the spans' fields) for log pipelines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+pub fn log_format() -> Result<LogFormat, ConfigError> {
+    match var(&ProcessEnv, "PAYFLEET_LOG_FORMAT").as_deref() {
+        None | Some("text") => Ok(LogFormat::Text),
+        Some("json") => Ok(LogFormat::Json),
+        Some(other) => Err(invalid(
+            "PAYFLEET_LOG_FORMAT",
+            format!("{other:?}: text or json"),
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

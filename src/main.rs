@@ -1,13 +1,28 @@
 use clap::Parser;
+use payfleet::config::LogFormat;
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     payfleet::tls::install_provider();
-    tracing_subscriber::fmt()
+    let format = match payfleet::config::log_format() {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("payfleet: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::new(payfleet::config::log_filter()))
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => logs
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .init(),
+        LogFormat::Text => logs.init(),
+    }
     match payfleet::cli::run(payfleet::cli::Cli::parse()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

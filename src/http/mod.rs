@@ -64,6 +64,35 @@ pub fn router(state: AppState) -> Router {
             Some(state.counters.clone()),
         ))
         .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
+        .layer(axum::middleware::from_fn(request_span))
+}
+
+/// One span per request, with its method, route and id (the caller's `x-request-id` when it
+/// sends a sane one, else a new one), echoed in the answer's `x-request-id`.
+async fn request_span(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 64 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_owned)
+        .unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()));
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or("unmatched", |p| p.as_str())
+        .to_owned();
+    let span =
+        tracing::info_span!("request", method = %req.method(), route = %route, request_id = %id);
+    let mut resp = tracing::Instrument::instrument(next.run(req), span.clone()).await;
+    span.in_scope(|| tracing::debug!(status = resp.status().as_u16(), "answered"));
+    if let Ok(v) = axum::http::HeaderValue::from_str(&id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
 }
 
 /// A worker process's own endpoints: health and metrics.

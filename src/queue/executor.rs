@@ -10,6 +10,7 @@ use sqlx::PgPool;
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::fleet::{Shared, backoff, pause, stop_requested};
 use super::registry::{JobContext, Registry};
@@ -45,12 +46,17 @@ pub(crate) async fn run_one(
     // anywhere in the handler is caught and a timeout or a lost lease can stop it.
     let kind = job.kind;
     let payload = job.payload;
-    let mut task = AbortOnDrop(tokio::spawn(async move {
-        match handler(ctx, payload) {
-            Ok(future) => Ok(future.await),
-            Err(e) => Err(e),
+    // Every log line of the run carries the job's ids.
+    let span = tracing::info_span!("job", id = %job.id, kind = %kind, queue, attempt = job.attempt);
+    let mut task = AbortOnDrop(tokio::spawn(
+        async move {
+            match handler(ctx, payload) {
+                Ok(future) => Ok(future.await),
+                Err(e) => Err(e),
+            }
         }
-    }));
+        .instrument(span),
+    ));
     let lost = async {
         match lease_lost {
             Some(rx) => match rx.await {

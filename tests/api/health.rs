@@ -181,3 +181,28 @@ async fn a_scrape_reads_the_backlog_not_the_whole_jobs_table(pool: PgPool) {
     );
     let _ = Arc::new(());
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn every_answer_carries_its_request_id(pool: PgPool) {
+    let app = spawn_app(pool).await;
+    let given = app
+        .http
+        .get(format!("http://{}/healthz", app.addr))
+        .header("x-request-id", "req-42")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(given.headers()["x-request-id"], "req-42");
+    // None (or one that is not sane): a new one, also on errors.
+    for header in [None, Some("bad id with spaces")] {
+        let mut req = app.http.get(format!("http://{}/nowhere", app.addr));
+        if let Some(h) = header {
+            req = req.header("x-request-id", h);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), 404);
+        let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+        assert_eq!(id.len(), 16, "{id}");
+        assert!(id.bytes().all(|b| b.is_ascii_hexdigit()));
+    }
+}

@@ -302,3 +302,39 @@ async fn a_worker_reports_its_own_readiness_and_never_logs_a_password(pool: PgPo
         "a password reached the logs: {logs}"
     );
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn logs_are_json_lines_on_request_and_a_bad_format_is_refused(pool: PgPool) {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let mut worker = payfleet(&pool, &["work"])
+        .env("PAYFLEET_LOG_FORMAT", "json")
+        .env("RUST_LOG", "info")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(worker.stderr.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .expect("a log line")
+        .unwrap()
+        .expect("a log line");
+    let entry: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    assert!(
+        entry["level"].is_string() && entry["fields"]["message"].is_string(),
+        "{entry}"
+    );
+    worker.kill().await.unwrap();
+
+    let out = run_with(&pool, &["jobs"], ("PAYFLEET_LOG_FORMAT", "xml")).await;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("PAYFLEET_LOG_FORMAT"));
+}
+
+async fn run_with(pool: &PgPool, args: &[&str], env: (&str, &str)) -> std::process::Output {
+    payfleet(pool, args)
+        .env(env.0, env.1)
+        .output()
+        .await
+        .unwrap()
+}
