@@ -338,3 +338,52 @@ async fn run_with(pool: &PgPool, args: &[&str], env: (&str, &str)) -> std::proce
         .await
         .unwrap()
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn three_worker_processes_drain_a_backlog_with_every_job_run_once(pool: PgPool) {
+    const N: i64 = 900;
+    let app = Arc::new(spawn_app(pool.clone()).await);
+    deliver_payments(&app, N as usize).await;
+    let queues = queues_file("three", 8);
+    let mut workers: Vec<_> = (0..3)
+        .map(|_| {
+            payfleet(&pool, &["work"])
+                .env("PAYFLEET_QUEUES", &queues)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    wait_for(
+        "every job to complete",
+        Duration::from_secs(60),
+        async || {
+            let left: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state <> 'completed'")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            left == 0
+        },
+    )
+    .await;
+    for w in &mut workers {
+        w.kill().await.unwrap();
+    }
+    // Each job was claimed once (a second claim would be a second attempt) and its event
+    // processed once: one payment, one paid order each.
+    let (jobs, first_attempts): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE attempt = 1 AND errors = '[]'::jsonb) FROM jobs",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((jobs, first_attempts), (N, N));
+    let (orders, paid, payments): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE status = 'paid'), (SELECT count(*) FROM payment_orders) FROM orders",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((orders, paid, payments), (N, N, N));
+    assert_eq!(processed_events(&pool).await, N);
+}
