@@ -99,6 +99,8 @@ pub struct Config {
     pub recurring: crate::recurring::Schedules,
     /// How long work in flight may take before the consistency checks report it.
     pub consistency_grace: std::time::Duration,
+    /// Missed-webhook reconciliation: grace, sessions per gateway per run, pace.
+    pub reconcile: crate::payments::reconcile::Settings,
 }
 
 /// The source of settings: the process environment, or a map (tests).
@@ -396,6 +398,19 @@ impl Config {
                 "PAYFLEET_CONSISTENCY_GRACE_SECS",
                 900u64,
             )?),
+            reconcile: crate::payments::reconcile::Settings {
+                grace: std::time::Duration::from_secs(parsed(
+                    env,
+                    "PAYFLEET_RECONCILE_GRACE_SECS",
+                    300u64,
+                )?),
+                per_run: parsed(env, "PAYFLEET_RECONCILE_PER_RUN", 100usize)?,
+                pace: std::time::Duration::from_millis(parsed(
+                    env,
+                    "PAYFLEET_RECONCILE_PACE_MS",
+                    200u64,
+                )?),
+            },
         })
     }
 }

@@ -162,14 +162,15 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
         let gateways = refunds.clone();
         async move { job.run(&gateways).await }
     })?;
+    let refunding = gateways.clone();
     registry.register::<CarryOutRefund, _, _>(move |ctx: JobContext, job: CarryOutRefund| {
-        let gateways = gateways.clone();
+        let gateways = refunding.clone();
         async move { job.run(&ctx.pool, &gateways).await }
     })?;
     registry.register::<SettleCoins, _, _>(|ctx: JobContext, job: SettleCoins| async move {
         job.run(&ctx.pool).await
     })?;
-    let tasks = Arc::new(recurring_tasks(config));
+    let tasks = Arc::new(recurring_tasks(config, &gateways));
     let schedules = Arc::new(config.recurring.clone());
     registry.register::<RecurringRun, _, _>(move |ctx: JobContext, job: RecurringRun| {
         let (tasks, schedules) = (tasks.clone(), schedules.clone());
@@ -179,14 +180,24 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
 }
 
 /// What each recurring job of `jobs/recurring.toml` does.
-pub fn recurring_tasks(config: &Config) -> Tasks {
+pub fn recurring_tasks(config: &Config, gateways: &GatewayRegistry) -> Tasks {
     let fleet = config.queues.fleet.clone();
     let grace = config.consistency_grace;
+    let reconcile = Arc::new((gateways.clone(), config.reconcile.clone()));
     let mut tasks = Tasks::default();
     tasks
         .add("payouts", ledger_jobs::payouts)
         .add("invoices", ledger_jobs::invoices)
         .add("holding_release", ledger_jobs::release)
+        .add("reconcile", move |pool, _period| {
+            let reconcile = reconcile.clone();
+            async move {
+                let (gateways, settings) = &*reconcile;
+                let r = crate::payments::reconcile::run(&pool, gateways, settings).await?;
+                tracing::info!(asked = r.asked, found = r.found, unreachable = ?r.unreachable, "reconciliation done");
+                Ok(())
+            }
+        })
         .add("consistency", move |pool, _period| async move {
             let report = crate::consistency::run(&pool, grace).await?;
             tracing::info!(

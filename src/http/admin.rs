@@ -33,6 +33,7 @@ pub(super) fn routes(state: AppState) -> axum::Router {
             post(refund_order).get(order_refunds),
         )
         .route("/admin/consistency", get(consistency_findings))
+        .route("/admin/reconciliation", get(reconciliation_findings))
         .route("/admin/recurring", get(recurring_jobs))
         .route("/admin/recurring/{name}/runs", get(recurring_runs))
         .route("/admin/payouts", get(pending_payouts))
@@ -298,5 +299,14 @@ async fn consistency_findings(
     _admin: Admin,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let findings = crate::consistency::open(&state.pool, 1000).await?;
+    Ok(Json(serde_json::json!({ "findings": findings })))
+}
+
+/// What missed-webhook reconciliation found, newest first.
+async fn reconciliation_findings(
+    State(state): State<AppState>,
+    _admin: Admin,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let findings = crate::payments::reconcile::findings(&state.pool, 500).await?;
     Ok(Json(serde_json::json!({ "findings": findings })))
 }

@@ -18,6 +18,7 @@ pub mod events;
 pub mod hosted;
 pub mod links;
 pub mod order_refunds;
+pub mod reconcile;
 mod refunds;
 
 use serde::{Deserialize, Serialize};
@@ -145,6 +146,7 @@ pub struct Processor {
 struct EventRow {
     id: i64,
     raw_body: Vec<u8>,
+    source: String,
     processed_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
@@ -159,7 +161,7 @@ impl Processor {
         event: &str,
     ) -> Result<Processed, ProcessError> {
         let row: EventRow = sqlx::query_as(
-            "SELECT id, raw_body, processed_at FROM payment_events WHERE gateway = $1 AND event_id = $2",
+            "SELECT id, raw_body, source, processed_at FROM payment_events WHERE gateway = $1 AND event_id = $2",
         )
         .bind(gateway.as_str())
         .bind(event)
@@ -193,24 +195,28 @@ impl Processor {
             source,
         };
         // Network calls happen before the transaction, never while it holds locks.
-        let interpretation =
-            match gateways::interpret(gateway, &row.raw_body).map_err(unreadable)? {
-                Interpretation::Lookup { resource_id } => {
-                    let client = self
-                        .mercadopago
-                        .as_ref()
-                        .ok_or(ProcessError::NoMercadoPagoClient)?;
-                    let (payment, facts) = client.payment_facts(&resource_id).await?;
-                    if payment.session_id.is_none() {
-                        Interpretation::Ignore(format!(
-                            "payment {resource_id} has no external_reference"
-                        ))
-                    } else {
-                        Interpretation::Update { payment, facts }
-                    }
+        let read = if row.source == "reconciliation" {
+            reconcile::interpret(&row.raw_body)
+        } else {
+            gateways::interpret(gateway, &row.raw_body)
+        };
+        let interpretation = match read.map_err(unreadable)? {
+            Interpretation::Lookup { resource_id } => {
+                let client = self
+                    .mercadopago
+                    .as_ref()
+                    .ok_or(ProcessError::NoMercadoPagoClient)?;
+                let (payment, facts) = client.payment_facts(&resource_id).await?;
+                if payment.session_id.is_none() {
+                    Interpretation::Ignore(format!(
+                        "payment {resource_id} has no external_reference"
+                    ))
+                } else {
+                    Interpretation::Update { payment, facts }
                 }
-                other => other,
-            };
+            }
+            other => other,
+        };
 
         let mut tx = pool.begin().await?;
         let processed: Option<Option<chrono::DateTime<chrono::Utc>>> =

@@ -21,6 +21,7 @@ pub const KNOWN: &[&str] = &[
     "payouts",
     "invoices",
     "holding_release",
+    "reconcile",
     "consistency",
     "prune",
 ];

@@ -12,5 +12,6 @@ mod outage;
 mod process;
 mod processing;
 mod queue;
+mod reconcile;
 mod recurring;
 mod webhooks;

@@ -1,0 +1,293 @@
+//! Missed-webhook reconciliation (the `reconcile` recurring job). Gateways retry for days, but
+//! a webhook can still be lost (a misconfigured endpoint, a gateway that gave up): a payment the
+//! buyer made then never confirms its order. So for payments still pending after a grace period,
+//! the gateway is asked (`PaymentGateway::status`: Stripe's Checkout Session, Mercado Pago's
+//! payment search, Razorpay's order payments, the internal gateway's own record), and what it
+//! says is stored as an event of our own (`source = 'reconciliation'`, with an id made of the
+//! session and the status) and processed by the same job and path as a webhook: the
+//! facts are recorded once whichever comes first, the webhook or the reconciliation, or both.
+//!
+//! Each gateway is asked at most `per_run` sessions per run, spaced by `pace` (its rate
+//! limit), least recently checked first. A gateway that does not answer is left for the next
+//! run, and reported (a finding and a log line).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+
+use super::ProcessPaymentEvent;
+use crate::gateways::api::PaymentState;
+use crate::gateways::{
+    EventError, Fact, GatewayName, GatewayRegistry, Interpretation, PaymentRef, PaymentStatus,
+};
+use crate::money::Money;
+use crate::queue::{self, QueueError};
+
+/// The `event_type` of the events reconciliation stores.
+pub const EVENT_TYPE: &str = "payfleet.reconciled";
+
+/// The body of a reconciliation event.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Reconciled {
+    session_id: String,
+    payment_id: Option<String>,
+    status: String,
+    amount: Option<Money>,
+}
+
+/// Reads a reconciliation event, as `gateways::interpret` reads a webhook.
+pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
+    let r: Reconciled = serde_json::from_slice(body)?;
+    let status = match r.status.as_str() {
+        "succeeded" => PaymentStatus::Succeeded,
+        "failed" => PaymentStatus::Failed,
+        _ => return Ok(Interpretation::Ignore("the gateway says pending".into())),
+    };
+    Ok(Interpretation::Update {
+        payment: PaymentRef {
+            session_id: Some(r.session_id),
+            payment_id: r.payment_id,
+        },
+        facts: vec![Fact::Payment {
+            status,
+            amount: r.amount,
+        }],
+    })
+}
+
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// How long a payment may stay pending before the gateway is asked.
+    pub grace: Duration,
+    /// Most sessions asked of one gateway per run.
+    pub per_run: usize,
+    /// Time between two questions to the same gateway.
+    pub pace: Duration,
+}
+
+/// What one run found, per gateway.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    pub asked: usize,
+    /// Payments the gateway settled that no webhook had told us about.
+    pub found: usize,
+    /// Gateways that did not answer (left for the next run).
+    pub unreachable: Vec<GatewayName>,
+}
+
+#[derive(sqlx::FromRow)]
+struct Pending {
+    gateway: GatewayName,
+    session_id: String,
+    order_number: i64,
+    seller_account: Option<String>,
+}
+
+/// One run: asks each enabled gateway about its payments pending past the grace period.
+pub async fn run(
+    pool: &PgPool,
+    gateways: &GatewayRegistry,
+    settings: &Settings,
+) -> Result<Report, QueueError> {
+    let names: Vec<&str> = gateways.names().iter().map(|g| g.as_str()).collect();
+    let pending: Vec<Pending> = sqlx::query_as(
+        "SELECT gateway, session_id, order_number, seller_account FROM (
+             SELECT s.gateway, s.session_id, s.order_number, s.metadata ->> 'seller_account' AS seller_account,
+                    row_number() OVER (PARTITION BY s.gateway ORDER BY s.checked_at NULLS FIRST, s.created_at) AS n
+             FROM payment_sessions s
+             JOIN orders o ON o.number = s.order_number
+             LEFT JOIN payment_orders po ON po.gateway = s.gateway AND po.session_id = s.session_id
+             WHERE s.gateway = ANY($1)
+               AND s.created_at < now() - make_interval(secs => $2)
+               AND o.paid_at IS NULL
+               AND (o.status IN ('awaiting_payment', 'payment_failed')
+                    OR (o.status = 'expired' AND o.expired_at > now() - interval '1 day'))
+               AND (po.id IS NULL OR (po.succeeded_at IS NULL AND po.failed_at IS NULL))
+         ) due WHERE n <= $3",
+    )
+    .bind(&names)
+    .bind(settings.grace.as_secs_f64())
+    .bind(settings.per_run as i64)
+    .fetch_all(pool)
+    .await?;
+    let mut report = Report::default();
+    // Gateways are asked concurrently, each at its own pace.
+    let mut by_gateway: std::collections::HashMap<GatewayName, Vec<Pending>> = Default::default();
+    for p in pending {
+        by_gateway.entry(p.gateway).or_default().push(p);
+    }
+    let runs = by_gateway.into_iter().map(|(name, sessions)| async move {
+        ask_gateway(pool, gateways, settings, name, sessions).await
+    });
+    for (name, result) in futures_util::future::join_all(runs).await {
+        let (asked, found, reachable) = result?;
+        report.asked += asked;
+        report.found += found;
+        if !reachable {
+            report.unreachable.push(name);
+        }
+    }
+    Ok(report)
+}
+
+async fn ask_gateway(
+    pool: &PgPool,
+    gateways: &GatewayRegistry,
+    settings: &Settings,
+    name: GatewayName,
+    sessions: Vec<Pending>,
+) -> (GatewayName, Result<(usize, usize, bool), QueueError>) {
+    let Some(gateway) = gateways.get(name) else {
+        return (name, Ok((0, 0, true)));
+    };
+    let (mut asked, mut found) = (0, 0);
+    for (i, p) in sessions.iter().enumerate() {
+        if i > 0 {
+            tokio::time::sleep(settings.pace).await;
+        }
+        asked += 1;
+        let state = match gateway
+            .status(&p.session_id, p.seller_account.as_deref())
+            .await
+        {
+            Ok(state) => state,
+            Err(e) if e.is_transient() => {
+                tracing::warn!(gateway = %name, session = %p.session_id, error = %e, "reconciliation: the gateway does not answer; trying again next run");
+                let r = finding(pool, name, p, "unreachable", &e.to_string()).await;
+                return (name, r.map(|_| (asked, found, false)));
+            }
+            Err(e) => {
+                tracing::warn!(gateway = %name, session = %p.session_id, error = %e, "reconciliation: the gateway refused the question");
+                if let Err(e) = finding(pool, name, p, "refused", &e.to_string()).await {
+                    return (name, Err(e));
+                }
+                continue;
+            }
+        };
+        match record(pool, name, p, &state).await {
+            Ok(true) => found += 1,
+            Ok(false) => {}
+            Err(e) => return (name, Err(e)),
+        }
+    }
+    (name, Ok((asked, found, true)))
+}
+
+/// Stores what the gateway said, if it settled the payment, as an event with its processing
+/// job. Returns whether it was news.
+async fn record(
+    pool: &PgPool,
+    gateway: GatewayName,
+    p: &Pending,
+    state: &PaymentState,
+) -> Result<bool, QueueError> {
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "UPDATE payment_sessions SET checked_at = now() WHERE gateway = $1 AND session_id = $2",
+    )
+    .bind(gateway)
+    .bind(&p.session_id)
+    .execute(&mut *tx)
+    .await?;
+    let status = match state.status {
+        PaymentStatus::Succeeded => "succeeded",
+        PaymentStatus::Failed => "failed",
+        PaymentStatus::Pending => {
+            tx.commit().await?;
+            return Ok(false);
+        }
+    };
+    let body = serde_json::to_vec(&Reconciled {
+        session_id: p.session_id.clone(),
+        payment_id: state.payment_id.clone(),
+        status: status.to_owned(),
+        amount: state.amount,
+    })
+    .map_err(QueueError::Encode)?;
+    // The same finding twice is the same event.
+    let event_id = format!("reconciled:{}:{status}", p.session_id);
+    let stored: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO payment_events (gateway, event_id, event_type, raw_body, source)
+         VALUES ($1, $2, $3, $4, 'reconciliation') ON CONFLICT (gateway, event_id) DO NOTHING RETURNING id",
+    )
+    .bind(gateway)
+    .bind(&event_id)
+    .bind(EVENT_TYPE)
+    .bind(&body)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if stored.is_none() {
+        tx.commit().await?;
+        return Ok(false);
+    }
+    queue::enqueue(&mut *tx, ProcessPaymentEvent::job(gateway, &event_id)?).await?;
+    sqlx::query(
+        "INSERT INTO reconciliation_findings (gateway, session_id, order_number, outcome, detail)
+         VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(gateway)
+    .bind(&p.session_id)
+    .bind(p.order_number)
+    .bind(status)
+    .bind(format!("the gateway says {status}; no webhook had said so"))
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    tracing::warn!(%gateway, session = %p.session_id, order = p.order_number, status, "reconciliation found a payment no webhook reported");
+    Ok(true)
+}
+
+async fn finding(
+    pool: &PgPool,
+    gateway: GatewayName,
+    p: &Pending,
+    outcome: &str,
+    detail: &str,
+) -> Result<(), QueueError> {
+    sqlx::query(
+        "INSERT INTO reconciliation_findings (gateway, session_id, order_number, outcome, detail)
+         VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(gateway)
+    .bind(&p.session_id)
+    .bind(p.order_number)
+    .bind(outcome)
+    .bind(detail)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct Finding {
+    pub id: i64,
+    pub gateway: String,
+    pub session_id: String,
+    pub order_number: i64,
+    pub outcome: String,
+    pub detail: String,
+    pub found_at: DateTime<Utc>,
+}
+
+/// The latest findings, newest first.
+pub async fn findings(pool: &PgPool, limit: i64) -> Result<Vec<Finding>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, gateway, session_id, order_number, outcome, detail, found_at
+         FROM reconciliation_findings ORDER BY id DESC LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
+/// Findings of the last day by gateway and outcome, for the gauge.
+pub async fn recent_counts(pool: &PgPool) -> Result<Vec<(String, String, i64)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT gateway, outcome, count(*) FROM reconciliation_findings
+         WHERE found_at > now() - interval '1 day' GROUP BY gateway, outcome ORDER BY 1, 2",
+    )
+    .fetch_all(pool)
+    .await
+}

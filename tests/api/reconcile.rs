@@ -1,0 +1,222 @@
+//! Missed-webhook reconciliation: a payment whose webhook was lost confirms its order once the
+//! gateway is asked, the webhook arriving too changes nothing twice, each gateway is asked at
+//! its pace and within its share per run, and a gateway that does not answer is reported.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::Path;
+use axum::routing::get;
+use payfleet::payments::reconcile::{self, Settings};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+use crate::checkout::{Shop, payment_side};
+use crate::helpers::*;
+
+fn settings(per_run: usize, pace_ms: u64) -> Settings {
+    Settings {
+        grace: Duration::ZERO,
+        per_run,
+        pace: Duration::from_millis(pace_ms),
+    }
+}
+
+async fn order_events(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT kind FROM order_events ORDER BY id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_lost_webhook_is_found_by_asking_the_gateway_and_the_late_one_changes_nothing(
+    pool: PgPool,
+) {
+    let shop = Shop {
+        app: Arc::new(spawn_app(pool.clone()).await),
+    };
+    payment_side(&pool, &shop.app.config);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let seller = shop.seller("S").await;
+    let product = shop.product(&seller, "25.00", "BRL").await;
+    let (status, answer) = shop
+        .checkout(
+            Some("k"),
+            json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{answer}");
+    let order = &answer["orders"][0];
+    let n = order["number"].as_i64().unwrap();
+    // The buyer pays; the gateway's webhook is not delivered (its delivery job is not run).
+    let paid = reqwest::Client::new()
+        .post(order["payment"]["url"].as_str().unwrap())
+        .form(&[("outcome", "succeeded")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(paid.status(), 200);
+    process_events_with(&pool, &shop.app.config).await;
+    assert_eq!(shop.order(n).await["status"], "awaiting_payment");
+
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, &pool).unwrap();
+    let report = reconcile::run(&pool, &gateways, &settings(10, 0))
+        .await
+        .unwrap();
+    assert_eq!((report.asked, report.found), (1, 1));
+    process_events_with(&pool, &shop.app.config).await;
+    let o = shop.order(n).await;
+    assert_eq!(
+        (o["status"].as_str(), o["payment_status"].as_str()),
+        (Some("paid"), Some("succeeded"))
+    );
+
+    // The webhook arrives after all, and reconciliation runs again: nothing changes twice.
+    step(&pool, &shop.app.config, "payments").await;
+    process_events_with(&pool, &shop.app.config).await;
+    let again = reconcile::run(&pool, &gateways, &settings(10, 0))
+        .await
+        .unwrap();
+    assert_eq!(
+        (again.asked, again.found),
+        (0, 0),
+        "a paid order is not asked about"
+    );
+    assert_eq!(order_events(&pool).await, vec!["created", "paid"]);
+    let sources: Vec<(String, String)> =
+        sqlx::query_as("SELECT source, outcome FROM payment_events ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        sources,
+        vec![
+            ("reconciliation".into(), "applied".into()),
+            ("webhook".into(), "ignored".into())
+        ]
+    );
+    let (_, metrics) = shop.app.get("/metrics").await;
+    assert!(
+        metrics.contains(
+            "payfleet_reconciliation_findings{gateway=\"internal\",outcome=\"succeeded\"} 1"
+        ),
+        "{metrics}"
+    );
+}
+
+/// A Stripe stand-in: `cs_paid*` sessions are paid (10.00 BRL), the others unpaid.
+async fn stripe_stand_in(asked: Arc<AtomicUsize>) -> String {
+    let app = Router::new().route(
+        "/v1/checkout/sessions/{id}",
+        get(move |Path(id): Path<String>| {
+            let asked = asked.clone();
+            async move {
+                asked.fetch_add(1, Ordering::SeqCst);
+                let paid = id.starts_with("cs_paid");
+                axum::Json(json!({
+                    "id": id,
+                    "object": "checkout.session",
+                    "payment_status": if paid { "paid" } else { "unpaid" },
+                    "amount_total": 1000,
+                    "currency": "brl",
+                    "payment_intent": if paid { Value::from(format!("pi_{id}")) } else { Value::Null },
+                }))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+fn with_stripe(base_url: &str) -> payfleet::config::Config {
+    let mut config = test_config();
+    config.stripe = Some(payfleet::config::StripeApi {
+        base_url: base_url.to_owned(),
+        secret_key: payfleet::secret::Secret::new("sk_test_reconcile"),
+    });
+    config
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn each_gateway_is_asked_at_its_pace_within_its_share_and_an_outage_is_reported(
+    pool: PgPool,
+) {
+    let asked = Arc::new(AtomicUsize::new(0));
+    let config = with_stripe(&stripe_stand_in(asked.clone()).await);
+    orders_for(
+        &pool,
+        "stripe",
+        &[
+            "cs_open_1",
+            "cs_paid_1",
+            "cs_open_2",
+            "cs_open_3",
+            "cs_paid_2",
+        ],
+        "10.00",
+        "BRL",
+    )
+    .await;
+    let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
+    // Two sessions per run, 100 ms apart: three runs ask all five, least recently asked first.
+    let mut found = 0;
+    for _ in 0..3 {
+        let before = asked.load(Ordering::SeqCst);
+        let start = Instant::now();
+        let r = reconcile::run(&pool, &gateways, &settings(2, 100))
+            .await
+            .unwrap();
+        let this_run = asked.load(Ordering::SeqCst) - before;
+        assert!(this_run <= 2, "{this_run} questions in one run");
+        if this_run == 2 {
+            assert!(start.elapsed() >= Duration::from_millis(100), "paced");
+        }
+        found += r.found;
+    }
+    // Six questions: all five sessions, then the least recently asked again.
+    assert_eq!(asked.load(Ordering::SeqCst), 6);
+    let unasked: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM payment_sessions WHERE checked_at IS NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(unasked, 0);
+    assert_eq!(found, 2, "each paid session found once");
+    process_events_with(&pool, &config).await;
+    let paid: Vec<String> = sqlx::query_scalar(
+        "SELECT session_id FROM orders WHERE status = 'paid' ORDER BY session_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(paid, vec!["cs_paid_1", "cs_paid_2"]);
+
+    // Stripe goes away: the run stops asking it, reports it, and stores no event.
+    let events_before: i64 = sqlx::query_scalar("SELECT count(*) FROM payment_events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let down = with_stripe("http://127.0.0.1:9");
+    let (gateways, _) = payfleet::startup::gateways(&down, &pool).unwrap();
+    let r = reconcile::run(&pool, &gateways, &settings(10, 0))
+        .await
+        .unwrap();
+    assert_eq!(r.unreachable, vec![payfleet::gateways::GatewayName::Stripe]);
+    assert_eq!(
+        r.asked, 1,
+        "no more questions to a gateway that does not answer"
+    );
+    let events_after: i64 = sqlx::query_scalar("SELECT count(*) FROM payment_events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(events_after, events_before);
+    let findings = reconcile::findings(&pool, 10).await.unwrap();
+    assert_eq!(findings[0].outcome, "unreachable");
+    assert_eq!(findings[0].gateway, "stripe");
+}
