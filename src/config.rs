@@ -101,6 +101,8 @@ pub struct Config {
     pub consistency_grace: std::time::Duration,
     /// Missed-webhook reconciliation: grace, sessions per gateway per run, pace.
     pub reconcile: crate::payments::reconcile::Settings,
+    /// Which service's queue takes which order messages (`PAYFLEET_ORDER_ROUTES`).
+    pub order_routes: crate::messaging::orders::Routes,
 }
 
 /// The source of settings: the process environment, or a map (tests).
@@ -354,6 +356,12 @@ impl Config {
                 })
             })
             .transpose()?;
+        let order_routes = match var(env, "PAYFLEET_ORDER_ROUTES") {
+            Some(v) => v
+                .parse()
+                .map_err(|problem| invalid("PAYFLEET_ORDER_ROUTES", problem))?,
+            None => crate::messaging::orders::Routes::default(),
+        };
         let host_name = var(env, "HOSTNAME")
             .or_else(|| {
                 std::fs::read_to_string("/etc/hostname")
@@ -393,6 +401,7 @@ impl Config {
             amqp_namespace,
             amqp_queue_ttl_ms,
             recurring,
+            order_routes,
             consistency_grace: std::time::Duration::from_secs(parsed(
                 env,
                 "PAYFLEET_CONSISTENCY_GRACE_SECS",

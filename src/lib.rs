@@ -11,7 +11,8 @@
 //! - `gateways`   each gateway's events and status mappers (safe defaults), the API clients
 //! - `queue`      the PostgreSQL job queue and the worker fleet (executor, completer, leases,
 //!   listener, maintenance; its SQL in `queue::store`)
-//! - `messaging`  the shared RabbitMQ connection and the RPCs (payment links, coins)
+//! - `messaging`  the shared RabbitMQ connection, the RPCs (payment links, coins) and the
+//!   order messages (outbox relay, routing by order type)
 //! - `catalogue`  sellers, products, coupons
 //! - `ledger`     double entry: sales, refunds, disputes, holding period, payouts, commission
 //!   invoices, coins, and their recurring jobs

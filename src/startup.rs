@@ -6,6 +6,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use sqlx::PgPool;
@@ -21,6 +22,7 @@ use crate::http::{self, AppState, Readiness};
 use crate::ledger::coins::CoinService;
 use crate::ledger::jobs as ledger_jobs;
 use crate::messaging::Broker;
+use crate::messaging::orders as order_messages;
 use crate::messaging::rpc::{self, RpcClient};
 use crate::orders::checkout::Checkout;
 use crate::orders::coins::SettleCoins;
@@ -327,6 +329,14 @@ pub fn start(
         tokio::spawn(rpc::serve::<rpc::PaymentLink>(broker.clone(), links, 16));
         let coins = Arc::new(CoinService { pool: pool.clone() });
         tokio::spawn(rpc::serve::<rpc::Coins>(broker.clone(), coins, 16));
+        // Order messages leave through the outbox; every worker relays (they share the rows).
+        tokio::spawn(order_messages::relay(
+            broker.clone(),
+            pool.clone(),
+            config.order_routes.clone(),
+            Duration::from_millis(200),
+        ));
+        tokio::spawn(order_messages::keep_unrouted(broker.clone(), pool.clone()));
         Some(fleet)
     } else {
         None

@@ -126,6 +126,28 @@ async fn gauges(pool: &PgPool, out: &mut String) -> Result<(), sqlx::Error> {
             c.queue, c.state, c.count
         );
     }
+    out.push_str("# HELP payfleet_queue_due_jobs Jobs due now and not started, by queue (scheduled jobs are not counted until due).\n# TYPE payfleet_queue_due_jobs gauge\n");
+    out.push_str("# HELP payfleet_queue_oldest_due_seconds How long the oldest due job of each queue has waited to start.\n# TYPE payfleet_queue_oldest_due_seconds gauge\n");
+    for q in admin::due_by_queue(pool).await? {
+        let _ = writeln!(
+            out,
+            "payfleet_queue_due_jobs{{queue=\"{}\"}} {}",
+            q.queue, q.due
+        );
+        let _ = writeln!(
+            out,
+            "payfleet_queue_oldest_due_seconds{{queue=\"{}\"}} {:.3}",
+            q.queue, q.oldest_due_secs
+        );
+    }
+    let (p50, p99, max) = events::processing_lag(pool).await?;
+    out.push_str("# HELP payfleet_payment_events_processing_lag_seconds Receipt to processing of the last 1,000 processed events.\n# TYPE payfleet_payment_events_processing_lag_seconds gauge\n");
+    for (q, v) in [("0.5", p50), ("0.99", p99), ("1", max)] {
+        let _ = writeln!(
+            out,
+            "payfleet_payment_events_processing_lag_seconds{{quantile=\"{q}\"}} {v:.3}"
+        );
+    }
     let backlog = events::backlog(pool).await?;
     out.push_str("# HELP payfleet_payment_events_unprocessed Stored events not processed, by state (pending: no outcome yet; waiting: for their payment; rejected: need a fix and a replay).\n");
     out.push_str("# TYPE payfleet_payment_events_unprocessed gauge\n");
@@ -164,5 +186,13 @@ async fn gauges(pool: &PgPool, out: &mut String) -> Result<(), sqlx::Error> {
             "payfleet_consistency_violations{{check=\"{check}\"}} {n}"
         );
     }
+    let (unpublished, oldest) = crate::messaging::orders::backlog(pool).await?;
+    out.push_str("# HELP payfleet_outbox_unpublished Order messages written and not yet confirmed by the broker.\n# TYPE payfleet_outbox_unpublished gauge\n");
+    let _ = writeln!(out, "payfleet_outbox_unpublished {unpublished}");
+    out.push_str("# HELP payfleet_outbox_oldest_unpublished_seconds Age of the oldest unpublished order message.\n# TYPE payfleet_outbox_oldest_unpublished_seconds gauge\n");
+    let _ = writeln!(
+        out,
+        "payfleet_outbox_oldest_unpublished_seconds {oldest:.3}"
+    );
     Ok(())
 }

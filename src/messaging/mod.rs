@@ -7,7 +7,9 @@
 //!
 //! - [`rpc`]: the payment-link RPC between the order side (client) and the payment side (the
 //!   consumer inside the worker processes).
+//! - [`orders`]: order events from the outbox to each consuming service's queue.
 
+pub mod orders;
 pub mod rpc;
 
 use std::sync::Arc;

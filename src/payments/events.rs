@@ -183,6 +183,21 @@ pub async fn backlog(pool: &PgPool) -> Result<Vec<Backlog>, sqlx::Error> {
     .await
 }
 
+/// Receipt-to-processing time of the latest events (the last 1,000 received and processed,
+/// read through the primary key): the median, the 99th percentile and the slowest, in seconds.
+pub async fn processing_lag(pool: &PgPool) -> Result<(f64, f64, f64), sqlx::Error> {
+    sqlx::query_as(
+        "SELECT COALESCE(percentile_cont(0.5) WITHIN GROUP (ORDER BY lag), 0)::float8,
+                COALESCE(percentile_cont(0.99) WITHIN GROUP (ORDER BY lag), 0)::float8,
+                COALESCE(max(lag), 0)::float8
+         FROM (SELECT extract(epoch FROM processed_at - received_at) AS lag
+               FROM (SELECT processed_at, received_at FROM payment_events ORDER BY id DESC LIMIT 1000) latest
+               WHERE processed_at IS NOT NULL) l",
+    )
+    .fetch_one(pool)
+    .await
+}
+
 /// A payment no checkout asked for.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct UnmatchedPayment {

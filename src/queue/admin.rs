@@ -18,14 +18,31 @@ pub async fn counts(pool: &PgPool) -> Result<Vec<StateCount>, sqlx::Error> {
     sqlx::query_as(store::ALL_COUNTS).fetch_all(pool).await
 }
 
-/// The statements of [`live_counts`], for checking their plans.
-pub const LIVE_COUNT_QUERIES: [&str; 2] = [store::UNFINISHED_COUNTS, store::DEAD_COUNTS];
+/// The statements of [`live_counts`] and [`due_by_queue`], for checking their plans.
+pub const LIVE_COUNT_QUERIES: [&str; 3] = [
+    store::UNFINISHED_COUNTS,
+    store::DEAD_COUNTS,
+    store::DUE_BY_QUEUE,
+];
+
+/// A queue's backlog: jobs due and not yet started, and how long the oldest has waited.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct QueueDue {
+    pub queue: String,
+    pub due: i64,
+    pub oldest_due_secs: f64,
+}
+
+/// The backlog of every queue that has one.
+pub async fn due_by_queue(pool: &PgPool) -> Result<Vec<QueueDue>, sqlx::Error> {
+    sqlx::query_as(store::DUE_BY_QUEUE).fetch_all(pool).await
+}
 
 /// Waiting, running and dead jobs by queue and state, read through partial indexes only: what
 /// a metrics scrape can afford however many completed jobs the table keeps.
 pub async fn live_counts(pool: &PgPool) -> Result<Vec<StateCount>, sqlx::Error> {
     let mut counts = Vec::new();
-    for sql in LIVE_COUNT_QUERIES {
+    for sql in [store::UNFINISHED_COUNTS, store::DEAD_COUNTS] {
         counts.extend(sqlx::query_as::<_, StateCount>(sql).fetch_all(pool).await?);
     }
     Ok(counts)

@@ -307,6 +307,14 @@ pub(crate) const UNFINISHED_COUNTS: &str = "SELECT queue, state, count(*) AS cou
      WHERE state = 'running' GROUP BY queue, state
      ORDER BY queue, state";
 
+/// Per queue: jobs due now and not running, and how long the oldest of them has been due
+/// (through the claim index; jobs scheduled for later are not backlog).
+pub(crate) const DUE_BY_QUEUE: &str = "SELECT queue, count(*) AS due,
+         COALESCE(extract(epoch FROM now() - min(run_at)), 0)::float8 AS oldest_due_secs
+     FROM jobs
+     WHERE state IN ('available', 'retryable') AND run_at <= now()
+     GROUP BY queue ORDER BY queue";
+
 /// Discarded jobs by queue, through the index of finished jobs.
 pub(crate) const DEAD_COUNTS: &str = "SELECT queue, state, count(*) AS count FROM jobs
      WHERE state = 'discarded' AND finished_at IS NOT NULL

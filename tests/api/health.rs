@@ -9,7 +9,7 @@ use sqlx::PgPool;
 
 use crate::helpers::*;
 
-fn metric(text: &str, line_start: &str) -> f64 {
+pub fn metric(text: &str, line_start: &str) -> f64 {
     text.lines()
         .find(|l| l.starts_with(line_start))
         .and_then(|l| l.rsplit(' ').next())
@@ -145,6 +145,51 @@ async fn refused_webhooks_are_counted_by_gateway_and_reason(pool: PgPool) {
         metric(&text, r#"payfleet_jobs{queue="events",state="available"}"#),
         1.0
     );
+    assert_eq!(
+        metric(&text, r#"payfleet_queue_due_jobs{queue="events"}"#),
+        1.0
+    );
+    assert_eq!(metric(&text, "payfleet_outbox_unpublished "), 0.0);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn queue_age_and_event_lag_are_measured_not_guessed(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    // A job due 90 s ago and one scheduled for tomorrow: only the first is backlog.
+    sqlx::query(
+        "INSERT INTO jobs (queue, kind, run_at) VALUES ('payments', 'k', now() - interval '90 seconds'),
+                                                       ('payments', 'k', now() + interval '1 day')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // Three events processed 1, 2 and 30 s after they arrived.
+    sqlx::query(
+        "INSERT INTO payment_events (gateway, event_id, event_type, raw_body, received_at, processed_at, outcome)
+         SELECT 'internal', 'e' || s, 'payment.succeeded', '\\x', now() - interval '1 minute',
+                now() - interval '1 minute' + s * interval '1 second', 'applied'
+         FROM unnest(ARRAY[1, 2, 30]) AS s",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (_, text) = app.get("/metrics").await;
+    assert_eq!(
+        metric(&text, r#"payfleet_queue_due_jobs{queue="payments"}"#),
+        1.0
+    );
+    let oldest = metric(
+        &text,
+        r#"payfleet_queue_oldest_due_seconds{queue="payments"}"#,
+    );
+    assert!((90.0..120.0).contains(&oldest), "{oldest}");
+    let lag = |q: &str| {
+        metric(
+            &text,
+            &format!(r#"payfleet_payment_events_processing_lag_seconds{{quantile="{q}"}}"#),
+        )
+    };
+    assert_eq!((lag("0.5"), lag("1")), (2.0, 30.0));
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -162,10 +207,7 @@ async fn a_scrape_reads_the_backlog_not_the_whole_jobs_table(pool: PgPool) {
         .await
         .unwrap();
     sqlx::query("ANALYZE jobs").execute(&pool).await.unwrap();
-    for sql in [
-        payfleet::queue::admin::LIVE_COUNT_QUERIES[0],
-        payfleet::queue::admin::LIVE_COUNT_QUERIES[1],
-    ] {
+    for sql in payfleet::queue::admin::LIVE_COUNT_QUERIES {
         let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {sql}")))
             .fetch_all(&pool)
             .await

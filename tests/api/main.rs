@@ -6,6 +6,7 @@ mod consistency;
 mod gateways;
 mod health;
 mod helpers;
+mod messaging;
 mod money;
 mod orders;
 mod outage;

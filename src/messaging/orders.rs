@@ -1,0 +1,482 @@
+//! Order messages: every order event ("order paid", "expired", ...) goes to the queue of the
+//! service that consumes that order type, never round-robin across unrelated consumers.
+//!
+//! - Outbox: `order_events` is the outbox. An event row is written in the transaction of the
+//!   business change that causes it (confirmation, expiry, ...), so no change goes without its
+//!   message and no message without its change. A relay in every worker process publishes the
+//!   unpublished rows (`FOR UPDATE SKIP LOCKED`: relays share the work), waits for the broker's
+//!   publisher confirms, then marks them published in the same transaction. A broker outage
+//!   leaves rows unpublished (the `payfleet_outbox_unpublished` gauge shows them) until it
+//!   returns: messages are delayed, never lost. A crash between the broker's confirm and the
+//!   commit publishes a row again: consumers are idempotent by message id.
+//! - Routing: a durable topic exchange `{ns}.orders`, routing key `order.<kind>.<event>`
+//!   (`order.subscription.paid`). Each consuming service has its durable queue
+//!   `{ns}.<service>`, bound by the patterns of `PAYFLEET_ORDER_ROUTES`. A key no queue binds
+//!   (a new order type) goes, through the exchange's alternate exchange `{ns}.orders.unrouted`,
+//!   to the durable `{ns}.orders.legacy` queue, whose consumer logs a warning with the type and
+//!   keeps the message (`unrouted_messages`).
+//! - Consuming: [`consume`] hands each message to a handler once per consumer and message id,
+//!   in one transaction with the record that it was handled.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, ExchangeKind};
+use serde::{Deserialize, Serialize};
+use sqlx::{PgConnection, PgPool};
+
+use super::Broker;
+
+/// Which service's queue takes which routing keys: `service=pattern,pattern;service=...`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Routes {
+    pub services: Vec<(String, Vec<String>)>,
+}
+
+impl Default for Routes {
+    fn default() -> Self {
+        Self {
+            services: vec![
+                ("fulfilment".into(), vec!["order.one_off.*".into()]),
+                ("subscriptions".into(), vec!["order.subscription.*".into()]),
+            ],
+        }
+    }
+}
+
+impl std::str::FromStr for Routes {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut services = Vec::new();
+        for part in s.split(';').map(str::trim).filter(|p| !p.is_empty()) {
+            let (service, patterns) = part
+                .split_once('=')
+                .ok_or_else(|| format!("{part:?} is not service=pattern[,pattern]"))?;
+            let service = service.trim();
+            let valid = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
+            if service.is_empty() || !service.chars().all(valid) || service == "orders" {
+                return Err(format!(
+                    "{service:?} is not a service name (letters, digits, _ and -; not \"orders\")"
+                ));
+            }
+            let patterns: Vec<String> = patterns
+                .split(',')
+                .map(|p| p.trim().to_owned())
+                .filter(|p| !p.is_empty())
+                .collect();
+            if patterns.is_empty() {
+                return Err(format!("service {service:?} binds no pattern"));
+            }
+            services.push((service.to_owned(), patterns));
+        }
+        Ok(Self { services })
+    }
+}
+
+/// An order event as published.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OrderMessage {
+    pub message_id: String,
+    /// The order event's kind: `paid`, `expired`, ...
+    pub event: String,
+    pub order_number: i64,
+    /// The order's type: `one_off`, `subscription`.
+    pub order_kind: String,
+    pub seller_id: String,
+    pub buyer_id: String,
+    pub total: String,
+    pub currency: String,
+    pub payload: serde_json::Value,
+    pub occurred_at: DateTime<Utc>,
+}
+
+impl OrderMessage {
+    pub fn routing_key(&self) -> String {
+        format!("order.{}.{}", self.order_kind, self.event)
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct Unpublished {
+    id: i64,
+    kind: String,
+    payload: serde_json::Value,
+    created_at: DateTime<Utc>,
+    number: i64,
+    order_kind: String,
+    seller_id: String,
+    buyer_id: String,
+    total: rust_decimal::Decimal,
+    currency: String,
+}
+
+impl Unpublished {
+    fn message(self) -> OrderMessage {
+        OrderMessage {
+            message_id: format!("order-event-{}", self.id),
+            event: self.kind,
+            order_number: self.number,
+            total: crate::money::amount_text(self.total, &self.currency),
+            order_kind: self.order_kind,
+            seller_id: self.seller_id,
+            buyer_id: self.buyer_id,
+            currency: self.currency,
+            payload: self.payload,
+            occurred_at: self.created_at,
+        }
+    }
+}
+
+const BATCH: i64 = 200;
+
+/// Declares the exchanges and queues (idempotent; every relay does it after connecting).
+async fn declare(channel: &Channel, broker: &Broker, routes: &Routes) -> lapin::Result<()> {
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let exchange = broker.name("orders");
+    let unrouted = broker.name("orders.unrouted");
+    channel
+        .exchange_declare(
+            unrouted.as_str().into(),
+            ExchangeKind::Fanout,
+            durable,
+            FieldTable::default(),
+        )
+        .await?;
+    let mut args = FieldTable::default();
+    args.insert(
+        "alternate-exchange".into(),
+        AMQPValue::LongString(unrouted.as_str().into()),
+    );
+    channel
+        .exchange_declare(exchange.as_str().into(), ExchangeKind::Topic, durable, args)
+        .await?;
+    let queue = |name: String| {
+        let args = broker.queue_arguments();
+        async move {
+            channel
+                .queue_declare(
+                    name.as_str().into(),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    args,
+                )
+                .await
+                .map(|_| name)
+        }
+    };
+    let legacy = queue(broker.name("orders.legacy")).await?;
+    channel
+        .queue_bind(
+            legacy.as_str().into(),
+            unrouted.as_str().into(),
+            "".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    for (service, patterns) in &routes.services {
+        let q = queue(broker.name(service)).await?;
+        for p in patterns {
+            channel
+                .queue_bind(
+                    q.as_str().into(),
+                    exchange.as_str().into(),
+                    p.as_str().into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+#[derive(Debug, thiserror::Error)]
+enum RelayError {
+    #[error(transparent)]
+    Broker(#[from] lapin::Error),
+    #[error("the broker refused message {0}")]
+    Nacked(String),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Encode(#[from] serde_json::Error),
+}
+
+/// Publishes one batch; returns how many rows it published.
+async fn relay_batch(
+    channel: &Channel,
+    broker: &Broker,
+    pool: &PgPool,
+) -> Result<usize, RelayError> {
+    let mut tx = pool.begin().await?;
+    let rows: Vec<Unpublished> = sqlx::query_as(
+        "SELECT e.id, e.kind, e.payload, e.created_at, o.number, o.kind AS order_kind,
+                o.seller_id::text AS seller_id, o.buyer_id, o.total, o.currency::text AS currency
+         FROM order_events e JOIN orders o ON o.id = e.order_id
+         WHERE e.published_at IS NULL
+         ORDER BY e.id LIMIT $1
+         FOR UPDATE OF e SKIP LOCKED",
+    )
+    .bind(BATCH)
+    .fetch_all(&mut *tx)
+    .await?;
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    let exchange = broker.name("orders");
+    let mut confirms = Vec::with_capacity(rows.len());
+    let mut ids = Vec::with_capacity(rows.len());
+    for row in rows {
+        ids.push(row.id);
+        let message = row.message();
+        let body = serde_json::to_vec(&message)?;
+        let properties = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_message_id(message.message_id.as_str().into())
+            .with_type(message.event.as_str().into())
+            .with_timestamp(message.occurred_at.timestamp().max(0) as u64);
+        let confirm = channel
+            .basic_publish(
+                exchange.as_str().into(),
+                message.routing_key().as_str().into(),
+                BasicPublishOptions::default(),
+                &body,
+                properties,
+            )
+            .await?;
+        confirms.push((message.message_id, confirm));
+    }
+    for (id, confirm) in confirms {
+        if !confirm.await?.is_ack() {
+            // Nothing is marked: the whole batch goes again (consumers drop what they had).
+            return Err(RelayError::Nacked(id));
+        }
+    }
+    sqlx::query("UPDATE order_events SET published_at = now() WHERE id = ANY($1)")
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(ids.len())
+}
+
+/// The outbox relay of one process: runs until the broker is stopped.
+pub async fn relay(broker: Broker, pool: PgPool, routes: Routes, idle: Duration) {
+    tokio::select! {
+        _ = broker.stopped() => {}
+        _ = relay_until_stopped(broker.clone(), pool, routes, idle) => {}
+    }
+}
+
+async fn relay_until_stopped(broker: Broker, pool: PgPool, routes: Routes, idle: Duration) {
+    loop {
+        let connection = broker.connected().await;
+        let setup = async {
+            let channel = connection.create_channel().await?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
+            declare(&channel, &broker, &routes).await?;
+            Ok::<_, lapin::Error>(channel)
+        };
+        let channel = match setup.await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot set up the outbox relay; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        loop {
+            match relay_batch(&channel, &broker, &pool).await {
+                Ok(0) => tokio::time::sleep(idle).await,
+                Ok(n) => tracing::debug!(published = n, "order messages published"),
+                Err(RelayError::Database(e)) => {
+                    tracing::warn!(error = %e, "the outbox relay cannot read the outbox; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "order messages not published; they stay in the outbox and go again");
+                    break;
+                }
+            }
+            if !channel.status().connected() {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// What a consumer's handler returns: its work in the consumer's transaction.
+pub type Handled<'c> = Pin<Box<dyn Future<Output = Result<(), sqlx::Error>> + Send + 'c>>;
+
+/// Hands each message of `{ns}.<queue>` to `handler` once for `consumer`, however often it is
+/// delivered: the handler runs in a transaction with the record of the message id, and the
+/// delivery is acknowledged after the commit. A handler error rolls back and the message is
+/// delivered again later; a message that does not read is dropped with a warning.
+pub async fn consume<H>(broker: Broker, pool: PgPool, queue: String, consumer: String, handler: H)
+where
+    H: for<'c> Fn(OrderMessage, &'c mut PgConnection) -> Handled<'c> + Send + Sync + 'static,
+{
+    tokio::select! {
+        _ = broker.stopped() => {}
+        _ = consume_until_stopped(&broker, &pool, &queue, &consumer, &handler) => {}
+    }
+}
+
+async fn consume_until_stopped<H>(
+    broker: &Broker,
+    pool: &PgPool,
+    queue: &str,
+    consumer: &str,
+    handler: &H,
+) where
+    H: for<'c> Fn(OrderMessage, &'c mut PgConnection) -> Handled<'c> + Send + Sync + 'static,
+{
+    let name = broker.name(queue);
+    loop {
+        let connection = broker.connected().await;
+        let setup = async {
+            let channel = connection.create_channel().await?;
+            channel.basic_qos(32, BasicQosOptions::default()).await?;
+            channel
+                .queue_declare(
+                    name.as_str().into(),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    broker.queue_arguments(),
+                )
+                .await?;
+            let deliveries = channel
+                .basic_consume(
+                    name.as_str().into(),
+                    consumer.into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            Ok::<_, lapin::Error>(deliveries)
+        };
+        let mut deliveries = match setup.await {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(queue = %name, error = %e, "cannot set up the consumer; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        while let Some(delivery) = deliveries.next().await {
+            let Ok(delivery) = delivery else { break };
+            let message: OrderMessage = match serde_json::from_slice(&delivery.data) {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(queue = %name, error = %e, "dropping an order message that does not read");
+                    let _ = delivery
+                        .nack(BasicNackOptions {
+                            requeue: false,
+                            ..Default::default()
+                        })
+                        .await;
+                    continue;
+                }
+            };
+            let id = message.message_id.clone();
+            let handled = async {
+                let mut tx = pool.begin().await?;
+                let first = sqlx::query(
+                    "INSERT INTO consumed_messages (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                )
+                .bind(consumer)
+                .bind(&id)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+                    == 1;
+                if first {
+                    handler(message, &mut tx).await?;
+                }
+                tx.commit().await?;
+                Ok::<_, sqlx::Error>(first)
+            };
+            match handled.await {
+                Ok(first) => {
+                    if !first {
+                        tracing::debug!(queue = %name, message = %id, "a message handled before: dropped");
+                    }
+                    let _ = delivery.ack(BasicAckOptions::default()).await;
+                }
+                Err(e) => {
+                    tracing::warn!(queue = %name, message = %id, error = %e, "an order message could not be handled; it is delivered again");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    let _ = delivery
+                        .nack(BasicNackOptions {
+                            requeue: true,
+                            ..Default::default()
+                        })
+                        .await;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The legacy queue's consumer: a message no service's queue binds is logged with its type and
+/// kept in `unrouted_messages`, for an operator to route (a new binding) or replay.
+pub async fn keep_unrouted(broker: Broker, pool: PgPool) {
+    consume(
+        broker,
+        pool,
+        "orders.legacy".into(),
+        "legacy".into(),
+        |m: OrderMessage, tx: &mut PgConnection| {
+            let key = m.routing_key();
+            tracing::warn!(routing_key = %key, order = m.order_number, order_kind = %m.order_kind, event = %m.event,
+                "an order message no service's queue binds: kept in unrouted_messages");
+            let body = serde_json::to_value(&m).unwrap_or_default();
+            Box::pin(async move {
+                sqlx::query(
+                    "INSERT INTO unrouted_messages (message_id, routing_key, order_kind, body) VALUES ($1, $2, $3, $4)
+                     ON CONFLICT (message_id) DO NOTHING",
+                )
+                .bind(&m.message_id)
+                .bind(&key)
+                .bind(&m.order_kind)
+                .bind(body)
+                .execute(&mut *tx)
+                .await?;
+                Ok(())
+            })
+        },
+    )
+    .await
+}
+
+/// Unpublished order events and the age of the oldest, for the gauges.
+pub async fn backlog(pool: &PgPool) -> Result<(i64, f64), sqlx::Error> {
+    sqlx::query_as(
+        "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0)
+         FROM order_events WHERE published_at IS NULL",
+    )
+    .fetch_one(pool)
+    .await
+}

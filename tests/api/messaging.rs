@@ -1,0 +1,231 @@
+//! Order messages over the real RabbitMQ: routed to the consuming service's queue by order
+//! type, unbound types kept by the legacy queue's consumer, published from the outbox through
+//! a broker outage without loss, and handled once per message id however often delivered.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use payfleet::messaging::Broker;
+use payfleet::messaging::orders::{self, Handled, OrderMessage};
+use payfleet::startup::Roles;
+use serde_json::json;
+use sqlx::{PgConnection, PgPool};
+
+use crate::checkout::Shop;
+use crate::health::metric;
+use crate::helpers::*;
+
+/// A consuming service: every message its handler runs for lands in `handled` (no unique key,
+/// so a message handled twice would show twice).
+async fn service(pool: &PgPool, config: &payfleet::config::Config, queue: &str) -> Broker {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS handled (queue text, message_id text, routing_key text)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    let broker = Broker::start(
+        config.amqp_url.clone(),
+        &config.amqp_namespace,
+        config.amqp_queue_ttl_ms,
+    );
+    let name = queue.to_owned();
+    tokio::spawn(orders::consume(
+        broker.clone(),
+        pool.clone(),
+        queue.to_owned(),
+        format!("test-{queue}"),
+        move |m: OrderMessage, tx: &mut PgConnection| -> Handled<'_> {
+            let name = name.clone();
+            Box::pin(async move {
+                sqlx::query("INSERT INTO handled VALUES ($1, $2, $3)")
+                    .bind(name)
+                    .bind(&m.message_id)
+                    .bind(m.routing_key())
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(())
+            })
+        },
+    ));
+    broker
+}
+
+async fn handled(pool: &PgPool, queue: &str) -> Vec<String> {
+    sqlx::query_scalar("SELECT routing_key FROM handled WHERE queue = $1 ORDER BY routing_key")
+        .bind(queue)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+async fn eventually<F: AsyncFn() -> bool>(what: &str, within: Duration, check: F) {
+    let start = Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < within, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn order_messages_go_to_their_services_queue_and_unbound_types_to_legacy(pool: PgPool) {
+    // Only the subscriptions service is bound: one-off orders are a type no queue takes.
+    let mut config = test_config();
+    config.order_routes = "subscriptions=order.subscription.*".parse().unwrap();
+    let shop = Shop {
+        app: Arc::new(spawn_fleet(pool.clone(), config.clone()).await),
+    };
+    let _subscriptions = service(&pool, &config, "subscriptions").await;
+    let seller = shop.seller("A").await;
+    let one_off = shop.product(&seller, "10.00", "BRL").await;
+    let club = shop
+        .admin(
+            "/admin/products",
+            json!({"seller_id": seller, "name": "club", "kind": "subscription", "price": "19.90", "currency": "BRL", "interval": "month"}),
+        )
+        .await;
+    let (status, answer) = shop
+        .checkout(
+            Some("k"),
+            json!({"buyer_id": "b", "gateway": "internal", "items": [
+                {"product_id": one_off, "quantity": 1},
+                {"product_id": club["id"], "quantity": 1}]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{answer}");
+    let subscription = answer["orders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["kind"] == "subscription")
+        .unwrap()
+        .clone();
+    // The buyer pays the subscription on the internal gateway's page; the fleet does the rest.
+    let paid = reqwest::Client::new()
+        .post(subscription["payment"]["url"].as_str().unwrap())
+        .form(&[("outcome", "succeeded")])
+        .send()
+        .await
+        .unwrap();
+    assert!(paid.status().is_success(), "{}", paid.status());
+    eventually(
+        "order paid reaches subscriptions",
+        Duration::from_secs(30),
+        async || {
+            handled(&pool, "subscriptions").await
+                == ["order.subscription.created", "order.subscription.paid"]
+        },
+    )
+    .await;
+    // The one-off order's message went to no service: the legacy consumer kept it.
+    eventually(
+        "unrouted message kept",
+        Duration::from_secs(10),
+        async || {
+            let kept: Vec<(String, String)> =
+                sqlx::query_as("SELECT routing_key, order_kind FROM unrouted_messages")
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap();
+            kept == [("order.one_off.created".to_owned(), "one_off".to_owned())]
+        },
+    )
+    .await;
+    assert!(
+        !handled(&pool, "subscriptions")
+            .await
+            .iter()
+            .any(|k| k.contains("one_off"))
+    );
+    let unpublished: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM order_events WHERE published_at IS NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(unpublished, 0);
+}
+
+/// `n` order events written as the business code writes them, for fixture orders.
+async fn order_events(pool: &PgPool, n: usize) {
+    let sessions: Vec<String> = (0..n).map(|i| format!("s{i}")).collect();
+    let sessions: Vec<&str> = sessions.iter().map(String::as_str).collect();
+    orders_for(pool, "internal", &sessions, "10.00", "BRL").await;
+    sqlx::query(
+        "INSERT INTO order_events (order_id, kind, payload) SELECT id, 'created', '{}' FROM orders",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_broker_outage_delays_order_messages_and_loses_none(pool: PgPool) {
+    let amqp = TcpProxy::start("127.0.0.1:5672").await;
+    let direct = test_config();
+    let mut config = direct.clone();
+    config.amqp_url =
+        payfleet::secret::SecretUrl::new(format!("amqp://guest:guest@{}/%2f", amqp.addr));
+    let _fulfilment = service(&pool, &direct, "fulfilment").await;
+    // The broker is gone before the worker starts: nothing can be published.
+    amqp.set(Link::Refused);
+    let worker = spawn_roles(pool.clone(), config, Roles::WORK).await;
+    order_events(&pool, 40).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (_, text) = worker.get("/metrics").await;
+    assert_eq!(metric(&text, "payfleet_outbox_unpublished "), 40.0);
+    assert!(metric(&text, "payfleet_outbox_oldest_unpublished_seconds ") >= 1.0);
+    assert!(handled(&pool, "fulfilment").await.is_empty());
+    // Back: the relay reconnects by itself and every message arrives, once.
+    amqp.set(Link::Up);
+    eventually("all 40 handled", Duration::from_secs(30), async || {
+        handled(&pool, "fulfilment").await.len() >= 40
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let ids: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT message_id, count(*) FROM handled GROUP BY message_id HAVING count(*) > 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(ids.is_empty(), "handled twice: {ids:?}");
+    assert_eq!(handled(&pool, "fulfilment").await.len(), 40);
+    let (_, text) = worker.get("/metrics").await;
+    assert_eq!(metric(&text, "payfleet_outbox_unpublished "), 0.0);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_message_published_twice_is_handled_once(pool: PgPool) {
+    let config = test_config();
+    let _fulfilment = service(&pool, &config, "fulfilment").await;
+    let _worker = spawn_roles(pool.clone(), config, Roles::WORK).await;
+    order_events(&pool, 5).await;
+    eventually("5 handled", Duration::from_secs(20), async || {
+        handled(&pool, "fulfilment").await.len() == 5
+    })
+    .await;
+    // As if the relay crashed after the broker's confirms and before its commit: the rows go
+    // again, the consumer recognises their ids.
+    sqlx::query("UPDATE order_events SET published_at = NULL")
+        .execute(&pool)
+        .await
+        .unwrap();
+    eventually("republished", Duration::from_secs(20), async || {
+        let n: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM order_events WHERE published_at IS NULL")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        n == 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(handled(&pool, "fulfilment").await.len(), 5);
+    let consumed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM consumed_messages WHERE consumer = 'test-fulfilment'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(consumed, 5);
+}
