@@ -394,6 +394,7 @@ pub fn start(
             gateways: gateways.clone(),
             rpc,
             recurring: config.recurring.clone(),
+            secure_cookies: config.public_url.starts_with("https://"),
         }))
     } else {
         listener

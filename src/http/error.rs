@@ -16,8 +16,10 @@ use crate::ledger::payouts::PayoutError;
 use crate::orders::ReopenError;
 use crate::orders::checkout::CheckoutError;
 use crate::orders::coins::CoinPaymentError;
+use crate::payments::events::ReplayError;
 use crate::payments::order_refunds::RefundError;
 use crate::queue::QueueError;
+use crate::queue::admin::AdminError;
 use crate::webhooks::{RejectedWebhook, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -53,7 +55,7 @@ impl ApiError {
         }
     }
 
-    fn status_and_code(&self) -> (StatusCode, &'static str) {
+    pub(super) fn status_and_code(&self) -> (StatusCode, &'static str) {
         match self {
             Self::BadRequest { code, .. } => (StatusCode::BAD_REQUEST, code),
             Self::Unauthorized(_) => (StatusCode::UNAUTHORIZED, "unauthorized"),
@@ -72,12 +74,7 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, code) = self.status_and_code();
-        match &self {
-            Self::Unavailable(e) => tracing::warn!(error = %e, "answering 503"),
-            Self::DependencyDown { message, .. } => tracing::warn!(%message, "answering 503"),
-            Self::Internal(e) => tracing::error!(error = %e, "answering 500"),
-            _ => {}
-        }
+        self.log();
         let mut resp = (
             status,
             Json(json!({"error": {"code": code, "message": self.to_string()}})),
@@ -111,6 +108,37 @@ impl From<StoreError> for ApiError {
     }
 }
 
+impl From<AdminError> for ApiError {
+    fn from(e: AdminError) -> Self {
+        match e {
+            AdminError::NotFound(_) => Self::NotFound(e.to_string()),
+            AdminError::WrongState { .. } => Self::Conflict {
+                code: "job_state",
+                message: e.to_string(),
+            },
+            AdminError::KeyTaken { .. } => Self::Conflict {
+                code: "job_key_taken",
+                message: e.to_string(),
+            },
+            AdminError::Database(e) => e.into(),
+        }
+    }
+}
+
+impl From<ReplayError> for ApiError {
+    fn from(e: ReplayError) -> Self {
+        match e {
+            ReplayError::NotFound(_) => Self::NotFound(e.to_string()),
+            ReplayError::AlreadyProcessed { .. } => Self::Conflict {
+                code: "event_processed",
+                message: e.to_string(),
+            },
+            ReplayError::Queue(e) => e.into(),
+            ReplayError::Database(e) => e.into(),
+        }
+    }
+}
+
 impl From<QueueError> for ApiError {
     fn from(e: QueueError) -> Self {
         match e {
@@ -121,6 +149,16 @@ impl From<QueueError> for ApiError {
 }
 
 impl ApiError {
+    /// Logs what an operator needs to know about a failure answered by a 5xx.
+    pub(super) fn log(&self) {
+        match self {
+            Self::Unavailable(e) => tracing::warn!(error = %e, "answering 503"),
+            Self::DependencyDown { message, .. } => tracing::warn!(%message, "answering 503"),
+            Self::Internal(e) => tracing::error!(error = %e, "answering 500"),
+            _ => {}
+        }
+    }
+
     /// A body that could not be read: too large for `limit`, or broken.
     pub fn from_body(r: BytesRejection, limit: usize) -> Self {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {

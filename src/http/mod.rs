@@ -2,6 +2,7 @@
 //! `metrics`), the one error type (`error`), and the assembly below.
 
 mod admin;
+mod dashboard;
 mod error;
 mod health;
 mod html;
@@ -48,6 +49,8 @@ pub struct AppState {
     pub rpc: crate::messaging::rpc::RpcClient,
     /// The fleet's recurring jobs, for the admin API.
     pub recurring: crate::recurring::Schedules,
+    /// The dashboard's session cookie is `Secure` (the public URL is https).
+    pub secure_cookies: bool,
 }
 
 /// The receiver's API: webhooks, health and metrics.
@@ -56,6 +59,7 @@ pub fn router(state: AppState) -> Router {
         .merge(webhooks::routes(state.clone()))
         .merge(orders::routes(state.clone()))
         .merge(admin::routes(state.clone()))
+        .merge(dashboard::routes(state.clone()))
         .merge(pay::routes(state.clone()))
         .merge(money::routes(state.clone()))
         .merge(health::routes(state.readiness.clone()))

@@ -74,6 +74,29 @@ pub async fn dead(
         .await
 }
 
+/// A job that failed: `retryable` (it runs again at `at`) or `discarded` (dead since `at`).
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct FailedJob {
+    pub id: JobId,
+    pub queue: String,
+    pub kind: String,
+    pub key: Option<String>,
+    pub state: JobState,
+    pub attempt: i32,
+    pub max_attempts: i32,
+    pub at: Option<DateTime<Utc>>,
+    pub last_error: Option<String>,
+}
+
+/// Up to `limit` jobs waiting to retry (soonest first), then up to `limit` dead ones (newest
+/// first).
+pub async fn failed(pool: &PgPool, limit: i64) -> Result<Vec<FailedJob>, sqlx::Error> {
+    sqlx::query_as(store::FAILED)
+        .bind(limit)
+        .fetch_all(pool)
+        .await
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
     #[error("no job {0}")]

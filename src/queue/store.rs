@@ -324,6 +324,18 @@ pub(crate) const DEAD_COUNTS: &str = "SELECT queue, state, count(*) AS count FRO
 pub(crate) const ALL_COUNTS: &str =
     "SELECT queue, state, count(*) AS count FROM jobs GROUP BY queue, state ORDER BY queue, state";
 
+/// Jobs waiting to retry after a failure (soonest first), then dead ones (newest first), each
+/// part through its partial index.
+pub(crate) const FAILED: &str =
+    "(SELECT id, queue, kind, key, state, attempt, max_attempts, run_at AS at,
+             errors -> -1 ->> 'error' AS last_error
+      FROM jobs WHERE state = 'retryable' ORDER BY run_at, id LIMIT $1)
+     UNION ALL
+     (SELECT id, queue, kind, key, state, attempt, max_attempts, finished_at AS at,
+             errors -> -1 ->> 'error' AS last_error
+      FROM jobs WHERE state = 'discarded' AND finished_at IS NOT NULL
+      ORDER BY finished_at DESC, id DESC LIMIT $1)";
+
 pub(crate) const DEAD: &str = "SELECT id, queue, kind, key, attempt, max_attempts, finished_at,
          errors -> -1 ->> 'error' AS last_error
      FROM jobs

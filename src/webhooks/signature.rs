@@ -48,8 +48,8 @@ impl SignatureError {
     }
 }
 
-/// The expected tag of a message, computed once.
-fn expected(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+/// HMAC-SHA256 of the concatenated `parts` (the expected tag of a message, computed once).
+pub(crate) fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     // HMAC takes keys of any length; new_from_slice cannot fail for it.
     let mut m = <HmacSha256 as Mac>::new_from_slice(key)
         .unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
@@ -138,7 +138,7 @@ pub fn stripe(
     if !within(ts, now, tolerance) {
         return Err(SignatureError::Timestamp(tolerance));
     }
-    let want = expected(secret.as_bytes(), &[t.as_bytes(), b".", body]);
+    let want = hmac_sha256(secret.as_bytes(), &[t.as_bytes(), b".", body]);
     let decoded: Vec<Vec<u8>> = v1.iter().filter_map(|s| hex::decode(s).ok()).collect();
     if !any_matches(&want, decoded.iter().map(Vec::as_slice)) {
         return Err(SignatureError::Mismatch(H));
@@ -197,7 +197,7 @@ pub fn mercadopago(
     }
     manifest.push_str(&format!("ts:{ts};"));
     let sig = hex::decode(v1).map_err(|_| SignatureError::Mismatch(H))?;
-    let want = expected(secret.as_bytes(), &[manifest.as_bytes()]);
+    let want = hmac_sha256(secret.as_bytes(), &[manifest.as_bytes()]);
     if !any_matches(&want, [sig.as_slice()]) {
         return Err(SignatureError::Mismatch(H));
     }
@@ -213,7 +213,7 @@ pub fn razorpay(secret: &str, header: Option<&str>, body: &[u8]) -> Result<(), S
     if sig.len() != 32 {
         return Err(SignatureError::Mismatch(H));
     }
-    let want = expected(secret.as_bytes(), &[body]);
+    let want = hmac_sha256(secret.as_bytes(), &[body]);
     if !any_matches(&want, [sig.as_slice()]) {
         return Err(SignatureError::Mismatch(H));
     }
@@ -251,7 +251,7 @@ impl StandardSecret {
     /// The `webhook-signature` value for a message: what a sender (and a test) puts on it.
     pub fn sign(&self, id: &str, ts: i64, body: &[u8]) -> String {
         let ts = ts.to_string();
-        let tag = expected(&self.0, &[id.as_bytes(), b".", ts.as_bytes(), b".", body]);
+        let tag = hmac_sha256(&self.0, &[id.as_bytes(), b".", ts.as_bytes(), b".", body]);
         format!("v1,{}", B64.encode(tag))
     }
 }
@@ -293,7 +293,7 @@ pub fn standard(
     if candidates.is_empty() {
         return Err(SignatureError::Mismatch(H));
     }
-    let want = expected(
+    let want = hmac_sha256(
         &secret.0,
         &[id.as_bytes(), b".", ts_text.as_bytes(), b".", body],
     );
@@ -305,7 +305,7 @@ pub fn standard(
 
 /// Hex HMAC-SHA256, as Stripe and Razorpay senders compute it; for stand-ins and tests.
 pub fn hex_hmac(secret: &[u8], parts: &[&[u8]]) -> String {
-    hex::encode(expected(secret, parts))
+    hex::encode(hmac_sha256(secret, parts))
 }
 
 #[cfg(test)]

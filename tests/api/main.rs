@@ -1,8 +1,10 @@
 //! The integration tests: each one gets its own database on the real PostgreSQL server
 //! (#[sqlx::test]) and, where it needs HTTP, its own server on port 0.
 
+mod browser;
 mod checkout;
 mod consistency;
+mod dashboard;
 mod gateways;
 mod health;
 mod helpers;

@@ -1,0 +1,662 @@
+//! The operator dashboard (`/admin/ui`), served by the receiver: queues, failed jobs with retry
+//! and discard, unprocessed events with replay, recurring jobs with their last and next run,
+//! consistency findings. Plain server-rendered pages and forms; no script.
+//!
+//! Signing in takes the admin token once and gives a session cookie: `HttpOnly` (no script
+//! reads it), `SameSite=Strict` (no other site's page sends it), `Secure` when the public URL is
+//! https, for 8 hours. The cookie is stateless: an expiry and a nonce signed with the admin
+//! token (HMAC-SHA256), so changing the token signs every session out. Every form carries a CSRF
+//! token derived from the session's nonce, checked before anything changes: a forged post needs
+//! both the cookie and the token.
+
+use axum::Form;
+use axum::extract::rejection::FormRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::header::{COOKIE, LOCATION, SET_COOKIE};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use chrono::{DateTime, Utc};
+use serde::Deserialize;
+use subtle::ConstantTimeEq;
+
+use super::html::{self, escape};
+use super::{ApiError, AppState};
+use crate::payments::events::{self, Replayed};
+use crate::queue::JobId;
+use crate::queue::admin as jobs;
+use crate::secret::Secret;
+use crate::webhooks::signature::hmac_sha256;
+
+const COOKIE_NAME: &str = "payfleet_session";
+const SESSION_SECS: i64 = 8 * 3600;
+/// Rows shown per table; the CLI lists the rest.
+const ROWS: i64 = 50;
+
+pub(super) fn routes(state: AppState) -> axum::Router {
+    axum::Router::new()
+        .route("/admin/ui", get(dashboard))
+        .route("/admin/ui/session", post(sign_in))
+        .route("/admin/ui/sign-out", post(sign_out))
+        .route("/admin/ui/jobs/{id}/retry", post(retry_job))
+        .route("/admin/ui/jobs/{id}/discard", post(discard_job))
+        .route("/admin/ui/events/{id}/replay", post(replay_event))
+        .route("/admin/ui/events/replay-all", post(replay_all))
+        .with_state(state)
+}
+
+/// A signed-in operator's session: its nonce keys the CSRF token of its forms.
+struct Session {
+    nonce: String,
+}
+
+fn mac(token: &Secret, message: &str) -> [u8; 32] {
+    hmac_sha256(token.expose().as_bytes(), &[message.as_bytes()])
+}
+
+impl Session {
+    fn start(token: &Secret, now: DateTime<Utc>) -> (Self, String) {
+        let nonce = format!("{:032x}", rand::random::<u128>());
+        let expires = now.timestamp() + SESSION_SECS;
+        let signature = hex::encode(mac(token, &format!("session|{expires}|{nonce}")));
+        (
+            Self {
+                nonce: nonce.clone(),
+            },
+            format!("{expires}.{nonce}.{signature}"),
+        )
+    }
+
+    /// The session of a request's cookie, if it is ours, signed with the current token and not
+    /// expired.
+    fn from_headers(token: &Secret, headers: &HeaderMap, now: DateTime<Utc>) -> Option<Self> {
+        let value = headers
+            .get_all(COOKIE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(';'))
+            .filter_map(|c| c.trim().strip_prefix(COOKIE_NAME)?.strip_prefix('='))
+            .next()?;
+        let mut parts = value.splitn(3, '.');
+        let (expires, nonce, signature) = (parts.next()?, parts.next()?, parts.next()?);
+        let signature = hex::decode(signature).ok()?;
+        let want = mac(token, &format!("session|{expires}|{nonce}"));
+        if !bool::from(want.as_slice().ct_eq(&signature)) {
+            return None;
+        }
+        (expires.parse::<i64>().ok()? > now.timestamp()).then(|| Self {
+            nonce: nonce.to_owned(),
+        })
+    }
+
+    fn csrf(&self, token: &Secret) -> String {
+        hex::encode(mac(token, &format!("csrf|{}", self.nonce)))
+    }
+
+    fn check_csrf(&self, token: &Secret, given: &str) -> bool {
+        bool::from(self.csrf(token).as_bytes().ct_eq(given.as_bytes()))
+    }
+}
+
+/// A page answer: the dashboard's pages and its errors are HTML, not JSON.
+struct Page {
+    status: StatusCode,
+    title: &'static str,
+    body: String,
+    headers: Vec<(axum::http::HeaderName, HeaderValue)>,
+}
+
+impl Page {
+    fn new(status: StatusCode, title: &'static str, body: String) -> Self {
+        Self {
+            status,
+            title,
+            body,
+            headers: Vec::new(),
+        }
+    }
+
+    /// After a change: back to the dashboard (post, redirect, get), saying what was done.
+    fn done(what: &str) -> Self {
+        let mut page = Self::new(StatusCode::SEE_OTHER, "Done", String::new());
+        let location = format!("/admin/ui?done={}", url_escape(what));
+        if let Ok(v) = HeaderValue::from_str(&location) {
+            page.headers.push((LOCATION, v));
+        }
+        page
+    }
+}
+
+impl IntoResponse for Page {
+    fn into_response(self) -> Response {
+        let mut resp = (self.status, Html(html::page(self.title, CSS, &self.body))).into_response();
+        for (name, value) in self.headers {
+            resp.headers_mut().append(name, value);
+        }
+        resp.headers_mut()
+            .insert("cache-control", HeaderValue::from_static("no-store"));
+        resp.headers_mut().insert(
+            "content-security-policy",
+            HeaderValue::from_static("default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'"),
+        );
+        resp
+    }
+}
+
+impl From<ApiError> for Page {
+    fn from(e: ApiError) -> Self {
+        e.log();
+        let (status, _) = e.status_and_code();
+        let retry = if status == StatusCode::SERVICE_UNAVAILABLE {
+            " Try again in a few seconds."
+        } else {
+            ""
+        };
+        Page::new(
+            status,
+            "Not done",
+            format!(
+                "<p class=\"error\" role=\"alert\">{}{retry}</p><p><a href=\"/admin/ui\">Back to the dashboard</a></p>",
+                escape(&e.to_string())
+            ),
+        )
+    }
+}
+
+impl From<sqlx::Error> for Page {
+    fn from(e: sqlx::Error) -> Self {
+        ApiError::from(e).into()
+    }
+}
+
+fn url_escape(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+const CSS: &str = "body{font-family:system-ui,sans-serif;margin:1.5rem;color:#1b1f24}\
+h1{font-size:1.4rem}h2{font-size:1.1rem;margin-top:2rem;border-bottom:1px solid #ccd}\
+table{border-collapse:collapse;font-size:.85rem}td,th{border:1px solid #dde;padding:.25rem .5rem;text-align:left;vertical-align:top}\
+th{background:#f3f4f7}td.n{text-align:right}form.inline{display:inline}\
+.error{color:#a40000}.notice{background:#e8f5e9;padding:.5rem}.muted{color:#667}\
+.bad{background:#fdecea}pre{white-space:pre-wrap;max-width:40rem;margin:0}";
+
+fn token_of(state: &AppState) -> Result<&Secret, Page> {
+    state.admin_token.as_ref().ok_or_else(|| {
+        Page::new(
+            StatusCode::FORBIDDEN,
+            "Dashboard off",
+            "<p>The dashboard and the admin API are off: set PAYFLEET_ADMIN_TOKEN to turn them on.</p>"
+                .into(),
+        )
+    })
+}
+
+fn sign_in_page(status: StatusCode, problem: Option<&str>) -> Page {
+    let problem = problem
+        .map(|p| format!("<p class=\"error\" role=\"alert\">{}</p>", escape(p)))
+        .unwrap_or_default();
+    Page::new(
+        status,
+        "payfleet: sign in",
+        format!(
+            "{problem}<form method=\"post\" action=\"/admin/ui/session\">\
+             <label>Admin token <input type=\"password\" name=\"token\" autocomplete=\"current-password\" required></label> \
+             <button type=\"submit\">Sign in</button></form>"
+        ),
+    )
+}
+
+#[derive(Deserialize)]
+struct SignIn {
+    token: String,
+}
+
+async fn sign_in(State(state): State<AppState>, form: Result<Form<SignIn>, FormRejection>) -> Page {
+    let token = match token_of(&state) {
+        Ok(t) => t,
+        Err(page) => return page,
+    };
+    let Ok(Form(form)) = form else {
+        return sign_in_page(StatusCode::BAD_REQUEST, Some("send the admin token"));
+    };
+    if !bool::from(
+        form.token
+            .trim()
+            .as_bytes()
+            .ct_eq(token.expose().as_bytes()),
+    ) {
+        return sign_in_page(StatusCode::UNAUTHORIZED, Some("wrong admin token"));
+    }
+    let (_, cookie) = Session::start(token, Utc::now());
+    let secure = if state.secure_cookies { "; Secure" } else { "" };
+    let mut page = Page::new(StatusCode::SEE_OTHER, "Signed in", String::new());
+    page.headers
+        .push((LOCATION, HeaderValue::from_static("/admin/ui")));
+    if let Ok(v) = HeaderValue::from_str(&format!(
+        "{COOKIE_NAME}={cookie}; Path=/admin/ui; Max-Age={SESSION_SECS}; HttpOnly; SameSite=Strict{secure}"
+    )) {
+        page.headers.push((SET_COOKIE, v));
+    }
+    page
+}
+
+#[derive(Deserialize)]
+struct Csrf {
+    csrf: String,
+}
+
+/// The session of a form post, its CSRF token checked: nothing changes without both.
+fn authorized(state: &AppState, headers: &HeaderMap, form: Option<&Csrf>) -> Result<(), Page> {
+    let token = token_of(state)?;
+    let session = Session::from_headers(token, headers, Utc::now()).ok_or_else(|| {
+        sign_in_page(
+            StatusCode::UNAUTHORIZED,
+            Some("sign in first (your session ended, or this form came from elsewhere)"),
+        )
+    })?;
+    match form {
+        Some(f) if session.check_csrf(token, &f.csrf) => Ok(()),
+        _ => Err(Page::new(
+            StatusCode::FORBIDDEN,
+            "Not done",
+            "<p class=\"error\" role=\"alert\">This form is not one the dashboard gave you (its CSRF token is missing or wrong): nothing was changed.</p>\
+             <p><a href=\"/admin/ui\">Back to the dashboard</a></p>"
+                .into(),
+        )),
+    }
+}
+
+async fn sign_out(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    form: Result<Form<Csrf>, FormRejection>,
+) -> Page {
+    if let Err(page) = authorized(&state, &headers, form.as_deref().ok()) {
+        return page;
+    }
+    let mut page = sign_in_page(StatusCode::OK, None);
+    page.headers.push((
+        SET_COOKIE,
+        HeaderValue::from_static(
+            "payfleet_session=; Path=/admin/ui; Max-Age=0; HttpOnly; SameSite=Strict",
+        ),
+    ));
+    page
+}
+
+fn id_of(raw: &str) -> Result<i64, Page> {
+    raw.parse::<i64>()
+        .ok()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| ApiError::bad_request(format!("{raw:?} is not an id")).into())
+}
+
+async fn retry_job(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(raw): Path<String>,
+    form: Result<Form<Csrf>, FormRejection>,
+) -> Result<Page, Page> {
+    authorized(&state, &headers, form.as_deref().ok())?;
+    let id = id_of(&raw)?;
+    jobs::retry(&state.pool, JobId(id))
+        .await
+        .map_err(ApiError::from)?;
+    tracing::info!(job = id, "job retried from the dashboard");
+    Ok(Page::done(&format!("job {id} will run again now")))
+}
+
+async fn discard_job(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(raw): Path<String>,
+    form: Result<Form<Csrf>, FormRejection>,
+) -> Result<Page, Page> {
+    authorized(&state, &headers, form.as_deref().ok())?;
+    let id = id_of(&raw)?;
+    jobs::discard(&state.pool, JobId(id))
+        .await
+        .map_err(ApiError::from)?;
+    tracing::info!(job = id, "job discarded from the dashboard");
+    Ok(Page::done(&format!(
+        "job {id} is discarded (kept, and can be retried)"
+    )))
+}
+
+async fn replay_event(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(raw): Path<String>,
+    form: Result<Form<Csrf>, FormRejection>,
+) -> Result<Page, Page> {
+    authorized(&state, &headers, form.as_deref().ok())?;
+    let id = id_of(&raw)?;
+    let replayed = events::replay(&state.pool, id)
+        .await
+        .map_err(ApiError::from)?;
+    tracing::info!(event = id, "event replayed from the dashboard");
+    Ok(Page::done(&match replayed {
+        Replayed::Queued => format!("event {id} is queued for processing"),
+        Replayed::AlreadyQueued => format!("event {id} already has a waiting job"),
+    }))
+}
+
+async fn replay_all(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    form: Result<Form<Csrf>, FormRejection>,
+) -> Result<Page, Page> {
+    authorized(&state, &headers, form.as_deref().ok())?;
+    let queued = events::replay_all(&state.pool)
+        .await
+        .map_err(ApiError::from)?;
+    tracing::info!(
+        queued,
+        "every unprocessed event replayed from the dashboard"
+    );
+    Ok(Page::done(&format!(
+        "{queued} events queued for processing"
+    )))
+}
+
+#[derive(Deserialize)]
+struct Shown {
+    done: Option<String>,
+}
+
+fn time(t: Option<DateTime<Utc>>) -> String {
+    t.map_or_else(
+        || "<span class=\"muted\">none</span>".to_owned(),
+        |t| t.format("%Y-%m-%d %H:%M:%S UTC").to_string(),
+    )
+}
+
+fn button(action: &str, csrf: &str, label: &str) -> String {
+    format!(
+        "<form class=\"inline\" method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"csrf\" value=\"{csrf}\">\
+         <button type=\"submit\">{}</button></form>",
+        escape(action),
+        escape(label)
+    )
+}
+
+fn table(id: &str, headers: &[&str], rows: Vec<String>, empty: &str) -> String {
+    if rows.is_empty() {
+        return format!("<p id=\"{id}\" class=\"muted\">{}</p>", escape(empty));
+    }
+    let head: String = headers
+        .iter()
+        .map(|h| format!("<th>{}</th>", escape(h)))
+        .collect();
+    format!(
+        "<table id=\"{id}\"><thead><tr>{head}</tr></thead><tbody>{}</tbody></table>",
+        rows.concat()
+    )
+}
+
+async fn dashboard(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Query(shown): Query<Shown>,
+) -> Result<Page, Page> {
+    let token = token_of(&state)?;
+    let Some(session) = Session::from_headers(token, &headers, Utc::now()) else {
+        return Ok(sign_in_page(StatusCode::OK, None));
+    };
+    let csrf = session.csrf(token);
+    let pool = &state.pool;
+    let mut body = String::new();
+    body.push_str(&format!(
+        "<p>{} {}</p>",
+        button("/admin/ui/sign-out", &csrf, "Sign out"),
+        "<a href=\"/admin/ui\">Refresh</a> · <a href=\"/metrics\">Metrics</a>"
+    ));
+    if let Some(done) = shown.done.filter(|d| !d.is_empty() && d.len() <= 200) {
+        body.push_str(&format!(
+            "<p class=\"notice\" role=\"status\">Done: {}</p>",
+            escape(&done)
+        ));
+    }
+
+    // Queues: live counts and backlog age.
+    let counts = jobs::live_counts(pool).await?;
+    let due = jobs::due_by_queue(pool).await?;
+    let mut queues: Vec<&str> = counts
+        .iter()
+        .map(|c| c.queue.as_str())
+        .chain(due.iter().map(|d| d.queue.as_str()))
+        .collect();
+    queues.sort_unstable();
+    queues.dedup();
+    let rows = queues
+        .iter()
+        .map(|q| {
+            let n = |state: &str| {
+                counts
+                    .iter()
+                    .find(|c| c.queue == *q && c.state.as_str() == state)
+                    .map_or(0, |c| c.count)
+            };
+            let d = due.iter().find(|d| d.queue == *q);
+            format!(
+                "<tr><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{:.1} s</td></tr>",
+                escape(q),
+                d.map_or(0, |d| d.due),
+                n("available"),
+                n("retryable"),
+                n("running"),
+                n("discarded"),
+                d.map_or(0.0, |d| d.oldest_due_secs),
+            )
+        })
+        .collect();
+    let (unpublished, oldest_unpublished) = crate::messaging::orders::backlog(pool).await?;
+    body.push_str("<h2>Queues</h2>");
+    body.push_str(&table(
+        "queues",
+        &[
+            "queue",
+            "due now",
+            "available (incl. scheduled)",
+            "retrying",
+            "running",
+            "dead",
+            "oldest due waits",
+        ],
+        rows,
+        "No jobs waiting, running or dead.",
+    ));
+    body.push_str(&format!(
+        "<p>Order messages not yet confirmed by the broker: {unpublished} (oldest {oldest_unpublished:.1} s).</p>"
+    ));
+
+    // Failed jobs.
+    let failed = jobs::failed(pool, ROWS).await?;
+    let rows = failed
+        .iter()
+        .map(|j| {
+            let actions = if j.state.as_str() == "retryable" {
+                format!(
+                    "{} {}",
+                    button(&format!("/admin/ui/jobs/{}/retry", j.id), &csrf, "Retry now"),
+                    button(&format!("/admin/ui/jobs/{}/discard", j.id), &csrf, "Discard")
+                )
+            } else {
+                button(&format!("/admin/ui/jobs/{}/retry", j.id), &csrf, "Retry")
+            };
+            format!(
+                "<tr id=\"job-{id}\"><td>{id}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"n\">{}/{}</td><td>{}</td><td><pre>{}</pre></td><td>{actions}</td></tr>",
+                escape(&j.queue),
+                escape(&j.kind),
+                escape(j.key.as_deref().unwrap_or("")),
+                if j.state.as_str() == "retryable" { "retrying" } else { "dead" },
+                j.attempt,
+                j.max_attempts,
+                time(j.at),
+                escape(j.last_error.as_deref().unwrap_or("")),
+                id = j.id,
+            )
+        })
+        .collect();
+    body.push_str("<h2>Failed jobs</h2><p class=\"muted\">Retrying: failed and will run again at the time shown (retry now, or discard to give up; a discarded job is kept). Dead: used its attempts or was discarded (retry gives it one more).</p>");
+    body.push_str(&table(
+        "failed-jobs",
+        &[
+            "id",
+            "queue",
+            "kind",
+            "key",
+            "state",
+            "attempt",
+            "runs again at / dead since",
+            "last error",
+            "",
+        ],
+        rows,
+        "No failed jobs.",
+    ));
+
+    // Unprocessed events.
+    let unprocessed = events::unprocessed(pool, ROWS).await?;
+    let rows = unprocessed
+        .iter()
+        .map(|e| {
+            format!(
+                "<tr id=\"event-{id}\"><td>{id}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                e.gateway,
+                escape(&e.event_id),
+                escape(e.event_type.as_deref().unwrap_or("")),
+                time(Some(e.received_at)),
+                e.state(),
+                escape(e.detail.as_deref().unwrap_or("")),
+                e.job.map_or("none (replay it)", |s| s.as_str()),
+                button(&format!("/admin/ui/events/{}/replay", e.id), &csrf, "Replay"),
+                id = e.id,
+            )
+        })
+        .collect();
+    body.push_str("<h2>Unprocessed events</h2><p class=\"muted\">Pending: no outcome yet. Waiting: for the payment it refers to. Rejected: cannot apply as it stands (fix, then replay).</p>");
+    if !unprocessed.is_empty() {
+        body.push_str(&format!(
+            "<p>{}</p>",
+            button(
+                "/admin/ui/events/replay-all",
+                &csrf,
+                "Replay every event without a job"
+            )
+        ));
+    }
+    body.push_str(&table(
+        "events",
+        &[
+            "id", "gateway", "event id", "type", "received", "state", "why", "job", "",
+        ],
+        rows,
+        "Every stored event is processed.",
+    ));
+
+    // Recurring jobs.
+    let recurring = crate::recurring::overview(pool, &state.recurring, Utc::now()).await?;
+    let rows = recurring
+        .iter()
+        .map(|r| {
+            let bad = matches!(r.last_state.as_deref(), Some("failed"));
+            format!(
+                "<tr{}><td>{}</td><td><code>{}</code> {}</td><td>{}</td><td>{} {}</td><td>{}</td></tr>",
+                if bad { " class=\"bad\"" } else { "" },
+                escape(&r.name),
+                escape(&r.cron),
+                escape(&r.timezone),
+                if r.enabled { "yes" } else { "no" },
+                time(r.last_period),
+                escape(r.last_state.as_deref().unwrap_or("")),
+                time(r.next_period),
+            )
+        })
+        .collect();
+    body.push_str("<h2>Recurring jobs</h2>");
+    body.push_str(&table(
+        "recurring",
+        &["name", "schedule", "enabled", "last run", "next run"],
+        rows,
+        "No recurring jobs are scheduled (PAYFLEET_RECURRING=off).",
+    ));
+
+    // Consistency findings.
+    let findings = crate::consistency::open(pool, ROWS).await?;
+    let rows = findings
+        .iter()
+        .map(|f| {
+            format!(
+                "<tr class=\"bad\"><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                escape(&f.check_name),
+                escape(&f.subject),
+                escape(&f.detail),
+                time(Some(f.first_seen)),
+                time(Some(f.last_seen)),
+            )
+        })
+        .collect();
+    body.push_str("<h2>Consistency findings</h2>");
+    body.push_str(&table(
+        "findings",
+        &["check", "subject", "detail", "first seen", "last seen"],
+        rows,
+        "No open findings: every invariant held at the last check.",
+    ));
+    Ok(Page::new(StatusCode::OK, "payfleet operations", body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(cookie: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(COOKIE, HeaderValue::from_str(cookie).unwrap());
+        h
+    }
+
+    #[test]
+    fn a_session_holds_only_with_its_own_signature_token_and_time() {
+        let token = Secret::new("admin-token-0123456789");
+        let now = Utc::now();
+        let (session, cookie) = Session::start(&token, now);
+        let ok = Session::from_headers(
+            &token,
+            &headers(&format!("a=b; {COOKIE_NAME}={cookie}")),
+            now,
+        )
+        .unwrap();
+        assert_eq!(ok.nonce, session.nonce);
+        assert!(ok.check_csrf(&token, &session.csrf(&token)));
+        assert!(!ok.check_csrf(&token, ""));
+        // Another token (rotated), a changed expiry, an expired session: none holds.
+        let other = Secret::new("admin-token-9876543210");
+        assert!(
+            Session::from_headers(&other, &headers(&format!("{COOKIE_NAME}={cookie}")), now)
+                .is_none()
+        );
+        let (expires, rest) = cookie.split_once('.').unwrap();
+        let later: i64 = expires.parse::<i64>().unwrap() + 3600;
+        assert!(
+            Session::from_headers(
+                &token,
+                &headers(&format!("{COOKIE_NAME}={later}.{rest}")),
+                now
+            )
+            .is_none()
+        );
+        let after = now + chrono::Duration::seconds(SESSION_SECS + 1);
+        assert!(
+            Session::from_headers(&token, &headers(&format!("{COOKIE_NAME}={cookie}")), after)
+                .is_none()
+        );
+        assert!(Session::from_headers(&token, &headers("payfleet_session=garbage"), now).is_none());
+    }
+}

@@ -1,0 +1,330 @@
+//! The operator dashboard in a real headless Chromium: signing in, what it shows, its actions,
+//! and that a page on another site cannot act through a signed-in operator's browser.
+
+use sqlx::PgPool;
+
+use crate::browser::Browser;
+use crate::helpers::*;
+
+struct Seeded {
+    dead: i64,
+    retrying: i64,
+    event: i64,
+}
+
+/// A dead job, a job waiting to retry, a rejected event, a consistency finding and a failed
+/// recurring run: what an operator comes to the dashboard for.
+async fn seed(pool: &PgPool) -> Seeded {
+    let dead: i64 = sqlx::query_scalar(
+        "INSERT INTO jobs (queue, kind, key, state, attempt, max_attempts, finished_at, errors)
+         VALUES ('payments', 'deliver_hosted_event', 'hosted:s1', 'discarded', 25, 25, now(),
+                 '[{\"error\": \"gateway answered 502\"}]') RETURNING id",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let retrying: i64 = sqlx::query_scalar(
+        "INSERT INTO jobs (queue, kind, state, attempt, max_attempts, run_at, errors)
+         VALUES ('ledger', 'carry_out_refund', 'retryable', 3, 25, now() + interval '1 hour',
+                 '[{\"error\": \"connection refused\"}]') RETURNING id",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let event: i64 = sqlx::query_scalar(
+        "INSERT INTO payment_events (gateway, event_id, event_type, raw_body, outcome, outcome_detail)
+         VALUES ('internal', 'evt_refund_1', 'refund.succeeded', '\\x', 'rejected',
+                 'refund of 50.00 is larger than the payment of 10.00') RETURNING id",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO consistency_findings (check_name, subject, detail)
+         VALUES ('sale_without_credit', 'order 7', 'order 7 is confirmed without its ledger credit')",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO recurring_runs (name, period, state, error, finished_at)
+         VALUES ('payouts', now() - interval '1 day', 'failed', 'bank file refused', now())",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    Seeded {
+        dead,
+        retrying,
+        event,
+    }
+}
+
+async fn job_state(pool: &PgPool, id: i64) -> String {
+    sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A page on another site that posts a form to the dashboard as soon as it loads.
+async fn forging_site(target: String) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let page = format!(
+        "<!doctype html><form method=post action=\"{target}\"><input name=csrf value=guess></form>\
+         <script>document.forms[0].submit()</script>"
+    );
+    let app = axum::Router::new().route(
+        "/",
+        axum::routing::get(move || async move { axum::response::Html(page) }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_operator_signs_in_sees_what_is_stuck_and_re_drives_it(pool: PgPool) {
+    let mut config = test_config();
+    config.recurring = payfleet::recurring::Schedules::built_in().unwrap();
+    let app = spawn_app_with(pool.clone(), config).await;
+    let seeded = seed(&pool).await;
+    let base = format!("http://{}", app.addr);
+    let mut browser = Browser::start().await;
+
+    // Not signed in: the sign-in form, nothing else.
+    browser.open(&format!("{base}/admin/ui")).await;
+    assert_eq!(
+        browser
+            .eval("!!document.querySelector('input[name=token]')")
+            .await,
+        true
+    );
+    assert_eq!(
+        browser.eval("!!document.querySelector('#queues')").await,
+        false
+    );
+    browser
+        .fill("input[name=token]", "not-the-token-at-all")
+        .await;
+    browser.click("button[type=submit]").await;
+    assert!(browser.text().await.contains("wrong admin token"));
+    assert_eq!(
+        browser.eval("!!document.querySelector('#queues')").await,
+        false
+    );
+
+    browser.fill("input[name=token]", ADMIN_TOKEN).await;
+    browser.click("button[type=submit]").await;
+    let text = browser.text().await;
+    assert!(text.contains("payfleet operations"), "{text}");
+    // The session cookie is out of scripts' reach.
+    assert_eq!(browser.eval("document.cookie").await, "");
+    let section = async |b: &mut Browser, id: &str| {
+        b.eval(&format!("document.getElementById('{id}')?.innerText ?? ''"))
+            .await
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let queues = section(&mut browser, "queues").await;
+    assert!(
+        queues.contains("payments") && queues.contains("ledger"),
+        "{queues}"
+    );
+    let failed = section(&mut browser, "failed-jobs").await;
+    assert!(
+        failed.contains("gateway answered 502") && failed.contains("connection refused"),
+        "{failed}"
+    );
+    let events = section(&mut browser, "events").await;
+    assert!(
+        events.contains("evt_refund_1") && events.contains("larger than the payment"),
+        "{events}"
+    );
+    let recurring = section(&mut browser, "recurring").await;
+    assert!(
+        recurring.contains("payouts")
+            && recurring.contains("failed")
+            && recurring.contains("invoices"),
+        "{recurring}"
+    );
+    let findings = section(&mut browser, "findings").await;
+    assert!(findings.contains("sale_without_credit"), "{findings}");
+    let shot = browser.screenshot().await;
+    assert_eq!(&shot[..8], b"\x89PNG\r\n\x1a\n");
+    std::fs::write(
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png"),
+        &shot,
+    )
+    .unwrap();
+
+    // Re-driving: the dead job runs again, the retrying one is given up, the event replayed.
+    browser.click(&format!("#job-{} button", seeded.dead)).await;
+    assert!(
+        browser
+            .text()
+            .await
+            .contains(&format!("job {} will run again now", seeded.dead))
+    );
+    assert_eq!(job_state(&pool, seeded.dead).await, "available");
+    browser
+        .click(&format!(
+            "#job-{} form[action$='/discard'] button",
+            seeded.retrying
+        ))
+        .await;
+    assert_eq!(job_state(&pool, seeded.retrying).await, "discarded");
+    browser
+        .click(&format!("#event-{} button", seeded.event))
+        .await;
+    assert!(browser.text().await.contains("queued for processing"));
+    let replayed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM jobs WHERE key = 'payment_event:internal:evt_refund_1' AND state = 'available'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(replayed, 1);
+    // Acting on what cannot be acted on says why and changes nothing.
+    browser
+        .click(&format!("#job-{} button", seeded.retrying))
+        .await;
+    assert_eq!(job_state(&pool, seeded.retrying).await, "available");
+    browser.open(&format!("{base}/admin/ui")).await;
+
+    // Another site (localhost is not 127.0.0.1) posts to the dashboard from this signed-in
+    // browser: the cookie is not sent (SameSite=Strict), and the guess of a CSRF token would
+    // not do either. Nothing changes.
+    let victim = seeded.retrying;
+    sqlx::query("UPDATE jobs SET state = 'discarded', finished_at = now() WHERE id = $1")
+        .bind(victim)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let evil = forging_site(format!("{base}/admin/ui/jobs/{victim}/retry")).await;
+    browser
+        .open(&format!("http://localhost:{}/", evil.port()))
+        .await;
+    // The auto-submitted form's answer.
+    for _ in 0..50 {
+        if browser.text().await.contains("sign in first") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(browser.text().await.contains("sign in first"));
+    assert_eq!(job_state(&pool, victim).await, "discarded");
+
+    // Signing out ends the session.
+    browser.open(&format!("{base}/admin/ui")).await;
+    browser
+        .click("form[action='/admin/ui/sign-out'] button")
+        .await;
+    browser.open(&format!("{base}/admin/ui")).await;
+    assert_eq!(
+        browser
+            .eval("!!document.querySelector('input[name=token]')")
+            .await,
+        true
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_form_without_its_csrf_token_changes_nothing_even_with_the_cookie(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    let seeded = seed(&pool).await;
+    let base = format!("http://{}", app.addr);
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let signed_in = http
+        .post(format!("{base}/admin/ui/session"))
+        .form(&[("token", ADMIN_TOKEN)])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(signed_in.status(), 303);
+    let set_cookie = signed_in.headers()["set-cookie"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    for attribute in [
+        "HttpOnly",
+        "SameSite=Strict",
+        "Path=/admin/ui",
+        "Max-Age=28800",
+    ] {
+        assert!(set_cookie.contains(attribute), "{set_cookie}");
+    }
+    let cookie = set_cookie.split(';').next().unwrap().to_owned();
+    let retry = format!("{base}/admin/ui/jobs/{}/retry", seeded.dead);
+    for form in [vec![], vec![("csrf", "0".repeat(64))]] {
+        let answer = http
+            .post(&retry)
+            .header("cookie", &cookie)
+            .form(&form)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 403);
+    }
+    assert_eq!(job_state(&pool, seeded.dead).await, "discarded");
+    // A tampered cookie is no session.
+    let tampered = cookie.replacen("payfleet_session=", "payfleet_session=9", 1);
+    let page = http
+        .get(format!("{base}/admin/ui"))
+        .header("cookie", tampered)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("name=\"token\"") && !page.contains("id=\"queues\""));
+    // With the page's own token it is done.
+    let page = http
+        .get(format!("{base}/admin/ui"))
+        .header("cookie", &cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let csrf = page
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap()
+        .to_owned();
+    let answer = http
+        .post(&retry)
+        .header("cookie", &cookie)
+        .form(&[("csrf", csrf)])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 303);
+    assert_eq!(job_state(&pool, seeded.dead).await, "available");
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn without_an_admin_token_the_dashboard_is_off(pool: PgPool) {
+    let mut config = test_config();
+    config.admin_token = None;
+    let app = spawn_app_with(pool, config).await;
+    let (status, body) = app.get("/admin/ui").await;
+    assert_eq!(status, 403);
+    assert!(body.contains("PAYFLEET_ADMIN_TOKEN"));
+    let answer = app
+        .http
+        .post(format!("http://{}/admin/ui/session", app.addr))
+        .form(&[("token", "")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 403);
+}
