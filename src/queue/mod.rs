@@ -10,6 +10,8 @@
 //! - `store` holds every statement; the rules of a run's end are SQL (`jobs_end_runs`).
 
 pub mod admin;
+#[cfg(feature = "apalis")]
+pub mod apalis;
 mod completer;
 mod config;
 mod executor;
@@ -135,6 +137,10 @@ impl NewJob {
     pub fn max_attempts(mut self, n: i32) -> Self {
         self.max_attempts = n;
         self
+    }
+
+    pub fn has_key(&self) -> bool {
+        self.key.is_some()
     }
 }
 
