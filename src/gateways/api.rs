@@ -51,6 +51,16 @@ pub struct PaymentState {
     pub amount: Option<Money>,
 }
 
+/// An event the gateway could not deliver to our webhook endpoint, as its API lists it: the
+/// same object a webhook carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UndeliveredEvent {
+    pub event_id: String,
+    pub event_type: String,
+    /// The event object, as JSON (what a webhook's body would hold).
+    pub body: Vec<u8>,
+}
+
 #[derive(Debug, Clone)]
 pub struct RefundRequest {
     pub session_id: String,
@@ -134,6 +144,17 @@ pub trait PaymentGateway: Send + Sync {
         seller_account: Option<&'a str>,
     ) -> GatewayFuture<'a, PaymentState>;
     fn refund<'a>(&'a self, request: &'a RefundRequest) -> GatewayFuture<'a, RefundReceipt>;
+    /// Events created since `since` whose delivery to our endpoint has not succeeded (Stripe's
+    /// events list with `delivery_success=false`), on the seller's account when given. `None`:
+    /// the gateway keeps no such list (nothing was asked); reconciliation asks it about each
+    /// session instead.
+    fn undelivered_events<'a>(
+        &'a self,
+        _since: chrono::DateTime<chrono::Utc>,
+        _seller_account: Option<&'a str>,
+    ) -> GatewayFuture<'a, Option<Vec<UndeliveredEvent>>> {
+        Box::pin(async { Ok(None) })
+    }
     /// The gateway's payment status in our words; anything unknown is pending (moves no money)
     /// and is logged.
     fn map_status(&self, raw: &str) -> PaymentStatus;
@@ -179,7 +200,21 @@ impl GatewayRegistry {
 /// Implements [`PaymentGateway`] for a type with the inherent methods `gateway`, `create`,
 /// `read`, `refund_payment` and `map`: the trait's boxing in one place.
 macro_rules! payment_gateway {
+    ($ty:ty, undelivered) => {
+        $crate::gateways::api::payment_gateway!(@impl $ty,
+            fn undelivered_events<'a>(
+                &'a self,
+                since: chrono::DateTime<chrono::Utc>,
+                seller_account: Option<&'a str>,
+            ) -> $crate::gateways::api::GatewayFuture<'a, Option<Vec<$crate::gateways::api::UndeliveredEvent>>> {
+                Box::pin(async move { self.undelivered(since, seller_account).await.map(Some) })
+            }
+        );
+    };
     ($ty:ty) => {
+        $crate::gateways::api::payment_gateway!(@impl $ty,);
+    };
+    (@impl $ty:ty, $($extra:item)*) => {
         impl $crate::gateways::api::PaymentGateway for $ty {
             fn name(&self) -> $crate::gateways::GatewayName {
                 self.gateway()
@@ -211,6 +246,8 @@ macro_rules! payment_gateway {
             fn map_status(&self, raw: &str) -> $crate::gateways::PaymentStatus {
                 self.map(raw)
             }
+
+            $($extra)*
         }
     };
 }

@@ -10,8 +10,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::api::{
-    GatewayError, PaymentState, RefundReceipt, RefundRequest, Session, SessionRequest, read_json,
-    unknown_status,
+    GatewayError, PaymentState, RefundReceipt, RefundRequest, Session, SessionRequest,
+    UndeliveredEvent, read_json, unknown_status,
 };
 use super::{GatewayName, PaymentStatus};
 use crate::money::Money;
@@ -37,6 +37,16 @@ struct CheckoutSession {
     amount_total: Option<i64>,
     currency: Option<String>,
 }
+
+/// A page of Stripe's events list.
+#[derive(Deserialize)]
+struct EventPage {
+    data: Vec<Value>,
+    has_more: bool,
+}
+
+/// Most pages of the events list read per account and run (100 events each).
+const EVENT_PAGES: usize = 5;
 
 #[derive(Deserialize)]
 struct StripeRefund {
@@ -215,6 +225,55 @@ impl StripeConnect {
         })
     }
 
+    /// Stripe's events list, `delivery_success=false`: events still being retried or given up
+    /// on, newest first, on the connected account when given.
+    async fn undelivered(
+        &self,
+        since: chrono::DateTime<chrono::Utc>,
+        account: Option<&str>,
+    ) -> Result<Vec<UndeliveredEvent>, GatewayError> {
+        let mut events = Vec::new();
+        let mut after: Option<String> = None;
+        for _ in 0..EVENT_PAGES {
+            let mut query = vec![
+                ("delivery_success".to_owned(), "false".to_owned()),
+                ("created[gte]".to_owned(), since.timestamp().to_string()),
+                ("limit".to_owned(), "100".to_owned()),
+            ];
+            if let Some(a) = &after {
+                query.push(("starting_after".to_owned(), a.clone()));
+            }
+            let mut req = self
+                .http
+                .get(format!("{}/v1/events", self.api))
+                .bearer_auth(self.secret_key.expose())
+                .query(&query);
+            if let Some(a) = account {
+                req = req.header("Stripe-Account", a);
+            }
+            let page: EventPage = read_json(NAME, req.send().await, stripe_error).await?;
+            for event in &page.data {
+                let (Some(id), Some(kind)) = (event["id"].as_str(), event["type"].as_str()) else {
+                    return Err(GatewayError::Refused(
+                        "Stripe listed an event without an id or type".into(),
+                    ));
+                };
+                events.push(UndeliveredEvent {
+                    event_id: id.to_owned(),
+                    event_type: kind.to_owned(),
+                    body: serde_json::to_vec(event).map_err(|e| {
+                        GatewayError::Refused(format!("Stripe's event does not encode: {e}"))
+                    })?,
+                });
+            }
+            match (page.has_more, events.last()) {
+                (true, Some(last)) => after = Some(last.event_id.clone()),
+                _ => break,
+            }
+        }
+        Ok(events)
+    }
+
     async fn refund_payment(&self, r: &RefundRequest) -> Result<RefundReceipt, GatewayError> {
         // The platform's fee goes back in proportion, as the ledger books it.
         let form = vec![
@@ -242,7 +301,7 @@ impl StripeConnect {
     }
 }
 
-super::api::payment_gateway!(StripeConnect);
+super::api::payment_gateway!(StripeConnect, undelivered);
 
 impl StripeConnect {
     fn gateway(&self) -> GatewayName {

@@ -147,6 +147,7 @@ struct EventRow {
     id: i64,
     raw_body: Vec<u8>,
     source: String,
+    event_type: Option<String>,
     processed_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
@@ -161,7 +162,7 @@ impl Processor {
         event: &str,
     ) -> Result<Processed, ProcessError> {
         let row: EventRow = sqlx::query_as(
-            "SELECT id, raw_body, source, processed_at FROM payment_events WHERE gateway = $1 AND event_id = $2",
+            "SELECT id, raw_body, source, event_type, processed_at FROM payment_events WHERE gateway = $1 AND event_id = $2",
         )
         .bind(gateway.as_str())
         .bind(event)
@@ -195,7 +196,11 @@ impl Processor {
             source,
         };
         // Network calls happen before the transaction, never while it holds locks.
-        let read = if row.source == "reconciliation" {
+        // Reconciliation's own answers have their shape; an undelivered event it fetched from
+        // the gateway's list is the gateway's event, read as its webhook would be.
+        let read = if row.source == "reconciliation"
+            && row.event_type.as_deref() == Some(reconcile::EVENT_TYPE)
+        {
             reconcile::interpret(&row.raw_body)
         } else {
             gateways::interpret(gateway, &row.raw_body)

@@ -7,6 +7,11 @@
 //! session and the status) and processed by the same job and path as a webhook: the
 //! facts are recorded once whichever comes first, the webhook or the reconciliation, or both.
 //!
+//! A gateway that lists the events it could not deliver (Stripe: the events list with
+//! `delivery_success=false`) is asked for that list first, once per seller account: those
+//! events are stored under their own ids, exactly as their webhooks would have been, so a late
+//! webhook is a duplicate; sessions an event settled are not asked about again.
+//!
 //! Each gateway is asked at most `per_run` sessions per run, spaced by `pace` (its rate
 //! limit), least recently checked first. A gateway that does not answer is left for the next
 //! run, and reported (a finding and a log line).
@@ -18,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
 use super::ProcessPaymentEvent;
-use crate::gateways::api::PaymentState;
+use crate::gateways::api::{PaymentState, UndeliveredEvent};
 use crate::gateways::{
     EventError, Fact, GatewayName, GatewayRegistry, Interpretation, PaymentRef, PaymentStatus,
 };
@@ -143,8 +148,58 @@ async fn ask_gateway(
         return (name, Ok((0, 0, true)));
     };
     let (mut asked, mut found) = (0, 0);
-    for (i, p) in sessions.iter().enumerate() {
-        if i > 0 {
+    let mut accounts: Vec<Option<&str>> = sessions
+        .iter()
+        .map(|p| p.seller_account.as_deref())
+        .collect();
+    accounts.sort_unstable();
+    accounts.dedup();
+    // Sessions an undelivered event settled: nothing more to ask about them.
+    let mut settled = std::collections::HashSet::new();
+    let since = Utc::now() - EVENTS_WINDOW;
+    for account in accounts {
+        if asked > 0 {
+            tokio::time::sleep(settings.pace).await;
+        }
+        let Some(first) = sessions
+            .iter()
+            .find(|p| p.seller_account.as_deref() == account)
+        else {
+            continue;
+        };
+        let events = match gateway.undelivered_events(since, account).await {
+            // No such list: every session is asked about below.
+            Ok(None) => break,
+            Ok(Some(events)) => events,
+            Err(e) if e.is_transient() => {
+                asked += 1;
+                tracing::warn!(gateway = %name, error = %e, "reconciliation: the gateway's events list does not answer; trying again next run");
+                let r = finding(pool, name, first, "unreachable", &e.to_string()).await;
+                return (name, r.map(|_| (asked, found, false)));
+            }
+            Err(e) => {
+                asked += 1;
+                tracing::warn!(gateway = %name, error = %e, "reconciliation: the gateway refused the events list");
+                if let Err(e) = finding(pool, name, first, "refused", &e.to_string()).await {
+                    return (name, Err(e));
+                }
+                continue;
+            }
+        };
+        asked += 1;
+        for event in &events {
+            match record_event(pool, name, &sessions, event).await {
+                Ok(Some(session)) => {
+                    found += 1;
+                    settled.insert(session);
+                }
+                Ok(None) => {}
+                Err(e) => return (name, Err(e)),
+            }
+        }
+    }
+    for p in sessions.iter().filter(|p| !settled.contains(&p.session_id)) {
+        if asked > 0 {
             tokio::time::sleep(settings.pace).await;
         }
         asked += 1;
@@ -173,6 +228,92 @@ async fn ask_gateway(
         }
     }
     (name, Ok((asked, found, true)))
+}
+
+/// How far back the events list is read: Stripe keeps events 30 days; its retries end after 3.
+const EVENTS_WINDOW: chrono::Duration = chrono::Duration::days(30);
+
+/// Stores an event, once, with its processing job. Returns whether it was new.
+async fn store_event(
+    tx: &mut sqlx::PgConnection,
+    gateway: GatewayName,
+    event_id: &str,
+    event_type: &str,
+    body: &[u8],
+) -> Result<bool, QueueError> {
+    let stored: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO payment_events (gateway, event_id, event_type, raw_body, source)
+         VALUES ($1, $2, $3, $4, 'reconciliation') ON CONFLICT (gateway, event_id) DO NOTHING RETURNING id",
+    )
+    .bind(gateway)
+    .bind(event_id)
+    .bind(event_type)
+    .bind(body)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if stored.is_some() {
+        queue::enqueue(&mut *tx, ProcessPaymentEvent::job(gateway, event_id)?).await?;
+    }
+    Ok(stored.is_some())
+}
+
+/// Stores an event the gateway could not deliver under its own id, as its webhook would have
+/// been. Returns the pending session it settles, if it settles one.
+async fn record_event(
+    pool: &PgPool,
+    gateway: GatewayName,
+    pending: &[Pending],
+    event: &UndeliveredEvent,
+) -> Result<Option<String>, QueueError> {
+    let mut tx = pool.begin().await?;
+    let new = store_event(
+        &mut tx,
+        gateway,
+        &event.event_id,
+        &event.event_type,
+        &event.body,
+    )
+    .await?;
+    // Which pending session it settles, read as processing will read it.
+    let settles = match crate::gateways::interpret(gateway, &event.body) {
+        Ok(Interpretation::Update { payment, facts }) => {
+            let status = facts.iter().find_map(|f| match f {
+                Fact::Payment { status, .. } if *status != PaymentStatus::Pending => Some(*status),
+                _ => None,
+            });
+            payment
+                .session_id
+                .zip(status)
+                .and_then(|(s, st)| pending.iter().find(|p| p.session_id == s).map(|p| (p, st)))
+        }
+        _ => None,
+    };
+    let settled = settles.map(|(p, _)| p.session_id.clone());
+    if let (true, Some((p, status))) = (new, settles) {
+        let status = if status == PaymentStatus::Succeeded {
+            "succeeded"
+        } else {
+            "failed"
+        };
+        sqlx::query(
+            "INSERT INTO reconciliation_findings (gateway, session_id, order_number, outcome, detail)
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(gateway)
+        .bind(&p.session_id)
+        .bind(p.order_number)
+        .bind(status)
+        .bind(format!(
+            "the gateway never delivered event {} ({})",
+            event.event_id, event.event_type
+        ))
+        .execute(&mut *tx)
+        .await?;
+        tracing::warn!(%gateway, event = %event.event_id, session = %p.session_id, order = p.order_number, status,
+            "reconciliation found an event the gateway never delivered");
+    }
+    tx.commit().await?;
+    Ok(settled)
 }
 
 /// Stores what the gateway said, if it settled the payment, as an event with its processing
@@ -208,21 +349,10 @@ async fn record(
     .map_err(QueueError::Encode)?;
     // The same finding twice is the same event.
     let event_id = format!("reconciled:{}:{status}", p.session_id);
-    let stored: Option<i64> = sqlx::query_scalar(
-        "INSERT INTO payment_events (gateway, event_id, event_type, raw_body, source)
-         VALUES ($1, $2, $3, $4, 'reconciliation') ON CONFLICT (gateway, event_id) DO NOTHING RETURNING id",
-    )
-    .bind(gateway)
-    .bind(&event_id)
-    .bind(EVENT_TYPE)
-    .bind(&body)
-    .fetch_optional(&mut *tx)
-    .await?;
-    if stored.is_none() {
+    if !store_event(&mut tx, gateway, &event_id, EVENT_TYPE, &body).await? {
         tx.commit().await?;
         return Ok(false);
     }
-    queue::enqueue(&mut *tx, ProcessPaymentEvent::job(gateway, &event_id)?).await?;
     sqlx::query(
         "INSERT INTO reconciliation_findings (gateway, session_id, order_number, outcome, detail)
          VALUES ($1, $2, $3, $4, $5)",

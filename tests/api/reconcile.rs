@@ -107,9 +107,35 @@ async fn a_lost_webhook_is_found_by_asking_the_gateway_and_the_late_one_changes_
     );
 }
 
-/// A Stripe stand-in: `cs_paid*` sessions are paid (10.00 BRL), the others unpaid.
-async fn stripe_stand_in(asked: Arc<AtomicUsize>) -> String {
-    let app = Router::new().route(
+/// A Stripe stand-in: `cs_paid*` sessions are paid (10.00 BRL), the others unpaid; its
+/// events list (`delivery_success=false` only) holds `undelivered`.
+async fn stripe_stand_in(asked: Arc<AtomicUsize>, undelivered: Vec<Value>) -> String {
+    let app = Router::new()
+        .route(
+            "/v1/events",
+            get(
+                move |axum::extract::Query(q): axum::extract::Query<
+                    std::collections::HashMap<String, String>,
+                >| {
+                    let undelivered = undelivered.clone();
+                    async move {
+                        if q.get("delivery_success").map(String::as_str) != Some("false")
+                            || !q.contains_key("created[gte]")
+                        {
+                            return (
+                                axum::http::StatusCode::BAD_REQUEST,
+                                axum::Json(json!({"error": {"type": "invalid_request_error", "message": "stand-in: ask for undelivered events"}})),
+                            );
+                        }
+                        (
+                            axum::http::StatusCode::OK,
+                            axum::Json(json!({"object": "list", "data": undelivered, "has_more": false})),
+                        )
+                    }
+                },
+            ),
+        )
+        .route(
         "/v1/checkout/sessions/{id}",
         get(move |Path(id): Path<String>| {
             let asked = asked.clone();
@@ -147,7 +173,7 @@ async fn each_gateway_is_asked_at_its_pace_within_its_share_and_an_outage_is_rep
     pool: PgPool,
 ) {
     let asked = Arc::new(AtomicUsize::new(0));
-    let config = with_stripe(&stripe_stand_in(asked.clone()).await);
+    let config = with_stripe(&stripe_stand_in(asked.clone(), vec![]).await);
     orders_for(
         &pool,
         "stripe",
@@ -219,4 +245,84 @@ async fn each_gateway_is_asked_at_its_pace_within_its_share_and_an_outage_is_rep
     let findings = reconcile::findings(&pool, 10).await.unwrap();
     assert_eq!(findings[0].outcome, "unreachable");
     assert_eq!(findings[0].gateway, "stripe");
+}
+
+/// What Stripe's events list holds for a Checkout Session paid and never delivered.
+fn completed_event(id: &str, session: &str) -> Value {
+    json!({
+        "id": id,
+        "object": "event",
+        "type": "checkout.session.completed",
+        "created": now(),
+        "data": {"object": {
+            "id": session,
+            "object": "checkout.session",
+            "payment_status": "paid",
+            "payment_intent": format!("pi_{session}"),
+            "amount_total": 1000,
+            "currency": "brl",
+        }},
+    })
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn stripes_undelivered_events_are_stored_as_their_webhooks_and_the_late_webhook_is_a_duplicate(
+    pool: PgPool,
+) {
+    let asked = Arc::new(AtomicUsize::new(0));
+    let event = completed_event("evt_lost_1", "cs_lost_1");
+    let config = with_stripe(&stripe_stand_in(asked.clone(), vec![event.clone()]).await);
+    orders_for(&pool, "stripe", &["cs_lost_1", "cs_open_1"], "10.00", "BRL").await;
+    let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
+    let r = reconcile::run(&pool, &gateways, &settings(10, 0))
+        .await
+        .unwrap();
+    // One list question and one session question: the session the event settled is not asked.
+    assert_eq!((r.asked, r.found), (2, 1));
+    assert_eq!(asked.load(Ordering::SeqCst), 1);
+    let stored: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT event_id, coalesce(event_type, ''), source FROM payment_events ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        stored,
+        [(
+            "evt_lost_1".to_owned(),
+            "checkout.session.completed".to_owned(),
+            "reconciliation".to_owned()
+        )]
+    );
+    process_events_with(&pool, &config).await;
+    assert_eq!(
+        order_status(&pool, "stripe", "cs_lost_1").await,
+        Some(("paid".to_owned(), Some("succeeded".to_owned())))
+    );
+    let findings = reconcile::findings(&pool, 10).await.unwrap();
+    assert_eq!(findings[0].outcome, "succeeded");
+    assert!(
+        findings[0].detail.contains("evt_lost_1"),
+        "{}",
+        findings[0].detail
+    );
+
+    // Stripe finally delivers it: the same event id, a duplicate that changes nothing. The
+    // next run finds nothing new either.
+    let app = spawn_app_with(pool.clone(), config.clone()).await;
+    let (status, body) = app.deliver(&stripe(&event.to_string(), now())).await;
+    assert_eq!(
+        (status, body["status"].as_str()),
+        (200, Some("duplicate")),
+        "{body}"
+    );
+    let r = reconcile::run(&pool, &gateways, &settings(10, 0))
+        .await
+        .unwrap();
+    assert_eq!(r.found, 0);
+    let events: i64 = sqlx::query_scalar("SELECT count(*) FROM payment_events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(events, 1);
 }
