@@ -27,9 +27,17 @@ enum Command {
     Migrate,
     /// Run the HTTP receiver (webhooks, health, metrics).
     Serve,
-    /// Run a worker process: every queue of jobs/queues.toml. With PAYFLEET_WORKER_BIND set, it
-    /// serves /healthz, /readyz and /metrics there.
-    Work,
+    /// Run a worker process: every queue of jobs/queues.toml (or those of --queues), with the
+    /// file's concurrency (or --concurrency's). With PAYFLEET_WORKER_BIND set, it serves
+    /// /healthz, /readyz and /metrics there.
+    Work {
+        /// Only these queues, comma-separated (`--queues events,payments`).
+        #[arg(long, value_delimiter = ',')]
+        queues: Vec<String>,
+        /// A queue's concurrency, `QUEUE=N`; repeatable (`--concurrency events=16`).
+        #[arg(long)]
+        concurrency: Vec<String>,
+    },
     /// Everything in one process, migrations included: the local default.
     Up,
     /// Inspect and repair the job queue.
@@ -137,7 +145,19 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Serve => serve(config, Roles::SERVE).await,
-        Command::Work => serve(config, Roles::WORK).await,
+        Command::Work {
+            queues,
+            concurrency,
+        } => {
+            let mut config = config;
+            if !queues.is_empty() {
+                config.queues.only(&queues)?;
+            }
+            for c in &concurrency {
+                config.queues.set_concurrency(c)?;
+            }
+            serve(config, Roles::WORK).await
+        }
         Command::Up => up(config).await,
         Command::Jobs { action } => jobs(config, action.unwrap_or(JobsAction::Counts)).await,
         Command::Events { action } => events_command(config, action).await,

@@ -157,10 +157,68 @@ impl QueuesConfig {
     pub fn queue(&self, name: &str) -> Option<&QueueSettings> {
         self.queues.get(name)
     }
+
+    /// Keeps only the named queues (a process dedicated to some queues: `work --queues`).
+    pub fn only(&mut self, names: &[String]) -> Result<(), QueuesConfigError> {
+        if let Some(unknown) = names.iter().find(|n| !self.queues.contains_key(*n)) {
+            return Err(self.flag_error(format!(
+                "--queues names {unknown:?}, which is not a queue (known: {})",
+                self.queues.keys().cloned().collect::<Vec<_>>().join(", ")
+            )));
+        }
+        self.queues.retain(|name, _| names.contains(name));
+        Ok(())
+    }
+
+    /// Sets a queue's concurrency from `QUEUE=N` (`work --concurrency events=16`).
+    pub fn set_concurrency(&mut self, assignment: &str) -> Result<(), QueuesConfigError> {
+        let parsed = assignment
+            .split_once('=')
+            .and_then(|(q, n)| Some((q.trim(), n.trim().parse::<u32>().ok()?)));
+        let Some((queue, n)) = parsed.filter(|(_, n)| *n > 0) else {
+            return Err(self.flag_error(format!(
+                "--concurrency {assignment:?} is not QUEUE=N with N at least 1"
+            )));
+        };
+        match self.queues.get_mut(queue) {
+            Some(q) => {
+                q.concurrency = n;
+                Ok(())
+            }
+            None => Err(self.flag_error(format!(
+                "--concurrency names {queue:?}, which is not a queue"
+            ))),
+        }
+    }
+
+    fn flag_error(&self, problem: String) -> QueuesConfigError {
+        QueuesConfigError::Invalid {
+            origin: "the command line".into(),
+            problem,
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn flags_narrow_the_queues_and_set_concurrency_or_say_what_is_wrong() {
+        let mut c = QueuesConfig::built_in().unwrap();
+        c.only(&["events".to_owned(), "payments".to_owned()])
+            .unwrap();
+        assert_eq!(c.queues.keys().collect::<Vec<_>>(), ["events", "payments"]);
+        c.set_concurrency("events=16").unwrap();
+        assert_eq!(c.queue("events").unwrap().concurrency, 16);
+        for bad in ["events", "events=0", "events=x", "ledger=4"] {
+            let e = c.set_concurrency(bad).unwrap_err().to_string();
+            assert!(e.contains("--concurrency"), "{e}");
+        }
+        let e = c.only(&["nope".to_owned()]).unwrap_err().to_string();
+        assert!(e.contains("\"nope\"") && e.contains("events"), "{e}");
+        assert_eq!(c.queues.len(), 2, "a refused flag changes nothing");
+    }
+
     use super::*;
 
     #[test]

@@ -238,3 +238,14 @@ async fn a_bad_schedule_stops_start_up_naming_its_line(pool: PgPool) {
         "{stderr}"
     );
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_worker_flag_naming_no_queue_stops_start_up_saying_so(pool: PgPool) {
+    let out = payfleet(&pool, &["work", "--queues", "events,nope"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--queues names \"nope\""), "{stderr}");
+}
