@@ -38,6 +38,33 @@ pub struct QueueArgs {
     /// Jobs enqueued one at a time into a running fleet to measure enqueue-to-start latency.
     #[arg(long, default_value_t = 2000)]
     pub latency_samples: usize,
+    /// Jobs left in the table while the drain is measured: this many scheduled a day ahead on
+    /// the drained queue (a marketplace's open orders' expiry jobs) and as many due now on a
+    /// queue no worker serves (an outage's leftovers).
+    #[arg(long, default_value_t = 0)]
+    pub backlog: usize,
+}
+
+/// The queue the backlog's due jobs wait on: no worker of the bench serves it.
+const UNSERVED_QUEUE: &str = "bench_unserved";
+
+/// Peak resident memory of this process since the last [`reset_peak_rss`], in MiB (Linux).
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib / 1024.0)
+}
+
+/// Starts a new peak-memory measurement (Linux: writing 5 to clear_refs resets VmHWM).
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
 /// Drops and recreates `<database>_bench` and migrates it.
@@ -416,6 +443,37 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         .execute(&pool)
         .await?;
 
+    if args.backlog > 0 {
+        let started = Instant::now();
+        sqlx::query(
+            "INSERT INTO jobs (queue, kind, payload, run_at)
+             SELECT $1, $2, '{\"t\": 0}', now() + interval '1 day' + i * interval '1 millisecond'
+             FROM generate_series(1, $3) AS i",
+        )
+        .bind(Noop::QUEUE)
+        .bind(Noop::KIND)
+        .bind(args.backlog as i64)
+        .execute(&pool)
+        .await?;
+        sqlx::query(
+            "INSERT INTO jobs (queue, kind, payload) SELECT $1, $2, '{\"t\": 0}' FROM generate_series(1, $3)",
+        )
+        .bind(UNSERVED_QUEUE)
+        .bind(Noop::KIND)
+        .bind(args.backlog as i64)
+        .execute(&pool)
+        .await?;
+        sqlx::query("VACUUM ANALYZE jobs").execute(&pool).await?;
+        eprintln!(
+            "queue: backlog of {} scheduled jobs on {} and {} due on {UNSERVED_QUEUE} written in {:.1} s",
+            args.backlog,
+            Noop::QUEUE,
+            args.backlog,
+            started.elapsed().as_secs_f64()
+        );
+        lines.push(format!("queue_backlog_jobs={}", args.backlog));
+    }
+
     let samples: Arc<Mutex<Vec<i64>>> = Arc::new(Mutex::new(Vec::new()));
     let mut registry = Registry::new();
     let seen = samples.clone();
@@ -433,6 +491,7 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     })?;
 
     // Drain with the fleet's default settings.
+    reset_peak_rss();
     let started = Instant::now();
     let fleet = Fleet::new(
         pool.clone(),
@@ -446,9 +505,12 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         || {
             let pool = pool2.clone();
             async move {
+                // Through the claim index: what is due on the drained queue, or running.
                 let left: bool = sqlx::query_scalar(
-                    "SELECT EXISTS (SELECT 1 FROM jobs WHERE state <> 'completed')",
+                    "SELECT EXISTS (SELECT 1 FROM jobs WHERE queue = $1 AND state IN ('available', 'retryable') AND run_at <= now())
+                         OR EXISTS (SELECT 1 FROM jobs WHERE state = 'running')",
                 )
+                .bind(Noop::QUEUE)
                 .fetch_one(&pool)
                 .await?;
                 Ok(!left)
@@ -463,6 +525,22 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         args.jobs
     );
     lines.push(format!("queue_drain_per_s={drain_rate:.0}"));
+    if let Some(mib) = peak_rss_mib() {
+        eprintln!("queue: peak resident memory while draining {mib:.1} MiB (the whole bench process)");
+        lines.push(format!("queue_drain_peak_rss_mib={mib:.1}"));
+    }
+    if args.backlog > 0 {
+        let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "EXPLAIN (ANALYZE, BUFFERS) {}",
+            crate::queue::CLAIM_SQL.replace("$1", &format!("'{}'", Noop::QUEUE))
+                .replace("$2", "16")
+                .replace("$3", "30000")
+                .replace("$4", "'bench-explain'")
+        )))
+        .fetch_all(&pool)
+        .await?;
+        eprintln!("queue: the claim with the backlog in place:\n  {}", plan.join("\n  "));
+    }
 
     // Enqueue-to-start latency on an idle fleet, one job at a time.
     for _ in 0..args.latency_samples {
@@ -496,7 +574,10 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
 
     // The machine's limit for the same row writes: a drained job is written twice (claim and
     // completion); here PostgreSQL updates the same rows in bulk with no queue logic at all.
-    sqlx::query("CREATE TABLE bench_jobs AS SELECT * FROM jobs")
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE bench_jobs AS SELECT * FROM jobs WHERE queue = '{}' AND run_at <= now()",
+        Noop::QUEUE
+    )))
         .execute(&pool)
         .await?;
     sqlx::query("CREATE INDEX ON bench_jobs (id)")

@@ -116,16 +116,8 @@ pub(crate) struct Claimed {
     pub lease_token: i64,
 }
 
-/// Claims up to `limit` due jobs of `queue` in one statement.
-pub(crate) async fn claim(
-    pool: &PgPool,
-    queue: &str,
-    limit: i64,
-    lease: Duration,
-    worker: &str,
-) -> Result<Vec<Claimed>, sqlx::Error> {
-    sqlx::query_as(
-        "WITH next AS (
+/// The claim: up to $2 due jobs of queue $1, leased for $3 ms to worker $4, in one statement.
+pub(crate) const CLAIM: &str = "WITH next AS (
              SELECT id FROM jobs
              WHERE queue = $1 AND state IN ('available', 'retryable') AND run_at <= now()
              ORDER BY run_at, id
@@ -140,8 +132,17 @@ pub(crate) async fn claim(
              lease_expires_at = now() + $3 * interval '1 millisecond',
              locked_by = $4
          FROM next WHERE j.id = next.id
-         RETURNING j.id, j.kind, j.payload, j.attempt, j.max_attempts, j.lease_token",
-    )
+         RETURNING j.id, j.kind, j.payload, j.attempt, j.max_attempts, j.lease_token";
+
+/// Claims up to `limit` due jobs of `queue` in one statement.
+pub(crate) async fn claim(
+    pool: &PgPool,
+    queue: &str,
+    limit: i64,
+    lease: Duration,
+    worker: &str,
+) -> Result<Vec<Claimed>, sqlx::Error> {
+    sqlx::query_as(CLAIM)
     .bind(queue)
     .bind(limit)
     .bind(millis(lease))
