@@ -1,8 +1,9 @@
 -- The outbox: order events are published to RabbitMQ by a relay after the transaction that
 -- wrote them commits. Events written before the relay existed count as published (their
--- consumers never expected them).
-ALTER TABLE order_events ADD COLUMN published_at timestamptz;
-UPDATE order_events SET published_at = created_at;
+-- consumers never expected them): the default marks them without rewriting the table (no long
+-- exclusive lock), and is then dropped so new events start unpublished.
+ALTER TABLE order_events ADD COLUMN published_at timestamptz DEFAULT '-infinity';
+ALTER TABLE order_events ALTER COLUMN published_at DROP DEFAULT;
 CREATE INDEX order_events_unpublished ON order_events (id) WHERE published_at IS NULL;
 
 -- Messages no service's queue binds, kept by the legacy queue's consumer.

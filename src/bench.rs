@@ -526,20 +526,26 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     );
     lines.push(format!("queue_drain_per_s={drain_rate:.0}"));
     if let Some(mib) = peak_rss_mib() {
-        eprintln!("queue: peak resident memory while draining {mib:.1} MiB (the whole bench process)");
+        eprintln!(
+            "queue: peak resident memory while draining {mib:.1} MiB (the whole bench process)"
+        );
         lines.push(format!("queue_drain_peak_rss_mib={mib:.1}"));
     }
     if args.backlog > 0 {
         let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "EXPLAIN (ANALYZE, BUFFERS) {}",
-            crate::queue::CLAIM_SQL.replace("$1", &format!("'{}'", Noop::QUEUE))
+            crate::queue::CLAIM_SQL
+                .replace("$1", &format!("'{}'", Noop::QUEUE))
                 .replace("$2", "16")
                 .replace("$3", "30000")
                 .replace("$4", "'bench-explain'")
         )))
         .fetch_all(&pool)
         .await?;
-        eprintln!("queue: the claim with the backlog in place:\n  {}", plan.join("\n  "));
+        eprintln!(
+            "queue: the claim with the backlog in place:\n  {}",
+            plan.join("\n  ")
+        );
     }
 
     // Enqueue-to-start latency on an idle fleet, one job at a time.
@@ -578,8 +584,8 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         "CREATE TABLE bench_jobs AS SELECT * FROM jobs WHERE queue = '{}' AND run_at <= now()",
         Noop::QUEUE
     )))
-        .execute(&pool)
-        .await?;
+    .execute(&pool)
+    .await?;
     sqlx::query("CREATE INDEX ON bench_jobs (id)")
         .execute(&pool)
         .await?;

@@ -211,6 +211,8 @@ enum RelayError {
     Broker(#[from] lapin::Error),
     #[error("the broker refused message {0}")]
     Nacked(String),
+    #[error("the broker did not confirm within {0:?}")]
+    Unconfirmed(Duration),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
     #[error(transparent)]
@@ -240,9 +242,8 @@ async fn relay_batch(
     }
     let exchange = broker.name("orders");
     let mut confirms = Vec::with_capacity(rows.len());
-    let mut ids = Vec::with_capacity(rows.len());
     for row in rows {
-        ids.push(row.id);
+        let id = row.id;
         let message = row.message();
         let body = serde_json::to_vec(&message)?;
         let properties = BasicProperties::default()
@@ -260,21 +261,47 @@ async fn relay_batch(
                 properties,
             )
             .await?;
-        confirms.push((message.message_id, confirm));
+        confirms.push((id, message.message_id, confirm));
     }
-    for (id, confirm) in confirms {
-        if !confirm.await?.is_ack() {
-            // Nothing is marked: the whole batch goes again (consumers drop what they had).
-            return Err(RelayError::Nacked(id));
+    // What the broker confirmed is marked, whatever happens to the rest: a refused or
+    // unconfirmed message stays in the outbox alone, without sending the others again. The
+    // wait is bounded, so a stalled broker (a memory alarm) never holds the rows' transaction
+    // open for long.
+    let mut acked = Vec::with_capacity(confirms.len());
+    let mut failure = None;
+    let waited = tokio::time::timeout(CONFIRM_TIMEOUT, async {
+        for (id, message_id, confirm) in confirms {
+            match confirm.await {
+                Ok(c) if c.is_ack() => acked.push(id),
+                Ok(_) => {
+                    failure.get_or_insert(RelayError::Nacked(message_id));
+                }
+                Err(e) => {
+                    failure = Some(RelayError::Broker(e));
+                    return;
+                }
+            }
         }
+    })
+    .await;
+    if waited.is_err() {
+        failure = Some(RelayError::Unconfirmed(CONFIRM_TIMEOUT));
     }
-    sqlx::query("UPDATE order_events SET published_at = now() WHERE id = ANY($1)")
-        .bind(&ids)
-        .execute(&mut *tx)
-        .await?;
+    if !acked.is_empty() {
+        sqlx::query("UPDATE order_events SET published_at = now() WHERE id = ANY($1)")
+            .bind(&acked)
+            .execute(&mut *tx)
+            .await?;
+    }
     tx.commit().await?;
-    Ok(ids.len())
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(acked.len()),
+    }
 }
+
+/// How long a batch waits for the broker's confirms.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The outbox relay of one process: runs until the broker is stopped.
 pub async fn relay(broker: Broker, pool: PgPool, routes: Routes, idle: Duration) {
@@ -285,6 +312,9 @@ pub async fn relay(broker: Broker, pool: PgPool, routes: Routes, idle: Duration)
 }
 
 async fn relay_until_stopped(broker: Broker, pool: PgPool, routes: Routes, idle: Duration) {
+    // Consecutive failed batches: the pause before the next grows, so a broker that keeps
+    // refusing a message is not asked five times a second.
+    let mut failures = 0u32;
     loop {
         let connection = broker.connected().await;
         let setup = async {
@@ -305,14 +335,28 @@ async fn relay_until_stopped(broker: Broker, pool: PgPool, routes: Routes, idle:
         };
         loop {
             match relay_batch(&channel, &broker, &pool).await {
-                Ok(0) => tokio::time::sleep(idle).await,
-                Ok(n) => tracing::debug!(published = n, "order messages published"),
+                Ok(0) => {
+                    failures = 0;
+                    tokio::time::sleep(idle).await;
+                }
+                Ok(n) => {
+                    failures = 0;
+                    tracing::debug!(published = n, "order messages published");
+                }
                 Err(RelayError::Database(e)) => {
                     tracing::warn!(error = %e, "the outbox relay cannot read the outbox; retrying");
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "order messages not published; they stay in the outbox and go again");
+                    failures = failures.saturating_add(1);
+                    let pause = Duration::from_millis(500)
+                        .saturating_mul(1 << failures.min(6))
+                        .min(Duration::from_secs(30));
+                    tracing::warn!(error = %e, retry_in = ?pause, "order messages not published; they stay in the outbox and go again");
+                    tokio::time::sleep(pause).await;
+                    if matches!(e, RelayError::Nacked(_)) {
+                        continue;
+                    }
                     break;
                 }
             }

@@ -288,8 +288,17 @@ async fn record_event(
         }
         _ => None,
     };
-    let settled = settles.map(|(p, _)| p.session_id.clone());
+    // An event stored by an earlier run settles nothing new: its session is asked about as
+    // any other (its processing may have left the payment pending).
+    let settled = settles.filter(|_| new).map(|(p, _)| p.session_id.clone());
     if let (true, Some((p, status))) = (new, settles) {
+        sqlx::query(
+            "UPDATE payment_sessions SET checked_at = now() WHERE gateway = $1 AND session_id = $2",
+        )
+        .bind(gateway)
+        .bind(&p.session_id)
+        .execute(&mut *tx)
+        .await?;
         let status = if status == PaymentStatus::Succeeded {
             "succeeded"
         } else {

@@ -14,7 +14,8 @@
 //!   [`JobError`] to choose (`Fail`, `Snooze`, `Cancel`, `Retry` after a delay).
 //! - Pushing ([`apalis_core::backend::TaskSink`]): a task with an idempotency key is scheduled
 //!   by key, so pushing the same key again replaces the waiting job (one expiry job per order),
-//!   and `run_at` and `max_attempts` are kept.
+//!   and `run_at` and `max_attempts` are kept. Keys are scoped to the queue (stored as
+//!   `apalis:<queue>:<key>`), so they never touch the fleet's own keyed jobs.
 //!
 //! A queue served by an apalis worker holds that worker's jobs only: a payload that does not
 //! read as the worker's arguments is failed at once, kept with its error.
@@ -241,9 +242,13 @@ impl<Args: DeserializeOwned + Send + 'static> Backend for PayfleetBackend<Args> 
                             self.fetch = Fetch::Idle;
                         }
                         Err(e) => {
-                            // An outage: tell the worker, and look again after the interval.
-                            self.fetch = Fetch::Sleeping(wait);
-                            return Poll::Ready(Some(Err(e)));
+                            // An outage: apalis ends a worker on a backend error, so it is
+                            // logged here and the claim tried again after a pause instead.
+                            tracing::warn!(queue = %self.settings.queue, error = %e,
+                                "cannot claim from payfleet's queue; trying again");
+                            self.fetch = Fetch::Sleeping(Box::pin(tokio::time::sleep(
+                                self.settings.poll_interval.max(Duration::from_secs(1)),
+                            )));
                         }
                     }
                 }
@@ -333,7 +338,9 @@ fn new_job<Args: Serialize>(settings: &Settings, task: &Task<Args>) -> Result<Ne
         job = job.run_at(at);
     }
     if let Some(key) = task.idempotency_key() {
-        job = job.key(key);
+        // Scoped to the worker's queue: an apalis key can never replace one of the fleet's own
+        // keyed jobs (an order's expiry) or another queue's.
+        job = job.key(format!("apalis:{}:{key}", settings.queue));
     }
     Ok(job)
 }
@@ -448,14 +455,27 @@ fn run_end<R>(result: &Result<R, BoxDynError>) -> RunEnd {
     }
 }
 
-/// Renews the lease every third of its length; returns when it is lost.
+/// Renews the lease every third of its length; returns when it is lost, or when it may have
+/// run out without a renewal this worker could confirm (the database unreachable: a rescuer
+/// may already have handed the job to someone else).
 async fn keep_lease(pool: PgPool, claim: Claim, lease: Duration) {
     let mut every = tokio::time::interval(lease / 3);
     every.tick().await;
+    // Renewals move the expiry to `lease` after the statement ran; counting from before it
+    // was sent keeps the local deadline on the safe side.
+    let mut held_until = tokio::time::Instant::now() + lease;
     loop {
         every.tick().await;
-        match store::renew_leases(&pool, &[claim.id.0], &[claim.lease_token], lease).await {
-            Ok(renewed) if renewed.is_empty() => {
+        let asked = tokio::time::Instant::now();
+        let bound = held_until.saturating_duration_since(asked).min(lease / 3);
+        let renewal = tokio::time::timeout(
+            bound,
+            store::renew_leases(&pool, &[claim.id.0], &[claim.lease_token], lease),
+        )
+        .await;
+        match renewal {
+            Ok(Ok(renewed)) if !renewed.is_empty() => held_until = asked + lease,
+            Ok(Ok(_)) => {
                 // Locked by someone else right now (renewal skips locks), or really lost.
                 match store::still_held(&pool, &[claim.id.0], &[claim.lease_token]).await {
                     Ok(held) if held.is_empty() => return,
@@ -463,11 +483,36 @@ async fn keep_lease(pool: PgPool, claim: Claim, lease: Duration) {
                     Err(e) => tracing::warn!(job = %claim.id, error = %e, "cannot check the lease"),
                 }
             }
-            Ok(_) => {}
-            Err(e) => {
+            Ok(Err(e)) => {
                 tracing::warn!(job = %claim.id, error = %e, "cannot renew the lease; trying again")
             }
+            Err(_) => tracing::warn!(job = %claim.id, "the lease renewal did not answer in time"),
         }
+        if tokio::time::Instant::now() + lease / 3 >= held_until {
+            // The next renewal could only come after the lease ran out.
+            return;
+        }
+    }
+}
+
+/// Writes a run's end; a row another transaction holds right now (ends skip locked rows) is
+/// tried again while the lease lasts. Returns whether the end was recorded.
+async fn record_end(pool: &PgPool, end: &Ended, lease: Duration) -> Result<bool, sqlx::Error> {
+    let deadline = tokio::time::Instant::now() + lease;
+    let mut pause = Duration::from_millis(20);
+    loop {
+        if !super::end_runs(pool, std::slice::from_ref(end))
+            .await?
+            .is_empty()
+        {
+            return Ok(true);
+        }
+        let held = store::still_held(pool, &[end.id.0], &[end.lease_token]).await?;
+        if held.is_empty() || tokio::time::Instant::now() + pause >= deadline {
+            return Ok(false);
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
     }
 }
 
@@ -507,11 +552,11 @@ where
                 lease_token: claim.lease_token,
                 end: run_end(&result),
             };
-            match super::end_runs(&pool, std::slice::from_ref(&end)).await {
-                Ok(ended) if ended.is_empty() => {
+            match record_end(&pool, &end, lease).await {
+                Ok(false) => {
                     tracing::warn!(job = %claim.id, "the run ended after its lease was lost: its end is not recorded");
                 }
-                Ok(_) => {}
+                Ok(true) => {}
                 Err(e) => {
                     // The lease runs out and the job is rescued: it runs again (at least once).
                     tracing::warn!(job = %claim.id, error = %e, "cannot record the end of a run; the job will run again");

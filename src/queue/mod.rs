@@ -32,9 +32,9 @@ use sqlx::PgExecutor;
 pub use config::{FleetSettings, QueueSettings, QueuesConfig, QueuesConfigError};
 pub use fleet::{Fleet, FleetHandle, FleetProbe, work_until_idle};
 pub use maintenance::{prune, rescue_expired};
-pub(crate) use store::CLAIM as CLAIM_SQL;
 pub use notifier::Notifier;
 pub use registry::{JobContext, Registry, RegistryError};
+pub(crate) use store::CLAIM as CLAIM_SQL;
 
 crate::text_enum! {
     /// `jobs.state` (docs/state_machine.md).

@@ -143,12 +143,12 @@ pub(crate) async fn claim(
     worker: &str,
 ) -> Result<Vec<Claimed>, sqlx::Error> {
     sqlx::query_as(CLAIM)
-    .bind(queue)
-    .bind(limit)
-    .bind(millis(lease))
-    .bind(worker)
-    .fetch_all(pool)
-    .await
+        .bind(queue)
+        .bind(limit)
+        .bind(millis(lease))
+        .bind(worker)
+        .fetch_all(pool)
+        .await
 }
 
 /// How long until the earliest waiting job of `queue` is due (zero if one is due now).

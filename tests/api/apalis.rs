@@ -179,6 +179,15 @@ async fn pushing_a_key_again_replaces_the_waiting_job_and_the_worker_sees_only_t
 ) {
     let backend = setup(&pool).await;
     let mut sink = backend.clone();
+    // The fleet's own job under the same key, on its own queue: apalis keys never touch it.
+    payfleet::queue::schedule(
+        &pool,
+        payfleet::queue::NewJob::raw("orders", "expire_order", serde_json::json!({"number": 7}))
+            .key("order:7")
+            .run_at(chrono::Utc::now() + chrono::Duration::hours(1)),
+    )
+    .await
+    .unwrap();
     // An expiry-like job an hour out, then rescheduled for now with new arguments.
     sink.push_task(
         TaskBuilder::new(Charge { n: 1, fail: None })
@@ -195,11 +204,21 @@ async fn pushing_a_key_again_replaces_the_waiting_job_and_the_worker_sees_only_t
     )
     .await
     .unwrap();
-    let keyed: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE key = 'order:7'")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let keyed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE key = 'apalis:charges:order:7'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     assert_eq!(keyed, 1);
+    let fleets: (String, serde_json::Value) =
+        sqlx::query_as("SELECT kind, payload FROM jobs WHERE key = 'order:7'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        fleets,
+        ("expire_order".to_owned(), serde_json::json!({"number": 7}))
+    );
     let worker = run_worker(&pool, backend);
     until("done", Duration::from_secs(10), async || {
         states(&pool).await == [("completed".to_owned(), 1)]
