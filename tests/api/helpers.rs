@@ -80,6 +80,17 @@ pub async fn spawn_roles(pool: PgPool, mut config: Config, roles: Roles) -> Test
     config.internal_webhook_url = format!("http://{addr}/webhooks/internal");
     config.mock_webhook_url = format!("http://{addr}/webhooks/mock");
     let running = startup::start(&config, pool.clone(), roles, Some(listener)).unwrap();
+    // On the real broker, tests start once this process is on it (a loaded machine may take a
+    // moment), so a first checkout does not meet a connection still being made. Tests that cut
+    // the broker on purpose use a proxy and are not held up.
+    if config.amqp_url.expose() == payfleet::config::DEFAULT_AMQP_URL {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !running.broker().is_connected() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        // Its channels and consumers are set up right after the connection.
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    }
     TestApp {
         addr: running.addr().unwrap(),
         pool,
