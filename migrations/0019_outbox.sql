@@ -22,3 +22,5 @@ CREATE TABLE consumed_messages (
     consumed_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer, message_id)
 );
+-- The `prune` recurring job deletes records older than a month through this index.
+CREATE INDEX consumed_messages_age ON consumed_messages (consumed_at);

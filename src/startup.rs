@@ -181,6 +181,9 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
     Ok(registry)
 }
 
+/// How long a consumer remembers the order messages it handled.
+const CONSUMED_RETENTION: Duration = Duration::from_secs(30 * 24 * 3600);
+
 /// What each recurring job of `jobs/recurring.toml` does.
 pub fn recurring_tasks(config: &Config, gateways: &GatewayRegistry) -> Tasks {
     let fleet = config.queues.fleet.clone();
@@ -219,6 +222,10 @@ pub fn recurring_tasks(config: &Config, gateways: &GatewayRegistry) -> Tasks {
                 let n = crate::queue::prune(&pool, completed, discarded).await?;
                 if n > 0 {
                     tracing::info!(jobs = n, "pruned finished jobs");
+                }
+                let n = order_messages::prune_consumed(&pool, CONSUMED_RETENTION).await?;
+                if n > 0 {
+                    tracing::info!(messages = n, "pruned consumed order message records");
                 }
                 Ok(())
             }

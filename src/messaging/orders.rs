@@ -433,13 +433,23 @@ async fn consume_until_stopped<H>(
             let message: OrderMessage = match serde_json::from_slice(&delivery.data) {
                 Ok(m) => m,
                 Err(e) => {
-                    tracing::warn!(queue = %name, error = %e, "dropping an order message that does not read");
-                    let _ = delivery
-                        .nack(BasicNackOptions {
-                            requeue: false,
-                            ..Default::default()
-                        })
-                        .await;
+                    // Not lost: kept beside the unrouted ones for an operator, then acknowledged.
+                    tracing::warn!(queue = %name, error = %e, "an order message that does not read: kept in unrouted_messages");
+                    match keep_unreadable(pool, &name, &delivery).await {
+                        Ok(()) => {
+                            let _ = delivery.ack(BasicAckOptions::default()).await;
+                        }
+                        Err(e) => {
+                            tracing::warn!(queue = %name, error = %e, "cannot keep an unreadable order message; it is delivered again");
+                            tokio::time::sleep(Duration::from_millis(500)).await;
+                            let _ = delivery
+                                .nack(BasicNackOptions {
+                                    requeue: true,
+                                    ..Default::default()
+                                })
+                                .await;
+                        }
+                    }
                     continue;
                 }
             };
@@ -484,8 +494,59 @@ async fn consume_until_stopped<H>(
     }
 }
 
+/// Keeps a message that is not an order message (its body as JSON when it is JSON, else as
+/// text) under its AMQP message id, or one derived from its queue and delivery.
+async fn keep_unreadable(
+    pool: &PgPool,
+    queue: &str,
+    delivery: &lapin::message::Delivery,
+) -> Result<(), sqlx::Error> {
+    let body = serde_json::from_slice::<serde_json::Value>(&delivery.data).unwrap_or_else(|_| {
+        serde_json::Value::String(String::from_utf8_lossy(&delivery.data).into_owned())
+    });
+    let id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|m| m.to_string())
+        .unwrap_or_else(|| format!("unreadable:{queue}:{:032x}", rand::random::<u128>()));
+    sqlx::query(
+        "INSERT INTO unrouted_messages (message_id, routing_key, order_kind, body) VALUES ($1, $2, 'unreadable', $3)
+         ON CONFLICT (message_id) DO NOTHING",
+    )
+    .bind(id)
+    .bind(delivery.routing_key.as_str())
+    .bind(body)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Deletes the record of messages consumed more than `older_than` ago, in bounded batches: a
+/// message is only delivered again within seconds of its first delivery (a relay that crashed
+/// between the broker's confirm and its commit), so a month of records is plenty.
+pub async fn prune_consumed(pool: &PgPool, older_than: Duration) -> Result<u64, sqlx::Error> {
+    let mut pruned = 0;
+    loop {
+        let n = sqlx::query(
+            "DELETE FROM consumed_messages WHERE ctid IN (
+                 SELECT ctid FROM consumed_messages
+                 WHERE consumed_at < now() - make_interval(secs => $1) LIMIT 5000)",
+        )
+        .bind(older_than.as_secs_f64())
+        .execute(pool)
+        .await?
+        .rows_affected();
+        pruned += n;
+        if n < 5000 {
+            return Ok(pruned);
+        }
+    }
+}
+
 /// The legacy queue's consumer: a message no service's queue binds is logged with its type and
-/// kept in `unrouted_messages`, for an operator to route (a new binding) or replay.
+/// kept in `unrouted_messages`, for an operator to read and, once a service binds the type,
+/// send on (by hand, or by marking its order event unpublished: the relay sends it again).
 pub async fn keep_unrouted(broker: Broker, pool: PgPool) {
     consume(
         broker,

@@ -229,3 +229,74 @@ async fn a_message_published_twice_is_handled_once(pool: PgPool) {
     .unwrap();
     assert_eq!(consumed, 5);
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_message_that_is_no_order_message_is_kept_not_dropped(pool: PgPool) {
+    let config = test_config();
+    let broker = service(&pool, &config, "fulfilment").await;
+    eventually(
+        "the consumer's queue",
+        Duration::from_secs(10),
+        async || {
+            // A passive declare of a queue not there yet closes its channel: a new one each time.
+            let channel = broker.connected().await.create_channel().await.unwrap();
+            channel
+                .queue_declare(
+                    broker.name("fulfilment").as_str().into(),
+                    lapin::options::QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    lapin::types::FieldTable::default(),
+                )
+                .await
+                .is_ok()
+        },
+    )
+    .await;
+    let channel = broker.connected().await.create_channel().await.unwrap();
+    channel
+        .basic_publish(
+            "".into(),
+            broker.name("fulfilment").as_str().into(),
+            lapin::options::BasicPublishOptions::default(),
+            b"not json at all",
+            lapin::BasicProperties::default().with_message_id("odd-1".into()),
+        )
+        .await
+        .unwrap();
+    eventually("kept", Duration::from_secs(10), async || {
+        let kept: Vec<(String, serde_json::Value)> = sqlx::query_as(
+            "SELECT order_kind, body FROM unrouted_messages WHERE message_id = 'odd-1'",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        kept == [(
+            "unreadable".to_owned(),
+            serde_json::json!("not json at all"),
+        )]
+    })
+    .await;
+    assert!(handled(&pool, "fulfilment").await.is_empty());
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn consumers_forget_messages_after_a_month_not_before(pool: PgPool) {
+    sqlx::query(
+        "INSERT INTO consumed_messages (consumer, message_id, consumed_at)
+         VALUES ('c', 'old', now() - interval '31 days'), ('c', 'recent', now() - interval '29 days')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let n = orders::prune_consumed(&pool, Duration::from_secs(30 * 24 * 3600))
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    let left: Vec<String> = sqlx::query_scalar("SELECT message_id FROM consumed_messages")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, ["recent"]);
+}
