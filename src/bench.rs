@@ -162,6 +162,7 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
             }
             senders.push(requests);
         }
+        reset_peak_rss();
         let started = Instant::now();
         let mut tasks = Vec::new();
         for requests in senders {
@@ -180,6 +181,10 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
         lines.push(format!("ingest_c{c}_per_s={rps:.0}"));
         lines.push(format!("ingest_c{c}_p50_ms={p50:.2}"));
         lines.push(format!("ingest_c{c}_p99_ms={p99:.2}"));
+        if let Some(mib) = peak_rss_mib() {
+            eprintln!("ingest: {c} senders: peak resident memory {mib:.1} MiB (receiver and senders in one process)");
+            lines.push(format!("ingest_c{c}_peak_rss_mib={mib:.1}"));
+        }
     }
     let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM payment_events")
         .fetch_one(&pool)
