@@ -182,7 +182,9 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
         lines.push(format!("ingest_c{c}_p50_ms={p50:.2}"));
         lines.push(format!("ingest_c{c}_p99_ms={p99:.2}"));
         if let Some(mib) = peak_rss_mib() {
-            eprintln!("ingest: {c} senders: peak resident memory {mib:.1} MiB (receiver and senders in one process)");
+            eprintln!(
+                "ingest: {c} senders: peak resident memory {mib:.1} MiB (receiver and senders in one process)"
+            );
             lines.push(format!("ingest_c{c}_peak_rss_mib={mib:.1}"));
         }
     }

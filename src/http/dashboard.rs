@@ -38,8 +38,7 @@ pub(super) fn routes(state: AppState) -> axum::Router {
         .route("/admin/ui", get(dashboard))
         .route("/admin/ui/session", post(sign_in))
         .route("/admin/ui/sign-out", post(sign_out))
-        .route("/admin/ui/jobs/{id}/retry", post(retry_job))
-        .route("/admin/ui/jobs/{id}/discard", post(discard_job))
+        .route("/admin/ui/jobs/{id}/{action}", post(job_action))
         .route("/admin/ui/events/{id}/replay", post(replay_event))
         .route("/admin/ui/events/replay-all", post(replay_all))
         .with_state(state)
@@ -296,36 +295,45 @@ fn id_of(raw: &str) -> Result<i64, Page> {
         .ok_or_else(|| ApiError::bad_request(format!("{raw:?} is not an id")).into())
 }
 
-async fn retry_job(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    Path(raw): Path<String>,
-    form: Result<Form<Csrf>, FormRejection>,
-) -> Result<Page, Page> {
-    authorized(&state, &headers, form.as_deref().ok())?;
-    let id = id_of(&raw)?;
-    jobs::retry(&state.pool, JobId(id))
-        .await
-        .map_err(ApiError::from)?;
-    tracing::info!(job = id, "job retried from the dashboard");
-    Ok(Page::done(&format!("job {id} will run again now")))
+/// What an operator can do to a job from the dashboard.
+#[derive(Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum JobAction {
+    /// A dead or retrying job runs again now.
+    Retry,
+    /// A waiting job is given up (kept, and can be retried).
+    Discard,
 }
 
-async fn discard_job(
+async fn job_action(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(raw): Path<String>,
+    path: Result<Path<(String, JobAction)>, axum::extract::rejection::PathRejection>,
     form: Result<Form<Csrf>, FormRejection>,
 ) -> Result<Page, Page> {
     authorized(&state, &headers, form.as_deref().ok())?;
+    let Path((raw, action)) = path.map_err(|_| {
+        Page::from(ApiError::NotFound(
+            "no such job action: retry or discard".into(),
+        ))
+    })?;
     let id = id_of(&raw)?;
-    jobs::discard(&state.pool, JobId(id))
-        .await
-        .map_err(ApiError::from)?;
-    tracing::info!(job = id, "job discarded from the dashboard");
-    Ok(Page::done(&format!(
-        "job {id} is discarded (kept, and can be retried)"
-    )))
+    let done = match action {
+        JobAction::Retry => {
+            jobs::retry(&state.pool, JobId(id))
+                .await
+                .map_err(ApiError::from)?;
+            format!("job {id} will run again now")
+        }
+        JobAction::Discard => {
+            jobs::discard(&state.pool, JobId(id))
+                .await
+                .map_err(ApiError::from)?;
+            format!("job {id} is discarded (kept, and can be retried)")
+        }
+    };
+    tracing::info!(job = id, "{done} (from the dashboard)");
+    Ok(Page::done(&done))
 }
 
 async fn replay_event(

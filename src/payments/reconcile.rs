@@ -292,32 +292,17 @@ async fn record_event(
     // any other (its processing may have left the payment pending).
     let settled = settles.filter(|_| new).map(|(p, _)| p.session_id.clone());
     if let (true, Some((p, status))) = (new, settles) {
-        sqlx::query(
-            "UPDATE payment_sessions SET checked_at = now() WHERE gateway = $1 AND session_id = $2",
-        )
-        .bind(gateway)
-        .bind(&p.session_id)
-        .execute(&mut *tx)
-        .await?;
+        mark_checked(&mut tx, gateway, &p.session_id).await?;
         let status = if status == PaymentStatus::Succeeded {
             "succeeded"
         } else {
             "failed"
         };
-        sqlx::query(
-            "INSERT INTO reconciliation_findings (gateway, session_id, order_number, outcome, detail)
-             VALUES ($1, $2, $3, $4, $5)",
-        )
-        .bind(gateway)
-        .bind(&p.session_id)
-        .bind(p.order_number)
-        .bind(status)
-        .bind(format!(
+        let detail = format!(
             "the gateway never delivered event {} ({})",
             event.event_id, event.event_type
-        ))
-        .execute(&mut *tx)
-        .await?;
+        );
+        finding(&mut *tx, gateway, p, status, &detail).await?;
         tracing::warn!(%gateway, event = %event.event_id, session = %p.session_id, order = p.order_number, status,
             "reconciliation found an event the gateway never delivered");
     }
@@ -334,13 +319,7 @@ async fn record(
     state: &PaymentState,
 ) -> Result<bool, QueueError> {
     let mut tx = pool.begin().await?;
-    sqlx::query(
-        "UPDATE payment_sessions SET checked_at = now() WHERE gateway = $1 AND session_id = $2",
-    )
-    .bind(gateway)
-    .bind(&p.session_id)
-    .execute(&mut *tx)
-    .await?;
+    mark_checked(&mut tx, gateway, &p.session_id).await?;
     let status = match state.status {
         PaymentStatus::Succeeded => "succeeded",
         PaymentStatus::Failed => "failed",
@@ -362,24 +341,15 @@ async fn record(
         tx.commit().await?;
         return Ok(false);
     }
-    sqlx::query(
-        "INSERT INTO reconciliation_findings (gateway, session_id, order_number, outcome, detail)
-         VALUES ($1, $2, $3, $4, $5)",
-    )
-    .bind(gateway)
-    .bind(&p.session_id)
-    .bind(p.order_number)
-    .bind(status)
-    .bind(format!("the gateway says {status}; no webhook had said so"))
-    .execute(&mut *tx)
-    .await?;
+    let detail = format!("the gateway says {status}; no webhook had said so");
+    finding(&mut *tx, gateway, p, status, &detail).await?;
     tx.commit().await?;
     tracing::warn!(%gateway, session = %p.session_id, order = p.order_number, status, "reconciliation found a payment no webhook reported");
     Ok(true)
 }
 
-async fn finding(
-    pool: &PgPool,
+async fn finding<'c>(
+    db: impl sqlx::PgExecutor<'c>,
     gateway: GatewayName,
     p: &Pending,
     outcome: &str,
@@ -394,7 +364,23 @@ async fn finding(
     .bind(p.order_number)
     .bind(outcome)
     .bind(detail)
-    .execute(pool)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// Notes that the gateway was asked about a session now, so the next runs ask the others first.
+async fn mark_checked(
+    tx: &mut sqlx::PgConnection,
+    gateway: GatewayName,
+    session_id: &str,
+) -> Result<(), QueueError> {
+    sqlx::query(
+        "UPDATE payment_sessions SET checked_at = now() WHERE gateway = $1 AND session_id = $2",
+    )
+    .bind(gateway)
+    .bind(session_id)
+    .execute(&mut *tx)
     .await?;
     Ok(())
 }

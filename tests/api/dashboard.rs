@@ -300,6 +300,16 @@ async fn a_form_without_its_csrf_token_changes_nothing_even_with_the_cookie(pool
         .and_then(|rest| rest.split('"').next())
         .unwrap()
         .to_owned();
+    // No such action: a 404 page, nothing done.
+    let answer = http
+        .post(format!("{base}/admin/ui/jobs/{}/delete", seeded.retrying))
+        .header("cookie", &cookie)
+        .form(&[("csrf", csrf.as_str())])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 404);
+    assert_eq!(job_state(&pool, seeded.retrying).await, "retryable");
     let answer = http
         .post(&retry)
         .header("cookie", &cookie)
