@@ -861,7 +861,29 @@ async fn ends_postgres_would_refuse_as_given_are_still_written(pool: PgPool) {
         );
     }
     let fleet = start_fleet(&pool, registry);
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Every run ended (a loaded machine may take more than a moment), then stop.
+    let started = std::time::Instant::now();
+    loop {
+        // nul discarded, forever snoozed a year, sync-panic waiting for its retry, ok completed.
+        let states: Vec<(String, bool)> = sqlx::query_as(
+            "SELECT state, run_at > now() + interval '300 days' FROM jobs WHERE id = ANY($1) ORDER BY id",
+        )
+        .bind(ids.iter().map(|id| id.0).collect::<Vec<i64>>())
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        let ended = states
+            == [
+                ("discarded".to_owned(), false),
+                ("available".to_owned(), true),
+                ("retryable".to_owned(), false),
+                ("completed".to_owned(), false),
+            ];
+        if ended || started.elapsed() > Duration::from_secs(15) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     fleet.shutdown().await;
 
     let (state, _, _, errors) = job(&pool, ids[0]).await;
