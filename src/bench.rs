@@ -43,6 +43,44 @@ pub struct QueueArgs {
     /// queue no worker serves (an outage's leftovers).
     #[arg(long, default_value_t = 0)]
     pub backlog: usize,
+    /// Drain with this many worker processes (`payfleet bench drain-worker`, each with the
+    /// default settings) instead of a fleet inside the bench; the latency phase is skipped.
+    #[arg(long, default_value_t = 0)]
+    pub workers: usize,
+}
+
+/// The no-op job's handler; `samples` collects enqueue-to-start waits when given.
+fn noop_registry(samples: Option<Arc<Mutex<Vec<i64>>>>) -> anyhow::Result<Registry> {
+    let mut registry = Registry::new();
+    registry.register::<Noop, _, _>(move |_ctx: JobContext, job: Noop| {
+        let seen = samples.clone();
+        async move {
+            if let (true, Some(seen)) = (job.t > 0, seen) {
+                let waited = now_micros() - job.t;
+                if let Ok(mut s) = seen.lock() {
+                    s.push(waited);
+                }
+            }
+            Ok(())
+        }
+    })?;
+    Ok(registry)
+}
+
+/// `payfleet bench drain-worker`: a worker process for `bench queue --workers N`, draining the
+/// no-op jobs of the scratch database (`DATABASE_URL`) until SIGTERM.
+pub async fn drain_worker(config: &Config) -> anyhow::Result<()> {
+    let pool = db::connect(&config.database_url, config.db_pool_size).await?;
+    let fleet = Fleet::new(
+        pool,
+        noop_registry(None)?,
+        config.queues.clone(),
+        &config.host_name,
+    )
+    .start();
+    startup::shutdown_signal().await;
+    fleet.shutdown().await;
+    Ok(())
 }
 
 /// The queue the backlog's due jobs wait on: no worker of the bench serves it.
@@ -414,7 +452,7 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     if args.jobs == 0 {
         bail!("--jobs must be positive");
     }
-    let (pool, _) = scratch(config).await?;
+    let (pool, url) = scratch(config).await?;
     let mut lines = Vec::new();
 
     // Enqueue, 1000 jobs a statement.
@@ -482,31 +520,35 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     }
 
     let samples: Arc<Mutex<Vec<i64>>> = Arc::new(Mutex::new(Vec::new()));
-    let mut registry = Registry::new();
-    let seen = samples.clone();
-    registry.register::<Noop, _, _>(move |_ctx: JobContext, job: Noop| {
-        let seen = seen.clone();
-        async move {
-            if job.t > 0 {
-                let waited = now_micros() - job.t;
-                if let Ok(mut s) = seen.lock() {
-                    s.push(waited);
-                }
-            }
-            Ok(())
-        }
-    })?;
+    let registry = noop_registry(Some(samples.clone()))?;
 
-    // Drain with the fleet's default settings.
+    // Drain with the fleet's default settings: inside the bench, or in worker processes.
     reset_peak_rss();
     let started = Instant::now();
-    let fleet = Fleet::new(
-        pool.clone(),
-        registry,
-        config.queues.clone(),
-        &config.host_name,
-    )
-    .start();
+    let mut children = Vec::with_capacity(args.workers);
+    for _ in 0..args.workers {
+        children.push(
+            tokio::process::Command::new(std::env::current_exe()?)
+                .args(["bench", "drain-worker"])
+                .env("DATABASE_URL", url.expose())
+                .env("PAYFLEET_RECURRING", "off")
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .context("cannot start a drain worker")?,
+        );
+    }
+    let fleet = (args.workers == 0).then(|| {
+        Fleet::new(
+            pool.clone(),
+            registry,
+            config.queues.clone(),
+            &config.host_name,
+        )
+        .start()
+    });
     let pool2 = pool.clone();
     wait_until(
         || {
@@ -532,7 +574,14 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         args.jobs
     );
     lines.push(format!("queue_drain_per_s={drain_rate:.0}"));
-    if let Some(mib) = peak_rss_mib() {
+    if args.workers > 0 {
+        lines.push(format!("queue_drain_workers={}", args.workers));
+        for mut child in children {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+    }
+    if let (Some(mib), true) = (peak_rss_mib(), fleet.is_some()) {
         eprintln!(
             "queue: peak resident memory while draining {mib:.1} MiB (the whole bench process)"
         );
@@ -555,35 +604,40 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         );
     }
 
-    // Enqueue-to-start latency on an idle fleet, one job at a time.
-    for _ in 0..args.latency_samples {
-        queue::enqueue(&pool, NewJob::of(&Noop { t: now_micros() })?).await?;
-        tokio::time::sleep(Duration::from_millis(2)).await;
+    // Enqueue-to-start latency on an idle fleet, one job at a time (the fleet inside the
+    // bench: worker processes cannot report their start times to it).
+    if let Some(fleet) = fleet {
+        for _ in 0..args.latency_samples {
+            queue::enqueue(&pool, NewJob::of(&Noop { t: now_micros() })?).await?;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let want = args.latency_samples;
+        let seen = samples.clone();
+        wait_until(
+            move || {
+                let n = seen.lock().map(|s| s.len()).unwrap_or(0);
+                async move { Ok(n >= want) }
+            },
+            Duration::from_millis(10),
+        )
+        .await?;
+        fleet.shutdown().await;
+        let mut waits: Vec<Duration> = samples
+            .lock()
+            .map(|s| {
+                s.iter()
+                    .map(|us| Duration::from_micros((*us).max(0) as u64))
+                    .collect()
+            })
+            .unwrap_or_default();
+        waits.sort();
+        let (p50, p99) = (percentile(&waits, 0.5), percentile(&waits, 0.99));
+        eprintln!("queue: enqueue-to-start p50 {p50:.2} ms, p99 {p99:.2} ms");
+        lines.push(format!("queue_start_latency_p50_ms={p50:.2}"));
+        lines.push(format!("queue_start_latency_p99_ms={p99:.2}"));
+    } else {
+        eprintln!("queue: enqueue-to-start latency is measured without --workers");
     }
-    let want = args.latency_samples;
-    let seen = samples.clone();
-    wait_until(
-        move || {
-            let n = seen.lock().map(|s| s.len()).unwrap_or(0);
-            async move { Ok(n >= want) }
-        },
-        Duration::from_millis(10),
-    )
-    .await?;
-    fleet.shutdown().await;
-    let mut waits: Vec<Duration> = samples
-        .lock()
-        .map(|s| {
-            s.iter()
-                .map(|us| Duration::from_micros((*us).max(0) as u64))
-                .collect()
-        })
-        .unwrap_or_default();
-    waits.sort();
-    let (p50, p99) = (percentile(&waits, 0.5), percentile(&waits, 0.99));
-    eprintln!("queue: enqueue-to-start p50 {p50:.2} ms, p99 {p99:.2} ms");
-    lines.push(format!("queue_start_latency_p50_ms={p50:.2}"));
-    lines.push(format!("queue_start_latency_p99_ms={p99:.2}"));
 
     // The machine's limit for the same row writes: a drained job is written twice (claim and
     // completion); here PostgreSQL updates the same rows in bulk with no queue logic at all.

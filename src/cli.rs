@@ -133,6 +133,9 @@ enum BenchCommand {
     Ingest(bench::IngestArgs),
     /// Enqueue and drain rates, and enqueue-to-start latency.
     Queue(bench::QueueArgs),
+    /// A worker process of `bench queue --workers N` (started by it).
+    #[command(hide = true)]
+    DrainWorker,
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
@@ -167,6 +170,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench { which } => match which {
             BenchCommand::Ingest(args) => bench::ingest(&config, args).await,
             BenchCommand::Queue(args) => bench::queue(&config, args).await,
+            BenchCommand::DrainWorker => bench::drain_worker(&config).await,
         },
     }
 }
