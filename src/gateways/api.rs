@@ -147,11 +147,12 @@ pub trait PaymentGateway: Send + Sync {
     /// Events created since `since` whose delivery to our endpoint has not succeeded (Stripe's
     /// events list with `delivery_success=false`), on the seller's account when given. `None`:
     /// the gateway keeps no such list (nothing was asked); reconciliation asks it about each
-    /// session instead.
+    /// session instead. Pages of a long list are asked `pace` apart (the gateway's rate limit).
     fn undelivered_events<'a>(
         &'a self,
         _since: chrono::DateTime<chrono::Utc>,
         _seller_account: Option<&'a str>,
+        _pace: std::time::Duration,
     ) -> GatewayFuture<'a, Option<Vec<UndeliveredEvent>>> {
         Box::pin(async { Ok(None) })
     }
@@ -206,8 +207,9 @@ macro_rules! payment_gateway {
                 &'a self,
                 since: chrono::DateTime<chrono::Utc>,
                 seller_account: Option<&'a str>,
+                pace: std::time::Duration,
             ) -> $crate::gateways::api::GatewayFuture<'a, Option<Vec<$crate::gateways::api::UndeliveredEvent>>> {
-                Box::pin(async move { self.undelivered(since, seller_account).await.map(Some) })
+                Box::pin(async move { self.undelivered(since, seller_account, pace).await.map(Some) })
             }
         );
     };

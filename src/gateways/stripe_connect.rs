@@ -231,10 +231,14 @@ impl StripeConnect {
         &self,
         since: chrono::DateTime<chrono::Utc>,
         account: Option<&str>,
+        pace: Duration,
     ) -> Result<Vec<UndeliveredEvent>, GatewayError> {
         let mut events = Vec::new();
         let mut after: Option<String> = None;
-        for _ in 0..EVENT_PAGES {
+        for page in 0..EVENT_PAGES {
+            if page > 0 {
+                tokio::time::sleep(pace).await;
+            }
             let mut query = vec![
                 ("delivery_success".to_owned(), "false".to_owned()),
                 ("created[gte]".to_owned(), since.timestamp().to_string()),

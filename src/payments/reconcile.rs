@@ -167,7 +167,10 @@ async fn ask_gateway(
         else {
             continue;
         };
-        let events = match gateway.undelivered_events(since, account).await {
+        let events = match gateway
+            .undelivered_events(since, account, settings.pace)
+            .await
+        {
             // No such list: every session is asked about below.
             Ok(None) => break,
             Ok(Some(events)) => events,
