@@ -860,7 +860,14 @@ async fn ends_postgres_would_refuse_as_given_are_still_written(pool: PgPool) {
                 .unwrap(),
         );
     }
-    let fleet = start_fleet(&pool, registry);
+    // A lease long enough that a loaded machine never has these runs rescued (a rescue would add
+    // its own error before the ones this test reads).
+    let config = QueuesConfig::parse(
+        "[fleet]\npoll_interval_ms = 10000\nlease_ms = 10000\nrescue_interval_ms = 200\nshutdown_timeout_ms = 500\n[queues.test]\nconcurrency = 4\ntimeout_ms = 5000\n",
+        "test",
+    )
+    .unwrap();
+    let fleet = Fleet::new(pool.clone(), registry, config, "test").start();
     // Every run ended (a loaded machine may take more than a moment), then stop.
     let started = std::time::Instant::now();
     loop {
