@@ -66,6 +66,21 @@ impl SettleCoins {
         Ok(NewJob::of(self)?.key(format!("settle_coins:{}:{step}", self.reservation_id)))
     }
 
+    /// Enqueues the settling of `reservation_id` in the caller's transaction.
+    async fn enqueue(
+        tx: &mut PgConnection,
+        reservation_id: String,
+        approve: bool,
+    ) -> Result<(), QueueError> {
+        let job = Self {
+            reservation_id,
+            approve,
+        }
+        .job()?;
+        queue::enqueue(&mut *tx, job).await?;
+        Ok(())
+    }
+
     pub async fn run(&self, pool: &PgPool) -> Result<(), JobError> {
         match coins::decide(pool, &self.reservation_id, self.approve).await {
             Ok(state) => {
@@ -112,9 +127,7 @@ pub async fn pay(
     let o = lock(&mut tx, number).await?;
     if o.paid_with_coins {
         drop(tx);
-        return view(pool, number)
-            .await?
-            .ok_or(CoinPaymentError::NotFound(number));
+        return order_view(pool, number).await;
     }
     if !o.status.is_payable() {
         return Err(CoinPaymentError::NotPayable {
@@ -169,15 +182,7 @@ pub async fn pay(
     let o = lock(&mut tx, number).await?;
     if !o.status.is_payable() {
         if !o.paid_with_coins {
-            queue::enqueue(
-                &mut *tx,
-                SettleCoins {
-                    reservation_id,
-                    approve: false,
-                }
-                .job()?,
-            )
-            .await?;
+            SettleCoins::enqueue(&mut tx, reservation_id, false).await?;
             tx.commit().await?;
             return Err(CoinPaymentError::NotPayable {
                 number,
@@ -185,9 +190,7 @@ pub async fn pay(
             });
         }
         drop(tx);
-        return view(pool, number)
-            .await?
-            .ok_or(CoinPaymentError::NotFound(number));
+        return order_view(pool, number).await;
     }
     sqlx::query(
         "UPDATE orders SET status = 'paid', payment_status = 'succeeded', paid_at = now(),
@@ -207,17 +210,13 @@ pub async fn pay(
     if let Some(sale) = Sale::of_order(&mut tx, number, Channel::Coins).await? {
         sales::record_sale(&mut tx, &sale).await?;
     }
-    queue::enqueue(
-        &mut *tx,
-        SettleCoins {
-            reservation_id,
-            approve: true,
-        }
-        .job()?,
-    )
-    .await?;
+    SettleCoins::enqueue(&mut tx, reservation_id, true).await?;
     tx.commit().await?;
     tracing::info!(order = number, "order paid with coins");
+    order_view(pool, number).await
+}
+
+async fn order_view(pool: &PgPool, number: i64) -> Result<OrderView, CoinPaymentError> {
     view(pool, number)
         .await?
         .ok_or(CoinPaymentError::NotFound(number))
@@ -241,15 +240,7 @@ pub async fn give_back(tx: &mut PgConnection, order_id: i64) -> Result<(), Queue
     .fetch_optional(&mut *tx)
     .await?;
     if let Some(reservation_id) = reservation {
-        queue::enqueue(
-            &mut *tx,
-            SettleCoins {
-                reservation_id,
-                approve: false,
-            }
-            .job()?,
-        )
-        .await?;
+        SettleCoins::enqueue(tx, reservation_id, false).await?;
     }
     Ok(())
 }

@@ -121,37 +121,27 @@ async fn an_operator_signs_in_sees_what_is_stuck_and_re_drives_it(pool: PgPool) 
     assert!(text.contains("payfleet operations"), "{text}");
     // The session cookie is out of scripts' reach.
     assert_eq!(browser.eval("document.cookie").await, "");
-    let section = async |b: &mut Browser, id: &str| {
-        b.eval(&format!("document.getElementById('{id}')?.innerText ?? ''"))
+    // Each section shows what was seeded into it.
+    for (id, wanted) in [
+        ("queues", &["payments", "ledger"][..]),
+        (
+            "failed-jobs",
+            &["gateway answered 502", "connection refused"][..],
+        ),
+        ("events", &["evt_refund_1", "larger than the payment"][..]),
+        ("recurring", &["payouts", "failed", "invoices"][..]),
+        ("findings", &["sale_without_credit"][..]),
+    ] {
+        let text = browser
+            .eval(&format!("document.getElementById('{id}')?.innerText ?? ''"))
             .await
             .as_str()
             .unwrap()
-            .to_owned()
-    };
-    let queues = section(&mut browser, "queues").await;
-    assert!(
-        queues.contains("payments") && queues.contains("ledger"),
-        "{queues}"
-    );
-    let failed = section(&mut browser, "failed-jobs").await;
-    assert!(
-        failed.contains("gateway answered 502") && failed.contains("connection refused"),
-        "{failed}"
-    );
-    let events = section(&mut browser, "events").await;
-    assert!(
-        events.contains("evt_refund_1") && events.contains("larger than the payment"),
-        "{events}"
-    );
-    let recurring = section(&mut browser, "recurring").await;
-    assert!(
-        recurring.contains("payouts")
-            && recurring.contains("failed")
-            && recurring.contains("invoices"),
-        "{recurring}"
-    );
-    let findings = section(&mut browser, "findings").await;
-    assert!(findings.contains("sale_without_credit"), "{findings}");
+            .to_owned();
+        for w in wanted {
+            assert!(text.contains(w), "#{id} lacks {w:?}: {text}");
+        }
+    }
     let shot = browser.screenshot().await;
     assert_eq!(&shot[..8], b"\x89PNG\r\n\x1a\n");
     std::fs::write(

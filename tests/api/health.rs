@@ -248,3 +248,44 @@ async fn every_answer_carries_its_request_id(pool: PgPool) {
         assert!(id.bytes().all(|b| b.is_ascii_hexdigit()));
     }
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_backlog_gauge_never_reads_the_jobs_scheduled_for_later(pool: PgPool) {
+    // Many expiry-like jobs for tomorrow, two due now.
+    sqlx::query(
+        "INSERT INTO jobs (queue, kind, run_at)
+         SELECT 'orders', 'k', now() + interval '1 day' FROM generate_series(1, 50000)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("INSERT INTO jobs (queue, kind) SELECT 'events', 'k' FROM generate_series(1, 2)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("ANALYZE jobs").execute(&pool).await.unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {}",
+        payfleet::queue::admin::LIVE_COUNT_QUERIES[2]
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let plan = plan.join("\n");
+    assert!(!plan.contains("Seq Scan"), "{plan}");
+    // The whole statement's pages (the root node's count): a handful, where reading the
+    // scheduled jobs' index entries would take well over a hundred.
+    let pages: u64 = plan
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Buffers: shared hit="))
+        .and_then(|n| n.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .unwrap_or(u64::MAX);
+    assert!(pages < 40, "{pages} pages read:\n{plan}");
+    let due = payfleet::queue::admin::due_by_queue(&pool).await.unwrap();
+    assert_eq!(
+        due.iter()
+            .map(|d| (d.queue.as_str(), d.due))
+            .collect::<Vec<_>>(),
+        [("events", 2)]
+    );
+}

@@ -139,6 +139,30 @@ async fn send(shop: &Shop, id: &str, body: &str) {
     assert_eq!(status, 200, "{answer}");
 }
 
+/// The gateway reports `session` paid `amount`, as delivery `id`.
+async fn send_paid(shop: &Shop, id: &str, session: &str, amount: &str) {
+    send(
+        shop,
+        id,
+        &event("payment.succeeded", session, json!({"amount": amount})),
+    )
+    .await;
+}
+
+/// The gateway reports refund `refund_id` of `amount` on `session`, as delivery `id`.
+async fn send_refund(shop: &Shop, id: &str, session: &str, refund_id: &str, amount: &str) {
+    send(
+        shop,
+        id,
+        &event(
+            "refund.succeeded",
+            session,
+            json!({"refund_id": refund_id, "amount": amount}),
+        ),
+    )
+    .await;
+}
+
 async fn process_all(pool: &PgPool, shop: &Shop) {
     while process_events_with(pool, &shop.app.config).await > 0 {}
 }
@@ -255,12 +279,7 @@ async fn a_refund_debits_once_whether_it_comes_first_twice_or_re_emitted(pool: P
     send(&shop, "msg_refund", &refund).await;
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("0"), d("0")));
-    send(
-        &shop,
-        "msg_paid",
-        &event("payment.succeeded", &session, json!({"amount": "100.00"})),
-    )
-    .await;
+    send_paid(&shop, "msg_paid", &session, "100.00").await;
     // The same refund again, and re-emitted under a new id.
     send(&shop, "msg_refund", &refund).await;
     send(&shop, "msg_refund_again", &refund).await;
@@ -268,16 +287,7 @@ async fn a_refund_debits_once_whether_it_comes_first_twice_or_re_emitted(pool: P
     // 30.00 back: the seller bears 30 × 90/100 = 27.00, the fee 3.00.
     assert_eq!(shop.balance(&seller).await, (d("63.00"), d("0")));
     // A second partial refund: 33.33 × 0.9 = 29.997, half-even to 30.00; the fee 3.33.
-    send(
-        &shop,
-        "msg_refund_2",
-        &event(
-            "refund.succeeded",
-            &session,
-            json!({"refund_id": "rf_2", "amount": "33.33"}),
-        ),
-    )
-    .await;
+    send_refund(&shop, "msg_refund_2", &session, "rf_2", "33.33").await;
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("33.00"), d("0")));
     let revenue: Decimal = sqlx::query_scalar(
@@ -325,12 +335,7 @@ async fn a_refund_debits_once_whether_it_comes_first_twice_or_re_emitted(pool: P
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_dispute_debits_once_and_is_reversed_once_when_won(pool: PgPool) {
     let (shop, seller, _, session) = one_sale(&pool).await;
-    send(
-        &shop,
-        "msg_paid",
-        &event("payment.succeeded", &session, json!({"amount": "100.00"})),
-    )
-    .await;
+    send_paid(&shop, "msg_paid", &session, "100.00").await;
     let opened = event(
         "dispute.created",
         &session,
@@ -383,22 +388,8 @@ async fn the_holding_period_releases_once_however_many_run_it_and_later_refunds_
     pool: PgPool,
 ) {
     let (shop, seller, _, session) = one_sale(&pool).await;
-    send(
-        &shop,
-        "msg_paid",
-        &event("payment.succeeded", &session, json!({"amount": "100.00"})),
-    )
-    .await;
-    send(
-        &shop,
-        "msg_refund",
-        &event(
-            "refund.succeeded",
-            &session,
-            json!({"refund_id": "rf_1", "amount": "10.00"}),
-        ),
-    )
-    .await;
+    send_paid(&shop, "msg_paid", &session, "100.00").await;
+    send_refund(&shop, "msg_refund", &session, "rf_1", "10.00").await;
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("81.00"), d("0")));
     // Not yet matured: nothing moves.
@@ -422,16 +413,7 @@ async fn the_holding_period_releases_once_however_many_run_it_and_later_refunds_
     assert_eq!(released, 1, "one sale, released once");
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("81.00")));
     // A refund after the holding period takes from available.
-    send(
-        &shop,
-        "msg_refund_2",
-        &event(
-            "refund.succeeded",
-            &session,
-            json!({"refund_id": "rf_2", "amount": "20.00"}),
-        ),
-    )
-    .await;
+    send_refund(&shop, "msg_refund_2", &session, "rf_2", "20.00").await;
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("63.00")));
     invariants_hold(&pool).await;
@@ -440,12 +422,7 @@ async fn the_holding_period_releases_once_however_many_run_it_and_later_refunds_
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn payouts_are_made_once_per_period_and_a_failure_credits_back_once(pool: PgPool) {
     let (shop, seller, _, session) = one_sale(&pool).await;
-    send(
-        &shop,
-        "msg_paid",
-        &event("payment.succeeded", &session, json!({"amount": "100.00"})),
-    )
-    .await;
+    send_paid(&shop, "msg_paid", &session, "100.00").await;
     process_all(&pool, &shop).await;
     sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
         .await
@@ -534,12 +511,7 @@ async fn a_seller_below_the_minimum_is_not_paid(pool: PgPool) {
     let product = shop.product(&seller, "50.00", "BRL").await;
     let order = shop.checkout_one("k", "b", &product, 1).await;
     let session = order["payment"]["session_id"].as_str().unwrap();
-    send(
-        &shop,
-        "m1",
-        &event("payment.succeeded", session, json!({"amount": "50.00"})),
-    )
-    .await;
+    send_paid(&shop, "m1", session, "50.00").await;
     process_all(&pool, &shop).await;
     sales::release_matured(&pool, Utc::now()).await.unwrap();
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("45.00")));
@@ -803,12 +775,7 @@ async fn an_order_paid_with_coins_spends_them_once_and_an_expired_one_gives_them
         .unwrap();
     assert_eq!(page.status(), 409, "the page itself refuses a paid order");
     let session = order["payment"]["session_id"].as_str().unwrap();
-    send(
-        &shop,
-        "second-tab",
-        &event("payment.succeeded", session, json!({"amount": "19.90"})),
-    )
-    .await;
+    send_paid(&shop, "second-tab", session, "19.90").await;
     eventually("the extra payment to be seen", Duration::from_secs(20), async || {
         let kinds: Vec<String> = sqlx::query_scalar(
             "SELECT e.kind FROM order_events e JOIN orders o ON o.id = e.order_id WHERE o.number = $1",
@@ -1296,12 +1263,7 @@ async fn partial_refunds_round_half_even_on_the_running_total(pool: PgPool) {
     let product = shop.product(&seller, "10.00", "BRL").await;
     let order = shop.checkout_one("k", "b", &product, 1).await;
     let session = order["payment"]["session_id"].as_str().unwrap();
-    send(
-        &shop,
-        "paid",
-        &event("payment.succeeded", session, json!({"amount": "10.00"})),
-    )
-    .await;
+    send_paid(&shop, "paid", session, "10.00").await;
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("9.00"), d("0")));
     // The seller bears 90 %: 0.05 → 0.045, a tie, half-even to 0.04 (half-up would say 0.05).
@@ -1352,22 +1314,8 @@ async fn partial_refunds_round_half_even_on_the_running_total(pool: PgPool) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_shortfall_at_release_leaves_the_seller_owing_in_available(pool: PgPool) {
     let (shop, seller, _, session) = one_sale(&pool).await;
-    send(
-        &shop,
-        "paid",
-        &event("payment.succeeded", &session, json!({"amount": "100.00"})),
-    )
-    .await;
-    send(
-        &shop,
-        "refund",
-        &event(
-            "refund.succeeded",
-            &session,
-            json!({"refund_id": "rf_1", "amount": "30.00"}),
-        ),
-    )
-    .await;
+    send_paid(&shop, "paid", &session, "100.00").await;
+    send_refund(&shop, "refund", &session, "rf_1", "30.00").await;
     // A chargeback of the whole amount after a partial refund: more taken back than the sale
     // left in pending.
     send(
@@ -1420,19 +1368,9 @@ async fn a_late_success_of_an_earlier_attempt_makes_the_new_attempts_payment_the
         .to_owned();
     assert_ne!(first, second);
     // The first attempt succeeds late, then the buyer pays the second as well.
-    send(
-        &shop,
-        "late",
-        &event("payment.succeeded", &first, json!({"amount": "10.00"})),
-    )
-    .await;
+    send_paid(&shop, "late", &first, "10.00").await;
     process_all(&pool, &shop).await;
-    send(
-        &shop,
-        "second",
-        &event("payment.succeeded", &second, json!({"amount": "10.00"})),
-    )
-    .await;
+    send_paid(&shop, "second", &second, "10.00").await;
     process_all(&pool, &shop).await;
     let o = shop.order(n).await;
     assert_eq!(o["status"], "paid");

@@ -39,6 +39,18 @@ async fn worker_that_processed(
     worker
 }
 
+/// Waits until every job in the table has completed.
+async fn every_job_completes(pool: &PgPool, within: Duration) {
+    wait_for("every job to complete", within, async || {
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state <> 'completed'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        left == 0
+    })
+    .await;
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_worker_killed_mid_stream_leaves_every_event_to_exactly_one_effect(pool: PgPool) {
     const N: i64 = 600;
@@ -88,19 +100,7 @@ async fn a_worker_killed_mid_stream_leaves_every_event_to_exactly_one_effect(poo
         .env("PAYFLEET_QUEUES", &queues)
         .spawn()
         .unwrap();
-    wait_for(
-        "every job to complete",
-        Duration::from_secs(30),
-        async || {
-            let left: i64 =
-                sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state <> 'completed'")
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap();
-            left == 0
-        },
-    )
-    .await;
+    every_job_completes(&pool, Duration::from_secs(30)).await;
     third.kill().await.unwrap();
     let rescued: i64 =
         sqlx::query_scalar("SELECT count(*) FROM jobs WHERE errors::text LIKE '%lease expired%'")
@@ -353,19 +353,7 @@ async fn three_worker_processes_drain_a_backlog_with_every_job_run_once(pool: Pg
                 .unwrap()
         })
         .collect();
-    wait_for(
-        "every job to complete",
-        Duration::from_secs(60),
-        async || {
-            let left: i64 =
-                sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state <> 'completed'")
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap();
-            left == 0
-        },
-    )
-    .await;
+    every_job_completes(&pool, Duration::from_secs(60)).await;
     for w in &mut workers {
         w.kill().await.unwrap();
     }
