@@ -4,6 +4,7 @@
 //! and prints its figures last as `name=value` lines.
 
 use std::str::FromStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -47,6 +48,10 @@ pub struct QueueArgs {
     /// default settings) instead of a fleet inside the bench; the latency phase is skipped.
     #[arg(long, default_value_t = 0)]
     pub workers: usize,
+    /// One seller's flood for the fairness phase: this many jobs of seller A, while single
+    /// jobs of seller B arrive one at a time (0 skips the phase).
+    #[arg(long, default_value_t = 100_000)]
+    pub fair_flood: usize,
 }
 
 /// The no-op job's handler; `samples` collects enqueue-to-start waits when given.
@@ -554,9 +559,12 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         || {
             let pool = pool2.clone();
             async move {
-                // Through the claim index: what is due on the drained queue, or running.
+                // Through the claim indexes: what is due on the drained queue, or running.
                 let left: bool = sqlx::query_scalar(
-                    "SELECT EXISTS (SELECT 1 FROM jobs WHERE queue = $1 AND state IN ('available', 'retryable') AND run_at <= now())
+                    "SELECT EXISTS (SELECT 1 FROM jobs WHERE queue = $1 AND state IN ('available', 'retryable')
+                                    AND fairness_key IS NULL AND run_at <= now() ORDER BY run_at LIMIT 1)
+                         OR EXISTS (SELECT 1 FROM jobs WHERE queue = $1 AND state IN ('available', 'retryable')
+                                    AND fairness_key IS NOT NULL AND run_at <= now())
                          OR EXISTS (SELECT 1 FROM jobs WHERE state = 'running')",
                 )
                 .bind(Noop::QUEUE)
@@ -595,6 +603,8 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
                 .replace("$2", "16")
                 .replace("$3", "30000")
                 .replace("$4", "'bench-explain'")
+                .replace("$5", "NULL")
+                .replace("$6", "256")
         )))
         .fetch_all(&pool)
         .await?;
@@ -639,6 +649,10 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         eprintln!("queue: enqueue-to-start latency is measured without --workers");
     }
 
+    if args.workers == 0 && args.fair_flood > 0 {
+        fairness(config, &pool, args.fair_flood, drain_rate, &mut lines).await?;
+    }
+
     // The machine's limit for the same row writes: a drained job is written twice (claim and
     // completion); here PostgreSQL updates the same rows in bulk with no queue logic at all.
     sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -670,6 +684,97 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     for l in lines {
         println!("{l}");
     }
+    Ok(())
+}
+
+/// Fairness between sellers: seller A's flood of `flood` jobs is drained while seller B's jobs
+/// arrive one at a time. Prints how long B's jobs waited to start, and A's drain beside the
+/// drain of as many jobs without a key (`unkeyed_rate`, measured before).
+async fn fairness(
+    config: &Config,
+    pool: &PgPool,
+    flood: usize,
+    unkeyed_rate: f64,
+    lines: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    sqlx::query(
+        "INSERT INTO jobs (queue, kind, payload, fairness_key)
+         SELECT $1, $2, '{\"t\": 0}', 'seller-a' FROM generate_series(1, $3)",
+    )
+    .bind(Noop::QUEUE)
+    .bind(Noop::KIND)
+    .bind(flood as i64)
+    .execute(pool)
+    .await?;
+    sqlx::query("ANALYZE jobs").execute(pool).await?;
+    // Runs are counted in the handler: polling the table would load the machine measured.
+    let samples: Arc<Mutex<Vec<i64>>> = Arc::new(Mutex::new(Vec::new()));
+    let ran = Arc::new(AtomicUsize::new(0));
+    let mut registry = Registry::new();
+    let (seen, count) = (samples.clone(), ran.clone());
+    registry.register::<Noop, _, _>(move |_ctx: JobContext, job: Noop| {
+        let (seen, count) = (seen.clone(), count.clone());
+        async move {
+            count.fetch_add(1, Ordering::Relaxed);
+            if job.t > 0
+                && let Ok(mut s) = seen.lock()
+            {
+                s.push(now_micros() - job.t);
+            }
+            Ok(())
+        }
+    })?;
+    let fleet = Fleet::new(
+        pool.clone(),
+        registry,
+        config.queues.clone(),
+        &config.host_name,
+    )
+    .start();
+    let started = Instant::now();
+    // B's jobs arrive one at a time while at least a fifth of the flood still waits.
+    let mut sent = 0usize;
+    while ran.load(Ordering::Relaxed) < flood * 4 / 5 && sent < 50 {
+        queue::enqueue(
+            pool,
+            NewJob::of(&Noop { t: now_micros() })?.fairness_key("seller-b"),
+        )
+        .await?;
+        sent += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    while ran.load(Ordering::Relaxed) < flood + sent {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let rate = flood as f64 / started.elapsed().as_secs_f64();
+    fleet.shutdown().await;
+    let mut waits: Vec<Duration> = samples
+        .lock()
+        .map(|s| {
+            s.iter()
+                .map(|us| Duration::from_micros((*us).max(0) as u64))
+                .collect()
+        })
+        .unwrap_or_default();
+    if waits.len() != sent {
+        bail!("{sent} jobs of seller B were sent but {} ran", waits.len());
+    }
+    waits.sort();
+    let (p50, max) = (
+        percentile(&waits, 0.5),
+        waits.last().map_or(0.0, |d| d.as_secs_f64() * 1000.0),
+    );
+    eprintln!(
+        "queue: fairness: {sent} jobs of seller B behind seller A's {flood}: start p50 {p50:.2} ms, max {max:.2} ms; A drained at {rate:.0} jobs/s ({:.2}x the unkeyed drain)",
+        rate / unkeyed_rate
+    );
+    lines.push(format!("queue_fair_other_seller_start_p50_ms={p50:.2}"));
+    lines.push(format!("queue_fair_other_seller_start_max_ms={max:.2}"));
+    lines.push(format!("queue_fair_flood_drain_per_s={rate:.0}"));
+    lines.push(format!(
+        "queue_fair_flood_vs_unkeyed={:.2}",
+        rate / unkeyed_rate
+    ));
     Ok(())
 }
 

@@ -139,6 +139,46 @@ pub fn interpret(gateway: GatewayName, body: &[u8]) -> Result<Interpretation, Ev
     }
 }
 
+/// Whom an event is for, as far as its signed body says: our seller id where the payment carries
+/// the metadata our payment links give it (Stripe's `metadata`, Razorpay's `notes`, `seller_id`
+/// in the data of our own gateways), else the gateway account it was sent for (a Stripe
+/// connected account, Mercado Pago's `user_id`, Razorpay's `account_id`). Used only as the
+/// processing job's fairness key, so one seller's flood of events cannot hold up another
+/// seller's payment; nothing is decided by it.
+pub fn seller_hint(gateway: GatewayName, v: &serde_json::Value) -> Option<String> {
+    let text = |v: Option<&serde_json::Value>| match v? {
+        serde_json::Value::String(s) if !s.is_empty() => Some(s.clone()),
+        serde_json::Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    };
+    let ours = match gateway {
+        GatewayName::Stripe => text(v.pointer("/data/object/metadata/seller_id")),
+        GatewayName::Razorpay => ["payment", "refund", "order", "dispute"]
+            .iter()
+            .find_map(|e| text(v.pointer(&format!("/payload/{e}/entity/notes/seller_id")))),
+        GatewayName::Internal | GatewayName::Mock => text(v.pointer("/data/seller_id")),
+        GatewayName::MercadoPago => None,
+    };
+    let hint = match ours {
+        Some(seller) => format!("seller:{seller}"),
+        None => {
+            let account = match gateway {
+                GatewayName::Stripe => text(v.get("account")),
+                GatewayName::MercadoPago => text(v.get("user_id")),
+                GatewayName::Razorpay => text(v.get("account_id")),
+                GatewayName::Internal | GatewayName::Mock => None,
+            }?;
+            format!("{gateway}:{account}")
+        }
+    };
+    // A key longer than the queue takes is cut (on a character boundary): it only groups.
+    let mut end = hint.len().min(crate::queue::MAX_FAIRNESS_KEY);
+    while !hint.is_char_boundary(end) {
+        end -= 1;
+    }
+    Some(hint[..end].to_owned())
+}
+
 /// The event's type, as the gateway names it, for the event log.
 pub fn event_type(gateway: GatewayName, v: &serde_json::Value) -> Option<String> {
     let field = match gateway {
@@ -159,4 +199,52 @@ fn ref_of(session_id: Option<&str>, payment_id: Option<&str>) -> Result<PaymentR
         return Err(EventError::Missing("session or payment id"));
     }
     Ok(r)
+}
+
+#[cfg(test)]
+mod seller_hint_tests {
+    use super::{GatewayName, seller_hint};
+    use serde_json::json;
+
+    #[test]
+    fn our_seller_id_comes_first_then_the_gateway_account() {
+        let stripe =
+            json!({"account": "acct_1", "data": {"object": {"metadata": {"seller_id": "s-9"}}}});
+        assert_eq!(
+            seller_hint(GatewayName::Stripe, &stripe).as_deref(),
+            Some("seller:s-9")
+        );
+        let connect = json!({"account": "acct_1", "data": {"object": {"metadata": {}}}});
+        assert_eq!(
+            seller_hint(GatewayName::Stripe, &connect).as_deref(),
+            Some("stripe:acct_1")
+        );
+        let mp = json!({"action": "payment.updated", "user_id": 4711, "data": {"id": "1"}});
+        assert_eq!(
+            seller_hint(GatewayName::MercadoPago, &mp).as_deref(),
+            Some("mercadopago:4711")
+        );
+        let rzp = json!({"account_id": "acc_X", "payload": {"refund": {"entity": {"notes": {"seller_id": "s-2"}}}}});
+        assert_eq!(
+            seller_hint(GatewayName::Razorpay, &rzp).as_deref(),
+            Some("seller:s-2")
+        );
+        let internal = json!({"type": "payment.succeeded", "data": {"seller_id": "s-3"}});
+        assert_eq!(
+            seller_hint(GatewayName::Internal, &internal).as_deref(),
+            Some("seller:s-3")
+        );
+    }
+
+    #[test]
+    fn no_seller_and_no_account_is_no_key_and_a_long_one_is_cut() {
+        assert_eq!(seller_hint(GatewayName::Mock, &json!({"data": {}})), None);
+        assert_eq!(
+            seller_hint(GatewayName::Stripe, &json!({"account": ""})),
+            None
+        );
+        let long = json!({"data": {"seller_id": "é".repeat(300)}});
+        let hint = seller_hint(GatewayName::Internal, &long).unwrap();
+        assert!(hint.len() <= crate::queue::MAX_FAIRNESS_KEY && hint.starts_with("seller:é"));
+    }
 }

@@ -715,8 +715,8 @@ async fn wake_waiting(
     keys: &[String],
     current_event: Option<i64>,
 ) -> Result<(), ProcessError> {
-    let waiting: Vec<String> = sqlx::query_scalar(
-        "SELECT event_id FROM payment_events
+    let waiting: Vec<(String, Vec<u8>)> = sqlx::query_as(
+        "SELECT event_id, raw_body FROM payment_events
          WHERE gateway = $1 AND waiting_for = ANY($2) AND outcome = 'waiting' AND id IS DISTINCT FROM $3",
     )
     .bind(gateway.as_str())
@@ -729,7 +729,7 @@ async fn wake_waiting(
     }
     let jobs: Vec<NewJob> = waiting
         .iter()
-        .map(|id| ProcessPaymentEvent::job(gateway, id))
+        .map(|(id, body)| ProcessPaymentEvent::job_for_body(gateway, id, body))
         .collect::<Result<_, _>>()?;
     // A waiter whose own run is still being recorded (it decided to wait moments ago) runs
     // again after it: it must not miss its payment.

@@ -116,22 +116,39 @@ pub enum Replayed {
     AlreadyQueued,
 }
 
+/// An event row as a replay reads it.
+#[derive(sqlx::FromRow)]
+struct ReplayRow {
+    gateway: GatewayName,
+    event_id: String,
+    outcome: Option<EventOutcome>,
+    processed: bool,
+    raw_body: Vec<u8>,
+}
+
 /// Enqueues the processing of one unprocessed event (by its row id).
 pub async fn replay(pool: &PgPool, id: i64) -> Result<Replayed, ReplayError> {
-    let row: Option<(GatewayName, String, Option<EventOutcome>, bool)> = sqlx::query_as(
-        "SELECT gateway, event_id, outcome, processed_at IS NOT NULL FROM payment_events WHERE id = $1",
+    let row: Option<ReplayRow> = sqlx::query_as(
+        "SELECT gateway, event_id, outcome, processed_at IS NOT NULL AS processed, raw_body
+         FROM payment_events WHERE id = $1",
     )
     .bind(id)
     .fetch_optional(pool)
     .await?;
-    let (gateway, event_id, outcome, processed) = row.ok_or(ReplayError::NotFound(id))?;
+    let ReplayRow {
+        gateway,
+        event_id,
+        outcome,
+        processed,
+        raw_body: body,
+    } = row.ok_or(ReplayError::NotFound(id))?;
     if processed {
         return Err(ReplayError::AlreadyProcessed {
             id,
             outcome: outcome.unwrap_or(EventOutcome::Applied),
         });
     }
-    let job = ProcessPaymentEvent::job(gateway, &event_id)?;
+    let job = ProcessPaymentEvent::job_for_body(gateway, &event_id, &body)?;
     Ok(match queue::enqueue(pool, job).await? {
         Some(_) => Replayed::Queued,
         None => Replayed::AlreadyQueued,
@@ -144,9 +161,10 @@ pub async fn replay_all(pool: &PgPool) -> Result<u64, ReplayError> {
     let mut after = 0i64;
     let mut queued = 0;
     loop {
-        let batch: Vec<(i64, GatewayName, String)> = sqlx::query_as(
-            "SELECT id, gateway, event_id FROM payment_events
-             WHERE processed_at IS NULL AND id > $1 ORDER BY id LIMIT 1000",
+        // The bodies come along for the jobs' fairness keys: a small batch bounds the memory.
+        let batch: Vec<(i64, GatewayName, String, Vec<u8>)> = sqlx::query_as(
+            "SELECT id, gateway, event_id, raw_body FROM payment_events
+             WHERE processed_at IS NULL AND id > $1 ORDER BY id LIMIT 100",
         )
         .bind(after)
         .fetch_all(pool)
@@ -157,7 +175,7 @@ pub async fn replay_all(pool: &PgPool) -> Result<u64, ReplayError> {
         after = last.0;
         let jobs = batch
             .iter()
-            .map(|(_, g, e)| ProcessPaymentEvent::job(*g, e))
+            .map(|(_, g, e, body)| ProcessPaymentEvent::job_for_body(*g, e, body))
             .collect::<Result<Vec<_>, _>>()?;
         queued += queue::enqueue_many(pool, &jobs).await?;
     }

@@ -64,13 +64,34 @@ impl ProcessPaymentEvent {
         format!("payment_event:{gateway}:{event_id}")
     }
 
-    /// The keyed job that processes the event: one unfinished job per event at most.
-    pub fn job(gateway: GatewayName, event_id: &str) -> Result<NewJob, QueueError> {
-        Ok(NewJob::of(&Self {
+    /// The keyed job that processes the event: one unfinished job per event at most. Its
+    /// fairness key is the event's seller (`gateways::seller_hint`), when the body names one.
+    pub fn job(
+        gateway: GatewayName,
+        event_id: &str,
+        seller: Option<&str>,
+    ) -> Result<NewJob, QueueError> {
+        let job = NewJob::of(&Self {
             gateway,
             event_id: event_id.to_owned(),
         })?
-        .key(Self::key(gateway, event_id)))
+        .key(Self::key(gateway, event_id));
+        Ok(match seller {
+            Some(seller) => job.fairness_key(seller),
+            None => job,
+        })
+    }
+
+    /// The job for a stored event body (an event found by reconciliation, or one woken again).
+    pub fn job_for_body(
+        gateway: GatewayName,
+        event_id: &str,
+        body: &[u8],
+    ) -> Result<NewJob, QueueError> {
+        let seller = serde_json::from_slice(body)
+            .ok()
+            .and_then(|v| crate::gateways::seller_hint(gateway, &v));
+        Self::job(gateway, event_id, seller.as_deref())
     }
 }
 

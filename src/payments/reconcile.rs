@@ -255,7 +255,11 @@ async fn store_event(
     .fetch_optional(&mut *tx)
     .await?;
     if stored.is_some() {
-        queue::enqueue(&mut *tx, ProcessPaymentEvent::job(gateway, event_id)?).await?;
+        queue::enqueue(
+            &mut *tx,
+            ProcessPaymentEvent::job_for_body(gateway, event_id, body)?,
+        )
+        .await?;
     }
     Ok(stored.is_some())
 }

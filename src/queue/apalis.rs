@@ -23,6 +23,7 @@
 use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -40,6 +41,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::PgPool;
 
+use super::store::FairCursor;
 use super::{Ended, JobError, JobId, NewJob, QueueError, RunEnd, error_chain, store};
 
 /// Where and how an apalis worker takes its jobs.
@@ -105,6 +107,8 @@ pub struct PayfleetBackend<Args> {
     fetch: Fetch<Args>,
     ready: VecDeque<Task<Args>>,
     last_rescue: Option<tokio::time::Instant>,
+    /// Where this backend's claims are in the ring of fairness groups.
+    cursor: Arc<Mutex<FairCursor>>,
     pushes: Vec<Task<Args>>,
     flushing: Option<BoxFuture<'static, Result<(), ApalisError>>>,
     _args: PhantomData<fn() -> Args>,
@@ -127,6 +131,7 @@ impl<Args> PayfleetBackend<Args> {
             fetch: Fetch::Idle,
             ready: VecDeque::new(),
             last_rescue: None,
+            cursor: Arc::default(),
             pushes: Vec::new(),
             flushing: None,
             _args: PhantomData,
@@ -150,6 +155,7 @@ impl<Args: DeserializeOwned + Send + 'static> PayfleetBackend<Args> {
         if rescue {
             self.last_rescue = Some(tokio::time::Instant::now());
         }
+        let shared_cursor = self.cursor.clone();
         async move {
             if rescue {
                 let rescued = super::rescue_expired(&pool).await?;
@@ -158,8 +164,21 @@ impl<Args: DeserializeOwned + Send + 'static> PayfleetBackend<Args> {
                 }
             }
             loop {
-                let claimed =
-                    store::claim(&pool, &settings.queue, 1, settings.lease, &worker).await?;
+                // One claim at a time per backend (apalis polls the stream), so the cursor is
+                // copied out and back rather than locked across the await.
+                let mut cursor = shared_cursor.lock().map(|c| c.clone()).unwrap_or_default();
+                let claimed = store::claim(
+                    &pool,
+                    &settings.queue,
+                    1,
+                    settings.lease,
+                    &worker,
+                    &mut cursor,
+                )
+                .await?;
+                if let Ok(mut shared) = shared_cursor.lock() {
+                    *shared = cursor;
+                }
                 let Some(job) = claimed.into_iter().next() else {
                     return Ok(Vec::new());
                 };

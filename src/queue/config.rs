@@ -54,6 +54,11 @@ pub struct FleetSettings {
     pub claim_batch: u32,
     /// Most run endings written in one statement.
     pub complete_batch: u32,
+    /// The fleet vacuums the jobs table itself once this many of its rows are dead (0: leave it
+    /// to autovacuum). Every claimed job leaves dead entries at the head of the claim indexes
+    /// that each claim steps over until a vacuum removes them; autovacuum's defaults wait for a
+    /// fifth of the table, and a server may run without it.
+    pub vacuum_dead_rows: u64,
 }
 
 impl Default for FleetSettings {
@@ -67,6 +72,7 @@ impl Default for FleetSettings {
             shutdown_timeout_ms: 10_000,
             claim_batch: 500,
             complete_batch: 2000,
+            vacuum_dead_rows: 100_000,
         }
     }
 }

@@ -129,6 +129,7 @@ pub(crate) async fn fetch(
     let mut running: JoinSet<()> = JoinSet::new();
     let mut runs: HashMap<tokio::task::Id, (JobId, i64)> = HashMap::new();
     let mut failures = 0u32;
+    let mut cursor = store::FairCursor::default();
 
     'work: loop {
         if *stopped.borrow() {
@@ -155,6 +156,7 @@ pub(crate) async fn fetch(
             want as i64,
             fleet.lease(),
             &shared.worker_id,
+            &mut cursor,
         )
         .await
         {
@@ -220,8 +222,10 @@ pub(crate) async fn fetch(
             });
             runs.insert(handle.id(), (id, token));
         }
-        if got == want {
-            continue; // there may be more due right now
+        if got > 0 {
+            // There may be more due right now: a full batch says so, and a short one may be a
+            // claim shared between groups that left some of a group's jobs for the next turn.
+            continue;
         }
         let nap = match store::next_due_in(&shared.pool, &queue).await {
             Ok(Some(due)) => due.min(fleet.poll_interval()),

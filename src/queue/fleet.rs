@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinSet;
 
@@ -25,6 +25,22 @@ pub struct Fleet {
     registry: Registry,
     config: QueuesConfig,
     worker_id: String,
+    listen: Listen,
+}
+
+/// Where the fleet LISTENs for new jobs. LISTEN holds state on a server session, which a pooler
+/// in transaction mode (PgBouncer) hands to other clients between transactions: behind one,
+/// listen on a direct connection, or not at all (every queue is then polled at the fleet's
+/// `poll_interval_ms`). Everything else the fleet does is one transaction at a time.
+#[derive(Debug, Clone, Default)]
+pub enum Listen {
+    /// On the fleet's own database connection (no pooler in between).
+    #[default]
+    Database,
+    /// On a direct connection to PostgreSQL.
+    Direct(Box<PgConnectOptions>),
+    /// Poll only.
+    Off,
 }
 
 /// A started fleet. [`FleetHandle::shutdown`] stops it gracefully.
@@ -106,7 +122,14 @@ impl Fleet {
                 std::process::id(),
                 rand::random::<u16>()
             ),
+            listen: Listen::Database,
         }
+    }
+
+    /// Where to LISTEN for new jobs (by default, the fleet's own database connection).
+    pub fn listen(mut self, listen: Listen) -> Self {
+        self.listen = listen;
+        self
     }
 
     pub fn worker_id(&self) -> &str {
@@ -138,6 +161,7 @@ impl Fleet {
             registry,
             config,
             worker_id,
+            listen,
         } = self;
         let control = PgPoolOptions::new()
             .max_connections(4)
@@ -163,10 +187,26 @@ impl Fleet {
 
         let completer = tokio::spawn(completer::complete(shared.clone(), ended_rx));
         let mut background = JoinSet::new();
-        {
-            let (s, w, st) = (shared.clone(), wakers.clone(), stopped.clone());
+        let listen_on = match listen {
+            Listen::Database => Some(shared.control.clone()),
+            Listen::Direct(options) => Some(
+                PgPoolOptions::new()
+                    .max_connections(1)
+                    .acquire_timeout(Duration::from_secs(5))
+                    .connect_lazy_with(*options),
+            ),
+            Listen::Off => {
+                tracing::info!(
+                    poll_interval_ms = shared.config.fleet.poll_interval_ms,
+                    "not listening for new jobs: every queue is polled"
+                );
+                None
+            }
+        };
+        if let Some(on) = listen_on {
+            let (w, st) = (wakers.clone(), stopped.clone());
             background.spawn(supervise("listener", move || {
-                listener::listen(s.clone(), w.clone(), st.clone())
+                listener::listen(on.clone(), w.clone(), st.clone())
             }));
         }
         {
@@ -270,10 +310,23 @@ pub async fn work_until_idle(
     let worker = format!("step-{}-{:04x}", std::process::id(), rand::random::<u16>());
     let lease = Duration::from_millis(settings.timeout_ms.saturating_mul(2).max(1_000));
     let mut total = 0;
+    let mut cursor = store::FairCursor::default();
     loop {
-        let claimed =
-            store::claim(pool, queue, settings.concurrency as i64, lease, &worker).await?;
+        let claimed = store::claim(
+            pool,
+            queue,
+            settings.concurrency as i64,
+            lease,
+            &worker,
+            &mut cursor,
+        )
+        .await?;
         if claimed.is_empty() {
+            // A claim that met only groups with nothing due moved past them: ask again while
+            // something is due.
+            if store::next_due_in(pool, queue).await? == Some(Duration::ZERO) {
+                continue;
+            }
             return Ok(total);
         }
         let mut ended = Vec::with_capacity(claimed.len());

@@ -5,21 +5,22 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio::sync::{Notify, watch};
 
-use super::fleet::{Shared, backoff, pause, stop_requested};
+use super::fleet::{backoff, pause, stop_requested};
 use super::store::CHANNEL;
 
 pub(crate) async fn listen(
-    shared: Arc<Shared>,
+    on: PgPool,
     wakers: HashMap<String, Arc<Notify>>,
     mut stopped: watch::Receiver<bool>,
 ) {
     let wake_all = || wakers.values().for_each(|w| w.notify_one());
     let mut failures = 0;
     loop {
-        let mut listener = match PgListener::connect_with(&shared.control).await {
+        let mut listener = match PgListener::connect_with(&on).await {
             Ok(l) => l,
             Err(e) => {
                 failures += 1;

@@ -1,6 +1,7 @@
 //! Maintenance: rescues runs whose lease expired (every worker, `SKIP LOCKED` keeping two of
-//! them from doing the same rows), and the pruning of finished jobs past their retention that
-//! the `prune` recurring job runs once per period for the whole fleet.
+//! them from doing the same rows), vacuums the jobs table when enough of it is dead (one worker
+//! at a time: `SKIP_LOCKED`), and the pruning of finished jobs past their retention that the
+//! `prune` recurring job runs once per period for the whole fleet.
 
 use std::sync::Arc;
 
@@ -12,11 +13,13 @@ use super::{Ended, RunEnd, end_runs, store};
 
 const RESCUE_BATCH: i64 = 1000;
 const PRUNE_BATCH: i64 = 5000;
+const VACUUM_GAP: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub(crate) async fn maintain(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
     let fleet = &shared.config.fleet;
     let mut rescue_every = tokio::time::interval(fleet.rescue_interval());
     rescue_every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_vacuum: Option<std::time::Instant> = None;
     loop {
         tokio::select! {
             _ = rescue_every.tick() => {
@@ -24,6 +27,17 @@ pub(crate) async fn maintain(shared: Arc<Shared>, mut stopped: watch::Receiver<b
                     Ok(0) => {}
                     Ok(n) => tracing::warn!(jobs = n, "rescued jobs whose worker stopped renewing the lease"),
                     Err(e) => tracing::warn!(error = %e, "rescue failed"),
+                }
+                // Not more often than every VACUUM_GAP: rows an old snapshot still sees stay
+                // dead (and counted) whatever a vacuum does.
+                if fleet.vacuum_dead_rows > 0
+                    && last_vacuum.is_none_or(|at| at.elapsed() >= VACUUM_GAP)
+                {
+                    match vacuum_if_dead(&shared.control, fleet.vacuum_dead_rows).await {
+                        Ok(true) => last_vacuum = Some(std::time::Instant::now()),
+                        Ok(false) => {}
+                        Err(e) => tracing::warn!(error = %e, "vacuum of the jobs table failed"),
+                    }
                 }
             }
             _ = stop_requested(&mut stopped) => return,
@@ -59,6 +73,25 @@ pub async fn rescue_expired(pool: &PgPool) -> Result<u64, sqlx::Error> {
             return Ok(rescued);
         }
     }
+}
+
+/// Vacuums the jobs table when at least `threshold` of its rows are dead (by the statistics
+/// collector's count), unless another worker is vacuuming it already. Returns whether it did.
+pub async fn vacuum_if_dead(pool: &PgPool, threshold: u64) -> Result<bool, sqlx::Error> {
+    let dead: Option<i64> = sqlx::query_scalar(
+        "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'jobs'::regclass",
+    )
+    .fetch_optional(pool)
+    .await?;
+    if dead.unwrap_or(0) < i64::try_from(threshold).unwrap_or(i64::MAX) {
+        return Ok(false);
+    }
+    let started = std::time::Instant::now();
+    sqlx::query("VACUUM (SKIP_LOCKED) jobs")
+        .execute(pool)
+        .await?;
+    tracing::info!(dead_rows = dead, took = ?started.elapsed(), "vacuumed the jobs table");
+    Ok(true)
 }
 
 /// Deletes finished jobs older than their retention, in bounded batches.

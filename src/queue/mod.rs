@@ -30,8 +30,8 @@ use serde::{Serialize, de::DeserializeOwned};
 use sqlx::PgExecutor;
 
 pub use config::{FleetSettings, QueueSettings, QueuesConfig, QueuesConfigError};
-pub use fleet::{Fleet, FleetHandle, FleetProbe, work_until_idle};
-pub use maintenance::{prune, rescue_expired};
+pub use fleet::{Fleet, FleetHandle, FleetProbe, Listen, work_until_idle};
+pub use maintenance::{prune, rescue_expired, vacuum_if_dead};
 pub use notifier::Notifier;
 pub use registry::{JobContext, Registry, RegistryError};
 pub(crate) use store::CLAIM as CLAIM_SQL;
@@ -99,7 +99,11 @@ pub struct NewJob {
     payload: serde_json::Value,
     run_at: Option<DateTime<Utc>>,
     max_attempts: i32,
+    fairness_key: Option<String>,
 }
+
+/// Longest fairness key (the schema's `jobs_fairness_key_valid`).
+pub const MAX_FAIRNESS_KEY: usize = 200;
 
 impl NewJob {
     pub fn of<J: Job>(job: &J) -> Result<Self, QueueError> {
@@ -110,6 +114,7 @@ impl NewJob {
             payload: serde_json::to_value(job).map_err(QueueError::Encode)?,
             run_at: None,
             max_attempts: J::MAX_ATTEMPTS,
+            fairness_key: None,
         })
     }
 
@@ -122,6 +127,7 @@ impl NewJob {
             payload,
             run_at: None,
             max_attempts: 25,
+            fairness_key: None,
         }
     }
 
@@ -140,6 +146,14 @@ impl NewJob {
         self
     }
 
+    /// Who the job is for (a seller, say): within its queue, claims take turns between keys,
+    /// so a flood of one key's jobs does not hold up another key's. Jobs without one share a
+    /// single turn.
+    pub fn fairness_key(mut self, key: impl Into<String>) -> Self {
+        self.fairness_key = Some(key.into());
+        self
+    }
+
     pub fn has_key(&self) -> bool {
         self.key.is_some()
     }
@@ -153,6 +167,8 @@ pub enum QueueError {
     MissingKey,
     #[error("max_attempts must be at least 1 (got {0})")]
     InvalidMaxAttempts(i32),
+    #[error("a fairness key must be 1 to {MAX_FAIRNESS_KEY} bytes (got {0})")]
+    InvalidFairnessKey(usize),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
@@ -160,6 +176,11 @@ pub enum QueueError {
 fn check(job: &NewJob) -> Result<(), QueueError> {
     if job.max_attempts < 1 {
         return Err(QueueError::InvalidMaxAttempts(job.max_attempts));
+    }
+    if let Some(key) = &job.fairness_key
+        && (key.is_empty() || key.len() > MAX_FAIRNESS_KEY)
+    {
+        return Err(QueueError::InvalidFairnessKey(key.len()));
     }
     Ok(())
 }
@@ -190,6 +211,7 @@ pub struct JobColumns<'a> {
     payloads: Vec<&'a serde_json::Value>,
     run_ats: Vec<Option<DateTime<Utc>>>,
     max_attempts: Vec<i32>,
+    fairness_keys: Vec<Option<&'a str>>,
 }
 
 impl<'a> JobColumns<'a> {
@@ -201,11 +223,13 @@ impl<'a> JobColumns<'a> {
         self.payloads.push(&job.payload);
         self.run_ats.push(job.run_at);
         self.max_attempts.push(job.max_attempts);
+        self.fairness_keys.push(job.fairness_key.as_deref());
         Ok(())
     }
 
-    /// Binds the columns as the next six parameters, typed `text[], text[], text[], jsonb[],
-    /// timestamptz[], int[]`: queue, kind, key, payload, run_at, max_attempts.
+    /// Binds the columns as the next seven parameters, typed `text[], text[], text[], jsonb[],
+    /// timestamptz[], int[], text[]`: queue, kind, key, payload, run_at, max_attempts,
+    /// fairness key.
     pub fn bind<'q, O>(
         &'q self,
         q: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
@@ -216,6 +240,7 @@ impl<'a> JobColumns<'a> {
             .bind(&self.payloads)
             .bind(&self.run_ats)
             .bind(&self.max_attempts)
+            .bind(&self.fairness_keys)
     }
 }
 
@@ -277,6 +302,7 @@ pub async fn schedule<'c>(db: impl PgExecutor<'c>, job: NewJob) -> Result<Schedu
         .bind(&job.payload)
         .bind(job.run_at)
         .bind(job.max_attempts)
+        .bind(job.fairness_key.as_deref())
         .fetch_one(db)
         .await?;
     Ok(match (inserted, running) {

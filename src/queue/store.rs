@@ -15,27 +15,29 @@ pub(crate) const CHANNEL: &str = "payfleet_jobs";
 /// The one INSERT of jobs, as SQL text to place in a statement (a CTE, say), so a business
 /// statement can write its rows and their jobs in one round trip with the same rules as
 /// `queue::enqueue`. `$source` names a relation with the columns `job_queue, job_kind, job_key,
-/// job_payload, job_run_at, job_max_attempts`; `JobColumns` binds them as arrays for
+/// job_payload, job_run_at, job_max_attempts, job_fairness_key`; `JobColumns` binds them as
+/// arrays for
 /// [`job_columns_from_params!`]. A key held by an unfinished job means nothing is written for
 /// that job, and the statement goes on. Add `RETURNING ...` as needed.
 #[macro_export]
 macro_rules! insert_jobs_from {
     ($($source:tt)+) => {
         concat!(
-            "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts) ",
-            "SELECT job_queue, job_kind, job_key, job_payload, COALESCE(job_run_at, now()), job_max_attempts FROM ",
+            "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts, fairness_key) ",
+            "SELECT job_queue, job_kind, job_key, job_payload, COALESCE(job_run_at, now()), job_max_attempts, ",
+            "job_fairness_key FROM ",
             $($source)+,
             " ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable') DO NOTHING"
         )
     };
 }
 
-/// The six parameters `JobColumns::bind` fills, as a relation for [`insert_jobs_from!`].
+/// The seven parameters `JobColumns::bind` fills, as a relation for [`insert_jobs_from!`].
 #[macro_export]
 macro_rules! job_columns_from_params {
     () => {
-        "unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[], $6::int[]) \
-         AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts)"
+        "unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[], $6::int[], $7::text[]) \
+         AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts, job_fairness_key)"
     };
 }
 
@@ -64,8 +66,9 @@ pub(crate) const ENQUEUE_MANY: &str = concat!(
 /// not missed. A key held by a waiting job is left as it is: that job will run.
 pub(crate) const ENQUEUE_OR_RERUN: &str = concat!(
     "WITH j AS (",
-    "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts) ",
-    "SELECT job_queue, job_kind, job_key, job_payload, COALESCE(job_run_at, now()), job_max_attempts FROM ",
+    "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts, fairness_key) ",
+    "SELECT job_queue, job_kind, job_key, job_payload, COALESCE(job_run_at, now()), job_max_attempts, ",
+    "job_fairness_key FROM ",
     job_columns_from_params!(),
     " ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable')
       DO UPDATE SET pending = 'reschedule', run_at = now()
@@ -79,13 +82,14 @@ pub(crate) const ENQUEUE_OR_RERUN: &str = concat!(
 /// concurrent calls serialise on the key's row. A running job keeps running and is marked to
 /// become available with the new payload and time when its run ends.
 pub(crate) const SCHEDULE: &str = "WITH j AS (
-     INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts)
-     VALUES ($1, $2, $3, $4, COALESCE($5, now()), $6)
+     INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts, fairness_key)
+     VALUES ($1, $2, $3, $4, COALESCE($5, now()), $6, $7)
      ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable')
      DO UPDATE SET
          queue = EXCLUDED.queue,
          kind = EXCLUDED.kind,
          payload = EXCLUDED.payload,
+         fairness_key = EXCLUDED.fairness_key,
          run_at = EXCLUDED.run_at,
          max_attempts = CASE WHEN jobs.state = 'running'
                              THEN greatest(EXCLUDED.max_attempts, jobs.attempt)
@@ -106,7 +110,7 @@ pub(crate) const CANCEL: &str = "UPDATE jobs SET
 // ---- claiming and running ------------------------------------------------------------------
 
 /// A claimed job, as the claim statement returns it.
-#[derive(Debug, sqlx::FromRow)]
+#[derive(Debug)]
 pub(crate) struct Claimed {
     pub id: JobId,
     pub kind: String,
@@ -116,39 +120,113 @@ pub(crate) struct Claimed {
     pub lease_token: i64,
 }
 
-/// The claim: up to $2 due jobs of queue $1, leased for $3 ms to worker $4, in one statement.
-pub(crate) const CLAIM: &str = "WITH next AS (
-             SELECT id FROM jobs
-             WHERE queue = $1 AND state IN ('available', 'retryable') AND run_at <= now()
-             ORDER BY run_at, id
-             LIMIT $2
-             FOR UPDATE SKIP LOCKED
-         )
-         UPDATE jobs j SET
-             state = 'running',
-             attempt = j.attempt + 1,
-             attempted_at = now(),
-             lease_token = nextval('jobs_lease_token_seq'),
-             lease_expires_at = now() + $3 * interval '1 millisecond',
-             locked_by = $4
-         FROM next WHERE j.id = next.id
-         RETURNING j.id, j.kind, j.payload, j.attempt, j.max_attempts, j.lease_token";
+/// Where a worker's claims of one queue are in the ring of fairness groups: each claim starts
+/// after the group the previous one ended on, so no group is always served last.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct FairCursor(Option<String>);
 
-/// Claims up to `limit` due jobs of `queue` in one statement.
+/// How many groups one claim looks at, at most: keys whose jobs all wait for a retry cost a
+/// probe each, and a claim must stay cheap however many there are (the next claim goes on
+/// from where this one stopped).
+const CLAIM_MAX_GROUPS: i32 = 256;
+
+/// The claim: up to $2 due jobs of queue $1, leased for $3 ms to worker $4, in one statement.
+///
+/// Fair between groups (migration 0026): the walk starts after group $5 and visits groups until
+/// $2 of them have a job due (or $6 were visited, or the ring closes); the batch is shared
+/// equally between the due groups, each taking its oldest due jobs from the head the walk found
+/// (so no scan steps again over the entries of jobs claimed since the last vacuum). With one
+/// group (no job
+/// carries a key) this is the plain oldest-first claim. The walk's last group always comes
+/// back, on a row with no job when none was claimed, so the cursor moves on past groups that
+/// had nothing due.
+pub(crate) const CLAIM: &str = "WITH walk AS MATERIALIZED (
+             SELECT grp, due, pos, head FROM jobs_fair_walk($1, $5, $2, $6)
+         ),
+         share AS (SELECT greatest(1, $2 / greatest(count(*), 1))::int AS per FROM walk WHERE due),
+         next AS (
+             SELECT c.id FROM walk CROSS JOIN share CROSS JOIN LATERAL (
+                 SELECT id FROM jobs
+                 WHERE queue = $1 AND state IN ('available', 'retryable')
+                   AND fairness_key = walk.grp AND run_at >= walk.head AND run_at <= now()
+                 ORDER BY run_at, id
+                 LIMIT share.per
+                 FOR UPDATE SKIP LOCKED) c
+             WHERE walk.due AND walk.grp <> ''
+           UNION ALL
+             SELECT u.id FROM (
+                 SELECT id FROM jobs
+                 WHERE queue = $1 AND state IN ('available', 'retryable')
+                   AND fairness_key IS NULL AND run_at <= now()
+                   AND run_at >= (SELECT head FROM walk WHERE grp = '')
+                 ORDER BY run_at, id
+                 LIMIT (SELECT per FROM share)
+                 FOR UPDATE SKIP LOCKED) u
+             WHERE EXISTS (SELECT 1 FROM walk WHERE due AND grp = '')
+         ),
+         claimed AS (
+             UPDATE jobs j SET
+                 state = 'running',
+                 attempt = j.attempt + 1,
+                 attempted_at = now(),
+                 lease_token = nextval('jobs_lease_token_seq'),
+                 lease_expires_at = now() + $3 * interval '1 millisecond',
+                 locked_by = $4
+             -- At most $2 rows (the shares add up to no more); saying so keeps the plan a
+             -- primary-key probe per job.
+             FROM (SELECT id FROM next LIMIT $2) picked WHERE j.id = picked.id
+             RETURNING j.id, j.kind, j.payload, j.attempt, j.max_attempts, j.lease_token
+         )
+         SELECT c.id, c.kind, c.payload, c.attempt, c.max_attempts, c.lease_token, w.last_group
+         FROM (SELECT (SELECT grp FROM walk ORDER BY pos DESC LIMIT 1) AS last_group) w
+         LEFT JOIN claimed c ON true";
+
+#[derive(sqlx::FromRow)]
+struct ClaimRow {
+    id: Option<JobId>,
+    kind: Option<String>,
+    payload: Option<serde_json::Value>,
+    attempt: Option<i32>,
+    max_attempts: Option<i32>,
+    lease_token: Option<i64>,
+    last_group: Option<String>,
+}
+
+/// Claims up to `limit` due jobs of `queue` in one statement, taking turns between fairness
+/// groups from `cursor` on, and moves the cursor.
 pub(crate) async fn claim(
     pool: &PgPool,
     queue: &str,
     limit: i64,
     lease: Duration,
     worker: &str,
+    cursor: &mut FairCursor,
 ) -> Result<Vec<Claimed>, sqlx::Error> {
-    sqlx::query_as(CLAIM)
+    let rows: Vec<ClaimRow> = sqlx::query_as(CLAIM)
         .bind(queue)
-        .bind(limit)
+        .bind(i32::try_from(limit).unwrap_or(i32::MAX))
         .bind(millis(lease))
         .bind(worker)
+        .bind(cursor.0.as_deref())
+        .bind(CLAIM_MAX_GROUPS)
         .fetch_all(pool)
-        .await
+        .await?;
+    if let Some(first) = rows.first() {
+        cursor.0.clone_from(&first.last_group);
+    }
+    Ok(rows
+        .into_iter()
+        .filter_map(|r| {
+            Some(Claimed {
+                id: r.id?,
+                kind: r.kind?,
+                payload: r.payload?,
+                attempt: r.attempt?,
+                max_attempts: r.max_attempts?,
+                lease_token: r.lease_token?,
+            })
+        })
+        .collect())
 }
 
 /// How long until the earliest waiting job of `queue` is due (zero if one is due now).
@@ -156,9 +234,15 @@ pub(crate) async fn next_due_in(
     pool: &PgPool,
     queue: &str,
 ) -> Result<Option<Duration>, sqlx::Error> {
+    // Each part through its own claim index: the first unkeyed entry, and the keyed entries
+    // (one group's jobs are in run_at order, so this reads the queue's keyed jobs).
     let ms: Option<f64> = sqlx::query_scalar(
-        "SELECT (extract(epoch FROM min(run_at) - now()) * 1000)::float8
-         FROM jobs WHERE queue = $1 AND state IN ('available', 'retryable')",
+        "SELECT (extract(epoch FROM least(
+             (SELECT min(run_at) FROM jobs
+              WHERE queue = $1 AND state IN ('available', 'retryable') AND fairness_key IS NULL),
+             (SELECT min(run_at) FROM jobs
+              WHERE queue = $1 AND state IN ('available', 'retryable') AND fairness_key IS NOT NULL)
+         ) - now()) * 1000)::float8",
     )
     .bind(queue)
     .fetch_one(pool)
@@ -302,32 +386,55 @@ pub(crate) async fn notify_queues(pool: &PgPool, queues: &[String]) -> Result<()
 // ---- the operator's view -------------------------------------------------------------------
 
 /// Jobs that are not finished, by queue and state. Reads only the partial indexes of waiting
-/// and running jobs, so its cost follows the backlog, not the table (completed jobs are kept a
-/// day and can be millions).
-pub(crate) const UNFINISHED_COUNTS: &str = "SELECT queue, state, count(*) AS count FROM jobs
-     WHERE state IN ('available', 'retryable') GROUP BY queue, state
-     UNION ALL
-     SELECT queue, state, count(*) AS count FROM jobs
-     WHERE state = 'running' GROUP BY queue, state
+/// (keyed and unkeyed) and running jobs, so its cost follows the backlog, not the table
+/// (completed jobs are kept a day and can be millions).
+pub(crate) const UNFINISHED_COUNTS: &str = "SELECT queue, state, sum(count)::bigint AS count FROM (
+         SELECT queue, state, count(*) AS count FROM jobs
+         WHERE state IN ('available', 'retryable') AND fairness_key IS NULL GROUP BY queue, state
+         UNION ALL
+         SELECT queue, state, count(*) AS count FROM jobs
+         WHERE state IN ('available', 'retryable') AND fairness_key IS NOT NULL GROUP BY queue, state
+         UNION ALL
+         SELECT queue, state, count(*) AS count FROM jobs
+         WHERE state = 'running' GROUP BY queue, state
+     ) parts
+     GROUP BY queue, state
      ORDER BY queue, state";
 
 /// Per queue: jobs due now and not running, and how long the oldest of them has been due.
-/// The queues are found by skipping through the claim index (one probe each), and each queue's
-/// count reads only its due entries: jobs scheduled for later (a million expiry jobs) are
-/// never read, so a scrape costs the backlog, not the table.
+/// The queues are found by skipping through the two claim indexes (one probe each), and each
+/// queue's count reads only its due unkeyed entries and its keyed entries: jobs scheduled for
+/// later without a key (a million expiry jobs) are never read, so a scrape costs the backlog,
+/// not the table.
 pub(crate) const DUE_BY_QUEUE: &str = "WITH RECURSIVE q AS (
-         SELECT min(queue) AS queue FROM jobs WHERE state IN ('available', 'retryable')
+         SELECT least(
+             (SELECT min(queue) FROM jobs
+              WHERE state IN ('available', 'retryable') AND fairness_key IS NULL),
+             (SELECT min(queue) FROM jobs
+              WHERE state IN ('available', 'retryable') AND fairness_key IS NOT NULL)) AS queue
          UNION ALL
-         SELECT (SELECT min(j.queue) FROM jobs j
-                 WHERE j.state IN ('available', 'retryable') AND j.queue > q.queue)
+         SELECT least(
+             (SELECT min(j.queue) FROM jobs j
+              WHERE j.state IN ('available', 'retryable') AND j.fairness_key IS NULL
+                AND j.queue > q.queue),
+             (SELECT min(j.queue) FROM jobs j
+              WHERE j.state IN ('available', 'retryable') AND j.fairness_key IS NOT NULL
+                AND j.queue > q.queue))
          FROM q WHERE q.queue IS NOT NULL
      )
      SELECT q.queue, d.due, d.oldest_due_secs
      FROM q CROSS JOIN LATERAL (
-         SELECT count(*) AS due,
-                COALESCE(extract(epoch FROM now() - min(run_at)), 0)::float8 AS oldest_due_secs
-         FROM jobs
-         WHERE queue = q.queue AND state IN ('available', 'retryable') AND run_at <= now()
+         SELECT sum(part.due)::bigint AS due,
+                COALESCE(extract(epoch FROM now() - min(part.oldest)), 0)::float8 AS oldest_due_secs
+         FROM (
+             SELECT count(*) AS due, min(run_at) AS oldest FROM jobs
+             WHERE queue = q.queue AND state IN ('available', 'retryable')
+               AND fairness_key IS NULL AND run_at <= now()
+             UNION ALL
+             SELECT count(*) AS due, min(run_at) AS oldest FROM jobs
+             WHERE queue = q.queue AND state IN ('available', 'retryable')
+               AND fairness_key IS NOT NULL AND run_at <= now()
+         ) part
      ) d
      WHERE q.queue IS NOT NULL AND d.due > 0
      ORDER BY q.queue";
@@ -342,11 +449,18 @@ pub(crate) const ALL_COUNTS: &str =
     "SELECT queue, state, count(*) AS count FROM jobs GROUP BY queue, state ORDER BY queue, state";
 
 /// Jobs waiting to retry after a failure (soonest first), then dead ones (newest first), each
-/// part through its partial index.
-pub(crate) const FAILED: &str =
-    "(SELECT id, queue, kind, key, state, attempt, max_attempts, run_at AS at,
-             errors -> -1 ->> 'error' AS last_error
-      FROM jobs WHERE state = 'retryable' ORDER BY run_at, id LIMIT $1)
+/// part through its partial indexes.
+pub(crate) const FAILED: &str = "(SELECT * FROM (
+          (SELECT id, queue, kind, key, state, attempt, max_attempts, run_at AS at,
+                  errors -> -1 ->> 'error' AS last_error
+           FROM jobs WHERE state = 'retryable' AND fairness_key IS NULL
+           ORDER BY run_at, id LIMIT $1)
+          UNION ALL
+          (SELECT id, queue, kind, key, state, attempt, max_attempts, run_at AS at,
+                  errors -> -1 ->> 'error' AS last_error
+           FROM jobs WHERE state = 'retryable' AND fairness_key IS NOT NULL
+           ORDER BY run_at, id LIMIT $1)
+      ) waiting ORDER BY at, id LIMIT $1)
      UNION ALL
      (SELECT id, queue, kind, key, state, attempt, max_attempts, finished_at AS at,
              errors -> -1 ->> 'error' AS last_error

@@ -83,6 +83,8 @@ pub struct Webhook {
     event_type: Option<String>,
     body: Bytes,
     headers: serde_json::Value,
+    /// The seller the event is for, if its body says (`gateways::seller_hint`).
+    seller: Option<String>,
 }
 
 /// The request headers that carry a delivery's signature and identity, kept with the event.
@@ -225,6 +227,7 @@ impl Webhook {
         Ok(Self {
             gateway,
             event_type: gateways::event_type(gateway, &json),
+            seller: gateways::seller_hint(gateway, &json),
             event_id,
             body: body.clone(),
             headers: serde_json::Value::Object(kept),

@@ -117,8 +117,12 @@ impl EventWriter {
     /// moment, writes nothing and is a duplicate; a repeat of an event not processed yet
     /// enqueues its processing again if no job is left for it (its job died).
     pub async fn store(&self, webhook: Webhook) -> Result<Stored, StoreError> {
-        let job = ProcessPaymentEvent::job(webhook.gateway, &webhook.event_id)
-            .map_err(|e| StoreError::Job(Arc::new(e)))?;
+        let job = ProcessPaymentEvent::job(
+            webhook.gateway,
+            &webhook.event_id,
+            webhook.seller.as_deref(),
+        )
+        .map_err(|e| StoreError::Job(Arc::new(e)))?;
         let (reply, answer) = oneshot::channel();
         self.queue
             .try_send(Pending {
@@ -344,9 +348,10 @@ async fn write(conn: &mut PgConnection, batch: &[Pending]) -> Result<Written, sq
             concat!(
                 "WITH t AS (
                      SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[],
-                                          $6::int[], $7::text[], $8::text[], $9::text[], $10::bytea[], $11::jsonb[])
+                                          $6::int[], $7::text[], $8::text[], $9::text[], $10::text[],
+                                          $11::bytea[], $12::jsonb[])
                          AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts,
-                              gateway, event_id, event_type, raw_body, headers)),
+                              job_fairness_key, gateway, event_id, event_type, raw_body, headers)),
                  ev AS (
                      INSERT INTO payment_events (gateway, event_id, event_type, raw_body, headers)
                      SELECT gateway, event_id, event_type, raw_body, headers FROM t
@@ -403,9 +408,9 @@ async fn redrive(conn: &mut PgConnection, repeats: &[&Pending]) -> Result<u64, s
         .bind(sqlx::query_as(concat!(
             "WITH t AS (
                  SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[],
-                                      $6::int[], $7::text[], $8::text[])
+                                      $6::int[], $7::text[], $8::text[], $9::text[])
                      AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts,
-                          gateway, event_id)),
+                          job_fairness_key, gateway, event_id)),
              jobs AS (",
             crate::insert_jobs_from!(
                 "(SELECT t.* FROM t WHERE EXISTS (

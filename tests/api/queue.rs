@@ -1097,3 +1097,176 @@ async fn a_run_whose_job_another_worker_took_is_cancelled_and_its_end_refused(po
         ("running", "other-worker")
     );
 }
+
+// ---- fairness between sellers -----------------------------------------------------------------
+
+/// Waits (up to 90 s: a loaded test machine) until `done` says so about the runs seen.
+async fn until_seen(seen: &Arc<std::sync::Mutex<Vec<i64>>>, done: impl Fn(&[i64]) -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while !done(&seen.lock().unwrap()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out; {} runs seen",
+            seen.lock().unwrap().len()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_sellers_job_starts_next_behind_another_sellers_flood_of_100_000(pool: PgPool) {
+    for chunk in (0..100_000i64).collect::<Vec<_>>().chunks(20_000) {
+        let flood: Vec<NewJob> = chunk
+            .iter()
+            .map(|&n| NewJob::of(&Echo { n }).unwrap().fairness_key("seller-a"))
+            .collect();
+        queue::enqueue_many(&pool, &flood).await.unwrap();
+    }
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let fleet = start_fleet(&pool, recording(seen.clone()));
+    until_seen(&seen, |s| s.len() >= 200).await;
+
+    let before = seen.lock().unwrap().len();
+    let b = queue::enqueue(
+        &pool,
+        NewJob::of(&Echo { n: -1 })
+            .unwrap()
+            .fairness_key("seller-b"),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    until_seen(&seen, |s| s.contains(&-1)).await;
+    fleet.shutdown().await;
+
+    // Oldest-first, B's job would have waited for the ~99,800 of A's still queued. Fair, it
+    // waits for the runs already under way (4 slots) and at most one claim made before it
+    // arrived; the claim after that is shared between A and B.
+    let ran_before_b = seen.lock().unwrap().iter().position(|&n| n == -1).unwrap() - before;
+    assert!(
+        ran_before_b <= 12,
+        "{ran_before_b} of A's jobs started between B's arrival and B's start"
+    );
+    let (state,): (String,) = sqlx::query_as("SELECT state FROM jobs WHERE id = $1")
+        .bind(b)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(state, "completed");
+    let waiting: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM jobs WHERE fairness_key = 'seller-a' AND state = 'available'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        waiting > 90_000,
+        "the flood is still mostly waiting ({waiting})"
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn claims_take_turns_between_sellers_and_the_jobs_without_one(pool: PgPool) {
+    // Three sellers and the unkeyed jobs, 20 each, all enqueued group after group.
+    let mut jobs = Vec::new();
+    for group in 0..4i64 {
+        for i in 0..20 {
+            let job = NewJob::of(&Echo {
+                n: group * 1000 + i,
+            })
+            .unwrap();
+            jobs.push(match group {
+                3 => job,
+                _ => job.fairness_key(format!("seller-{group}")),
+            });
+        }
+    }
+    queue::enqueue_many(&pool, &jobs).await.unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let ran = work_until_idle(&pool, &recording(seen.clone()), "test", &settings())
+        .await
+        .unwrap();
+    assert_eq!(ran, 80);
+    let order = seen.lock().unwrap().clone();
+    // Every claim of 10 is shared between the four groups: after each claim, no group is
+    // more than one claim's share (2) ahead of another, though they were enqueued in turn.
+    let mut per_group = [0usize; 4];
+    for (i, n) in order.iter().enumerate() {
+        per_group[(n / 1000) as usize] += 1;
+        if (i + 1) % 8 == 0 {
+            let (lo, hi) = (
+                per_group.iter().min().unwrap(),
+                per_group.iter().max().unwrap(),
+            );
+            assert!(
+                hi - lo <= 2,
+                "after {} runs: {per_group:?} ({order:?})",
+                i + 1
+            );
+        }
+    }
+    // Within a group, the oldest first.
+    for group in 0..4 {
+        let runs: Vec<i64> = order
+            .iter()
+            .copied()
+            .filter(|n| n / 1000 == group)
+            .collect();
+        let mut sorted = runs.clone();
+        sorted.sort();
+        assert_eq!(runs, sorted);
+    }
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn sellers_whose_jobs_all_wait_for_later_do_not_hide_a_due_one(pool: PgPool) {
+    // 300 sellers whose only job waits for a retry in an hour, then one seller with a due
+    // job, sorted after them all: more than one claim's walk (256 groups) away.
+    let later = Utc::now() + chrono::Duration::hours(1);
+    let waiting: Vec<NewJob> = (0..300)
+        .map(|i| {
+            NewJob::of(&Echo { n: i })
+                .unwrap()
+                .fairness_key(format!("k{i:03}"))
+                .run_at(later)
+        })
+        .collect();
+    queue::enqueue_many(&pool, &waiting).await.unwrap();
+    let due = queue::enqueue(
+        &pool,
+        NewJob::of(&Echo { n: -1 }).unwrap().fairness_key("zzz"),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let one_slot = QueueSettings {
+        concurrency: 1,
+        timeout_ms: 2_000,
+    };
+    let ran = tokio::time::timeout(
+        Duration::from_secs(20),
+        work_until_idle(&pool, &recording(seen.clone()), "test", &one_slot),
+    )
+    .await
+    .expect("the walk went on past the sellers with nothing due")
+    .unwrap();
+    assert_eq!(ran, 1);
+    assert_eq!(*seen.lock().unwrap(), vec![-1]);
+    assert_eq!(job(&pool, due).await.0, "completed");
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_empty_or_overlong_fairness_key_is_refused_and_nothing_is_written(pool: PgPool) {
+    for key in [String::new(), "s".repeat(201)] {
+        let len = key.len();
+        let err = queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap().fairness_key(key))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, queue::QueueError::InvalidFairnessKey(n) if n == len),
+            "{err}"
+        );
+    }
+    assert!(state_counts(&pool).await.is_empty());
+}

@@ -464,3 +464,45 @@ async fn a_redelivery_re_drives_an_event_whose_job_died(pool: PgPool) {
         .unwrap();
     assert_eq!(jobs, 2);
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_events_job_carries_its_seller_as_fairness_key(pool: PgPool) {
+    let app = spawn_app(pool).await;
+    let deliveries = [
+        stripe(
+            r#"{"id":"evt_s","type":"checkout.session.completed","data":{"object":{"id":"cs_9","metadata":{"seller_id":"seller-7"}}}}"#,
+            now(),
+        ),
+        stripe(
+            r#"{"id":"evt_c","account":"acct_42","type":"checkout.session.completed","data":{"object":{"id":"cs_8"}}}"#,
+            now(),
+        ),
+        stripe(
+            r#"{"id":"evt_n","type":"checkout.session.completed","data":{"object":{"id":"cs_7"}}}"#,
+            now(),
+        ),
+    ];
+    for d in &deliveries {
+        assert_eq!(app.deliver(d).await.0, 200);
+    }
+    let keys: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT key, fairness_key FROM jobs WHERE kind = 'process_payment_event' ORDER BY id",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        keys,
+        vec![
+            (
+                "payment_event:stripe:evt_s".into(),
+                Some("seller:seller-7".into())
+            ),
+            (
+                "payment_event:stripe:evt_c".into(),
+                Some("stripe:acct_42".into())
+            ),
+            ("payment_event:stripe:evt_n".into(), None),
+        ]
+    );
+}
