@@ -649,6 +649,8 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         eprintln!("queue: enqueue-to-start latency is measured without --workers");
     }
 
+    table_size(&pool, &mut lines).await?;
+
     if args.workers == 0 && args.fair_flood > 0 {
         fairness(config, &pool, args.fair_flood, drain_rate, &mut lines).await?;
     }
@@ -684,6 +686,38 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     for l in lines {
         println!("{l}");
     }
+    Ok(())
+}
+
+/// The jobs table and its indexes beside a compact copy of the same rows with the same indexes:
+/// what the turnover (every job updated twice) left beyond what the rows need. Finished jobs
+/// are kept a day (`completed_retention_secs`), so after a bench every job is still a row.
+async fn table_size(pool: &PgPool, lines: &mut Vec<String>) -> anyhow::Result<()> {
+    let (rows, total): (i64, i64) =
+        sqlx::query_as("SELECT (SELECT count(*) FROM jobs), pg_total_relation_size('jobs')")
+            .fetch_one(pool)
+            .await?;
+    sqlx::query("CREATE TABLE jobs_compact (LIKE jobs INCLUDING INDEXES)")
+        .execute(pool)
+        .await?;
+    sqlx::query("INSERT INTO jobs_compact SELECT * FROM jobs")
+        .execute(pool)
+        .await?;
+    let compact: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('jobs_compact')")
+        .fetch_one(pool)
+        .await?;
+    sqlx::query("DROP TABLE jobs_compact").execute(pool).await?;
+    let mib = |b: i64| b as f64 / (1024.0 * 1024.0);
+    let ratio = total as f64 / compact.max(1) as f64;
+    eprintln!(
+        "queue: jobs table with its indexes {:.1} MiB for {rows} rows; the same rows compact {:.1} MiB ({ratio:.2}x)",
+        mib(total),
+        mib(compact)
+    );
+    lines.push(format!("jobs_table_rows={rows}"));
+    lines.push(format!("jobs_table_mib={:.1}", mib(total)));
+    lines.push(format!("jobs_table_compact_mib={:.1}", mib(compact)));
+    lines.push(format!("jobs_table_vs_compact={ratio:.2}"));
     Ok(())
 }
 

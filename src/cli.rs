@@ -142,8 +142,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let config = Config::from_env()?;
     match cli.command {
         Command::Migrate => {
-            let pool = db::connect(&config.database_url, 2).await?;
-            db::migrate(&pool).await?;
+            db::migrate_as_configured(&config).await?;
             println!("migrations applied");
             Ok(())
         }
@@ -204,8 +203,8 @@ async fn serve(config: Config, roles: Roles) -> anyhow::Result<()> {
 }
 
 async fn up(config: Config) -> anyhow::Result<()> {
+    db::migrate_as_configured(&config).await?;
     let pool = db::connect(&config.database_url, config.db_pool_size).await?;
-    db::migrate(&pool).await?;
     let (config, shown) = demo::development_config(&pool, config).await?;
     for (name, value) in shown {
         println!(

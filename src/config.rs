@@ -66,6 +66,9 @@ pub struct Config {
     pub worker_bind: Option<SocketAddr>,
     /// Most connections this process opens to PostgreSQL.
     pub db_pool_size: u32,
+    /// Where the session-level work goes (LISTEN, the migrations' lock) when DATABASE_URL is a
+    /// pooler in transaction mode: `PAYFLEET_LISTEN_URL`.
+    pub listen: ListenTo,
     pub webhooks: WebhookSecrets,
     pub webhook_body_limit: usize,
     /// Webhooks that may wait for the event writer; beyond it a request is refused at once (503).
@@ -177,6 +180,29 @@ fn url(
     Ok(SecretUrl::new(value))
 }
 
+/// `PAYFLEET_LISTEN_URL`: unset, the session-level work uses DATABASE_URL (no pooler in
+/// between); a URL, a direct connection to PostgreSQL for it; `off`, none (workers poll, and
+/// migrations run without their lock: run `payfleet migrate` from one place).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenTo {
+    Database,
+    Direct(SecretUrl),
+    Off,
+}
+
+impl Config {
+    /// Where migrations run: the direct connection when there is one (sqlx's migrator holds a
+    /// session-level advisory lock, which a pooler in transaction mode would hand to someone
+    /// else's transaction), and whether they may take that lock.
+    pub fn migrations_url(&self) -> (&SecretUrl, bool) {
+        match &self.listen {
+            ListenTo::Database => (&self.database_url, true),
+            ListenTo::Direct(url) => (url, true),
+            ListenTo::Off => (&self.database_url, false),
+        }
+    }
+}
+
 impl Config {
     /// Reads the process environment.
     pub fn from_env() -> Result<Self, ConfigError> {
@@ -204,6 +230,16 @@ impl Config {
             })
             .transpose()?;
         let db_pool_size = parsed(env, "PAYFLEET_DB_POOL_SIZE", 20u32)?;
+        let listen = match var(env, "PAYFLEET_LISTEN_URL") {
+            None => ListenTo::Database,
+            Some(v) if v == "off" => ListenTo::Off,
+            Some(_) => ListenTo::Direct(url(
+                env,
+                "PAYFLEET_LISTEN_URL",
+                "",
+                &["postgres", "postgresql"],
+            )?),
+        };
         if db_pool_size < 4 {
             return Err(invalid("PAYFLEET_DB_POOL_SIZE", "must be at least 4"));
         }
@@ -376,6 +412,7 @@ impl Config {
             bind,
             worker_bind,
             db_pool_size,
+            listen,
             webhooks: WebhookSecrets {
                 stripe: var(env, "STRIPE_WEBHOOK_SECRET").map(Secret::new),
                 mercadopago: var(env, "MERCADOPAGO_WEBHOOK_SECRET").map(Secret::new),

@@ -72,6 +72,24 @@ pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
     MIGRATOR.run(pool).await.context("migrations failed")
 }
 
+/// Runs the migrations where `config` says: on the direct connection behind a pooler, and
+/// without the migrator's session lock when there is none (`PAYFLEET_LISTEN_URL=off`).
+pub async fn migrate_as_configured(config: &crate::config::Config) -> anyhow::Result<()> {
+    let (url, locking) = config.migrations_url();
+    let pool = connect(url, 2).await?;
+    let migrator = sqlx::migrate::Migrator {
+        migrations: MIGRATOR.migrations.clone(),
+        ignore_missing: MIGRATOR.ignore_missing,
+        locking,
+        no_tx: MIGRATOR.no_tx,
+        table_name: MIGRATOR.table_name.clone(),
+        create_schemas: MIGRATOR.create_schemas.clone(),
+    };
+    let done = migrator.run(&pool).await.context("migrations failed");
+    pool.close().await;
+    done
+}
+
 /// Connection trouble, pool exhaustion, a restarting server, a deadlock or serialization
 /// failure, exhausted resources, a statement or lock timeout, a server that turned read-only
 /// (a failover to a standby), a system or internal error: the same work may succeed later.

@@ -5,15 +5,17 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use sqlx::PgPool;
+use sqlx::postgres::PgConnectOptions;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
-use crate::config::Config;
+use crate::config::{Config, ListenTo};
 use crate::gateways::hosted::HostedGateway;
 use crate::gateways::{
     GatewayName, GatewayRegistry, MercadoPagoClient, RazorpayGateway, StripeConnect,
@@ -31,7 +33,7 @@ use crate::payments::hosted::{DeliverHostedEvent, Deliverer, QueueSink};
 use crate::payments::links::LinkService;
 use crate::payments::order_refunds::CarryOutRefund;
 use crate::payments::{ProcessPaymentEvent, Processor, RefundPayment};
-use crate::queue::{Fleet, FleetHandle, JobContext, JobError, Notifier, Registry};
+use crate::queue::{Fleet, FleetHandle, JobContext, JobError, Listen, Notifier, Registry};
 use crate::recurring::{self, RecurringRun, Tasks};
 use crate::webhooks::{EventWriter, Verifier};
 
@@ -321,12 +323,21 @@ pub fn start(
     );
     let (gateways, hosted) = gateways(config, &pool)?;
     let fleet = if roles.work {
+        let listen = match &config.listen {
+            ListenTo::Database => Listen::Database,
+            ListenTo::Direct(url) => Listen::Direct(Box::new(
+                PgConnectOptions::from_str(url.expose())
+                    .context("PAYFLEET_LISTEN_URL is not a valid PostgreSQL URL")?,
+            )),
+            ListenTo::Off => Listen::Off,
+        };
         let fleet = Fleet::new(
             pool.clone(),
             registry(config, &pool)?,
             config.queues.clone(),
             &config.host_name,
         )
+        .listen(listen)
         .start();
         // The payment side of the payment-link RPC lives in the workers.
         let links = Arc::new(LinkService {

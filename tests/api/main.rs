@@ -13,6 +13,7 @@ mod messaging;
 mod money;
 mod orders;
 mod outage;
+mod pgbouncer;
 mod process;
 mod processing;
 mod queue;
