@@ -54,22 +54,56 @@ pub struct QueueArgs {
     pub fair_flood: usize,
 }
 
-/// The no-op job's handler; `samples` collects enqueue-to-start waits when given.
-fn noop_registry(samples: Option<Arc<Mutex<Vec<i64>>>>) -> anyhow::Result<Registry> {
-    let mut registry = Registry::new();
-    registry.register::<Noop, _, _>(move |_ctx: JobContext, job: Noop| {
-        let seen = samples.clone();
-        async move {
-            if let (true, Some(seen)) = (job.t > 0, seen) {
-                let waited = now_micros() - job.t;
-                if let Ok(mut s) = seen.lock() {
-                    s.push(waited);
+/// What the no-op jobs' handler saw: how many ran, and the enqueue-to-start wait of each one
+/// that carries its enqueue time. Counted in the handler: polling the table would load the
+/// machine being measured.
+#[derive(Clone, Default)]
+struct NoopRuns {
+    ran: Arc<AtomicUsize>,
+    waits_us: Arc<Mutex<Vec<i64>>>,
+}
+
+impl NoopRuns {
+    fn registry(&self) -> anyhow::Result<Registry> {
+        let runs = self.clone();
+        let mut registry = Registry::new();
+        registry.register::<Noop, _, _>(move |_ctx: JobContext, job: Noop| {
+            let runs = runs.clone();
+            async move {
+                runs.ran.fetch_add(1, Ordering::Relaxed);
+                if job.t > 0
+                    && let Ok(mut s) = runs.waits_us.lock()
+                {
+                    s.push(now_micros() - job.t);
                 }
+                Ok(())
             }
-            Ok(())
-        }
-    })?;
-    Ok(registry)
+        })?;
+        Ok(registry)
+    }
+
+    fn ran(&self) -> usize {
+        self.ran.load(Ordering::Relaxed)
+    }
+
+    fn timed(&self) -> usize {
+        self.waits_us.lock().map(|s| s.len()).unwrap_or(0)
+    }
+
+    /// The waits seen, shortest first.
+    fn sorted_waits(&self) -> Vec<Duration> {
+        let mut waits: Vec<Duration> = self
+            .waits_us
+            .lock()
+            .map(|s| {
+                s.iter()
+                    .map(|us| Duration::from_micros((*us).max(0) as u64))
+                    .collect()
+            })
+            .unwrap_or_default();
+        waits.sort();
+        waits
+    }
 }
 
 /// `payfleet bench drain-worker`: a worker process for `bench queue --workers N`, draining the
@@ -78,7 +112,7 @@ pub async fn drain_worker(config: &Config) -> anyhow::Result<()> {
     let pool = db::connect(&config.database_url, config.db_pool_size).await?;
     let fleet = Fleet::new(
         pool,
-        noop_registry(None)?,
+        NoopRuns::default().registry()?,
         config.queues.clone(),
         &config.host_name,
     )
@@ -524,8 +558,8 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         lines.push(format!("queue_backlog_jobs={}", args.backlog));
     }
 
-    let samples: Arc<Mutex<Vec<i64>>> = Arc::new(Mutex::new(Vec::new()));
-    let registry = noop_registry(Some(samples.clone()))?;
+    let runs = NoopRuns::default();
+    let registry = runs.registry()?;
 
     // Drain with the fleet's default settings: inside the bench, or in worker processes.
     reset_peak_rss();
@@ -622,25 +656,17 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         let want = args.latency_samples;
-        let seen = samples.clone();
+        let seen = runs.clone();
         wait_until(
             move || {
-                let n = seen.lock().map(|s| s.len()).unwrap_or(0);
+                let n = seen.timed();
                 async move { Ok(n >= want) }
             },
             Duration::from_millis(10),
         )
         .await?;
         fleet.shutdown().await;
-        let mut waits: Vec<Duration> = samples
-            .lock()
-            .map(|s| {
-                s.iter()
-                    .map(|us| Duration::from_micros((*us).max(0) as u64))
-                    .collect()
-            })
-            .unwrap_or_default();
-        waits.sort();
+        let waits = runs.sorted_waits();
         let (p50, p99) = (percentile(&waits, 0.5), percentile(&waits, 0.99));
         eprintln!("queue: enqueue-to-start p50 {p50:.2} ms, p99 {p99:.2} ms");
         lines.push(format!("queue_start_latency_p50_ms={p50:.2}"));
@@ -741,26 +767,10 @@ async fn fairness(
     .execute(pool)
     .await?;
     sqlx::query("ANALYZE jobs").execute(pool).await?;
-    // Runs are counted in the handler: polling the table would load the machine measured.
-    let samples: Arc<Mutex<Vec<i64>>> = Arc::new(Mutex::new(Vec::new()));
-    let ran = Arc::new(AtomicUsize::new(0));
-    let mut registry = Registry::new();
-    let (seen, count) = (samples.clone(), ran.clone());
-    registry.register::<Noop, _, _>(move |_ctx: JobContext, job: Noop| {
-        let (seen, count) = (seen.clone(), count.clone());
-        async move {
-            count.fetch_add(1, Ordering::Relaxed);
-            if job.t > 0
-                && let Ok(mut s) = seen.lock()
-            {
-                s.push(now_micros() - job.t);
-            }
-            Ok(())
-        }
-    })?;
+    let runs = NoopRuns::default();
     let fleet = Fleet::new(
         pool.clone(),
-        registry,
+        runs.registry()?,
         config.queues.clone(),
         &config.host_name,
     )
@@ -768,7 +778,7 @@ async fn fairness(
     let started = Instant::now();
     // B's jobs arrive one at a time while at least a fifth of the flood still waits.
     let mut sent = 0usize;
-    while ran.load(Ordering::Relaxed) < flood * 4 / 5 && sent < 50 {
+    while runs.ran() < flood * 4 / 5 && sent < 50 {
         queue::enqueue(
             pool,
             NewJob::of(&Noop { t: now_micros() })?.fairness_key("seller-b"),
@@ -777,23 +787,15 @@ async fn fairness(
         sent += 1;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    while ran.load(Ordering::Relaxed) < flood + sent {
+    while runs.ran() < flood + sent {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let rate = flood as f64 / started.elapsed().as_secs_f64();
     fleet.shutdown().await;
-    let mut waits: Vec<Duration> = samples
-        .lock()
-        .map(|s| {
-            s.iter()
-                .map(|us| Duration::from_micros((*us).max(0) as u64))
-                .collect()
-        })
-        .unwrap_or_default();
+    let waits = runs.sorted_waits();
     if waits.len() != sent {
         bail!("{sent} jobs of seller B were sent but {} ran", waits.len());
     }
-    waits.sort();
     let (p50, max) = (
         percentile(&waits, 0.5),
         waits.last().map_or(0.0, |d| d.as_secs_f64() * 1000.0),

@@ -3,7 +3,7 @@
 //! when its lease is lost.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use apalis::layers::WorkerBuilderExt;
 use apalis_core::backend::TaskSink;
@@ -17,6 +17,8 @@ use payfleet::queue::JobError;
 use payfleet::queue::apalis::{PayfleetBackend, Settings};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
+
+use crate::helpers::wait_for;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Charge {
@@ -78,14 +80,6 @@ fn run_worker(pool: &PgPool, backend: PayfleetBackend<Charge>) -> tokio::task::J
     })
 }
 
-async fn until<F: AsyncFn() -> bool>(what: &str, within: Duration, check: F) {
-    let start = Instant::now();
-    while !check().await {
-        assert!(start.elapsed() < within, "not within {within:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 async fn states(pool: &PgPool) -> Vec<(String, i64)> {
     sqlx::query_as(
         "SELECT state, count(*) FROM jobs WHERE queue = 'charges' GROUP BY state ORDER BY state",
@@ -105,7 +99,7 @@ async fn an_apalis_handler_runs_payfleet_jobs_under_leases_each_once(pool: PgPoo
     // Two workers on the same queue share it; neither runs a job the other ran.
     let a = run_worker(&pool, backend.clone());
     let b = run_worker(&pool, backend);
-    until("30 completed", Duration::from_secs(20), async || {
+    wait_for("30 completed", Duration::from_secs(20), async || {
         states(&pool).await == [("completed".to_owned(), 30)]
     })
     .await;
@@ -140,7 +134,7 @@ async fn a_failed_run_waits_for_the_stored_backoff_and_a_failure_for_good_is_kep
     let worker = run_worker(&pool, backend);
     // The first attempt failed: the job waits in the table for payfleet's backoff (about 2 s
     // after attempt 1), with the error kept, not in the worker's memory.
-    until("retryable", Duration::from_secs(10), async || {
+    wait_for("retryable", Duration::from_secs(10), async || {
         states(&pool).await.iter().any(|(s, _)| s == "retryable")
     })
     .await;
@@ -153,7 +147,7 @@ async fn a_failed_run_waits_for_the_stored_backoff_and_a_failure_for_good_is_kep
     .unwrap();
     assert!((0.5..=2.6).contains(&wait), "{wait}");
     assert!(error.contains("card network timeout"), "{error}");
-    until("retried and done", Duration::from_secs(10), async || {
+    wait_for("retried and done", Duration::from_secs(10), async || {
         states(&pool).await == [("completed".to_owned(), 1), ("discarded".to_owned(), 1)]
     })
     .await;
@@ -220,7 +214,7 @@ async fn pushing_a_key_again_replaces_the_waiting_job_and_the_worker_sees_only_t
         ("expire_order".to_owned(), serde_json::json!({"number": 7}))
     );
     let worker = run_worker(&pool, backend);
-    until("done", Duration::from_secs(10), async || {
+    wait_for("done", Duration::from_secs(10), async || {
         states(&pool).await == [("completed".to_owned(), 1)]
     })
     .await;
@@ -260,7 +254,7 @@ async fn a_handler_whose_lease_is_lost_is_cancelled(pool: PgPool) {
     let running = tokio::spawn(async move {
         let _ = worker.run().await;
     });
-    until("running", Duration::from_secs(10), async || {
+    wait_for("running", Duration::from_secs(10), async || {
         states(&pool).await == [("running".to_owned(), 1)]
     })
     .await;
@@ -271,7 +265,7 @@ async fn a_handler_whose_lease_is_lost_is_cancelled(pool: PgPool) {
     .execute(&pool)
     .await
     .unwrap();
-    until("cancelled", Duration::from_secs(5), async || {
+    wait_for("cancelled", Duration::from_secs(5), async || {
         CANCELLED.load(Ordering::SeqCst)
     })
     .await;

@@ -478,3 +478,15 @@ impl TcpProxy {
             .connect_lazy_with(options)
     }
 }
+
+/// Waits until `done` holds, checking every 10 ms; fails the test after `limit`.
+pub async fn wait_for(what: &str, limit: std::time::Duration, mut done: impl AsyncFnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !done().await {
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}

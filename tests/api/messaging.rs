@@ -3,7 +3,7 @@
 //! a broker outage without loss, and handled once per message id however often delivered.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use payfleet::messaging::Broker;
 use payfleet::messaging::orders::{self, Handled, OrderMessage};
@@ -59,14 +59,6 @@ async fn handled(pool: &PgPool, queue: &str) -> Vec<String> {
         .unwrap()
 }
 
-async fn eventually<F: AsyncFn() -> bool>(what: &str, within: Duration, check: F) {
-    let start = Instant::now();
-    while !check().await {
-        assert!(start.elapsed() < within, "not within {within:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn order_messages_go_to_their_services_queue_and_unbound_types_to_legacy(pool: PgPool) {
     // Only the subscriptions service is bound: one-off orders are a type no queue takes.
@@ -108,7 +100,7 @@ async fn order_messages_go_to_their_services_queue_and_unbound_types_to_legacy(p
         .await
         .unwrap();
     assert!(paid.status().is_success(), "{}", paid.status());
-    eventually(
+    wait_for(
         "order paid reaches subscriptions",
         Duration::from_secs(30),
         async || {
@@ -118,7 +110,7 @@ async fn order_messages_go_to_their_services_queue_and_unbound_types_to_legacy(p
     )
     .await;
     // The one-off order's message went to no service: the legacy consumer kept it.
-    eventually(
+    wait_for(
         "unrouted message kept",
         Duration::from_secs(10),
         async || {
@@ -177,7 +169,7 @@ async fn a_broker_outage_delays_order_messages_and_loses_none(pool: PgPool) {
     assert!(handled(&pool, "fulfilment").await.is_empty());
     // Back: the relay reconnects by itself and every message arrives, once.
     amqp.set(Link::Up);
-    eventually("all 40 handled", Duration::from_secs(30), async || {
+    wait_for("all 40 handled", Duration::from_secs(30), async || {
         handled(&pool, "fulfilment").await.len() >= 40
     })
     .await;
@@ -200,7 +192,7 @@ async fn a_message_published_twice_is_handled_once(pool: PgPool) {
     let _fulfilment = service(&pool, &config, "fulfilment").await;
     let _worker = spawn_roles(pool.clone(), config, Roles::WORK).await;
     order_events(&pool, 5).await;
-    eventually("5 handled", Duration::from_secs(20), async || {
+    wait_for("5 handled", Duration::from_secs(20), async || {
         handled(&pool, "fulfilment").await.len() == 5
     })
     .await;
@@ -210,7 +202,7 @@ async fn a_message_published_twice_is_handled_once(pool: PgPool) {
         .execute(&pool)
         .await
         .unwrap();
-    eventually("republished", Duration::from_secs(20), async || {
+    wait_for("republished", Duration::from_secs(20), async || {
         let n: i64 =
             sqlx::query_scalar("SELECT count(*) FROM order_events WHERE published_at IS NULL")
                 .fetch_one(&pool)
@@ -234,7 +226,7 @@ async fn a_message_published_twice_is_handled_once(pool: PgPool) {
 async fn a_message_that_is_no_order_message_is_kept_not_dropped(pool: PgPool) {
     let config = test_config();
     let broker = service(&pool, &config, "fulfilment").await;
-    eventually(
+    wait_for(
         "the consumer's queue",
         Duration::from_secs(10),
         async || {
@@ -265,7 +257,7 @@ async fn a_message_that_is_no_order_message_is_kept_not_dropped(pool: PgPool) {
         )
         .await
         .unwrap();
-    eventually("kept", Duration::from_secs(10), async || {
+    wait_for("kept", Duration::from_secs(10), async || {
         let kept: Vec<(String, serde_json::Value)> = sqlx::query_as(
             "SELECT order_kind, body FROM unrouted_messages WHERE message_id = 'odd-1'",
         )

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chrono::{Datelike, Utc};
 use payfleet::ledger::{self, AccountKind, AccountRef, Posted, Transfer, TransferKind};
@@ -29,14 +29,6 @@ fn brl() -> Currency {
 /// Rounded half-even to cents: the ledger's stated rule.
 fn cents(x: Decimal) -> Decimal {
     x.round_dp_with_strategy(2, RoundingStrategy::MidpointNearestEven)
-}
-
-async fn eventually(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bool) {
-    let start = Instant::now();
-    while !done().await {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 async fn invariants_hold(pool: &PgPool) {
@@ -754,7 +746,7 @@ async fn an_order_paid_with_coins_spends_them_once_and_an_expired_one_gives_them
             .await;
         assert_eq!((status, o["status"].as_str()), (200, Some("paid")), "{o}");
     }
-    eventually(
+    wait_for(
         "the coins to be spent",
         Duration::from_secs(20),
         async || {
@@ -776,7 +768,7 @@ async fn an_order_paid_with_coins_spends_them_once_and_an_expired_one_gives_them
     assert_eq!(page.status(), 409, "the page itself refuses a paid order");
     let session = order["payment"]["session_id"].as_str().unwrap();
     send_paid(&shop, "second-tab", session, "19.90").await;
-    eventually("the extra payment to be seen", Duration::from_secs(20), async || {
+    wait_for("the extra payment to be seen", Duration::from_secs(20), async || {
         let kinds: Vec<String> = sqlx::query_scalar(
             "SELECT e.kind FROM order_events e JOIN orders o ON o.id = e.order_id WHERE o.number = $1",
         )
@@ -837,7 +829,7 @@ async fn an_order_paid_with_coins_spends_them_once_and_an_expired_one_gives_them
         )
         .await;
     assert_eq!(status, 202);
-    eventually(
+    wait_for(
         "the reservation to come back",
         Duration::from_secs(20),
         async || {
@@ -876,7 +868,7 @@ async fn an_operator_refund_calls_the_gateway_and_debits_once_with_its_webhook(p
         .await
         .unwrap();
     assert_eq!(paid.status(), 200);
-    eventually(
+    wait_for(
         "the order to be paid",
         Duration::from_secs(20),
         async || shop.order(n).await["status"] == "paid",
@@ -901,7 +893,7 @@ async fn an_operator_refund_calls_the_gateway_and_debits_once_with_its_webhook(p
         (422, Some("idempotency_key_reused"))
     );
     // The gateway's own refund event arrives and is processed: nothing more is debited.
-    eventually("the refund event to be processed", Duration::from_secs(20), async || {
+    wait_for("the refund event to be processed", Duration::from_secs(20), async || {
         let n: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM payment_events WHERE event_type = 'refund.succeeded' AND processed_at IS NOT NULL",
         )
@@ -936,7 +928,7 @@ async fn an_operator_refund_calls_the_gateway_and_debits_once_with_its_webhook(p
     // The rest, with no amount: the whole 14.90 left.
     let (status, r) = shop.keyed(&path, "r4", json!({})).await;
     assert_eq!((status, r["amount"].as_str()), (201, Some("14.90")), "{r}");
-    eventually(
+    wait_for(
         "the order to be refunded",
         Duration::from_secs(20),
         async || shop.order(n).await["status"] == "refunded",

@@ -76,14 +76,6 @@ async fn release(pool: &PgPool) {
     }
 }
 
-async fn wait_for(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bool) {
-    let start = Instant::now();
-    while !done().await {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 #[derive(Debug, Serialize, Deserialize)]
 struct Bounce {
     n: i64,

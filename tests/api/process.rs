@@ -1,19 +1,11 @@
 //! The real binary as operators run it: worker processes killed and stopped, the jobs command.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sqlx::PgPool;
 
 use crate::helpers::*;
-
-async fn wait_for(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bool) {
-    let start = Instant::now();
-    while !done().await {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
 
 /// Runs `payfleet <args>` to its end.
 async fn run(pool: &PgPool, args: &[&str]) -> std::process::Output {
