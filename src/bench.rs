@@ -15,7 +15,7 @@ use sqlx::postgres::PgConnectOptions;
 use tokio::net::TcpListener;
 
 use crate::config::Config;
-use crate::queue::{self, Fleet, Job, JobContext, NewJob, Registry};
+use crate::queue::{self, Fleet, Job, JobContext, NewJob, QueuesConfig, Registry};
 use crate::secret::SecretUrl;
 use crate::startup::Roles;
 use crate::webhooks::signature::StandardSecret;
@@ -52,6 +52,26 @@ pub struct QueueArgs {
     /// jobs of seller B arrive one at a time (0 skips the phase).
     #[arg(long, default_value_t = 100_000)]
     pub fair_flood: usize,
+    /// The drained queue's concurrency in each worker process (default: jobs/queues.toml's). A
+    /// claim takes at most what the free slots can run, so this also bounds a claim's size.
+    #[arg(long)]
+    pub concurrency: Option<u32>,
+}
+
+/// `payfleet bench drain-worker`'s flags (set by `bench queue`).
+#[derive(clap::Args, Debug)]
+pub struct DrainWorkerArgs {
+    #[arg(long)]
+    pub concurrency: Option<u32>,
+}
+
+/// The catalogue with the drained queue's concurrency set, if asked.
+fn drained_queues(config: &Config, concurrency: Option<u32>) -> anyhow::Result<QueuesConfig> {
+    let mut queues = config.queues.clone();
+    if let Some(n) = concurrency {
+        queues.set_concurrency(&format!("{}={n}", Noop::QUEUE))?;
+    }
+    Ok(queues)
 }
 
 /// What the no-op jobs' handler saw: how many ran, and the enqueue-to-start wait of each one
@@ -108,12 +128,12 @@ impl NoopRuns {
 
 /// `payfleet bench drain-worker`: a worker process for `bench queue --workers N`, draining the
 /// no-op jobs of the scratch database (`DATABASE_URL`) until SIGTERM.
-pub async fn drain_worker(config: &Config) -> anyhow::Result<()> {
+pub async fn drain_worker(config: &Config, args: DrainWorkerArgs) -> anyhow::Result<()> {
     let pool = db::connect(&config.database_url, config.db_pool_size).await?;
     let fleet = Fleet::new(
         pool,
         NoopRuns::default().registry()?,
-        config.queues.clone(),
+        drained_queues(config, args.concurrency)?,
         &config.host_name,
     )
     .start();
@@ -491,8 +511,13 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     if args.jobs == 0 {
         bail!("--jobs must be positive");
     }
+    let queues = drained_queues(config, args.concurrency)?;
+    let concurrency = queues
+        .queue(Noop::QUEUE)
+        .map(|q| q.concurrency)
+        .with_context(|| format!("jobs/queues.toml has no [queues.{}]", Noop::QUEUE))?;
     let (pool, url) = scratch(config).await?;
-    let mut lines = Vec::new();
+    let mut lines = vec![format!("queue_drain_concurrency={concurrency}")];
 
     // Enqueue, 1000 jobs a statement.
     let started = Instant::now();
@@ -568,7 +593,12 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     for _ in 0..args.workers {
         children.push(
             tokio::process::Command::new(std::env::current_exe()?)
-                .args(["bench", "drain-worker"])
+                .args([
+                    "bench",
+                    "drain-worker",
+                    "--concurrency",
+                    &concurrency.to_string(),
+                ])
                 .env("DATABASE_URL", url.expose())
                 .env("PAYFLEET_RECURRING", "off")
                 .stdin(std::process::Stdio::null())
@@ -579,15 +609,8 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
                 .context("cannot start a drain worker")?,
         );
     }
-    let fleet = (args.workers == 0).then(|| {
-        Fleet::new(
-            pool.clone(),
-            registry,
-            config.queues.clone(),
-            &config.host_name,
-        )
-        .start()
-    });
+    let fleet = (args.workers == 0)
+        .then(|| Fleet::new(pool.clone(), registry, queues.clone(), &config.host_name).start());
     let pool2 = pool.clone();
     wait_until(
         || {
@@ -639,6 +662,7 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
                 .replace("$4", "'bench-explain'")
                 .replace("$5", "NULL")
                 .replace("$6", "256")
+                .replace("$7", "'off'")
         )))
         .fetch_all(&pool)
         .await?;
@@ -678,7 +702,15 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     table_size(&pool, &mut lines).await?;
 
     if args.workers == 0 && args.fair_flood > 0 {
-        fairness(config, &pool, args.fair_flood, drain_rate, &mut lines).await?;
+        fairness(
+            config,
+            &queues,
+            &pool,
+            args.fair_flood,
+            drain_rate,
+            &mut lines,
+        )
+        .await?;
     }
 
     // The machine's limit for the same row writes: a drained job is written twice (claim and
@@ -752,6 +784,7 @@ async fn table_size(pool: &PgPool, lines: &mut Vec<String>) -> anyhow::Result<()
 /// drain of as many jobs without a key (`unkeyed_rate`, measured before).
 async fn fairness(
     config: &Config,
+    queues: &QueuesConfig,
     pool: &PgPool,
     flood: usize,
     unkeyed_rate: f64,
@@ -771,7 +804,7 @@ async fn fairness(
     let fleet = Fleet::new(
         pool.clone(),
         runs.registry()?,
-        config.queues.clone(),
+        queues.clone(),
         &config.host_name,
     )
     .start();

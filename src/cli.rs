@@ -135,7 +135,7 @@ enum BenchCommand {
     Queue(bench::QueueArgs),
     /// A worker process of `bench queue --workers N` (started by it).
     #[command(hide = true)]
-    DrainWorker,
+    DrainWorker(bench::DrainWorkerArgs),
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
@@ -169,7 +169,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench { which } => match which {
             BenchCommand::Ingest(args) => bench::ingest(&config, args).await,
             BenchCommand::Queue(args) => bench::queue(&config, args).await,
-            BenchCommand::DrainWorker => bench::drain_worker(&config).await,
+            BenchCommand::DrainWorker(args) => bench::drain_worker(&config, args).await,
         },
     }
 }

@@ -1,3 +1,5 @@
+use std::io::IsTerminal;
+
 use clap::Parser;
 use payfleet::config::LogFormat;
 use tracing_subscriber::EnvFilter;
@@ -12,8 +14,11 @@ async fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
+    // Colours only for a person at a terminal: a log file or a collector gets plain text (and
+    // each job's span costs less to record).
     let logs = tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::new(payfleet::config::log_filter()))
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Json => logs

@@ -42,7 +42,9 @@ use serde::de::DeserializeOwned;
 use sqlx::PgPool;
 
 use super::store::FairCursor;
-use super::{Ended, JobError, JobId, NewJob, QueueError, RunEnd, error_chain, store};
+use super::{
+    BookkeepingCommit, Ended, JobError, JobId, NewJob, QueueError, RunEnd, error_chain, store,
+};
 
 /// Where and how an apalis worker takes its jobs.
 #[derive(Debug, Clone)]
@@ -174,6 +176,7 @@ impl<Args: DeserializeOwned + Send + 'static> PayfleetBackend<Args> {
                     settings.lease,
                     &worker,
                     &mut cursor,
+                    BookkeepingCommit::On,
                 )
                 .await?;
                 if let Ok(mut shared) = shared_cursor.lock() {
@@ -207,7 +210,7 @@ impl<Args: DeserializeOwned + Send + 'static> PayfleetBackend<Args> {
                                 error: format!("the payload does not read as the apalis worker's arguments: {e}"),
                             },
                         };
-                        super::end_runs(&pool, &[end]).await?;
+                        super::end_runs(&pool, &[end], BookkeepingCommit::On, store::LockedRows::Skip).await?;
                     }
                 }
             }
@@ -303,7 +306,8 @@ impl<Args: DeserializeOwned + Send + 'static> Backend for PayfleetBackend<Args> 
             let pool = self.pool.clone();
             self.flushing = Some(
                 async move {
-                    super::end_runs(&pool, &ends).await?;
+                    super::end_runs(&pool, &ends, BookkeepingCommit::On, store::LockedRows::Skip)
+                        .await?;
                     Ok(())
                 }
                 .boxed(),
@@ -520,9 +524,14 @@ async fn record_end(pool: &PgPool, end: &Ended, lease: Duration) -> Result<bool,
     let deadline = tokio::time::Instant::now() + lease;
     let mut pause = Duration::from_millis(20);
     loop {
-        if !super::end_runs(pool, std::slice::from_ref(end))
-            .await?
-            .is_empty()
+        if !super::end_runs(
+            pool,
+            std::slice::from_ref(end),
+            BookkeepingCommit::On,
+            store::LockedRows::Skip,
+        )
+        .await?
+        .is_empty()
         {
             return Ok(true);
         }

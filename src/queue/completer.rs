@@ -4,8 +4,11 @@
 //! - An end the database refuses (bad data in an error text, say) is written alone, so it cannot
 //!   block the others; if it still fails, its lease is let go and the rescue records the run as
 //!   a failed attempt.
-//! - A run whose row another transaction holds locked is skipped, not waited for (one long
-//!   transaction must not stall every completion), and written again shortly.
+//! - A batch is first written without locking its rows beforehand (the cheaper statement),
+//!   waiting at most 50 ms for a row another transaction holds. A batch that met such a row,
+//!   and any batch carrying a run skipped before, is written skipping the rows others hold
+//!   (one long transaction must not stall every completion); a skipped run is written again
+//!   shortly.
 //! - An end refused by its fencing token (the run had lost its lease) is reported, never
 //!   dropped silently.
 //! - A panic while writing a batch is caught: those runs' leases are let go (the rescue ends
@@ -22,7 +25,8 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::fleet::{Shared, backoff};
-use super::{Ended, JobId, end_runs, store};
+use super::store::LockedRows;
+use super::{BookkeepingCommit, Ended, JobId, end_runs, store};
 
 /// How soon ends skipped for a locked row are tried again.
 const LOCKED_RETRY: Duration = Duration::from_millis(100);
@@ -34,6 +38,8 @@ pub(crate) async fn complete(shared: Arc<Shared>, mut ended: mpsc::Receiver<Ende
     // Once the fleet stops, ends skipped for a locked row are tried until the shutdown timeout.
     let mut give_up_at: Option<Instant> = None;
     loop {
+        // Runs skipped before for a locked row: their rows may still be held.
+        let carried_over = !batch.is_empty();
         let room = max.saturating_sub(batch.len());
         if open && room > 0 {
             if batch.is_empty() {
@@ -63,7 +69,12 @@ pub(crate) async fn complete(shared: Arc<Shared>, mut ended: mpsc::Receiver<Ende
             tokio::time::sleep(LOCKED_RETRY).await;
         }
         batch.sort_by_key(|e| e.id); // a stable lock order
-        let skipped = match AssertUnwindSafe(write_batch(&shared, &batch))
+        let locked = if carried_over {
+            LockedRows::Skip
+        } else {
+            LockedRows::WaitBriefly
+        };
+        let skipped = match AssertUnwindSafe(write_batch(&shared, &batch, locked))
             .catch_unwind()
             .await
         {
@@ -87,15 +98,16 @@ pub(crate) async fn complete(shared: Arc<Shared>, mut ended: mpsc::Receiver<Ende
 }
 
 /// Writes a batch; returns the runs skipped because another transaction held their row.
-async fn write_batch(shared: &Shared, batch: &[Ended]) -> HashSet<JobId> {
-    match write_ends(&shared.control, batch).await {
+async fn write_batch(shared: &Shared, batch: &[Ended], locked: LockedRows) -> HashSet<JobId> {
+    let commit = shared.config.fleet.bookkeeping_synchronous_commit;
+    match write_ends(&shared.control, batch, commit, locked).await {
         Ok(applied) => sort_out_missing(&shared.control, batch, &applied).await,
         Err(e) => {
             tracing::warn!(error = %e, jobs = batch.len(), "a run end was refused; writing them one by one");
             let mut skipped = HashSet::new();
             for end in batch {
                 let one = std::slice::from_ref(end);
-                match write_ends(&shared.control, one).await {
+                match write_ends(&shared.control, one, commit, LockedRows::Skip).await {
                     Ok(applied) => {
                         skipped.extend(sort_out_missing(&shared.control, one, &applied).await)
                     }
@@ -140,15 +152,29 @@ async fn sort_out_missing(
 }
 
 /// Writes ends, waiting out outages; returns the jobs whose end was applied, or a refusal.
-async fn write_ends(pool: &PgPool, batch: &[Ended]) -> Result<HashSet<JobId>, sqlx::Error> {
+async fn write_ends(
+    pool: &PgPool,
+    batch: &[Ended],
+    commit: BookkeepingCommit,
+    mut locked: LockedRows,
+) -> Result<HashSet<JobId>, sqlx::Error> {
     let mut failures = 0;
     loop {
-        match end_runs(pool, batch).await {
+        match end_runs(pool, batch, commit, locked).await {
             Ok(rows) => {
                 for (id, state) in &rows {
                     tracing::debug!(job = %id, %state, "run ended");
                 }
                 return Ok(rows.into_iter().map(|(id, _)| id).collect());
+            }
+            Err(e) if locked == LockedRows::WaitBriefly && is_lock_timeout(&e) => {
+                // Another transaction holds a row of the batch: nothing was written; write it
+                // again skipping the rows others hold.
+                tracing::debug!(
+                    jobs = batch.len(),
+                    "a run's row is locked by another transaction; writing the batch skipping it"
+                );
+                locked = LockedRows::Skip;
             }
             Err(e) if crate::db::is_transient(&e) => {
                 failures += 1;
@@ -159,4 +185,11 @@ async fn write_ends(pool: &PgPool, batch: &[Ended]) -> Result<HashSet<JobId>, sq
             Err(e) => return Err(e),
         }
     }
+}
+
+/// PostgreSQL's lock_not_available: a lock timeout ran out.
+fn is_lock_timeout(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == "55P03")
 }

@@ -59,6 +59,43 @@ pub struct FleetSettings {
     /// that each claim steps over until a vacuum removes them; autovacuum's defaults wait for a
     /// fifth of the table, and a server may run without it.
     pub vacuum_dead_rows: u64,
+    /// How the fleet's claims and run ends commit: PostgreSQL's `synchronous_commit` for those
+    /// statements' own transactions (see `BookkeepingCommit`).
+    pub bookkeeping_synchronous_commit: BookkeepingCommit,
+}
+
+/// PostgreSQL's `synchronous_commit`, for the transactions of the fleet's claims and run ends
+/// only: set with `set_config(..., true)` inside each statement, so nothing stays on the session
+/// (a pooled connection, PgBouncer's included, goes back as it came).
+///
+/// `off` (the default) lets a claim or an end return before its WAL record is flushed. A crash
+/// of PostgreSQL itself can then forget the last fraction of a second of them: a forgotten
+/// claim makes the job claimable again, a forgotten end leaves the run to be rescued, so the
+/// job runs again, as it does after any worker crash. No effect is lost or doubled by it:
+/// handlers commit their own writes synchronously (the WAL is one sequence, so that flush also
+/// makes every earlier claim durable), and are idempotent. `on` waits for the flush, as every
+/// business transaction does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BookkeepingCommit {
+    On,
+    Off,
+    Local,
+    RemoteWrite,
+    RemoteApply,
+}
+
+impl BookkeepingCommit {
+    /// The value as PostgreSQL spells it.
+    pub(crate) fn setting(self) -> &'static str {
+        match self {
+            Self::On => "on",
+            Self::Off => "off",
+            Self::Local => "local",
+            Self::RemoteWrite => "remote_write",
+            Self::RemoteApply => "remote_apply",
+        }
+    }
 }
 
 impl Default for FleetSettings {
@@ -73,6 +110,7 @@ impl Default for FleetSettings {
             claim_batch: 500,
             complete_batch: 2000,
             vacuum_dead_rows: 100_000,
+            bookkeeping_synchronous_commit: BookkeepingCommit::Off,
         }
     }
 }

@@ -2,10 +2,13 @@
 //! its own task, under the queue's timeout, with panics caught and a way to be cancelled when
 //! its lease is lost.
 
+use std::any::Any;
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use sqlx::PgPool;
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
@@ -42,13 +45,21 @@ pub(crate) async fn run_one(
         max_attempts: job.max_attempts,
         pool: pool.clone(),
     };
-    // Decoding and the handler's synchronous part run in the job's own task too, so a panic
-    // anywhere in the handler is caught and a timeout or a lost lease can stop it.
     let kind = job.kind;
     let payload = job.payload;
     // Every log line of the run carries the job's ids.
-    let span = tracing::info_span!("job", id = %job.id, kind = %kind, queue, attempt = job.attempt);
-    let mut task = AbortOnDrop(tokio::spawn(
+    let span = tracing::info_span!(
+        "job",
+        id = job.id.0,
+        kind = kind.as_str(),
+        queue,
+        attempt = job.attempt
+    );
+    // The handler runs in the caller's task (a second task per job cost a spawn and a
+    // cross-thread wake-up per run). Decoding and the handler's synchronous part run inside the
+    // same guard as its future: a panic anywhere in it is caught, and dropping the future stops
+    // it on a timeout or a lost lease.
+    let run = AssertUnwindSafe(
         async move {
             match handler(ctx, payload) {
                 Ok(future) => Ok(future.await),
@@ -56,7 +67,8 @@ pub(crate) async fn run_one(
             }
         }
         .instrument(span),
-    ));
+    )
+    .catch_unwind();
     let lost = async {
         match lease_lost {
             Some(rx) => match rx.await {
@@ -68,9 +80,9 @@ pub(crate) async fn run_one(
         }
     };
     let finished = tokio::select! {
-        r = tokio::time::timeout(timeout, &mut task.0) => r,
+        r = tokio::time::timeout(timeout, run) => r,
         reason = lost => {
-            // Dropping the task aborts the handler.
+            // Dropping the run's future stops the handler.
             return RunEnd::Retry { error: format!("cancelled: {reason}"), after: None };
         }
     };
@@ -79,12 +91,8 @@ pub(crate) async fn run_one(
             error: format!("timed out after {timeout:?}"),
             after: None,
         },
-        Ok(Err(e)) if e.is_panic() => RunEnd::Retry {
-            error: format!("handler panicked: {}", panic_text(e)),
-            after: None,
-        },
-        Ok(Err(e)) => RunEnd::Retry {
-            error: format!("handler task ended: {e}"),
+        Ok(Err(panic)) => RunEnd::Retry {
+            error: format!("handler panicked: {}", panic_text(panic)),
             after: None,
         },
         Ok(Ok(Err(e))) => RunEnd::Fail {
@@ -94,22 +102,13 @@ pub(crate) async fn run_one(
     }
 }
 
-fn panic_text(e: tokio::task::JoinError) -> String {
-    let payload = e.into_panic();
+fn panic_text(payload: Box<dyn Any + Send>) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_owned()
     } else if let Some(s) = payload.downcast_ref::<String>() {
         s.clone()
     } else {
         "non-string panic payload".to_owned()
-    }
-}
-
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 
@@ -148,6 +147,10 @@ pub(crate) async fn fetch(
                 Err(e) => end_lost_run(&ended, runs.remove(&e.id()), &e).await,
             }
         }
+        // Let the runs just started take their first step before counting free slots: a claim
+        // sent while they start asks for a handful of jobs and pays a whole statement for them
+        // (claims averaged half the queue's concurrency before this).
+        tokio::task::yield_now().await;
         let want = slots.available_permits().min(fleet.claim_batch as usize);
         let claim_sent = Instant::now();
         let claimed = match store::claim(
@@ -157,6 +160,7 @@ pub(crate) async fn fetch(
             fleet.lease(),
             &shared.worker_id,
             &mut cursor,
+            fleet.bookkeeping_synchronous_commit,
         )
         .await
         {

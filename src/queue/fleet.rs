@@ -16,7 +16,8 @@ use super::executor::{fetch, run_one};
 use super::lease::Leases;
 use super::registry::Registry;
 use super::{
-    Ended, QueueSettings, QueuesConfig, completer, end_runs, lease, listener, maintenance, store,
+    BookkeepingCommit, Ended, QueueSettings, QueuesConfig, completer, end_runs, lease, listener,
+    maintenance, store,
 };
 
 /// Runs in one process all the queues of a catalogue.
@@ -319,6 +320,7 @@ pub async fn work_until_idle(
             lease,
             &worker,
             &mut cursor,
+            BookkeepingCommit::On,
         )
         .await?;
         if claimed.is_empty() {
@@ -340,6 +342,6 @@ pub async fn work_until_idle(
             });
         }
         total += ended.len();
-        end_runs(pool, &ended).await?;
+        end_runs(pool, &ended, BookkeepingCommit::On, store::LockedRows::Skip).await?;
     }
 }

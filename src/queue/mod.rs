@@ -29,7 +29,9 @@ use chrono::{DateTime, Utc};
 use serde::{Serialize, de::DeserializeOwned};
 use sqlx::PgExecutor;
 
-pub use config::{FleetSettings, QueueSettings, QueuesConfig, QueuesConfigError};
+pub use config::{
+    BookkeepingCommit, FleetSettings, QueueSettings, QueuesConfig, QueuesConfigError,
+};
 pub use fleet::{Fleet, FleetHandle, FleetProbe, Listen, work_until_idle};
 pub use maintenance::{prune, rescue_expired, vacuum_if_dead};
 pub use notifier::Notifier;
@@ -538,7 +540,9 @@ impl Ended {
 pub(crate) async fn end_runs<'c>(
     db: impl PgExecutor<'c>,
     ended: &[Ended],
+    commit: BookkeepingCommit,
+    locked: store::LockedRows,
 ) -> Result<Vec<(JobId, JobState)>, sqlx::Error> {
     let rows: Vec<store::EndRow> = ended.iter().map(Ended::row).collect();
-    store::end_runs(db, &rows).await
+    store::end_runs(db, &rows, commit, locked).await
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{PgExecutor, PgPool};
 
-use super::{JobId, JobState, RunOutcome};
+use super::{BookkeepingCommit, JobId, JobState, RunOutcome};
 
 /// The channel every LISTENing worker waits on; the payload is the queue's name.
 pub(crate) const CHANNEL: &str = "payfleet_jobs";
@@ -130,7 +130,8 @@ pub(crate) struct FairCursor(Option<String>);
 /// from where this one stopped).
 const CLAIM_MAX_GROUPS: i32 = 256;
 
-/// The claim: up to $2 due jobs of queue $1, leased for $3 ms to worker $4, in one statement.
+/// The claim: up to $2 due jobs of queue $1, leased for $3 ms to worker $4, in one statement
+/// whose transaction commits with `synchronous_commit` $7 (`BookkeepingCommit`).
 ///
 /// Fair between groups (migration 0026): the walk starts after group $5 and visits groups until
 /// $2 of them have a job due (or $6 were visited, or the ring closes); the batch is shared
@@ -178,7 +179,8 @@ pub(crate) const CLAIM: &str = "WITH walk AS MATERIALIZED (
              RETURNING j.id, j.kind, j.payload, j.attempt, j.max_attempts, j.lease_token
          )
          SELECT c.id, c.kind, c.payload, c.attempt, c.max_attempts, c.lease_token, w.last_group
-         FROM (SELECT (SELECT grp FROM walk ORDER BY pos DESC LIMIT 1) AS last_group) w
+         FROM (SELECT (SELECT grp FROM walk ORDER BY pos DESC LIMIT 1) AS last_group,
+                      set_config('synchronous_commit', $7, true) AS commit_mode) w
          LEFT JOIN claimed c ON true";
 
 #[derive(sqlx::FromRow)]
@@ -194,13 +196,14 @@ struct ClaimRow {
 
 /// Claims up to `limit` due jobs of `queue` in one statement, taking turns between fairness
 /// groups from `cursor` on, and moves the cursor.
-pub(crate) async fn claim(
-    pool: &PgPool,
+pub(crate) async fn claim<'c>(
+    db: impl PgExecutor<'c>,
     queue: &str,
     limit: i64,
     lease: Duration,
     worker: &str,
     cursor: &mut FairCursor,
+    commit: BookkeepingCommit,
 ) -> Result<Vec<Claimed>, sqlx::Error> {
     let rows: Vec<ClaimRow> = sqlx::query_as(CLAIM)
         .bind(queue)
@@ -209,7 +212,8 @@ pub(crate) async fn claim(
         .bind(worker)
         .bind(cursor.0.as_deref())
         .bind(CLAIM_MAX_GROUPS)
-        .fetch_all(pool)
+        .bind(commit.setting())
+        .fetch_all(db)
         .await?;
     if let Some(first) = rows.first() {
         cursor.0.clone_from(&first.last_group);
@@ -260,25 +264,56 @@ pub(crate) struct EndRow {
     pub error: Option<String>,
 }
 
+/// What ending runs does about a run whose row another transaction holds locked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LockedRows {
+    /// Skips it: the run stays running, for its end to be written later. Never waits; each row
+    /// is locked before it is updated.
+    Skip,
+    /// Waits for it at most `END_LOCK_WAIT`, then fails with lock_not_available (55P03). Takes
+    /// no lock of its own before updating, which is cheaper: for a batch whose rows no one else
+    /// holds, the usual case.
+    WaitBriefly,
+}
+
+/// How long `LockedRows::WaitBriefly` waits for a row another transaction holds.
+const END_LOCK_WAIT: &str = "50ms";
+
 /// Ends runs in one statement. Returns the new state of each run that still held its lease;
-/// a run missing from the answer had lost it (rescued, or claimed by another worker).
+/// a run missing from the answer had lost it (rescued, or claimed by another worker), or was
+/// skipped (`LockedRows::Skip`). `commit` applies to the statement's transaction (the
+/// caller's, if it runs in one), as does `WaitBriefly`'s lock timeout.
 pub(crate) async fn end_runs<'c>(
     db: impl PgExecutor<'c>,
     ends: &[EndRow],
+    commit: BookkeepingCommit,
+    locked: LockedRows,
 ) -> Result<Vec<(JobId, JobState)>, sqlx::Error> {
     let ids: Vec<i64> = ends.iter().map(|e| e.id.0).collect();
     let tokens: Vec<i64> = ends.iter().map(|e| e.lease_token).collect();
     let outcomes: Vec<RunOutcome> = ends.iter().map(|e| e.outcome).collect();
     let delays: Vec<Option<i64>> = ends.iter().map(|e| e.delay_ms).collect();
     let errors: Vec<Option<&str>> = ends.iter().map(|e| e.error.as_deref()).collect();
-    sqlx::query_as("SELECT job_id, new_state FROM jobs_end_runs($1, $2, $3, $4, $5)")
-        .bind(&ids)
-        .bind(&tokens)
-        .bind(&outcomes)
-        .bind(&delays)
-        .bind(&errors)
-        .fetch_all(db)
-        .await
+    let skip = locked == LockedRows::Skip;
+    // The settings first (the function reads them through `s`, so the plan cannot run it
+    // before them); a skipping end keeps the session's lock timeout.
+    sqlx::query_as(
+        "SELECT e.job_id, e.new_state
+         FROM (SELECT set_config('synchronous_commit', $6, true) AS commit_mode,
+                      CASE WHEN $7 THEN current_setting('lock_timeout')
+                           ELSE set_config('lock_timeout', $8, true) END AS lock_wait) s,
+              LATERAL jobs_end_runs($1, $2, $3, $4, $5, $7 OR s.lock_wait IS NULL) AS e",
+    )
+    .bind(&ids)
+    .bind(&tokens)
+    .bind(&outcomes)
+    .bind(&delays)
+    .bind(&errors)
+    .bind(commit.setting())
+    .bind(skip)
+    .bind(END_LOCK_WAIT)
+    .fetch_all(db)
+    .await
 }
 
 // ---- leases --------------------------------------------------------------------------------
@@ -492,3 +527,100 @@ pub(crate) const LATEST_BY_KEY: &str = "SELECT coalesce(
          (SELECT state FROM jobs WHERE key = $1 AND state IN ('available', 'running', 'retryable')),
          (SELECT state FROM jobs WHERE key = $1 AND state = 'discarded' AND finished_at IS NOT NULL
           ORDER BY finished_at DESC LIMIT 1))";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sqlx::{Connection, PgConnection};
+
+    async fn setting(conn: &mut PgConnection, name: &str) -> String {
+        sqlx::query_scalar("SELECT current_setting($1)")
+            .bind(name)
+            .fetch_one(conn)
+            .await
+            .unwrap()
+    }
+
+    async fn commit_mode(conn: &mut PgConnection) -> String {
+        setting(conn, "synchronous_commit").await
+    }
+
+    /// The fleet's bookkeeping commit mode holds for the claim's and the end's own transaction
+    /// and never stays on the connection: a pooled connection (PgBouncer's included) goes back
+    /// as it came, and a handler's transaction on it commits synchronously.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn the_bookkeeping_commit_mode_holds_for_its_own_transaction_only(pool: PgPool) {
+        sqlx::query("INSERT INTO jobs (queue, kind) SELECT 'q', 'k' FROM generate_series(1, 3)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let mut conn = pool.acquire().await.unwrap();
+        assert_eq!(commit_mode(&mut conn).await, "on");
+        let lease = Duration::from_secs(30);
+        let mut cursor = FairCursor::default();
+
+        // Inside a transaction: the mode is set for it, and gone after its commit.
+        let mut tx = conn.begin().await.unwrap();
+        let claimed = claim(
+            &mut *tx,
+            "q",
+            1,
+            lease,
+            "w",
+            &mut cursor,
+            BookkeepingCommit::Off,
+        )
+        .await
+        .unwrap();
+        assert_eq!(claimed.len(), 1);
+        assert_eq!(commit_mode(&mut tx).await, "off");
+        tx.commit().await.unwrap();
+        assert_eq!(commit_mode(&mut conn).await, "on");
+
+        // As a statement of its own (how the fleet runs them): nothing stays either.
+        let claimed = claim(
+            &mut *conn,
+            "q",
+            2,
+            lease,
+            "w",
+            &mut cursor,
+            BookkeepingCommit::RemoteWrite,
+        )
+        .await
+        .unwrap();
+        assert_eq!(claimed.len(), 2);
+        assert_eq!(commit_mode(&mut conn).await, "on");
+        let ends: Vec<EndRow> = claimed
+            .iter()
+            .map(|c| EndRow {
+                id: c.id,
+                lease_token: c.lease_token,
+                outcome: RunOutcome::Complete,
+                delay_ms: None,
+                error: None,
+            })
+            .collect();
+        let mut tx = conn.begin().await.unwrap();
+        let ended = end_runs(
+            &mut *tx,
+            &ends,
+            BookkeepingCommit::Local,
+            LockedRows::WaitBriefly,
+        )
+        .await
+        .unwrap();
+        assert_eq!(ended.len(), 2, "both runs still held their lease");
+        assert_eq!(commit_mode(&mut tx).await, "local");
+        assert_eq!(setting(&mut tx, "lock_timeout").await, "50ms");
+        tx.commit().await.unwrap();
+        assert_eq!(commit_mode(&mut conn).await, "on");
+        assert_eq!(setting(&mut conn, "lock_timeout").await, "0");
+        let completed: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'completed'")
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap();
+        assert_eq!(completed, 2);
+    }
+}

@@ -994,6 +994,53 @@ async fn wait_running(pool: &PgPool, n: i64) {
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_row_locked_by_another_transaction_does_not_hold_up_other_runs_ends(pool: PgPool) {
+    let log = Arc::new(RunLog::default());
+    // Leases of 600 ms; each run takes 150 ms, so both end while A's row is held.
+    let (ids, fleet) = running_slowly(&pool, &log, 150, &[1, 2]).await;
+    let (a, b) = (ids[0], ids[1]);
+
+    // A business transaction holds A's row (a schedule or cancel of its key, say). Ends are
+    // first written without locking their rows beforehand; that statement must not wait for
+    // this one: B's end is written meanwhile, A's once the row is free.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM jobs WHERE id = $1 FOR UPDATE")
+        .bind(a)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    crate::helpers::wait_for(
+        "B's end, written while A's row is held",
+        Duration::from_millis(400),
+        async || job(&pool, b).await.0 == "completed",
+    )
+    .await;
+    assert_eq!(
+        job(&pool, a).await.0,
+        "running",
+        "A's end waits for its row"
+    );
+    tx.commit().await.unwrap();
+    crate::helpers::wait_for(
+        "A's end, once its row is free",
+        Duration::from_secs(5),
+        async || job(&pool, a).await.0 == "completed",
+    )
+    .await;
+    fleet.shutdown().await;
+    assert_eq!(job(&pool, a).await.1, 1, "A ran once");
+    assert_eq!(
+        *log.runs.lock().unwrap(),
+        [(1, 1), (2, 1)].into_iter().collect(),
+        "each ran once"
+    );
+    assert!(
+        log.cut_short.lock().unwrap().is_empty(),
+        "no run was cut short"
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_row_locked_by_another_transaction_does_not_hold_up_other_renewals(pool: PgPool) {
     let log = Arc::new(RunLog::default());
     // Leases of 600 ms; each run takes 2 s.
