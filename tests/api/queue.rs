@@ -993,6 +993,18 @@ async fn wait_running(pool: &PgPool, n: i64) {
     panic!("the jobs did not start");
 }
 
+/// A transaction holding the job's row locked, as a business transaction that reschedules or
+/// cancels its key does until it commits.
+async fn hold_row(pool: &PgPool, id: JobId) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM jobs WHERE id = $1 FOR UPDATE")
+        .bind(id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_row_locked_by_another_transaction_does_not_hold_up_other_runs_ends(pool: PgPool) {
     let log = Arc::new(RunLog::default());
@@ -1003,12 +1015,7 @@ async fn a_row_locked_by_another_transaction_does_not_hold_up_other_runs_ends(po
     // A business transaction holds A's row (a schedule or cancel of its key, say). Ends are
     // first written without locking their rows beforehand; that statement must not wait for
     // this one: B's end is written meanwhile, A's once the row is free.
-    let mut tx = pool.begin().await.unwrap();
-    sqlx::query("SELECT id FROM jobs WHERE id = $1 FOR UPDATE")
-        .bind(a)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let tx = hold_row(&pool, a).await;
     crate::helpers::wait_for(
         "B's end, written while A's row is held",
         Duration::from_millis(400),
@@ -1049,12 +1056,7 @@ async fn a_row_locked_by_another_transaction_does_not_hold_up_other_renewals(poo
 
     // A long business transaction holds A's row (a schedule or cancel of its key, say) for
     // longer than a lease.
-    let mut tx = pool.begin().await.unwrap();
-    sqlx::query("SELECT id FROM jobs WHERE id = $1 FOR UPDATE")
-        .bind(a)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let tx = hold_row(&pool, a).await;
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let b_lease_left: f64 = sqlx::query_scalar(
         "SELECT extract(epoch FROM lease_expires_at - now())::float8 FROM jobs WHERE id = $1",
