@@ -581,6 +581,10 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
             started.elapsed().as_secs_f64()
         );
         lines.push(format!("queue_backlog_jobs={}", args.backlog));
+        eprintln!(
+            "queue: a claim of 16 due jobs with the backlog in place (rolled back):\n  {}",
+            explain_claim(&pool).await?.join("\n  ")
+        );
     }
 
     let runs = NoopRuns::default();
@@ -653,22 +657,9 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         lines.push(format!("queue_drain_peak_rss_mib={mib:.1}"));
     }
     if args.backlog > 0 {
-        let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "EXPLAIN (ANALYZE, BUFFERS) {}",
-            crate::queue::CLAIM_SQL
-                .replace("$1", &format!("'{}'", Noop::QUEUE))
-                .replace("$2", "16")
-                .replace("$3", "30000")
-                .replace("$4", "'bench-explain'")
-                .replace("$5", "NULL")
-                .replace("$6", "256")
-                .replace("$7", "'off'")
-        )))
-        .fetch_all(&pool)
-        .await?;
         eprintln!(
-            "queue: the claim with the backlog in place:\n  {}",
-            plan.join("\n  ")
+            "queue: the claim with the backlog in place, after the drain (nothing due):\n  {}",
+            explain_claim(&pool).await?.join("\n  ")
         );
     }
 
@@ -745,6 +736,27 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         println!("{l}");
     }
     Ok(())
+}
+
+/// The plan of a claim of 16 jobs of the drained queue as it runs (`EXPLAIN (ANALYZE,
+/// BUFFERS)`), in a transaction rolled back afterwards: the jobs it claims stay due.
+async fn explain_claim(pool: &PgPool) -> anyhow::Result<Vec<String>> {
+    let mut tx = pool.begin().await?;
+    let plan = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN (ANALYZE, BUFFERS) {}",
+        crate::queue::CLAIM_SQL
+            .replace("$1", &format!("'{}'", Noop::QUEUE))
+            .replace("$2", "16")
+            .replace("$3", "30000")
+            .replace("$4", "'bench-explain'")
+            .replace("$5", "NULL")
+            .replace("$6", "256")
+            .replace("$7", "'off'")
+    )))
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.rollback().await?;
+    Ok(plan)
 }
 
 /// The jobs table and its indexes beside a compact copy of the same rows with the same indexes:
