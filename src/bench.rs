@@ -620,18 +620,17 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         || {
             let pool = pool2.clone();
             async move {
-                // Through the claim indexes: what is due on the drained queue, or running.
-                let left: bool = sqlx::query_scalar(
-                    "SELECT EXISTS (SELECT 1 FROM jobs WHERE queue = $1 AND state IN ('available', 'retryable')
-                                    AND fairness_key IS NULL AND run_at <= now() ORDER BY run_at LIMIT 1)
-                         OR EXISTS (SELECT 1 FROM jobs WHERE queue = $1 AND state IN ('available', 'retryable')
-                                    AND fairness_key IS NOT NULL AND run_at <= now())
-                         OR EXISTS (SELECT 1 FROM jobs WHERE state = 'running')",
+                // Drained: nothing due on the queue (the workers' own question, through the
+                // claim indexes) and nothing running (through the index of running jobs).
+                if queue::next_due_in(&pool, Noop::QUEUE).await? == Some(Duration::ZERO) {
+                    return Ok(false);
+                }
+                let running: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM jobs WHERE state = 'running')",
                 )
-                .bind(Noop::QUEUE)
                 .fetch_one(&pool)
                 .await?;
-                Ok(!left)
+                Ok(!running)
             }
         },
         Duration::from_millis(20),

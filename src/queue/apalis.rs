@@ -210,7 +210,7 @@ impl<Args: DeserializeOwned + Send + 'static> PayfleetBackend<Args> {
                                 error: format!("the payload does not read as the apalis worker's arguments: {e}"),
                             },
                         };
-                        super::end_runs(&pool, &[end], BookkeepingCommit::On, store::LockedRows::Skip).await?;
+                        super::end_runs(&pool, &[end]).await?;
                     }
                 }
             }
@@ -306,8 +306,7 @@ impl<Args: DeserializeOwned + Send + 'static> Backend for PayfleetBackend<Args> 
             let pool = self.pool.clone();
             self.flushing = Some(
                 async move {
-                    super::end_runs(&pool, &ends, BookkeepingCommit::On, store::LockedRows::Skip)
-                        .await?;
+                    super::end_runs(&pool, &ends).await?;
                     Ok(())
                 }
                 .boxed(),
@@ -524,14 +523,9 @@ async fn record_end(pool: &PgPool, end: &Ended, lease: Duration) -> Result<bool,
     let deadline = tokio::time::Instant::now() + lease;
     let mut pause = Duration::from_millis(20);
     loop {
-        if !super::end_runs(
-            pool,
-            std::slice::from_ref(end),
-            BookkeepingCommit::On,
-            store::LockedRows::Skip,
-        )
-        .await?
-        .is_empty()
+        if !super::end_runs(pool, std::slice::from_ref(end))
+            .await?
+            .is_empty()
         {
             return Ok(true);
         }

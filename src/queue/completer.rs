@@ -26,7 +26,7 @@ use tokio::time::Instant;
 
 use super::fleet::{Shared, backoff};
 use super::store::LockedRows;
-use super::{BookkeepingCommit, Ended, JobId, end_runs, store};
+use super::{BookkeepingCommit, Ended, JobId, end_runs_as, store};
 
 /// How soon ends skipped for a locked row are tried again.
 const LOCKED_RETRY: Duration = Duration::from_millis(100);
@@ -160,7 +160,7 @@ async fn write_ends(
 ) -> Result<HashSet<JobId>, sqlx::Error> {
     let mut failures = 0;
     loop {
-        match end_runs(pool, batch, commit, locked).await {
+        match end_runs_as(pool, batch, commit, locked).await {
             Ok(rows) => {
                 for (id, state) in &rows {
                     tracing::debug!(job = %id, %state, "run ended");

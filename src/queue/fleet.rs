@@ -342,6 +342,6 @@ pub async fn work_until_idle(
             });
         }
         total += ended.len();
-        end_runs(pool, &ended, BookkeepingCommit::On, store::LockedRows::Skip).await?;
+        end_runs(pool, &ended).await?;
     }
 }

@@ -9,7 +9,7 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 
 use super::fleet::{Shared, stop_requested};
-use super::{BookkeepingCommit, Ended, RunEnd, end_runs, store};
+use super::{Ended, RunEnd, end_runs, store};
 
 const RESCUE_BATCH: i64 = 1000;
 const PRUNE_BATCH: i64 = 5000;
@@ -66,13 +66,7 @@ pub async fn rescue_expired(pool: &PgPool) -> Result<u64, sqlx::Error> {
                 },
             })
             .collect();
-        end_runs(
-            &mut *tx,
-            &batch,
-            BookkeepingCommit::On,
-            store::LockedRows::Skip,
-        )
-        .await?;
+        end_runs(&mut *tx, &batch).await?;
         tx.commit().await?;
         rescued += batch.len() as u64;
         if (batch.len() as i64) < RESCUE_BATCH {

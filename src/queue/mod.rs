@@ -37,6 +37,7 @@ pub use maintenance::{prune, rescue_expired, vacuum_if_dead};
 pub use notifier::Notifier;
 pub use registry::{JobContext, Registry, RegistryError};
 pub(crate) use store::CLAIM as CLAIM_SQL;
+pub(crate) use store::next_due_in;
 
 crate::text_enum! {
     /// `jobs.state` (docs/state_machine.md).
@@ -536,8 +537,18 @@ impl Ended {
     }
 }
 
-/// Ends runs in one statement. Returns the new state of each run that still held its lease.
+/// Ends runs in one statement, committing durably and skipping rows another transaction holds.
+/// Returns the new state of each run that still held its lease.
 pub(crate) async fn end_runs<'c>(
+    db: impl PgExecutor<'c>,
+    ended: &[Ended],
+) -> Result<Vec<(JobId, JobState)>, sqlx::Error> {
+    end_runs_as(db, ended, BookkeepingCommit::On, store::LockedRows::Skip).await
+}
+
+/// [`end_runs`] with the commit mode and the handling of locked rows the fleet's completer
+/// chooses.
+pub(crate) async fn end_runs_as<'c>(
     db: impl PgExecutor<'c>,
     ended: &[Ended],
     commit: BookkeepingCommit,

@@ -16,18 +16,27 @@ pub(crate) const CHANNEL: &str = "payfleet_jobs";
 /// statement can write its rows and their jobs in one round trip with the same rules as
 /// `queue::enqueue`. `$source` names a relation with the columns `job_queue, job_kind, job_key,
 /// job_payload, job_run_at, job_max_attempts, job_fairness_key`; `JobColumns` binds them as
-/// arrays for
-/// [`job_columns_from_params!`]. A key held by an unfinished job means nothing is written for
-/// that job, and the statement goes on. Add `RETURNING ...` as needed.
+/// arrays for [`job_columns_from_params!`]. A key held by an unfinished job means nothing is
+/// written for that job, and the statement goes on. Add `RETURNING ...` as needed.
 #[macro_export]
 macro_rules! insert_jobs_from {
+    ($($source:tt)+) => {
+        concat!($crate::insert_jobs_on_key_conflict!($($source)+), " DO NOTHING")
+    };
+}
+
+/// [`insert_jobs_from!`] up to its conflict target, the key of an unfinished job: the caller
+/// says what a conflict does.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! insert_jobs_on_key_conflict {
     ($($source:tt)+) => {
         concat!(
             "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts, fairness_key) ",
             "SELECT job_queue, job_kind, job_key, job_payload, COALESCE(job_run_at, now()), job_max_attempts, ",
             "job_fairness_key FROM ",
             $($source)+,
-            " ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable') DO NOTHING"
+            " ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable')"
         )
     };
 }
@@ -66,12 +75,8 @@ pub(crate) const ENQUEUE_MANY: &str = concat!(
 /// not missed. A key held by a waiting job is left as it is: that job will run.
 pub(crate) const ENQUEUE_OR_RERUN: &str = concat!(
     "WITH j AS (",
-    "INSERT INTO jobs (queue, kind, key, payload, run_at, max_attempts, fairness_key) ",
-    "SELECT job_queue, job_kind, job_key, job_payload, COALESCE(job_run_at, now()), job_max_attempts, ",
-    "job_fairness_key FROM ",
-    job_columns_from_params!(),
-    " ON CONFLICT (key) WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable')
-      DO UPDATE SET pending = 'reschedule', run_at = now()
+    insert_jobs_on_key_conflict!(job_columns_from_params!()),
+    " DO UPDATE SET pending = 'reschedule', run_at = now()
       WHERE jobs.state = 'running' AND jobs.pending IS DISTINCT FROM 'cancel'
       RETURNING id), queues AS (SELECT DISTINCT q FROM unnest($1::text[]) AS q)
      SELECT (SELECT count(*) FROM j)
@@ -137,8 +142,7 @@ const CLAIM_MAX_GROUPS: i32 = 256;
 /// $2 of them have a job due (or $6 were visited, or the ring closes); the batch is shared
 /// equally between the due groups, each taking its oldest due jobs from the head the walk found
 /// (so no scan steps again over the entries of jobs claimed since the last vacuum). With one
-/// group (no job
-/// carries a key) this is the plain oldest-first claim. The walk's last group always comes
+/// group (no job carries a key) this is the plain oldest-first claim. The walk's last group always comes
 /// back, on a row with no job when none was claimed, so the cursor moves on past groups that
 /// had nothing due.
 pub(crate) const CLAIM: &str = "WITH walk AS MATERIALIZED (
@@ -294,15 +298,14 @@ pub(crate) async fn end_runs<'c>(
     let outcomes: Vec<RunOutcome> = ends.iter().map(|e| e.outcome).collect();
     let delays: Vec<Option<i64>> = ends.iter().map(|e| e.delay_ms).collect();
     let errors: Vec<Option<&str>> = ends.iter().map(|e| e.error.as_deref()).collect();
-    let skip = locked == LockedRows::Skip;
-    // The settings first (the function reads them through `s`, so the plan cannot run it
-    // before them); a skipping end keeps the session's lock timeout.
+    // The settings first: the function takes its skip flag from `s` (no lock timeout set:
+    // skip), so no plan can run it before them. A skipping end keeps the session's timeout.
     sqlx::query_as(
         "SELECT e.job_id, e.new_state
-         FROM (SELECT set_config('synchronous_commit', $6, true) AS commit_mode,
-                      CASE WHEN $7 THEN current_setting('lock_timeout')
-                           ELSE set_config('lock_timeout', $8, true) END AS lock_wait) s,
-              LATERAL jobs_end_runs($1, $2, $3, $4, $5, $7 OR s.lock_wait IS NULL) AS e",
+         FROM (SELECT set_config('synchronous_commit', $6, true),
+                      CASE WHEN NOT $7 THEN set_config('lock_timeout', $8, true) END)
+              AS s(commit_mode, lock_wait),
+              LATERAL jobs_end_runs($1, $2, $3, $4, $5, s.lock_wait IS NULL) AS e",
     )
     .bind(&ids)
     .bind(&tokens)
@@ -310,7 +313,7 @@ pub(crate) async fn end_runs<'c>(
     .bind(&delays)
     .bind(&errors)
     .bind(commit.setting())
-    .bind(skip)
+    .bind(locked == LockedRows::Skip)
     .bind(END_LOCK_WAIT)
     .fetch_all(db)
     .await
