@@ -39,7 +39,7 @@ pub async fn due_by_queue(pool: &PgPool) -> Result<Vec<QueueDue>, sqlx::Error> {
 }
 
 /// Waiting, running and dead jobs by queue and state, read through partial indexes only: what
-/// a metrics scrape can afford however many completed jobs the table keeps.
+/// a metrics scrape can afford however many finished jobs the table keeps.
 pub async fn live_counts(pool: &PgPool) -> Result<Vec<StateCount>, sqlx::Error> {
     let mut counts = Vec::new();
     for sql in [store::UNFINISHED_COUNTS, store::DEAD_COUNTS] {

@@ -100,7 +100,7 @@ async fn an_apalis_handler_runs_payfleet_jobs_under_leases_each_once(pool: PgPoo
     let a = run_worker(&pool, backend.clone());
     let b = run_worker(&pool, backend);
     wait_for("30 completed", Duration::from_secs(20), async || {
-        states(&pool).await == [("completed".to_owned(), 30)]
+        states(&pool).await.is_empty()
     })
     .await;
     a.abort();
@@ -148,7 +148,7 @@ async fn a_failed_run_waits_for_the_stored_backoff_and_a_failure_for_good_is_kep
     assert!((0.5..=2.6).contains(&wait), "{wait}");
     assert!(error.contains("card network timeout"), "{error}");
     wait_for("retried and done", Duration::from_secs(10), async || {
-        states(&pool).await == [("completed".to_owned(), 1), ("discarded".to_owned(), 1)]
+        states(&pool).await == [("discarded".to_owned(), 1)]
     })
     .await;
     worker.abort();
@@ -215,7 +215,7 @@ async fn pushing_a_key_again_replaces_the_waiting_job_and_the_worker_sees_only_t
     );
     let worker = run_worker(&pool, backend);
     wait_for("done", Duration::from_secs(10), async || {
-        states(&pool).await == [("completed".to_owned(), 1)]
+        states(&pool).await.is_empty()
     })
     .await;
     worker.abort();

@@ -194,10 +194,10 @@ async fn queue_age_and_event_lag_are_measured_not_guessed(pool: PgPool) {
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_scrape_reads_the_backlog_not_the_whole_jobs_table(pool: PgPool) {
-    // A day of completed jobs, a few live ones.
+    // A day of cancelled jobs, a few live ones.
     sqlx::query(
         "INSERT INTO jobs (queue, kind, state, finished_at, attempt)
-         SELECT 'default', 'k', 'completed', now(), 1 FROM generate_series(1, 20000)",
+         SELECT 'default', 'k', 'cancelled', now(), 1 FROM generate_series(1, 20000)",
     )
     .execute(&pool)
     .await

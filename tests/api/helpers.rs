@@ -320,12 +320,22 @@ pub fn database_url(pool: &PgPool) -> String {
 
 /// A queue catalogue file for child worker processes, with short leases so tests are quick.
 pub fn queues_file(name: &str, events_concurrency: u32) -> std::path::PathBuf {
+    queues_file_leased(name, events_concurrency, 1000)
+}
+
+/// [`queues_file`] with leases of `lease_ms`: long enough, a loaded machine never has a run's
+/// lease expire (and the job claimed again) while its worker lives.
+pub fn queues_file_leased(
+    name: &str,
+    events_concurrency: u32,
+    lease_ms: u64,
+) -> std::path::PathBuf {
     let path =
         std::env::temp_dir().join(format!("payfleet-test-{name}-{}.toml", std::process::id()));
     std::fs::write(
         &path,
         format!(
-            "[fleet]\nlease_ms = 1000\nrescue_interval_ms = 200\nshutdown_timeout_ms = 2000\n\
+            "[fleet]\nlease_ms = {lease_ms}\nrescue_interval_ms = 200\nshutdown_timeout_ms = 2000\n\
              [queues.default]\nconcurrency = 4\ntimeout_ms = 5000\n\
              [queues.events]\nconcurrency = {events_concurrency}\ntimeout_ms = 5000\n"
         ),
@@ -345,6 +355,18 @@ pub fn payfleet(pool: &PgPool, args: &[&str]) -> tokio::process::Command {
         .env_remove("PAYFLEET_QUEUES")
         .kill_on_drop(true);
     cmd
+}
+
+/// How many claims the queue has made in this database: every claim of a job takes a new lease
+/// token from one sequence. (A completed job's row is deleted, so its attempts are not left to
+/// count.)
+pub async fn claims_made(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM jobs_lease_token_seq",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 pub async fn processed_events(pool: &PgPool) -> i64 {
