@@ -682,10 +682,13 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         .await?;
         fleet.shutdown().await;
         let waits = runs.sorted_waits();
-        let (p50, p99) = (percentile(&waits, 0.5), percentile(&waits, 0.99));
-        eprintln!("queue: enqueue-to-start p50 {p50:.2} ms, p99 {p99:.2} ms");
-        lines.push(format!("queue_start_latency_p50_ms={p50:.2}"));
-        lines.push(format!("queue_start_latency_p99_ms={p99:.2}"));
+        // No samples asked for (`--latency-samples 0`): no figure, rather than a zero.
+        if !waits.is_empty() {
+            let (p50, p99) = (percentile(&waits, 0.5), percentile(&waits, 0.99));
+            eprintln!("queue: enqueue-to-start p50 {p50:.2} ms, p99 {p99:.2} ms");
+            lines.push(format!("queue_start_latency_p50_ms={p50:.2}"));
+            lines.push(format!("queue_start_latency_p99_ms={p99:.2}"));
+        }
     } else {
         eprintln!("queue: enqueue-to-start latency is measured without --workers");
     }
