@@ -1345,3 +1345,78 @@ async fn an_empty_or_overlong_fairness_key_is_refused_and_nothing_is_written(poo
     }
     assert!(state_counts(&pool).await.is_empty());
 }
+
+/// A completion deletes its job, unless a schedule or cancel of the job's key marked it while it
+/// ran. The mark may commit while the completion waits for the row: the completion then reads
+/// the row again and keeps the job (to run again, or cancelled), instead of deleting the work
+/// the schedule asked for.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_schedule_committed_while_a_completion_waits_for_the_row_keeps_the_job(pool: PgPool) {
+    for (mark, want) in [("schedule", "available"), ("cancel", "cancelled")] {
+        let key = format!("order:{mark}:expire");
+        let Scheduled::Inserted(id) =
+            queue::schedule(&pool, NewJob::of(&Echo { n: 1 }).unwrap().key(&key))
+                .await
+                .unwrap()
+        else {
+            panic!()
+        };
+        // Claimed by a worker (as the claim writes it).
+        let token: i64 = sqlx::query_scalar(
+            "UPDATE jobs SET state = 'running', attempt = 1, lease_token = nextval('jobs_lease_token_seq'),
+                 lease_expires_at = now() + interval '1 minute', locked_by = 'w'
+             WHERE id = $1 RETURNING lease_token",
+        )
+        .bind(id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+
+        // A business transaction marks the running job, and holds its row until it commits.
+        let mut tx = pool.begin().await.unwrap();
+        if mark == "schedule" {
+            let again = queue::schedule(&mut *tx, NewJob::of(&Echo { n: 2 }).unwrap().key(&key))
+                .await
+                .unwrap();
+            assert_eq!(again, Scheduled::ReplacedAfterRun(id));
+        } else {
+            let cancelled = queue::cancel(&mut *tx, &key).await.unwrap();
+            assert_eq!(cancelled, Cancelled::AfterRun(id));
+        }
+
+        // The run completes meanwhile: its end waits for the row (no skipping).
+        let end = {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let mut conn = pool.acquire().await.unwrap();
+                sqlx::query("SET lock_timeout = '10s'")
+                    .execute(&mut *conn)
+                    .await
+                    .unwrap();
+                let ended: Vec<(i64, String)> = sqlx::query_as(
+                    "SELECT job_id, new_state FROM jobs_end_runs($1, $2, ARRAY['complete'], ARRAY[NULL::bigint], ARRAY[NULL::text], false)",
+                )
+                .bind(vec![id.0])
+                .bind(vec![token])
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap();
+                ended
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!end.is_finished(), "the end waits for the marked row");
+        tx.commit().await.unwrap();
+
+        let ended = end.await.unwrap();
+        assert_eq!(ended, [(id.0, want.to_owned())], "{mark}");
+        // A reschedule runs the new payload from attempt 0; a cancel keeps the run's attempt.
+        let (want_attempt, want_n) = if mark == "schedule" { (0, 2) } else { (1, 1) };
+        let (state, attempt, payload, _) = job(&pool, id).await;
+        assert_eq!(
+            (state.as_str(), attempt, payload["n"].as_i64()),
+            (want, want_attempt, Some(want_n)),
+            "{mark}: kept, not deleted"
+        );
+    }
+}
