@@ -137,6 +137,15 @@ pub struct QueueSettings {
     pub concurrency: u32,
     /// A run longer than this is stopped and retried.
     pub timeout_ms: u64,
+    /// Claim statements of this queue in flight at once in one worker process, sharing its
+    /// slots. One is enough for most queues; a queue of many short jobs drains faster with two,
+    /// since PostgreSQL works on one claim while the worker starts the jobs of the other.
+    #[serde(default = "one_claimer")]
+    pub claimers: u32,
+}
+
+fn one_claimer() -> u32 {
+    1
 }
 
 impl QueueSettings {
@@ -175,6 +184,11 @@ impl QueuesConfig {
             if q.concurrency == 0 {
                 return Err(invalid(format!(
                     "queue {name}: concurrency must be at least 1"
+                )));
+            }
+            if q.claimers == 0 {
+                return Err(invalid(format!(
+                    "queue {name}: claimers must be at least 1"
                 )));
             }
             if q.timeout_ms == 0 {
@@ -273,7 +287,7 @@ mod tests {
     }
 
     #[test]
-    fn unknown_fields_and_zero_concurrency_are_rejected() {
+    fn unknown_fields_and_zero_concurrency_or_claimers_are_rejected() {
         let e = QueuesConfig::parse(
             "[queues.a]\nconcurrency = 1\ntimeout_ms = 5\nspeed = 3\n",
             "t",
@@ -286,5 +300,13 @@ mod tests {
             e.to_string().contains("concurrency must be at least 1"),
             "{e}"
         );
+        let e = QueuesConfig::parse(
+            "[queues.a]\nconcurrency = 4\ntimeout_ms = 5\nclaimers = 0\n",
+            "t",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("claimers must be at least 1"), "{e}");
+        let c = QueuesConfig::parse("[queues.a]\nconcurrency = 4\ntimeout_ms = 5\n", "t").unwrap();
+        assert_eq!(c.queue("a").map(|q| q.claimers), Some(1), "one by default");
     }
 }

@@ -1,6 +1,6 @@
-//! The executor: a fetcher per queue claims what its free slots can take and runs each job in
-//! its own task, under the queue's timeout, with panics caught and a way to be cancelled when
-//! its lease is lost.
+//! The executor: a queue's claim loops (`claimers` of them, one by default) claim what its free
+//! slots can take and run each job in its own task, under the queue's timeout, with panics
+//! caught and a way to be cancelled when its lease is lost.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -10,12 +10,13 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use sqlx::PgPool;
-use tokio::sync::{Notify, Semaphore, mpsc, oneshot, watch};
+use tokio::sync::{Mutex, Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::fleet::{Shared, backoff, pause, stop_requested};
+use super::listener::QueueWaker;
 use super::registry::{JobContext, Registry};
 use super::store::{self, Claimed};
 use super::{Ended, JobId, QueueSettings, RunEnd};
@@ -112,33 +113,57 @@ fn panic_text(payload: Box<dyn Any + Send>) -> String {
     }
 }
 
-/// The loop of one queue: claim what the free slots can take, run each job in its own task,
+/// What the claim loops of one queue share. Its slots: each loop reserves the slots a claim may
+/// fill before sending it, so together they never claim more than the queue runs. And its
+/// fairness cursor, which they take turns with, so their claims never overlap: a claim that
+/// started before another committed would find that one's jobs still waiting in its snapshot
+/// and lock their newest versions, only to drop them (and hold up their ends until it commits).
+/// Taking turns, one loop's claim runs in PostgreSQL while another starts the jobs of its own.
+pub(crate) struct QueueShare {
+    pub name: String,
+    pub settings: QueueSettings,
+    /// A job holds one from its claim until its end is queued for the completer.
+    pub slots: Arc<Semaphore>,
+    /// Held by the loop whose claim is in flight.
+    pub turn: Mutex<store::FairCursor>,
+    pub waker: Arc<QueueWaker>,
+}
+
+/// A claim loop of one queue: claim what the free slots can take, run each job in its own task,
 /// sleep until a notification, the next run time or the poll interval. On stop: let running
 /// jobs finish until the shutdown deadline, then release the rest for other workers.
+///
+/// A queue has `claimers` of these loops, sharing a [`QueueShare`].
 pub(crate) async fn fetch(
     shared: Arc<Shared>,
-    queue: String,
-    settings: QueueSettings,
-    waker: Arc<Notify>,
+    share: Arc<QueueShare>,
     ended: mpsc::Sender<Ended>,
     mut stopped: watch::Receiver<bool>,
 ) {
+    let QueueShare {
+        name: queue,
+        settings,
+        slots,
+        turn,
+        waker,
+    } = &*share;
     let fleet = &shared.config.fleet;
-    let slots = Arc::new(Semaphore::new(settings.concurrency as usize));
     let mut running: JoinSet<()> = JoinSet::new();
     let mut runs: HashMap<tokio::task::Id, (JobId, i64)> = HashMap::new();
     let mut failures = 0u32;
-    let mut cursor = store::FairCursor::default();
 
     'work: loop {
         if *stopped.borrow() {
             break;
         }
-        // Wait for a free slot; this fetcher is the only one taking permits.
-        tokio::select! {
-            permit = slots.clone().acquire_owned() => drop(permit),
+        // Wait for a free slot, and keep it for this claim.
+        let mut reserved = tokio::select! {
+            permit = slots.clone().acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => break 'work, // the slots are never closed
+            },
             _ = stop_requested(&mut stopped) => break 'work,
-        }
+        };
         while let Some(done) = running.try_join_next_with_id() {
             match done {
                 Ok((id, ())) => {
@@ -151,19 +176,31 @@ pub(crate) async fn fetch(
         // sent while they start asks for a handful of jobs and pays a whole statement for them
         // (claims averaged half the queue's concurrency before this).
         tokio::task::yield_now().await;
-        let want = slots.available_permits().min(fleet.claim_batch as usize);
+        let mut cursor = turn.lock().await;
+        // Counted once this loop's turn has come: the sibling's claim just took what it could.
+        let more = slots
+            .available_permits()
+            .min((fleet.claim_batch as usize).saturating_sub(1));
+        if more > 0
+            && let Ok(permits) = slots.clone().try_acquire_many_owned(more as u32)
+        {
+            reserved.merge(permits);
+        }
+        let want = reserved.num_permits();
         let claim_sent = Instant::now();
-        let claimed = match store::claim(
+        let result = store::claim(
             &shared.pool,
-            &queue,
+            queue,
             want as i64,
             fleet.lease(),
             &shared.worker_id,
             &mut cursor,
             fleet.bookkeeping_synchronous_commit,
         )
-        .await
-        {
+        .await;
+        // Committed (the statement's own transaction): the sibling's turn.
+        drop(cursor);
+        let claimed = match result {
             Ok(c) => {
                 failures = 0;
                 c
@@ -179,13 +216,14 @@ pub(crate) async fn fetch(
             }
         };
         let got = claimed.len();
+        let full = got == want;
         let cancels = shared.leases.hold(
             claimed.iter().map(|job| (job.id, job.lease_token)),
             claim_sent + fleet.lease(),
         );
         for (job, lease_lost) in claimed.into_iter().zip(cancels) {
-            let Ok(permit) = slots.clone().try_acquire_owned() else {
-                // Cannot happen (we counted the permits); never drop a claimed job on the floor.
+            let Some(permit) = reserved.split(1) else {
+                // Cannot happen (a claim takes at most `want`); never drop a claimed job on the floor.
                 tracing::error!(%queue, job = %job.id, "no free slot for a claimed job; releasing it");
                 let _ = ended
                     .send(Ended {
@@ -226,12 +264,18 @@ pub(crate) async fn fetch(
             });
             runs.insert(handle.id(), (id, token));
         }
+        // The slots this claim did not fill are free again.
+        drop(reserved);
         if got > 0 {
             // There may be more due right now: a full batch says so, and a short one may be a
             // claim shared between groups that left some of a group's jobs for the next turn.
+            // A full one also wakes a sibling claimer, if it sleeps, to claim beside this one.
+            if full && settings.claimers > 1 {
+                waker.nudge();
+            }
             continue;
         }
-        let nap = match store::next_due_in(&shared.pool, &queue).await {
+        let nap = match store::next_due_in(&shared.pool, queue).await {
             Ok(Some(due)) => due.min(fleet.poll_interval()),
             Ok(None) => fleet.poll_interval(),
             Err(e) => {
@@ -243,7 +287,7 @@ pub(crate) async fn fetch(
             continue;
         }
         tokio::select! {
-            _ = waker.notified() => {},
+            _ = waker.wait() => {},
             _ = tokio::time::sleep(nap) => {},
             _ = stop_requested(&mut stopped) => break 'work,
         }

@@ -9,12 +9,14 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use tokio::sync::{Notify, mpsc, watch};
+use tokio::sync::{Mutex, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 
-use super::executor::{fetch, run_one};
+use super::executor::{QueueShare, fetch, run_one};
 use super::lease::Leases;
+use super::listener::QueueWaker;
 use super::registry::Registry;
+use super::store::FairCursor;
 use super::{
     BookkeepingCommit, Ended, QueueSettings, QueuesConfig, completer, end_runs, lease, listener,
     maintenance, store,
@@ -178,11 +180,11 @@ impl Fleet {
         });
         tracing::info!(worker = %shared.worker_id, queues = ?shared.config.queues.keys().collect::<Vec<_>>(), "worker started");
 
-        let wakers: HashMap<String, Arc<Notify>> = shared
+        let wakers: HashMap<String, Arc<QueueWaker>> = shared
             .config
             .queues
             .keys()
-            .map(|q| (q.clone(), Arc::new(Notify::new())))
+            .map(|q| (q.clone(), Arc::default()))
             .collect();
         let (ended_tx, ended_rx) = mpsc::channel::<Ended>(10_000);
 
@@ -232,14 +234,24 @@ impl Fleet {
         let mut fetchers = JoinSet::new();
         for (name, settings) in &shared.config.queues {
             let waker = wakers.get(name).cloned().unwrap_or_default();
-            fetchers.spawn(fetch(
-                shared.clone(),
-                name.clone(),
-                settings.clone(),
+            let share = Arc::new(QueueShare {
+                name: name.clone(),
+                settings: settings.clone(),
+                slots: Arc::new(Semaphore::new(settings.concurrency as usize)),
+                turn: Mutex::new(FairCursor::following(
+                    waker.arrivals(),
+                    store::PROBE_FROM_START_EVERY,
+                )),
                 waker,
-                ended_tx.clone(),
-                stopped.clone(),
-            ));
+            });
+            for _ in 0..settings.claimers {
+                fetchers.spawn(fetch(
+                    shared.clone(),
+                    share.clone(),
+                    ended_tx.clone(),
+                    stopped.clone(),
+                ));
+            }
         }
         drop(ended_tx);
         while let Some(done) = fetchers.join_next().await {

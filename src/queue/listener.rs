@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
@@ -12,12 +13,43 @@ use tokio::sync::{Notify, watch};
 use super::fleet::{backoff, pause, stop_requested};
 use super::store::CHANNEL;
 
+/// A queue's wake-up call: its claimers sleep on it when nothing is due, and its claims read
+/// how many jobs were notified (`store::FairCursor`).
+#[derive(Debug, Default)]
+pub(crate) struct QueueWaker {
+    notify: Notify,
+    /// Notifications heard for the queue, and reconnections of the listener (after which some
+    /// may have been lost).
+    arrivals: Arc<AtomicU64>,
+}
+
+impl QueueWaker {
+    /// A job of the queue became claimable (or may have: the listener reconnected).
+    pub(crate) fn job_arrived(&self) {
+        self.arrivals.fetch_add(1, Ordering::Release);
+        self.notify.notify_one();
+    }
+
+    /// Wakes a sleeping claimer to claim beside a busy one.
+    pub(crate) fn nudge(&self) {
+        self.notify.notify_one();
+    }
+
+    pub(crate) async fn wait(&self) {
+        self.notify.notified().await;
+    }
+
+    pub(crate) fn arrivals(&self) -> Arc<AtomicU64> {
+        self.arrivals.clone()
+    }
+}
+
 pub(crate) async fn listen(
     on: PgPool,
-    wakers: HashMap<String, Arc<Notify>>,
+    wakers: HashMap<String, Arc<QueueWaker>>,
     mut stopped: watch::Receiver<bool>,
 ) {
-    let wake_all = || wakers.values().for_each(|w| w.notify_one());
+    let wake_all = || wakers.values().for_each(|w| w.job_arrived());
     let mut failures = 0;
     loop {
         let mut listener = match PgListener::connect_with(&on).await {
@@ -49,7 +81,7 @@ pub(crate) async fn listen(
             match got {
                 Ok(Some(n)) => {
                     if let Some(w) = wakers.get(n.payload()) {
-                        w.notify_one();
+                        w.job_arrived();
                     }
                 }
                 // The connection was lost; the next try_recv reconnects and re-LISTENs.

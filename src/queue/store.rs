@@ -2,7 +2,9 @@
 //! (`jobs_end_runs`, `jobs_next_state`: migrations 0005 and 0006), so the worker, the rescue
 //! and the shutdown release cannot disagree about them.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use sqlx::{PgExecutor, PgPool};
@@ -125,10 +127,87 @@ pub(crate) struct Claimed {
     pub lease_token: i64,
 }
 
-/// Where a worker's claims of one queue are in the ring of fairness groups: each claim starts
-/// after the group the previous one ended on, so no group is always served last.
+/// Where a worker's claims of one queue are: in the ring of fairness groups (each claim starts
+/// after the group the previous one ended on, so no group is always served last), and in the
+/// claim index of the unkeyed group (`UnkeyedHint`).
 #[derive(Debug, Default, Clone)]
-pub(crate) struct FairCursor(Option<String>);
+pub(crate) struct FairCursor {
+    after_group: Option<String>,
+    unkeyed: Option<UnkeyedHint>,
+}
+
+/// Where the previous claim stopped in the unkeyed group, so the next one's probe starts there
+/// rather than at the start of the queue, where the entries of every job claimed since the last
+/// vacuum wait for it (migration 0031). A job committed behind that point (its transaction took
+/// its run time before the previous claim and committed after it) is found by a probe from the
+/// start: the claims of a queue probe from the start whenever a job was notified since their
+/// last such probe (every way a job becomes waiting notifies: `arrivals` counts what the
+/// listener heard), after a claim that found nothing, and at least every `every`
+/// (`PROBE_FROM_START_EVERY`: notifications may be lost, or there may be no listener).
+#[derive(Debug, Clone)]
+struct UnkeyedHint {
+    arrivals: Arc<AtomicU64>,
+    every: Duration,
+    /// The last job claimed from the unkeyed group, when a claim may start after it.
+    after: Option<(DateTime<Utc>, i64)>,
+    /// When the last probe from the start was sent, and how many arrivals had been counted.
+    from_start_at: Option<Instant>,
+    arrivals_then: u64,
+}
+
+/// How often, at least, the claims of a queue probe its unkeyed group from the start.
+pub(crate) const PROBE_FROM_START_EVERY: Duration = Duration::from_millis(250);
+
+impl FairCursor {
+    /// A cursor whose claims may start the unkeyed group's probe where the previous claim
+    /// stopped; `arrivals` counts the notifications of the queue's jobs, and a probe from the
+    /// start is sent at least `every`.
+    pub(crate) fn following(arrivals: Arc<AtomicU64>, every: Duration) -> Self {
+        Self {
+            after_group: None,
+            unkeyed: Some(UnkeyedHint {
+                arrivals,
+                every,
+                after: None,
+                from_start_at: None,
+                arrivals_then: 0,
+            }),
+        }
+    }
+
+    /// Where this claim's probe of the unkeyed group starts (`None`: at the start of the queue).
+    fn unkeyed_after(&mut self) -> Option<(DateTime<Utc>, i64)> {
+        let hint = self.unkeyed.as_mut()?;
+        let arrivals = hint.arrivals.load(Ordering::Acquire);
+        let stale = hint
+            .from_start_at
+            .is_none_or(|at| at.elapsed() >= hint.every);
+        if hint.after.is_none() || stale || arrivals != hint.arrivals_then {
+            hint.from_start_at = Some(Instant::now());
+            hint.arrivals_then = arrivals;
+            return None;
+        }
+        hint.after
+    }
+
+    /// Moves the cursor past a claim: the ring past its last group, the unkeyed group past the
+    /// last job it took from there (a claim that took nothing sends the next one from the start).
+    fn moved(&mut self, last_group: Option<String>, claimed: &[ClaimRow]) {
+        self.after_group = last_group;
+        if let Some(hint) = self.unkeyed.as_mut() {
+            if claimed.iter().all(|r| r.id.is_none()) {
+                hint.after = None;
+            } else if let Some(last) = claimed
+                .iter()
+                .filter(|r| r.unkeyed == Some(true))
+                .filter_map(|r| Some((r.run_at?, r.id?.0)))
+                .max()
+            {
+                hint.after = Some(last);
+            }
+        }
+    }
+}
 
 /// How many groups one claim looks at, at most: keys whose jobs all wait for a retry cost a
 /// probe each, and a claim must stay cheap however many there are (the next claim goes on
@@ -138,22 +217,24 @@ const CLAIM_MAX_GROUPS: i32 = 256;
 /// The claim: up to $2 due jobs of queue $1, leased for $3 ms to worker $4, in one statement
 /// whose transaction commits with `synchronous_commit` $7 (`BookkeepingCommit`).
 ///
-/// Fair between groups (migration 0026): the walk starts after group $5 and visits groups until
-/// $2 of them have a job due (or $6 were visited, or the ring closes); the batch is shared
-/// equally between the due groups, each taking its oldest due jobs from the head the walk found
-/// (so no scan steps again over the entries of jobs claimed since the last vacuum). With one
+/// Fair between groups (migrations 0026, 0031): the walk starts after group $5 and visits groups
+/// until $2 of them have a job due (or $6 were visited, or the ring closes), probing the unkeyed
+/// group after ($8, $9) if given (`UnkeyedHint`); the batch is shared equally between the due
+/// groups, each taking its oldest due jobs from the head the walk found, entry for entry (so no
+/// scan steps again over the entries of jobs claimed since the last vacuum). With one
 /// group (no job carries a key) this is the plain oldest-first claim. The walk's last group always comes
 /// back, on a row with no job when none was claimed, so the cursor moves on past groups that
 /// had nothing due.
 pub(crate) const CLAIM: &str = "WITH walk AS MATERIALIZED (
-             SELECT grp, due, pos, head FROM jobs_fair_walk($1, $5, $2, $6)
+             SELECT grp, due, pos, head, head_id FROM jobs_fair_walk($1, $5, $2, $6, $8, $9)
          ),
          share AS (SELECT greatest(1, $2 / greatest(count(*), 1))::int AS per FROM walk WHERE due),
          next AS (
              SELECT c.id FROM walk CROSS JOIN share CROSS JOIN LATERAL (
                  SELECT id FROM jobs
                  WHERE queue = $1 AND state IN ('available', 'retryable')
-                   AND fairness_key = walk.grp AND run_at >= walk.head AND run_at <= now()
+                   AND fairness_key = walk.grp AND (run_at, id) >= (walk.head, walk.head_id)
+                   AND run_at <= now()
                  ORDER BY run_at, id
                  LIMIT share.per
                  FOR UPDATE SKIP LOCKED) c
@@ -163,7 +244,8 @@ pub(crate) const CLAIM: &str = "WITH walk AS MATERIALIZED (
                  SELECT id FROM jobs
                  WHERE queue = $1 AND state IN ('available', 'retryable')
                    AND fairness_key IS NULL AND run_at <= now()
-                   AND run_at >= (SELECT head FROM walk WHERE grp = '')
+                   AND (run_at, id) >= ((SELECT head FROM walk WHERE grp = ''),
+                                        (SELECT head_id FROM walk WHERE grp = ''))
                  ORDER BY run_at, id
                  LIMIT (SELECT per FROM share)
                  FOR UPDATE SKIP LOCKED) u
@@ -180,9 +262,11 @@ pub(crate) const CLAIM: &str = "WITH walk AS MATERIALIZED (
              -- At most $2 rows (the shares add up to no more); saying so keeps the plan a
              -- primary-key probe per job.
              FROM (SELECT id FROM next LIMIT $2) picked WHERE j.id = picked.id
-             RETURNING j.id, j.kind, j.payload, j.attempt, j.max_attempts, j.lease_token
+             RETURNING j.id, j.kind, j.payload, j.attempt, j.max_attempts, j.lease_token, j.run_at,
+                       j.fairness_key IS NULL AS unkeyed
          )
-         SELECT c.id, c.kind, c.payload, c.attempt, c.max_attempts, c.lease_token, w.last_group
+         SELECT c.id, c.kind, c.payload, c.attempt, c.max_attempts, c.lease_token, c.run_at,
+                c.unkeyed, w.last_group
          FROM (SELECT (SELECT grp FROM walk ORDER BY pos DESC LIMIT 1) AS last_group,
                       set_config('synchronous_commit', $7, true) AS commit_mode) w
          LEFT JOIN claimed c ON true";
@@ -195,6 +279,8 @@ struct ClaimRow {
     attempt: Option<i32>,
     max_attempts: Option<i32>,
     lease_token: Option<i64>,
+    run_at: Option<DateTime<Utc>>,
+    unkeyed: Option<bool>,
     last_group: Option<String>,
 }
 
@@ -209,18 +295,21 @@ pub(crate) async fn claim<'c>(
     cursor: &mut FairCursor,
     commit: BookkeepingCommit,
 ) -> Result<Vec<Claimed>, sqlx::Error> {
+    let after = cursor.unkeyed_after();
     let rows: Vec<ClaimRow> = sqlx::query_as(CLAIM)
         .bind(queue)
         .bind(i32::try_from(limit).unwrap_or(i32::MAX))
         .bind(millis(lease))
         .bind(worker)
-        .bind(cursor.0.as_deref())
+        .bind(cursor.after_group.as_deref())
         .bind(CLAIM_MAX_GROUPS)
         .bind(commit.setting())
+        .bind(after.map(|(run_at, _)| run_at))
+        .bind(after.map(|(_, id)| id))
         .fetch_all(db)
         .await?;
     if let Some(first) = rows.first() {
-        cursor.0.clone_from(&first.last_group);
+        cursor.moved(first.last_group.clone(), &rows);
     }
     Ok(rows
         .into_iter()
@@ -630,5 +719,91 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(left, ["running"]);
+    }
+
+    /// Claims the next `n` jobs of queue q for the tests below; returns their payloads' n, in
+    /// order.
+    async fn claim_ns(pool: &PgPool, cursor: &mut FairCursor, n: i64) -> Vec<i64> {
+        let claimed = claim(
+            pool,
+            "q",
+            n,
+            Duration::from_secs(30),
+            "w",
+            cursor,
+            BookkeepingCommit::On,
+        )
+        .await
+        .unwrap();
+        let mut ns: Vec<i64> = claimed
+            .iter()
+            .map(|c| c.payload["n"].as_i64().unwrap())
+            .collect();
+        ns.sort_unstable();
+        ns
+    }
+
+    async fn insert_job(pool: &PgPool, n: i64, ago_secs: i64) {
+        sqlx::query(
+            "INSERT INTO jobs (queue, kind, payload, run_at)
+             VALUES ('q', 'k', jsonb_build_object('n', $1::bigint), now() - $2 * interval '1 second')",
+        )
+        .bind(n)
+        .bind(ago_secs as f64)
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+
+    /// A cursor that follows the queue's notifications starts the probe of the unkeyed group
+    /// where its previous claim stopped; a job committed behind that point (its run time taken
+    /// before the previous claim) is still claimed: at once after a notification, within the
+    /// period of probes from the start without one, and by the claim after one that found
+    /// nothing.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn a_job_committed_behind_the_claims_is_found(pool: PgPool) {
+        for n in 1..=10 {
+            insert_job(&pool, n, 100 - n).await;
+        }
+        let arrivals = Arc::new(AtomicU64::new(0));
+        let hour = Duration::from_secs(3600);
+        let mut cursor = FairCursor::following(arrivals.clone(), hour);
+        assert_eq!(claim_ns(&pool, &mut cursor, 3).await, [1, 2, 3]);
+
+        // Behind the claims, unnotified: the next claim goes on from where the last one stopped.
+        insert_job(&pool, 100, 3600).await;
+        assert_eq!(claim_ns(&pool, &mut cursor, 2).await, [4, 5]);
+        // Notified: the next claim probes from the start, and takes it first (then 6).
+        arrivals.fetch_add(1, Ordering::Release);
+        assert_eq!(claim_ns(&pool, &mut cursor, 2).await, [6, 100]);
+
+        // Unnotified again: found once the period of probes from the start is over.
+        insert_job(&pool, 200, 3600).await;
+        assert_eq!(claim_ns(&pool, &mut cursor, 1).await, [7]);
+        let every = Duration::from_millis(100);
+        if let Some(hint) = cursor.unkeyed.as_mut() {
+            hint.every = every;
+        }
+        tokio::time::sleep(every).await;
+        assert_eq!(claim_ns(&pool, &mut cursor, 1).await, [200]);
+        if let Some(hint) = cursor.unkeyed.as_mut() {
+            hint.every = hour;
+        }
+
+        // A claim that finds nothing after its point sends the next one from the start.
+        assert_eq!(claim_ns(&pool, &mut cursor, 3).await, [8, 9, 10]);
+        insert_job(&pool, 300, 3600).await;
+        assert_eq!(claim_ns(&pool, &mut cursor, 1).await, Vec::<i64>::new());
+        assert_eq!(claim_ns(&pool, &mut cursor, 1).await, [300]);
+
+        // A cursor without notifications to follow (the apalis backend's, the stepping
+        // helper's) always probes from the start.
+        let mut plain = FairCursor::default();
+        insert_job(&pool, 400, 10).await;
+        insert_job(&pool, 401, 3600).await;
+        assert_eq!(claim_ns(&pool, &mut plain, 1).await, [401]);
+        insert_job(&pool, 402, 7200).await;
+        assert_eq!(claim_ns(&pool, &mut plain, 1).await, [402]);
+        assert_eq!(claim_ns(&pool, &mut plain, 1).await, [400]);
     }
 }

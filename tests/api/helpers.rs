@@ -240,6 +240,7 @@ pub async fn step(pool: &PgPool, config: &Config, queue: &str) -> usize {
     let settings = QueueSettings {
         concurrency: 10,
         timeout_ms: 30_000,
+        claimers: 1,
     };
     let registry: Registry = startup::registry(config, pool).unwrap();
     work_until_idle(pool, &registry, queue, &settings)

@@ -530,6 +530,7 @@ async fn a_handler_error_that_is_not_an_outage_is_not_retried(pool: PgPool) {
     let settings = QueueSettings {
         concurrency: 1,
         timeout_ms: 5000,
+        claimers: 1,
     };
     queue::work_until_idle(&pool, &registry, "test", &settings)
         .await

@@ -25,6 +25,7 @@ fn settings() -> QueueSettings {
     QueueSettings {
         concurrency: 10,
         timeout_ms: 2_000,
+        claimers: 1,
     }
 }
 
@@ -280,6 +281,7 @@ async fn concurrent_claims_never_share_a_job(pool: PgPool) {
                     &QueueSettings {
                         concurrency: 7,
                         timeout_ms: 1000,
+                        claimers: 1,
                     },
                 )
                 .await
@@ -360,6 +362,7 @@ async fn typed_outcomes_are_stored_with_backoff_errors_and_attempts(pool: PgPool
     let short = QueueSettings {
         concurrency: 10,
         timeout_ms: 300,
+        claimers: 1,
     };
     assert_eq!(
         work_until_idle(&pool, &outcomes(), "test", &short)
@@ -801,34 +804,42 @@ async fn a_job_cancelled_while_running_ends_cancelled_whatever_its_outcome(pool:
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_queue_never_runs_more_than_its_concurrency(pool: PgPool) {
-    let now = Arc::new(AtomicUsize::new(0));
-    let peak = Arc::new(AtomicUsize::new(0));
-    let mut registry = Registry::new();
-    let (n, p) = (now.clone(), peak.clone());
-    registry
-        .register::<Echo, _, _>(move |_ctx: JobContext, _job: Echo| {
-            let (n, p) = (n.clone(), p.clone());
-            async move {
-                let running = n.fetch_add(1, Ordering::SeqCst) + 1;
-                p.fetch_max(running, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                n.fetch_sub(1, Ordering::SeqCst);
-                Ok(())
-            }
-        })
+    // With one claim loop, and with as many as the queue has slots (they share the slots).
+    for claimers in [1, 3] {
+        let now = Arc::new(AtomicUsize::new(0));
+        let peak = Arc::new(AtomicUsize::new(0));
+        let mut registry = Registry::new();
+        let (n, p) = (now.clone(), peak.clone());
+        registry
+            .register::<Echo, _, _>(move |_ctx: JobContext, _job: Echo| {
+                let (n, p) = (n.clone(), p.clone());
+                async move {
+                    let running = n.fetch_add(1, Ordering::SeqCst) + 1;
+                    p.fetch_max(running, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    n.fetch_sub(1, Ordering::SeqCst);
+                    Ok(())
+                }
+            })
+            .unwrap();
+        let jobs: Vec<NewJob> = (0..12).map(|n| NewJob::of(&Echo { n }).unwrap()).collect();
+        queue::enqueue_many(&pool, &jobs).await.unwrap();
+        let config = QueuesConfig::parse(
+            &format!(
+                "[fleet]\npoll_interval_ms = 50\n[queues.test]\nconcurrency = 3\ntimeout_ms = 5000\nclaimers = {claimers}\n"
+            ),
+            "t",
+        )
         .unwrap();
-    let jobs: Vec<NewJob> = (0..12).map(|n| NewJob::of(&Echo { n }).unwrap()).collect();
-    queue::enqueue_many(&pool, &jobs).await.unwrap();
-    let config = QueuesConfig::parse(
-        "[fleet]\npoll_interval_ms = 50\n[queues.test]\nconcurrency = 3\ntimeout_ms = 5000\n",
-        "t",
-    )
-    .unwrap();
-    let fleet = Fleet::new(pool.clone(), registry, config, "test").start();
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    fleet.shutdown().await;
-    assert!(state_counts(&pool).await.is_empty(), "all 12 completed");
-    assert_eq!(peak.load(Ordering::SeqCst), 3);
+        let fleet = Fleet::new(pool.clone(), registry, config, "test").start();
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        fleet.shutdown().await;
+        assert!(
+            state_counts(&pool).await.is_empty(),
+            "all 12 completed ({claimers} claimers)"
+        );
+        assert_eq!(peak.load(Ordering::SeqCst), 3, "{claimers} claimers");
+    }
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -1318,6 +1329,7 @@ async fn sellers_whose_jobs_all_wait_for_later_do_not_hide_a_due_one(pool: PgPoo
     let one_slot = QueueSettings {
         concurrency: 1,
         timeout_ms: 2_000,
+        claimers: 1,
     };
     let ran = tokio::time::timeout(
         Duration::from_secs(20),
