@@ -772,15 +772,19 @@ async fn explain_claim(pool: &PgPool) -> anyhow::Result<Vec<String>> {
     let plan = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "EXPLAIN (ANALYZE, BUFFERS) {}",
         crate::queue::CLAIM_SQL
-            .replace("$1", &format!("'{}'", Noop::QUEUE))
-            .replace("$2", "16")
-            .replace("$3", "30000")
-            .replace("$4", "'bench-explain'")
-            .replace("$5", "NULL")
-            .replace("$6", "256")
-            .replace("$7", "'off'")
-            .replace("$8", "NULL::timestamptz")
+            // From the highest: "$1" is also the start of "$10".
+            .replace("$12", "'{}'::bigint[]")
+            .replace("$11", "'{}'::timestamptz[]")
+            .replace("$10", "'{}'::text[]")
             .replace("$9", "NULL::bigint")
+            .replace("$8", "NULL::timestamptz")
+            .replace("$7", "'off'")
+            .replace("$6", "256")
+            .replace("$5", "NULL")
+            .replace("$4", "'bench-explain'")
+            .replace("$3", "30000")
+            .replace("$2", "16")
+            .replace("$1", &format!("'{}'", Noop::QUEUE))
     )))
     .fetch_all(&mut *tx)
     .await?;

@@ -2,6 +2,7 @@
 //! (`jobs_end_runs`, `jobs_next_state`: migrations 0005 and 0006), so the worker, the rescue
 //! and the shutdown release cannot disagree about them.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -128,82 +129,128 @@ pub(crate) struct Claimed {
 }
 
 /// Where a worker's claims of one queue are: in the ring of fairness groups (each claim starts
-/// after the group the previous one ended on, so no group is always served last), and in the
-/// claim index of the unkeyed group (`UnkeyedHint`).
+/// after the group the previous one ended on, so no group is always served last), and within
+/// the groups (`Hints`).
 #[derive(Debug, Default, Clone)]
 pub(crate) struct FairCursor {
     after_group: Option<String>,
-    unkeyed: Option<UnkeyedHint>,
+    hints: Option<Hints>,
 }
 
-/// Where the previous claim stopped in the unkeyed group, so the next one's probe starts there
-/// rather than at the start of the queue, where the entries of every job claimed since the last
-/// vacuum wait for it (migration 0031). A job committed behind that point (its transaction took
-/// its run time before the previous claim and committed after it) is found by a probe from the
-/// start: the claims of a queue probe from the start whenever a job was notified since their
-/// last such probe (every way a job becomes waiting notifies: `arrivals` counts what the
-/// listener heard), after a claim that found nothing, and at least every `every`
-/// (`PROBE_FROM_START_EVERY`: notifications may be lost, or there may be no listener).
+/// Where the previous claims stopped in each group they took jobs from, so the next claim's
+/// probe of the group starts there rather than at the group's start, where the index entries of
+/// every job of it claimed since the last vacuum wait for it (migration 0031). A job committed
+/// behind such a point (its transaction took its run time before the claim and committed after
+/// it) is found by a probe from the start: the claims of a queue probe from the start, with
+/// every hint dropped, whenever a job was notified since their last such probe (every way a
+/// job becomes waiting notifies: `arrivals` counts what the listener heard), after a claim that
+/// found nothing, and at least every `every` (`PROBE_FROM_START_EVERY`: notifications may be
+/// lost, or there may be no listener). A group's hint is only ever set by a claim after the
+/// last probe from the start, and the first claim after it that visits the group probes the
+/// group from its start.
 #[derive(Debug, Clone)]
-struct UnkeyedHint {
+struct Hints {
     arrivals: Arc<AtomicU64>,
     every: Duration,
-    /// The last job claimed from the unkeyed group, when a claim may start after it.
-    after: Option<(DateTime<Utc>, i64)>,
+    /// The last job claimed from the unkeyed group.
+    unkeyed: Option<(DateTime<Utc>, i64)>,
+    /// The last job claimed from each keyed group, in key order.
+    keyed: BTreeMap<String, (DateTime<Utc>, i64)>,
     /// When the last probe from the start was sent, and how many arrivals had been counted.
     from_start_at: Option<Instant>,
     arrivals_then: u64,
 }
 
-/// How often, at least, the claims of a queue probe its unkeyed group from the start.
+/// How often, at least, the claims of a queue probe its groups from the start.
 pub(crate) const PROBE_FROM_START_EVERY: Duration = Duration::from_millis(250);
 
+/// At most this many keyed groups have a hint (a claim passes them all to the walk); a claim
+/// from a group beyond them probes it from its start.
+const MAX_KEY_HINTS: usize = 4096;
+
+/// The starting points a claim passes to the walk: the unkeyed group's, and the keyed groups'
+/// as three arrays in key order.
+#[derive(Debug, Default)]
+struct Starts {
+    unkeyed: Option<(DateTime<Utc>, i64)>,
+    keys: Vec<String>,
+    run_ats: Vec<DateTime<Utc>>,
+    ids: Vec<i64>,
+}
+
 impl FairCursor {
-    /// A cursor whose claims may start the unkeyed group's probe where the previous claim
-    /// stopped; `arrivals` counts the notifications of the queue's jobs, and a probe from the
-    /// start is sent at least `every`.
+    /// A cursor whose claims may start a group's probe where the previous claims stopped;
+    /// `arrivals` counts the notifications of the queue's jobs, and a probe from the start is
+    /// sent at least `every`.
     pub(crate) fn following(arrivals: Arc<AtomicU64>, every: Duration) -> Self {
         Self {
             after_group: None,
-            unkeyed: Some(UnkeyedHint {
+            hints: Some(Hints {
                 arrivals,
                 every,
-                after: None,
+                unkeyed: None,
+                keyed: BTreeMap::new(),
                 from_start_at: None,
                 arrivals_then: 0,
             }),
         }
     }
 
-    /// Where this claim's probe of the unkeyed group starts (`None`: at the start of the queue).
-    fn unkeyed_after(&mut self) -> Option<(DateTime<Utc>, i64)> {
-        let hint = self.unkeyed.as_mut()?;
-        let arrivals = hint.arrivals.load(Ordering::Acquire);
-        let stale = hint
+    /// Where this claim's probes start (none given: at the start of each group).
+    fn starts(&mut self) -> Starts {
+        let Some(hints) = self.hints.as_mut() else {
+            return Starts::default();
+        };
+        let arrivals = hints.arrivals.load(Ordering::Acquire);
+        let stale = hints
             .from_start_at
-            .is_none_or(|at| at.elapsed() >= hint.every);
-        if hint.after.is_none() || stale || arrivals != hint.arrivals_then {
-            hint.from_start_at = Some(Instant::now());
-            hint.arrivals_then = arrivals;
-            return None;
+            .is_none_or(|at| at.elapsed() >= hints.every);
+        if stale || arrivals != hints.arrivals_then {
+            hints.from_start_at = Some(Instant::now());
+            hints.arrivals_then = arrivals;
+            hints.unkeyed = None;
+            hints.keyed.clear();
+            return Starts::default();
         }
-        hint.after
+        let mut starts = Starts {
+            unkeyed: hints.unkeyed,
+            keys: Vec::with_capacity(hints.keyed.len()),
+            run_ats: Vec::with_capacity(hints.keyed.len()),
+            ids: Vec::with_capacity(hints.keyed.len()),
+        };
+        for (key, (run_at, id)) in &hints.keyed {
+            starts.keys.push(key.clone());
+            starts.run_ats.push(*run_at);
+            starts.ids.push(*id);
+        }
+        starts
     }
 
-    /// Moves the cursor past a claim: the ring past its last group, the unkeyed group past the
-    /// last job it took from there (a claim that took nothing sends the next one from the start).
+    /// Moves the cursor past a claim: the ring past its last group, each group it took jobs
+    /// from past the last of them (a claim that took nothing sends the next one from the start).
     fn moved(&mut self, last_group: Option<String>, claimed: &[ClaimRow]) {
         self.after_group = last_group;
-        if let Some(hint) = self.unkeyed.as_mut() {
-            if claimed.iter().all(|r| r.id.is_none()) {
-                hint.after = None;
-            } else if let Some(last) = claimed
-                .iter()
-                .filter(|r| r.unkeyed == Some(true))
-                .filter_map(|r| Some((r.run_at?, r.id?.0)))
-                .max()
-            {
-                hint.after = Some(last);
+        let Some(hints) = self.hints.as_mut() else {
+            return;
+        };
+        if claimed.iter().all(|r| r.id.is_none()) {
+            hints.from_start_at = None;
+            return;
+        }
+        for row in claimed {
+            let (Some(run_at), Some(id)) = (row.run_at, row.id) else {
+                continue;
+            };
+            let at = (run_at, id.0);
+            match &row.fairness_key {
+                None => hints.unkeyed = hints.unkeyed.max(Some(at)),
+                Some(key) => {
+                    if let Some(last) = hints.keyed.get_mut(key) {
+                        *last = (*last).max(at);
+                    } else if hints.keyed.len() < MAX_KEY_HINTS {
+                        hints.keyed.insert(key.clone(), at);
+                    }
+                }
             }
         }
     }
@@ -219,14 +266,14 @@ const CLAIM_MAX_GROUPS: i32 = 256;
 ///
 /// Fair between groups (migrations 0026, 0031): the walk starts after group $5 and visits groups
 /// until $2 of them have a job due (or $6 were visited, or the ring closes), probing the unkeyed
-/// group after ($8, $9) if given (`UnkeyedHint`); the batch is shared equally between the due
-/// groups, each taking its oldest due jobs from the head the walk found, entry for entry (so no
-/// scan steps again over the entries of jobs claimed since the last vacuum). With one
-/// group (no job carries a key) this is the plain oldest-first claim. The walk's last group always comes
-/// back, on a row with no job when none was claimed, so the cursor moves on past groups that
-/// had nothing due.
+/// group after ($8, $9) and the keyed groups $10 after ($11, $12), where given (`Hints`). The
+/// batch is shared equally between the due groups, each taking its oldest due jobs from the
+/// head the walk found, entry for entry (so no scan steps again over the entries of jobs
+/// claimed since the last vacuum). With one group (no job carries a key) this is the plain
+/// oldest-first claim. The walk's last group always comes back, on a row with no job when none
+/// was claimed, so the cursor moves on past groups that had nothing due.
 pub(crate) const CLAIM: &str = "WITH walk AS MATERIALIZED (
-             SELECT grp, due, pos, head, head_id FROM jobs_fair_walk($1, $5, $2, $6, $8, $9)
+             SELECT grp, due, pos, head, head_id FROM jobs_fair_walk($1, $5, $2, $6, $8, $9, $10, $11, $12)
          ),
          share AS (SELECT greatest(1, $2 / greatest(count(*), 1))::int AS per FROM walk WHERE due),
          next AS (
@@ -263,10 +310,10 @@ pub(crate) const CLAIM: &str = "WITH walk AS MATERIALIZED (
              -- primary-key probe per job.
              FROM (SELECT id FROM next LIMIT $2) picked WHERE j.id = picked.id
              RETURNING j.id, j.kind, j.payload, j.attempt, j.max_attempts, j.lease_token, j.run_at,
-                       j.fairness_key IS NULL AS unkeyed
+                       j.fairness_key
          )
          SELECT c.id, c.kind, c.payload, c.attempt, c.max_attempts, c.lease_token, c.run_at,
-                c.unkeyed, w.last_group
+                c.fairness_key, w.last_group
          FROM (SELECT (SELECT grp FROM walk ORDER BY pos DESC LIMIT 1) AS last_group,
                       set_config('synchronous_commit', $7, true) AS commit_mode) w
          LEFT JOIN claimed c ON true";
@@ -280,7 +327,7 @@ struct ClaimRow {
     max_attempts: Option<i32>,
     lease_token: Option<i64>,
     run_at: Option<DateTime<Utc>>,
-    unkeyed: Option<bool>,
+    fairness_key: Option<String>,
     last_group: Option<String>,
 }
 
@@ -295,7 +342,7 @@ pub(crate) async fn claim<'c>(
     cursor: &mut FairCursor,
     commit: BookkeepingCommit,
 ) -> Result<Vec<Claimed>, sqlx::Error> {
-    let after = cursor.unkeyed_after();
+    let starts = cursor.starts();
     let rows: Vec<ClaimRow> = sqlx::query_as(CLAIM)
         .bind(queue)
         .bind(i32::try_from(limit).unwrap_or(i32::MAX))
@@ -304,8 +351,11 @@ pub(crate) async fn claim<'c>(
         .bind(cursor.after_group.as_deref())
         .bind(CLAIM_MAX_GROUPS)
         .bind(commit.setting())
-        .bind(after.map(|(run_at, _)| run_at))
-        .bind(after.map(|(_, id)| id))
+        .bind(starts.unkeyed.map(|(run_at, _)| run_at))
+        .bind(starts.unkeyed.map(|(_, id)| id))
+        .bind(&starts.keys)
+        .bind(&starts.run_ats)
+        .bind(&starts.ids)
         .fetch_all(db)
         .await?;
     if let Some(first) = rows.first() {
@@ -744,15 +794,43 @@ mod tests {
     }
 
     async fn insert_job(pool: &PgPool, n: i64, ago_secs: i64) {
+        insert_keyed(pool, n, None, ago_secs).await;
+    }
+
+    async fn insert_keyed(pool: &PgPool, n: i64, key: Option<&str>, ago_secs: i64) {
         sqlx::query(
-            "INSERT INTO jobs (queue, kind, payload, run_at)
-             VALUES ('q', 'k', jsonb_build_object('n', $1::bigint), now() - $2 * interval '1 second')",
+            "INSERT INTO jobs (queue, kind, payload, run_at, fairness_key)
+             VALUES ('q', 'k', jsonb_build_object('n', $1::bigint), now() - $2 * interval '1 second', $3)",
         )
         .bind(n)
         .bind(ago_secs as f64)
+        .bind(key)
         .execute(pool)
         .await
         .unwrap();
+    }
+
+    /// The same for a seller's group: its probe starts where the previous claims stopped in
+    /// it, a job committed behind that point is claimed once notified, and a seller that
+    /// appears before a hinted one is not passed over.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn a_sellers_job_committed_behind_the_claims_is_found(pool: PgPool) {
+        for n in 1..=6 {
+            insert_keyed(&pool, n, Some("seller-b"), 100 - n).await;
+        }
+        let arrivals = Arc::new(AtomicU64::new(0));
+        let mut cursor = FairCursor::following(arrivals.clone(), Duration::from_secs(3600));
+        assert_eq!(claim_ns(&pool, &mut cursor, 2).await, [1, 2]);
+        insert_keyed(&pool, 100, Some("seller-b"), 3600).await;
+        assert_eq!(claim_ns(&pool, &mut cursor, 2).await, [3, 4]);
+        arrivals.fetch_add(1, Ordering::Release);
+        assert_eq!(claim_ns(&pool, &mut cursor, 2).await, [5, 100]);
+
+        // A new seller, unnotified, before the hinted one in key order.
+        insert_keyed(&pool, 200, Some("seller-a"), 10).await;
+        assert_eq!(claim_ns(&pool, &mut cursor, 1).await, [200]);
+        assert_eq!(claim_ns(&pool, &mut cursor, 1).await, [6]);
+        assert_eq!(claim_ns(&pool, &mut cursor, 1).await, Vec::<i64>::new());
     }
 
     /// A cursor that follows the queue's notifications starts the probe of the unkeyed group
@@ -781,12 +859,12 @@ mod tests {
         insert_job(&pool, 200, 3600).await;
         assert_eq!(claim_ns(&pool, &mut cursor, 1).await, [7]);
         let every = Duration::from_millis(100);
-        if let Some(hint) = cursor.unkeyed.as_mut() {
+        if let Some(hint) = cursor.hints.as_mut() {
             hint.every = every;
         }
         tokio::time::sleep(every).await;
         assert_eq!(claim_ns(&pool, &mut cursor, 1).await, [200]);
-        if let Some(hint) = cursor.unkeyed.as_mut() {
+        if let Some(hint) = cursor.hints.as_mut() {
             hint.every = hour;
         }
 
