@@ -110,6 +110,14 @@ impl NoopRuns {
         self.waits_us.lock().map(|s| s.len()).unwrap_or(0)
     }
 
+    /// Waits until `count` (`ran` or `timed`) reaches `want`, looking every `every`: the fleet
+    /// inside the bench reports to it, so waiting costs PostgreSQL nothing.
+    async fn reach(&self, count: fn(&Self) -> usize, want: usize, every: Duration) {
+        while count(self) < want {
+            tokio::time::sleep(every).await;
+        }
+    }
+
     /// The waits seen, shortest first.
     fn sorted_waits(&self) -> Vec<Duration> {
         let mut waits: Vec<Duration> = self
@@ -620,16 +628,8 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         // The fleet inside the bench counts its runs: no query loads PostgreSQL until they are
         // all done (the check below probes the claim index, which mid-drain costs as much as a
         // claim's probe).
-        let seen = runs.clone();
-        let want = args.jobs;
-        wait_until(
-            move || {
-                let n = seen.ran();
-                async move { Ok(n >= want) }
-            },
-            Duration::from_millis(5),
-        )
-        .await?;
+        runs.reach(NoopRuns::ran, args.jobs, Duration::from_millis(5))
+            .await;
     }
     let pool2 = pool.clone();
     wait_until(
@@ -685,16 +685,12 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
             queue::enqueue(&pool, NewJob::of(&Noop { t: now_micros() })?).await?;
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        let want = args.latency_samples;
-        let seen = runs.clone();
-        wait_until(
-            move || {
-                let n = seen.timed();
-                async move { Ok(n >= want) }
-            },
+        runs.reach(
+            NoopRuns::timed,
+            args.latency_samples,
             Duration::from_millis(10),
         )
-        .await?;
+        .await;
         fleet.shutdown().await;
         let waits = runs.sorted_waits();
         // No samples asked for (`--latency-samples 0`): no figure, rather than a zero.
@@ -867,9 +863,8 @@ async fn fairness(
         sent += 1;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    while runs.ran() < flood + sent {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    runs.reach(NoopRuns::ran, flood + sent, Duration::from_millis(5))
+        .await;
     let rate = flood as f64 / started.elapsed().as_secs_f64();
     fleet.shutdown().await;
     let waits = runs.sorted_waits();
