@@ -38,8 +38,14 @@ enum Command {
         #[arg(long)]
         concurrency: Vec<String>,
     },
-    /// Everything in one process, migrations included: the local default.
-    Up,
+    /// Everything in one process, migrations included: the local default. It runs the payment
+    /// simulator and development credentials, so it listens only on this machine unless told
+    /// `--public`.
+    Up {
+        /// Listen on a PAYFLEET_BIND that is not a loopback address (a preview others reach).
+        #[arg(long)]
+        public: bool,
+    },
     /// Inspect and repair the job queue.
     Jobs {
         #[command(subcommand)]
@@ -160,7 +166,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             serve(config, Roles::WORK).await
         }
-        Command::Up => up(config).await,
+        Command::Up { public } => up(config, public).await,
         Command::Jobs { action } => jobs(config, action.unwrap_or(JobsAction::Counts)).await,
         Command::Events { action } => events_command(config, action).await,
         Command::Money { action } => money_command(config, action).await,
@@ -202,13 +208,23 @@ async fn serve(config: Config, roles: Roles) -> anyhow::Result<()> {
     running.until(startup::shutdown_signal()).await
 }
 
-async fn up(config: Config) -> anyhow::Result<()> {
+async fn up(config: Config, public: bool) -> anyhow::Result<()> {
+    // Checked before anything is done: a development set-up is not put on a network by mistake.
+    if !config.bind.ip().is_loopback() && !public {
+        anyhow::bail!(
+            "PAYFLEET_BIND={} is not a loopback address: `up` runs the payment simulator with development credentials, so it listens only on this machine unless told `up --public`",
+            config.bind
+        );
+    }
     db::migrate_as_configured(&config).await?;
     let pool = db::connect(&config.database_url, config.db_pool_size).await?;
     let (config, shown) = demo::development_config(&pool, config).await?;
-    for (name, value) in shown {
+    for (name, value) in &shown {
+        println!("development setting: {name}={value}");
+    }
+    if !shown.is_empty() {
         println!(
-            "development setting (kept in the database; `payfleet demo` uses it): {name}={value}"
+            "(an admin token printed here is new at every start and kept nowhere; the webhook secrets and the API key are kept in the database for restarts and `payfleet demo`)"
         );
     }
     let listener = TcpListener::bind(config.bind)

@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use crate::auth::Token;
 use crate::queue::{QueuesConfig, QueuesConfigError};
 use crate::secret::{Secret, SecretUrl};
 use crate::webhooks::WebhookSecrets;
@@ -56,6 +57,35 @@ pub struct RazorpayApi {
     pub key_secret: Secret,
 }
 
+crate::text_enum! {
+    /// Who collects the internal gateway's payments (the platform is merchant of record).
+    pub enum InternalAcquirer {
+        /// The pay/fail page: no money moves (development, tests, previews).
+        Simulator = "simulator",
+        /// Stripe Checkout Sessions on the platform's own Stripe account.
+        Stripe = "stripe",
+    }
+}
+
+/// The HTTP server's limits, so that no single client can slow it for others, and where the
+/// client's address comes from.
+#[derive(Debug, Clone)]
+pub struct HttpSettings {
+    /// A connection that has not sent a complete request head within this is closed (also
+    /// between two requests on a kept-alive connection).
+    pub header_timeout: std::time::Duration,
+    /// A request body not received whole within this is refused and its connection closed.
+    pub body_timeout: std::time::Duration,
+    /// Connections served at once; more are closed as they arrive.
+    pub max_connections: usize,
+    /// Behind a proxy: the header it sets to the client's address (its last value is taken).
+    /// Unset, the client is the connection's peer: no header can claim another address.
+    pub client_address_header: Option<axum::http::HeaderName>,
+}
+
+/// The longest a signed webhook's timestamp may be from now: a replay is refused after this.
+pub const MAX_WEBHOOK_TOLERANCE_SECS: i64 = 600;
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub database_url: SecretUrl,
@@ -81,8 +111,21 @@ pub struct Config {
     pub razorpay: Option<RazorpayApi>,
     /// Names this machine in worker ids.
     pub host_name: String,
-    /// Turns the admin API on.
-    pub admin_token: Option<Secret>,
+    /// Turns the admin API and the dashboard on (only its digest is kept).
+    pub admin_token: Option<Token>,
+    /// A token that may read `/metrics` and nothing else (Prometheus' bearer).
+    pub metrics_token: Option<Token>,
+    /// How long a reading of the metrics' database gauges is served before it is read again,
+    /// whatever the scrape rate (`PAYFLEET_METRICS_REFRESH_MS`).
+    pub metrics_refresh: std::time::Duration,
+    /// The internal and mock gateways' pay/fail page may run (`PAYFLEET_PAYMENT_SIMULATOR=on`):
+    /// it moves no real money, so production never turns it on.
+    pub payment_simulator: bool,
+    /// Who collects the internal gateway's payments: the simulator, or Stripe on the platform's
+    /// own account (`PAYFLEET_INTERNAL_ACQUIRER`).
+    pub internal_acquirer: InternalAcquirer,
+    /// The limits of the HTTP server and who its clients are.
+    pub http: HttpSettings,
     /// The platform's commission, in percent of each order's total.
     pub platform_fee_percent: rust_decimal::Decimal,
     /// How long an order waits for its payment.
@@ -150,6 +193,34 @@ where
             .parse()
             .map_err(|e: T::Err| invalid(name, format!("{v:?}: {e}"))),
     }
+}
+
+/// An operator's token: at least 32 visible characters.
+fn token(env: &dyn Env, name: &'static str) -> Result<Option<Token>, ConfigError> {
+    var(env, name)
+        .map(|v| Token::parse(&v).map_err(|problem| invalid(name, problem)))
+        .transpose()
+}
+
+/// A gateway's API base URL: https, except on this machine (a local stand-in), so that no
+/// credential or payment travels in the clear.
+fn gateway_api(env: &dyn Env, name: &'static str, default: &str) -> Result<String, ConfigError> {
+    let v = var(env, name).unwrap_or_else(|| default.to_owned());
+    let url = reqwest::Url::parse(&v).map_err(|e| invalid(name, format!("{v:?}: {e}")))?;
+    let loopback = url.host_str().is_some_and(|h| {
+        h.eq_ignore_ascii_case("localhost")
+            || h.trim_start_matches('[')
+                .trim_end_matches(']')
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    });
+    match url.scheme() {
+        "https" => {}
+        "http" if loopback => {}
+        "http" => return Err(invalid(name, "must be https (http only on loopback)")),
+        _ => return Err(invalid(name, "must start with https://")),
+    }
+    Ok(v.trim_end_matches('/').to_owned())
 }
 
 fn standard_secret(
@@ -259,10 +330,10 @@ impl Config {
             ));
         }
         let webhook_tolerance_secs = parsed(env, "PAYFLEET_WEBHOOK_TOLERANCE_SECS", 300i64)?;
-        if webhook_tolerance_secs <= 0 {
+        if !(1..=MAX_WEBHOOK_TOLERANCE_SECS).contains(&webhook_tolerance_secs) {
             return Err(invalid(
                 "PAYFLEET_WEBHOOK_TOLERANCE_SECS",
-                "must be positive",
+                format!("must be 1 to {MAX_WEBHOOK_TOLERANCE_SECS} (ten minutes)"),
             ));
         }
         let queues = match var(env, "PAYFLEET_QUEUES") {
@@ -291,14 +362,8 @@ impl Config {
         let mercadopago = match var(env, "MERCADOPAGO_ACCESS_TOKEN") {
             None => None,
             Some(token) => {
-                let base_url = var(env, "MERCADOPAGO_API_URL")
-                    .unwrap_or_else(|| DEFAULT_MERCADOPAGO_API_URL.to_owned());
-                if !base_url.starts_with("http://") && !base_url.starts_with("https://") {
-                    return Err(invalid(
-                        "MERCADOPAGO_API_URL",
-                        "must start with http:// or https://",
-                    ));
-                }
+                let base_url =
+                    gateway_api(env, "MERCADOPAGO_API_URL", DEFAULT_MERCADOPAGO_API_URL)?;
                 Some(MercadoPagoApi {
                     base_url,
                     access_token: Secret::new(token),
@@ -315,14 +380,14 @@ impl Config {
         let stripe = match var(env, "STRIPE_SECRET_KEY") {
             None => None,
             Some(key) => Some(StripeApi {
-                base_url: api("STRIPE_API_URL", "https://api.stripe.com")?,
+                base_url: gateway_api(env, "STRIPE_API_URL", "https://api.stripe.com")?,
                 secret_key: Secret::new(key),
             }),
         };
         let razorpay = match (var(env, "RAZORPAY_KEY_ID"), var(env, "RAZORPAY_KEY_SECRET")) {
             (None, None) => None,
             (Some(key_id), Some(secret)) => Some(RazorpayApi {
-                base_url: api("RAZORPAY_API_URL", "https://api.razorpay.com")?,
+                base_url: gateway_api(env, "RAZORPAY_API_URL", "https://api.razorpay.com")?,
                 key_id,
                 key_secret: Secret::new(secret),
             }),
@@ -333,12 +398,46 @@ impl Config {
                 ));
             }
         };
-        let admin_token = var(env, "PAYFLEET_ADMIN_TOKEN").map(Secret::new);
-        if admin_token.as_ref().is_some_and(|t| t.expose().len() < 16) {
-            return Err(invalid(
-                "PAYFLEET_ADMIN_TOKEN",
-                "must be at least 16 characters",
-            ));
+        let admin_token = token(env, "PAYFLEET_ADMIN_TOKEN")?;
+        let metrics_token = token(env, "PAYFLEET_METRICS_TOKEN")?;
+        let metrics_refresh =
+            std::time::Duration::from_millis(parsed(env, "PAYFLEET_METRICS_REFRESH_MS", 5000u64)?);
+        let payment_simulator = match var(env, "PAYFLEET_PAYMENT_SIMULATOR").as_deref() {
+            None | Some("off") => false,
+            Some("on") => true,
+            Some(other) => {
+                return Err(invalid(
+                    "PAYFLEET_PAYMENT_SIMULATOR",
+                    format!("{other:?}: on or off"),
+                ));
+            }
+        };
+        let internal_acquirer = match var(env, "PAYFLEET_INTERNAL_ACQUIRER") {
+            None => InternalAcquirer::Simulator,
+            Some(v) => v.parse().map_err(|_| {
+                invalid(
+                    "PAYFLEET_INTERNAL_ACQUIRER",
+                    format!("{v:?}: simulator or stripe"),
+                )
+            })?,
+        };
+        let http = HttpSettings {
+            header_timeout: std::time::Duration::from_secs(10),
+            body_timeout: std::time::Duration::from_secs(30),
+            max_connections: parsed(env, "PAYFLEET_MAX_CONNECTIONS", 4096usize)?,
+            client_address_header: var(env, "PAYFLEET_CLIENT_ADDRESS_HEADER")
+                .map(|v| {
+                    axum::http::HeaderName::try_from(v.to_ascii_lowercase()).map_err(|_| {
+                        invalid(
+                            "PAYFLEET_CLIENT_ADDRESS_HEADER",
+                            format!("{v:?} is not a header name"),
+                        )
+                    })
+                })
+                .transpose()?,
+        };
+        if !(1..=1_000_000).contains(&http.max_connections) {
+            return Err(invalid("PAYFLEET_MAX_CONNECTIONS", "must be 1 to 1000000"));
         }
         let platform_fee_percent = parsed(
             env,
@@ -429,6 +528,11 @@ impl Config {
             razorpay,
             host_name,
             admin_token,
+            metrics_token,
+            metrics_refresh,
+            payment_simulator,
+            internal_acquirer,
+            http,
             platform_fee_percent,
             order_expiry: std::time::Duration::from_secs(order_expiry_secs),
             public_url,
@@ -508,7 +612,10 @@ mod tests {
             ("STRIPE_SECRET_KEY", "sk_test_stripe_key_jkl"),
             ("RAZORPAY_KEY_ID", "rzp_test_id"),
             ("RAZORPAY_KEY_SECRET", "rzp-key-secret-mno"),
-            ("PAYFLEET_ADMIN_TOKEN", "admin-token-pqr-0123456789"),
+            (
+                "PAYFLEET_ADMIN_TOKEN",
+                "admin-token-pqr-0123456789-0123456789",
+            ),
             ("PAYFLEET_QUEUES", "jobs/queues.toml"),
         ];
         let config = Config::from(&env).unwrap();
@@ -523,7 +630,7 @@ mod tests {
             "APP_USR-token-ghi",
             "sk_test_stripe_key_jkl",
             "rzp-key-secret-mno",
-            "admin-token-pqr-0123456789",
+            "admin-token-pqr-0123456789-0123456789",
         ] {
             assert!(!printed.contains(secret), "{secret} printed in {printed}");
         }

@@ -1,8 +1,12 @@
-//! The first five minutes: `payfleet up` keeps its development secrets (and an admin token) in
-//! the database, so a restart and `payfleet demo` use the same ones. `payfleet demo` drives the
-//! fleet `up` started through its HTTP API as a marketplace would: a small catalogue, a handful
-//! of checkouts, payments through the internal gateway's page (with a duplicate and a late
-//! webhook), a failed payment, an order left to expire, then each order's journey as a table.
+//! The first five minutes: `payfleet up` keeps its development webhook secrets and a
+//! development API key in the database, so a restart and `payfleet demo` use the same ones. Its
+//! admin token is new at every start and never stored: it is printed, and only its digest is
+//! held, in the process's memory. `payfleet demo` drives the fleet `up` started as a
+//! marketplace would: as its operator (with the database, as the other operator commands do) a
+//! small catalogue and an expiry; as its backend, over the HTTP API with the development API
+//! key, a handful of checkouts and order reads; as buyers, payments on the internal gateway's
+//! page (with a duplicate and a late webhook) and a failed payment; then each order's journey
+//! as a table.
 
 use std::time::{Duration, Instant};
 
@@ -10,13 +14,15 @@ use anyhow::{Context, bail};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
+use crate::auth::{self, ApiKeys, Lookup, Token};
 use crate::config::Config;
-use crate::secret::Secret;
 use crate::webhooks::signature::StandardSecret;
+use crate::{catalogue, orders};
 
 const INTERNAL: &str = "INTERNAL_WEBHOOK_SECRET";
 const MOCK: &str = "MOCK_WEBHOOK_SECRET";
 const ADMIN: &str = "PAYFLEET_ADMIN_TOKEN";
+const API_KEY: &str = "PAYFLEET_DEV_API_KEY";
 
 async fn stored(pool: &PgPool, name: &str) -> anyhow::Result<Option<String>> {
     Ok(
@@ -38,9 +44,10 @@ async fn keep(pool: &PgPool, name: &str, value: &str) -> anyhow::Result<String> 
     .await?)
 }
 
-/// For `up` with nothing configured: the internal and mock gateways' secrets and the admin
-/// token, from the environment if set, else the ones an earlier `up` kept, else new ones (kept).
-/// Returns the configuration and what to print.
+/// For `up` with nothing configured: the internal and mock gateways' secrets, from the
+/// environment if set, else the ones an earlier `up` kept, else new ones (kept); an admin token
+/// from the environment, else a new one (printed, never kept); the payment simulator on; and the
+/// development API key. Returns the configuration and what to print.
 pub async fn development_config(
     pool: &PgPool,
     mut config: Config,
@@ -67,14 +74,40 @@ pub async fn development_config(
         shown.push((name, value));
     }
     if config.admin_token.is_none() {
-        let value = match stored(pool, ADMIN).await? {
-            Some(v) => v,
-            None => keep(pool, ADMIN, &format!("dev-{:032x}", rand::random::<u128>())).await?,
-        };
-        config.admin_token = Some(Secret::new(value.clone()));
+        let (token, value) = Token::generate();
+        config.admin_token = Some(token);
         shown.push((ADMIN, value));
     }
+    config.payment_simulator = true;
+    shown.push((API_KEY, development_api_key(pool).await?));
     Ok((config, shown))
+}
+
+/// The development API key (of no seller): the one an earlier `up` kept while it is in force,
+/// else a new one, kept. Development only: `serve` and `work` never read it.
+pub async fn development_api_key(pool: &PgPool) -> anyhow::Result<String> {
+    if let Some(key) = stored(pool, API_KEY).await?
+        && let Lookup::InForce(_) = ApiKeys::new(pool.clone()).lookup(&key).await?
+    {
+        return Ok(key);
+    }
+    let (_, key) = auth::api_keys::create(
+        pool,
+        auth::NewApiKey {
+            name: "development (payfleet up)".into(),
+            seller_id: None,
+        },
+    )
+    .await?;
+    sqlx::query(
+        "INSERT INTO development_settings (name, value) VALUES ($1, $2)
+         ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value",
+    )
+    .bind(API_KEY)
+    .bind(&key)
+    .execute(pool)
+    .await?;
+    Ok(key)
 }
 
 #[derive(clap::Args, Debug)]
@@ -85,9 +118,23 @@ pub struct DemoArgs {
 }
 
 struct Client {
+    /// The operator's way in (the catalogue, an expiry), as the other operator commands.
+    pool: PgPool,
+    /// Buyers' browsers and the backend share it; only the backend's requests carry its key.
     http: reqwest::Client,
     base: String,
-    admin: String,
+    api_key: String,
+}
+
+/// A seller, a product or a coupon as the admin API reads it from its body.
+fn parsed<T: serde::de::DeserializeOwned>(new: Value) -> anyhow::Result<T> {
+    serde_json::from_value(new).context("the demo's catalogue")
+}
+
+/// The form token the payment page renders (`name="token" value="..."`).
+fn form_token(page: &str) -> Option<&str> {
+    let rest = &page[page.find("name=\"token\" value=\"")? + 20..];
+    Some(&rest[..rest.find('"')?])
 }
 
 impl Client {
@@ -104,19 +151,24 @@ impl Client {
         Ok(body)
     }
 
-    async fn admin(&self, path: &str, body: Value) -> anyhow::Result<Value> {
-        let req = self
-            .http
-            .post(format!("{}{path}", self.base))
-            .bearer_auth(&self.admin)
-            .json(&body);
-        self.send(req, path).await
+    async fn seller(&self, new: Value) -> anyhow::Result<catalogue::Seller> {
+        Ok(catalogue::create_seller(&self.pool, parsed(new)?).await?)
+    }
+
+    async fn product(
+        &self,
+        seller: &catalogue::Seller,
+        mut new: Value,
+    ) -> anyhow::Result<catalogue::Product> {
+        new["seller_id"] = json!(seller.id);
+        Ok(catalogue::create_product(&self.pool, parsed(new)?).await?)
     }
 
     async fn checkout(&self, key: &str, body: Value) -> anyhow::Result<Vec<Value>> {
         let req = self
             .http
             .post(format!("{}/checkout", self.base))
+            .bearer_auth(&self.api_key)
             .header("Idempotency-Key", key)
             .json(&body);
         let answer = self.send(req, "checkout").await?;
@@ -125,20 +177,25 @@ impl Client {
 
     async fn order(&self, number: i64) -> anyhow::Result<Value> {
         self.send(
-            self.http.get(format!("{}/orders/{number}", self.base)),
+            self.http
+                .get(format!("{}/orders/{number}", self.base))
+                .bearer_auth(&self.api_key),
             "order",
         )
         .await
     }
 
+    /// A buyer on the payment page: opens it, then posts its form with the page's token.
     async fn pay(&self, order: &Value, outcome: &str) -> anyhow::Result<()> {
         let url = order["payment"]["url"]
             .as_str()
             .context("the order has no payment link")?;
+        let page = self.http.get(url).send().await?.text().await?;
+        let token = form_token(&page).context("the payment page has no form")?;
         let resp = self
             .http
             .post(url)
-            .form(&[("outcome", outcome)])
+            .form(&[("outcome", outcome), ("token", token)])
             .send()
             .await?;
         if !resp.status().is_success() {
@@ -179,54 +236,53 @@ pub async fn run(config: &Config, args: DemoArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| config.public_url.clone())
         .trim_end_matches('/')
         .to_owned();
-    let admin = config
-        .admin_token
-        .as_ref()
-        .map(|t| t.expose().to_owned())
-        .context("no admin token")?;
+    let api_key = development_api_key(&pool).await?;
     let internal = config
         .webhooks
         .internal
         .clone()
         .context("the internal gateway has no secret")?;
     let c = Client {
+        pool: pool.clone(),
         http: reqwest::Client::builder()
             .timeout(Duration::from_secs(30))
             .build()?,
         base,
-        admin,
+        api_key,
     };
     let run = format!("{:06x}", rand::random::<u32>() & 0xffffff);
     println!("catalogue");
     let chips_shop = c
-        .admin("/admin/sellers", json!({"name": "Chips & Co", "payout_frequency": "weekly", "payout_minimum": "50.00", "holding_days": 7}))
+        .seller(json!({"name": "Chips & Co", "payout_frequency": "weekly", "payout_minimum": "50.00", "holding_days": 7}))
         .await?;
     let deck_shop = c
-        .admin(
-            "/admin/sellers",
+        .seller(
             json!({"name": "Deck House", "payout_frequency": "monthly", "payout_minimum": "20.00"}),
         )
         .await?;
     let chips = c
-        .admin("/admin/products", json!({"seller_id": chips_shop["id"], "name": "Clay chip set", "kind": "one_off", "price": "49.90", "currency": "BRL"}))
+        .product(&chips_shop, json!({"name": "Clay chip set", "kind": "one_off", "price": "49.90", "currency": "BRL"}))
         .await?;
     let coaching = c
-        .admin("/admin/products", json!({"seller_id": chips_shop["id"], "name": "Coaching plan", "kind": "subscription", "price": "19.90", "currency": "BRL", "interval": "month"}))
+        .product(&chips_shop, json!({"name": "Coaching plan", "kind": "subscription", "price": "19.90", "currency": "BRL", "interval": "month"}))
         .await?;
     let deck = c
-        .admin("/admin/products", json!({"seller_id": deck_shop["id"], "name": "Card deck", "kind": "one_off", "price": "12.50", "currency": "BRL"}))
+        .product(
+            &deck_shop,
+            json!({"name": "Card deck", "kind": "one_off", "price": "12.50", "currency": "BRL"}),
+        )
         .await?;
     let code = format!("DEMO10-{run}").to_uppercase();
-    c.admin(
-        "/admin/coupons",
-        json!({"code": code, "percent_off": "10", "max_redemptions": 100}),
+    catalogue::create_coupon(
+        &c.pool,
+        parsed(json!({"code": code, "percent_off": "10", "max_redemptions": 100}))?,
     )
     .await?;
     println!("  2 sellers, 3 products (one a subscription), coupon {code} (10 % off)");
 
     println!("checkouts");
     let cart = json!({"buyer_id": "ana", "gateway": "internal", "coupon": code,
-        "items": [{"product_id": chips["id"], "quantity": 2, "price": "0.01"}, {"product_id": deck["id"], "quantity": 1}]});
+        "items": [{"product_id": chips.id, "quantity": 2, "price": "0.01"}, {"product_id": deck.id, "quantity": 1}]});
     let first = c.checkout(&format!("demo-{run}-1"), cart.clone()).await?;
     // The same request again (a client retry): the same orders, no new ones.
     let again = c.checkout(&format!("demo-{run}-1"), cart).await?;
@@ -235,13 +291,13 @@ pub async fn run(config: &Config, args: DemoArgs) -> anyhow::Result<()> {
         bail!("a repeated checkout made new orders");
     }
     let second = c
-        .checkout(&format!("demo-{run}-2"), json!({"buyer_id": "bruno", "gateway": "internal", "items": [{"product_id": coaching["id"], "quantity": 1}]}))
+        .checkout(&format!("demo-{run}-2"), json!({"buyer_id": "bruno", "gateway": "internal", "items": [{"product_id": coaching.id, "quantity": 1}]}))
         .await?;
     let third = c
-        .checkout(&format!("demo-{run}-3"), json!({"buyer_id": "carla", "gateway": "internal", "items": [{"product_id": deck["id"], "quantity": 3}]}))
+        .checkout(&format!("demo-{run}-3"), json!({"buyer_id": "carla", "gateway": "internal", "items": [{"product_id": deck.id, "quantity": 3}]}))
         .await?;
     let fourth = c
-        .checkout(&format!("demo-{run}-4"), json!({"buyer_id": "davi", "gateway": "internal", "items": [{"product_id": chips["id"], "quantity": 1}]}))
+        .checkout(&format!("demo-{run}-4"), json!({"buyer_id": "davi", "gateway": "internal", "items": [{"product_id": chips.id, "quantity": 1}]}))
         .await?;
     let all: Vec<Value> = first
         .iter()
@@ -299,11 +355,7 @@ pub async fn run(config: &Config, args: DemoArgs) -> anyhow::Result<()> {
         number(paid_a),
         resent.join(", ")
     );
-    c.admin(
-        &format!("/admin/orders/{}/expire", number(expiring)),
-        json!({}),
-    )
-    .await?;
+    orders::expire_now(&c.pool, number(expiring)).await?;
     println!("  order {} left to expire", number(expiring));
     for (o, want) in [
         (paid_b, "paid"),
@@ -328,7 +380,7 @@ pub async fn run(config: &Config, args: DemoArgs) -> anyhow::Result<()> {
         .bind(n)
         .fetch_all(&pool)
         .await?;
-        let seller = if view["seller_id"] == chips_shop["id"] {
+        let seller = if view["seller_id"] == json!(chips_shop.id) {
             "Chips & Co"
         } else {
             "Deck House"

@@ -27,6 +27,7 @@
 //! - `config`, `startup`, `cli`: environment, the one way to assemble a process, subcommands;
 //!   `demo`: drives a running fleet; `bench`: the benchmarks
 
+pub mod auth;
 pub mod bench;
 pub mod catalogue;
 pub mod cli;

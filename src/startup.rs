@@ -15,12 +15,13 @@ use sqlx::postgres::PgConnectOptions;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
-use crate::config::{Config, ListenTo};
+use crate::auth::ApiKeys;
+use crate::config::{Config, InternalAcquirer, ListenTo};
 use crate::gateways::hosted::HostedGateway;
 use crate::gateways::{
     GatewayName, GatewayRegistry, MercadoPagoClient, RazorpayGateway, StripeConnect,
 };
-use crate::http::{self, AppState, Readiness};
+use crate::http::{self, AppState, Callers, Readiness};
 use crate::ledger::coins::CoinService;
 use crate::ledger::jobs as ledger_jobs;
 use crate::messaging::Broker;
@@ -69,7 +70,50 @@ pub fn processor(config: &Config) -> anyhow::Result<Processor> {
         .map(|api| MercadoPagoClient::new(&api.base_url, api.access_token.clone()))
         .transpose()
         .context("cannot build the Mercado Pago client")?;
-    Ok(Processor { mercadopago })
+    Ok(Processor {
+        mercadopago,
+        internal_on_stripe: config.internal_acquirer == InternalAcquirer::Stripe,
+    })
+}
+
+/// The enabled gateways whose payments are simulated (the pay/fail page: no money moves): the
+/// mock, and the internal gateway unless it collects through a real acquirer.
+pub fn simulated_gateways(config: &Config) -> Vec<GatewayName> {
+    let mut simulated = Vec::new();
+    if config.webhooks.internal.is_some() && config.internal_acquirer == InternalAcquirer::Simulator
+    {
+        simulated.push(GatewayName::Internal);
+    }
+    if config.webhooks.mock.is_some() {
+        simulated.push(GatewayName::Mock);
+    }
+    simulated
+}
+
+/// A simulated gateway runs only where the payment simulator is on: a pay button that moves no
+/// money must never be reachable where money is real.
+fn check_simulator(config: &Config) -> anyhow::Result<()> {
+    let simulated = simulated_gateways(config);
+    if simulated.is_empty() {
+        return Ok(());
+    }
+    let names = simulated
+        .iter()
+        .map(|g| g.as_str())
+        .collect::<Vec<_>>()
+        .join(" and ");
+    if !config.payment_simulator {
+        anyhow::bail!(
+            "the {names} gateway's payments are simulated (a pay/fail page, no money moves) and PAYFLEET_PAYMENT_SIMULATOR is off: \
+             set PAYFLEET_PAYMENT_SIMULATOR=on only where no money is real (development, tests, previews); \
+             in production unset MOCK_WEBHOOK_SECRET and have the internal gateway collect through Stripe (PAYFLEET_INTERNAL_ACQUIRER=stripe)"
+        );
+    }
+    tracing::warn!(
+        gateways = %names,
+        "PAYFLEET_PAYMENT_SIMULATOR is on: these gateways' payments are simulated and move no money; never run this where money is real"
+    );
+    Ok(())
 }
 
 /// The gateways buyers can pay through: a gateway is enabled when its webhook secret is
@@ -82,15 +126,38 @@ pub fn gateways(
     let mut registry = GatewayRegistry::default();
     let mut hosted = Vec::new();
     let secrets = &config.webhooks;
-    for (name, enabled) in [
-        (GatewayName::Internal, secrets.internal.is_some()),
-        (GatewayName::Mock, secrets.mock.is_some()),
+    let simulated = simulated_gateways(config);
+    for (name, secret) in [
+        (GatewayName::Internal, secrets.internal.as_ref()),
+        (GatewayName::Mock, secrets.mock.as_ref()),
     ] {
-        if enabled {
-            let g = HostedGateway::new(name, pool.clone(), &config.public_url, Arc::new(QueueSink));
+        if let (Some(secret), true) = (secret, simulated.contains(&name)) {
+            let g = HostedGateway::new(
+                name,
+                pool.clone(),
+                &config.public_url,
+                Arc::new(QueueSink),
+                secret.derive_key("payment page form"),
+            );
             registry.register(Arc::new(g.clone()))?;
             hosted.push(g);
         }
+    }
+    if config.internal_acquirer == InternalAcquirer::Stripe {
+        let api = config
+            .stripe
+            .as_ref()
+            .filter(|_| secrets.stripe.is_some())
+            .context(
+                "PAYFLEET_INTERNAL_ACQUIRER=stripe needs STRIPE_SECRET_KEY and STRIPE_WEBHOOK_SECRET (the platform account's events confirm its payments)",
+            )?;
+        let g = StripeConnect::internal_acquirer(
+            &api.base_url,
+            api.secret_key.clone(),
+            &config.public_url,
+        )
+        .context("cannot build the Stripe client")?;
+        registry.register(Arc::new(g))?;
     }
     if let (Some(api), true) = (&config.stripe, secrets.stripe.is_some()) {
         let g = StripeConnect::new(&api.base_url, api.secret_key.clone(), &config.public_url)
@@ -239,6 +306,8 @@ pub fn recurring_tasks(config: &Config, gateways: &GatewayRegistry) -> Tasks {
 /// requests), then the workers.
 pub struct Running {
     addr: Option<SocketAddr>,
+    /// The receiver's route paths (none for a worker).
+    paths: Vec<&'static str>,
     server: Option<(
         oneshot::Sender<()>,
         tokio::task::JoinHandle<std::io::Result<()>>,
@@ -252,6 +321,12 @@ impl Running {
     /// Where the HTTP server listens, if this process serves.
     pub fn addr(&self) -> Option<SocketAddr> {
         self.addr
+    }
+
+    /// Every route path the receiver serves: what a test walks to find a route without a
+    /// caller.
+    pub fn paths(&self) -> &[&'static str] {
+        &self.paths
     }
 
     pub fn fleet(&self) -> Option<&FleetHandle> {
@@ -316,6 +391,7 @@ pub fn start(
     roles: Roles,
     listener: Option<TcpListener>,
 ) -> anyhow::Result<Running> {
+    check_simulator(config)?;
     let broker = Broker::start(
         config.amqp_url.clone(),
         &config.amqp_namespace,
@@ -395,6 +471,12 @@ pub fn start(
             gateways: gateways.names(),
             rpc_timeout: config.rpc_timeout,
         };
+        let callers = Callers::new(
+            config.admin_token.clone(),
+            config.metrics_token.clone(),
+            Some(ApiKeys::new(pool.clone())),
+            config.http.client_address_header.clone(),
+        );
         Some(http::router(AppState {
             pool: pool.clone(),
             verifier: Verifier::new(
@@ -407,7 +489,9 @@ pub fn start(
             counters: Arc::default(),
             checkout,
             hosted,
-            admin_token: config.admin_token.clone(),
+            public_url: config.public_url.clone(),
+            callers,
+            metrics_refresh: config.metrics_refresh,
             razorpay_key_id: config.razorpay.as_ref().map(|r| r.key_id.clone()),
             gateways: gateways.clone(),
             rpc,
@@ -415,32 +499,41 @@ pub fn start(
             secure_cookies: config.public_url.starts_with("https://"),
         }))
     } else {
-        listener
-            .as_ref()
-            .map(|_| http::worker_router(pool.clone(), readiness))
+        listener.as_ref().map(|_| {
+            let callers = Callers::new(
+                config.admin_token.clone(),
+                config.metrics_token.clone(),
+                None,
+                config.http.client_address_header.clone(),
+            );
+            (
+                http::worker_router(pool.clone(), readiness, callers, config.metrics_refresh),
+                Vec::new(),
+            )
+        })
     };
     let mut addr = None;
+    let mut paths = Vec::new();
     let server = match (router, listener) {
-        (Some(router), Some(listener)) => {
+        (Some((router, routes)), Some(listener)) => {
             addr = Some(
                 listener
                     .local_addr()
                     .context("the listener has no address")?,
             );
+            paths = routes;
             let (stop, stopped) = oneshot::channel::<()>();
-            let task = tokio::spawn(async move {
-                axum::serve(listener, router)
-                    .with_graceful_shutdown(async {
-                        let _ = stopped.await;
-                    })
-                    .await
-            });
+            let limits = config.http.clone();
+            let task = tokio::spawn(http::server::serve(listener, router, limits, async {
+                let _ = stopped.await;
+            }));
             Some((stop, task))
         }
         _ => None,
     };
     Ok(Running {
         addr,
+        paths,
         server,
         fleet,
         scheduler,

@@ -209,7 +209,7 @@ macro_rules! payment_gateway {
                 seller_account: Option<&'a str>,
                 pace: std::time::Duration,
             ) -> $crate::gateways::api::GatewayFuture<'a, Option<Vec<$crate::gateways::api::UndeliveredEvent>>> {
-                Box::pin(async move { self.undelivered(since, seller_account, pace).await.map(Some) })
+                Box::pin(self.undelivered(since, seller_account, pace))
             }
         );
     };

@@ -63,6 +63,7 @@ pub struct HostedGateway {
     pool: PgPool,
     public_url: String,
     sink: Arc<dyn EventSink>,
+    page_key: [u8; 32],
 }
 
 fn random_id(prefix: &str) -> String {
@@ -70,19 +71,27 @@ fn random_id(prefix: &str) -> String {
 }
 
 impl HostedGateway {
-    /// `name`: internal or mock. Payment pages are served under `public_url`.
+    /// `name`: internal or mock. Payment pages are served under `public_url`; their forms are
+    /// signed with `page_key` (the same in every receiver: derived from the gateway's secret).
     pub fn new(
         name: GatewayName,
         pool: PgPool,
         public_url: &str,
         sink: Arc<dyn EventSink>,
+        page_key: [u8; 32],
     ) -> Self {
         Self {
             name,
             pool,
             public_url: public_url.trim_end_matches('/').to_owned(),
             sink,
+            page_key,
         }
+    }
+
+    /// The key the payment page's form tokens are signed with.
+    pub fn page_key(&self) -> [u8; 32] {
+        self.page_key
     }
 
     async fn create(&self, r: &SessionRequest) -> Result<Session, GatewayError> {

@@ -1,8 +1,16 @@
-//! Stripe Connect with direct charges: Checkout Sessions are created on the seller's connected
-//! account (`Stripe-Account`), with the platform's fee taken on the charge itself
-//! (`payment_intent_data[application_fee_amount]`, in minor units; for a subscription,
-//! `subscription_data[application_fee_percent]`). Requests are form-encoded, as Stripe's API
-//! takes them, and every POST carries an `Idempotency-Key`.
+//! Stripe, two ways:
+//! - **Connect with direct charges** (the `stripe` gateway): Checkout Sessions are created on the
+//!   seller's connected account (`Stripe-Account`), with the platform's fee taken on the charge
+//!   itself (`payment_intent_data[application_fee_amount]`, in minor units; for a subscription,
+//!   `subscription_data[application_fee_percent]`).
+//! - **The internal gateway's acquirer** (`PAYFLEET_INTERNAL_ACQUIRER=stripe`): the platform is
+//!   merchant of record and collects on its own Stripe account (no `Stripe-Account`, no
+//!   application fee); the seller, fee and net travel in the session's metadata, and the split
+//!   is settled in the seller's ledger as for any internal-gateway payment. Stripe's events on
+//!   the platform account (no `account` field) are the internal gateway's facts (`payments`).
+//!
+//! Requests are form-encoded, as Stripe's API takes them, and every POST carries an
+//! `Idempotency-Key`.
 
 use std::time::Duration;
 
@@ -19,8 +27,18 @@ use crate::secret::Secret;
 
 const NAME: GatewayName = GatewayName::Stripe;
 
+/// On whose Stripe account the money is collected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Collects {
+    /// The seller's connected account, the platform's fee on the charge.
+    OnSellersAccount,
+    /// The platform's own account: the internal gateway's acquirer.
+    OnPlatformAccount,
+}
+
 #[derive(Debug, Clone)]
 pub struct StripeConnect {
+    collects: Collects,
     api: String,
     secret_key: Secret,
     success_url: String,
@@ -70,10 +88,30 @@ fn minor(m: &Money) -> Result<i64, GatewayError> {
 }
 
 impl StripeConnect {
-    /// `api`: Stripe's base URL (`https://api.stripe.com`); `public_url`: where buyers come back.
+    /// Connect with direct charges. `api`: Stripe's base URL (`https://api.stripe.com`);
+    /// `public_url`: where buyers come back.
     pub fn new(api: &str, secret_key: Secret, public_url: &str) -> Result<Self, reqwest::Error> {
+        Self::collecting(Collects::OnSellersAccount, api, secret_key, public_url)
+    }
+
+    /// The internal gateway's acquirer: Checkout Sessions on the platform's own account.
+    pub fn internal_acquirer(
+        api: &str,
+        secret_key: Secret,
+        public_url: &str,
+    ) -> Result<Self, reqwest::Error> {
+        Self::collecting(Collects::OnPlatformAccount, api, secret_key, public_url)
+    }
+
+    fn collecting(
+        collects: Collects,
+        api: &str,
+        secret_key: Secret,
+        public_url: &str,
+    ) -> Result<Self, reqwest::Error> {
         let public = public_url.trim_end_matches('/');
         Ok(Self {
+            collects,
             api: api.trim_end_matches('/').to_owned(),
             secret_key,
             success_url: format!("{public}/orders/paid?session_id={{CHECKOUT_SESSION_ID}}"),
@@ -101,12 +139,24 @@ impl StripeConnect {
         req
     }
 
+    /// The connected account a request about a seller's payment goes to (none: the platform's).
+    fn account<'a>(&self, seller_account: Option<&'a str>) -> Option<&'a str> {
+        match self.collects {
+            Collects::OnSellersAccount => seller_account,
+            Collects::OnPlatformAccount => None,
+        }
+    }
+
     async fn create(&self, r: &SessionRequest) -> Result<Session, GatewayError> {
-        let account = r.seller_account.as_deref().ok_or_else(|| {
-            GatewayError::Refused(
-                "the seller has no Stripe account (stripe_account) for direct charges".into(),
-            )
-        })?;
+        let account = match self.collects {
+            Collects::OnSellersAccount => Some(r.seller_account.as_deref().ok_or_else(|| {
+                GatewayError::Refused(
+                    "the seller has no Stripe account (stripe_account) for direct charges".into(),
+                )
+            })?),
+            Collects::OnPlatformAccount => None,
+        };
+        let fee_on_charge = self.collects == Collects::OnSellersAccount;
         let currency = r.amount.currency().as_str().to_ascii_lowercase();
         let mut form: Vec<(String, String)> = vec![
             ("line_items[0][quantity]".into(), "1".into()),
@@ -149,20 +199,24 @@ impl StripeConnect {
                         / r.amount.amount())
                     .round_dp(2)
                 };
-                form.push((
-                    "subscription_data[application_fee_percent]".into(),
-                    percent.to_string(),
-                ));
+                if fee_on_charge {
+                    form.push((
+                        "subscription_data[application_fee_percent]".into(),
+                        percent.to_string(),
+                    ));
+                }
                 for (k, v) in &r.metadata {
                     form.push((format!("subscription_data[metadata][{k}]"), v.clone()));
                 }
             }
             None => {
                 form.push(("mode".into(), "payment".into()));
-                form.push((
-                    "payment_intent_data[application_fee_amount]".into(),
-                    minor(&r.platform_fee)?.to_string(),
-                ));
+                if fee_on_charge {
+                    form.push((
+                        "payment_intent_data[application_fee_amount]".into(),
+                        minor(&r.platform_fee)?.to_string(),
+                    ));
+                }
                 for (k, v) in &r.metadata {
                     form.push((format!("payment_intent_data[metadata][{k}]"), v.clone()));
                 }
@@ -173,14 +227,9 @@ impl StripeConnect {
         }
         let session: CheckoutSession = read_json(
             NAME,
-            self.post(
-                "/v1/checkout/sessions",
-                Some(account),
-                &r.idempotency_key,
-                &form,
-            )
-            .send()
-            .await,
+            self.post("/v1/checkout/sessions", account, &r.idempotency_key, &form)
+                .send()
+                .await,
             stripe_error,
         )
         .await?;
@@ -196,8 +245,9 @@ impl StripeConnect {
     async fn read(
         &self,
         session_id: &str,
-        account: Option<&str>,
+        seller_account: Option<&str>,
     ) -> Result<PaymentState, GatewayError> {
+        let account = self.account(seller_account);
         let mut req = self
             .http
             .get(format!("{}/v1/checkout/sessions/{session_id}", self.api))
@@ -227,12 +277,18 @@ impl StripeConnect {
 
     /// Stripe's events list, `delivery_success=false`: events still being retried or given up
     /// on, newest first, on the connected account when given.
+    /// The internal gateway's acquirer keeps no such list here: its undelivered events are
+    /// Stripe's, which reconciliation would store as the internal gateway's; each of its
+    /// sessions is asked about instead.
     async fn undelivered(
         &self,
         since: chrono::DateTime<chrono::Utc>,
         account: Option<&str>,
         pace: Duration,
-    ) -> Result<Vec<UndeliveredEvent>, GatewayError> {
+    ) -> Result<Option<Vec<UndeliveredEvent>>, GatewayError> {
+        if self.collects == Collects::OnPlatformAccount {
+            return Ok(None);
+        }
         let mut events = Vec::new();
         let mut after: Option<String> = None;
         for page in 0..EVENT_PAGES {
@@ -275,21 +331,23 @@ impl StripeConnect {
                 _ => break,
             }
         }
-        Ok(events)
+        Ok(Some(events))
     }
 
     async fn refund_payment(&self, r: &RefundRequest) -> Result<RefundReceipt, GatewayError> {
-        // The platform's fee goes back in proportion, as the ledger books it.
-        let form = vec![
+        let mut form = vec![
             ("payment_intent".to_owned(), r.payment_id.clone()),
             ("amount".to_owned(), minor(&r.amount)?.to_string()),
-            ("refund_application_fee".to_owned(), "true".to_owned()),
         ];
+        if self.collects == Collects::OnSellersAccount {
+            // The platform's fee goes back in proportion, as the ledger books it.
+            form.push(("refund_application_fee".to_owned(), "true".to_owned()));
+        }
         let refund: StripeRefund = read_json(
             NAME,
             self.post(
                 "/v1/refunds",
-                r.seller_account.as_deref(),
+                self.account(r.seller_account.as_deref()),
                 &r.idempotency_key,
                 &form,
             )
@@ -309,7 +367,10 @@ super::api::payment_gateway!(StripeConnect, undelivered);
 
 impl StripeConnect {
     fn gateway(&self) -> GatewayName {
-        NAME
+        match self.collects {
+            Collects::OnSellersAccount => NAME,
+            Collects::OnPlatformAccount => GatewayName::Internal,
+        }
     }
 
     /// The gateway's payment status in our words (unknown: pending, logged).

@@ -1,15 +1,16 @@
 //! The admin API: `Authorization: Bearer $PAYFLEET_ADMIN_TOKEN` (401 without it, 403 with a
-//! wrong one). Without a configured token the admin API is off, and says so.
+//! wrong one), every handler taking an [`Operator`]. Without a configured token the admin API
+//! is off, and says so.
 
 use axum::Json;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{FromRequestParts, Path, Query, State};
-use axum::http::request::Parts;
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::routing::{get, post};
-use subtle::ConstantTimeEq;
+use axum::routing::{delete, get, post};
 
-use super::{ApiError, AppState, JsonBody};
+use super::callers::Operator;
+use super::{ApiError, AppState, JsonBody, Routes};
+use crate::auth::api_keys::{self, ApiKeyError, NewApiKey};
 use crate::catalogue::{self, NewCoupon, NewProduct, NewSeller};
 use crate::ledger::coins;
 use crate::ledger::payouts::{self, PayoutState};
@@ -19,10 +20,11 @@ use crate::payments::order_refunds::{
     self, CarriedOut, NewRefund, RefundError, RefundState, RefundView,
 };
 use crate::recurring;
-use crate::secret::Secret;
 
-pub(super) fn routes(state: AppState) -> axum::Router {
-    axum::Router::new()
+pub(super) fn routes() -> Routes<AppState> {
+    Routes::default()
+        .route("/admin/api-keys", post(create_api_key).get(list_api_keys))
+        .route("/admin/api-keys/{id}", delete(revoke_api_key))
         .route("/admin/sellers", post(create_seller))
         .route("/admin/products", post(create_product))
         .route("/admin/coupons", post(create_coupon))
@@ -40,44 +42,62 @@ pub(super) fn routes(state: AppState) -> axum::Router {
         .route("/admin/payouts/{id}/paid", post(payout_paid))
         .route("/admin/payouts/{id}/failed", post(payout_failed))
         .route("/admin/wallets/{buyer}/grants", post(grant_coins))
-        .with_state(state)
 }
 
-/// Checks the bearer token in constant time.
-pub(super) fn authorize(token: Option<&Secret>, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(token) = token else {
-        return Err(ApiError::Forbidden(
-            "the admin API is off: set PAYFLEET_ADMIN_TOKEN to turn it on".into(),
-        ));
-    };
-    let given = headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .ok_or_else(|| ApiError::Unauthorized("send Authorization: Bearer <admin token>".into()))?;
-    if bool::from(given.trim().as_bytes().ct_eq(token.expose().as_bytes())) {
-        Ok(())
-    } else {
-        Err(ApiError::Forbidden("wrong admin token".into()))
+impl From<ApiKeyError> for ApiError {
+    fn from(e: ApiKeyError) -> Self {
+        let message = e.to_string();
+        match e {
+            ApiKeyError::InvalidName | ApiKeyError::InvalidSeller(_) => Self::Unprocessable {
+                code: "invalid_request",
+                message,
+            },
+            ApiKeyError::UnknownSeller(_) => Self::Unprocessable {
+                code: "unknown_seller",
+                message,
+            },
+            ApiKeyError::NotFound(_) => Self::NotFound(message),
+            ApiKeyError::Database(e) => e.into(),
+        }
     }
 }
 
-/// An admin request: the token is checked from the headers before the body is read, so a caller
-/// without the token learns nothing about what the body should be.
-pub(super) struct Admin;
+/// Makes an API key: the key is in this answer only (it is kept as a hash).
+async fn create_api_key(
+    _operator: Operator,
+    State(state): State<AppState>,
+    JsonBody(body): JsonBody<NewApiKey>,
+) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+    let (made, key) = api_keys::create(&state.pool, body).await?;
+    tracing::info!(api_key = %made.id, name = %made.name, seller = ?made.seller_id, "API key made");
+    let mut answer = serde_json::to_value(&made).map_err(|e| ApiError::Internal(Box::new(e)))?;
+    answer["key"] = serde_json::Value::String(key);
+    Ok((StatusCode::CREATED, Json(answer)))
+}
 
-impl FromRequestParts<AppState> for Admin {
-    type Rejection = ApiError;
+/// Every API key, without the keys.
+async fn list_api_keys(
+    _operator: Operator,
+    State(state): State<AppState>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let keys = api_keys::list(&state.pool).await?;
+    Ok(Json(serde_json::json!({ "api_keys": keys })))
+}
 
-    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        authorize(state.admin_token.as_ref(), &parts.headers)?;
-        Ok(Admin)
-    }
+/// Revokes a key: refused by every process within a second.
+async fn revoke_api_key(
+    _operator: Operator,
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<api_keys::ApiKey>, ApiError> {
+    let key = api_keys::revoke(&state.pool, &id).await?;
+    tracing::info!(api_key = %key.id, name = %key.name, "API key revoked");
+    Ok(Json(key))
 }
 
 async fn create_seller(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
     JsonBody(body): JsonBody<NewSeller>,
 ) -> Result<(StatusCode, Json<catalogue::Seller>), ApiError> {
     let seller = catalogue::create_seller(&state.pool, body).await?;
@@ -85,8 +105,8 @@ async fn create_seller(
 }
 
 async fn create_product(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
     JsonBody(body): JsonBody<NewProduct>,
 ) -> Result<(StatusCode, Json<catalogue::Product>), ApiError> {
     let product = catalogue::create_product(&state.pool, body).await?;
@@ -94,8 +114,8 @@ async fn create_product(
 }
 
 async fn create_coupon(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
     JsonBody(body): JsonBody<NewCoupon>,
 ) -> Result<(StatusCode, Json<catalogue::Coupon>), ApiError> {
     let coupon = catalogue::create_coupon(&state.pool, body).await?;
@@ -104,8 +124,8 @@ async fn create_coupon(
 
 /// Ends the wait of an unpaid order now: the workers expire it (its coupon given back).
 async fn expire_order(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
     Path(raw): Path<String>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     let number = super::orders::number(&raw)?;
@@ -118,8 +138,8 @@ async fn expire_order(
 
 /// Payments no checkout asked for, for an operator to look into.
 async fn unmatched(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let list = crate::payments::events::unmatched(&state.pool, 200).await?;
     Ok(Json(serde_json::json!({ "unmatched_payments": list })))
@@ -129,8 +149,8 @@ async fn unmatched(
 /// refunded, 202 while it has not answered yet (the refund is carried out by a job), 422 when it
 /// refused.
 async fn refund_order(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
     headers: HeaderMap,
     Path(raw): Path<String>,
     JsonBody(body): JsonBody<NewRefund>,
@@ -163,8 +183,8 @@ async fn refund_order(
 }
 
 async fn order_refunds(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
     Path(raw): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let number = super::orders::number(&raw)?;
@@ -174,8 +194,8 @@ async fn order_refunds(
 
 /// Payouts waiting for the bank's answer.
 async fn pending_payouts(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let list = payouts::in_state(&state.pool, PayoutState::Pending).await?;
     Ok(Json(serde_json::json!({ "payouts": list })))
@@ -190,8 +210,8 @@ fn payout_id(raw: &str) -> Result<i64, ApiError> {
 
 /// The bank paid the payout.
 async fn payout_paid(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
     Path(raw): Path<String>,
 ) -> Result<Json<payouts::Payout>, ApiError> {
     let payout = payouts::decide(&state.pool, payout_id(&raw)?, None).await?;
@@ -205,8 +225,8 @@ struct Failure {
 
 /// The bank refused the payout: the seller's available balance gets it back, once.
 async fn payout_failed(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
     Path(raw): Path<String>,
     JsonBody(body): JsonBody<Failure>,
 ) -> Result<Json<payouts::Payout>, ApiError> {
@@ -229,8 +249,8 @@ struct Grant {
 
 /// Gives a buyer coins; `Idempotency-Key` required (the same key grants once).
 async fn grant_coins(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
     headers: HeaderMap,
     Path(buyer): Path<String>,
     JsonBody(body): JsonBody<Grant>,
@@ -260,8 +280,8 @@ async fn grant_coins(
 
 /// The recurring jobs with their last and next run.
 async fn recurring_jobs(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let list = recurring::overview(&state.pool, &state.recurring, chrono::Utc::now()).await?;
     Ok(Json(serde_json::json!({ "recurring": list })))
@@ -274,8 +294,8 @@ struct Limit {
 
 /// A recurring job's runs, newest first (`limit` 1 to 500, default 20).
 async fn recurring_runs(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
     Path(name): Path<String>,
     limit: Result<Query<Limit>, QueryRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
@@ -295,8 +315,8 @@ async fn recurring_runs(
 
 /// The consistency findings still open, oldest first.
 async fn consistency_findings(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let findings = crate::consistency::open(&state.pool, 1000).await?;
     Ok(Json(serde_json::json!({ "findings": findings })))
@@ -304,8 +324,8 @@ async fn consistency_findings(
 
 /// What missed-webhook reconciliation found, newest first.
 async fn reconciliation_findings(
+    _operator: Operator,
     State(state): State<AppState>,
-    _admin: Admin,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let findings = crate::payments::reconcile::findings(&state.pool, 500).await?;
     Ok(Json(serde_json::json!({ "findings": findings })))

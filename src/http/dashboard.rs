@@ -4,15 +4,18 @@
 //!
 //! Signing in takes the admin token once and gives a session cookie: `HttpOnly` (no script
 //! reads it), `SameSite=Strict` (no other site's page sends it), `Secure` when the public URL is
-//! https, for 8 hours. The cookie is stateless: an expiry and a nonce signed with the admin
-//! token (HMAC-SHA256), so changing the token signs every session out. Every form carries a CSRF
-//! token derived from the session's nonce, checked before anything changes: a forged post needs
-//! both the cookie and the token.
+//! https, for 8 hours. The cookie is stateless: an expiry and a nonce signed (HMAC-SHA256) with a
+//! key derived from the admin token by HKDF, so changing the token signs every session out and
+//! the cookie never carries anything the token could be worked back from. Every form carries a
+//! CSRF token derived from the session's nonce, checked before anything changes: a forged post
+//! needs both the cookie and the token. Failed sign-ins count against the address like any wrong
+//! credential (`callers`): after ten in 15 minutes it gets 429.
 
 use axum::Form;
 use axum::extract::rejection::FormRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{FromRequestParts, Path, Query, State};
 use axum::http::header::{COOKIE, LOCATION, SET_COOKIE};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,12 +23,13 @@ use chrono::{DateTime, Utc};
 use serde::Deserialize;
 use subtle::ConstantTimeEq;
 
+use super::callers::Anyone;
 use super::html::{self, escape};
-use super::{ApiError, AppState};
+use super::{ApiError, AppState, Routes};
+use crate::auth::Token;
 use crate::payments::events::{self, Replayed};
 use crate::queue::JobId;
 use crate::queue::admin as jobs;
-use crate::secret::Secret;
 use crate::webhooks::signature::hmac_sha256;
 
 const COOKIE_NAME: &str = "payfleet_session";
@@ -33,15 +37,14 @@ const SESSION_SECS: i64 = 8 * 3600;
 /// Rows shown per table; the CLI lists the rest.
 const ROWS: i64 = 50;
 
-pub(super) fn routes(state: AppState) -> axum::Router {
-    axum::Router::new()
+pub(super) fn routes() -> Routes<AppState> {
+    Routes::default()
         .route("/admin/ui", get(dashboard))
         .route("/admin/ui/session", post(sign_in))
         .route("/admin/ui/sign-out", post(sign_out))
         .route("/admin/ui/jobs/{id}/{action}", post(job_action))
         .route("/admin/ui/events/{id}/replay", post(replay_event))
         .route("/admin/ui/events/replay-all", post(replay_all))
-        .with_state(state)
 }
 
 /// A signed-in operator's session: its nonce keys the CSRF token of its forms.
@@ -49,12 +52,15 @@ struct Session {
     nonce: String,
 }
 
-fn mac(token: &Secret, message: &str) -> [u8; 32] {
-    hmac_sha256(token.expose().as_bytes(), &[message.as_bytes()])
+fn mac(token: &Token, message: &str) -> [u8; 32] {
+    hmac_sha256(
+        &token.derive_key("dashboard session"),
+        &[message.as_bytes()],
+    )
 }
 
 impl Session {
-    fn start(token: &Secret, now: DateTime<Utc>) -> (Self, String) {
+    fn start(token: &Token, now: DateTime<Utc>) -> (Self, String) {
         let nonce = format!("{:032x}", rand::random::<u128>());
         let expires = now.timestamp() + SESSION_SECS;
         let signature = hex::encode(mac(token, &format!("session|{expires}|{nonce}")));
@@ -68,7 +74,7 @@ impl Session {
 
     /// The session of a request's cookie, if it is ours, signed with the current token and not
     /// expired.
-    fn from_headers(token: &Secret, headers: &HeaderMap, now: DateTime<Utc>) -> Option<Self> {
+    fn from_headers(token: &Token, headers: &HeaderMap, now: DateTime<Utc>) -> Option<Self> {
         let value = headers
             .get_all(COOKIE)
             .iter()
@@ -88,11 +94,11 @@ impl Session {
         })
     }
 
-    fn csrf(&self, token: &Secret) -> String {
+    fn csrf(&self, token: &Token) -> String {
         hex::encode(mac(token, &format!("csrf|{}", self.nonce)))
     }
 
-    fn check_csrf(&self, token: &Secret, given: &str) -> bool {
+    fn check_csrf(&self, token: &Token, given: &str) -> bool {
         bool::from(self.csrf(token).as_bytes().ct_eq(given.as_bytes()))
     }
 }
@@ -156,7 +162,7 @@ impl From<ApiError> for Page {
             "Not done",
             format!(
                 "<p class=\"error\" role=\"alert\">{}{retry}</p><p><a href=\"/admin/ui\">Back to the dashboard</a></p>",
-                escape(&e.to_string())
+                escape(&e.public_message())
             ),
         )
     }
@@ -184,8 +190,8 @@ th{background:#f3f4f7}td.n{text-align:right}form.inline{display:inline}\
 .error{color:#a40000}.notice{background:#e8f5e9;padding:.5rem}.muted{color:#667}\
 .bad{background:#fdecea}pre{white-space:pre-wrap;max-width:40rem;margin:0}";
 
-fn token_of(state: &AppState) -> Result<&Secret, Page> {
-    state.admin_token.as_ref().ok_or_else(|| {
+fn token_of(state: &AppState) -> Result<&Token, Page> {
+    state.callers.admin().ok_or_else(|| {
         Page::new(
             StatusCode::FORBIDDEN,
             "Dashboard off",
@@ -215,20 +221,49 @@ struct SignIn {
     token: String,
 }
 
-async fn sign_in(State(state): State<AppState>, form: Result<Form<SignIn>, FormRejection>) -> Page {
+/// The address a request comes from, as the callers' limiter counts it.
+struct Client(std::net::IpAddr);
+
+impl FromRequestParts<AppState> for Client {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &AppState,
+    ) -> Result<Self, Self::Rejection> {
+        Ok(Client(state.callers.client(parts)))
+    }
+}
+
+async fn sign_in(
+    _caller: Anyone,
+    State(state): State<AppState>,
+    Client(client): Client,
+    form: Result<Form<SignIn>, FormRejection>,
+) -> Page {
     let token = match token_of(&state) {
         Ok(t) => t,
         Err(page) => return page,
     };
+    if let Err(e) = state.callers.gate(client) {
+        let mut page = sign_in_page(StatusCode::TOO_MANY_REQUESTS, Some(&format!("{e}")));
+        if let ApiError::TooManyRequests(left) = e {
+            page.headers.push((
+                axum::http::header::RETRY_AFTER,
+                HeaderValue::from(left.as_secs().max(1)),
+            ));
+        }
+        return page;
+    }
     let Ok(Form(form)) = form else {
         return sign_in_page(StatusCode::BAD_REQUEST, Some("send the admin token"));
     };
-    if !bool::from(
-        form.token
-            .trim()
-            .as_bytes()
-            .ct_eq(token.expose().as_bytes()),
-    ) {
+    if !token.matches(form.token.trim()) {
+        state.callers.failed(
+            client,
+            "POST /admin/ui/session",
+            "wrong admin token at sign-in",
+        );
         return sign_in_page(StatusCode::UNAUTHORIZED, Some("wrong admin token"));
     }
     let (_, cookie) = Session::start(token, Utc::now());
@@ -249,33 +284,47 @@ struct Csrf {
     csrf: String,
 }
 
-/// The session of a form post, its CSRF token checked: nothing changes without both.
-fn authorized(state: &AppState, headers: &HeaderMap, form: Option<&Csrf>) -> Result<(), Page> {
-    let token = token_of(state)?;
-    let session = Session::from_headers(token, headers, Utc::now()).ok_or_else(|| {
-        sign_in_page(
-            StatusCode::UNAUTHORIZED,
-            Some("sign in first (your session ended, or this form came from elsewhere)"),
-        )
-    })?;
-    match form {
-        Some(f) if session.check_csrf(token, &f.csrf) => Ok(()),
-        _ => Err(Page::new(
-            StatusCode::FORBIDDEN,
-            "Not done",
-            "<p class=\"error\" role=\"alert\">This form is not one the dashboard gave you (its CSRF token is missing or wrong): nothing was changed.</p>\
-             <p><a href=\"/admin/ui\">Back to the dashboard</a></p>"
-                .into(),
-        )),
+/// A signed-in operator: the dashboard's caller for everything but the sign-in. 401 (the
+/// sign-in page) without a session.
+struct OperatorSession {
+    session: Session,
+    token: Token,
+}
+
+impl FromRequestParts<AppState> for OperatorSession {
+    type Rejection = Page;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Page> {
+        let token = token_of(state)?.clone();
+        let session =
+            Session::from_headers(&token, &parts.headers, Utc::now()).ok_or_else(|| {
+                sign_in_page(
+                    StatusCode::UNAUTHORIZED,
+                    Some("sign in first (your session ended, or this form came from elsewhere)"),
+                )
+            })?;
+        Ok(Self { session, token })
     }
 }
 
-async fn sign_out(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    form: Result<Form<Csrf>, FormRejection>,
-) -> Page {
-    if let Err(page) = authorized(&state, &headers, form.as_deref().ok()) {
+impl OperatorSession {
+    /// A form post's CSRF token: nothing changes without it.
+    fn check(&self, form: Option<&Csrf>) -> Result<(), Page> {
+        match form {
+            Some(f) if self.session.check_csrf(&self.token, &f.csrf) => Ok(()),
+            _ => Err(Page::new(
+                StatusCode::FORBIDDEN,
+                "Not done",
+                "<p class=\"error\" role=\"alert\">This form is not one the dashboard gave you (its CSRF token is missing or wrong): nothing was changed.</p>\
+                 <p><a href=\"/admin/ui\">Back to the dashboard</a></p>"
+                    .into(),
+            )),
+        }
+    }
+}
+
+async fn sign_out(operator: OperatorSession, form: Result<Form<Csrf>, FormRejection>) -> Page {
+    if let Err(page) = operator.check(form.as_deref().ok()) {
         return page;
     }
     let mut page = sign_in_page(StatusCode::OK, None);
@@ -306,12 +355,12 @@ enum JobAction {
 }
 
 async fn job_action(
+    operator: OperatorSession,
     State(state): State<AppState>,
-    headers: HeaderMap,
     path: Result<Path<(String, JobAction)>, axum::extract::rejection::PathRejection>,
     form: Result<Form<Csrf>, FormRejection>,
 ) -> Result<Page, Page> {
-    authorized(&state, &headers, form.as_deref().ok())?;
+    operator.check(form.as_deref().ok())?;
     let Path((raw, action)) = path.map_err(|_| {
         Page::from(ApiError::NotFound(
             "no such job action: retry or discard".into(),
@@ -337,12 +386,12 @@ async fn job_action(
 }
 
 async fn replay_event(
+    operator: OperatorSession,
     State(state): State<AppState>,
-    headers: HeaderMap,
     Path(raw): Path<String>,
     form: Result<Form<Csrf>, FormRejection>,
 ) -> Result<Page, Page> {
-    authorized(&state, &headers, form.as_deref().ok())?;
+    operator.check(form.as_deref().ok())?;
     let id = id_of(&raw)?;
     let replayed = events::replay(&state.pool, id)
         .await
@@ -355,11 +404,11 @@ async fn replay_event(
 }
 
 async fn replay_all(
+    operator: OperatorSession,
     State(state): State<AppState>,
-    headers: HeaderMap,
     form: Result<Form<Csrf>, FormRejection>,
 ) -> Result<Page, Page> {
-    authorized(&state, &headers, form.as_deref().ok())?;
+    operator.check(form.as_deref().ok())?;
     let queued = events::replay_all(&state.pool)
         .await
         .map_err(ApiError::from)?;
@@ -407,7 +456,9 @@ fn table(id: &str, headers: &[&str], rows: Vec<String>, empty: &str) -> String {
     )
 }
 
+/// Anyone gets the sign-in form; a signed-in operator the dashboard.
 async fn dashboard(
+    _caller: Anyone,
     State(state): State<AppState>,
     headers: HeaderMap,
     Query(shown): Query<Shown>,
@@ -422,7 +473,7 @@ async fn dashboard(
     body.push_str(&format!(
         "<p>{} {}</p>",
         button("/admin/ui/sign-out", &csrf, "Sign out"),
-        "<a href=\"/admin/ui\">Refresh</a> · <a href=\"/metrics\">Metrics</a>"
+        "<a href=\"/admin/ui\">Refresh</a>"
     ));
     if let Some(done) = shown.done.filter(|d| !d.is_empty() && d.len() <= 200) {
         body.push_str(&format!(
@@ -632,7 +683,7 @@ mod tests {
 
     #[test]
     fn a_session_holds_only_with_its_own_signature_token_and_time() {
-        let token = Secret::new("admin-token-0123456789");
+        let token = Token::parse("admin-token-0123456789-0123456789").unwrap();
         let now = Utc::now();
         let (session, cookie) = Session::start(&token, now);
         let ok = Session::from_headers(
@@ -645,7 +696,7 @@ mod tests {
         assert!(ok.check_csrf(&token, &session.csrf(&token)));
         assert!(!ok.check_csrf(&token, ""));
         // Another token (rotated), a changed expiry, an expired session: none holds.
-        let other = Secret::new("admin-token-9876543210");
+        let other = Token::parse("admin-token-9876543210-9876543210").unwrap();
         assert!(
             Session::from_headers(&other, &headers(&format!("{COOKIE_NAME}={cookie}")), now)
                 .is_none()

@@ -26,8 +26,10 @@ use crate::webhooks::{RejectedWebhook, StoreError};
 pub enum ApiError {
     #[error("{message}")]
     BadRequest { code: &'static str, message: String },
+    /// No credential, or one that is not ours (an unknown or revoked key).
     #[error("{0}")]
-    Unauthorized(String),
+    Unauthenticated(String),
+    /// A credential that may not do this.
     #[error("{0}")]
     Forbidden(String),
     #[error("{0}")]
@@ -36,15 +38,36 @@ pub enum ApiError {
     Conflict { code: &'static str, message: String },
     #[error("{message}")]
     Unprocessable { code: &'static str, message: String },
-    #[error("the body is larger than the limit of {0} bytes")]
-    PayloadTooLarge(usize),
-    #[error("unavailable ({0}); nothing was stored, try again later")]
+    #[error("the body is larger than this endpoint takes{}", .0.map(|n| format!(" ({n} bytes)")).unwrap_or_default())]
+    PayloadTooLarge(Option<usize>),
+    /// The body did not arrive within the time a request is given.
+    #[error("the request body did not arrive in time")]
+    BodyTimeout,
+    /// Too many failed credentials from this address.
+    #[error("too many failed attempts from this address; try again in {} s", .0.as_secs().max(1))]
+    TooManyRequests(std::time::Duration),
+    #[error("the service is unavailable; nothing was stored, try again later")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
-    /// A dependency is down, with what it means for this request.
+    /// A dependency is down: `message` says what it means for this request (and is answered),
+    /// `detail` why (and is only logged).
     #[error("{message}")]
-    DependencyDown { code: &'static str, message: String },
+    DependencyDown {
+        code: &'static str,
+        message: String,
+        detail: String,
+    },
     #[error("internal error")]
     Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+tokio::task_local! {
+    /// The id of the request being answered (set by the request span), so that an error's
+    /// answer and its log line name the same request.
+    pub(super) static REQUEST_ID: String;
+}
+
+fn request_id() -> Option<String> {
+    REQUEST_ID.try_with(Clone::clone).ok()
 }
 
 impl ApiError {
@@ -58,15 +81,29 @@ impl ApiError {
     pub(super) fn status_and_code(&self) -> (StatusCode, &'static str) {
         match self {
             Self::BadRequest { code, .. } => (StatusCode::BAD_REQUEST, code),
-            Self::Unauthorized(_) => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            Self::Unauthenticated(_) => (StatusCode::UNAUTHORIZED, "unauthenticated"),
             Self::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             Self::Conflict { code, .. } => (StatusCode::CONFLICT, code),
             Self::Unprocessable { code, .. } => (StatusCode::UNPROCESSABLE_ENTITY, code),
             Self::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+            Self::BodyTimeout => (StatusCode::REQUEST_TIMEOUT, "request_timeout"),
+            Self::TooManyRequests(_) => (StatusCode::TOO_MANY_REQUESTS, "too_many_requests"),
             Self::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             Self::DependencyDown { code, .. } => (StatusCode::SERVICE_UNAVAILABLE, code),
             Self::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        }
+    }
+
+    /// What the caller is told. A 5xx says only what it means for the request: the internal
+    /// error's own text (the database's, the broker's, a gateway's) goes to the log, under the
+    /// same request id.
+    pub(super) fn public_message(&self) -> String {
+        match self {
+            Self::Internal(_) => {
+                "an internal error: the log has what happened, under this request id".into()
+            }
+            other => other.to_string(),
         }
     }
 }
@@ -75,14 +112,26 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, code) = self.status_and_code();
         self.log();
-        let mut resp = (
-            status,
-            Json(json!({"error": {"code": code, "message": self.to_string()}})),
-        )
-            .into_response();
-        if status == StatusCode::SERVICE_UNAVAILABLE {
+        let mut error = json!({"code": code, "message": self.public_message()});
+        if let Some(id) = request_id() {
+            error["request_id"] = serde_json::Value::String(id);
+        }
+        let mut resp = (status, Json(json!({ "error": error }))).into_response();
+        let retry_after = match &self {
+            Self::TooManyRequests(left) => Some(left.as_secs().max(1)),
+            _ if status == StatusCode::SERVICE_UNAVAILABLE => Some(5),
+            _ => None,
+        };
+        if let Some(secs) = retry_after {
             resp.headers_mut()
-                .insert("retry-after", axum::http::HeaderValue::from_static("5"));
+                .insert("retry-after", axum::http::HeaderValue::from(secs));
+        }
+        if matches!(self, Self::BodyTimeout) {
+            // The rest of the body may never come: the connection is not kept.
+            resp.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
         }
         resp
     }
@@ -101,7 +150,13 @@ impl From<sqlx::Error> for ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         if e.is_unavailable() {
-            Self::Unavailable(Box::new(e))
+            // Its own words say why (the writer's queue is full, the database is down), never
+            // the driver's: those are only in the detail, which is logged.
+            Self::DependencyDown {
+                code: "unavailable",
+                message: format!("{e}; nothing was stored, send it again later"),
+                detail: crate::queue::error_chain(&e),
+            }
         } else {
             Self::Internal(Box::new(e))
         }
@@ -152,17 +207,25 @@ impl ApiError {
     /// Logs what an operator needs to know about a failure answered by a 5xx.
     pub(super) fn log(&self) {
         match self {
-            Self::Unavailable(e) => tracing::warn!(error = %e, "answering 503"),
-            Self::DependencyDown { message, .. } => tracing::warn!(%message, "answering 503"),
-            Self::Internal(e) => tracing::error!(error = %e, "answering 500"),
+            Self::Unavailable(e) => {
+                tracing::warn!(error = %crate::queue::error_chain(e.as_ref()), "answering 503")
+            }
+            Self::DependencyDown {
+                message, detail, ..
+            } => tracing::warn!(%message, %detail, "answering 503"),
+            Self::Internal(e) => {
+                tracing::error!(error = %crate::queue::error_chain(e.as_ref()), "answering 500")
+            }
             _ => {}
         }
     }
 
-    /// A body that could not be read: too large for `limit`, or broken.
-    pub fn from_body(r: BytesRejection, limit: usize) -> Self {
+    /// A body that could not be read: too large for `limit` (when known), too slow, or broken.
+    pub fn from_body(r: BytesRejection, limit: Option<usize>) -> Self {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             Self::PayloadTooLarge(limit)
+        } else if super::server::is_body_timeout(&r) {
+            Self::BodyTimeout
         } else {
             Self::bad_request(r.body_text())
         }
@@ -173,7 +236,7 @@ impl From<RejectedWebhook> for ApiError {
     fn from(e: RejectedWebhook) -> Self {
         match e {
             RejectedWebhook::Disabled(_) => Self::NotFound(e.to_string()),
-            RejectedWebhook::Signature(_) => Self::Unauthorized(e.to_string()),
+            RejectedWebhook::Signature(_) => Self::Unauthenticated(e.to_string()),
             RejectedWebhook::Malformed(_) => Self::bad_request(e.to_string()),
             RejectedWebhook::Aborted(_) => Self::Internal(Box::new(e)),
         }
@@ -232,9 +295,12 @@ impl From<CheckoutError> for ApiError {
             CheckoutError::CouponUnavailable(_) => unprocessable("coupon_unavailable"),
             CheckoutError::GatewayUnavailable(_) => unprocessable("gateway_unavailable"),
             CheckoutError::InvalidBuyer(_) => unprocessable("invalid_request"),
-            CheckoutError::LinksUnavailable { .. } => Self::DependencyDown {
+            CheckoutError::LinksUnavailable { orders, reason } => Self::DependencyDown {
                 code: "payment_link_unavailable",
-                message,
+                message: format!(
+                    "orders {orders:?} are kept, but the payment side did not give their payment links; send the same request again, or POST /orders/{{number}}/payment, to get them"
+                ),
+                detail: reason,
             },
             CheckoutError::LinksRefused { .. } => unprocessable("payment_link_refused"),
             CheckoutError::Queue(e) => e.into(),
@@ -355,9 +421,10 @@ impl From<CoinPaymentError> for ApiError {
                 },
                 message,
             },
-            CoinPaymentError::Unavailable(_) => Self::DependencyDown {
+            CoinPaymentError::Unavailable(detail) => Self::DependencyDown {
                 code: "coins_unavailable",
-                message,
+                message: "the coins service did not answer; nothing was spent, ask again".into(),
+                detail,
             },
             CoinPaymentError::Ledger(e) => e.into(),
             CoinPaymentError::Queue(e) => e.into(),

@@ -12,6 +12,7 @@ use axum::routing::get;
 use serde_json::{Map, Value, json};
 use sqlx::PgPool;
 
+use super::callers::Anyone;
 use crate::queue::FleetProbe;
 use crate::webhooks::EventWriter;
 
@@ -25,18 +26,19 @@ pub struct Readiness {
     pub fleet: Option<FleetProbe>,
 }
 
-pub(super) fn routes(readiness: Readiness) -> axum::Router {
-    axum::Router::new()
+/// Public: a probe carries no credential, and the answers say only "ok" or "unavailable".
+pub(super) fn routes(readiness: Readiness) -> super::Routes {
+    super::Routes::default()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(readiness)
 }
 
-async fn healthz() -> impl IntoResponse {
+async fn healthz(_caller: Anyone) -> impl IntoResponse {
     axum::Json(json!({"status": "ok"}))
 }
 
-async fn readyz(State(r): State<Readiness>) -> impl IntoResponse {
+async fn readyz(_caller: Anyone, State(r): State<Readiness>) -> impl IntoResponse {
     let mut checks = Map::new();
     let mut ready = true;
     let mut check = |name: &str, ok: bool| {

@@ -1,11 +1,14 @@
-//! `GET /metrics`, in the Prometheus text format. Counters are this process's (held by its
-//! app, not in globals); gauges are read from the database at scrape time (every process
-//! reports the same fleet-wide numbers), each through a partial index, so a scrape never scans
-//! the whole jobs or events table.
+//! `GET /metrics`, in the Prometheus text format, for the admin token or
+//! `PAYFLEET_METRICS_TOKEN`. Counters are this process's (held by its app, not in globals);
+//! gauges are read from the database (every process reports the same fleet-wide numbers), each
+//! through a partial index, at most once per `PAYFLEET_METRICS_REFRESH_MS` (5 s) whatever the scrape rate: scrapes
+//! in between get the last reading, and concurrent ones wait for the one reading under way, so
+//! no scrape rate can take the pool's connections from checkouts.
 
 use std::fmt::Write;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::http::header;
@@ -14,6 +17,7 @@ use axum::routing::get;
 use sqlx::PgPool;
 
 use super::ApiError;
+use super::callers::{Callers, MetricsReader};
 use crate::gateways::GatewayName;
 use crate::payments::events;
 use crate::queue::admin;
@@ -99,22 +103,62 @@ impl WebhookCounters {
 struct MetricsState {
     pool: PgPool,
     webhooks: Option<Arc<WebhookCounters>>,
+    callers: Callers,
+    /// How long a reading of the gauges is served before it is read again.
+    refresh: Duration,
+    gauges: Arc<tokio::sync::Mutex<Option<(Instant, Arc<str>)>>>,
+}
+
+impl axum::extract::FromRef<MetricsState> for Callers {
+    fn from_ref(state: &MetricsState) -> Self {
+        state.callers.clone()
+    }
 }
 
 /// `webhooks`: the receiver's counters, when this process receives webhooks.
-pub(super) fn routes(pool: PgPool, webhooks: Option<Arc<WebhookCounters>>) -> axum::Router {
-    axum::Router::new()
+pub(super) fn routes(
+    pool: PgPool,
+    webhooks: Option<Arc<WebhookCounters>>,
+    callers: Callers,
+    refresh: Duration,
+) -> super::Routes {
+    super::Routes::default()
         .route("/metrics", get(metrics_text))
-        .with_state(MetricsState { pool, webhooks })
+        .with_state(MetricsState {
+            pool,
+            webhooks,
+            callers,
+            refresh,
+            gauges: Arc::default(),
+        })
 }
 
-async fn metrics_text(State(state): State<MetricsState>) -> Result<impl IntoResponse, ApiError> {
+async fn metrics_text(
+    _caller: MetricsReader,
+    State(state): State<MetricsState>,
+) -> Result<impl IntoResponse, ApiError> {
     let mut body = String::new();
     if let Some(w) = &state.webhooks {
         w.render(&mut body);
     }
-    gauges(&state.pool, &mut body).await?;
+    body.push_str(&cached_gauges(&state).await?);
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body))
+}
+
+/// The gauges as last read, read again when older than `refresh`. The lock is held over
+/// the reading: scrapes that arrive meanwhile wait for it instead of reading too.
+async fn cached_gauges(state: &MetricsState) -> Result<Arc<str>, sqlx::Error> {
+    let mut cached = state.gauges.lock().await;
+    if let Some((at, text)) = cached.as_ref()
+        && at.elapsed() < state.refresh
+    {
+        return Ok(text.clone());
+    }
+    let mut text = String::new();
+    gauges(&state.pool, &mut text).await?;
+    let text: Arc<str> = text.into();
+    *cached = Some((Instant::now(), text.clone()));
+    Ok(text)
 }
 
 async fn gauges(pool: &PgPool, out: &mut String) -> Result<(), sqlx::Error> {

@@ -1,7 +1,9 @@
-//! The HTTP surface: one file per area, each with its router (`webhooks`, `health`,
-//! `metrics`), the one error type (`error`), and the assembly below.
+//! The HTTP surface: one file per area, each with its routes (`webhooks`, `orders`, `money`,
+//! `admin`, `dashboard`, `pay`, `health`, `metrics`), who may call them (`callers`), the one
+//! error type (`error`), the server and its limits (`server`), and the assembly below.
 
 mod admin;
+pub mod callers;
 mod dashboard;
 mod error;
 mod health;
@@ -10,23 +12,25 @@ pub mod metrics;
 mod money;
 mod orders;
 mod pay;
+pub mod server;
 mod webhooks;
 
 use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRef, FromRequest, Request};
+use axum::routing::MethodRouter;
 use serde::de::DeserializeOwned;
 use sqlx::PgPool;
 
+pub use callers::Callers;
 pub use error::ApiError;
 pub use health::Readiness;
 pub use metrics::WebhookCounters;
 
 use crate::gateways::hosted::HostedGateway;
 use crate::orders::checkout::Checkout;
-use crate::secret::Secret;
 use crate::webhooks::{EventWriter, Verifier};
 
 /// Everything the HTTP handlers share.
@@ -39,9 +43,15 @@ pub struct AppState {
     pub readiness: Readiness,
     pub counters: Arc<WebhookCounters>,
     pub checkout: Checkout,
-    /// The hosted gateways (internal, mock) whose payment pages this receiver serves.
+    /// The hosted gateways (internal, mock) whose payment pages this receiver serves: none
+    /// unless the payment simulator is on.
     pub hosted: Vec<HostedGateway>,
-    pub admin_token: Option<Secret>,
+    /// Where buyers reach this receiver (`PAYFLEET_PUBLIC_URL`): the only origin the payment
+    /// page takes a form from.
+    pub public_url: String,
+    pub callers: Callers,
+    /// How long a reading of the metrics' database gauges is served.
+    pub metrics_refresh: std::time::Duration,
     pub razorpay_key_id: Option<String>,
     /// The gateways this receiver may call itself (an operator's refund).
     pub gateways: crate::gateways::GatewayRegistry,
@@ -53,22 +63,82 @@ pub struct AppState {
     pub secure_cookies: bool,
 }
 
-/// The receiver's API: webhooks, health and metrics.
-pub fn router(state: AppState) -> Router {
-    Router::new()
-        .merge(webhooks::routes(state.clone()))
-        .merge(orders::routes(state.clone()))
-        .merge(admin::routes(state.clone()))
-        .merge(dashboard::routes(state.clone()))
-        .merge(pay::routes(state.clone()))
-        .merge(money::routes(state.clone()))
+impl FromRef<AppState> for Callers {
+    fn from_ref(state: &AppState) -> Self {
+        state.callers.clone()
+    }
+}
+
+/// A router that keeps the path of every route it is given, so that the whole surface can be
+/// walked (a test sends every route a request without credentials, and fails on any that is
+/// not on the short public list and does not answer 401).
+pub struct Routes<S = ()> {
+    router: Router<S>,
+    paths: Vec<&'static str>,
+}
+
+impl<S: Clone + Send + Sync + 'static> Default for Routes<S> {
+    fn default() -> Self {
+        Self {
+            router: Router::new(),
+            paths: Vec::new(),
+        }
+    }
+}
+
+impl<S: Clone + Send + Sync + 'static> Routes<S> {
+    pub fn route(mut self, path: &'static str, handlers: MethodRouter<S>) -> Self {
+        self.router = self.router.route(path, handlers);
+        self.paths.push(path);
+        self
+    }
+
+    pub fn merge(mut self, other: Routes<S>) -> Self {
+        self.router = self.router.merge(other.router);
+        self.paths.extend(other.paths);
+        self
+    }
+
+    pub fn with_state<S2>(self, state: S) -> Routes<S2> {
+        Routes {
+            router: self.router.with_state(state),
+            paths: self.paths,
+        }
+    }
+}
+
+impl Routes {
+    /// The router to serve, and the paths it answers.
+    fn finish(self) -> (Router, Vec<&'static str>) {
+        let router = self
+            .router
+            .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
+            .layer(axum::middleware::from_fn(request_span));
+        (router, self.paths)
+    }
+}
+
+/// The receiver's API, and its paths.
+pub fn router(state: AppState) -> (Router, Vec<&'static str>) {
+    Routes::default()
+        .merge(
+            Routes::default()
+                .merge(webhooks::routes(state.webhook_body_limit))
+                .merge(orders::routes())
+                .merge(admin::routes())
+                .merge(dashboard::routes())
+                .merge(pay::routes())
+                .merge(money::routes())
+                .with_state(state.clone()),
+        )
         .merge(health::routes(state.readiness.clone()))
         .merge(metrics::routes(
             state.pool.clone(),
             Some(state.counters.clone()),
+            state.callers.clone(),
+            state.metrics_refresh,
         ))
-        .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
-        .layer(axum::middleware::from_fn(request_span))
+        .finish()
 }
 
 /// One span per request, with its method, route and id (the caller's `x-request-id` when it
@@ -91,7 +161,12 @@ async fn request_span(
         .to_owned();
     let span =
         tracing::info_span!("request", method = %req.method(), route = %route, request_id = %id);
-    let mut resp = tracing::Instrument::instrument(next.run(req), span.clone()).await;
+    let mut resp = error::REQUEST_ID
+        .scope(
+            id.clone(),
+            tracing::Instrument::instrument(next.run(req), span.clone()),
+        )
+        .await;
     span.in_scope(|| tracing::debug!(status = resp.status().as_u16(), "answered"));
     if let Ok(v) = axum::http::HeaderValue::from_str(&id) {
         resp.headers_mut().insert("x-request-id", v);
@@ -100,11 +175,17 @@ async fn request_span(
 }
 
 /// A worker process's own endpoints: health and metrics.
-pub fn worker_router(pool: PgPool, readiness: Readiness) -> Router {
-    Router::new()
+pub fn worker_router(
+    pool: PgPool,
+    readiness: Readiness,
+    callers: Callers,
+    metrics_refresh: std::time::Duration,
+) -> Router {
+    Routes::default()
         .merge(health::routes(readiness))
-        .merge(metrics::routes(pool, None))
-        .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
+        .merge(metrics::routes(pool, None, callers, metrics_refresh))
+        .finish()
+        .0
 }
 
 /// A JSON body, refused with the one error shape: 400 when it is not JSON, 422 when it is JSON
@@ -125,6 +206,7 @@ where
                 code: "invalid_request",
                 message: e.body_text(),
             }),
+            Err(JsonRejection::BytesRejection(r)) => Err(ApiError::from_body(r, None)),
             Err(other) => Err(ApiError::bad_request(other.body_text())),
         }
     }

@@ -9,13 +9,14 @@ use axum::routing::get;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use super::callers::Backend;
 use super::html::{escape, page};
-use super::{ApiError, AppState};
+use super::{ApiError, AppState, Routes};
 use crate::catalogue::{self, SellerId};
 use crate::ledger::{self, coins, invoices, payouts};
 
-pub(super) fn routes(state: AppState) -> axum::Router {
-    axum::Router::new()
+pub(super) fn routes() -> Routes<AppState> {
+    Routes::default()
         .route("/sellers/{id}/balances", get(balances))
         .route("/sellers/{id}/ledger", get(entries))
         .route("/sellers/{id}/payouts", get(seller_payouts))
@@ -23,24 +24,31 @@ pub(super) fn routes(state: AppState) -> axum::Router {
         .route("/sellers/{id}/invoices/{number}", get(invoice))
         .route("/sellers/{id}/invoices/{number}/print", get(invoice_page))
         .route("/wallets/{buyer}", get(wallets))
-        .with_state(state)
 }
 
-/// A seller named by the path: 404 (as JSON) for an id that is not one, or not known.
-async fn seller(state: &AppState, raw: &str) -> Result<catalogue::Seller, ApiError> {
+/// A seller named by the path, that the caller may read: 403 for a key bound to another seller
+/// (checked before the seller is looked up, so it learns nothing of who exists), 404 (as JSON)
+/// for an id that is not one, or not known.
+async fn seller(
+    state: &AppState,
+    caller: &Backend,
+    raw: &str,
+) -> Result<catalogue::Seller, ApiError> {
     let id: SellerId = raw
         .parse()
         .map_err(|_| ApiError::NotFound(format!("no seller {raw:?}")))?;
+    caller.may_read(id)?;
     catalogue::seller(&state.pool, id)
         .await?
         .ok_or_else(|| ApiError::NotFound(format!("no seller {id}")))
 }
 
 async fn balances(
+    caller: Backend,
     State(state): State<AppState>,
     Path(raw): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let s = seller(&state, &raw).await?;
+    let s = seller(&state, &caller, &raw).await?;
     let list = ledger::balances(&state.pool, &s.id.to_string()).await?;
     Ok(Json(json!({ "seller_id": s.id, "balances": list })))
 }
@@ -55,6 +63,7 @@ const MAX_PAGE: i64 = 500;
 
 /// The seller's entries, oldest first; `next_after` continues the listing.
 async fn entries(
+    caller: Backend,
     State(state): State<AppState>,
     Path(raw): Path<String>,
     page: Result<Query<Page>, axum::extract::rejection::QueryRejection>,
@@ -66,7 +75,7 @@ async fn entries(
             "limit is 1 to {MAX_PAGE}, not {limit}"
         )));
     }
-    let s = seller(&state, &raw).await?;
+    let s = seller(&state, &caller, &raw).await?;
     let list = ledger::entries(
         &state.pool,
         &s.id.to_string(),
@@ -83,29 +92,32 @@ async fn entries(
 }
 
 async fn seller_payouts(
+    caller: Backend,
     State(state): State<AppState>,
     Path(raw): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let s = seller(&state, &raw).await?;
+    let s = seller(&state, &caller, &raw).await?;
     let list = payouts::list(&state.pool, &s.id.to_string()).await?;
     Ok(Json(json!({ "seller_id": s.id, "payouts": list })))
 }
 
 async fn seller_invoices(
+    caller: Backend,
     State(state): State<AppState>,
     Path(raw): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let s = seller(&state, &raw).await?;
+    let s = seller(&state, &caller, &raw).await?;
     let list = invoices::list(&state.pool, s.id).await?;
     Ok(Json(json!({ "seller_id": s.id, "invoices": list })))
 }
 
 async fn find_invoice(
     state: &AppState,
+    caller: &Backend,
     raw: &str,
     number: &str,
 ) -> Result<invoices::Invoice, ApiError> {
-    let s = seller(state, raw).await?;
+    let s = seller(state, caller, raw).await?;
     let n: i64 = number
         .parse()
         .map_err(|_| ApiError::NotFound(format!("no invoice {number:?}")))?;
@@ -115,10 +127,11 @@ async fn find_invoice(
 }
 
 async fn invoice(
+    caller: Backend,
     State(state): State<AppState>,
     Path((raw, number)): Path<(String, String)>,
 ) -> Result<Json<invoices::Invoice>, ApiError> {
-    Ok(Json(find_invoice(&state, &raw, &number).await?))
+    Ok(Json(find_invoice(&state, &caller, &raw, &number).await?))
 }
 
 const INVOICE_CSS: &str = "body{font-family:sans-serif;max-width:48rem;margin:2rem auto}\
@@ -127,10 +140,11 @@ const INVOICE_CSS: &str = "body{font-family:sans-serif;max-width:48rem;margin:2r
 
 /// The invoice as a page to print.
 async fn invoice_page(
+    caller: Backend,
     State(state): State<AppState>,
     Path((raw, number)): Path<(String, String)>,
 ) -> Result<Html<String>, ApiError> {
-    let inv = find_invoice(&state, &raw, &number).await?;
+    let inv = find_invoice(&state, &caller, &raw, &number).await?;
     let mut body = format!(
         "<p>Seller: {}<br>Period: {} to {} (exclusive)<br>Issued: {}</p>\
          <table><thead><tr><th>#</th><th>Order</th><th>Description</th><th>Currency</th><th>Commission</th></tr></thead><tbody>",
@@ -165,10 +179,13 @@ async fn invoice_page(
     )))
 }
 
+/// A buyer's coins: the backend's (whose own buyers they are), not a seller's key.
 async fn wallets(
+    caller: Backend,
     State(state): State<AppState>,
     Path(buyer): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    caller.acts_for_buyers()?;
     if buyer.is_empty() || buyer.chars().count() > 200 || buyer.chars().any(char::is_control) {
         return Err(ApiError::NotFound(format!("no buyer {buyer:?}")));
     }

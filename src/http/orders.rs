@@ -1,30 +1,41 @@
 //! Checkout and orders: `POST /checkout`, `GET /orders/{number}`,
-//! `POST /orders/{number}/payment`.
+//! `POST /orders/{number}/payment`, `POST /orders/{number}/coins`. All of them are the
+//! marketplace backend's (an API key): a key bound to a seller reads that seller's orders and
+//! does nothing else here.
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 
-use super::{ApiError, AppState, JsonBody};
+use super::callers::Backend;
+use super::{ApiError, AppState, JsonBody, Routes};
+use crate::orders::checkout::MAX_BODY_BYTES;
 use crate::orders::{self, OrderView};
 
-pub(super) fn routes(state: AppState) -> axum::Router {
-    axum::Router::new()
-        .route("/checkout", post(checkout))
+pub(super) fn routes() -> Routes<AppState> {
+    Routes::default()
+        .route(
+            "/checkout",
+            post(checkout).layer(DefaultBodyLimit::max(MAX_BODY_BYTES)),
+        )
         .route("/orders/{number}", get(order))
         .route("/orders/{number}/payment", post(reopen))
         .route("/orders/{number}/coins", post(pay_with_coins))
-        .with_state(state)
 }
 
 async fn checkout(
+    caller: Backend,
     State(state): State<AppState>,
     headers: HeaderMap,
     JsonBody(body): JsonBody<serde_json::Value>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+    caller.acts_for_buyers()?;
     let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
-    let answer = state.checkout.run(key, body).await?;
+    let answer = state
+        .checkout
+        .run(&caller.idempotency_owner(), key, body)
+        .await?;
     Ok((StatusCode::CREATED, Json(answer)))
 }
 
@@ -37,6 +48,7 @@ pub(super) fn number(raw: &str) -> Result<i64, ApiError> {
 }
 
 async fn order(
+    caller: Backend,
     State(state): State<AppState>,
     Path(raw): Path<String>,
 ) -> Result<Json<OrderView>, ApiError> {
@@ -44,15 +56,18 @@ async fn order(
     let order = orders::view(&state.pool, n)
         .await?
         .ok_or_else(|| ApiError::NotFound(format!("no order {n}")))?;
+    caller.may_read(order.seller_id)?;
     Ok(Json(order))
 }
 
 /// The buyer reopens payment: the expiry moves to a full period from now, and the order gets
 /// its payment link if it had none yet.
 async fn reopen(
+    caller: Backend,
     State(state): State<AppState>,
     Path(raw): Path<String>,
 ) -> Result<Json<OrderView>, ApiError> {
+    caller.acts_for_buyers()?;
     let n = number(&raw)?;
     let order = orders::reopen(&state.pool, n, state.checkout.expiry).await?;
     if order.payment.is_none() {
@@ -61,8 +76,9 @@ async fn reopen(
             .map_err(|(reason, _)| ApiError::DependencyDown {
                 code: "payment_link_unavailable",
                 message: format!(
-                    "order {n} is kept and payable, but the payment side did not give its link ({reason}); try again"
+                    "order {n} is kept and payable, but the payment side did not give its link; try again"
                 ),
+                detail: reason,
             })?;
     }
     let order = orders::view(&state.pool, n)
@@ -75,9 +91,11 @@ async fn reopen(
 /// the coins spent. 422 `coins_insufficient` changes nothing; 503 `coins_unavailable` spends
 /// nothing (ask again).
 async fn pay_with_coins(
+    caller: Backend,
     State(state): State<AppState>,
     Path(raw): Path<String>,
 ) -> Result<Json<OrderView>, ApiError> {
+    caller.acts_for_buyers()?;
     let n = number(&raw)?;
     Ok(Json(orders::coins::pay(&state.pool, &state.rpc, n).await?))
 }

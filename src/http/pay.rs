@@ -2,28 +2,43 @@
 //! "fail" buttons; the form's POST records the outcome at the gateway, which then delivers its
 //! signed event to the receiver like any gateway would. Also the page that opens Razorpay
 //! Checkout for a Razorpay order, and the pages Stripe sends buyers back to.
+//!
+//! The pay/fail page is a simulator: it moves no real money. It is served only where the
+//! payment simulator is on (`PAYFLEET_PAYMENT_SIMULATOR=on`: the hosted gateways are not
+//! enabled otherwise, and `serve` refuses to start with them). Its form carries a token bound to
+//! its session and rendered by the `GET` (an HMAC under a key derived from the gateway's
+//! secret, valid an hour); a `POST` without it, or from another origin, is 403 and records
+//! nothing. The page is never framed (`frame-ancestors 'none'`) nor cached, and sends no
+//! referrer (its URL is the buyer's capability).
 
 use axum::Form;
 use axum::extract::rejection::FormRejection;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
-use axum::response::Html;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
+use chrono::Utc;
 use serde::Deserialize;
+use subtle::ConstantTimeEq;
 
+use super::callers::{Anyone, Buyer};
 use super::html::{self, escape};
-use super::{ApiError, AppState};
+use super::{ApiError, AppState, Routes};
 use crate::gateways::hosted::{self, HostedGateway, Outcome};
 use crate::gateways::{GatewayName, PaymentGateway};
 use crate::orders;
+use crate::webhooks::signature::hmac_sha256;
 
-pub(super) fn routes(state: AppState) -> axum::Router {
-    axum::Router::new()
+/// How long a rendered form may be posted back.
+const FORM_SECS: i64 = 3600;
+
+pub(super) fn routes() -> Routes<AppState> {
+    Routes::default()
         .route("/pay/{session}", get(page).post(decide))
         .route("/pay/razorpay/{order_id}", get(razorpay_page))
         .route(
             "/orders/paid",
-            get(|| async {
+            get(|_: Anyone| async {
                 Html(layout(
                     "Payment received",
                     "<p>Thank you: your payment is being confirmed.</p>",
@@ -32,9 +47,10 @@ pub(super) fn routes(state: AppState) -> axum::Router {
         )
         .route(
             "/orders/cancelled",
-            get(|| async { Html(layout("Payment cancelled", "<p>No payment was taken.</p>")) }),
+            get(|_: Anyone| async {
+                Html(layout("Payment cancelled", "<p>No payment was taken.</p>"))
+            }),
         )
-        .with_state(state)
 }
 
 fn layout(title: &str, body: &str) -> String {
@@ -43,6 +59,82 @@ fn layout(title: &str, body: &str) -> String {
         "body{font-family:sans-serif;max-width:32rem;margin:3rem auto}button{font-size:1.1rem;margin-right:1rem}",
         body,
     )
+}
+
+/// A payment page's answer: not framed, not cached, no referrer; `script` allows the one script
+/// source a page loads (Razorpay Checkout's).
+fn guarded(status: StatusCode, html: String, script: Option<&str>) -> Response {
+    let mut resp = (status, Html(html)).into_response();
+    let csp = match script {
+        Some(src) => format!(
+            "default-src 'none'; script-src {src} 'unsafe-inline'; connect-src {src}; frame-src {src}; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'"
+        ),
+        None => "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'".into(),
+    };
+    let h = resp.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&csp) {
+        h.insert("content-security-policy", v);
+    }
+    h.insert("x-frame-options", HeaderValue::from_static("DENY"));
+    h.insert("cache-control", HeaderValue::from_static("no-store"));
+    h.insert("referrer-policy", HeaderValue::from_static("no-referrer"));
+    h.insert(
+        "x-content-type-options",
+        HeaderValue::from_static("nosniff"),
+    );
+    resp
+}
+
+/// The form token of a session's page: `{expires}.{hex mac}`.
+fn form_token(gateway: &HostedGateway, session: &str, now: i64) -> String {
+    let expires = now + FORM_SECS;
+    let mac = hmac_sha256(
+        &gateway.page_key(),
+        &[
+            b"pay|",
+            session.as_bytes(),
+            b"|",
+            expires.to_string().as_bytes(),
+        ],
+    );
+    format!("{expires}.{}", hex::encode(mac))
+}
+
+fn form_token_holds(gateway: &HostedGateway, session: &str, given: &str, now: i64) -> bool {
+    let Some((expires, mac)) = given.split_once('.') else {
+        return false;
+    };
+    let (Ok(expires_at), Ok(mac)) = (expires.parse::<i64>(), hex::decode(mac)) else {
+        return false;
+    };
+    let want = hmac_sha256(
+        &gateway.page_key(),
+        &[b"pay|", session.as_bytes(), b"|", expires.as_bytes()],
+    );
+    bool::from(want.as_slice().ct_eq(&mac)) && expires_at > now
+}
+
+/// A form from the page itself: no browser sends another site's origin as ours. A request
+/// without `Origin` and `Sec-Fetch-Site` (not a browser's) still needs the form token.
+fn same_origin(headers: &HeaderMap, public_url: &str) -> bool {
+    let origin_ok = match headers.get("origin").map(|v| v.to_str()) {
+        None => true,
+        Some(Ok(origin)) => {
+            let public = public_url.trim_end_matches('/');
+            // The origin is the public URL's scheme, host and port, without its path.
+            let end = public
+                .find("://")
+                .and_then(|i| public[i + 3..].find('/').map(|j| i + 3 + j))
+                .unwrap_or(public.len());
+            origin.eq_ignore_ascii_case(&public[..end])
+        }
+        Some(Err(_)) => false,
+    };
+    let site_ok = !matches!(
+        headers.get("sec-fetch-site").and_then(|v| v.to_str().ok()),
+        Some("cross-site" | "same-site")
+    );
+    origin_ok && site_ok
 }
 
 fn hosted_gateway(state: &AppState, gateway: GatewayName) -> Result<HostedGateway, ApiError> {
@@ -54,40 +146,72 @@ fn hosted_gateway(state: &AppState, gateway: GatewayName) -> Result<HostedGatewa
         .ok_or_else(|| ApiError::NotFound(format!("gateway {gateway} is not enabled")))
 }
 
+/// The session of a page, on a hosted gateway this receiver serves pages for.
+async fn session_of(
+    state: &AppState,
+    session: &str,
+) -> Result<(hosted::HostedPayment, HostedGateway), ApiError> {
+    let not_found = || ApiError::NotFound(format!("no payment session {session}"));
+    let p = hosted::payment(&state.pool, session)
+        .await?
+        .ok_or_else(not_found)?;
+    let gateway = hosted_gateway(state, p.gateway).map_err(|_| not_found())?;
+    Ok((p, gateway))
+}
+
 async fn page(
+    _caller: Buyer,
     State(state): State<AppState>,
     Path(session): Path<String>,
-) -> Result<Html<String>, ApiError> {
-    let p = hosted::payment(&state.pool, &session)
-        .await?
-        .ok_or_else(|| ApiError::NotFound(format!("no payment session {session}")))?;
+) -> Result<Response, ApiError> {
+    let (p, gateway) = session_of(&state, &session).await?;
     let order = orders::view(&state.pool, p.order_number).await?;
     let amount = p.money().map(|m| m.to_string()).unwrap_or_default();
     let title = format!("Order {}: {amount}", p.order_number);
     let body = match (p.status.as_str(), order.as_ref().map(|o| o.status)) {
         ("pending", Some(s)) if s.is_payable() => format!(
             "<p>Pay {amount} to the marketplace for order {n}.</p>\
-             <form method=\"post\"><button name=\"outcome\" value=\"succeeded\">Pay</button>\
+             <p><strong>Simulated payment:</strong> no money moves.</p>\
+             <form method=\"post\"><input type=\"hidden\" name=\"token\" value=\"{token}\">\
+             <button name=\"outcome\" value=\"succeeded\">Pay</button>\
              <button name=\"outcome\" value=\"failed\">Fail</button></form>",
             amount = escape(&amount),
-            n = p.order_number
+            n = p.order_number,
+            token = escape(&form_token(&gateway, &session, Utc::now().timestamp())),
         ),
         ("pending", Some(s)) => format!("<p>This order is {s}: it cannot be paid any more.</p>"),
         (status, _) => format!("<p>This payment is {}.</p>", escape(status)),
     };
-    Ok(Html(layout(&title, &body)))
+    Ok(guarded(StatusCode::OK, layout(&title, &body), None))
 }
 
 #[derive(Deserialize)]
 struct Decision {
     outcome: String,
+    token: Option<String>,
+}
+
+fn refused(message: &str) -> Response {
+    tracing::warn!("payment page post refused: {message}");
+    guarded(
+        StatusCode::FORBIDDEN,
+        layout("Not done", &format!("<p>{}</p>", escape(message))),
+        None,
+    )
 }
 
 async fn decide(
+    _caller: Buyer,
     State(state): State<AppState>,
     Path(session): Path<String>,
+    headers: HeaderMap,
     form: Result<Form<Decision>, FormRejection>,
-) -> Result<(StatusCode, Html<String>), ApiError> {
+) -> Result<Response, ApiError> {
+    if !same_origin(&headers, &state.public_url) {
+        return Ok(refused(
+            "this form was sent from another site: nothing was recorded",
+        ));
+    }
     let Form(form) = form.map_err(|e| ApiError::BadRequest {
         code: "invalid_form",
         message: format!("expected a form with outcome=succeeded or outcome=failed: {e}"),
@@ -102,22 +226,26 @@ async fn decide(
             });
         }
     };
-    let p = hosted::payment(&state.pool, &session)
-        .await?
-        .ok_or_else(|| ApiError::NotFound(format!("no payment session {session}")))?;
+    let (p, gateway) = session_of(&state, &session).await?;
+    let token_ok = form
+        .token
+        .as_deref()
+        .is_some_and(|t| form_token_holds(&gateway, &session, t, Utc::now().timestamp()));
+    if !token_ok {
+        return Ok(refused(
+            "this form is not one this page gave (its token is missing, wrong or expired): nothing was recorded; open the payment page again",
+        ));
+    }
     let payable = orders::view(&state.pool, p.order_number)
         .await?
         .is_some_and(|o| o.status.is_payable());
     if !payable && p.status == "pending" {
-        return Ok((
+        return Ok(guarded(
             StatusCode::CONFLICT,
-            Html(layout(
-                "Not payable",
-                "<p>This order cannot be paid any more.</p>",
-            )),
+            layout("Not payable", "<p>This order cannot be paid any more.</p>"),
+            None,
         ));
     }
-    let gateway = hosted_gateway(&state, p.gateway)?;
     let decided = gateway
         .decide(&session, outcome)
         .await
@@ -130,19 +258,21 @@ async fn decide(
         "failed" => "The payment failed. Nothing was taken.",
         _ => "The payment is pending.",
     };
-    Ok((
+    Ok(guarded(
         StatusCode::OK,
-        Html(layout(
+        layout(
             &format!("Order {}", p.order_number),
             &format!("<p>{text}</p>"),
-        )),
+        ),
+        None,
     ))
 }
 
 async fn razorpay_page(
+    _caller: Buyer,
     State(state): State<AppState>,
     Path(order_id): Path<String>,
-) -> Result<Html<String>, ApiError> {
+) -> Result<Response, ApiError> {
     let key_id = state
         .razorpay_key_id
         .clone()
@@ -154,5 +284,9 @@ async fn razorpay_page(
         k = escape(&key_id),
         o = escape(&order_id)
     );
-    Ok(Html(layout("Pay with Razorpay", &body)))
+    Ok(guarded(
+        StatusCode::OK,
+        layout("Pay with Razorpay", &body),
+        Some("https://checkout.razorpay.com https://api.razorpay.com"),
+    ))
 }

@@ -11,7 +11,8 @@ use axum::http::HeaderMap;
 use axum::routing::post;
 use serde::Serialize;
 
-use super::{ApiError, AppState};
+use super::callers::Gateway;
+use super::{ApiError, AppState, Routes};
 use crate::gateways::GatewayName;
 use crate::webhooks::{Delivery, Stored};
 
@@ -20,15 +21,15 @@ struct Receipt {
     status: Stored,
 }
 
-pub(super) fn routes(state: AppState) -> axum::Router {
-    let limit = state.webhook_body_limit;
-    axum::Router::new()
-        .route("/webhooks/{gateway}", post(receive))
-        .layer(DefaultBodyLimit::max(limit))
-        .with_state(state)
+pub(super) fn routes(body_limit: usize) -> Routes<AppState> {
+    Routes::default().route(
+        "/webhooks/{gateway}",
+        post(receive).layer(DefaultBodyLimit::max(body_limit)),
+    )
 }
 
 async fn receive(
+    _caller: Gateway,
     State(state): State<AppState>,
     Path(gateway): Path<String>,
     Query(query): Query<HashMap<String, String>>,
@@ -47,7 +48,7 @@ async fn receive(
         )));
     }
     let body = body.map_err(|r| {
-        let e = ApiError::from_body(r, state.webhook_body_limit);
+        let e = ApiError::from_body(r, Some(state.webhook_body_limit));
         refused(match e {
             ApiError::PayloadTooLarge(_) => "too_large",
             _ => "unreadable_body",

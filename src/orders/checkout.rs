@@ -34,6 +34,12 @@ use crate::queue::QueueError;
 /// over (it crashed).
 const KEY_LOCK_MARGIN: Duration = Duration::from_secs(20);
 
+/// The most lines a cart may have: a checkout prices, numbers and writes them all in one
+/// transaction while it holds the order-number counter, so its size is bounded.
+pub const MAX_LINES: usize = 100;
+/// The largest checkout body taken (413 beyond).
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct CheckoutRequest {
     pub buyer_id: String,
@@ -151,15 +157,25 @@ pub fn idempotency_key(raw: Option<&str>) -> Result<&str, CheckoutError> {
 }
 
 impl Checkout {
-    /// Runs a checkout; returns the answer's JSON (stored with the key once complete).
+    /// Runs a checkout for `owner` (the caller whose idempotency keys `key` is among); returns
+    /// the answer's JSON (stored with the key once complete).
     pub async fn run(
         &self,
+        owner: &str,
         key: Option<&str>,
         body: serde_json::Value,
     ) -> Result<serde_json::Value, CheckoutError> {
         let key = idempotency_key(key)?;
         let request: CheckoutRequest = serde_json::from_value(body.clone())
             .map_err(|e| CheckoutError::BadRequest(e.to_string()))?;
+        // Refused before anything is stored or locked.
+        if request.items.len() > MAX_LINES {
+            return Err(CheckoutError::InvalidItems(format!(
+                "a checkout takes at most {MAX_LINES} lines, not {}",
+                request.items.len()
+            )));
+        }
+        let key = IdempotencyKey { owner, key };
         let me = format!("{:032x}", rand::random::<u128>());
         let checkout = match self.claim(key, &request_hash(&body), &me).await? {
             Claim::Answered(answer) => return Ok(answer),
@@ -169,7 +185,8 @@ impl Checkout {
         // rather than when its lock runs out.
         let mut guard = KeyGuard {
             pool: self.pool.clone(),
-            key: key.to_owned(),
+            owner: owner.to_owned(),
+            key: key.key.to_owned(),
             me: me.clone(),
             armed: true,
         };
@@ -192,17 +209,23 @@ impl Checkout {
         self.rpc_timeout * 2 + KEY_LOCK_MARGIN
     }
 
-    async fn claim(&self, key: &str, hash: &[u8], me: &str) -> Result<Claim, CheckoutError> {
+    async fn claim(
+        &self,
+        key: IdempotencyKey<'_>,
+        hash: &[u8],
+        me: &str,
+    ) -> Result<Claim, CheckoutError> {
         let lock_secs = self.key_lock().as_secs_f64();
         let inserted: Option<String> = sqlx::query_scalar(
-            "INSERT INTO idempotency_keys (key, request_hash, locked_until, locked_by)
-             VALUES ($1, $2, now() + $3 * interval '1 second', $4)
-             ON CONFLICT (key) DO NOTHING RETURNING key",
+            "INSERT INTO idempotency_keys (owner, key, request_hash, locked_until, locked_by)
+             VALUES ($5, $1, $2, now() + $3 * interval '1 second', $4)
+             ON CONFLICT (owner, key) DO NOTHING RETURNING key",
         )
-        .bind(key)
+        .bind(key.key)
         .bind(hash)
         .bind(lock_secs)
         .bind(me)
+        .bind(key.owner)
         .fetch_optional(&self.pool)
         .await?;
         if inserted.is_some() {
@@ -211,9 +234,10 @@ impl Checkout {
         let (stored_hash, response, locked): (Vec<u8>, Option<serde_json::Value>, bool) =
             sqlx::query_as(
                 "SELECT request_hash, response, COALESCE(locked_until > now(), false)
-             FROM idempotency_keys WHERE key = $1",
+             FROM idempotency_keys WHERE owner = $2 AND key = $1",
             )
-            .bind(key)
+            .bind(key.key)
+            .bind(key.owner)
             .fetch_one(&self.pool)
             .await?;
         if stored_hash != hash {
@@ -228,12 +252,13 @@ impl Checkout {
         // The first request ended without a complete answer (503, or it crashed): take over.
         let taken: Option<Option<i64>> = sqlx::query_scalar(
             "UPDATE idempotency_keys SET locked_until = now() + $2 * interval '1 second', locked_by = $3
-             WHERE key = $1 AND response IS NULL AND (locked_until IS NULL OR locked_until <= now())
+             WHERE owner = $4 AND key = $1 AND response IS NULL AND (locked_until IS NULL OR locked_until <= now())
              RETURNING checkout_id",
         )
-        .bind(key)
+        .bind(key.key)
         .bind(lock_secs)
         .bind(me)
+        .bind(key.owner)
         .fetch_optional(&self.pool)
         .await?;
         match taken {
@@ -243,7 +268,12 @@ impl Checkout {
     }
 
     /// The checkout's transaction: orders, items, redemptions, numbers, expiry jobs, key.
-    async fn create(&self, key: &str, me: &str, r: &CheckoutRequest) -> Result<i64, CheckoutError> {
+    async fn create(
+        &self,
+        key: IdempotencyKey<'_>,
+        me: &str,
+        r: &CheckoutRequest,
+    ) -> Result<i64, CheckoutError> {
         let buyer = r.buyer_id.trim();
         if buyer.is_empty() || buyer.chars().count() > 200 || buyer.chars().any(char::is_control) {
             return Err(CheckoutError::InvalidBuyer(
@@ -289,9 +319,10 @@ impl Checkout {
         // Only the request holding the key writes (a crashed one may have been taken over), and
         // the row lock makes the tie between key and checkout exact.
         let row: Option<(Option<i64>, Option<String>)> = sqlx::query_as(
-            "SELECT checkout_id, locked_by FROM idempotency_keys WHERE key = $1 FOR UPDATE",
+            "SELECT checkout_id, locked_by FROM idempotency_keys WHERE owner = $2 AND key = $1 FOR UPDATE",
         )
-        .bind(key)
+        .bind(key.key)
+        .bind(key.owner)
         .fetch_optional(&mut *tx)
         .await?;
         match row {
@@ -353,6 +384,7 @@ impl Checkout {
         .fetch_one(&mut *tx)
         .await?;
         let first = last - priced.len() as i64 + 1;
+        let mut lines = Lines::default();
         for (i, o) in priced.iter().enumerate() {
             let number = first + i as i64;
             let order_id: i64 = sqlx::query_scalar(
@@ -378,20 +410,7 @@ impl Checkout {
             .fetch_one(&mut *tx)
             .await?;
             for (line, l) in o.lines.iter().enumerate() {
-                sqlx::query(
-                    "INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-                )
-                .bind(order_id)
-                .bind(line as i32 + 1)
-                .bind(l.product.id)
-                .bind(&l.product.name)
-                .bind(l.unit_price.amount())
-                .bind(l.quantity as i32)
-                .bind(l.subtotal.amount())
-                .bind(l.discount.amount())
-                .execute(&mut *tx)
-                .await?;
+                lines.push(order_id, line as i32 + 1, l);
             }
             if o.uses_coupon()
                 && let Some(c) = &coupon
@@ -411,9 +430,11 @@ impl Checkout {
             .await?;
             expiry::schedule(&mut tx, number, expires_at).await?;
         }
-        sqlx::query("UPDATE idempotency_keys SET checkout_id = $2 WHERE key = $1")
-            .bind(key)
+        lines.insert(&mut tx).await?;
+        sqlx::query("UPDATE idempotency_keys SET checkout_id = $2 WHERE owner = $3 AND key = $1")
+            .bind(key.key)
             .bind(checkout)
+            .bind(key.owner)
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -442,7 +463,7 @@ impl Checkout {
     /// stores the answer once complete (only the request holding the key does).
     async fn complete(
         &self,
-        key: &str,
+        key: IdempotencyKey<'_>,
         me: &str,
         checkout: i64,
     ) -> Result<serde_json::Value, CheckoutError> {
@@ -482,11 +503,12 @@ impl Checkout {
         let answer = serde_json::to_value(CheckoutAnswer { orders }).unwrap_or_default();
         sqlx::query(
             "UPDATE idempotency_keys SET response = $2, locked_until = NULL, locked_by = NULL
-             WHERE key = $1 AND locked_by = $3",
+             WHERE owner = $4 AND key = $1 AND locked_by = $3",
         )
-        .bind(key)
+        .bind(key.key)
         .bind(&answer)
         .bind(me)
+        .bind(key.owner)
         .execute(&self.pool)
         .await?;
         Ok(answer)
@@ -495,13 +517,19 @@ impl Checkout {
 
 /// Gives the key up: removed after a refusal (nothing was stored, the client may fix the
 /// request and send it with the same key), unlocked otherwise. Only by the request holding it.
-async fn let_go(pool: &PgPool, key: &str, me: &str, refused: bool) {
+async fn let_go(pool: &PgPool, key: IdempotencyKey<'_>, me: &str, refused: bool) {
     let sql = if refused {
-        "DELETE FROM idempotency_keys WHERE key = $1 AND checkout_id IS NULL AND locked_by = $2"
+        "DELETE FROM idempotency_keys WHERE owner = $3 AND key = $1 AND checkout_id IS NULL AND locked_by = $2"
     } else {
-        "UPDATE idempotency_keys SET locked_until = NULL, locked_by = NULL WHERE key = $1 AND locked_by = $2"
+        "UPDATE idempotency_keys SET locked_until = NULL, locked_by = NULL WHERE owner = $3 AND key = $1 AND locked_by = $2"
     };
-    if let Err(e) = sqlx::query(sql).bind(key).bind(me).execute(pool).await {
+    if let Err(e) = sqlx::query(sql)
+        .bind(key.key)
+        .bind(me)
+        .bind(key.owner)
+        .execute(pool)
+        .await
+    {
         // It lets go by itself when its lock runs out.
         tracing::warn!(error = %e, "could not release an idempotency key");
     }
@@ -510,6 +538,7 @@ async fn let_go(pool: &PgPool, key: &str, me: &str, refused: bool) {
 /// Lets go of a key whose request was dropped half-way.
 struct KeyGuard {
     pool: PgPool,
+    owner: String,
     key: String,
     me: String,
     armed: bool,
@@ -518,9 +547,73 @@ struct KeyGuard {
 impl Drop for KeyGuard {
     fn drop(&mut self) {
         if self.armed {
-            let (pool, key, me) = (self.pool.clone(), self.key.clone(), self.me.clone());
-            tokio::spawn(async move { let_go(&pool, &key, &me, false).await });
+            let (pool, owner, key, me) = (
+                self.pool.clone(),
+                self.owner.clone(),
+                self.key.clone(),
+                self.me.clone(),
+            );
+            tokio::spawn(async move {
+                let key = IdempotencyKey {
+                    owner: &owner,
+                    key: &key,
+                };
+                let_go(&pool, key, &me, false).await
+            });
         }
+    }
+}
+
+/// An `Idempotency-Key` among its owner's (each API key has its own: one caller's key can
+/// neither replay nor block another caller's request).
+#[derive(Clone, Copy)]
+struct IdempotencyKey<'a> {
+    owner: &'a str,
+    key: &'a str,
+}
+
+/// A checkout's order lines, written in one statement.
+#[derive(Default)]
+struct Lines {
+    order_id: Vec<i64>,
+    line: Vec<i32>,
+    product_id: Vec<ProductId>,
+    name: Vec<String>,
+    unit_price: Vec<Decimal>,
+    quantity: Vec<i32>,
+    subtotal: Vec<Decimal>,
+    discount: Vec<Decimal>,
+}
+
+impl Lines {
+    fn push(&mut self, order_id: i64, line: i32, l: &pricing::PricedLine) {
+        self.order_id.push(order_id);
+        self.line.push(line);
+        self.product_id.push(l.product.id);
+        self.name.push(l.product.name.clone());
+        self.unit_price.push(l.unit_price.amount());
+        self.quantity.push(l.quantity as i32);
+        self.subtotal.push(l.subtotal.amount());
+        self.discount.push(l.discount.amount());
+    }
+
+    async fn insert(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
+        let products: Vec<uuid::Uuid> = self.product_id.iter().map(|p| p.0).collect();
+        sqlx::query(
+            "INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
+             SELECT * FROM unnest($1::bigint[], $2::int[], $3::uuid[], $4::text[], $5::numeric[], $6::int[], $7::numeric[], $8::numeric[])",
+        )
+        .bind(&self.order_id)
+        .bind(&self.line)
+        .bind(&products)
+        .bind(&self.name)
+        .bind(&self.unit_price)
+        .bind(&self.quantity)
+        .bind(&self.subtotal)
+        .bind(&self.discount)
+        .execute(tx)
+        .await?;
+        Ok(())
     }
 }
 

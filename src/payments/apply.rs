@@ -707,6 +707,17 @@ async fn record_unmatched(
     Ok(changed.rows_affected() > 0)
 }
 
+/// The gateways whose stored events may hold facts about `gateway`'s payments: its own, and
+/// for the internal gateway Stripe's too (its acquirer's events arrive through Stripe's
+/// webhook). Waking an event that turns out to be about another payment only makes it wait
+/// again.
+fn event_sources(gateway: GatewayName) -> Vec<GatewayName> {
+    match gateway {
+        GatewayName::Internal => vec![GatewayName::Internal, GatewayName::Stripe],
+        other => vec![other],
+    }
+}
+
 /// Enqueues, in this transaction, the processing of every event that waited for one of these
 /// payment keys. An event whose job is still unfinished keeps that job (the key is taken).
 async fn wake_waiting(
@@ -715,11 +726,11 @@ async fn wake_waiting(
     keys: &[String],
     current_event: Option<i64>,
 ) -> Result<(), ProcessError> {
-    let waiting: Vec<(String, Vec<u8>)> = sqlx::query_as(
-        "SELECT event_id, raw_body FROM payment_events
-         WHERE gateway = $1 AND waiting_for = ANY($2) AND outcome = 'waiting' AND id IS DISTINCT FROM $3",
+    let waiting: Vec<(GatewayName, String, Vec<u8>)> = sqlx::query_as(
+        "SELECT gateway, event_id, raw_body FROM payment_events
+         WHERE gateway = ANY($1) AND waiting_for = ANY($2) AND outcome = 'waiting' AND id IS DISTINCT FROM $3",
     )
-    .bind(gateway.as_str())
+    .bind(event_sources(gateway))
     .bind(keys)
     .bind(current_event)
     .fetch_all(&mut *tx)
@@ -729,7 +740,7 @@ async fn wake_waiting(
     }
     let jobs: Vec<NewJob> = waiting
         .iter()
-        .map(|(id, body)| ProcessPaymentEvent::job_for_body(gateway, id, body))
+        .map(|(source, id, body)| ProcessPaymentEvent::job_for_body(*source, id, body))
         .collect::<Result<_, _>>()?;
     // A waiter whose own run is still being recorded (it decided to wait moments ago) runs
     // again after it: it must not miss its payment.

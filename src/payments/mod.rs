@@ -161,6 +161,9 @@ pub enum Processed {
 #[derive(Debug, Clone, Default)]
 pub struct Processor {
     pub mercadopago: Option<MercadoPagoClient>,
+    /// The internal gateway collects through Stripe on the platform's account
+    /// (`PAYFLEET_INTERNAL_ACQUIRER=stripe`): Stripe's events on that account are its facts.
+    pub internal_on_stripe: bool,
 }
 
 #[derive(sqlx::FromRow)]
@@ -202,6 +205,23 @@ impl Processor {
                 events::mark_rejected(pool, row.id, &reason).await?;
                 Ok(Processed::Rejected(reason))
             }
+        }
+    }
+
+    /// Whose payments an event's facts are about: its gateway's, except Stripe's events on the
+    /// platform's own account (no `account` field: not a connected account's) when the internal
+    /// gateway collects through Stripe, which are the internal gateway's.
+    fn facts_gateway(&self, gateway: GatewayName, body: &[u8]) -> GatewayName {
+        if gateway != GatewayName::Stripe || !self.internal_on_stripe {
+            return gateway;
+        }
+        #[derive(serde::Deserialize)]
+        struct Account {
+            account: Option<String>,
+        }
+        match serde_json::from_slice::<Account>(body) {
+            Ok(Account { account: None }) => GatewayName::Internal,
+            _ => gateway,
         }
     }
 
@@ -256,7 +276,8 @@ impl Processor {
         let result = match interpretation {
             Interpretation::Ignore(reason) => Processed::Ignored(reason),
             Interpretation::Update { payment, facts } => {
-                match apply::apply(&mut tx, gateway, &payment, &facts, Some(row.id)).await? {
+                let of = self.facts_gateway(gateway, &row.raw_body);
+                match apply::apply(&mut tx, of, &payment, &facts, Some(row.id)).await? {
                     apply::Applied::Changed => Processed::Applied,
                     apply::Applied::Unchanged => {
                         Processed::Ignored("every fact was already known".into())

@@ -165,7 +165,7 @@ async fn every_violation_is_found_listed_counted_and_resolved_when_gone(pool: Pg
         .await
         .unwrap();
     assert_eq!(list["findings"].as_array().unwrap().len(), 9);
-    let (_, metrics) = app.get("/metrics").await;
+    let metrics = app.metrics().await;
     assert!(
         metrics.contains("payfleet_consistency_violations{check=\"ledger_entries_differ\"} 3"),
         "{metrics}"
@@ -184,7 +184,7 @@ async fn every_violation_is_found_listed_counted_and_resolved_when_gone(pool: Pg
     payfleet::queue::rescue_expired(&pool).await.unwrap();
     let after = consistency::run(&pool, grace).await.unwrap();
     assert_eq!((after.open, after.new, after.resolved), (7, 0, 2));
-    let (_, metrics) = app.get("/metrics").await;
+    let metrics = app.metrics().await;
     assert!(metrics.contains("payfleet_consistency_violations{check=\"job_stuck\"} 0"));
     assert!(metrics.contains("payfleet_consistency_violations{check=\"event_unprocessed\"} 0"));
     // Within the grace period, work in flight is not reported.

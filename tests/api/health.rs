@@ -65,6 +65,8 @@ async fn readiness_fails_when_the_event_writer_has_ended(pool: PgPool) {
             events: Some(dead),
             fleet: None,
         },
+        http::Callers::new(None, None, None, None),
+        std::time::Duration::ZERO,
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -105,7 +107,7 @@ async fn refused_webhooks_are_counted_by_gateway_and_reason(pool: PgPool) {
         .await;
     assert_eq!(status, 200);
 
-    let (_, text) = app.get("/metrics").await;
+    let text = app.metrics().await;
     assert_eq!(
         metric(
             &text,
@@ -173,7 +175,7 @@ async fn queue_age_and_event_lag_are_measured_not_guessed(pool: PgPool) {
     .execute(&pool)
     .await
     .unwrap();
-    let (_, text) = app.get("/metrics").await;
+    let text = app.metrics().await;
     assert_eq!(
         metric(&text, r#"payfleet_queue_due_jobs{queue="payments"}"#),
         1.0

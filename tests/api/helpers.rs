@@ -1,5 +1,6 @@
 use std::net::SocketAddr;
 
+use payfleet::auth::{self, Token};
 use payfleet::config::Config;
 use payfleet::gateways::GatewayName;
 use payfleet::payments::ProcessPaymentEvent;
@@ -27,7 +28,7 @@ pub fn all_secrets() -> WebhookSecrets {
     }
 }
 
-pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789-abcdefghij";
 
 /// The configuration of a test process: the built-in defaults, every gateway's webhooks
 /// enabled, an admin token, and RabbitMQ queues of its own (dropped by the broker a minute
@@ -42,7 +43,11 @@ pub fn test_config() -> Config {
     ])
     .unwrap();
     config.webhooks = all_secrets();
-    config.admin_token = Some(Secret::new(ADMIN_TOKEN));
+    config.admin_token = Some(Token::parse(ADMIN_TOKEN).unwrap());
+    // Tests pay on the simulated gateways' pages.
+    config.payment_simulator = true;
+    // Tests read the gauges right after what changes them.
+    config.metrics_refresh = std::time::Duration::ZERO;
     config.amqp_namespace = format!("test-{:016x}", rand::random::<u64>());
     config
 }
@@ -50,7 +55,13 @@ pub fn test_config() -> Config {
 pub struct TestApp {
     pub addr: SocketAddr,
     pub pool: PgPool,
+    /// The marketplace backend: every request carries its API key (of no seller) unless it
+    /// sets another `Authorization` of its own.
     pub http: reqwest::Client,
+    /// A caller with no credential at all (an attacker, a buyer's browser).
+    pub anon: reqwest::Client,
+    /// The backend's API key.
+    pub api_key: String,
     /// The configuration it runs with (its public URL is its own address).
     pub config: Config,
     /// Keeps the server (and its event writer) for the test's duration.
@@ -91,12 +102,111 @@ pub async fn spawn_roles(pool: PgPool, mut config: Config, roles: Roles) -> Test
         // Its channels and consumers are set up right after the connection.
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     }
+    // An outage test may start the app with its database already cut off: its backend then
+    // holds a key of the right shape that nobody could look up (its requests meet the outage).
+    let api_key = match tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        auth::api_keys::create(
+            &pool,
+            auth::NewApiKey {
+                name: "tests".into(),
+                seller_id: None,
+            },
+        ),
+    )
+    .await
+    {
+        Ok(Ok((_, key))) => key,
+        _ => format!("pfk_{}", "u".repeat(43)),
+    };
     TestApp {
         addr: running.addr().unwrap(),
         pool,
-        http: reqwest::Client::new(),
+        http: backend_client(&api_key),
+        anon: reqwest::Client::new(),
+        api_key,
         config,
         _running: running,
+    }
+}
+
+/// An API key made as `POST /admin/api-keys` makes one.
+pub async fn api_key(pool: &PgPool, seller: Option<&str>) -> String {
+    auth::api_keys::create(
+        pool,
+        auth::NewApiKey {
+            name: "tests".into(),
+            seller_id: seller.map(str::to_owned),
+        },
+    )
+    .await
+    .unwrap()
+    .1
+}
+
+/// A client whose every request carries `key` (unless it sets its own `Authorization`).
+pub fn backend_client(key: &str) -> reqwest::Client {
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert(
+        reqwest::header::AUTHORIZATION,
+        format!("Bearer {key}").parse().unwrap(),
+    );
+    reqwest::Client::builder()
+        .default_headers(headers)
+        .build()
+        .unwrap()
+}
+
+/// The form token a payment page renders.
+pub fn form_token(page: &str) -> String {
+    let start = page
+        .find("name=\"token\" value=\"")
+        .expect("a payment form")
+        + 20;
+    let rest = &page[start..];
+    rest[..rest.find('"').unwrap()].to_owned()
+}
+
+impl TestApp {
+    /// A buyer on a payment page: opens it and posts its form (with the page's token) for
+    /// `outcome`. Returns the post's status and page.
+    pub async fn pay(&self, url: &str, outcome: &str) -> (u16, String) {
+        let page = self
+            .anon
+            .get(url)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let resp = self
+            .anon
+            .post(url)
+            .form(&[("outcome", outcome), ("token", &form_token(&page))])
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.text().await.unwrap())
+    }
+
+    /// `GET /metrics` as Prometheus scrapes it (with the admin token): its text.
+    pub async fn metrics(&self) -> String {
+        let resp = self
+            .anon
+            .get(format!("http://{}/metrics", self.addr))
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.text().await.unwrap()
+    }
+
+    /// The route paths the receiver serves.
+    pub fn paths(&self) -> &[&'static str] {
+        self._running.paths()
     }
 }
 

@@ -19,4 +19,5 @@ mod processing;
 mod queue;
 mod reconcile;
 mod recurring;
+mod security;
 mod webhooks;

@@ -93,13 +93,14 @@ async fn order_messages_go_to_their_services_queue_and_unbound_types_to_legacy(p
         .unwrap()
         .clone();
     // The buyer pays the subscription on the internal gateway's page; the fleet does the rest.
-    let paid = reqwest::Client::new()
-        .post(subscription["payment"]["url"].as_str().unwrap())
-        .form(&[("outcome", "succeeded")])
-        .send()
-        .await
-        .unwrap();
-    assert!(paid.status().is_success(), "{}", paid.status());
+    let (paid, _) = shop
+        .app
+        .pay(
+            subscription["payment"]["url"].as_str().unwrap(),
+            "succeeded",
+        )
+        .await;
+    assert_eq!(paid, 200);
     wait_for(
         "order paid reaches subscriptions",
         Duration::from_secs(30),
@@ -163,7 +164,7 @@ async fn a_broker_outage_delays_order_messages_and_loses_none(pool: PgPool) {
     let worker = spawn_roles(pool.clone(), config, Roles::WORK).await;
     order_events(&pool, 40).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let (_, text) = worker.get("/metrics").await;
+    let text = worker.metrics().await;
     assert_eq!(metric(&text, "payfleet_outbox_unpublished "), 40.0);
     assert!(metric(&text, "payfleet_outbox_oldest_unpublished_seconds ") >= 1.0);
     assert!(handled(&pool, "fulfilment").await.is_empty());
@@ -182,7 +183,7 @@ async fn a_broker_outage_delays_order_messages_and_loses_none(pool: PgPool) {
     .unwrap();
     assert!(ids.is_empty(), "handled twice: {ids:?}");
     assert_eq!(handled(&pool, "fulfilment").await.len(), 40);
-    let (_, text) = worker.get("/metrics").await;
+    let text = worker.metrics().await;
     assert_eq!(metric(&text, "payfleet_outbox_unpublished "), 0.0);
 }
 

@@ -740,6 +740,18 @@ async fn an_order_paid_with_coins_spends_them_once_and_an_expired_one_gives_them
     // Paid with coins over the RPC; asking again changes nothing.
     let order = shop.checkout_one("k1", "rich", &product, 1).await;
     let n = order["number"].as_i64().unwrap();
+    // A second tab has the payment page open meanwhile, with its form.
+    let url = order["payment"]["url"].as_str().unwrap();
+    let open_page = shop
+        .app
+        .anon
+        .get(url)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     for _ in 0..2 {
         let (status, o) = shop
             .post(&format!("/orders/{n}/coins"), None, json!({}))
@@ -759,9 +771,11 @@ async fn an_order_paid_with_coins_spends_them_once_and_an_expired_one_gives_them
     assert_eq!(shop.balance(&seller).await, (d("17.91"), d("0")));
     // Its gateway session is paid as well (a second tab that was open): that payment is an
     // extra one, given back, never a second sale.
-    let page = reqwest::Client::new()
-        .post(order["payment"]["url"].as_str().unwrap())
-        .form(&[("outcome", "succeeded")])
+    let page = shop
+        .app
+        .anon
+        .post(url)
+        .form(&[("outcome", "succeeded"), ("token", &form_token(&open_page))])
         .send()
         .await
         .unwrap();
@@ -861,13 +875,8 @@ async fn an_operator_refund_calls_the_gateway_and_debits_once_with_its_webhook(p
         (409, Some("order_not_refundable"))
     );
     let url = order["payment"]["url"].as_str().unwrap();
-    let paid = reqwest::Client::new()
-        .post(url)
-        .form(&[("outcome", "succeeded")])
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(paid.status(), 200);
+    let (paid, _) = shop.app.pay(url, "succeeded").await;
+    assert_eq!(paid, 200);
     wait_for(
         "the order to be paid",
         Duration::from_secs(20),
@@ -936,7 +945,11 @@ async fn an_operator_refund_calls_the_gateway_and_debits_once_with_its_webhook(p
     .await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("0")));
     let (status, list) = shop.json(&path).await;
-    assert_eq!(status, 401, "the listing is an admin endpoint: {list}");
+    assert_eq!(
+        (status, list["error"]["code"].as_str()),
+        (403, Some("forbidden")),
+        "the listing is an admin endpoint, which an API key may not call: {list}"
+    );
     let listed = shop
         .app
         .http

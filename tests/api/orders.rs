@@ -33,16 +33,27 @@ async fn checkout_one(shop: &Shop, key: &str, product: &str) -> Value {
     answer["orders"][0].clone()
 }
 
-async fn pay(order: &Value, outcome: &str) -> u16 {
-    let url = order["payment"]["url"].as_str().unwrap();
+/// The order's payment page as a buyer opens it: its URL and the form's token.
+async fn open_page(order: &Value) -> (String, String) {
+    let url = order["payment"]["url"].as_str().unwrap().to_owned();
+    let page = reqwest::get(&url).await.unwrap().text().await.unwrap();
+    (url, form_token(&page))
+}
+
+/// The buyer posts the page's form.
+async fn post_form((url, token): &(String, String), outcome: &str) -> u16 {
     reqwest::Client::new()
         .post(url)
-        .form(&[("outcome", outcome)])
+        .form(&[("outcome", outcome), ("token", token)])
         .send()
         .await
         .unwrap()
         .status()
         .as_u16()
+}
+
+async fn pay(order: &Value, outcome: &str) -> u16 {
+    post_form(&open_page(order).await, outcome).await
 }
 
 /// Delivers what the hosted gateway emitted, then processes the events.
@@ -66,9 +77,10 @@ async fn a_paid_order_is_confirmed_once_whatever_the_duplicates(pool: PgPool) {
     let (shop, product) = marketplace(&pool).await;
     let order = checkout_one(&shop, "k", &product).await;
     let n = order["number"].as_i64().unwrap();
-    assert_eq!(pay(&order, "succeeded").await, 200);
+    let page = open_page(&order).await;
+    assert_eq!(post_form(&page, "succeeded").await, 200);
     // Paying twice (a double click, a second tab) decides nothing more.
-    assert_eq!(pay(&order, "succeeded").await, 200);
+    assert_eq!(post_form(&page, "succeeded").await, 200);
     settle(&pool, &shop).await;
     let o = shop.order(n).await;
     assert_eq!(
@@ -119,7 +131,7 @@ async fn a_paid_order_is_confirmed_once_whatever_the_duplicates(pool: PgPool) {
     assert_eq!(paid_at.len(), 1);
     assert!(paid_at[0].is_some());
     // The receiver's metrics count the duplicate.
-    let (_, metrics) = shop.app.get("/metrics").await;
+    let metrics = shop.app.metrics().await;
     assert!(
         metrics.contains(r#"payfleet_webhooks_total{gateway="internal",status="duplicate"} 1"#),
         "{metrics}"

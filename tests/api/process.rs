@@ -7,6 +7,8 @@ use sqlx::PgPool;
 
 use crate::helpers::*;
 
+const METRICS_TOKEN: &str = "test-metrics-token-0123456789-abcdef";
+
 /// Runs `payfleet <args>` to its end.
 async fn run(pool: &PgPool, args: &[&str]) -> std::process::Output {
     payfleet(pool, args).output().await.unwrap()
@@ -246,6 +248,7 @@ async fn a_worker_reports_its_own_readiness_and_never_logs_a_password(pool: PgPo
         .env("DATABASE_URL", &url)
         .env("PAYFLEET_QUEUES", &queues)
         .env("PAYFLEET_WORKER_BIND", format!("127.0.0.1:{port}"))
+        .env("PAYFLEET_METRICS_TOKEN", METRICS_TOKEN)
         .env("RUST_LOG", "debug,sqlx=debug")
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -264,7 +267,18 @@ async fn a_worker_reports_its_own_readiness_and_never_logs_a_password(pool: PgPo
         serde_json::from_str::<serde_json::Value>(&body).unwrap(),
         serde_json::json!({"database": "ok", "workers": "ok"})
     );
-    let metrics = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+    let anonymous = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap();
+    assert_eq!(
+        anonymous.status(),
+        401,
+        "a worker's metrics take a token too"
+    );
+    let metrics = reqwest::Client::new()
+        .get(format!("http://127.0.0.1:{port}/metrics"))
+        .bearer_auth(METRICS_TOKEN)
+        .send()
         .await
         .unwrap()
         .text()

@@ -52,13 +52,11 @@ async fn a_lost_webhook_is_found_by_asking_the_gateway_and_the_late_one_changes_
     let order = &answer["orders"][0];
     let n = order["number"].as_i64().unwrap();
     // The buyer pays; the gateway's webhook is not delivered (its delivery job is not run).
-    let paid = reqwest::Client::new()
-        .post(order["payment"]["url"].as_str().unwrap())
-        .form(&[("outcome", "succeeded")])
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(paid.status(), 200);
+    let (paid, _) = shop
+        .app
+        .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
+        .await;
+    assert_eq!(paid, 200);
     process_events_with(&pool, &shop.app.config).await;
     assert_eq!(shop.order(n).await["status"], "awaiting_payment");
 
@@ -98,7 +96,7 @@ async fn a_lost_webhook_is_found_by_asking_the_gateway_and_the_late_one_changes_
             ("webhook".into(), "ignored".into())
         ]
     );
-    let (_, metrics) = shop.app.get("/metrics").await;
+    let metrics = shop.app.metrics().await;
     assert!(
         metrics.contains(
             "payfleet_reconciliation_findings{gateway=\"internal\",outcome=\"succeeded\"} 1"

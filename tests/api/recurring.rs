@@ -122,7 +122,7 @@ async fn a_missed_period_is_caught_up_once_within_its_limit(pool: PgPool) {
 }
 
 async fn admin_get(app: &TestApp, path: &str, token: Option<&str>) -> (u16, Value) {
-    let mut req = app.http.get(format!("http://{}{path}", app.addr));
+    let mut req = app.anon.get(format!("http://{}{path}", app.addr));
     if let Some(t) = token {
         req = req.bearer_auth(t);
     }

@@ -99,7 +99,7 @@ async fn bad_signatures_and_stale_timestamps_are_401_and_store_nothing(pool: PgP
     ] {
         let (status, body) = app.deliver(&d).await;
         assert_eq!(status, 401, "{}: {body}", d.gateway);
-        assert_eq!(body["error"]["code"], "unauthorized");
+        assert_eq!(body["error"]["code"], "unauthenticated");
         assert!(
             body["error"]["message"]
                 .as_str()

@@ -1,0 +1,242 @@
+//! The marketplace backend's API keys (`api_keys`). An operator makes one (`POST
+//! /admin/api-keys`); the key is shown that once and kept only as its SHA-256, so a copy of the
+//! database gives no one a key. A key may be bound to a seller: it then reads only that seller's
+//! data and cannot check out.
+//!
+//! Every authenticated request looks its key up: [`ApiKeys`] keeps each answer (a key, or "no
+//! such key") for [`CACHE_TTL`], so a busy backend costs one query per key and half-second, and
+//! a revocation holds in every process within a second without any message between them.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::catalogue::SellerId;
+
+/// How long a looked-up key is believed: a revoked key stops working within this.
+pub const CACHE_TTL: Duration = Duration::from_millis(500);
+/// Most answers cached per process (a flood of made-up keys cannot grow it without bound).
+const CACHE_ENTRIES: usize = 10_000;
+const PREFIX: &str = "pfk_";
+/// `pfk_` and 43 base64url characters (32 random bytes).
+const KEY_LEN: usize = PREFIX.len() + 43;
+/// Characters of a key kept in the clear to tell keys apart (`pfk_` and eight more).
+const SHOWN: usize = PREFIX.len() + 8;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, sqlx::Type)]
+#[serde(transparent)]
+#[sqlx(transparent)]
+pub struct ApiKeyId(pub Uuid);
+
+impl std::fmt::Display for ApiKeyId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A key as an operator sees it: never the key itself.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct ApiKey {
+    pub id: ApiKeyId,
+    pub name: String,
+    pub seller_id: Option<SellerId>,
+    /// The key's first characters.
+    pub prefix: String,
+    pub created_at: DateTime<Utc>,
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewApiKey {
+    pub name: String,
+    pub seller_id: Option<String>,
+}
+
+/// What a presented key is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    InForce(KeyHolder),
+    /// One of ours, revoked: a stale credential, not a guess.
+    Revoked,
+    /// Not one of ours.
+    Unknown,
+}
+
+/// Who holds a key that is in force.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyHolder {
+    pub id: ApiKeyId,
+    /// Bound to this seller: reads only its data, cannot check out.
+    pub seller: Option<SellerId>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiKeyError {
+    #[error("name must be 1 to 100 printable characters")]
+    InvalidName,
+    #[error("{0}")]
+    InvalidSeller(String),
+    #[error("no seller {0}")]
+    UnknownSeller(SellerId),
+    #[error("no API key {0:?}")]
+    NotFound(String),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+fn hash(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+/// Whether `presented` has the shape of one of our keys: anything else is refused without a
+/// query.
+fn well_formed(presented: &str) -> bool {
+    presented.len() == KEY_LEN
+        && presented.starts_with(PREFIX)
+        && presented[PREFIX.len()..]
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+const COLUMNS: &str = "id, name, seller_id, prefix, created_at, revoked_at";
+
+/// Makes a key: returns it as listed and the key itself, to show once.
+pub async fn create(pool: &PgPool, new: NewApiKey) -> Result<(ApiKey, String), ApiKeyError> {
+    let name = new.name.trim();
+    if name.is_empty() || name.chars().count() > 100 || name.chars().any(char::is_control) {
+        return Err(ApiKeyError::InvalidName);
+    }
+    let seller: Option<SellerId> = new
+        .seller_id
+        .as_deref()
+        .map(|s| {
+            s.parse().map_err(|e: crate::catalogue::CatalogueError| {
+                ApiKeyError::InvalidSeller(e.to_string())
+            })
+        })
+        .transpose()?;
+    let key = format!(
+        "{PREFIX}{}",
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(rand::random::<[u8; 32]>())
+    );
+    let made = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO api_keys (name, seller_id, key_hash, prefix) VALUES ($1, $2, $3, $4)
+         RETURNING {COLUMNS}"
+    )))
+    .bind(name)
+    .bind(seller)
+    .bind(&hash(&key)[..])
+    .bind(&key[..SHOWN])
+    .fetch_one(pool)
+    .await
+    .map_err(|e| match &e {
+        sqlx::Error::Database(d) if d.constraint() == Some("api_keys_seller_id_fkey") => {
+            seller.map_or(ApiKeyError::Database(e), ApiKeyError::UnknownSeller)
+        }
+        _ => ApiKeyError::Database(e),
+    })?;
+    Ok((made, key))
+}
+
+/// Every key, newest first, revoked ones included (with when).
+pub async fn list(pool: &PgPool) -> Result<Vec<ApiKey>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM api_keys ORDER BY created_at DESC, id"
+    )))
+    .fetch_all(pool)
+    .await
+}
+
+/// Revokes a key (once: revoking it again changes nothing and answers it as it is).
+pub async fn revoke(pool: &PgPool, raw_id: &str) -> Result<ApiKey, ApiKeyError> {
+    let id = Uuid::parse_str(raw_id.trim()).map_err(|_| ApiKeyError::NotFound(raw_id.into()))?;
+    let row: Option<ApiKey> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "UPDATE api_keys SET revoked_at = COALESCE(revoked_at, now()) WHERE id = $1 RETURNING {COLUMNS}"
+    )))
+    .bind(id)
+    .fetch_optional(pool)
+    .await?;
+    row.ok_or_else(|| ApiKeyError::NotFound(raw_id.into()))
+}
+
+/// The keys in force, as this process knows them.
+#[derive(Clone)]
+pub struct ApiKeys {
+    pool: PgPool,
+    cache: Arc<Mutex<HashMap<[u8; 32], (Instant, Lookup)>>>,
+}
+
+impl ApiKeys {
+    pub fn new(pool: PgPool) -> Self {
+        Self {
+            pool,
+            cache: Arc::default(),
+        }
+    }
+
+    /// What `presented` is. An error is an outage (the caller answers 503, not 401).
+    pub async fn lookup(&self, presented: &str) -> Result<Lookup, sqlx::Error> {
+        if !well_formed(presented) {
+            return Ok(Lookup::Unknown);
+        }
+        let h = hash(presented);
+        let now = Instant::now();
+        if let Some((at, holder)) = self.lock().get(&h)
+            && now.duration_since(*at) < CACHE_TTL
+        {
+            return Ok(*holder);
+        }
+        let row: Option<(ApiKeyId, Option<SellerId>, bool)> = sqlx::query_as(
+            "SELECT id, seller_id, revoked_at IS NOT NULL FROM api_keys WHERE key_hash = $1",
+        )
+        .bind(&h[..])
+        .fetch_optional(&self.pool)
+        .await?;
+        let holder = match row {
+            Some((id, seller, false)) => Lookup::InForce(KeyHolder { id, seller }),
+            Some((_, _, true)) => Lookup::Revoked,
+            None => Lookup::Unknown,
+        };
+        let mut cache = self.lock();
+        if cache.len() >= CACHE_ENTRIES {
+            cache.retain(|_, (at, _)| now.duration_since(*at) < CACHE_TTL);
+            if cache.len() >= CACHE_ENTRIES {
+                cache.clear();
+            }
+        }
+        cache.insert(h, (now, holder));
+        Ok(holder)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], (Instant, Lookup)>> {
+        // A panic while holding it leaves only cached answers behind: still usable.
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_our_shape_of_key_is_looked_up() {
+        let key = format!(
+            "{PREFIX}{}",
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode([7u8; 32])
+        );
+        assert!(well_formed(&key));
+        assert!(!well_formed(&key[..KEY_LEN - 1]));
+        assert!(!well_formed(&format!("{key}x")));
+        assert!(!well_formed(&key.replacen("pfk_", "pfx_", 1)));
+        assert!(!well_formed(&format!("{PREFIX}{}", "!".repeat(43))));
+        assert!(!well_formed(""));
+    }
+}

@@ -1,0 +1,286 @@
+//! Serving a router over HTTP/1 with the limits that keep one client from slowing the service
+//! for everyone else (`config::HttpSettings`):
+//! - a request head must arrive whole within `header_timeout` (10 s), on a new connection and
+//!   between two requests of a kept-alive one (hyper's header read timeout, with a timer), or
+//!   the connection is closed;
+//! - a request body must arrive whole within `body_timeout` (30 s) of its head ([`DeadlineBody`]:
+//!   a deadline for the whole body, where tower-http's body timeout restarts at every chunk and
+//!   would let a sender trickle a byte every 29 s), or the request is refused (408) and its
+//!   connection closed;
+//! - at most `max_connections` connections are served at once; one over that is closed as it
+//!   arrives, before anything is read from it.
+//!
+//! Each request carries its peer's address (`ConnectInfo`), from which `callers` takes the
+//! client's address.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::ConnectInfo;
+use axum::extract::rejection::BytesRejection;
+use hyper::body::{Frame, Incoming};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio::time::Sleep;
+
+use crate::config::HttpSettings;
+
+/// How long a graceful stop waits for requests in flight before it drops their connections.
+const DRAIN: Duration = Duration::from_secs(10);
+
+/// Serves `router` on `listener` until `shutdown` resolves, then lets requests in flight finish
+/// (up to [`DRAIN`]).
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: HttpSettings,
+    shutdown: impl Future<Output = ()> + Send,
+) -> std::io::Result<()> {
+    let permits = Arc::new(Semaphore::new(limits.max_connections));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut refused_at_cap: u64 = 0;
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait rather than spin.
+                    tracing::error!(error = %e, "cannot accept a connection");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            refused_at_cap += 1;
+            // Once per thousand, not once per connection: a flood must not flood the log too.
+            if refused_at_cap % 1000 == 1 {
+                tracing::warn!(
+                    %peer,
+                    max_connections = limits.max_connections,
+                    refused = refused_at_cap,
+                    "connection refused: the server is at its connection limit"
+                );
+            }
+            drop(stream);
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let router = router.clone();
+        let body_timeout = limits.body_timeout;
+        let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+            let mut router = router.clone();
+            let mut req = req.map(|b| Body::new(DeadlineBody::new(b, body_timeout)));
+            req.extensions_mut().insert(ConnectInfo(peer));
+            async move {
+                Ok::<_, Infallible>(match tower_service::Service::call(&mut router, req).await {
+                    Ok(resp) => resp,
+                    Err(never) => match never {},
+                })
+            }
+        });
+        let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(DRAIN) => {
+            tracing::warn!("requests still running after {DRAIN:?}: their connections are dropped");
+        }
+    }
+    Ok(())
+}
+
+/// A request body with a deadline for the whole of it.
+pub struct DeadlineBody {
+    inner: Incoming,
+    deadline: Pin<Box<Sleep>>,
+    ended: bool,
+}
+
+impl DeadlineBody {
+    pub fn new(inner: Incoming, within: Duration) -> Self {
+        Self {
+            inner,
+            deadline: Box::pin(tokio::time::sleep(within)),
+            ended: false,
+        }
+    }
+}
+
+/// The body did not arrive within its deadline.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive within its deadline")]
+pub struct BodyDeadline;
+
+impl hyper::body::Body for DeadlineBody {
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            this.ended = frame.is_none();
+            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+        }
+        match this.deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                this.ended = true;
+                Poll::Ready(Some(Err(Box::new(BodyDeadline))))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Whether a body could not be read because it missed its deadline.
+pub(crate) fn is_body_timeout(r: &BytesRejection) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(r);
+    while let Some(e) = source {
+        if e.is::<BodyDeadline>() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::SocketAddr;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn limits(max_connections: usize) -> HttpSettings {
+        HttpSettings {
+            header_timeout: Duration::from_millis(300),
+            body_timeout: Duration::from_millis(300),
+            max_connections,
+            client_address_header: None,
+        }
+    }
+
+    async fn start(limits: HttpSettings) -> SocketAddr {
+        let router = Router::new().route(
+            "/",
+            axum::routing::post(|body: Result<Bytes, BytesRejection>| async move {
+                match body {
+                    Ok(b) => (axum::http::StatusCode::OK, format!("{}", b.len())),
+                    Err(r) if is_body_timeout(&r) => {
+                        (axum::http::StatusCode::REQUEST_TIMEOUT, "late".into())
+                    }
+                    Err(_) => (axum::http::StatusCode::BAD_REQUEST, "broken".into()),
+                }
+            }),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(serve(listener, router, limits, std::future::pending()));
+        addr
+    }
+
+    /// Reads what the server sends until it closes the connection (or 5 s pass).
+    async fn until_closed(s: &mut tokio::net::TcpStream) -> (String, Duration) {
+        let start = std::time::Instant::now();
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
+        (String::from_utf8_lossy(&out).into_owned(), start.elapsed())
+    }
+
+    #[tokio::test]
+    async fn half_a_request_head_is_cut_off_at_the_header_timeout() {
+        let addr = start(limits(100)).await;
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"POST / HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        let (_, took) = until_closed(&mut s).await;
+        assert!(took < Duration::from_secs(3), "open for {took:?}");
+        // An idle kept-alive connection too.
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
+            .await
+            .unwrap();
+        let (answer, took) = until_closed(&mut s).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(took < Duration::from_secs(3), "open for {took:?}");
+    }
+
+    #[tokio::test]
+    async fn a_body_that_trickles_past_its_deadline_is_refused() {
+        let addr = start(limits(100)).await;
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+            .await
+            .unwrap();
+        for _ in 0..3 {
+            s.write_all(b"a").await.unwrap();
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+        let (answer, took) = until_closed(&mut s).await;
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(took < Duration::from_secs(3));
+    }
+
+    #[tokio::test]
+    async fn connections_over_the_cap_are_closed_at_once() {
+        let addr = start(limits(2)).await;
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(b"POST / HTTP/1.1\r\n").await.unwrap();
+            held.push(s);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _ = third
+            .write_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+            .await;
+        let (answer, took) = until_closed(&mut third).await;
+        assert_eq!(answer, "", "closed without an answer");
+        assert!(took < Duration::from_millis(250), "{took:?}");
+        // Once the held ones time out, a new connection is served.
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let (answer, _) = until_closed(&mut s).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+}

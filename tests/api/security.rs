@@ -1,0 +1,687 @@
+//! The trust boundary, tried from outside as an attacker would: every route without a
+//! credential, with a revoked key, with another seller's key; the payment page without its
+//! token and from another origin; a fleet with the simulator off; slow connections; oversized
+//! carts; guessed tokens; metrics without a token; the text of a 5xx. Each test fails if its
+//! protection is taken away.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::checkout::Shop;
+use crate::health::metric;
+use crate::helpers::*;
+
+/// What anyone may call without a credential, and why (docs/security.md): gateways prove
+/// themselves by their signature, probes carry nothing, buyers hold the payment URL, and the
+/// dashboard's sign-in is where the admin token is given.
+const PUBLIC: &[&str] = &[
+    "/webhooks/{gateway}",
+    "/healthz",
+    "/readyz",
+    "/pay/{session}",
+    "/pay/razorpay/{order_id}",
+    "/orders/paid",
+    "/orders/cancelled",
+    "/admin/ui",
+    "/admin/ui/session",
+];
+
+/// A route's path with each parameter filled in.
+fn concrete(path: &str) -> String {
+    path.split('/')
+        .map(|seg| if seg.starts_with('{') { "1" } else { seg })
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// A request from an address of its own (through the trusted proxy header), so that the walk's
+/// many refusals never lock one address out.
+async fn status_of(
+    client: &reqwest::Client,
+    method: reqwest::Method,
+    url: &str,
+    bearer: Option<&str>,
+) -> u16 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut req = client
+        .request(method, url)
+        .header(
+            "x-forwarded-for",
+            format!("10.{}.{}.{}", n >> 16 & 255, n >> 8 & 255, n & 255),
+        )
+        .header("content-type", "application/json")
+        .body("{}");
+    if let Some(b) = bearer {
+        req = req.bearer_auth(b);
+    }
+    req.send().await.unwrap().status().as_u16()
+}
+
+async fn shop(pool: &PgPool) -> Shop {
+    Shop {
+        app: Arc::new(spawn_fleet(pool.clone(), test_config()).await),
+    }
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn every_route_but_the_public_few_needs_a_credential(pool: PgPool) {
+    let mut config = test_config();
+    config.http.client_address_header = Some("x-forwarded-for".parse().unwrap());
+    let app = spawn_app_with(pool.clone(), config).await;
+    let paths = app.paths().to_vec();
+    assert!(
+        paths.len() > 30,
+        "the walk sees the whole surface: {paths:?}"
+    );
+    for public in PUBLIC {
+        assert!(paths.contains(public), "{public} is not a route any more");
+    }
+    let methods = [
+        reqwest::Method::GET,
+        reqwest::Method::POST,
+        reqwest::Method::DELETE,
+    ];
+    let seller_key = {
+        let s = crate::checkout::Shop {
+            app: Arc::new(spawn_app(pool.clone()).await),
+        };
+        let seller = s.seller("Any").await;
+        api_key(&pool, Some(&seller)).await
+    };
+    for path in paths.iter().filter(|p| !PUBLIC.contains(p)) {
+        let url = format!("http://{}{}", app.addr, concrete(path));
+        let mut guarded = false;
+        for m in &methods {
+            let anonymous = status_of(&app.anon, m.clone(), &url, None).await;
+            // 405: no handler for this method at all.
+            assert!(
+                anonymous == 401 || anonymous == 405,
+                "{m} {path} answered {anonymous} to a caller without a credential"
+            );
+            guarded |= anonymous == 401;
+            if anonymous == 405 {
+                continue;
+            }
+            let revoked = status_of(
+                &app.anon,
+                m.clone(),
+                &url,
+                Some(&format!("pfk_{}", "x".repeat(43))),
+            )
+            .await;
+            assert!(
+                revoked == 401 || revoked == 403,
+                "{m} {path} answered {revoked} to a key that is not ours"
+            );
+            if path.starts_with("/admin/") && !path.starts_with("/admin/ui") {
+                for key in [app.api_key.as_str(), seller_key.as_str()] {
+                    let with_key = status_of(&app.anon, m.clone(), &url, Some(key)).await;
+                    assert_eq!(with_key, 403, "{m} {path} with an API key");
+                }
+            }
+        }
+        assert!(guarded, "{path} has no method that asks for a credential");
+    }
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_sellers_key_reads_only_its_sellers_data_and_cannot_check_out(pool: PgPool) {
+    let shop = shop(&pool).await;
+    let mine = shop.seller("Mine").await;
+    let theirs = shop.seller("Theirs").await;
+    let product = shop.product(&theirs, "10.00", "BRL").await;
+    let (status, answer) = shop
+        .checkout(
+            Some("k"),
+            json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{answer}");
+    let n = answer["orders"][0]["number"].as_i64().unwrap();
+    let key = api_key(&pool, Some(&mine)).await;
+    let seller_client = backend_client(&key);
+    let get = |path: String| {
+        let c = seller_client.clone();
+        let addr = shop.app.addr;
+        async move {
+            let resp = c.get(format!("http://{addr}{path}")).send().await.unwrap();
+            let status = resp.status().as_u16();
+            (status, resp.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    for area in ["balances", "ledger", "payouts", "invoices"] {
+        assert_eq!(
+            get(format!("/sellers/{mine}/{area}")).await.0,
+            200,
+            "{area}"
+        );
+        let (status, body) = get(format!("/sellers/{theirs}/{area}")).await;
+        assert_eq!(
+            (status, body["error"]["code"].as_str()),
+            (403, Some("forbidden")),
+            "{area}: {body}"
+        );
+    }
+    let (status, body) = get(format!("/orders/{n}")).await;
+    assert_eq!(status, 403, "another seller's order: {body}");
+    assert_eq!(get("/wallets/b".into()).await.0, 403);
+    let checkout = seller_client
+        .post(format!("http://{}/checkout", shop.app.addr))
+        .header("idempotency-key", "mine-1")
+        .json(&json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(checkout.status(), 403);
+    for action in ["payment", "coins"] {
+        let resp = seller_client
+            .post(format!("http://{}/orders/{n}/{action}", shop.app.addr))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 403, "{action}");
+    }
+    let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(orders, 1, "the refused checkout made nothing");
+    // The key of the order's own seller reads it.
+    let own = backend_client(&api_key(&pool, Some(&theirs)).await);
+    let resp = own
+        .get(format!("http://{}/orders/{n}", shop.app.addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_api_key_is_shown_once_kept_as_a_hash_and_revoked_everywhere_within_a_second(
+    pool: PgPool,
+) {
+    let a = spawn_app(pool.clone()).await;
+    let b = spawn_app(pool.clone()).await;
+    let made = a
+        .anon
+        .post(format!("http://{}/admin/api-keys", a.addr))
+        .bearer_auth(ADMIN_TOKEN)
+        .json(&json!({"name": "storefront"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(made.status(), 201);
+    let made: Value = made.json().await.unwrap();
+    let key = made["key"].as_str().unwrap().to_owned();
+    assert!(key.starts_with("pfk_") && key.len() > 40, "{made}");
+    let id = made["id"].as_str().unwrap().to_owned();
+    // Kept only as its hash: no column holds the key.
+    let rows: Vec<String> = sqlx::query_scalar("SELECT row_to_json(k)::text FROM api_keys k")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert!(rows.iter().all(|r| !r.contains(&key)), "{rows:?}");
+    let listed: Value = a
+        .anon
+        .get(format!("http://{}/admin/api-keys", a.addr))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(!listed.to_string().contains(&key), "{listed}");
+    assert!(listed.to_string().contains(&id));
+
+    let wallet = |app: &TestApp| {
+        let url = format!("http://{}/wallets/someone", app.addr);
+        let c = backend_client(&key);
+        async move { c.get(url).send().await.unwrap().status().as_u16() }
+    };
+    // Both processes know the key (and b has it cached).
+    assert_eq!(wallet(&a).await, 200);
+    assert_eq!(wallet(&b).await, 200);
+    let revoked = a
+        .anon
+        .delete(format!("http://{}/admin/api-keys/{id}", a.addr))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(revoked.status(), 200);
+    let at = Instant::now();
+    while wallet(&b).await != 401 {
+        assert!(
+            at.elapsed() < Duration::from_secs(1),
+            "the other process still takes the revoked key"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let resp = backend_client(&key)
+        .get(format!("http://{}/wallets/someone", a.addr))
+        .send()
+        .await
+        .unwrap();
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "unauthenticated", "{body}");
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn idempotency_keys_belong_to_the_api_key_that_sent_them(pool: PgPool) {
+    let shop = shop(&pool).await;
+    let seller = shop.seller("S").await;
+    let p = shop.product(&seller, "10.00", "BRL").await;
+    let q = shop.product(&seller, "20.00", "BRL").await;
+    let cart = |product: &str| json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]});
+    let (status, first) = shop.checkout(Some("order-1"), cart(&p)).await;
+    assert_eq!(status, 201, "{first}");
+    // Another backend using the same Idempotency-Key neither gets the first answer nor is
+    // refused for reusing it: its key space is its own.
+    let other = backend_client(&api_key(&pool, None).await);
+    let resp = other
+        .post(format!("http://{}/checkout", shop.app.addr))
+        .header("idempotency-key", "order-1")
+        .json(&cart(&q))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 201);
+    let second: Value = resp.json().await.unwrap();
+    assert_ne!(second["orders"][0]["number"], first["orders"][0]["number"]);
+    assert_eq!(second["orders"][0]["total"], "20.00");
+    // And the first backend's repeat still gets its own first answer.
+    let (status, again) = shop.checkout(Some("order-1"), cart(&p)).await;
+    assert_eq!((status, &again), (201, &first));
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_payment_page_takes_only_its_own_form_from_its_own_origin(pool: PgPool) {
+    let shop = shop(&pool).await;
+    let seller = shop.seller("S").await;
+    let p = shop.product(&seller, "10.00", "BRL").await;
+    let (_, answer) = shop
+        .checkout(
+            Some("k"),
+            json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": p, "quantity": 1}]}),
+        )
+        .await;
+    let url = answer["orders"][0]["payment"]["url"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let page = shop.app.anon.get(&url).send().await.unwrap();
+    let headers = page.headers().clone();
+    let csp = headers["content-security-policy"].to_str().unwrap();
+    assert!(csp.contains("frame-ancestors 'none'"), "{csp}");
+    assert_eq!(headers["x-frame-options"], "DENY");
+    assert_eq!(headers["cache-control"], "no-store");
+    let token = form_token(&page.text().await.unwrap());
+
+    let post = |form: Vec<(&'static str, String)>, origin: Option<&'static str>| {
+        let mut req = shop.app.anon.post(&url).form(&form);
+        if let Some(o) = origin {
+            req = req.header("origin", o);
+        }
+        async move { req.send().await.unwrap().status().as_u16() }
+    };
+    let outcome = || ("outcome", "succeeded".to_owned());
+    assert_eq!(post(vec![outcome()], None).await, 403, "no token");
+    assert_eq!(
+        post(vec![outcome(), ("token", "123.abcd".into())], None).await,
+        403,
+        "a made-up token"
+    );
+    // Another session's token does not fit this one.
+    let (_, other) = shop
+        .checkout(
+            Some("k2"),
+            json!({"buyer_id": "c", "gateway": "internal", "items": [{"product_id": p, "quantity": 1}]}),
+        )
+        .await;
+    let other_page = reqwest::get(other["orders"][0]["payment"]["url"].as_str().unwrap())
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        post(vec![outcome(), ("token", form_token(&other_page))], None).await,
+        403,
+        "another session's token"
+    );
+    assert_eq!(
+        post(
+            vec![outcome(), ("token", token.clone())],
+            Some("https://evil.example")
+        )
+        .await,
+        403,
+        "a cross-site form"
+    );
+    let recorded: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM internal_payments WHERE status <> 'pending'),
+                (SELECT count(*) FROM internal_events)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(recorded, (0, 0), "nothing refused was recorded");
+    // The page's own form, from its own origin, is taken.
+    let origin = format!("http://{}", shop.app.addr);
+    let resp = shop
+        .app
+        .anon
+        .post(&url)
+        .header("origin", origin)
+        .form(&[("outcome", "succeeded"), ("token", &token)])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_simulated_gateway_needs_the_simulator_on(pool: PgPool) {
+    let mut config = test_config();
+    config.payment_simulator = false;
+    for roles in [
+        payfleet::startup::Roles::SERVE,
+        payfleet::startup::Roles::WORK,
+    ] {
+        let e = payfleet::startup::start(&config, pool.clone(), roles, None)
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("PAYFLEET_PAYMENT_SIMULATOR"), "{e}");
+    }
+    // Without the simulated gateways (the mock gone, the internal one collecting through
+    // Stripe), the simulator is not needed.
+    config.webhooks.mock = None;
+    config.internal_acquirer = payfleet::config::InternalAcquirer::Stripe;
+    config.stripe = Some(payfleet::config::StripeApi {
+        base_url: "http://127.0.0.1:9".into(),
+        secret_key: payfleet::secret::Secret::new("sk_test_x"),
+    });
+    let running =
+        payfleet::startup::start(&config, pool.clone(), payfleet::startup::Roles::SERVE, None)
+            .unwrap();
+    running.stop().await;
+
+    // The command says so and stops.
+    let out = payfleet(&pool, &["serve"])
+        .env("INTERNAL_WEBHOOK_SECRET", INTERNAL_SECRET)
+        .env("PAYFLEET_BIND", "127.0.0.1:0")
+        .env_remove("PAYFLEET_PAYMENT_SIMULATOR")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("simulated") && stderr.contains("PAYFLEET_PAYMENT_SIMULATOR"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn up_listens_beyond_this_machine_only_when_told() {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_payfleet"))
+        .arg("up")
+        .env("PAYFLEET_BIND", "0.0.0.0:0")
+        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/none")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--public"), "{stderr}");
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn connections_that_never_finish_their_request_are_closed(pool: PgPool) {
+    let app = spawn_app(pool).await;
+    let mut slow = Vec::new();
+    for _ in 0..300 {
+        let mut s = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            .await
+            .unwrap();
+        slow.push(s);
+    }
+    // Meanwhile an honest request is served at once.
+    let at = Instant::now();
+    let (status, _) = app.get("/healthz").await;
+    assert_eq!(status, 200);
+    assert!(at.elapsed() < Duration::from_secs(2));
+    // A body that never comes whole is refused too.
+    let mut body = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    body.write_all(
+        format!(
+            "POST /webhooks/internal HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{}",
+            "a".repeat(10)
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let start = Instant::now();
+    let mut closed = 0;
+    for s in &mut slow {
+        let mut buf = [0u8; 64];
+        let left = Duration::from_secs(15).saturating_sub(start.elapsed());
+        if let Ok(Ok(0)) = tokio::time::timeout(left, s.read(&mut buf)).await {
+            closed += 1;
+        }
+    }
+    assert_eq!(closed, 300, "every slow head is cut off");
+    assert!(start.elapsed() < Duration::from_secs(12));
+    let mut answer = String::new();
+    let _ = tokio::time::timeout(Duration::from_secs(25), body.read_to_string(&mut answer)).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_oversized_cart_is_refused_before_anything_is_stored(pool: PgPool) {
+    let shop = shop(&pool).await;
+    let seller = shop.seller("S").await;
+    let p = shop.product(&seller, "1.00", "BRL").await;
+    let lines = |n: usize| {
+        json!({"buyer_id": "b", "gateway": "internal",
+               "items": (0..n).map(|_| json!({"product_id": p, "quantity": 1})).collect::<Vec<_>>()})
+    };
+    let (status, answer) = shop.checkout(Some("big"), lines(101)).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (422, Some("invalid_items")),
+        "{answer}"
+    );
+    let (status, answer) = shop.checkout(Some("huge"), lines(1200)).await;
+    assert_eq!(status, 413, "{answer}");
+    let stored: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM orders), (SELECT count(*) FROM idempotency_keys)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(stored, (0, 0));
+    // A hundred lines is a checkout, its lines written at once.
+    let (status, answer) = shop.checkout(Some("full"), lines(100)).await;
+    assert_eq!(status, 201, "{answer}");
+    let items: i64 = sqlx::query_scalar("SELECT count(*) FROM order_items")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(items, 100);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn guessing_tokens_locks_the_address_out_for_its_window(pool: PgPool) {
+    let mut config = test_config();
+    config.http.client_address_header = Some("x-forwarded-for".parse().unwrap());
+    let app = spawn_app_with(pool.clone(), config).await;
+    let url = format!("http://{}/admin/api-keys", app.addr);
+    let from = |addr: &'static str, token: String| {
+        let req = app
+            .anon
+            .get(&url)
+            .header("x-forwarded-for", addr)
+            .bearer_auth(token);
+        async move { req.send().await.unwrap() }
+    };
+    for i in 0..10 {
+        let resp = from("203.0.113.5", format!("guess-{i}-{}", "x".repeat(30))).await;
+        assert_eq!(resp.status(), 403, "guess {i}");
+    }
+    let locked = from("203.0.113.5", ADMIN_TOKEN.into()).await;
+    assert_eq!(
+        locked.status(),
+        429,
+        "even the right token, or guessing would go on"
+    );
+    let retry: u64 = locked.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((800..=900).contains(&retry), "{retry}");
+    // Unknown API keys and failed sign-ins count the same, on business routes too.
+    let wallet = format!("http://{}/wallets/b", app.addr);
+    let resp = app
+        .anon
+        .get(&wallet)
+        .header("x-forwarded-for", "203.0.113.5")
+        .bearer_auth(&app.api_key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+    for i in 0..10 {
+        let resp = app
+            .anon
+            .post(format!("http://{}/admin/ui/session", app.addr))
+            .header("x-forwarded-for", "198.51.100.7")
+            .form(&[("token", format!("wrong-{i}"))])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 401);
+    }
+    let resp = app
+        .anon
+        .get(&wallet)
+        .header("x-forwarded-for", "198.51.100.7")
+        .bearer_auth(&app.api_key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429, "sign-in failures lock the address too");
+    // Another address is not held up, and a webhook from a locked one still lands.
+    assert_eq!(from("192.0.2.1", ADMIN_TOKEN.into()).await.status(), 200);
+    let (status, _) = app
+        .deliver(&internal(
+            "m1",
+            &payment_body("payment.succeeded", "s1", "1.00"),
+        ))
+        .await;
+    assert_eq!(status, 200);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn metrics_need_a_token_and_read_the_database_at_most_every_few_seconds(pool: PgPool) {
+    let mut config = test_config();
+    config.metrics_token = Some(payfleet::auth::Token::parse(&"m".repeat(40)).unwrap());
+    config.metrics_refresh = Duration::from_secs(5);
+    let app = spawn_app_with(pool.clone(), config).await;
+    let url = format!("http://{}/metrics", app.addr);
+    let scrape = |token: Option<String>| {
+        let mut req = app.anon.get(&url);
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        async move {
+            let resp = req.send().await.unwrap();
+            (resp.status().as_u16(), resp.text().await.unwrap())
+        }
+    };
+    assert_eq!(scrape(None).await.0, 401);
+    assert_eq!(scrape(Some(app.api_key.clone())).await.0, 403);
+    let (status, first) = scrape(Some("m".repeat(40))).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        metric(
+            &first,
+            r#"payfleet_payment_events_unprocessed{state="pending"}"#
+        ),
+        0.0
+    );
+    assert_eq!(scrape(Some(ADMIN_TOKEN.into())).await.0, 200);
+    // An event arrives; scrapes within the refresh period read no database: they show the
+    // last reading, however many there are at once.
+    let (status, _) = app
+        .deliver(&internal(
+            "m1",
+            &payment_body("payment.succeeded", "s1", "1.00"),
+        ))
+        .await;
+    assert_eq!(status, 200);
+    let scrapes =
+        futures_util::future::join_all((0..50).map(|_| scrape(Some("m".repeat(40))))).await;
+    for (status, text) in &scrapes {
+        assert_eq!(*status, 200);
+        assert_eq!(
+            metric(
+                text,
+                r#"payfleet_payment_events_unprocessed{state="pending"}"#
+            ),
+            0.0
+        );
+    }
+    let at = Instant::now();
+    loop {
+        let (_, text) = scrape(Some("m".repeat(40))).await;
+        if metric(
+            &text,
+            r#"payfleet_payment_events_unprocessed{state="pending"}"#,
+        ) == 1.0
+        {
+            break;
+        }
+        assert!(at.elapsed() < Duration::from_secs(7), "never read again");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_5xx_answer_says_nothing_of_the_internal_error_but_names_its_request(pool: PgPool) {
+    let proxy = DbProxy::for_database(&pool).await;
+    let app = spawn_app(proxy.pool(&pool)).await;
+    let (status, _) = app.get("/healthz").await;
+    assert_eq!(status, 200);
+    proxy.set(Link::Refused);
+    let resp = app
+        .http
+        .get(format!("http://{}/wallets/b", app.addr))
+        .header("x-request-id", "req-under-test")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 503);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["request_id"], "req-under-test", "{body}");
+    let message = body["error"]["message"].as_str().unwrap().to_lowercase();
+    for internal in [
+        "connection",
+        "refused",
+        "pool",
+        "sqlx",
+        "error communicating",
+        "timed out",
+    ] {
+        assert!(!message.contains(internal), "{internal:?} in {message:?}");
+    }
+}
