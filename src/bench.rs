@@ -236,6 +236,8 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
         internal: Some(secret.clone()),
         ..Default::default()
     };
+    // A scratch database of its own: the internal gateway's events are the bench's, no money.
+    app_config.payment_simulator = true;
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let server = startup::start(&app_config, pool.clone(), Roles::SERVE, Some(listener))?;

@@ -675,4 +675,44 @@ mod tests {
             "{e}"
         );
     }
+
+    #[test]
+    fn the_trust_settings_refuse_weak_or_unsafe_values() {
+        let q = ("PAYFLEET_QUEUES", "jobs/queues.toml");
+        let problem = |env: &[(&str, &str); 2]| Config::from(env).unwrap_err().to_string();
+        assert!(
+            problem(&[("PAYFLEET_ADMIN_TOKEN", "sixteen-chars-ok"), q])
+                .contains("at least 32 characters")
+        );
+        assert!(problem(&[("PAYFLEET_METRICS_TOKEN", "short"), q]).contains("PAYFLEET_METRICS_TOKEN"));
+        assert!(
+            problem(&[("PAYFLEET_WEBHOOK_TOLERANCE_SECS", "601"), q]).contains("ten minutes"),
+            "a replay window of more than ten minutes is refused"
+        );
+        let clear = Config::from(&[
+            ("STRIPE_SECRET_KEY", "sk_test_x"),
+            ("STRIPE_API_URL", "http://api.stripe.example"),
+            q,
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(clear.contains("https"), "a gateway's API in the clear: {clear}");
+        assert!(problem(&[("PAYFLEET_PAYMENT_SIMULATOR", "yes"), q]).contains("on or off"));
+        assert!(problem(&[("PAYFLEET_INTERNAL_ACQUIRER", "paypal"), q]).contains("stripe"));
+        // A local stand-in may be plain http; the defaults are safe.
+        let c = Config::from(&[
+            ("RAZORPAY_KEY_ID", "k"),
+            ("RAZORPAY_KEY_SECRET", "s"),
+            ("RAZORPAY_API_URL", "http://127.0.0.1:9999"),
+            q,
+        ])
+        .unwrap();
+        assert_eq!(c.razorpay.unwrap().base_url, "http://127.0.0.1:9999");
+        let c = Config::from(&[q]).unwrap();
+        assert!(!c.payment_simulator);
+        assert_eq!(c.internal_acquirer, InternalAcquirer::Simulator);
+        assert_eq!(c.http.header_timeout, std::time::Duration::from_secs(10));
+        assert_eq!(c.http.body_timeout, std::time::Duration::from_secs(30));
+        assert!(c.http.client_address_header.is_none());
+    }
 }

@@ -351,6 +351,132 @@ async fn a_stripe_checkout_is_paid_on_the_sellers_account_and_confirmed_by_its_e
     }
 }
 
+/// `PAYFLEET_INTERNAL_ACQUIRER=stripe`: the internal gateway (the platform as merchant of
+/// record) collects on the platform's own Stripe account, and Stripe's events on that account
+/// confirm, refund and dispute through the same processing path, settled in the seller's ledger.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_internal_gateway_collects_through_stripe_on_the_platforms_account(pool: PgPool) {
+    let log = Log::default();
+    let base = stand_in(stripe_api(), log.clone()).await;
+    let mut config = test_config();
+    config.stripe = Some(payfleet::config::StripeApi {
+        base_url: base,
+        secret_key: Secret::new("sk_test_platform"),
+    });
+    config.internal_acquirer = payfleet::config::InternalAcquirer::Stripe;
+    let shop = Shop {
+        app: Arc::new(spawn_fleet(pool.clone(), config).await),
+    };
+    let seller = shop.seller("Merchant of record's seller").await;
+    let p = shop.product(&seller, "19.90", "BRL").await;
+    let mut answer = Value::Null;
+    for _ in 0..50 {
+        let (status, a) = shop
+            .checkout(
+                Some("k"),
+                json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": p, "quantity": 1}]}),
+            )
+            .await;
+        answer = a;
+        if status == 201 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let order = &answer["orders"][0];
+    assert_eq!(order["payment"]["session_id"], "cs_test_1", "{answer}");
+    assert_eq!(
+        order["payment"]["url"], "https://checkout.stripe.test/c/pay/cs_test_1",
+        "the buyer pays on Stripe, not on a simulator page"
+    );
+    let sent = log.lock().unwrap()[0].clone();
+    assert_eq!(sent.header("authorization"), Some("Bearer sk_test_platform"));
+    assert_eq!(
+        sent.header("stripe-account"),
+        None,
+        "collected on the platform's own account"
+    );
+    let form = sent.form();
+    assert!(
+        !form.keys().any(|k| k.contains("application_fee")),
+        "no fee on the charge: the split is the ledger's: {form:?}"
+    );
+    for (k, v) in [
+        ("metadata[seller_id]", seller.as_str()),
+        ("metadata[platform_fee]", "1.99"),
+        ("metadata[seller_net]", "17.91"),
+        ("line_items[0][price_data][unit_amount]", "1990"),
+    ] {
+        assert_eq!(form.get(k).map(String::as_str), Some(v), "{k} in {form:?}");
+    }
+    // Its page is Stripe's: no simulator page for this session here.
+    let (status, _) = shop.app.get("/pay/cs_test_1").await;
+    assert_eq!(status, 404);
+
+    // Stripe's event on the platform account (no `account`) confirms it.
+    let completed = r#"{"id":"evt_p1","type":"checkout.session.completed","data":{"object":{"id":"cs_test_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid","metadata":{"seller_id":"x"}}}}"#;
+    let (status, _) = shop.app.deliver(&stripe(completed, now())).await;
+    assert_eq!(status, 200);
+    let balances = |s: String| {
+        let app = shop.app.clone();
+        async move {
+            let (_, body) = app.get(&format!("/sellers/{s}/balances")).await;
+            let v: Value = serde_json::from_str(&body).unwrap();
+            v["balances"][0]["pending"].as_str().unwrap_or("none").to_owned()
+        }
+    };
+    wait_for("the order to be paid", std::time::Duration::from_secs(20), async || {
+        shop.order(1).await["status"] == "paid"
+    })
+    .await;
+    assert_eq!(
+        balances(seller.clone()).await,
+        "17.91",
+        "the seller's net is owed by the platform, as for any internal-gateway sale"
+    );
+
+    // An operator's refund goes to Stripe on the platform's account, with its idempotency key.
+    let refund = shop
+        .app
+        .anon
+        .post(format!("http://{}/admin/orders/1/refunds", shop.app.addr))
+        .bearer_auth(ADMIN_TOKEN)
+        .header("idempotency-key", "rf-1")
+        .json(&json!({"amount": "5.00"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refund.status(), 201);
+    let sent = log
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|s| s.uri == "/v1/refunds")
+        .cloned()
+        .unwrap();
+    assert_eq!(sent.header("stripe-account"), None);
+    assert!(sent.header("idempotency-key").is_some());
+    let form = sent.form();
+    assert_eq!(form.get("payment_intent").map(String::as_str), Some("pi_1"));
+    assert_eq!(form.get("amount").map(String::as_str), Some("500"));
+    assert_eq!(form.get("refund_application_fee"), None);
+    // Stripe's own report of that refund, and a dispute, arrive as platform events.
+    let refunded = r#"{"id":"evt_p2","type":"refund.updated","data":{"object":{"id":"re_1","payment_intent":"pi_1","amount":500,"currency":"brl","status":"succeeded"}}}"#;
+    let disputed = r#"{"id":"evt_p3","type":"charge.dispute.created","data":{"object":{"id":"dp_1","payment_intent":"pi_1","amount":1490,"currency":"brl","status":"needs_response"}}}"#;
+    for body in [refunded, disputed] {
+        let (status, _) = shop.app.deliver(&stripe(body, now())).await;
+        assert_eq!(status, 200);
+    }
+    wait_for("the dispute to be recorded", std::time::Duration::from_secs(20), async || {
+        shop.order(1).await["status"] == "disputed"
+    })
+    .await;
+    let order = shop.order(1).await;
+    assert_eq!(order["amount_refunded"], "5.00", "the refund is counted once: {order}");
+    // 17.91 net: 4.50 back for the refund of 5.00, 13.41 held for the dispute of 14.90.
+    assert_eq!(balances(seller).await, "0.00");
+}
+
 #[tokio::test]
 async fn mercadopago_preferences_payments_and_refunds_as_documented() {
     let log = Log::default();
