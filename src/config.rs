@@ -684,7 +684,9 @@ mod tests {
             problem(&[("PAYFLEET_ADMIN_TOKEN", "sixteen-chars-ok"), q])
                 .contains("at least 32 characters")
         );
-        assert!(problem(&[("PAYFLEET_METRICS_TOKEN", "short"), q]).contains("PAYFLEET_METRICS_TOKEN"));
+        assert!(
+            problem(&[("PAYFLEET_METRICS_TOKEN", "short"), q]).contains("PAYFLEET_METRICS_TOKEN")
+        );
         assert!(
             problem(&[("PAYFLEET_WEBHOOK_TOLERANCE_SECS", "601"), q]).contains("ten minutes"),
             "a replay window of more than ten minutes is refused"
@@ -696,7 +698,10 @@ mod tests {
         ])
         .unwrap_err()
         .to_string();
-        assert!(clear.contains("https"), "a gateway's API in the clear: {clear}");
+        assert!(
+            clear.contains("https"),
+            "a gateway's API in the clear: {clear}"
+        );
         assert!(problem(&[("PAYFLEET_PAYMENT_SIMULATOR", "yes"), q]).contains("on or off"));
         assert!(problem(&[("PAYFLEET_INTERNAL_ACQUIRER", "paypal"), q]).contains("stripe"));
         // A local stand-in may be plain http; the defaults are safe.

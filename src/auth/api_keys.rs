@@ -167,11 +167,14 @@ pub async fn revoke(pool: &PgPool, raw_id: &str) -> Result<ApiKey, ApiKeyError> 
     row.ok_or_else(|| ApiKeyError::NotFound(raw_id.into()))
 }
 
+/// Answers by key hash, with when each was looked up.
+type Cache = HashMap<[u8; 32], (Instant, Lookup)>;
+
 /// The keys in force, as this process knows them.
 #[derive(Clone)]
 pub struct ApiKeys {
     pool: PgPool,
-    cache: Arc<Mutex<HashMap<[u8; 32], (Instant, Lookup)>>>,
+    cache: Arc<Mutex<Cache>>,
 }
 
 impl ApiKeys {

@@ -99,6 +99,9 @@ impl WebhookCounters {
     }
 }
 
+/// The last reading of the gauges, with when it was made.
+type Reading = Option<(Instant, Arc<str>)>;
+
 #[derive(Clone)]
 struct MetricsState {
     pool: PgPool,
@@ -106,7 +109,7 @@ struct MetricsState {
     callers: Callers,
     /// How long a reading of the gauges is served before it is read again.
     refresh: Duration,
-    gauges: Arc<tokio::sync::Mutex<Option<(Instant, Arc<str>)>>>,
+    gauges: Arc<tokio::sync::Mutex<Reading>>,
 }
 
 impl axum::extract::FromRef<MetricsState> for Callers {

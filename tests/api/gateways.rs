@@ -390,7 +390,10 @@ async fn the_internal_gateway_collects_through_stripe_on_the_platforms_account(p
         "the buyer pays on Stripe, not on a simulator page"
     );
     let sent = log.lock().unwrap()[0].clone();
-    assert_eq!(sent.header("authorization"), Some("Bearer sk_test_platform"));
+    assert_eq!(
+        sent.header("authorization"),
+        Some("Bearer sk_test_platform")
+    );
     assert_eq!(
         sent.header("stripe-account"),
         None,
@@ -422,12 +425,17 @@ async fn the_internal_gateway_collects_through_stripe_on_the_platforms_account(p
         async move {
             let (_, body) = app.get(&format!("/sellers/{s}/balances")).await;
             let v: Value = serde_json::from_str(&body).unwrap();
-            v["balances"][0]["pending"].as_str().unwrap_or("none").to_owned()
+            v["balances"][0]["pending"]
+                .as_str()
+                .unwrap_or("none")
+                .to_owned()
         }
     };
-    wait_for("the order to be paid", std::time::Duration::from_secs(20), async || {
-        shop.order(1).await["status"] == "paid"
-    })
+    wait_for(
+        "the order to be paid",
+        std::time::Duration::from_secs(20),
+        async || shop.order(1).await["status"] == "paid",
+    )
     .await;
     assert_eq!(
         balances(seller.clone()).await,
@@ -467,12 +475,17 @@ async fn the_internal_gateway_collects_through_stripe_on_the_platforms_account(p
         let (status, _) = shop.app.deliver(&stripe(body, now())).await;
         assert_eq!(status, 200);
     }
-    wait_for("the dispute to be recorded", std::time::Duration::from_secs(20), async || {
-        shop.order(1).await["status"] == "disputed"
-    })
+    wait_for(
+        "the dispute to be recorded",
+        std::time::Duration::from_secs(20),
+        async || shop.order(1).await["status"] == "disputed",
+    )
     .await;
     let order = shop.order(1).await;
-    assert_eq!(order["amount_refunded"], "5.00", "the refund is counted once: {order}");
+    assert_eq!(
+        order["amount_refunded"], "5.00",
+        "the refund is counted once: {order}"
+    );
     // 17.91 net: 4.50 back for the refund of 5.00, 13.41 held for the dispute of 14.90.
     assert_eq!(balances(seller).await, "0.00");
 }
