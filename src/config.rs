@@ -514,6 +514,7 @@ impl Config {
             listen,
             webhooks: WebhookSecrets {
                 stripe: var(env, "STRIPE_WEBHOOK_SECRET").map(Secret::new),
+                stripe_platform: var(env, "STRIPE_PLATFORM_WEBHOOK_SECRET").map(Secret::new),
                 mercadopago: var(env, "MERCADOPAGO_WEBHOOK_SECRET").map(Secret::new),
                 razorpay: var(env, "RAZORPAY_WEBHOOK_SECRET").map(Secret::new),
                 internal: standard_secret(env, "INTERNAL_WEBHOOK_SECRET")?,

@@ -24,6 +24,10 @@ use signature::{SignatureError, StandardSecret};
 #[derive(Debug, Clone, Default)]
 pub struct WebhookSecrets {
     pub stripe: Option<Secret>,
+    /// The signing secret of a second Stripe endpoint on the same URL: Stripe signs a Connect
+    /// endpoint's events (connected accounts) and an account endpoint's (the platform's own, the
+    /// internal gateway's acquirer) with secrets of their own.
+    pub stripe_platform: Option<Secret>,
     pub mercadopago: Option<Secret>,
     pub razorpay: Option<Secret>,
     pub internal: Option<StandardSecret>,
@@ -129,7 +133,16 @@ impl Webhook {
         match gateway {
             GatewayName::Stripe => {
                 let secret = secrets.stripe.as_ref().ok_or_else(disabled)?;
-                signature::stripe(secret.expose(), h("stripe-signature"), body, now, tolerance)?;
+                let header = h("stripe-signature");
+                match (
+                    signature::stripe(secret.expose(), header, body, now, tolerance),
+                    &secrets.stripe_platform,
+                ) {
+                    (Err(SignatureError::Mismatch(_)), Some(platform)) => {
+                        signature::stripe(platform.expose(), header, body, now, tolerance)?
+                    }
+                    (checked, _) => checked?,
+                }
             }
             GatewayName::MercadoPago => {
                 let secret = secrets.mercadopago.as_ref().ok_or_else(disabled)?;

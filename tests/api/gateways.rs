@@ -364,6 +364,9 @@ async fn the_internal_gateway_collects_through_stripe_on_the_platforms_account(p
         secret_key: Secret::new("sk_test_platform"),
     });
     config.internal_acquirer = payfleet::config::InternalAcquirer::Stripe;
+    // The platform account's endpoint signs with a secret of its own.
+    const PLATFORM_SECRET: &str = "whsec_platform_endpoint_secret";
+    config.webhooks.stripe_platform = Some(Secret::new(PLATFORM_SECRET));
     let shop = Shop {
         app: Arc::new(spawn_fleet(pool.clone(), config).await),
     };
@@ -418,7 +421,15 @@ async fn the_internal_gateway_collects_through_stripe_on_the_platforms_account(p
 
     // Stripe's event on the platform account (no `account`) confirms it.
     let completed = r#"{"id":"evt_p1","type":"checkout.session.completed","data":{"object":{"id":"cs_test_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid","metadata":{"seller_id":"x"}}}}"#;
-    let (status, _) = shop.app.deliver(&stripe(completed, now())).await;
+    let (status, _) = shop
+        .app
+        .deliver(&stripe_signed("whsec_someone_elses", completed, now()))
+        .await;
+    assert_eq!(status, 401, "neither endpoint's secret");
+    let (status, _) = shop
+        .app
+        .deliver(&stripe_signed(PLATFORM_SECRET, completed, now()))
+        .await;
     assert_eq!(status, 200);
     let balances = |s: String| {
         let app = shop.app.clone();
@@ -472,7 +483,10 @@ async fn the_internal_gateway_collects_through_stripe_on_the_platforms_account(p
     let refunded = r#"{"id":"evt_p2","type":"refund.updated","data":{"object":{"id":"re_1","payment_intent":"pi_1","amount":500,"currency":"brl","status":"succeeded"}}}"#;
     let disputed = r#"{"id":"evt_p3","type":"charge.dispute.created","data":{"object":{"id":"dp_1","payment_intent":"pi_1","amount":1490,"currency":"brl","status":"needs_response"}}}"#;
     for body in [refunded, disputed] {
-        let (status, _) = shop.app.deliver(&stripe(body, now())).await;
+        let (status, _) = shop
+            .app
+            .deliver(&stripe_signed(PLATFORM_SECRET, body, now()))
+            .await;
         assert_eq!(status, 200);
     }
     wait_for(

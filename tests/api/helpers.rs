@@ -21,6 +21,7 @@ pub const MOCK_SECRET: &str = "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD";
 pub fn all_secrets() -> WebhookSecrets {
     WebhookSecrets {
         stripe: Some(Secret::new(STRIPE_SECRET)),
+        stripe_platform: None,
         mercadopago: Some(Secret::new(MP_SECRET)),
         razorpay: Some(Secret::new(RAZORPAY_SECRET)),
         internal: Some(StandardSecret::parse(INTERNAL_SECRET).unwrap()),
@@ -248,8 +249,13 @@ pub fn internal(id: &str, body: &str) -> Delivery {
 }
 
 pub fn stripe(body: &str, ts: i64) -> Delivery {
+    stripe_signed(STRIPE_SECRET, body, ts)
+}
+
+/// A Stripe delivery signed with `secret` (an endpoint's own).
+pub fn stripe_signed(secret: &str, body: &str, ts: i64) -> Delivery {
     let sig = hex_hmac(
-        STRIPE_SECRET.as_bytes(),
+        secret.as_bytes(),
         &[ts.to_string().as_bytes(), b".", body.as_bytes()],
     );
     Delivery {
