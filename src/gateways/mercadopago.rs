@@ -116,6 +116,12 @@ fn id_text(v: &Value) -> String {
 }
 
 impl MercadoPagoClient {
+    /// The same client waiting at most `timeout` for an answer (a test's impatient client).
+    pub fn with_timeout(mut self, timeout: Duration) -> Result<Self, reqwest::Error> {
+        self.http = super::http_client(timeout)?;
+        Ok(self)
+    }
+
     pub fn new(base_url: &str, access_token: Secret) -> Result<Self, MercadoPagoError> {
         Ok(Self {
             base_url: base_url.trim_end_matches('/').to_owned(),

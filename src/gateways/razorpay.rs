@@ -245,6 +245,12 @@ fn minor(m: &Money) -> Result<i64, GatewayError> {
 }
 
 impl RazorpayGateway {
+    /// The same client waiting at most `timeout` for an answer (a test's impatient client).
+    pub fn with_timeout(mut self, timeout: Duration) -> Result<Self, reqwest::Error> {
+        self.http = super::http_client(timeout)?;
+        Ok(self)
+    }
+
     pub fn new(
         api: &str,
         key_id: &str,
@@ -329,6 +335,9 @@ impl RazorpayGateway {
             self.http
                 .post(format!("{}/v1/payments/{}/refund", self.api, r.payment_id))
                 .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                // Razorpay deduplicates refunds on this header (`receipt` is a reference
+                // only): a retry after a timeout is the same refund, not a second one.
+                .header("X-Refund-Idempotency", &r.idempotency_key)
                 .json(&serde_json::json!({
                     "amount": minor(&r.amount)?,
                     "receipt": r.idempotency_key,

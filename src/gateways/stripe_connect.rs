@@ -88,6 +88,12 @@ fn minor(m: &Money) -> Result<i64, GatewayError> {
 }
 
 impl StripeConnect {
+    /// The same client waiting at most `timeout` for an answer (a test's impatient client).
+    pub fn with_timeout(mut self, timeout: Duration) -> Result<Self, reqwest::Error> {
+        self.http = super::http_client(timeout)?;
+        Ok(self)
+    }
+
     /// Connect with direct charges. `api`: Stripe's base URL (`https://api.stripe.com`);
     /// `public_url`: where buyers come back.
     pub fn new(api: &str, secret_key: Secret, public_url: &str) -> Result<Self, reqwest::Error> {

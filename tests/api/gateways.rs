@@ -642,3 +642,132 @@ async fn razorpay_orders_payments_and_refunds_as_documented() {
     assert_eq!(code.as_deref(), Some("BAD_REQUEST_ERROR"));
     assert!(message.contains("exceeds the captured amount"));
 }
+
+/// A gateway's refund endpoint as it behaves when our client gives up waiting: it processes
+/// the first request whatever, answers it only after `delay`, and deduplicates on its documented
+/// idempotency header (`header`), so a retry with the same key is the same refund. Returns the
+/// stand-in's base URL and the number of refunds it really made.
+async fn slow_refunds(
+    path: &'static str,
+    header: &'static str,
+    delay: std::time::Duration,
+    answer: fn(u32) -> Value,
+) -> (String, Arc<Mutex<u32>>) {
+    type Seen = Arc<Mutex<(u32, HashMap<String, u32>, bool)>>;
+    let seen: Seen = Arc::default();
+    let made = Arc::new(Mutex::new(0u32));
+    let (seen2, made2) = (seen.clone(), made.clone());
+    let api = Router::new().route(
+        path,
+        axum::routing::post(move |headers: HeaderMap| {
+            let (seen, made) = (seen2.clone(), made2.clone());
+            async move {
+                let key = headers
+                    .get(header)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned);
+                let (id, first) = {
+                    let mut s = seen.lock().unwrap();
+                    let known = key.as_ref().and_then(|k| s.1.get(k).copied());
+                    let id = match known {
+                        Some(id) => id,
+                        None => {
+                            s.0 += 1;
+                            *made.lock().unwrap() += 1;
+                            let id = s.0;
+                            if let Some(k) = key {
+                                s.1.insert(k, id);
+                            }
+                            id
+                        }
+                    };
+                    let first = !s.2;
+                    s.2 = true;
+                    (id, first)
+                };
+                if first {
+                    tokio::time::sleep(delay).await;
+                }
+                axum::Json(answer(id))
+            }
+        }),
+    );
+    (stand_in(api, Log::default()).await, made)
+}
+
+#[tokio::test]
+async fn a_refund_asked_again_after_a_timeout_is_one_refund_on_every_gateway() {
+    let patience = std::time::Duration::from_millis(300);
+    let slow = std::time::Duration::from_millis(1500);
+    let request = |payment: &str| RefundRequest {
+        session_id: "s".into(),
+        payment_id: payment.into(),
+        amount: brl("5.00"),
+        seller_account: Some("acct_1".into()),
+        idempotency_key: "refund-request-7".into(),
+    };
+    let cases: Vec<(&str, Arc<dyn PaymentGateway>, Arc<Mutex<u32>>, &str)> =
+        vec![
+            {
+                let (base, made) = slow_refunds("/v1/refunds", "idempotency-key", slow, |id| {
+                json!({"id": format!("re_{id}"), "object": "refund", "status": "succeeded"})
+            })
+            .await;
+                let g = StripeConnect::new(&base, Secret::new("sk_test"), "http://shop.test")
+                    .unwrap()
+                    .with_timeout(patience)
+                    .unwrap();
+                ("stripe", Arc::new(g), made, "pi_1")
+            },
+            {
+                let (base, made) = slow_refunds(
+                    "/v1/payments/{id}/refunds",
+                    "x-idempotency-key",
+                    slow,
+                    |id| json!({"id": id, "payment_id": 1002, "amount": 5, "status": "approved"}),
+                )
+                .await;
+                let g = MercadoPagoClient::new(&base, Secret::new("APP_USR-token"))
+                    .unwrap()
+                    .with_timeout(patience)
+                    .unwrap();
+                ("mercadopago", Arc::new(g), made, "1002")
+            },
+            {
+                let (base, made) = slow_refunds(
+                "/v1/payments/{id}/refund",
+                "x-refund-idempotency",
+                slow,
+                |id| json!({"id": format!("rfnd_{id}"), "entity": "refund", "status": "processed"}),
+            )
+            .await;
+                let g = RazorpayGateway::new(
+                    &base,
+                    "rzp_test_key",
+                    Secret::new("rzp_secret"),
+                    "http://shop.test",
+                )
+                .unwrap()
+                .with_timeout(patience)
+                .unwrap();
+                ("razorpay", Arc::new(g), made, "pay_1")
+            },
+        ];
+    for (name, gateway, made, payment) in cases {
+        let first = gateway.refund(&request(payment)).await;
+        assert!(
+            matches!(&first, Err(e) if e.is_transient()),
+            "{name}: the first answer comes after the client gave up: {first:?}"
+        );
+        // The refund job asks again with the same key (a moment later, as its backoff would).
+        tokio::time::sleep(slow).await;
+        let again = gateway.refund(&request(payment)).await.unwrap();
+        assert!(again.succeeded, "{name}");
+        assert_eq!(
+            *made.lock().unwrap(),
+            1,
+            "{name}: the buyer is refunded once ({})",
+            again.refund_id
+        );
+    }
+}
