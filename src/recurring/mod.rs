@@ -196,9 +196,25 @@ pub async fn run(
             job.name
         ))
     })?;
+    // A period that has finished is not run again: a worker killed after its run completed but
+    // before the job's end was written leaves the job to be rescued and claimed once more, and
+    // that rerun is a no-op. A failed run starts again (an operator's retry, or a retry of the
+    // job itself), its old end cleared.
+    let finished: Option<String> = sqlx::query_scalar(
+        "SELECT state FROM recurring_runs WHERE name = $1 AND period = $2 AND state IN ('completed', 'skipped')",
+    )
+    .bind(&job.name)
+    .bind(job.period)
+    .fetch_optional(&ctx.pool)
+    .await?;
+    if let Some(state) = finished {
+        tracing::info!(recurring = %job.name, period = %job.period, %state, "the period has already finished: nothing to run again");
+        return Ok(());
+    }
     sqlx::query(
-        "UPDATE recurring_runs SET state = 'running', started_at = COALESCE(started_at, now())
-         WHERE name = $1 AND period = $2",
+        "UPDATE recurring_runs SET state = 'running', started_at = COALESCE(started_at, now()),
+                                   finished_at = NULL, error = NULL
+         WHERE name = $1 AND period = $2 AND state NOT IN ('completed', 'skipped')",
     )
     .bind(&job.name)
     .bind(job.period)

@@ -71,6 +71,24 @@ async fn each_period_runs_once_however_many_processes_tick(pool: PgPool) {
         recurring::tick(&pool, &schedule, now).await.unwrap(),
         Some(Ticked::Taken(period))
     );
+    // Its worker died after the run finished but before the job's end was written: the job is
+    // rescued and claimed again. That rerun is a no-op, and the period stays completed.
+    let job = payfleet::queue::NewJob::of(&recurring::RecurringRun {
+        name: "holding_release".into(),
+        period,
+    })
+    .unwrap();
+    payfleet::queue::enqueue(&pool, job).await.unwrap();
+    assert_eq!(step(&pool, &config, "recurring").await, 1);
+    assert_eq!(
+        rows(&pool).await,
+        vec![("holding_release".into(), period, "completed".into())]
+    );
+    let dead: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'discarded'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(dead, 0, "the rerun did not end dead");
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
