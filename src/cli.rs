@@ -350,7 +350,11 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
         MoneyAction::Invoices { month: Some(m) } => {
             let (start, end) = month(m)?;
             // An invoice is made once: a month still running would leave the rest uninvoiced.
-            if end > chrono::Utc::now().date_naive() {
+            if end
+                > chrono::Utc::now()
+                    .with_timezone(&config.invoice_timezone)
+                    .date_naive()
+            {
                 anyhow::bail!("{m} has not ended yet: only an ended month can be invoiced");
             }
             Some((start, end))
@@ -387,9 +391,11 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
             }
         }
         MoneyAction::Invoices { .. } => {
-            let (start, end) =
-                period.unwrap_or_else(|| invoices::previous_month(chrono::Utc::now().date_naive()));
-            let numbers = invoices::run(&pool, start, end).await?;
+            let zone = config.invoice_timezone;
+            let (start, end) = period.unwrap_or_else(|| {
+                invoices::previous_month(chrono::Utc::now().with_timezone(&zone).date_naive())
+            });
+            let numbers = invoices::run(&pool, start, end, zone).await?;
             println!(
                 "{} invoices for {start} to {end}: {numbers:?}",
                 numbers.len()

@@ -141,6 +141,9 @@ pub struct Config {
     pub amqp_namespace: String,
     /// Queues unused this long are dropped by RabbitMQ (tests, preview set-ups).
     pub amqp_queue_ttl_ms: Option<u32>,
+    /// The time zone of invoice periods (`PAYFLEET_INVOICE_TIMEZONE`): a month is invoiced
+    /// once it has ended there.
+    pub invoice_timezone: chrono_tz::Tz,
     /// The recurring jobs worker processes schedule (`jobs/recurring.toml`).
     pub recurring: crate::recurring::Schedules,
     /// How long work in flight may take before the consistency checks report it.
@@ -543,6 +546,15 @@ impl Config {
             amqp_namespace,
             amqp_queue_ttl_ms,
             recurring,
+            invoice_timezone: match var(env, "PAYFLEET_INVOICE_TIMEZONE") {
+                None => chrono_tz::UTC,
+                Some(v) => v.parse().map_err(|_| {
+                    invalid(
+                        "PAYFLEET_INVOICE_TIMEZONE",
+                        format!("{v:?} is not an IANA time zone name"),
+                    )
+                })?,
+            },
             order_routes,
             consistency_grace: std::time::Duration::from_secs(parsed(
                 env,

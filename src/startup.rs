@@ -258,10 +258,13 @@ pub fn recurring_tasks(config: &Config, gateways: &GatewayRegistry) -> Tasks {
     let fleet = config.queues.fleet.clone();
     let grace = config.consistency_grace;
     let reconcile = Arc::new((gateways.clone(), config.reconcile.clone()));
+    let invoice_zone = config.invoice_timezone;
     let mut tasks = Tasks::default();
     tasks
         .add("payouts", ledger_jobs::payouts)
-        .add("invoices", ledger_jobs::invoices)
+        .add("invoices", move |pool, period| {
+            ledger_jobs::invoices(pool, period, invoice_zone)
+        })
         .add("holding_release", ledger_jobs::release)
         .add("reconcile", move |pool, _period| {
             let reconcile = reconcile.clone();

@@ -3,8 +3,14 @@
 //! disputes gave back in the period), totals per currency, a sequential number without gaps
 //! (taken from a counter row inside the invoice's transaction). Made once per seller and period:
 //! a rerun returns the same invoice.
+//!
+//! Periods are calendar days of one time zone (`PAYFLEET_INVOICE_TIMEZONE`, default UTC): a
+//! month runs from its first midnight there to the next month's, and a run never invoices a
+//! month that has not ended there. (The run's own schedule may be in another zone: an invoice
+//! made once must hold all of its month, so the month cannot depend on when the run happens.)
 
-use chrono::{DateTime, Datelike, NaiveDate, Utc};
+use chrono::{DateTime, Datelike, NaiveDate, TimeZone, Utc};
+use chrono_tz::Tz;
 use rust_decimal::Decimal;
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
@@ -19,6 +25,19 @@ pub fn previous_month(today: NaiveDate) -> (NaiveDate, NaiveDate) {
         .with_day(1)
         .unwrap_or(this_month);
     (start, this_month)
+}
+
+/// The instant a day of `zone` begins (its first instant, should a clock change skip midnight).
+pub fn day_start(day: NaiveDate, zone: Tz) -> DateTime<Utc> {
+    (0..24)
+        .find_map(|h| {
+            zone.from_local_datetime(&day.and_hms_opt(h, 0, 0)?)
+                .earliest()
+        })
+        .map_or_else(
+            || day.and_time(chrono::NaiveTime::MIN).and_utc(),
+            |t| t.with_timezone(&Utc),
+        )
 }
 
 /// Amounts are decimal strings in the currency's minor unit.
@@ -49,21 +68,26 @@ pub struct Invoice {
     pub totals: Vec<InvoiceTotal>,
 }
 
-/// Invoices every seller that earned the platform commission in `[start, end)`. Returns their
-/// numbers (made now or before).
-pub async fn run(pool: &PgPool, start: NaiveDate, end: NaiveDate) -> Result<Vec<i64>, sqlx::Error> {
+/// Invoices every seller that earned the platform commission in `[start, end)` (days of
+/// `zone`). Returns their numbers (made now or before).
+pub async fn run(
+    pool: &PgPool,
+    start: NaiveDate,
+    end: NaiveDate,
+    zone: Tz,
+) -> Result<Vec<i64>, sqlx::Error> {
     let sellers: Vec<String> = sqlx::query_scalar(
         "SELECT DISTINCT a.owner FROM ledger_transfers t
          JOIN ledger_accounts a ON a.kind = 'platform_revenue' AND a.id IN (t.from_account, t.to_account)
          WHERE t.created_at >= $1 AND t.created_at < $2 ORDER BY a.owner",
     )
-    .bind(start.and_hms_opt(0, 0, 0).map(|d| d.and_utc()))
-    .bind(end.and_hms_opt(0, 0, 0).map(|d| d.and_utc()))
+    .bind(day_start(start, zone))
+    .bind(day_start(end, zone))
     .fetch_all(pool)
     .await?;
     let mut numbers = Vec::new();
     for seller in sellers {
-        if let Some(n) = create(pool, &seller, start, end).await? {
+        if let Some(n) = create(pool, &seller, start, end, zone).await? {
             numbers.push(n);
         }
     }
@@ -73,26 +97,28 @@ pub async fn run(pool: &PgPool, start: NaiveDate, end: NaiveDate) -> Result<Vec<
 /// How far back a run looks for months left uninvoiced (the fleet down, the job dead).
 pub const CATCH_UP_MONTHS: u32 = 12;
 
-/// Invoices every ended month (UTC) since [`CATCH_UP_MONTHS`] ago in which a seller earned
-/// commission and has no invoice yet: last month, and any month a run missed. Returns the
-/// numbers made.
-pub async fn run_due(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, sqlx::Error> {
+/// Invoices every month of `zone` that has ended by `at`, since [`CATCH_UP_MONTHS`] ago, in
+/// which a seller earned commission and has no invoice yet: last month, and any month a run
+/// missed. Returns the numbers made.
+pub async fn run_due(pool: &PgPool, at: DateTime<Utc>, zone: Tz) -> Result<Vec<i64>, sqlx::Error> {
+    let today = at.with_timezone(&zone).date_naive();
     let this_month = today.with_day(1).unwrap_or(today);
     let since = this_month
         .checked_sub_months(chrono::Months::new(CATCH_UP_MONTHS))
         .unwrap_or(this_month);
     let due: Vec<(String, NaiveDate)> = sqlx::query_as(
-        "SELECT DISTINCT a.owner, date_trunc('month', t.created_at AT TIME ZONE 'UTC')::date AS month
+        "SELECT DISTINCT a.owner, date_trunc('month', t.created_at AT TIME ZONE $3)::date AS month
          FROM ledger_transfers t
          JOIN ledger_accounts a ON a.kind = 'platform_revenue' AND a.id IN (t.from_account, t.to_account)
          WHERE t.created_at >= $1 AND t.created_at < $2
            AND NOT EXISTS (SELECT 1 FROM invoices i
                            WHERE i.seller_id::text = a.owner
-                             AND i.period_start = date_trunc('month', t.created_at AT TIME ZONE 'UTC')::date)
+                             AND i.period_start = date_trunc('month', t.created_at AT TIME ZONE $3)::date)
          ORDER BY month, a.owner",
     )
-    .bind(since.and_hms_opt(0, 0, 0).map(|d| d.and_utc()))
-    .bind(this_month.and_hms_opt(0, 0, 0).map(|d| d.and_utc()))
+    .bind(day_start(since, zone))
+    .bind(day_start(this_month, zone))
+    .bind(zone.name())
     .fetch_all(pool)
     .await?;
     let mut numbers = Vec::new();
@@ -100,20 +126,21 @@ pub async fn run_due(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, sqlx::
         let end = month
             .checked_add_months(chrono::Months::new(1))
             .unwrap_or(this_month);
-        if let Some(n) = create(pool, &seller, month, end).await? {
+        if let Some(n) = create(pool, &seller, month, end, zone).await? {
             numbers.push(n);
         }
     }
     Ok(numbers)
 }
 
-/// The invoice of `seller` for `[start, end)`: made if there was commission and it is not made
-/// yet. Returns its number.
+/// The invoice of `seller` for `[start, end)` (days of `zone`): made if there was commission
+/// and it is not made yet. Returns its number.
 pub async fn create(
     pool: &PgPool,
     seller: &str,
     start: NaiveDate,
     end: NaiveDate,
+    zone: Tz,
 ) -> Result<Option<i64>, sqlx::Error> {
     let mut tx = pool.begin().await?;
     // One invoice of a seller is made at a time: a concurrent run waits, then finds it.
@@ -141,8 +168,8 @@ pub async fn create(
          GROUP BY t.order_number, t.currency ORDER BY t.order_number, t.currency",
     )
     .bind(seller)
-    .bind(start.and_hms_opt(0, 0, 0).map(|d| d.and_utc()))
-    .bind(end.and_hms_opt(0, 0, 0).map(|d| d.and_utc()))
+    .bind(day_start(start, zone))
+    .bind(day_start(end, zone))
     .fetch_all(&mut *tx)
     .await?;
     if lines.is_empty() {

@@ -41,9 +41,11 @@ pub async fn payouts(pool: PgPool, period: DateTime<Tz>) -> Result<(), JobError>
     Ok(())
 }
 
-/// Invoices every ended month not invoiced yet.
-pub async fn invoices(pool: PgPool, period: DateTime<Tz>) -> Result<(), JobError> {
-    let numbers = invoices::run_due(&pool, period.date_naive()).await?;
+/// Invoices every month of `zone` ended by the run's period and not invoiced yet (the period's
+/// instant, not its date in the schedule's own time zone: a run at 01:00 in Tokyo is still the
+/// day before in UTC).
+pub async fn invoices(pool: PgPool, period: DateTime<Tz>, zone: Tz) -> Result<(), JobError> {
+    let numbers = invoices::run_due(&pool, period.with_timezone(&Utc), zone).await?;
     tracing::info!(invoices = numbers.len(), "invoice run done");
     Ok(())
 }

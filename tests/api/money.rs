@@ -551,15 +551,20 @@ async fn invoices_are_numbered_without_gaps_once_per_seller_and_period(pool: PgP
         .unwrap();
     // Two runs at once, then a rerun: the same three invoices, numbered 1, 2, 3.
     let (a, b) = tokio::join!(
-        invoices::run(&pool, start, end),
-        invoices::run(&pool, start, end)
+        invoices::run(&pool, start, end, chrono_tz::UTC),
+        invoices::run(&pool, start, end, chrono_tz::UTC)
     );
     let (mut a, mut b) = (a.unwrap(), b.unwrap());
     a.sort();
     b.sort();
     assert_eq!(a, vec![1, 2, 3]);
     assert_eq!(a, b);
-    assert_eq!(invoices::run(&pool, start, end).await.unwrap(), a);
+    assert_eq!(
+        invoices::run(&pool, start, end, chrono_tz::UTC)
+            .await
+            .unwrap(),
+        a
+    );
     // Seller 1: two orders of 25.50 and 51.00: commission 2.55 (2.550) and 5.10.
     let (status, list) = shop
         .json(&format!("/sellers/{}/invoices", sellers[1]))
@@ -600,7 +605,7 @@ async fn invoices_are_numbered_without_gaps_once_per_seller_and_period(pool: PgP
     // Nothing earned in a period: no invoice, no number used.
     let (past_start, past_end) = invoices::previous_month(start - chrono::Duration::days(40));
     assert!(
-        invoices::run(&pool, past_start, past_end)
+        invoices::run(&pool, past_start, past_end, chrono_tz::UTC)
             .await
             .unwrap()
             .is_empty()
@@ -610,6 +615,64 @@ async fn invoices_are_numbered_without_gaps_once_per_seller_and_period(pool: PgP
         .await
         .unwrap();
     assert_eq!(last, 3);
+}
+
+/// The invoice run's schedule is in one time zone (01:00 in Tokyo) and the invoice periods in
+/// another (UTC): a run whose date there is already the 1st must not invoice a month that has
+/// not ended where it is invoiced, or its last hours would never be.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_month_is_invoiced_only_once_it_has_ended_in_the_invoices_time_zone(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let s = shop.seller_with("S", "monthly", "1.00", 0).await;
+    let p = shop.product(&s, "10.00", "BRL").await;
+    let o = shop.checkout_one("k", "b", &p, 1).await;
+    let session = o["payment"]["session_id"].as_str().unwrap();
+    send(
+        &shop,
+        "m1",
+        &event("payment.succeeded", session, json!({"amount": "10.00"})),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    let utc = chrono_tz::UTC;
+    let next_month = Utc::now()
+        .date_naive()
+        .with_day(1)
+        .unwrap()
+        .checked_add_months(chrono::Months::new(1))
+        .unwrap();
+    let month_ends = invoices::day_start(next_month, utc);
+    // 01:00 on the 1st in Tokyo: eight hours of the UTC month are still to come.
+    let tokyo: chrono_tz::Tz = "Asia/Tokyo".parse().unwrap();
+    let early = (month_ends - chrono::Duration::hours(8)).with_timezone(&tokyo);
+    assert_eq!(
+        early.date_naive(),
+        next_month,
+        "the run's own date is the 1st"
+    );
+    ledger::jobs::invoices(pool.clone(), early, utc)
+        .await
+        .unwrap();
+    let invoiced: i64 = sqlx::query_scalar("SELECT count(*) FROM invoices")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(invoiced, 0, "the month has not ended in UTC");
+    // The next day's run, after the month's end: its invoice, with the sale.
+    let later = (month_ends + chrono::Duration::hours(16)).with_timezone(&tokyo);
+    ledger::jobs::invoices(pool.clone(), later, utc)
+        .await
+        .unwrap();
+    let (status, list) = shop.json(&format!("/sellers/{s}/invoices")).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        list["invoices"][0]["totals"][0]["commission"], "1.00",
+        "{list}"
+    );
+    assert_eq!(
+        list["invoices"][0]["period_end"],
+        json!(next_month.to_string())
+    );
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -1203,7 +1266,9 @@ async fn proof_a_few_hundred_orders_end_to_end_to_the_cent(pool: PgPool) {
     let end = this_month
         .checked_add_months(chrono::Months::new(1))
         .unwrap();
-    let mut numbers = invoices::run(&pool, start, end).await.unwrap();
+    let mut numbers = invoices::run(&pool, start, end, chrono_tz::UTC)
+        .await
+        .unwrap();
     numbers.sort();
     assert_eq!(numbers, vec![1, 2, 3, 4]);
     for (seller, _, _) in &sellers {
