@@ -403,8 +403,14 @@ impl Config {
         };
         let admin_token = token(env, "PAYFLEET_ADMIN_TOKEN")?;
         let metrics_token = token(env, "PAYFLEET_METRICS_TOKEN")?;
-        let metrics_refresh =
-            std::time::Duration::from_millis(parsed(env, "PAYFLEET_METRICS_REFRESH_MS", 5000u64)?);
+        let metrics_refresh_ms = parsed(env, "PAYFLEET_METRICS_REFRESH_MS", 5000u64)?;
+        if !(1000..=600_000).contains(&metrics_refresh_ms) {
+            return Err(invalid(
+                "PAYFLEET_METRICS_REFRESH_MS",
+                "must be 1000 to 600000: scrapes must not set the database's pace",
+            ));
+        }
+        let metrics_refresh = std::time::Duration::from_millis(metrics_refresh_ms);
         let payment_simulator = match var(env, "PAYFLEET_PAYMENT_SIMULATOR").as_deref() {
             None | Some("off") => false,
             Some("on") => true,

@@ -1,7 +1,7 @@
 //! payfleet: the background job worker fleet behind a marketplace's payments.
 //!
 //! Layout (one module per bounded context; the root only assembles). Arrows point one way:
-//! `secret`, `money`, `db`, `tls` -> `gateways` -> `queue`, `messaging`, `catalogue` ->
+//! `secret`, `money`, `db`, `tls` -> `gateways` -> `queue`, `messaging`, `catalogue` -> `auth` ->
 //! `ledger`, `payment_status`, `recurring` -> `orders` -> `payments` -> `webhooks` -> `http` ->
 //! `config`, `startup` -> `cli`, `demo`, `bench`.
 //! - `secret`     values that never print (secrets, URLs with passwords)
@@ -14,6 +14,8 @@
 //! - `messaging`  the shared RabbitMQ connection, the RPCs (payment links, coins) and the
 //!   order messages (outbox relay, routing by order type)
 //! - `catalogue`  sellers, products, coupons
+//! - `auth`       who may call: the admin token (kept as a digest), API keys (kept as hashes,
+//!   bound to a seller or not), the limiter on failed credentials per address
 //! - `ledger`     double entry: sales, refunds, disputes, holding period, payouts, commission
 //!   invoices, coins, and their recurring jobs
 //! - `payment_status` the provider's truth derived from facts, shared by payments and orders
@@ -23,7 +25,8 @@
 //! - `webhooks`   signature schemes, the verified [`webhooks::Webhook`], the batching writer
 //! - `consistency` the invariants checked by a recurring job, findings an operator lists
 //! - `recurring`  schedules from jobs/recurring.toml, each period run once by the fleet
-//! - `http`       the routes of each area, the one API error type, health and metrics
+//! - `http`       the routes of each area, one extractor per kind of caller (`http::callers`),
+//!   the one API error type, the server and its limits, health and metrics
 //! - `config`, `startup`, `cli`: environment, the one way to assemble a process, subcommands;
 //!   `demo`: drives a running fleet; `bench`: the benchmarks
 

@@ -144,12 +144,19 @@ pub fn gateways(
         }
     }
     if config.internal_acquirer == InternalAcquirer::Stripe {
+        // Its facts come from Stripe alone: an internal-gateway webhook secret would let events
+        // signed with it speak for real-money sessions no simulator ever made.
+        if secrets.internal.is_some() {
+            anyhow::bail!(
+                "PAYFLEET_INTERNAL_ACQUIRER=stripe and INTERNAL_WEBHOOK_SECRET are both set: the internal gateway's payments are Stripe's, confirmed by Stripe's signed events only; unset INTERNAL_WEBHOOK_SECRET"
+            );
+        }
         let api = config
             .stripe
             .as_ref()
-            .filter(|_| secrets.stripe.is_some())
+            .filter(|_| secrets.stripe.is_some() || secrets.stripe_platform.is_some())
             .context(
-                "PAYFLEET_INTERNAL_ACQUIRER=stripe needs STRIPE_SECRET_KEY and STRIPE_WEBHOOK_SECRET (the platform account's events confirm its payments)",
+                "PAYFLEET_INTERNAL_ACQUIRER=stripe needs STRIPE_SECRET_KEY and the platform endpoint's signing secret (STRIPE_PLATFORM_WEBHOOK_SECRET, or STRIPE_WEBHOOK_SECRET): the platform account's events confirm its payments",
             )?;
         let g = StripeConnect::internal_acquirer(
             &api.base_url,

@@ -11,10 +11,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use base64::Engine;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -93,7 +91,7 @@ pub enum ApiKeyError {
 }
 
 fn hash(key: &str) -> [u8; 32] {
-    Sha256::digest(key.as_bytes()).into()
+    super::digest(key.as_bytes())
 }
 
 /// Whether `presented` has the shape of one of our keys: anything else is refused without a
@@ -123,10 +121,7 @@ pub async fn create(pool: &PgPool, new: NewApiKey) -> Result<(ApiKey, String), A
             })
         })
         .transpose()?;
-    let key = format!(
-        "{PREFIX}{}",
-        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(rand::random::<[u8; 32]>())
-    );
+    let key = super::random_credential(PREFIX);
     let made = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "INSERT INTO api_keys (name, seller_id, key_hash, prefix) VALUES ($1, $2, $3, $4)
          RETURNING {COLUMNS}"
@@ -185,29 +180,37 @@ impl ApiKeys {
         }
     }
 
-    /// What `presented` is. An error is an outage (the caller answers 503, not 401).
-    pub async fn lookup(&self, presented: &str) -> Result<Lookup, sqlx::Error> {
+    /// What `presented` is, when this process knows it already (or it is not even of our
+    /// shape): no query.
+    pub fn cached(&self, presented: &str) -> Option<Lookup> {
         if !well_formed(presented) {
-            return Ok(Lookup::Unknown);
+            return Some(Lookup::Unknown);
+        }
+        match self.lock().get(&hash(presented)) {
+            Some((at, answer)) if at.elapsed() < CACHE_TTL => Some(*answer),
+            _ => None,
+        }
+    }
+
+    /// What `presented` is, asked of the database unless cached. An error is an outage (the
+    /// caller answers 503, not 401).
+    pub async fn lookup(&self, presented: &str) -> Result<Lookup, sqlx::Error> {
+        if let Some(answer) = self.cached(presented) {
+            return Ok(answer);
         }
         let h = hash(presented);
-        let now = Instant::now();
-        if let Some((at, holder)) = self.lock().get(&h)
-            && now.duration_since(*at) < CACHE_TTL
-        {
-            return Ok(*holder);
-        }
         let row: Option<(ApiKeyId, Option<SellerId>, bool)> = sqlx::query_as(
             "SELECT id, seller_id, revoked_at IS NOT NULL FROM api_keys WHERE key_hash = $1",
         )
         .bind(&h[..])
         .fetch_optional(&self.pool)
         .await?;
-        let holder = match row {
+        let answer = match row {
             Some((id, seller, false)) => Lookup::InForce(KeyHolder { id, seller }),
             Some((_, _, true)) => Lookup::Revoked,
             None => Lookup::Unknown,
         };
+        let now = Instant::now();
         let mut cache = self.lock();
         if cache.len() >= CACHE_ENTRIES {
             cache.retain(|_, (at, _)| now.duration_since(*at) < CACHE_TTL);
@@ -215,8 +218,8 @@ impl ApiKeys {
                 cache.clear();
             }
         }
-        cache.insert(h, (now, holder));
-        Ok(holder)
+        cache.insert(h, (now, answer));
+        Ok(answer)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], (Instant, Lookup)>> {
@@ -228,6 +231,7 @@ impl ApiKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use base64::Engine;
 
     #[test]
     fn only_our_shape_of_key_is_looked_up() {

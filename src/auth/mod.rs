@@ -35,8 +35,27 @@ impl std::fmt::Debug for Token {
     }
 }
 
-fn digest(value: &[u8]) -> [u8; 32] {
+/// The SHA-256 of a credential: what is kept, looked up and compared instead of it.
+pub fn digest(value: &[u8]) -> [u8; 32] {
     Sha256::digest(value).into()
+}
+
+/// A key for one purpose (`purpose` names it), derived from a secret with HKDF-SHA256: what it
+/// signs changes when the secret changes, and the key never reveals the secret.
+pub fn derive_key(secret: &[u8], purpose: &str) -> [u8; 32] {
+    let mut key = [0u8; 32];
+    // 32 bytes is far below HKDF-SHA256's limit of 255 blocks: expand cannot fail.
+    let _ = Hkdf::<Sha256>::new(Some(b"payfleet"), secret).expand(purpose.as_bytes(), &mut key);
+    key
+}
+
+/// A new random credential: `prefix` and 43 URL-safe characters (256 bits).
+pub fn random_credential(prefix: &str) -> String {
+    use base64::Engine;
+    format!(
+        "{prefix}{}",
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(rand::random::<[u8; 32]>())
+    )
 }
 
 impl Token {
@@ -54,41 +73,20 @@ impl Token {
         })
     }
 
-    /// A token known by its digest (hex), as a development database keeps it.
-    pub fn from_hex_digest(hex_digest: &str) -> Option<Self> {
-        let bytes = hex::decode(hex_digest).ok()?;
-        Some(Self {
-            digest: bytes.try_into().ok()?,
-        })
-    }
-
-    pub fn hex_digest(&self) -> String {
-        hex::encode(self.digest)
-    }
-
     /// Whether `given` is this token. Both sides are digests of 32 bytes, compared in constant
     /// time: the answer takes as long whatever `given` is, even of another length.
     pub fn matches(&self, given: &str) -> bool {
         bool::from(digest(given.as_bytes()).ct_eq(&self.digest))
     }
 
-    /// A key for one purpose (`purpose` names it), derived from the token with HKDF-SHA256:
-    /// what it signs changes when the token changes, and a key never reveals the token.
+    /// A key for one purpose, derived from the token ([`derive_key`]).
     pub fn derive_key(&self, purpose: &str) -> [u8; 32] {
-        let mut key = [0u8; 32];
-        // 32 bytes is far below HKDF-SHA256's limit of 255 blocks: expand cannot fail.
-        let _ = Hkdf::<Sha256>::new(Some(b"payfleet"), &self.digest)
-            .expand(purpose.as_bytes(), &mut key);
-        key
+        derive_key(&self.digest, purpose)
     }
 
-    /// A new random token of 43 URL-safe characters (256 bits), for development.
+    /// A new random token, for development.
     pub fn generate() -> (Self, String) {
-        use base64::Engine;
-        let value = format!(
-            "pfa_{}",
-            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(rand::random::<[u8; 32]>())
-        );
+        let value = random_credential("pfa_");
         let token = Self {
             digest: digest(value.as_bytes()),
         };
@@ -110,8 +108,6 @@ mod tests {
         assert!(!t.matches(""));
         assert!(!t.matches(&"x".repeat(10_000)));
         assert_eq!(format!("{t:?}"), "Token([redacted])");
-        let again = Token::from_hex_digest(&t.hex_digest()).unwrap();
-        assert!(again.matches("an-admin-token-of-32-characters!"));
     }
 
     #[test]

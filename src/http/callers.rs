@@ -88,11 +88,66 @@ impl Callers {
         tracing::warn!(%client, route, failures, "refused: {what}");
     }
 
-    async fn lookup(&self, presented: &str) -> Result<Lookup, ApiError> {
-        match &self.0.keys {
-            Some(keys) => Ok(keys.lookup(presented).await?),
-            None => Ok(Lookup::Unknown),
+    /// The first steps of every credential check: the client, the gate, and the bearer
+    /// credential (401 `unauthenticated`, saying `missing`, without one).
+    fn presented<'p>(
+        &self,
+        parts: &'p Parts,
+        missing: &str,
+    ) -> Result<(IpAddr, &'p str), ApiError> {
+        let client = self.client(parts);
+        self.gate(client)?;
+        let given = bearer(&parts.headers).ok_or_else(|| {
+            ApiError::Unauthenticated(format!("send Authorization: Bearer <{missing}>"))
+        })?;
+        Ok((client, given))
+    }
+
+    /// What an API key is: this process's cached answer, or the database's, asked as an
+    /// attempt in flight (hold the [`Attempt`] until a failure is counted).
+    async fn key(
+        &self,
+        client: IpAddr,
+        given: &str,
+    ) -> Result<(Lookup, Option<Attempt>), ApiError> {
+        let Some(keys) = &self.0.keys else {
+            return Ok((Lookup::Unknown, None));
+        };
+        if let Some(answer) = keys.cached(given) {
+            return Ok((answer, None));
         }
+        let attempt = Attempt::begin(self, client, given)?;
+        Ok((keys.lookup(given).await?, Some(attempt)))
+    }
+}
+
+/// A credential being looked up for a client: it counts against the client's limit until it
+/// ends (when dropped, however the request ends).
+struct Attempt {
+    callers: Callers,
+    client: IpAddr,
+    credential: [u8; 32],
+}
+
+impl Attempt {
+    fn begin(callers: &Callers, client: IpAddr, given: &str) -> Result<Self, ApiError> {
+        let credential = crate::auth::digest(given.as_bytes());
+        callers
+            .0
+            .limiter
+            .begin(client, credential, Instant::now())
+            .map_err(|l| ApiError::TooManyRequests(l.retry_after))?;
+        Ok(Self {
+            callers: callers.clone(),
+            client,
+            credential,
+        })
+    }
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        self.callers.0.limiter.end(self.client, self.credential);
     }
 }
 
@@ -180,11 +235,7 @@ where
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
         let callers = Callers::from_ref(state);
-        let client = callers.client(parts);
-        callers.gate(client)?;
-        let given = bearer(&parts.headers).ok_or_else(|| {
-            ApiError::Unauthenticated("send Authorization: Bearer <admin token>".into())
-        })?;
+        let (client, given) = callers.presented(parts, "admin token")?;
         let Some(admin) = callers.admin() else {
             return Err(ApiError::Forbidden(
                 "the admin API is off: set PAYFLEET_ADMIN_TOKEN to turn it on".into(),
@@ -193,7 +244,8 @@ where
         if admin.matches(given) {
             return Ok(Operator);
         }
-        if callers.lookup(given).await? == Lookup::Unknown {
+        let (lookup, _attempt) = callers.key(client, given).await?;
+        if lookup == Lookup::Unknown {
             callers.failed(client, &route(parts), "wrong admin token");
             return Err(ApiError::Forbidden("wrong admin token".into()));
         }
@@ -219,15 +271,12 @@ where
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
         let callers = Callers::from_ref(state);
-        let client = callers.client(parts);
-        callers.gate(client)?;
-        let given = bearer(&parts.headers).ok_or_else(|| {
-            ApiError::Unauthenticated("send Authorization: Bearer <API key>".into())
-        })?;
+        let (client, given) = callers.presented(parts, "API key")?;
         if callers.admin().is_some_and(|a| a.matches(given)) {
             return Ok(Backend::Operator);
         }
-        match callers.lookup(given).await? {
+        let (lookup, _attempt) = callers.key(client, given).await?;
+        match lookup {
             Lookup::InForce(holder) => Ok(Backend::Key(holder)),
             Lookup::Revoked => Err(ApiError::Unauthenticated("this API key was revoked".into())),
             Lookup::Unknown => {
@@ -290,13 +339,8 @@ where
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
         let callers = Callers::from_ref(state);
-        let client = callers.client(parts);
-        callers.gate(client)?;
-        let given = bearer(&parts.headers).ok_or_else(|| {
-            ApiError::Unauthenticated(
-                "send Authorization: Bearer <PAYFLEET_METRICS_TOKEN or the admin token>".into(),
-            )
-        })?;
+        let (client, given) =
+            callers.presented(parts, "PAYFLEET_METRICS_TOKEN or the admin token")?;
         let tokens = [callers.admin(), callers.0.metrics.as_ref()];
         if tokens.iter().all(Option::is_none) {
             return Err(ApiError::Forbidden(

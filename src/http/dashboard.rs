@@ -157,11 +157,14 @@ impl From<ApiError> for Page {
         } else {
             ""
         };
+        let request = super::error::request_id()
+            .map(|id| format!(" (request {})", escape(&id)))
+            .unwrap_or_default();
         Page::new(
             status,
             "Not done",
             format!(
-                "<p class=\"error\" role=\"alert\">{}{retry}</p><p><a href=\"/admin/ui\">Back to the dashboard</a></p>",
+                "<p class=\"error\" role=\"alert\">{}{request}{retry}</p><p><a href=\"/admin/ui\">Back to the dashboard</a></p>",
                 escape(&e.public_message())
             ),
         )

@@ -66,7 +66,7 @@ tokio::task_local! {
     pub(super) static REQUEST_ID: String;
 }
 
-fn request_id() -> Option<String> {
+pub(super) fn request_id() -> Option<String> {
     REQUEST_ID.try_with(Clone::clone).ok()
 }
 

@@ -117,18 +117,13 @@ fn form_token_holds(gateway: &HostedGateway, session: &str, given: &str, now: i6
 /// A form from the page itself: no browser sends another site's origin as ours. A request
 /// without `Origin` and `Sec-Fetch-Site` (not a browser's) still needs the form token.
 fn same_origin(headers: &HeaderMap, public_url: &str) -> bool {
-    let origin_ok = match headers.get("origin").map(|v| v.to_str()) {
-        None => true,
-        Some(Ok(origin)) => {
-            let public = public_url.trim_end_matches('/');
-            // The origin is the public URL's scheme, host and port, without its path.
-            let end = public
-                .find("://")
-                .and_then(|i| public[i + 3..].find('/').map(|j| i + 3 + j))
-                .unwrap_or(public.len());
-            origin.eq_ignore_ascii_case(&public[..end])
+    let ours = reqwest::Url::parse(public_url).map(|u| u.origin().ascii_serialization());
+    let origin_ok = match (headers.get("origin").map(|v| v.to_str()), &ours) {
+        (None, _) => true,
+        (Some(Ok(origin)), Ok(ours)) => {
+            reqwest::Url::parse(origin).is_ok_and(|o| o.origin().ascii_serialization() == *ours)
         }
-        Some(Err(_)) => false,
+        _ => false,
     };
     let site_ok = !matches!(
         headers.get("sec-fetch-site").and_then(|v| v.to_str().ok()),
@@ -212,9 +207,12 @@ async fn decide(
             "this form was sent from another site: nothing was recorded",
         ));
     }
-    let Form(form) = form.map_err(|e| ApiError::BadRequest {
-        code: "invalid_form",
-        message: format!("expected a form with outcome=succeeded or outcome=failed: {e}"),
+    let Form(form) = form.map_err(|e| match e {
+        FormRejection::BytesRejection(r) => ApiError::from_body(r, None),
+        e => ApiError::BadRequest {
+            code: "invalid_form",
+            message: format!("expected a form with outcome=succeeded or outcome=failed: {e}"),
+        },
     })?;
     let outcome = match form.outcome.as_str() {
         "succeeded" => Outcome::Succeeded,

@@ -50,7 +50,10 @@ pub async fn serve(
         .header_read_timeout(limits.header_timeout);
     let mut shutdown = std::pin::pin!(shutdown);
     let mut refused_at_cap: u64 = 0;
+    let mut connections = tokio::task::JoinSet::new();
     loop {
+        // Connections that ended are reaped as others arrive (the set holds only live ones).
+        while connections.try_join_next().is_some() {}
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(a) => a,
@@ -92,7 +95,7 @@ pub async fn serve(
             }
         });
         let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
-        tokio::spawn(async move {
+        connections.spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
@@ -103,9 +106,13 @@ pub async fn serve(
     tokio::select! {
         _ = graceful.shutdown() => {}
         _ = tokio::time::sleep(DRAIN) => {
-            tracing::warn!("requests still running after {DRAIN:?}: their connections are dropped");
+            tracing::warn!(
+                connections = connections.len(),
+                "requests still running after {DRAIN:?}: their connections are dropped"
+            );
         }
     }
+    connections.abort_all();
     Ok(())
 }
 

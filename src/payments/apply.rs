@@ -708,9 +708,9 @@ async fn record_unmatched(
 }
 
 /// The gateways whose stored events may hold facts about `gateway`'s payments: its own, and
-/// for the internal gateway Stripe's too (its acquirer's events arrive through Stripe's
-/// webhook). Waking an event that turns out to be about another payment only makes it wait
-/// again.
+/// for the internal gateway Stripe's too (when Stripe is its acquirer, its events arrive
+/// through Stripe's webhook; otherwise no Stripe event waits on an internal payment's key).
+/// Waking an event that turns out to be about another payment only makes it wait again.
 fn event_sources(gateway: GatewayName) -> Vec<GatewayName> {
     match gateway {
         GatewayName::Internal => vec![GatewayName::Internal, GatewayName::Stripe],

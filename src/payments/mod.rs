@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
 use crate::gateways::{
-    self, EventError, GatewayName, Interpretation, MercadoPagoClient, MercadoPagoError,
+    self, EventError, GatewayName, Interpretation, MercadoPagoClient, MercadoPagoError, PaymentRef,
 };
 use crate::queue::{Job, JobError, NewJob, QueueError};
 
@@ -208,21 +208,46 @@ impl Processor {
         }
     }
 
-    /// Whose payments an event's facts are about: its gateway's, except Stripe's events on the
-    /// platform's own account (no `account` field: not a connected account's) when the internal
-    /// gateway collects through Stripe, which are the internal gateway's.
-    fn facts_gateway(&self, gateway: GatewayName, body: &[u8]) -> GatewayName {
+    /// Whose payments an event's facts are about: its gateway's, except, when the internal
+    /// gateway collects through Stripe, a Stripe event about a payment the internal gateway made
+    /// (its session, or its payment id, is the internal gateway's), or about one not known yet
+    /// that Stripe sent for the platform's own account (no `account` field; reconciliation's own
+    /// answers for Stripe Connect have none either, and stay Stripe's).
+    async fn facts_gateway(
+        &self,
+        pool: &PgPool,
+        gateway: GatewayName,
+        row: &EventRow,
+        payment: &PaymentRef,
+    ) -> Result<GatewayName, sqlx::Error> {
         if gateway != GatewayName::Stripe || !self.internal_on_stripe {
-            return gateway;
+            return Ok(gateway);
+        }
+        let internal: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM payment_sessions WHERE gateway = 'internal' AND session_id = $1)
+                 OR EXISTS (SELECT 1 FROM payment_orders WHERE gateway = 'internal' AND payment_id = $2)",
+        )
+        .bind(&payment.session_id)
+        .bind(&payment.payment_id)
+        .fetch_one(pool)
+        .await?;
+        if internal {
+            return Ok(GatewayName::Internal);
         }
         #[derive(serde::Deserialize)]
         struct Account {
             account: Option<String>,
         }
-        match serde_json::from_slice::<Account>(body) {
-            Ok(Account { account: None }) => GatewayName::Internal,
-            _ => gateway,
-        }
+        let platform = row.source != "reconciliation"
+            && matches!(
+                serde_json::from_slice::<Account>(&row.raw_body),
+                Ok(Account { account: None })
+            );
+        Ok(if platform {
+            GatewayName::Internal
+        } else {
+            gateway
+        })
     }
 
     async fn try_process(
@@ -264,6 +289,12 @@ impl Processor {
             other => other,
         };
 
+        let of = match &interpretation {
+            Interpretation::Update { payment, .. } => {
+                self.facts_gateway(pool, gateway, row, payment).await?
+            }
+            _ => gateway,
+        };
         let mut tx = pool.begin().await?;
         let processed: Option<Option<chrono::DateTime<chrono::Utc>>> =
             sqlx::query_scalar("SELECT processed_at FROM payment_events WHERE id = $1 FOR UPDATE")
@@ -276,7 +307,6 @@ impl Processor {
         let result = match interpretation {
             Interpretation::Ignore(reason) => Processed::Ignored(reason),
             Interpretation::Update { payment, facts } => {
-                let of = self.facts_gateway(gateway, &row.raw_body);
                 match apply::apply(&mut tx, of, &payment, &facts, Some(row.id)).await? {
                     apply::Applied::Changed => Processed::Applied,
                     apply::Applied::Unchanged => {

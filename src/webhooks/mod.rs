@@ -37,7 +37,7 @@ pub struct WebhookSecrets {
 impl WebhookSecrets {
     pub fn enabled(&self, gateway: GatewayName) -> bool {
         match gateway {
-            GatewayName::Stripe => self.stripe.is_some(),
+            GatewayName::Stripe => self.stripe.is_some() || self.stripe_platform.is_some(),
             GatewayName::MercadoPago => self.mercadopago.is_some(),
             GatewayName::Razorpay => self.razorpay.is_some(),
             GatewayName::Internal => self.internal.is_some(),
@@ -132,17 +132,24 @@ impl Webhook {
         let disabled = || RejectedWebhook::Disabled(gateway);
         match gateway {
             GatewayName::Stripe => {
-                let secret = secrets.stripe.as_ref().ok_or_else(disabled)?;
+                // Either endpoint's secret (Connect's, the platform account's): the first that
+                // matches. Only a mismatch tries the next; anything else is refused at once.
                 let header = h("stripe-signature");
-                match (
-                    signature::stripe(secret.expose(), header, body, now, tolerance),
-                    &secrets.stripe_platform,
-                ) {
-                    (Err(SignatureError::Mismatch(_)), Some(platform)) => {
-                        signature::stripe(platform.expose(), header, body, now, tolerance)?
+                let mut outcome = Err(disabled());
+                for secret in [&secrets.stripe, &secrets.stripe_platform]
+                    .into_iter()
+                    .flatten()
+                {
+                    outcome = signature::stripe(secret.expose(), header, body, now, tolerance)
+                        .map_err(RejectedWebhook::from);
+                    if !matches!(
+                        outcome,
+                        Err(RejectedWebhook::Signature(SignatureError::Mismatch(_)))
+                    ) {
+                        break;
                     }
-                    (checked, _) => checked?,
                 }
+                outcome?;
             }
             GatewayName::MercadoPago => {
                 let secret = secrets.mercadopago.as_ref().ok_or_else(disabled)?;

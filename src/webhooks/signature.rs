@@ -252,11 +252,7 @@ impl StandardSecret {
     /// HKDF-SHA256: every process holding the secret derives the same key, and the key never
     /// signs a webhook.
     pub fn derive_key(&self, purpose: &str) -> [u8; 32] {
-        let mut key = [0u8; 32];
-        // 32 bytes is far below HKDF-SHA256's limit: expand cannot fail.
-        let _ = hkdf::Hkdf::<Sha256>::new(Some(b"payfleet"), &self.0)
-            .expand(purpose.as_bytes(), &mut key);
-        key
+        crate::auth::derive_key(&self.0, purpose)
     }
 
     /// The `webhook-signature` value for a message: what a sender (and a test) puts on it.

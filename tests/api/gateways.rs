@@ -364,6 +364,8 @@ async fn the_internal_gateway_collects_through_stripe_on_the_platforms_account(p
         secret_key: Secret::new("sk_test_platform"),
     });
     config.internal_acquirer = payfleet::config::InternalAcquirer::Stripe;
+    // Its facts come from Stripe only: no internal-gateway webhook secret.
+    config.webhooks.internal = None;
     // The platform account's endpoint signs with a secret of its own.
     const PLATFORM_SECRET: &str = "whsec_platform_endpoint_secret";
     config.webhooks.stripe_platform = Some(Secret::new(PLATFORM_SECRET));
@@ -415,9 +417,18 @@ async fn the_internal_gateway_collects_through_stripe_on_the_platforms_account(p
     ] {
         assert_eq!(form.get(k).map(String::as_str), Some(v), "{k} in {form:?}");
     }
-    // Its page is Stripe's: no simulator page for this session here.
+    // Its page is Stripe's: no simulator page for this session here, and no internal-gateway
+    // webhook can speak for it.
     let (status, _) = shop.app.get("/pay/cs_test_1").await;
     assert_eq!(status, 404);
+    let (status, _) = shop
+        .app
+        .deliver(&internal(
+            "forged",
+            &payment_body("payment.succeeded", "cs_test_1", "19.90"),
+        ))
+        .await;
+    assert_eq!(status, 404, "the internal gateway's webhook is off");
 
     // Stripe's event on the platform account (no `account`) confirms it.
     let completed = r#"{"id":"evt_p1","type":"checkout.session.completed","data":{"object":{"id":"cs_test_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid","metadata":{"seller_id":"x"}}}}"#;
@@ -706,7 +717,14 @@ async fn a_refund_asked_again_after_a_timeout_is_one_refund_on_every_gateway() {
         seller_account: Some("acct_1".into()),
         idempotency_key: "refund-request-7".into(),
     };
-    let cases: Vec<(&str, Arc<dyn PaymentGateway>, Arc<Mutex<u32>>, &str)> =
+    /// A gateway's name, its client, its stand-in's count of refunds made, a payment id.
+    type Case = (
+        &'static str,
+        Arc<dyn PaymentGateway>,
+        Arc<Mutex<u32>>,
+        &'static str,
+    );
+    let cases: Vec<Case> =
         vec![
             {
                 let (base, made) = slow_refunds("/v1/refunds", "idempotency-key", slow, |id| {

@@ -400,13 +400,19 @@ async fn a_simulated_gateway_needs_the_simulator_on(pool: PgPool) {
         assert!(e.to_string().contains("PAYFLEET_PAYMENT_SIMULATOR"), "{e}");
     }
     // Without the simulated gateways (the mock gone, the internal one collecting through
-    // Stripe), the simulator is not needed.
+    // Stripe), the simulator is not needed; an internal-gateway webhook secret beside the Stripe
+    // acquirer is refused (events signed with it would speak for real-money sessions).
     config.webhooks.mock = None;
     config.internal_acquirer = payfleet::config::InternalAcquirer::Stripe;
     config.stripe = Some(payfleet::config::StripeApi {
         base_url: "http://127.0.0.1:9".into(),
         secret_key: payfleet::secret::Secret::new("sk_test_x"),
     });
+    let e = payfleet::startup::start(&config, pool.clone(), payfleet::startup::Roles::SERVE, None)
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("INTERNAL_WEBHOOK_SECRET"), "{e}");
+    config.webhooks.internal = None;
     let running =
         payfleet::startup::start(&config, pool.clone(), payfleet::startup::Roles::SERVE, None)
             .unwrap();
@@ -580,6 +586,26 @@ async fn guessing_tokens_locks_the_address_out_for_its_window(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(resp.status(), 429, "sign-in failures lock the address too");
+    // A burst of made-up keys sent at once from a fresh address: the lookups in flight count
+    // against the limit, so at most ten are tried.
+    let burst = futures_util::future::join_all((0..40).map(|i| {
+        app.anon
+            .get(&wallet)
+            .header("x-forwarded-for", "192.0.2.77")
+            .bearer_auth(format!("pfk_{i:0>43}"))
+            .send()
+    }))
+    .await;
+    let statuses: Vec<u16> = burst
+        .into_iter()
+        .map(|r| r.unwrap().status().as_u16())
+        .collect();
+    let tried = statuses.iter().filter(|s| **s == 401).count();
+    assert!(tried <= 10, "{tried} guesses tried at once: {statuses:?}");
+    assert!(
+        statuses.iter().all(|s| *s == 401 || *s == 429),
+        "{statuses:?}"
+    );
     // Another address is not held up, and a webhook from a locked one still lands.
     assert_eq!(from("192.0.2.1", ADMIN_TOKEN.into()).await.status(), 200);
     let (status, _) = app
