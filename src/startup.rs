@@ -62,8 +62,9 @@ impl Roles {
     };
 }
 
-/// The processor as configured: Mercado Pago events need API access to read the payment.
-pub fn processor(config: &Config) -> anyhow::Result<Processor> {
+/// The processor as configured: Mercado Pago events need API access to read the payment, and a
+/// success that carries no amount is asked of its gateway (`gateways`).
+pub fn processor(config: &Config, gateways: GatewayRegistry) -> anyhow::Result<Processor> {
     let mercadopago = config
         .mercadopago
         .as_ref()
@@ -73,6 +74,7 @@ pub fn processor(config: &Config) -> anyhow::Result<Processor> {
     Ok(Processor {
         mercadopago,
         internal_on_stripe: config.internal_acquirer == InternalAcquirer::Stripe,
+        gateways,
     })
 }
 
@@ -191,8 +193,8 @@ pub fn gateways(
 
 /// Every job kind this fleet runs, with its handler.
 pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
-    let processor = Arc::new(processor(config)?);
     let (gateways, _) = gateways(config, pool)?;
+    let processor = Arc::new(processor(config, gateways.clone())?);
     let mut targets = Vec::new();
     if let Some(s) = &config.webhooks.internal {
         targets.push((

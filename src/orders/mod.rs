@@ -104,7 +104,18 @@ struct Locked {
     amount_refunded: Decimal,
     paid_at: Option<DateTime<Utc>>,
     session_id: Option<String>,
+    payment_attempt: i32,
     paid_with_coins: bool,
+}
+
+/// The session a payment's facts come from, as the payment side recorded it.
+#[derive(Debug, Clone, Copy)]
+pub struct PaidThrough<'a> {
+    pub session_id: &'a str,
+    pub url: &'a str,
+    /// The order's payment attempt the session was made for.
+    pub attempt: i32,
+    pub payment_id: Option<&'a str>,
 }
 
 /// Brings order `number` in line with its payment's derived state, inside the caller's
@@ -116,14 +127,20 @@ pub async fn apply_payment(
     tx: &mut PgConnection,
     number: i64,
     gateway: GatewayName,
-    (session_id, url): (&str, &str),
+    through: PaidThrough<'_>,
     payment: PaymentOrderStatus,
     paid: Option<Money>,
     refunded: Decimal,
 ) -> Result<Option<PaymentEffect>, crate::queue::QueueError> {
+    let PaidThrough {
+        session_id,
+        url,
+        attempt,
+        payment_id,
+    } = through;
     let order: Option<Locked> = sqlx::query_as(
         "SELECT id, status, payment_status, total, currency::text AS currency, amount_refunded, paid_at, session_id,
-                paid_with_coins
+                payment_attempt, paid_with_coins
          FROM orders WHERE number = $1 AND gateway = $2 FOR UPDATE",
     )
     .bind(number)
@@ -143,9 +160,20 @@ pub async fn apply_payment(
             return Ok(Some(PaymentEffect::AmountMismatch { order, paid }));
         }
     }
+    // The order's own session: the one it stores, or, while it stores none, the one made for
+    // its current attempt. Facts of any other session (an attempt given up, a coin payment's
+    // gateway session) never move the order unless they are a payment: a failure or a refund
+    // there says nothing about this order's payment.
+    let current = match &o.session_id {
+        Some(s) => s == session_id,
+        None => attempt == o.payment_attempt,
+    };
+    if !payment.implies_paid() && (!current || o.paid_with_coins) {
+        return Ok(Some(PaymentEffect::Unchanged));
+    }
     // The payment side knew the session before the order side stored it (a lost answer):
     // the order learns it now.
-    if o.session_id.is_none() {
+    if o.session_id.is_none() && current {
         sqlx::query("UPDATE orders SET session_id = $2, payment_url = $3 WHERE id = $1 AND session_id IS NULL")
             .bind(o.id)
             .bind(session_id)
@@ -159,11 +187,13 @@ pub async fn apply_payment(
             .bind(payment)
             .execute(&mut *tx)
             .await?;
+        // Once per payment: each session's late payment (and each of a session's payments) is
+        // given back.
         let first = record_event(
             tx,
             o.id,
             OrderEventKind::LatePayment,
-            serde_json::json!({"payment_status": payment}),
+            serde_json::json!({"payment_status": payment, "session_id": session_id, "payment_id": payment_id}),
         )
         .await?;
         return Ok(Some(PaymentEffect::Refund {
@@ -177,23 +207,13 @@ pub async fn apply_payment(
         && o.paid_at.is_some()
         && (o.paid_with_coins || o.session_id.as_deref() != Some(session_id))
     {
-        let first = sqlx::query_scalar::<_, bool>(
-            "SELECT NOT EXISTS (SELECT 1 FROM order_events WHERE order_id = $1 AND kind = 'extra_payment'
-                                AND payload ->> 'session_id' = $2)",
+        let first = record_event(
+            tx,
+            o.id,
+            OrderEventKind::ExtraPayment,
+            serde_json::json!({"session_id": session_id, "payment_id": payment_id}),
         )
-        .bind(o.id)
-        .bind(session_id)
-        .fetch_one(&mut *tx)
         .await?;
-        if first {
-            record_event(
-                tx,
-                o.id,
-                OrderEventKind::ExtraPayment,
-                serde_json::json!({"session_id": session_id}),
-            )
-            .await?;
-        }
         return Ok(Some(PaymentEffect::Refund {
             reason: OrderEventKind::ExtraPayment,
             first,
@@ -242,9 +262,34 @@ pub async fn apply_payment(
     Ok(Some(PaymentEffect::Changed))
 }
 
-/// Records what happened to an order, once for every kind but `reopened` and `extra_payment`.
-/// Returns whether it
-/// was new.
+/// Records a second payment on one of the order's sessions (given back by the caller): once.
+pub(crate) async fn record_extra_payment(
+    tx: &mut PgConnection,
+    number: i64,
+    session_id: &str,
+    payment_id: &str,
+) -> Result<bool, sqlx::Error> {
+    let id: Option<i64> = sqlx::query_scalar("SELECT id FROM orders WHERE number = $1 FOR UPDATE")
+        .bind(number)
+        .fetch_optional(&mut *tx)
+        .await?;
+    match id {
+        Some(id) => {
+            record_event(
+                tx,
+                id,
+                OrderEventKind::ExtraPayment,
+                serde_json::json!({"session_id": session_id, "payment_id": payment_id}),
+            )
+            .await
+        }
+        None => Ok(false),
+    }
+}
+
+/// Records what happened to an order: once for every kind but `reopened`, and once per
+/// payment (its session and payment id in the payload) for `late_payment` and `extra_payment`
+/// (the unique indexes decide). Returns whether it was new.
 pub(crate) async fn record_event(
     tx: &mut PgConnection,
     order_id: i64,
@@ -252,8 +297,7 @@ pub(crate) async fn record_event(
     payload: serde_json::Value,
 ) -> Result<bool, sqlx::Error> {
     let done = sqlx::query(
-        "INSERT INTO order_events (order_id, kind, payload) VALUES ($1, $2, $3)
-         ON CONFLICT (order_id, kind) WHERE kind NOT IN ('reopened', 'extra_payment') DO NOTHING",
+        "INSERT INTO order_events (order_id, kind, payload) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
     )
     .bind(order_id)
     .bind(kind)

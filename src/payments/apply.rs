@@ -179,6 +179,9 @@ pub(crate) async fn apply(
 ) -> Result<Applied, ProcessError> {
     let g = gateway.as_str();
     lock_keys(tx, gateway, &keys_of(payment)).await?;
+    if let Some(applied) = second_payment_facts(tx, gateway, payment, facts).await? {
+        return Ok(applied);
+    }
 
     let has_payment_fact = facts.iter().any(|f| matches!(f, Fact::Payment { .. }));
     let found = find(tx, gateway, payment).await?;
@@ -223,6 +226,15 @@ pub(crate) async fn apply(
                 status: PaymentStatus::Succeeded,
                 amount,
             } => {
+                if let (true, Some(first), Some(other)) =
+                    (po.succeeded, &po.payment_id, &payment.payment_id)
+                    && first != other
+                {
+                    changed |=
+                        second_payment(tx, gateway, &po.session_id, other, *amount, event_id)
+                            .await?;
+                    continue;
+                }
                 if let (Some(m), Some(paid)) = (amount, po.captured())
                     && *m != paid
                 {
@@ -328,6 +340,142 @@ pub(crate) async fn apply(
         None if changed || order_changed => Applied::Changed,
         None => Applied::Unchanged,
     })
+}
+
+/// A second, different payment on a session that has its payment (Mercado Pago preferences and
+/// Razorpay orders take several): recorded on its own, never absorbed into the session's, and
+/// given back once, as an extra payment of the order. Returns whether it was new.
+async fn second_payment(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    session_id: &str,
+    payment_id: &str,
+    amount: Option<Money>,
+    event_id: Option<i64>,
+) -> Result<bool, ProcessError> {
+    let new: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO second_payments (gateway, session_id, payment_id, amount, currency, event_id)
+         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (gateway, payment_id) DO NOTHING RETURNING id",
+    )
+    .bind(gateway)
+    .bind(session_id)
+    .bind(payment_id)
+    .bind(amount.map(|m| m.amount()))
+    .bind(amount.map(|m| m.currency().to_string()))
+    .bind(event_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if new.is_none() {
+        return Ok(false);
+    }
+    let session: Option<(i64, serde_json::Value)> = sqlx::query_as(
+        "SELECT order_number, metadata FROM payment_sessions WHERE gateway = $1 AND session_id = $2",
+    )
+    .bind(gateway)
+    .bind(session_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let number = session.as_ref().map(|(n, _)| *n);
+    if let Some(n) = number {
+        orders::record_extra_payment(tx, n, session_id, payment_id).await?;
+    }
+    let refund = RefundPayment {
+        gateway,
+        order_number: number,
+        session_id: session_id.to_owned(),
+        payment_id: Some(payment_id.to_owned()),
+        amount,
+        seller_account: session.as_ref().and_then(|(_, m)| {
+            m.get("seller_account")
+                .and_then(serde_json::Value::as_str)
+                .map(str::to_owned)
+        }),
+        reason: format!("a second payment ({payment_id}) on session {session_id}"),
+        of_payment: true,
+    };
+    queue::enqueue(&mut *tx, refund.job()?).await?;
+    tracing::warn!(%gateway, order = ?number, session = session_id, payment = payment_id, "a second payment on a paid session: giving it back");
+    Ok(true)
+}
+
+/// The facts of an event about a second payment ([`second_payment`]): its refunds are recorded
+/// against it (once each, never beyond it); nothing else about it moves money here. `None`: the
+/// event is not about a second payment.
+async fn second_payment_facts(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    payment: &PaymentRef,
+    facts: &[Fact],
+) -> Result<Option<Applied>, ProcessError> {
+    let Some(pid) = &payment.payment_id else {
+        return Ok(None);
+    };
+    let known: Option<(i64, Option<Decimal>, Option<String>)> = sqlx::query_as(
+        "SELECT id, amount, currency::text FROM second_payments WHERE gateway = $1 AND payment_id = $2 FOR UPDATE",
+    )
+    .bind(gateway)
+    .bind(pid)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((id, amount, currency)) = known else {
+        return Ok(None);
+    };
+    let mut changed = false;
+    for fact in facts {
+        let Fact::Refund {
+            refund_id,
+            amount: refunded,
+        } = fact
+        else {
+            continue;
+        };
+        if currency.as_deref() != Some(refunded.currency().as_str()) && currency.is_some() {
+            return Err(Rejection::Currency {
+                what: "refund",
+                id: refund_id.clone(),
+                got: refunded.currency().to_string(),
+                payment: currency.clone().unwrap_or_default(),
+            }
+            .into());
+        }
+        let recorded = sqlx::query(
+            "INSERT INTO second_payment_refunds (second_payment_id, refund_id, amount) VALUES ($1, $2, $3)
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(id)
+        .bind(refund_id)
+        .bind(refunded.amount())
+        .execute(&mut *tx)
+        .await?;
+        if recorded.rows_affected() == 0 {
+            continue;
+        }
+        let total: Decimal = sqlx::query_scalar(
+            "UPDATE second_payments SET amount_refunded = amount_refunded + $2, updated_at = now()
+             WHERE id = $1 RETURNING amount_refunded",
+        )
+        .bind(id)
+        .bind(refunded.amount())
+        .fetch_one(&mut *tx)
+        .await?;
+        if let Some(paid) = amount
+            && total > paid
+        {
+            return Err(Rejection::RefundExceedsPayment {
+                refund_id: refund_id.clone(),
+                amount: *refunded,
+                total: Money::new(total, refunded.currency()).unwrap_or(*refunded),
+                paid: Money::new(paid, refunded.currency()).unwrap_or(*refunded),
+            }
+            .into());
+        }
+        changed = true;
+    }
+    Ok(Some(if changed {
+        Applied::Changed
+    } else {
+        Applied::Unchanged
+    }))
 }
 
 async fn record_refund(
@@ -538,29 +686,26 @@ async fn derive_and_apply(
     let paid: Option<Money> = amount
         .zip(currency.as_deref())
         .and_then(|(a, c)| Money::new(a, c.parse().ok()?).ok());
-    let session: Option<(i64, String, serde_json::Value)> = sqlx::query_as(
-        "SELECT order_number, url, metadata FROM payment_sessions WHERE gateway = $1 AND session_id = $2",
+    let session: Option<(i64, String, serde_json::Value, i32)> = sqlx::query_as(
+        "SELECT order_number, url, metadata, attempt FROM payment_sessions WHERE gateway = $1 AND session_id = $2",
     )
     .bind(gateway)
     .bind(&session_id)
     .fetch_optional(&mut *tx)
     .await?;
     let effect = match &session {
-        Some((number, url, _)) => {
-            orders::apply_payment(
-                tx,
-                *number,
-                gateway,
-                (&session_id, url.as_str()),
-                status,
-                paid,
-                refunded,
-            )
-            .await?
+        Some((number, url, _, attempt)) => {
+            let through = orders::PaidThrough {
+                session_id: &session_id,
+                url,
+                attempt: *attempt,
+                payment_id: payment_id.as_deref(),
+            };
+            orders::apply_payment(tx, *number, gateway, through, status, paid, refunded).await?
         }
         None => None,
     };
-    let seller_account = session.as_ref().and_then(|(_, _, m)| {
+    let seller_account = session.as_ref().and_then(|(_, _, m, _)| {
         m.get("seller_account")
             .and_then(serde_json::Value::as_str)
             .map(str::to_owned)
@@ -573,6 +718,7 @@ async fn derive_and_apply(
         amount: paid,
         seller_account: seller_account.clone(),
         reason: reason.to_owned(),
+        of_payment: false,
     };
     match effect {
         None => {
@@ -588,7 +734,7 @@ async fn derive_and_apply(
             .await
         }
         Some(effect @ (PaymentEffect::Changed | PaymentEffect::Unchanged)) => {
-            if let Some((number, _, _)) = &session {
+            if let Some((number, _, _, _)) = &session {
                 sync_ledger(tx, gateway, po_id, *number).await?;
             }
             Ok(effect == PaymentEffect::Changed)
@@ -597,7 +743,7 @@ async fn derive_and_apply(
         // (the refund job is keyed by the session, the gateway asked with an idempotency key),
         // and stays visible: an order event, or an unmatched payment for a wrong amount.
         Some(PaymentEffect::AmountMismatch { order, paid: got }) => {
-            let number = session.as_ref().map(|(n, _, _)| *n);
+            let number = session.as_ref().map(|(n, _, _, _)| *n);
             record_unmatched(
                 tx,
                 gateway,
@@ -615,7 +761,7 @@ async fn derive_and_apply(
         }
         Some(PaymentEffect::Refund { reason, first }) => {
             if first {
-                let number = session.as_ref().map(|(n, _, _)| *n);
+                let number = session.as_ref().map(|(n, _, _, _)| *n);
                 queue::enqueue(&mut *tx, give_back(number, reason.as_str()).job()?).await?;
                 tracing::warn!(%gateway, order = ?number, %reason, "a payment the order cannot take: refunding it");
             }

@@ -118,6 +118,11 @@ pub enum ProcessError {
     Queue(#[from] QueueError),
     #[error("the ledger refused the posting")]
     Ledger(#[from] crate::ledger::LedgerError),
+    /// A success without its amount, which the gateway could not be asked for.
+    #[error("the event reports a success of session {session} without its amount, and {why}")]
+    NoAmount { session: String, why: String },
+    #[error("could not ask the gateway for the payment's amount")]
+    Gateway(#[from] gateways::GatewayError),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
@@ -129,6 +134,7 @@ impl ProcessError {
         match self {
             Self::Database(e) | Self::Queue(QueueError::Database(e)) => crate::db::is_transient(e),
             Self::MercadoPago(e) => e.is_transient(),
+            Self::Gateway(e) => e.is_transient(),
             Self::Ledger(crate::ledger::LedgerError::Database(e)) => crate::db::is_transient(e),
             _ => false,
         }
@@ -158,12 +164,14 @@ pub enum Processed {
 }
 
 /// What processing needs beyond the database.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct Processor {
     pub mercadopago: Option<MercadoPagoClient>,
     /// The internal gateway collects through Stripe on the platform's account
     /// (`PAYFLEET_INTERNAL_ACQUIRER=stripe`): Stripe's events on that account are its facts.
     pub internal_on_stripe: bool,
+    /// Asked for the amount of a success whose event does not carry it.
+    pub gateways: gateways::GatewayRegistry,
 }
 
 #[derive(sqlx::FromRow)]
@@ -250,6 +258,82 @@ impl Processor {
         })
     }
 
+    /// A success confirms an order only with its amount, checked against the order's: one whose
+    /// event does not carry it (and whose payment has none recorded yet) is asked of its gateway
+    /// first, outside the transaction. The gateway's answer stands for the event's; a gateway
+    /// that does not say it succeeded, or says no amount, leaves the event rejected (replayable),
+    /// never a confirmation unchecked.
+    async fn with_amounts(
+        &self,
+        pool: &PgPool,
+        gateway: GatewayName,
+        payment: &PaymentRef,
+        mut facts: Vec<gateways::Fact>,
+    ) -> Result<Vec<gateways::Fact>, ProcessError> {
+        use gateways::{Fact, PaymentStatus};
+        let amountless = |f: &Fact| {
+            matches!(
+                f,
+                Fact::Payment {
+                    status: PaymentStatus::Succeeded,
+                    amount: None
+                }
+            )
+        };
+        if !facts.iter().any(amountless) {
+            return Ok(facts);
+        }
+        let session = payment.session_id.clone().unwrap_or_default();
+        let known: Option<(bool, Option<serde_json::Value>)> = sqlx::query_as(
+            "SELECT EXISTS (SELECT 1 FROM payment_orders WHERE gateway = $1 AND session_id = $2 AND amount IS NOT NULL),
+                    (SELECT metadata FROM payment_sessions WHERE gateway = $1 AND session_id = $2)",
+        )
+        .bind(gateway)
+        .bind(&session)
+        .fetch_optional(pool)
+        .await?;
+        let (captured, metadata) = known.unwrap_or((false, None));
+        if captured {
+            return Ok(facts);
+        }
+        let no_amount = |why: String| ProcessError::NoAmount {
+            session: session.clone(),
+            why,
+        };
+        let g = self.gateways.get(gateway).ok_or_else(|| {
+            no_amount(format!(
+                "gateway {gateway} is not enabled in this worker to ask"
+            ))
+        })?;
+        let seller_account = metadata
+            .as_ref()
+            .and_then(|m| m.get("seller_account"))
+            .and_then(serde_json::Value::as_str);
+        let state = g
+            .status(&session, seller_account)
+            .await
+            .map_err(|e| match e.is_transient() {
+                true => ProcessError::Gateway(e),
+                false => no_amount(format!("the gateway does not tell it ({e})")),
+            })?;
+        let amount = match (state.status, state.amount) {
+            (PaymentStatus::Succeeded, Some(amount)) => amount,
+            (status, amount) => {
+                return Err(no_amount(format!(
+                    "the gateway says {status:?} with {}",
+                    amount.map_or("no amount".to_owned(), |a| a.to_string())
+                )));
+            }
+        };
+        for f in facts.iter_mut().filter(|f| amountless(f)) {
+            *f = Fact::Payment {
+                status: PaymentStatus::Succeeded,
+                amount: Some(amount),
+            };
+        }
+        Ok(facts)
+    }
+
     async fn try_process(
         &self,
         pool: &PgPool,
@@ -289,11 +373,13 @@ impl Processor {
             other => other,
         };
 
-        let of = match &interpretation {
-            Interpretation::Update { payment, .. } => {
-                self.facts_gateway(pool, gateway, row, payment).await?
+        let (of, interpretation) = match interpretation {
+            Interpretation::Update { payment, facts } => {
+                let of = self.facts_gateway(pool, gateway, row, &payment).await?;
+                let facts = self.with_amounts(pool, of, &payment, facts).await?;
+                (of, Interpretation::Update { payment, facts })
             }
-            _ => gateway,
+            other => (gateway, other),
         };
         let mut tx = pool.begin().await?;
         let processed: Option<Option<chrono::DateTime<chrono::Utc>>> =

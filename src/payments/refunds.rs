@@ -21,6 +21,10 @@ pub struct RefundPayment {
     pub amount: Option<Money>,
     pub seller_account: Option<String>,
     pub reason: String,
+    /// One payment among several on its session (a second payment): keyed, at the gateway too,
+    /// by the payment rather than the session, which has its own payment.
+    #[serde(default)]
+    pub of_payment: bool,
 }
 
 impl Job for RefundPayment {
@@ -29,10 +33,19 @@ impl Job for RefundPayment {
 }
 
 impl RefundPayment {
+    /// What the refund is keyed by: the session, or the session and its payment.
+    fn subject(&self) -> String {
+        match (&self.payment_id, self.of_payment) {
+            (Some(p), true) => format!("{}:{p}", self.session_id),
+            _ => self.session_id.clone(),
+        }
+    }
+
     pub fn job(&self) -> Result<NewJob, QueueError> {
         Ok(NewJob::of(self)?.key(format!(
             "refund_payment:{}:{}",
-            self.gateway, self.session_id
+            self.gateway,
+            self.subject()
         )))
     }
 
@@ -56,7 +69,7 @@ impl RefundPayment {
             payment_id: payment_id.clone(),
             amount,
             seller_account: self.seller_account.clone(),
-            idempotency_key: format!("payfleet-refund-{}-{}", self.gateway, self.session_id),
+            idempotency_key: format!("payfleet-refund-{}-{}", self.gateway, self.subject()),
         };
         match gateway.refund(&request).await {
             Ok(receipt) => {

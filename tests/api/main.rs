@@ -6,6 +6,7 @@ mod browser;
 mod checkout;
 mod consistency;
 mod dashboard;
+mod edges;
 mod gateways;
 mod health;
 mod helpers;
