@@ -195,6 +195,16 @@ impl HostedGateway {
 
     async fn refund_payment(&self, r: &RefundRequest) -> Result<RefundReceipt, GatewayError> {
         let mut tx = self.pool.begin().await?;
+        // The payment's row first: refunds of one payment take turns, so the same refund asked
+        // twice at once finds the first one's record instead of racing it.
+        let p: Option<HostedPayment> = sqlx::query_as(
+            "SELECT session_id, gateway, order_number, amount, currency::text AS currency, status, payment_id
+             FROM internal_payments WHERE session_id = $1 AND gateway = $2 FOR UPDATE",
+        )
+        .bind(&r.session_id)
+        .bind(self.name)
+        .fetch_optional(&mut *tx)
+        .await?;
         // The same refund asked twice is one refund.
         let known: Option<String> =
             sqlx::query_scalar("SELECT refund_id FROM internal_refunds WHERE idempotency_key = $1")
@@ -207,14 +217,6 @@ impl HostedGateway {
                 succeeded: true,
             });
         }
-        let p: Option<HostedPayment> = sqlx::query_as(
-            "SELECT session_id, gateway, order_number, amount, currency::text AS currency, status, payment_id
-             FROM internal_payments WHERE session_id = $1 AND gateway = $2 FOR UPDATE",
-        )
-        .bind(&r.session_id)
-        .bind(self.name)
-        .fetch_optional(&mut *tx)
-        .await?;
         let p = p
             .filter(|p| {
                 p.status == "succeeded" && p.payment_id.as_deref() == Some(r.payment_id.as_str())

@@ -81,7 +81,19 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
                 .ok_or(EventError::Missing("data.refund_id"))?,
             amount: money()?,
         },
-        "refund.failed" | "refund.created" => {
+        "refund.failed" | "refund.canceled" => match d.refund_id.clone() {
+            Some(refund_id) => Fact::RefundEnded {
+                refund_id,
+                canceled: e.kind == "refund.canceled",
+            },
+            None => {
+                return Ok(Interpretation::Ignore(format!(
+                    "{} names no refund",
+                    e.kind
+                )));
+            }
+        },
+        "refund.created" => {
             return Ok(Interpretation::Ignore(format!("{} moves no money", e.kind)));
         }
         k if k.starts_with("dispute.") => Fact::Dispute {

@@ -80,6 +80,12 @@ pub enum Fact {
         amount: Money,
         status: Option<DisputeStatus>,
     },
+    /// A refund the gateway had taken, ended without moving money: failed, or canceled. Its
+    /// request ends so, and its amount may be refunded again.
+    RefundEnded {
+        refund_id: String,
+        canceled: bool,
+    },
     /// The decision of a dispute that may or may not have been opened: it decides an open one
     /// and does nothing otherwise (Mercado Pago reports `approved` after a mediation was won,
     /// and also for payments that were never disputed).

@@ -114,6 +114,20 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
                 }],
             });
         }
+        "refund.failed" => {
+            let r = entity(&v, "refund").ok_or(EventError::Missing("payload.refund.entity"))?;
+            let refund_id = str_at(r, "id")
+                .ok_or(EventError::Missing("refund id"))?
+                .to_owned();
+            let payment_id = payment_id.or_else(|| str_at(r, "payment_id"));
+            return Ok(Interpretation::Update {
+                payment: ref_of(order_id, payment_id)?,
+                facts: vec![Fact::RefundEnded {
+                    refund_id,
+                    canceled: false,
+                }],
+            });
+        }
         k if k.starts_with("payment.dispute.") => {
             let d = entity(&v, "dispute").ok_or(EventError::Missing("payload.dispute.entity"))?;
             let dispute_id = str_at(d, "id")

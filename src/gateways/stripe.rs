@@ -121,7 +121,20 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
             };
             update(session, str_at(o, "id"), Fact::Payment { status, amount })
         }
-        "refund.created" | "refund.updated" | "charge.refund.updated" => {
+        "refund.created" | "refund.updated" | "refund.failed" | "charge.refund.updated" => {
+            if let Some(end @ ("failed" | "canceled")) = str_at(o, "status") {
+                let refund_id = str_at(o, "id")
+                    .ok_or(EventError::Missing("data.object.id"))?
+                    .to_owned();
+                return update(
+                    None,
+                    str_at(o, "payment_intent"),
+                    Fact::RefundEnded {
+                        refund_id,
+                        canceled: end == "canceled",
+                    },
+                );
+            }
             if str_at(o, "status") != Some("succeeded") {
                 return Ok(Interpretation::Ignore(format!(
                     "refund status {:?} moves no money yet",
@@ -219,6 +232,25 @@ mod tests {
                 amount: Some(Money::parse("19.90", "BRL").unwrap())
             }]
         );
+    }
+
+    #[test]
+    fn a_refund_that_fails_or_is_canceled_ends_its_request() {
+        for (status, canceled) in [("failed", false), ("canceled", true)] {
+            let body = format!(
+                r#"{{"id":"evt_9","type":"refund.updated","data":{{"object":{{"id":"re_9","payment_intent":"pi_1","amount":500,"currency":"brl","status":"{status}"}}}}}}"#
+            );
+            let Interpretation::Update { facts, .. } = interpret(body.as_bytes()).unwrap() else {
+                panic!("not an update")
+            };
+            assert_eq!(
+                facts,
+                vec![Fact::RefundEnded {
+                    refund_id: "re_9".into(),
+                    canceled
+                }]
+            );
+        }
     }
 
     #[test]

@@ -157,7 +157,22 @@ async fn refund_order(
 ) -> Result<(StatusCode, Json<RefundView>), ApiError> {
     let number = super::orders::number(&raw)?;
     let key = idempotency_key(headers.get("idempotency-key").and_then(|v| v.to_str().ok()))?;
-    let (view, _) = order_refunds::request(&state.pool, number, key, &body).await?;
+    let (view, written) = order_refunds::request(&state.pool, number, key, &body).await?;
+    // The same key again while its first request is still asking the gateway: that request's
+    // outcome is the answer, once it has one (asking the gateway a second time at once would
+    // only race the first).
+    if !written
+        && view.state == RefundState::Requested
+        && view.created_at > chrono::Utc::now() - order_refunds::JOB_DELAY
+    {
+        return Err(ApiError::Conflict {
+            code: "idempotency_key_in_use",
+            message: format!(
+                "refund request {} with this Idempotency-Key is still being carried out; ask again for its outcome",
+                view.id
+            ),
+        });
+    }
     let view = match order_refunds::carry_out(&state.pool, &state.gateways, view.id).await {
         Ok(CarriedOut::Answered(view)) => view,
         Ok(CarriedOut::NotYet(view, e)) => {
@@ -171,7 +186,7 @@ async fn refund_order(
     match view.state {
         RefundState::Succeeded => Ok((StatusCode::CREATED, Json(view))),
         RefundState::Requested | RefundState::Accepted => Ok((StatusCode::ACCEPTED, Json(view))),
-        RefundState::Failed => Err(ApiError::Unprocessable {
+        RefundState::Failed | RefundState::Canceled => Err(ApiError::Unprocessable {
             code: "refund_refused",
             message: format!(
                 "the gateway refused refund request {}: {}",

@@ -308,6 +308,12 @@ pub(crate) async fn apply(
                 changed |=
                     record_dispute(tx, gateway, po.id, paid, dispute_id, amount, *status).await?;
             }
+            Fact::RefundEnded {
+                refund_id,
+                canceled,
+            } => {
+                changed |= end_refund(tx, gateway, refund_id, *canceled).await?;
+            }
             Fact::DisputeDecided { dispute_id, status } => {
                 let rows = sqlx::query(
                     "UPDATE payment_disputes SET status = $3, updated_at = now()
@@ -540,6 +546,43 @@ async fn record_refund(
     .execute(&mut *tx)
     .await?;
     Ok(true)
+}
+
+/// A refund the gateway took ends without moving money: its request ends `failed` or
+/// `canceled`, and its amount is free again. One already recorded as done is not undone here:
+/// it is logged for an operator (the ledger has debited it).
+async fn end_refund(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    refund_id: &str,
+    canceled: bool,
+) -> Result<bool, ProcessError> {
+    let (state, why) = if canceled {
+        ("canceled", "the gateway canceled the refund")
+    } else {
+        ("failed", "the gateway reported the refund failed")
+    };
+    let ended = sqlx::query(
+        "UPDATE refund_requests SET state = $3, failure = $4, updated_at = now()
+         WHERE gateway = $1 AND refund_id = $2 AND state IN ('requested', 'accepted')",
+    )
+    .bind(gateway)
+    .bind(refund_id)
+    .bind(state)
+    .bind(why)
+    .execute(&mut *tx)
+    .await?;
+    let done: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM payment_refunds WHERE gateway = $1 AND refund_id = $2)",
+    )
+    .bind(gateway)
+    .bind(refund_id)
+    .fetch_one(&mut *tx)
+    .await?;
+    if done {
+        tracing::error!(%gateway, refund = refund_id, state, "a refund recorded as done was later reported {state}: the buyer may not have the money back; an operator must look");
+    }
+    Ok(ended.rows_affected() > 0)
 }
 
 /// A refund or dispute moves money in the payment's currency, never another.

@@ -309,13 +309,13 @@ impl Processor {
             .as_ref()
             .and_then(|m| m.get("seller_account"))
             .and_then(serde_json::Value::as_str);
-        let state = g
-            .status(&session, seller_account)
-            .await
-            .map_err(|e| match e.is_transient() {
-                true => ProcessError::Gateway(e),
-                false => no_amount(format!("the gateway does not tell it ({e})")),
-            })?;
+        let state =
+            g.status(&session, seller_account)
+                .await
+                .map_err(|e| match e.is_transient() {
+                    true => ProcessError::Gateway(e),
+                    false => no_amount(format!("the gateway does not tell it ({e})")),
+                })?;
         let amount = match (state.status, state.amount) {
             (PaymentStatus::Succeeded, Some(amount)) => amount,
             (status, amount) => {

@@ -27,6 +27,8 @@ crate::text_enum! {
         Accepted = "accepted",
         Succeeded = "succeeded",
         Failed = "failed",
+        /// The gateway took it, then canceled it: nothing moved.
+        Canceled = "canceled",
     }
 }
 
@@ -42,7 +44,7 @@ impl Job for CarryOutRefund {
 }
 
 /// How long the request itself has before the job takes over.
-const JOB_DELAY: chrono::Duration = chrono::Duration::seconds(30);
+pub const JOB_DELAY: chrono::Duration = chrono::Duration::seconds(30);
 
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct RefundView {
@@ -390,9 +392,13 @@ pub async fn carry_out(
             .await?;
             tracing::info!(refund_request = id, refund = %receipt.refund_id, "refund accepted by the gateway; its event will record it");
         }
-        // An answer we could not read may hide a refund that was made: asking again with the
-        // same key finds out, so it is not taken as a refusal.
-        Err(e) if e.is_transient() || matches!(e, GatewayError::Decode { .. }) => {
+        // An answer we could not read, or an error of the gateway's own store, may hide a
+        // refund that was made: asking again with the same key finds out, so neither is taken
+        // as a refusal.
+        Err(e)
+            if e.is_transient()
+                || matches!(e, GatewayError::Decode { .. } | GatewayError::Database(_)) =>
+        {
             drop(tx);
             let view = get(pool, id).await?.ok_or(RefundError::NoRequest(id))?;
             return Ok(CarriedOut::NotYet(view, e));

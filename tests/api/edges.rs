@@ -315,3 +315,169 @@ async fn a_coin_paid_order_ignores_its_gateway_sessions_failure(pool: PgPool) {
         ("paid".into(), "pending".into(), "0.0000".into())
     );
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn concurrent_refunds_with_one_key_give_every_caller_the_one_outcome(pool: PgPool) {
+    let shop = crate::checkout::shop(pool.clone()).await;
+    let seller = shop.seller("S").await;
+    let product = shop.product(&seller, "20.00", "BRL").await;
+    let (status, answer) = shop
+        .checkout(
+            Some("k"),
+            json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{answer}");
+    let url = answer["orders"][0]["payment"]["url"].as_str().unwrap();
+    assert_eq!(shop.app.pay(url, "succeeded").await.0, 200);
+    wait_for(
+        "the order to be paid",
+        std::time::Duration::from_secs(20),
+        async || shop.order(1).await["status"] == "paid",
+    )
+    .await;
+    let refund = |key: String| {
+        shop.app
+            .anon
+            .post(format!("http://{}/admin/orders/1/refunds", shop.app.addr))
+            .bearer_auth(ADMIN_TOKEN)
+            .header("idempotency-key", key)
+            .json(&json!({"amount": "1.00"}))
+            .send()
+    };
+    // The internal gateway asked for one refund (one idempotency key) by many at once: one
+    // refund, the same answer to each.
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, &pool).unwrap();
+    let internal = gateways
+        .get(payfleet::gateways::GatewayName::Internal)
+        .unwrap();
+    let (session, payment): (String, String) = sqlx::query_as(
+        "SELECT session_id, payment_id FROM internal_payments WHERE status = 'succeeded'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let ask = payfleet::gateways::api::RefundRequest {
+        session_id: session,
+        payment_id: payment,
+        amount: payfleet::money::Money::parse("1.00", "BRL").unwrap(),
+        seller_account: None,
+        idempotency_key: "one-refund".into(),
+    };
+    let answers = futures_util::future::join_all((0..8).map(|_| internal.refund(&ask))).await;
+    let ids: std::collections::BTreeSet<String> = answers
+        .into_iter()
+        .map(|a| a.expect("every caller gets the refund").refund_id)
+        .collect();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    // The refund itself carried out by many at once (the request, its job, a repeat): the
+    // gateway refunds once, and every one of them records that one refund.
+    let new = payfleet::payments::order_refunds::NewRefund {
+        amount: Some("1.00".into()),
+        reason: String::new(),
+    };
+    let (request, _) = payfleet::payments::order_refunds::request(&pool, 1, "rf-direct", &new)
+        .await
+        .unwrap();
+    let carried = futures_util::future::join_all(
+        (0..8).map(|_| payfleet::payments::order_refunds::carry_out(&pool, &gateways, request.id)),
+    )
+    .await;
+    for c in carried {
+        match c.unwrap() {
+            payfleet::payments::order_refunds::CarriedOut::Answered(v) => {
+                assert_eq!(v.state.as_str(), "succeeded", "{v:?}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // Several rounds of eight callers at once, each round with a key of its own.
+    for round in 0..5 {
+        let key = format!("rf-{round}");
+        let answers = futures_util::future::join_all((0..8).map(|_| refund(key.clone()))).await;
+        let mut statuses = Vec::new();
+        for a in answers {
+            let a = a.unwrap();
+            let status = a.status().as_u16();
+            let body: serde_json::Value = a.json().await.unwrap();
+            if status == 409 {
+                assert_eq!(body["error"]["code"], "idempotency_key_in_use", "{body}");
+            }
+            statuses.push((status, body["error"]["message"].clone()));
+        }
+        assert!(
+            statuses.iter().all(|(s, _)| [201, 202, 409].contains(s)),
+            "no caller is told the refund was refused: {statuses:?}"
+        );
+        // Once it has an outcome, every repeat gets it: the one refund, recorded.
+        let again = refund(key).await.unwrap();
+        assert_eq!(again.status(), 201, "round {round}");
+        let view: serde_json::Value = again.json().await.unwrap();
+        assert_eq!(view["state"], "succeeded", "{view}");
+    }
+    let refunds: i64 = sqlx::query_scalar("SELECT count(*) FROM internal_refunds")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(refunds, 7, "the gateway refunded once per key");
+    wait_for(
+        "the refund to be recorded",
+        std::time::Duration::from_secs(20),
+        async || shop.order(1).await["amount_refunded"] == "7.00",
+    )
+    .await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_the_gateway_fails_later_ends_failed_and_frees_its_amount(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    deliver(
+        &app,
+        "paid",
+        &about("payment.succeeded", "sess_a", "pay_a", Some("10.00")),
+    )
+    .await;
+    // The gateway accepted a refund of the whole amount; it will report its outcome later.
+    sqlx::query(
+        "INSERT INTO refund_requests (idempotency_key, order_number, gateway, session_id, payment_id, amount, currency, state, refund_id)
+         VALUES ('rf-1', 1, 'internal', 'sess_a', 'pay_a', 10, 'BRL', 'accepted', 'rf_late')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let ask = |key: &'static str| {
+        let req = payfleet::payments::order_refunds::NewRefund {
+            amount: Some("10.00".into()),
+            reason: String::new(),
+        };
+        let pool = pool.clone();
+        async move { payfleet::payments::order_refunds::request(&pool, 1, key, &req).await }
+    };
+    assert!(
+        matches!(
+            ask("rf-2").await,
+            Err(payfleet::payments::order_refunds::RefundError::Exceeds { .. })
+        ),
+        "the accepted refund holds its amount"
+    );
+    deliver(
+        &app,
+        "refund_failed",
+        &json!({"type": "refund.failed", "data": {"session_id": "sess_a", "payment_id": "pay_a", "refund_id": "rf_late"}})
+            .to_string(),
+    )
+    .await;
+    let (state, failure): (String, Option<String>) =
+        sqlx::query_as("SELECT state, failure FROM refund_requests WHERE idempotency_key = 'rf-1'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(state, "failed");
+    assert!(failure.unwrap().contains("failed"));
+    // Its amount is free: the whole payment may be refunded again.
+    let (again, written) = ask("rf-3").await.unwrap();
+    assert!(written);
+    assert_eq!(again.amount.to_string(), "10.00");
+    assert_eq!(order(&pool).await.0, "paid", "nothing was refunded");
+}
