@@ -143,10 +143,11 @@ pub async fn run(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, PayoutErro
         };
         let amount =
             Money::new(balance, c).map_err(|_| LedgerError::Mismatch(format!("payout {id}")))?;
+        let key = format!("payout:{id}");
         post(
             &mut tx,
             &Transfer {
-                source_key: format!("payout:{id}"),
+                source_key: key.clone(),
                 kind: TransferKind::PayoutDebit,
                 from: available,
                 to: transit,
@@ -156,6 +157,15 @@ pub async fn run(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, PayoutErro
                 reference: Some(id.to_string()),
             },
         )
+        .await?;
+        // The payout names its debit (the schema checks, at commit, that it has one).
+        sqlx::query(
+            "UPDATE payouts SET debit_transfer_id = (SELECT id FROM ledger_transfers WHERE source_key = $2)
+             WHERE id = $1",
+        )
+        .bind(id)
+        .bind(&key)
+        .execute(&mut *tx)
         .await?;
         tx.commit().await?;
         tracing::info!(payout = id, %seller, %amount, %period, "payout made");
@@ -215,7 +225,7 @@ pub async fn decide(pool: &PgPool, id: i64, failure: Option<&str>) -> Result<Pay
     post(
         &mut tx,
         &Transfer {
-            source_key: key,
+            source_key: key.clone(),
             kind,
             from: transit,
             to,
@@ -226,12 +236,17 @@ pub async fn decide(pool: &PgPool, id: i64, failure: Option<&str>) -> Result<Pay
         },
     )
     .await?;
-    sqlx::query("UPDATE payouts SET state = $2, failure = $3, decided_at = now() WHERE id = $1")
-        .bind(id)
-        .bind(next)
-        .bind(failure)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query(
+        "UPDATE payouts SET state = $2, failure = $3, decided_at = now(),
+                decided_transfer_id = (SELECT id FROM ledger_transfers WHERE source_key = $4)
+         WHERE id = $1",
+    )
+    .bind(id)
+    .bind(next)
+    .bind(failure)
+    .bind(&key)
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await?;
     list_where(pool, "id", &id.to_string())
         .await?

@@ -2,6 +2,7 @@
 //! (#[sqlx::test]) and, where it needs HTTP, its own server on port 0.
 
 mod apalis;
+mod barriers;
 mod browser;
 mod checkout;
 mod consistency;
