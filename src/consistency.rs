@@ -12,6 +12,9 @@
 //! - `ledger_entries_differ`: an account whose entries do not sum to its balance, or a currency
 //!   whose balances do not sum to zero;
 //! - `coin_wallet_negative`: a coin wallet or reservation balance below zero;
+//! - `taken_back_beyond_payment`: a gateway's refunds and open or lost disputes of a payment add
+//!   up to more than was paid (the ledger takes back at most the payment: the rest is the
+//!   platform's to recover from the gateway, not the seller's to bear twice);
 //! - `event_unprocessed`: a stored event not processed past the grace period (pending, waiting
 //!   for its payment, or rejected);
 //! - `job_stuck`: a running job whose lease expired long ago (the rescue should have ended it).
@@ -37,6 +40,7 @@ pub const CHECKS: &[&str] = &[
     "sale_without_credit",
     "ledger_entries_differ",
     "coin_wallet_negative",
+    "taken_back_beyond_payment",
     "event_unprocessed",
     "job_stuck",
 ];
@@ -110,6 +114,25 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .await?;
     found.extend(rows.into_iter().map(|(subject, detail)| Violation {
         check: "coin_wallet_negative",
+        subject,
+        detail,
+    }));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('%s session %s', po.gateway, po.session_id),
+                format('refunds %s and disputes %s taken back of a payment of %s %s',
+                       t.refunded, t.disputed, po.amount, po.currency)
+         FROM payment_orders po
+         CROSS JOIN LATERAL (
+             SELECT COALESCE((SELECT sum(amount) FROM payment_refunds r WHERE r.payment_order_id = po.id), 0) AS refunded,
+                    COALESCE((SELECT sum(amount) FROM payment_disputes d
+                               WHERE d.payment_order_id = po.id AND d.status IN ('open', 'lost')), 0) AS disputed) t
+         WHERE po.amount IS NOT NULL AND t.refunded + t.disputed > po.amount
+         ORDER BY po.id LIMIT 1000",
+    )
+    .fetch_all(pool)
+    .await?;
+    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
+        check: "taken_back_beyond_payment",
         subject,
         detail,
     }));

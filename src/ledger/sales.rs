@@ -8,12 +8,14 @@
 //! for invoicing.
 //!
 //! Refunds and disputes are split like the sale: the seller bears `amount × net / total`
-//! rounded half-even to the minor unit, the platform's fee the rest. A refund or dispute takes
-//! from the seller's pending balance while the sale is in its holding period, from the available
-//! balance after (which may go below zero: the seller then owes it from later sales). A dispute
-//! debits once when it opens and is reversed once if it ends in the seller's favour, or if it
-//! ends as a refund (the refund then debits). Everything is keyed by its source (order, refund
-//! id, dispute id), so a fact seen twice, or processed again, posts nothing more.
+//! rounded half-even to the minor unit on the running total of everything taken back, the
+//! platform's fee the rest, and together they never take back more than was paid
+//! ([`settle_take_backs`]). A refund or dispute takes from the seller's pending balance while the
+//! sale is in its holding period, from the available balance after (which may go below zero: the
+//! seller then owes it from later sales). A dispute takes when it opens and gives back once if it
+//! ends in the seller's favour, or if it ends as a refund (the refund then takes). Everything is
+//! keyed by its source (order, refund id, dispute id), so a fact seen twice, or processed again,
+//! posts nothing more.
 
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
@@ -273,106 +275,166 @@ pub async fn record_sale(tx: &mut PgConnection, sale: &Sale) -> Result<(), Ledge
     Ok(())
 }
 
-/// A refund of the sale, split between the seller and the fee, once per refund. `before` is
-/// what the sale's earlier refunds (in the order they were recorded) returned: the seller's part
-/// is taken on the running total, `share(before + amount) − share(before)`, so the rounding of
-/// many partial refunds never drifts, and refunds of the whole amount return exactly the net.
-pub async fn record_refund(
+/// What is taken back from a sale, as one of its facts names it.
+#[derive(Debug, Clone)]
+pub enum TakeBack {
+    /// A refund: taken for good.
+    Refund { refund_id: String, amount: Money },
+    /// A dispute: taken while open or lost, given back if it ends in the seller's favour or as
+    /// a refund (the refund then takes it).
+    Dispute {
+        dispute_id: String,
+        amount: Money,
+        status: DisputeStatus,
+    },
+}
+
+/// A posting key of a take-back, and the kinds of its seller and fee parts.
+struct Step {
+    key: String,
+    reference: String,
+    /// Taken from the seller (refund, dispute) or given back (a dispute's reversal).
+    taken: bool,
+    kinds: (TransferKind, TransferKind),
+}
+
+/// Brings the ledger in line with everything taken back from a sale (refunds and disputes, in
+/// any order, seen any number of times). What the sale owes back is
+/// `T = min(total, refunds + disputes open or lost)`: never more than was paid, however a
+/// gateway's refunds and chargebacks add up (an overage is the consistency check
+/// `taken_back_beyond_payment`'s, for an operator, not a second debit of the seller). The seller
+/// bears `share(T)` (rounded half-even on that running total, so partial amounts never drift and
+/// taking back the whole payment returns exactly the net) and the platform's fee the rest.
+///
+/// Each fact has its posting key (`refund:<channel>:<id>`, `dispute:...`, `dispute_reversal:...`);
+/// the first key not posted yet carries the difference between that target and what the sale's
+/// postings took so far. A key is posted once; a key whose difference is nothing posts nothing
+/// and finds nothing to do when looked at again. So the same facts, arriving in any order and
+/// repeated, end in the same balances.
+pub async fn settle_take_backs(
     tx: &mut PgConnection,
     sale: &Sale,
-    refund_id: &str,
-    amount: Money,
-    before: Money,
+    facts: &[TakeBack],
 ) -> Result<(), LedgerError> {
     let a = sale.accounts();
     lock_seller(tx, &a).await?;
     let mismatch = || LedgerError::Mismatch(format!("order {}", sale.order_number));
-    let after = before.checked_add(&amount).ok_or_else(mismatch)?;
-    let (seller_after, _) = sale.split(&after)?;
-    let (seller_before, _) = sale.split(&before)?;
-    let seller = seller_after
-        .checked_sub(&seller_before)
-        .ok_or_else(mismatch)?;
-    let platform = amount.checked_sub(&seller).ok_or_else(mismatch)?;
-    let key = format!("refund:{}:{refund_id}", sale.channel);
+    let zero = Money::new(Decimal::ZERO, sale.currency()).map_err(|_| mismatch())?;
+    let mut claimed = zero;
+    let mut steps = Vec::new();
+    let channel = sale.channel;
+    for fact in facts {
+        match fact {
+            TakeBack::Refund { refund_id, amount } => {
+                claimed = claimed.checked_add(amount).ok_or_else(mismatch)?;
+                steps.push(Step {
+                    key: format!("refund:{channel}:{refund_id}"),
+                    reference: refund_id.clone(),
+                    taken: true,
+                    kinds: (TransferKind::RefundDebit, TransferKind::FeeRefund),
+                });
+            }
+            TakeBack::Dispute {
+                dispute_id,
+                amount,
+                status,
+            } => {
+                steps.push(Step {
+                    key: format!("dispute:{channel}:{dispute_id}"),
+                    reference: dispute_id.clone(),
+                    taken: true,
+                    kinds: (TransferKind::DisputeDebit, TransferKind::DisputeFeeDebit),
+                });
+                if matches!(status, DisputeStatus::Won | DisputeStatus::Refunded) {
+                    steps.push(Step {
+                        key: format!("dispute_reversal:{channel}:{dispute_id}"),
+                        reference: dispute_id.clone(),
+                        taken: false,
+                        kinds: (
+                            TransferKind::DisputeReversal,
+                            TransferKind::DisputeFeeReversal,
+                        ),
+                    });
+                } else {
+                    claimed = claimed.checked_add(amount).ok_or_else(mismatch)?;
+                }
+            }
+        }
+    }
+    let target = if claimed.amount() > sale.total.amount() {
+        sale.total
+    } else {
+        claimed
+    };
+    let (seller_target, fee_target) = sale.split(&target)?;
+    let (mut seller_taken, mut fee_taken) = taken_so_far(tx, sale).await?;
     let from = seller_bucket(tx, sale, &a).await?;
-    let mut t = sale.transfer(
-        format!("{key}:seller"),
-        TransferKind::RefundDebit,
-        &from,
-        &a.clearing,
-        seller,
-    );
-    t.reference = Some(refund_id.to_owned());
-    post(tx, &t).await?;
-    let mut t = sale.transfer(
-        format!("{key}:fee"),
-        TransferKind::FeeRefund,
-        &a.revenue,
-        &a.clearing,
-        platform,
-    );
-    t.reference = Some(refund_id.to_owned());
-    post(tx, &t).await?;
+    for step in steps {
+        if posted(tx, &step.key).await? {
+            continue;
+        }
+        let seller = seller_target.amount() - seller_taken;
+        let fee = fee_target.amount() - fee_taken;
+        if seller.is_zero() && fee.is_zero() {
+            continue;
+        }
+        // Both parts move the same way: the seller's share and the fee's rest each grow (or
+        // shrink) with the target, a cent at a time at most as fast.
+        if (seller + fee > Decimal::ZERO) != step.taken {
+            // Against this step's direction (a refund seen in the same event as a dispute's
+            // win that gives back more): left to the step that moves that way.
+            continue;
+        }
+        let parts = [
+            (format!("{}:seller", step.key), step.kinds.0, seller, &from),
+            (format!("{}:fee", step.key), step.kinds.1, fee, &a.revenue),
+        ];
+        for (key, kind, delta, account) in parts {
+            if delta.is_zero() {
+                continue;
+            }
+            let amount = Money::new(delta.abs(), sale.currency()).map_err(|_| mismatch())?;
+            // A take moves money to the clearing account; a give-back out of it.
+            let (debit, credit) = if step.taken {
+                (account, &a.clearing)
+            } else {
+                (&a.clearing, account)
+            };
+            let mut t = sale.transfer(key, kind, debit, credit, amount);
+            t.reference = Some(step.reference.clone());
+            post(tx, &t).await?;
+        }
+        seller_taken += seller;
+        fee_taken += fee;
+    }
     Ok(())
 }
 
-/// A dispute of the sale in its current status: debited once when seen, reversed once if it
-/// ended in the seller's favour or as a refund.
-pub async fn record_dispute(
+/// Whether a take-back key has posted either of its parts.
+async fn posted(tx: &mut PgConnection, key: &str) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM ledger_transfers WHERE source_key IN ($1 || ':seller', $1 || ':fee'))",
+    )
+    .bind(key)
+    .fetch_one(&mut *tx)
+    .await
+}
+
+/// What the sale's take-back postings hold now: the seller's part and the fee's.
+async fn taken_so_far(
     tx: &mut PgConnection,
     sale: &Sale,
-    dispute_id: &str,
-    amount: Money,
-    status: DisputeStatus,
-) -> Result<(), LedgerError> {
-    let a = sale.accounts();
-    lock_seller(tx, &a).await?;
-    let (seller, platform) = sale.split(&amount)?;
-    let key = format!("dispute:{}:{dispute_id}", sale.channel);
-    let from = seller_bucket(tx, sale, &a).await?;
-    let mut t = sale.transfer(
-        format!("{key}:seller"),
-        TransferKind::DisputeDebit,
-        &from,
-        &a.clearing,
-        seller,
-    );
-    t.reference = Some(dispute_id.to_owned());
-    post(tx, &t).await?;
-    let mut t = sale.transfer(
-        format!("{key}:fee"),
-        TransferKind::DisputeFeeDebit,
-        &a.revenue,
-        &a.clearing,
-        platform,
-    );
-    t.reference = Some(dispute_id.to_owned());
-    post(tx, &t).await?;
-    if matches!(status, DisputeStatus::Won | DisputeStatus::Refunded) {
-        // Back to where the seller's money is now: pending within the holding period, available
-        // after it (the release has moved what was left then, without the disputed amount).
-        let back_to = from;
-        let mut t = sale.transfer(
-            format!("dispute_reversal:{}:{dispute_id}:seller", sale.channel),
-            TransferKind::DisputeReversal,
-            &a.clearing,
-            &back_to,
-            seller,
-        );
-        t.reference = Some(dispute_id.to_owned());
-        post(tx, &t).await?;
-        let mut t = sale.transfer(
-            format!("dispute_reversal:{}:{dispute_id}:fee", sale.channel),
-            TransferKind::DisputeFeeReversal,
-            &a.clearing,
-            &a.revenue,
-            platform,
-        );
-        t.reference = Some(dispute_id.to_owned());
-        post(tx, &t).await?;
-    }
-    Ok(())
+) -> Result<(Decimal, Decimal), sqlx::Error> {
+    sqlx::query_as(
+        "SELECT COALESCE(sum(CASE kind WHEN 'refund_debit' THEN amount WHEN 'dispute_debit' THEN amount
+                                       WHEN 'dispute_reversal' THEN -amount ELSE 0 END), 0),
+                COALESCE(sum(CASE kind WHEN 'fee_refund' THEN amount WHEN 'dispute_fee_debit' THEN amount
+                                       WHEN 'dispute_fee_reversal' THEN -amount ELSE 0 END), 0)
+         FROM ledger_transfers WHERE order_number = $1",
+    )
+    .bind(sale.order_number)
+    .fetch_one(&mut *tx)
+    .await
 }
 
 /// Moves the sales whose holding period has passed from pending to available: what is left of

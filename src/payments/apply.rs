@@ -837,23 +837,27 @@ async fn sync_ledger(
     .bind(po_id)
     .fetch_all(&mut *tx)
     .await?;
-    let mut before = money(Decimal::ZERO)?;
-    for (refund_id, amount) in refunds {
-        let amount = money(amount)?;
-        sales::record_refund(tx, &sale, &refund_id, amount, before).await?;
-        before = before
-            .checked_add(&amount)
-            .ok_or_else(|| crate::ledger::LedgerError::Mismatch(format!("order {number}")))?;
-    }
     let disputes: Vec<(String, Decimal, DisputeStatus)> = sqlx::query_as(
         "SELECT dispute_id, amount, status FROM payment_disputes WHERE payment_order_id = $1 ORDER BY id",
     )
     .bind(po_id)
     .fetch_all(&mut *tx)
     .await?;
-    for (dispute_id, amount, status) in disputes {
-        sales::record_dispute(tx, &sale, &dispute_id, money(amount)?, status).await?;
+    let mut facts = Vec::with_capacity(refunds.len() + disputes.len());
+    for (refund_id, amount) in refunds {
+        facts.push(sales::TakeBack::Refund {
+            refund_id,
+            amount: money(amount)?,
+        });
     }
+    for (dispute_id, amount, status) in disputes {
+        facts.push(sales::TakeBack::Dispute {
+            dispute_id,
+            amount: money(amount)?,
+            status,
+        });
+    }
+    sales::settle_take_backs(tx, &sale, &facts).await?;
     Ok(())
 }
 
