@@ -238,9 +238,9 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
         },
     )?;
     let refunds = gateways.clone();
-    registry.register::<RefundPayment, _, _>(move |_ctx: JobContext, job: RefundPayment| {
+    registry.register::<RefundPayment, _, _>(move |ctx: JobContext, job: RefundPayment| {
         let gateways = refunds.clone();
-        async move { job.run(&gateways).await }
+        async move { job.run(&ctx.pool, &gateways).await }
     })?;
     let refunding = gateways.clone();
     registry.register::<CarryOutRefund, _, _>(move |ctx: JobContext, job: CarryOutRefund| {

@@ -797,10 +797,23 @@ async fn derive_and_apply(
                 event_id,
             )
             .await?;
-            let refund = give_back(number, &format!("paid {got} for an order of {order}"));
-            queue::enqueue(&mut *tx, refund.job()?).await?;
-            tracing::warn!(%gateway, order = ?number, %got, %order, "a payment of the wrong amount: refunding it");
-            Ok(true)
+            // Once: the session's later events (the refund's own, a resend) find it asked for.
+            let first = sqlx::query(
+                "UPDATE unmatched_payments SET given_back_at = now()
+                 WHERE gateway = $1 AND session_id = $2 AND given_back_at IS NULL",
+            )
+            .bind(gateway)
+            .bind(&session_id)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+                > 0;
+            if first {
+                let refund = give_back(number, &format!("paid {got} for an order of {order}"));
+                queue::enqueue(&mut *tx, refund.job()?).await?;
+                tracing::warn!(%gateway, order = ?number, %got, %order, "a payment of the wrong amount: refunding it");
+            }
+            Ok(first)
         }
         Some(PaymentEffect::Refund { reason, first }) => {
             if first {

@@ -2,13 +2,16 @@
 //! rule: the order stays expired and the buyer gets the money back, automatically, once), the
 //! order was already paid through another session, or the amount was not the order's. The job
 //! is keyed by the session and the gateway is asked with an idempotency key of its own, so the
-//! refund happens once however often the job runs; the gateway's refund event then records it
-//! as any refund.
+//! refund happens once however often the job runs. A refund the gateway answers as done is
+//! recorded at once, through the same path as its refund event (which then finds it known): a
+//! lost webhook cannot leave the buyer refunded and the payment shown as kept.
 
 use serde::{Deserialize, Serialize};
 
+use sqlx::PgPool;
+
 use crate::gateways::api::RefundRequest;
-use crate::gateways::{GatewayName, GatewayRegistry};
+use crate::gateways::{Fact, GatewayName, GatewayRegistry, PaymentRef};
 use crate::money::Money;
 use crate::queue::{Job, JobError, NewJob, QueueError};
 
@@ -49,7 +52,7 @@ impl RefundPayment {
         )))
     }
 
-    pub async fn run(&self, gateways: &GatewayRegistry) -> Result<(), JobError> {
+    pub async fn run(&self, pool: &PgPool, gateways: &GatewayRegistry) -> Result<(), JobError> {
         // Without these the gateway cannot be asked: the job ends dead, listed for an operator
         // to refund by hand (`payfleet jobs dead`), never silently.
         let (Some(payment_id), Some(amount)) = (&self.payment_id, self.amount) else {
@@ -74,6 +77,19 @@ impl RefundPayment {
         match gateway.refund(&request).await {
             Ok(receipt) => {
                 tracing::info!(gateway = %self.gateway, order = ?self.order_number, refund = %receipt.refund_id, reason = %self.reason, "payment given back");
+                if receipt.succeeded {
+                    let payment = PaymentRef {
+                        session_id: Some(self.session_id.clone()),
+                        payment_id: Some(payment_id.clone()),
+                    };
+                    let fact = Fact::Refund {
+                        refund_id: receipt.refund_id,
+                        amount,
+                    };
+                    let mut tx = pool.begin().await?;
+                    super::apply::apply(&mut tx, self.gateway, &payment, &[fact], None).await?;
+                    tx.commit().await?;
+                }
                 Ok(())
             }
             Err(e) if e.is_transient() => Err(JobError::retry(e)),

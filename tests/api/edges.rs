@@ -481,3 +481,87 @@ async fn a_refund_the_gateway_fails_later_ends_failed_and_frees_its_amount(pool:
     assert_eq!(again.amount.to_string(), "10.00");
     assert_eq!(order(&pool).await.0, "paid", "nothing was refunded");
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_late_payment_given_back_is_recorded_even_when_its_webhook_is_lost(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    // The internal gateway took the payment (its record), after the order expired.
+    sqlx::query(
+        "INSERT INTO internal_payments (session_id, gateway, order_number, attempt, amount, currency, metadata, status, payment_id, decided_at)
+         VALUES ('sess_a', 'internal', 1, 1, 10, 'BRL', '{}', 'succeeded', 'pay_a', now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    payfleet::orders::expire_now(&pool, 1).await.unwrap();
+    step(&pool, &app.config, "orders").await;
+    deliver(
+        &app,
+        "late",
+        &about("payment.succeeded", "sess_a", "pay_a", Some("10.00")),
+    )
+    .await;
+    // The refund job runs where the gateway's events go nowhere: its webhook is lost for good.
+    let mut lost = app.config.clone();
+    lost.internal_webhook_url = "http://127.0.0.1:9/webhooks/internal".into();
+    step(&pool, &lost, "payments").await;
+    let refunds: i64 = sqlx::query_scalar("SELECT count(*) FROM internal_refunds")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(refunds, 1, "the buyer has the money back");
+    let o = order(&pool).await;
+    assert_eq!(
+        (o.0.as_str(), o.1.as_str()),
+        ("expired", "refunded"),
+        "and the order says so, without the refund's webhook"
+    );
+    let refunded: String = sqlx::query_scalar(
+        "SELECT amount_refunded::text FROM payment_orders WHERE session_id = 'sess_a'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(refunded, "10.0000");
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_payment_of_the_wrong_amount_is_given_back_once_whatever_follows(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    deliver(
+        &app,
+        "short",
+        &about("payment.succeeded", "sess_a", "pay_a", Some("1.00")),
+    )
+    .await;
+    assert_eq!(
+        refund_jobs(&pool).await,
+        vec!["refund_payment:internal:sess_a"]
+    );
+    // The refund job ran (its row is gone), then more events of the session arrive.
+    sqlx::query("DELETE FROM jobs WHERE kind = 'refund_payment'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    deliver(
+        &app,
+        "short_again",
+        &about("payment.succeeded", "sess_a", "pay_a", Some("1.00")),
+    )
+    .await;
+    deliver(
+        &app,
+        "dispute",
+        &json!({"type": "dispute.created", "data": {"session_id": "sess_a", "payment_id": "pay_a",
+                "dispute_id": "dp_1", "amount": "1.00", "currency": "BRL"}})
+        .to_string(),
+    )
+    .await;
+    assert!(
+        refund_jobs(&pool).await.is_empty(),
+        "not asked for again: {:?}",
+        refund_jobs(&pool).await
+    );
+}
