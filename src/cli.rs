@@ -56,6 +56,11 @@ enum Command {
         #[command(subcommand)]
         action: EventsAction,
     },
+    /// Order messages their consumers gave up on (dead), and sending them again.
+    Messages {
+        #[command(subcommand)]
+        action: Option<MessagesAction>,
+    },
     /// The ledger's runs, by hand (the workers also run them on their own), payouts waiting
     /// for the bank, and the ledger's invariants.
     Money {
@@ -108,6 +113,20 @@ enum EventsAction {
         id: Option<i64>,
         #[arg(long)]
         all: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum MessagesAction {
+    /// Messages a consumer failed to handle on every attempt (the default).
+    Dead {
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// Send a dead message again, once its consumer is fixed.
+    Replay {
+        consumer: String,
+        message_id: String,
     },
 }
 
@@ -169,6 +188,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Up { public } => up(config, public).await,
         Command::Jobs { action } => jobs(config, action.unwrap_or(JobsAction::Counts)).await,
         Command::Events { action } => events_command(config, action).await,
+        Command::Messages { action } => {
+            messages_command(
+                config,
+                action.unwrap_or(MessagesAction::Dead { limit: 100 }),
+            )
+            .await
+        }
         Command::Money { action } => money_command(config, action).await,
         Command::Consistency { run } => consistency_command(config, run).await,
         Command::Demo(args) => demo::run(&config, args).await,
@@ -327,6 +353,39 @@ async fn events_command(config: Config, action: EventsAction) -> anyhow::Result<
         EventsAction::Replay { id: None, .. } => {
             let n = events::replay_all(&pool).await?;
             println!("{n} unprocessed events will be processed again");
+        }
+    }
+    pool.close().await;
+    Ok(())
+}
+
+async fn messages_command(config: Config, action: MessagesAction) -> anyhow::Result<()> {
+    use crate::messaging::orders as messages;
+    let pool = db::connect(&config.database_url, 2).await?;
+    match action {
+        MessagesAction::Dead { limit } => {
+            let dead = messages::dead_messages(&pool, limit).await?;
+            if dead.is_empty() {
+                println!("no dead order messages");
+            }
+            for m in dead {
+                println!(
+                    "{}\t{}\t{}\t{} attempts\tdead since {}\t{}",
+                    m.consumer,
+                    m.message_id,
+                    m.routing_key,
+                    m.attempts,
+                    m.dead_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                    m.last_error
+                );
+            }
+        }
+        MessagesAction::Replay {
+            consumer,
+            message_id,
+        } => {
+            messages::replay_dead(&pool, &consumer, &message_id).await?;
+            println!("message {message_id} goes to {consumer} again");
         }
     }
     pool.close().await;

@@ -17,7 +17,9 @@
 //!   platform's to recover from the gateway, not the seller's to bear twice);
 //! - `event_unprocessed`: a stored event not processed past the grace period (pending, waiting
 //!   for its payment, or rejected);
-//! - `job_stuck`: a running job whose lease expired long ago (the rescue should have ended it).
+//! - `job_stuck`: a running job whose lease expired long ago (the rescue should have ended it);
+//! - `order_message_dead`: an order message a consumer failed to handle on every attempt
+//!   (`payfleet messages dead`, then `replay` once the consumer is fixed).
 
 use std::time::Duration;
 
@@ -43,6 +45,7 @@ pub const CHECKS: &[&str] = &[
     "taken_back_beyond_payment",
     "event_unprocessed",
     "job_stuck",
+    "order_message_dead",
 ];
 
 /// Looks at every invariant now. `grace`: how long work in flight may take before it counts.
@@ -164,6 +167,18 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .await?;
     found.extend(rows.into_iter().map(|(subject, detail)| Violation {
         check: "job_stuck",
+        subject,
+        detail,
+    }));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('message %s for %s', message_id, consumer),
+                format('%s attempts, dead since %s: %s', attempts, dead_at, last_error)
+         FROM message_failures WHERE dead_at IS NOT NULL ORDER BY dead_at LIMIT 1000",
+    )
+    .fetch_all(pool)
+    .await?;
+    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
+        check: "order_message_dead",
         subject,
         detail,
     }));

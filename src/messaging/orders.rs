@@ -368,13 +368,115 @@ async fn relay_until_stopped(broker: Broker, pool: PgPool, routes: Routes, idle:
     }
 }
 
+/// Failed attempts of a handler at one message before the message is dead.
+pub const MAX_HANDLER_ATTEMPTS: i32 = 5;
+
+/// Counts a failed attempt of `consumer` at a message; returns whether it is now dead.
+async fn failed_attempt(
+    pool: &PgPool,
+    consumer: &str,
+    message: &OrderMessage,
+    routing_key: &str,
+    error: &str,
+) -> Result<bool, sqlx::Error> {
+    let body = serde_json::to_value(message).unwrap_or_default();
+    sqlx::query_scalar(
+        "INSERT INTO message_failures (consumer, message_id, routing_key, body, attempts, last_error)
+         VALUES ($1, $2, $3, $4, 1, $5)
+         ON CONFLICT (consumer, message_id) DO UPDATE SET
+             attempts = message_failures.attempts + 1, last_error = EXCLUDED.last_error, last_failed_at = now(),
+             dead_at = CASE WHEN message_failures.attempts + 1 >= $6 THEN COALESCE(message_failures.dead_at, now())
+                            ELSE message_failures.dead_at END
+         RETURNING dead_at IS NOT NULL OR attempts >= $6",
+    )
+    .bind(consumer)
+    .bind(&message.message_id)
+    .bind(routing_key)
+    .bind(body)
+    .bind(error)
+    .bind(MAX_HANDLER_ATTEMPTS)
+    .fetch_one(pool)
+    .await
+}
+
+/// A message a consumer gave up on.
+#[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+pub struct DeadMessage {
+    pub consumer: String,
+    pub message_id: String,
+    pub routing_key: String,
+    pub attempts: i32,
+    pub last_error: String,
+    pub dead_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// The messages consumers gave up on, oldest first.
+pub async fn dead_messages(pool: &PgPool, limit: i64) -> Result<Vec<DeadMessage>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT consumer, message_id, routing_key, attempts, last_error, dead_at FROM message_failures
+         WHERE dead_at IS NOT NULL ORDER BY dead_at, consumer, message_id LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayMessageError {
+    #[error("no dead message {message_id} of consumer {consumer}")]
+    NotDead {
+        consumer: String,
+        message_id: String,
+    },
+    #[error("message {0} is not an order event's: it cannot be sent again from the outbox")]
+    NotFromOutbox(String),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Sends a dead message again (after a fix to its consumer): its failures are forgotten and its
+/// order event goes through the outbox once more. A consumer that handled it meanwhile drops it.
+pub async fn replay_dead(
+    pool: &PgPool,
+    consumer: &str,
+    message_id: &str,
+) -> Result<(), ReplayMessageError> {
+    let event: i64 = message_id
+        .strip_prefix("order-event-")
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| ReplayMessageError::NotFromOutbox(message_id.to_owned()))?;
+    let mut tx = pool.begin().await?;
+    let removed = sqlx::query(
+        "DELETE FROM message_failures WHERE consumer = $1 AND message_id = $2 AND dead_at IS NOT NULL",
+    )
+    .bind(consumer)
+    .bind(message_id)
+    .execute(&mut *tx)
+    .await?;
+    if removed.rows_affected() == 0 {
+        return Err(ReplayMessageError::NotDead {
+            consumer: consumer.to_owned(),
+            message_id: message_id.to_owned(),
+        });
+    }
+    sqlx::query("UPDATE order_events SET published_at = NULL WHERE id = $1")
+        .bind(event)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
 /// What a consumer's handler returns: its work in the consumer's transaction.
 pub type Handled<'c> = Pin<Box<dyn Future<Output = Result<(), sqlx::Error>> + Send + 'c>>;
 
 /// Hands each message of `{ns}.<queue>` to `handler` once for `consumer`, however often it is
 /// delivered: the handler runs in a transaction with the record of the message id, and the
 /// delivery is acknowledged after the commit. A handler error rolls back and the message is
-/// delivered again later; a message that does not read is dropped with a warning.
+/// delivered again later, up to [`MAX_HANDLER_ATTEMPTS`] times (an outage of the database is not
+/// counted); then it is dead: kept in `message_failures` with its body and last error, for an
+/// operator to list and replay (`payfleet messages`), and acknowledged. A message that does not
+/// read is kept in `unrouted_messages`.
 pub async fn consume<H>(broker: Broker, pool: PgPool, queue: String, consumer: String, handler: H)
 where
     H: for<'c> Fn(OrderMessage, &'c mut PgConnection) -> Handled<'c> + Send + Sync + 'static,
@@ -454,6 +556,7 @@ async fn consume_until_stopped<H>(
                 }
             };
             let id = message.message_id.clone();
+            let kept = message.clone();
             let handled = async {
                 let mut tx = pool.begin().await?;
                 let first = sqlx::query(
@@ -479,7 +582,22 @@ async fn consume_until_stopped<H>(
                     let _ = delivery.ack(BasicAckOptions::default()).await;
                 }
                 Err(e) => {
-                    tracing::warn!(queue = %name, message = %id, error = %e, "an order message could not be handled; it is delivered again");
+                    let text = crate::queue::error_chain(&e);
+                    // An outage is not the message's fault: it is delivered again, uncounted.
+                    let dead = if crate::db::is_transient(&e) {
+                        false
+                    } else {
+                        failed_attempt(pool, consumer, &kept, delivery.routing_key.as_str(), &text)
+                            .await
+                            .unwrap_or(false)
+                    };
+                    if dead {
+                        tracing::error!(queue = %name, message = %id, error = %text, attempts = MAX_HANDLER_ATTEMPTS,
+                            "an order message failed every attempt: kept as dead (payfleet messages dead), not delivered again");
+                        let _ = delivery.ack(BasicAckOptions::default()).await;
+                        continue;
+                    }
+                    tracing::warn!(queue = %name, message = %id, error = %text, "an order message could not be handled; it is delivered again");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                     let _ = delivery
                         .nack(BasicNackOptions {

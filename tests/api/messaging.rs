@@ -302,3 +302,87 @@ async fn consumers_forget_messages_after_a_month_not_before(pool: PgPool) {
         .unwrap();
     assert_eq!(left, ["recent"]);
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_message_its_consumer_always_fails_is_kept_dead_and_replayed_after_a_fix(pool: PgPool) {
+    let config = test_config();
+    let attempts = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let fixed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let broker = Broker::start(
+        config.amqp_url.clone(),
+        &config.amqp_namespace,
+        config.amqp_queue_ttl_ms,
+    );
+    let (counter, switch) = (attempts.clone(), fixed.clone());
+    tokio::spawn(orders::consume(
+        broker.clone(),
+        pool.clone(),
+        "fulfilment".into(),
+        "test-broken".into(),
+        move |_m: OrderMessage, tx: &mut PgConnection| -> Handled<'_> {
+            let (counter, switch) = (counter.clone(), switch.clone());
+            Box::pin(async move {
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                if switch.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Ok(());
+                }
+                // A bug in the handler: it fails whatever the message.
+                sqlx::query("SELECT 1 / 0").execute(&mut *tx).await?;
+                Ok(())
+            })
+        },
+    ));
+    let _worker = spawn_roles(pool.clone(), config.clone(), Roles::WORK).await;
+    order_events(&pool, 1).await;
+    wait_for(
+        "the message to be dead",
+        Duration::from_secs(30),
+        async || !orders::dead_messages(&pool, 10).await.unwrap().is_empty(),
+    )
+    .await;
+    let dead = orders::dead_messages(&pool, 10).await.unwrap();
+    assert_eq!(dead[0].attempts, orders::MAX_HANDLER_ATTEMPTS);
+    assert!(dead[0].last_error.contains("division by zero"), "{dead:?}");
+    // Not delivered again and again: the count stops.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        attempts.load(std::sync::atomic::Ordering::SeqCst),
+        orders::MAX_HANDLER_ATTEMPTS as u32
+    );
+    let findings = payfleet::consistency::check(&pool, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(
+        findings.iter().any(|f| f.check == "order_message_dead"),
+        "{findings:?}"
+    );
+    // Fixed, then replayed: handled once.
+    fixed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let out = payfleet(
+        &pool,
+        &["messages", "replay", "test-broken", &dead[0].message_id],
+    )
+    .output()
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for(
+        "the replayed message to be handled",
+        Duration::from_secs(30),
+        async || {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM consumed_messages WHERE consumer = 'test-broken'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            n == 1
+        },
+    )
+    .await;
+    assert!(orders::dead_messages(&pool, 10).await.unwrap().is_empty());
+}
