@@ -137,6 +137,10 @@ pub struct NewSeller {
     pub payout_minimum: String,
     pub holding_days: Option<i32>,
     pub stripe_account: Option<String>,
+    /// A minimum per currency (`{"BRL": "50.00", "JPY": "5000"}`); `payout_minimum` is the
+    /// minimum of any currency not named.
+    #[serde(default)]
+    pub payout_minimums: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -149,6 +153,9 @@ pub struct Seller {
     pub holding_days: i32,
     pub stripe_account: Option<String>,
     pub created_at: DateTime<Utc>,
+    /// The minimums per currency it was made with (`payout_minimum` for any other).
+    #[sqlx(skip)]
+    pub payout_minimums: std::collections::BTreeMap<String, String>,
 }
 
 /// The default holding period: sales become available for payout this many days after payment.
@@ -179,7 +186,21 @@ pub async fn create_seller(pool: &PgPool, new: NewSeller) -> Result<Seller, Cata
     {
         return Err(invalid("stripe_account", "must look like acct_..."));
     }
-    Ok(sqlx::query_as(
+    let mut minimums = Vec::with_capacity(new.payout_minimums.len());
+    for (currency, amount) in &new.payout_minimums {
+        let m = Money::parse(amount, currency).map_err(|e| {
+            invalid(
+                "payout_minimums",
+                format!("{currency} {amount:?} is not an amount of that currency: {e}"),
+            )
+        })?;
+        if m.amount().is_sign_negative() {
+            return Err(invalid("payout_minimums", "a minimum is zero or more"));
+        }
+        minimums.push(m);
+    }
+    let mut tx = pool.begin().await?;
+    let mut seller: Seller = sqlx::query_as(
         "INSERT INTO sellers (name, payout_frequency, payout_minimum, holding_days, stripe_account)
          VALUES ($1, $2, $3, $4, $5)
          RETURNING id, name, payout_frequency, payout_minimum, holding_days, stripe_account, created_at",
@@ -189,8 +210,24 @@ pub async fn create_seller(pool: &PgPool, new: NewSeller) -> Result<Seller, Cata
     .bind(minimum)
     .bind(holding_days)
     .bind(stripe_account)
-    .fetch_one(pool)
-    .await?)
+    .fetch_one(&mut *tx)
+    .await?;
+    for m in &minimums {
+        sqlx::query(
+            "INSERT INTO seller_payout_minimums (seller_id, currency, minimum) VALUES ($1, $2, $3)",
+        )
+        .bind(seller.id)
+        .bind(m.currency().as_str())
+        .bind(m.amount())
+        .execute(&mut *tx)
+        .await?;
+        seller.payout_minimums.insert(
+            m.currency().to_string(),
+            crate::money::amount_text(m.amount(), m.currency().as_str()),
+        );
+    }
+    tx.commit().await?;
+    Ok(seller)
 }
 
 pub async fn seller<'c>(

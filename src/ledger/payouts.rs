@@ -98,9 +98,10 @@ fn accounts(seller: &str, currency: Currency) -> (AccountRef, AccountRef, Accoun
 /// Pays every seller that is due on `today`. Returns the payouts made.
 pub async fn run(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, PayoutError> {
     let candidates: Vec<(String, PayoutFrequency, Decimal, String)> = sqlx::query_as(
-        "SELECT s.id::text, s.payout_frequency, s.payout_minimum, a.currency::text
+        "SELECT s.id::text, s.payout_frequency, COALESCE(m.minimum, s.payout_minimum), a.currency::text
          FROM sellers s JOIN ledger_accounts a ON a.owner = s.id::text AND a.kind = 'seller_available'
-         WHERE a.balance > 0 AND a.balance >= s.payout_minimum
+         LEFT JOIN seller_payout_minimums m ON m.seller_id = s.id AND m.currency = a.currency
+         WHERE a.balance > 0 AND a.balance >= COALESCE(m.minimum, s.payout_minimum)
          ORDER BY s.id, a.currency",
     )
     .fetch_all(pool)

@@ -141,6 +141,20 @@ async fn send_paid(shop: &Shop, id: &str, session: &str, amount: &str) {
     .await;
 }
 
+/// The gateway reports `session` paid `amount` of `currency`, as delivery `id`.
+async fn send_paid_in(shop: &Shop, id: &str, session: &str, amount: &str, currency: &str) {
+    send(
+        shop,
+        id,
+        &event(
+            "payment.succeeded",
+            session,
+            json!({"amount": amount, "currency": currency}),
+        ),
+    )
+    .await;
+}
+
 /// The gateway reports refund `refund_id` of `amount` on `session`, as delivery `id`.
 async fn send_refund(shop: &Shop, id: &str, session: &str, refund_id: &str, amount: &str) {
     send(
@@ -512,6 +526,50 @@ async fn a_seller_below_the_minimum_is_not_paid(pool: PgPool) {
             .await
             .unwrap()
             .is_empty()
+    );
+}
+
+/// 45.00 BRL and 45.00 JPY are not the same sum: a seller's minimum is per currency.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_payout_minimum_is_per_currency(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let seller = shop
+        .admin(
+            "/admin/sellers",
+            json!({"name": "Two currencies", "payout_frequency": "daily", "payout_minimum": "100.00",
+                   "holding_days": 0, "payout_minimums": {"JPY": "40"}}),
+        )
+        .await;
+    assert_eq!(seller["payout_minimums"], json!({"JPY": "40"}), "{seller}");
+    let seller = seller["id"].as_str().unwrap().to_owned();
+    for (i, currency) in ["BRL", "JPY"].iter().enumerate() {
+        let price = if *currency == "JPY" { "50" } else { "50.00" };
+        let product = shop.product(&seller, price, currency).await;
+        let order = shop.checkout_one(&format!("k{i}"), "b", &product, 1).await;
+        let session = order["payment"]["session_id"].as_str().unwrap();
+        send_paid_in(&shop, &format!("m{i}"), session, price, currency).await;
+    }
+    process_all(&pool, &shop).await;
+    sales::release_matured(&pool, Utc::now()).await.unwrap();
+    let made = payouts::run(&pool, Utc::now().date_naive()).await.unwrap();
+    let (status, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
+    assert_eq!(status, 200);
+    assert_eq!(made.len(), 1, "{list}");
+    assert_eq!(
+        list["payouts"][0]["currency"], "JPY",
+        "45 JPY is above its own minimum of 40; 45.00 BRL below the seller's 100.00"
+    );
+    let (status, bad) = shop
+        .post(
+            "/admin/sellers",
+            Some(ADMIN_TOKEN),
+            json!({"name": "Bad", "payout_frequency": "daily", "payout_minimum": "1", "payout_minimums": {"JPY": "0.5"}}),
+        )
+        .await;
+    assert_eq!(
+        (status, bad["error"]["code"].as_str()),
+        (422, Some("invalid_request")),
+        "{bad}"
     );
 }
 
