@@ -33,7 +33,7 @@ use crate::orders::expiry::{self, ExpireOrder, Expiry};
 use crate::payments::hosted::{DeliverHostedEvent, Deliverer, QueueSink};
 use crate::payments::links::LinkService;
 use crate::payments::order_refunds::CarryOutRefund;
-use crate::payments::{ProcessPaymentEvent, Processor, RefundPayment};
+use crate::payments::{ProcessPaymentEvent, Processor, RefundPayment, SettleRefund};
 use crate::queue::{Fleet, FleetHandle, JobContext, JobError, Listen, Notifier, Registry};
 use crate::recurring::{self, RecurringRun, Tasks};
 use crate::webhooks::{EventWriter, Verifier};
@@ -240,6 +240,11 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
     let refunds = gateways.clone();
     registry.register::<RefundPayment, _, _>(move |ctx: JobContext, job: RefundPayment| {
         let gateways = refunds.clone();
+        async move { job.run(&ctx.pool, &gateways).await }
+    })?;
+    let settling = gateways.clone();
+    registry.register::<SettleRefund, _, _>(move |ctx: JobContext, job: SettleRefund| {
+        let gateways = settling.clone();
         async move { job.run(&ctx.pool, &gateways).await }
     })?;
     let refunding = gateways.clone();

@@ -71,6 +71,25 @@ pub struct RefundRequest {
     pub idempotency_key: String,
 }
 
+/// A refund the gateway took, to ask about.
+#[derive(Debug, Clone)]
+pub struct RefundQuery {
+    pub session_id: String,
+    pub payment_id: String,
+    pub refund_id: String,
+    pub seller_account: Option<String>,
+}
+
+/// Where a refund the gateway took stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefundOutcome {
+    /// Still under way (also every status we do not know).
+    Pending,
+    Succeeded,
+    Failed,
+    Canceled,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RefundReceipt {
     pub refund_id: String,
@@ -144,6 +163,9 @@ pub trait PaymentGateway: Send + Sync {
         seller_account: Option<&'a str>,
     ) -> GatewayFuture<'a, PaymentState>;
     fn refund<'a>(&'a self, request: &'a RefundRequest) -> GatewayFuture<'a, RefundReceipt>;
+    /// Where a refund it took stands now (a refund answered as accepted, whose outcome never
+    /// arrived).
+    fn refund_status<'a>(&'a self, query: &'a RefundQuery) -> GatewayFuture<'a, RefundOutcome>;
     /// Events created since `since` whose delivery to our endpoint has not succeeded (Stripe's
     /// events list with `delivery_success=false`), on the seller's account when given. `None`:
     /// the gateway keeps no such list (nothing was asked); reconciliation asks it about each
@@ -199,7 +221,7 @@ impl GatewayRegistry {
 }
 
 /// Implements [`PaymentGateway`] for a type with the inherent methods `gateway`, `create`,
-/// `read`, `refund_payment` and `map`: the trait's boxing in one place.
+/// `read`, `refund_payment`, `refund_state` and `map`: the trait's boxing in one place.
 macro_rules! payment_gateway {
     ($ty:ty, undelivered) => {
         $crate::gateways::api::payment_gateway!(@impl $ty,
@@ -243,6 +265,14 @@ macro_rules! payment_gateway {
             ) -> $crate::gateways::api::GatewayFuture<'a, $crate::gateways::api::RefundReceipt>
             {
                 Box::pin(self.refund_payment(request))
+            }
+
+            fn refund_status<'a>(
+                &'a self,
+                query: &'a $crate::gateways::api::RefundQuery,
+            ) -> $crate::gateways::api::GatewayFuture<'a, $crate::gateways::api::RefundOutcome>
+            {
+                Box::pin(self.refund_state(query))
             }
 
             fn map_status(&self, raw: &str) -> $crate::gateways::PaymentStatus {
@@ -305,6 +335,9 @@ mod tests {
         }
         fn refund<'a>(&'a self, _: &'a RefundRequest) -> GatewayFuture<'a, RefundReceipt> {
             Box::pin(async { Err(GatewayError::Refused("fake".into())) })
+        }
+        fn refund_status<'a>(&'a self, _: &'a RefundQuery) -> GatewayFuture<'a, RefundOutcome> {
+            Box::pin(async { Ok(RefundOutcome::Pending) })
         }
         fn map_status(&self, raw: &str) -> PaymentStatus {
             unknown_status(self.0, raw)

@@ -15,8 +15,8 @@ use serde_json::json;
 use sqlx::{PgConnection, PgPool};
 
 use super::api::{
-    GatewayError, PaymentState, RefundReceipt, RefundRequest, Session, SessionRequest,
-    unknown_status,
+    GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt, RefundRequest, Session,
+    SessionRequest, unknown_status,
 };
 use super::{GatewayName, PaymentStatus};
 use crate::money::Money;
@@ -312,6 +312,27 @@ pub async fn mark_delivered(pool: &PgPool, id: &str) -> Result<(), sqlx::Error> 
     .execute(pool)
     .await
     .map(|_| ())
+}
+
+impl HostedGateway {
+    /// A refund this gateway made is done at once: it has its record, or it made none.
+    async fn refund_state(&self, q: &RefundQuery) -> Result<RefundOutcome, GatewayError> {
+        let known: Option<String> = sqlx::query_scalar(
+            "SELECT r.refund_id FROM internal_refunds r JOIN internal_payments p ON p.session_id = r.session_id
+             WHERE r.refund_id = $1 AND p.gateway = $2",
+        )
+        .bind(&q.refund_id)
+        .bind(self.name)
+        .fetch_optional(&self.pool)
+        .await?;
+        match known {
+            Some(_) => Ok(RefundOutcome::Succeeded),
+            None => Err(GatewayError::Refused(format!(
+                "no {} refund {}",
+                self.name, q.refund_id
+            ))),
+        }
+    }
 }
 
 super::api::payment_gateway!(HostedGateway);

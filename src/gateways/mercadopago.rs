@@ -7,8 +7,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::api::{
-    GatewayError, PaymentState, RefundReceipt, RefundRequest, Session, SessionRequest, read_json,
-    unknown_status,
+    GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt, RefundRequest, Session,
+    SessionRequest, read_json, unknown_status,
 };
 use super::{
     DisputeStatus, EventError, Fact, GatewayName, Interpretation, PaymentRef, PaymentStatus,
@@ -349,6 +349,30 @@ impl MercadoPagoClient {
         Ok(RefundReceipt {
             refund_id: id_text(&answer.id),
             succeeded: answer.status.as_deref() == Some("approved"),
+        })
+    }
+}
+
+impl MercadoPagoClient {
+    async fn refund_state(&self, q: &RefundQuery) -> Result<RefundOutcome, GatewayError> {
+        let refund: RefundAnswer = read_json(
+            NAME,
+            self.http
+                .get(format!(
+                    "{}/v1/payments/{}/refunds/{}",
+                    self.base_url, q.payment_id, q.refund_id
+                ))
+                .bearer_auth(self.access_token.expose())
+                .send()
+                .await,
+            mp_error,
+        )
+        .await?;
+        Ok(match refund.status.as_deref() {
+            Some("approved") => RefundOutcome::Succeeded,
+            Some("rejected") => RefundOutcome::Failed,
+            Some("cancelled") => RefundOutcome::Canceled,
+            _ => RefundOutcome::Pending,
         })
     }
 }

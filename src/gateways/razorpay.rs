@@ -8,8 +8,8 @@ use serde_json::Value;
 
 use super::GatewayName;
 use super::api::{
-    GatewayError, PaymentState, RefundReceipt, RefundRequest, Session, SessionRequest, read_json,
-    unknown_status,
+    GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt, RefundRequest, Session,
+    SessionRequest, read_json, unknown_status,
 };
 use crate::secret::Secret;
 
@@ -364,6 +364,29 @@ impl RazorpayGateway {
         Ok(RefundReceipt {
             refund_id: refund.id,
             succeeded: refund.status.as_deref() == Some("processed"),
+        })
+    }
+}
+
+impl RazorpayGateway {
+    async fn refund_state(&self, q: &RefundQuery) -> Result<RefundOutcome, GatewayError> {
+        let refund: RzpRefund = read_json(
+            NAME,
+            self.http
+                .get(format!(
+                    "{}/v1/payments/{}/refunds/{}",
+                    self.api, q.payment_id, q.refund_id
+                ))
+                .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                .send()
+                .await,
+            rzp_error,
+        )
+        .await?;
+        Ok(match refund.status.as_deref() {
+            Some("processed") => RefundOutcome::Succeeded,
+            Some("failed") => RefundOutcome::Failed,
+            _ => RefundOutcome::Pending,
         })
     }
 }

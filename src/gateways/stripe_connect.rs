@@ -18,8 +18,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::api::{
-    GatewayError, PaymentState, RefundReceipt, RefundRequest, Session, SessionRequest,
-    UndeliveredEvent, read_json, unknown_status,
+    GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt, RefundRequest, Session,
+    SessionRequest, UndeliveredEvent, read_json, unknown_status,
 };
 use super::{GatewayName, PaymentStatus};
 use crate::money::Money;
@@ -365,6 +365,25 @@ impl StripeConnect {
         Ok(RefundReceipt {
             refund_id: refund.id,
             succeeded: refund.status.as_deref() == Some("succeeded"),
+        })
+    }
+}
+
+impl StripeConnect {
+    async fn refund_state(&self, q: &RefundQuery) -> Result<RefundOutcome, GatewayError> {
+        let mut req = self
+            .http
+            .get(format!("{}/v1/refunds/{}", self.api, q.refund_id))
+            .bearer_auth(self.secret_key.expose());
+        if let Some(a) = self.account(q.seller_account.as_deref()) {
+            req = req.header("Stripe-Account", a);
+        }
+        let refund: StripeRefund = read_json(NAME, req.send().await, stripe_error).await?;
+        Ok(match refund.status.as_deref() {
+            Some("succeeded") => RefundOutcome::Succeeded,
+            Some("failed") => RefundOutcome::Failed,
+            Some("canceled") => RefundOutcome::Canceled,
+            _ => RefundOutcome::Pending,
         })
     }
 }

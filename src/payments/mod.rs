@@ -30,7 +30,7 @@ use crate::gateways::{
 use crate::queue::{Job, JobError, NewJob, QueueError};
 
 pub use apply::Rejection;
-pub use refunds::RefundPayment;
+pub use refunds::{RefundPayment, SettleRefund};
 
 crate::text_enum! {
     /// `payment_events.outcome`.

@@ -337,7 +337,7 @@ pub async fn carry_out(
             session_id: p.session_id.clone(),
             payment_id: p.payment_id.clone(),
             amount,
-            seller_account: p.seller_account,
+            seller_account: p.seller_account.clone(),
             idempotency_key: format!("payfleet-refund-{}", p.gateway_key.simple()),
         })
         .await;
@@ -390,7 +390,17 @@ pub async fn carry_out(
             .bind(p.gateway)
             .execute(&mut *tx)
             .await?;
-            tracing::info!(refund_request = id, refund = %receipt.refund_id, "refund accepted by the gateway; its event will record it");
+            // Its event records it; if that never comes, the gateway is asked.
+            let settle = super::SettleRefund {
+                gateway: p.gateway,
+                session_id: p.session_id.clone(),
+                payment_id: p.payment_id.clone(),
+                refund_id: receipt.refund_id.clone(),
+                amount,
+                seller_account: p.seller_account.clone(),
+            };
+            queue::enqueue(&mut *tx, settle.job()?).await?;
+            tracing::info!(refund_request = id, refund = %receipt.refund_id, "refund accepted by the gateway; its event (or, failing it, the gateway asked later) will record it");
         }
         // An answer we could not read, or an error of the gateway's own store, may hide a
         // refund that was made: asking again with the same key finds out, so neither is taken

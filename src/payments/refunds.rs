@@ -10,10 +10,10 @@ use serde::{Deserialize, Serialize};
 
 use sqlx::PgPool;
 
-use crate::gateways::api::RefundRequest;
+use crate::gateways::api::{RefundOutcome, RefundQuery, RefundRequest};
 use crate::gateways::{Fact, GatewayName, GatewayRegistry, PaymentRef};
 use crate::money::Money;
-use crate::queue::{Job, JobError, NewJob, QueueError};
+use crate::queue::{self, Job, JobError, NewJob, QueueError};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RefundPayment {
@@ -77,23 +77,114 @@ impl RefundPayment {
         match gateway.refund(&request).await {
             Ok(receipt) => {
                 tracing::info!(gateway = %self.gateway, order = ?self.order_number, refund = %receipt.refund_id, reason = %self.reason, "payment given back");
+                let settle = SettleRefund {
+                    gateway: self.gateway,
+                    session_id: self.session_id.clone(),
+                    payment_id: payment_id.clone(),
+                    refund_id: receipt.refund_id,
+                    amount,
+                    seller_account: self.seller_account.clone(),
+                };
+                let mut tx = pool.begin().await?;
                 if receipt.succeeded {
-                    let payment = PaymentRef {
-                        session_id: Some(self.session_id.clone()),
-                        payment_id: Some(payment_id.clone()),
-                    };
-                    let fact = Fact::Refund {
-                        refund_id: receipt.refund_id,
-                        amount,
-                    };
-                    let mut tx = pool.begin().await?;
-                    super::apply::apply(&mut tx, self.gateway, &payment, &[fact], None).await?;
-                    tx.commit().await?;
+                    settle.record(&mut tx, RefundOutcome::Succeeded).await?;
+                } else {
+                    queue::enqueue(&mut *tx, settle.job()?).await?;
                 }
+                tx.commit().await?;
                 Ok(())
             }
             Err(e) if e.is_transient() => Err(JobError::retry(e)),
             Err(e) => Err(JobError::fail(e)),
         }
+    }
+}
+
+/// A refund the gateway took without saying it was done (Stripe's `pending`, Razorpay's and
+/// Mercado Pago's refunds under way): its outcome comes by the gateway's refund event, and when
+/// that event never comes (a webhook lost for good), by this job, which asks the gateway after
+/// [`SETTLE_AFTER`] and again with the queue's backoff until the refund has ended. The outcome
+/// is recorded through the same path as the event (which then finds it known). A refund still
+/// under way when the job's attempts run out leaves the job dead, for an operator.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SettleRefund {
+    pub gateway: GatewayName,
+    pub session_id: String,
+    pub payment_id: String,
+    pub refund_id: String,
+    pub amount: Money,
+    pub seller_account: Option<String>,
+}
+
+impl Job for SettleRefund {
+    const KIND: &'static str = "settle_refund";
+    const QUEUE: &'static str = "payments";
+}
+
+/// How long a refund's own event is waited for before the gateway is asked.
+pub const SETTLE_AFTER: chrono::Duration = chrono::Duration::minutes(5);
+
+impl SettleRefund {
+    pub fn job(&self) -> Result<NewJob, QueueError> {
+        Ok(NewJob::of(self)?
+            .key(format!("settle_refund:{}:{}", self.gateway, self.refund_id))
+            .run_at(chrono::Utc::now() + SETTLE_AFTER))
+    }
+
+    /// Records the refund's outcome as its event would.
+    async fn record(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        outcome: RefundOutcome,
+    ) -> Result<(), super::ProcessError> {
+        let fact = match outcome {
+            RefundOutcome::Succeeded => Fact::Refund {
+                refund_id: self.refund_id.clone(),
+                amount: self.amount,
+            },
+            RefundOutcome::Failed | RefundOutcome::Canceled => Fact::RefundEnded {
+                refund_id: self.refund_id.clone(),
+                canceled: outcome == RefundOutcome::Canceled,
+            },
+            RefundOutcome::Pending => return Ok(()),
+        };
+        let payment = PaymentRef {
+            session_id: Some(self.session_id.clone()),
+            payment_id: Some(self.payment_id.clone()),
+        };
+        super::apply::apply(tx, self.gateway, &payment, &[fact], None).await?;
+        Ok(())
+    }
+
+    pub async fn run(&self, pool: &PgPool, gateways: &GatewayRegistry) -> Result<(), JobError> {
+        let gateway = gateways.get(self.gateway).ok_or_else(|| {
+            JobError::retry(format!(
+                "gateway {} is not enabled in this worker; the refund waits for one that has it",
+                self.gateway
+            ))
+        })?;
+        let outcome = gateway
+            .refund_status(&RefundQuery {
+                session_id: self.session_id.clone(),
+                payment_id: self.payment_id.clone(),
+                refund_id: self.refund_id.clone(),
+                seller_account: self.seller_account.clone(),
+            })
+            .await
+            .map_err(|e| match e.is_transient() {
+                true => JobError::retry(e),
+                false => JobError::fail(e),
+            })?;
+        if outcome == RefundOutcome::Pending {
+            return Err(JobError::retry(format!(
+                "{} refund {} is still under way",
+                self.gateway, self.refund_id
+            )));
+        }
+        let mut tx = pool.begin().await?;
+        self.record(&mut tx, outcome).await?;
+        tx.commit().await?;
+        tracing::info!(gateway = %self.gateway, refund = %self.refund_id, ?outcome, "a refund's outcome, asked of its gateway, is recorded");
+        Ok(())
     }
 }

@@ -789,3 +789,97 @@ async fn a_refund_asked_again_after_a_timeout_is_one_refund_on_every_gateway() {
         );
     }
 }
+
+/// A refund the gateway only accepted, whose outcome event never comes: the gateway is asked,
+/// and the outcome recorded (done, or failed and its amount freed).
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_whose_outcome_never_arrives_is_asked_of_the_gateway(pool: PgPool) {
+    let outcome = Arc::new(Mutex::new("pending"));
+    let status = outcome.clone();
+    let api = Router::new()
+        .route(
+            "/v1/refunds",
+            axum::routing::post(|headers: HeaderMap| async move {
+                // Its id from the idempotency key: a new refund per request, the same one again
+                // for a retry.
+                let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+                let id = format!("re_{}", &key[key.len() - 8..]);
+                axum::Json(json!({"id": id, "object": "refund", "status": "pending"}))
+            }),
+        )
+        .route(
+            "/v1/refunds/{id}",
+            axum::routing::get(move |Path(id): Path<String>| {
+                let status = status.clone();
+                async move {
+                    let s = *status.lock().unwrap();
+                    axum::Json(json!({"id": id, "object": "refund", "status": s}))
+                }
+            }),
+        );
+    let log = Log::default();
+    let base = stand_in(api, log.clone()).await;
+    let mut config = test_config();
+    config.stripe = Some(payfleet::config::StripeApi {
+        base_url: base,
+        secret_key: Secret::new("sk_test_123"),
+    });
+    let app = spawn_app_with(pool.clone(), config.clone()).await;
+    orders_for(&pool, "stripe", &["cs_1"], "10.00", "BRL").await;
+    let paid = r#"{"id":"evt_paid","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1000,"currency":"brl","payment_status":"paid"}}}"#;
+    assert_eq!(app.deliver(&stripe(paid, now())).await.0, 200);
+    process_events_with(&pool, &config).await;
+    let refund = |key: &'static str, amount: &'static str| {
+        app.anon
+            .post(format!("http://{}/admin/orders/1/refunds", app.addr))
+            .bearer_auth(ADMIN_TOKEN)
+            .header("idempotency-key", key)
+            .json(&json!({"amount": amount}))
+            .send()
+    };
+    let settle = async || {
+        sqlx::query("UPDATE jobs SET run_at = now() WHERE kind = 'settle_refund'")
+            .execute(&pool)
+            .await
+            .unwrap();
+        step(&pool, &config, "payments").await
+    };
+    let state = async |key: &str| -> String {
+        sqlx::query_scalar("SELECT state FROM refund_requests WHERE idempotency_key = $1")
+            .bind(key)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    // Accepted; no event ever comes. Still under way when first asked: asked again later.
+    assert_eq!(refund("rf-a", "4.00").await.unwrap().status(), 202);
+    assert_eq!(state("rf-a").await, "accepted");
+    settle().await;
+    assert_eq!(state("rf-a").await, "accepted");
+    assert!(
+        log.lock()
+            .unwrap()
+            .iter()
+            .any(|s| s.method == Method::GET && s.uri.starts_with("/v1/refunds/re_"))
+    );
+    // Then done: recorded as its event would have, the order partly refunded.
+    *outcome.lock().unwrap() = "succeeded";
+    settle().await;
+    assert_eq!(state("rf-a").await, "succeeded");
+    let refunded: String =
+        sqlx::query_scalar("SELECT amount_refunded::text FROM orders WHERE number = 1")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(refunded, "4.0000");
+    // Another that the gateway fails: the request fails and its amount is free again.
+    *outcome.lock().unwrap() = "failed";
+    assert_eq!(refund("rf-b", "6.00").await.unwrap().status(), 202);
+    settle().await;
+    assert_eq!(state("rf-b").await, "failed");
+    assert_eq!(
+        refund("rf-c", "6.00").await.unwrap().status(),
+        202,
+        "6.00 is free again"
+    );
+}
