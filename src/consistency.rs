@@ -18,6 +18,8 @@
 //! - `event_unprocessed`: a stored event not processed past the grace period (pending, waiting
 //!   for its payment, or rejected);
 //! - `job_stuck`: a running job whose lease expired long ago (the rescue should have ended it);
+//! - `dispute_undecided`: a dispute open for more than 75 days (card networks decide within
+//!   that: its decision's event was likely lost; the disputed amount is held meanwhile);
 //! - `order_message_dead`: an order message a consumer failed to handle on every attempt
 //!   (`payfleet messages dead`, then `replay` once the consumer is fixed).
 
@@ -45,6 +47,7 @@ pub const CHECKS: &[&str] = &[
     "taken_back_beyond_payment",
     "event_unprocessed",
     "job_stuck",
+    "dispute_undecided",
     "order_message_dead",
 ];
 
@@ -167,6 +170,19 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .await?;
     found.extend(rows.into_iter().map(|(subject, detail)| Violation {
         check: "job_stuck",
+        subject,
+        detail,
+    }));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('%s dispute %s', gateway, dispute_id),
+                format('open since %s, %s %s held: ask the gateway for its decision', updated_at, amount, currency)
+         FROM payment_disputes WHERE status = 'open' AND updated_at < now() - interval '75 days'
+         ORDER BY updated_at LIMIT 1000",
+    )
+    .fetch_all(pool)
+    .await?;
+    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
+        check: "dispute_undecided",
         subject,
         detail,
     }));

@@ -565,3 +565,38 @@ async fn a_payment_of_the_wrong_amount_is_given_back_once_whatever_follows(pool:
         refund_jobs(&pool).await
     );
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_dispute_left_open_past_any_decision_is_shown_to_an_operator(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    deliver(
+        &app,
+        "paid",
+        &about("payment.succeeded", "sess_a", "pay_a", Some("10.00")),
+    )
+    .await;
+    for (id, dispute) in [("d1", "dp_old"), ("d2", "dp_new")] {
+        deliver(
+            &app,
+            id,
+            &json!({"type": "dispute.created", "data": {"session_id": "sess_a", "payment_id": "pay_a",
+                    "dispute_id": dispute, "amount": "2.00", "currency": "BRL"}})
+            .to_string(),
+        )
+        .await;
+    }
+    sqlx::query("UPDATE payment_disputes SET updated_at = now() - interval '80 days' WHERE dispute_id = 'dp_old'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let findings = payfleet::consistency::check(&pool, std::time::Duration::from_secs(60))
+        .await
+        .unwrap();
+    let undecided: Vec<&str> = findings
+        .iter()
+        .filter(|f| f.check == "dispute_undecided")
+        .map(|f| f.subject.as_str())
+        .collect();
+    assert_eq!(undecided, vec!["internal dispute dp_old"]);
+}
