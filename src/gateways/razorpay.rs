@@ -100,32 +100,26 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
             };
             Fact::Payment { status, amount }
         }
-        "refund.processed" => {
+        "refund.processed" | "refund.failed" => {
             let r = entity(&v, "refund").ok_or(EventError::Missing("payload.refund.entity"))?;
             let refund_id = str_at(r, "id")
                 .ok_or(EventError::Missing("refund id"))?
                 .to_owned();
             let payment_id = payment_id.or_else(|| str_at(r, "payment_id"));
-            return Ok(Interpretation::Update {
-                payment: ref_of(order_id, payment_id)?,
-                facts: vec![Fact::Refund {
+            let fact = if event == "refund.processed" {
+                Fact::Refund {
                     refund_id,
                     amount: money_at(r)?,
-                }],
-            });
-        }
-        "refund.failed" => {
-            let r = entity(&v, "refund").ok_or(EventError::Missing("payload.refund.entity"))?;
-            let refund_id = str_at(r, "id")
-                .ok_or(EventError::Missing("refund id"))?
-                .to_owned();
-            let payment_id = payment_id.or_else(|| str_at(r, "payment_id"));
-            return Ok(Interpretation::Update {
-                payment: ref_of(order_id, payment_id)?,
-                facts: vec![Fact::RefundEnded {
+                }
+            } else {
+                Fact::RefundEnded {
                     refund_id,
                     canceled: false,
-                }],
+                }
+            };
+            return Ok(Interpretation::Update {
+                payment: ref_of(order_id, payment_id)?,
+                facts: vec![fact],
             });
         }
         k if k.starts_with("payment.dispute.") => {
@@ -181,6 +175,33 @@ mod tests {
         );
         assert_eq!(payment_status("authorized"), PaymentStatus::Pending);
         assert_eq!(payment_status("never_heard_of_it"), PaymentStatus::Pending);
+    }
+
+    #[test]
+    fn a_refund_is_done_when_processed_and_ended_when_failed() {
+        let body = |event: &str| {
+            format!(
+                r#"{{"entity":"event","event":"{event}","payload":{{"refund":{{"entity":{{"id":"rfnd_1","payment_id":"pay_1","amount":500,"currency":"INR"}}}}}}}}"#
+            )
+        };
+        let facts = |event: &str| match interpret(body(event).as_bytes()).unwrap() {
+            Interpretation::Update { facts, .. } => facts,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            facts("refund.processed"),
+            vec![Fact::Refund {
+                refund_id: "rfnd_1".into(),
+                amount: Money::parse("5.00", "INR").unwrap()
+            }]
+        );
+        assert_eq!(
+            facts("refund.failed"),
+            vec![Fact::RefundEnded {
+                refund_id: "rfnd_1".into(),
+                canceled: false
+            }]
+        );
     }
 
     #[test]

@@ -187,40 +187,37 @@ fn route(parts: &Parts) -> String {
     format!("{} {path}", parts.method)
 }
 
-/// Anyone at all: no credential is asked.
-pub struct Anyone;
+/// A kind of caller that presents no credential of its own to the extractor: its type in a
+/// handler's signature says who calls, and what trusts it is said beside it.
+macro_rules! uncredentialed_caller {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        pub struct $name;
 
-impl<S: Send + Sync> FromRequestParts<S> for Anyone {
-    type Rejection = std::convert::Infallible;
+        impl<S: Send + Sync> FromRequestParts<S> for $name {
+            type Rejection = std::convert::Infallible;
 
-    async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        Ok(Anyone)
-    }
+            async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+                Ok($name)
+            }
+        }
+    };
 }
 
-/// A buyer's browser on the payment page: the session id in its URL (96 random bits) is what
-/// it holds, and the page's form token what it posts back.
-pub struct Buyer;
-
-impl<S: Send + Sync> FromRequestParts<S> for Buyer {
-    type Rejection = std::convert::Infallible;
-
-    async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        Ok(Buyer)
-    }
-}
-
-/// A gateway delivering a webhook: trusted only once the handler has checked its signature over
-/// the raw body.
-pub struct Gateway;
-
-impl<S: Send + Sync> FromRequestParts<S> for Gateway {
-    type Rejection = std::convert::Infallible;
-
-    async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        Ok(Gateway)
-    }
-}
+uncredentialed_caller!(
+    /// Anyone at all: no credential is asked.
+    Anyone
+);
+uncredentialed_caller!(
+    /// A buyer's browser on the payment page: the session id in its URL (96 random bits) is
+    /// what it holds, and the page's form token what it posts back.
+    Buyer
+);
+uncredentialed_caller!(
+    /// A gateway delivering a webhook: trusted only once the handler has checked its signature
+    /// over the raw body.
+    Gateway
+);
 
 /// An operator, by the admin token. 401 without a credential, 403 with any other (counted as a
 /// failure unless it is one of our API keys, which is not a guess).
