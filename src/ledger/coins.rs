@@ -239,12 +239,23 @@ struct Held {
 /// the other step after one is refused. Releasing a reservation that was never made leaves it
 /// released, so a reserve that arrives later holds nothing.
 pub async fn decide(pool: &PgPool, id: &str, approve: bool) -> Result<ReservationState, CoinError> {
+    let mut tx = pool.begin().await?;
+    let state = decide_in(&mut tx, id, approve).await?;
+    tx.commit().await?;
+    Ok(state)
+}
+
+/// [`decide`], inside the caller's transaction.
+async fn decide_in(
+    tx: &mut sqlx::PgConnection,
+    id: &str,
+    approve: bool,
+) -> Result<ReservationState, CoinError> {
     let (want, action) = if approve {
         (ReservationState::Approved, "approved")
     } else {
         (ReservationState::Released, "released")
     };
-    let mut tx = pool.begin().await?;
     let held = loop {
         let row: Option<Held> = sqlx::query_as(
             "SELECT buyer_id, amount, currency::text AS currency, state FROM coin_reservations WHERE id = $1",
@@ -264,7 +275,6 @@ pub async fn decide(pool: &PgPool, id: &str, approve: bool) -> Result<Reservatio
                 .execute(&mut *tx)
                 .await?;
                 if marked.rows_affected() == 1 {
-                    tx.commit().await?;
                     return Ok(ReservationState::Released);
                 }
                 // A reserve committed meanwhile: decide on it.
@@ -287,7 +297,7 @@ pub async fn decide(pool: &PgPool, id: &str, approve: bool) -> Result<Reservatio
     let c: Currency = currency
         .parse()
         .map_err(|_| CoinError::UnknownReservation(id.to_owned()))?;
-    lock_buyer(&mut tx, &buyer, c).await?;
+    lock_buyer(tx, &buyer, c).await?;
     // Read again under the lock: a concurrent decision has committed or not.
     let state: ReservationState =
         sqlx::query_scalar("SELECT state FROM coin_reservations WHERE id = $1 FOR UPDATE")
@@ -326,14 +336,50 @@ pub async fn decide(pool: &PgPool, id: &str, approve: bool) -> Result<Reservatio
             id,
         )
     };
-    post(&mut tx, &t).await?;
+    post(tx, &t).await?;
     sqlx::query("UPDATE coin_reservations SET state = $2, decided_at = now() WHERE id = $1")
         .bind(id)
         .bind(want)
         .execute(&mut *tx)
         .await?;
-    tx.commit().await?;
     Ok(want)
+}
+
+/// Gives `amount` of what reservation `id` paid back to its buyer's wallet (order `order`, paid
+/// with it, refunded), once per `key`, in the caller's transaction. A reservation whose approval
+/// has not run yet is approved first: its order was paid with it.
+pub async fn refund(
+    tx: &mut sqlx::PgConnection,
+    id: &str,
+    amount: Money,
+    key: &str,
+    order: i64,
+) -> Result<(), CoinError> {
+    decide_in(tx, id, true).await?;
+    let held: Held = sqlx::query_as(
+        "SELECT buyer_id, amount, currency::text AS currency, state FROM coin_reservations WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_one(&mut *tx)
+    .await?;
+    let (Some(buyer), Some(paid)) = (held.buyer_id, held.amount) else {
+        return Err(CoinError::UnknownReservation(id.to_owned()));
+    };
+    if held.currency.as_deref() != Some(amount.currency().as_str()) || amount.amount() > paid {
+        return Err(CoinError::Conflict(id.to_owned()));
+    }
+    let (_, wallet, _, spent) = refs(&buyer, amount.currency());
+    let mut t = transfer(
+        format!("coins_refund:{key}"),
+        TransferKind::CoinsRefund,
+        spent,
+        wallet,
+        amount,
+        id,
+    );
+    t.order_number = Some(order);
+    post(tx, &t).await?;
+    Ok(())
 }
 
 /// The coins' side of the [`Coins`] RPC, answered by the worker processes.

@@ -75,6 +75,8 @@ crate::text_enum! {
         CoinsReserve = "coins_reserve",
         CoinsSpend = "coins_spend",
         CoinsRelease = "coins_release",
+        /// Coins that paid an order, back in the buyer's wallet (the order refunded).
+        CoinsRefund = "coins_refund",
     }
 }
 

@@ -8,6 +8,10 @@
 //! refunds once. The refund the gateway answers with is recorded through the same path as a
 //! refund event (`apply`), so the seller is debited once whether our record or the gateway's
 //! event comes first, or both.
+//!
+//! An order paid with coins asks no gateway: its request gives the coins back to the buyer's
+//! wallet, debits the seller and marks the order refunded, all in the request's own transaction
+//! (it is `succeeded` when written, or not written at all).
 
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
@@ -17,6 +21,8 @@ use sqlx::PgPool;
 use super::ProcessError;
 use crate::gateways::api::RefundRequest;
 use crate::gateways::{Fact, GatewayError, GatewayName, GatewayRegistry, PaymentRef};
+use crate::ledger::coins::{self, CoinError};
+use crate::ledger::sales::{self, Channel, Sale, TakeBack};
 use crate::money::{Currency, Money};
 use crate::orders::OrderStatus;
 use crate::queue::{self, Job, JobError, NewJob, QueueError};
@@ -50,7 +56,10 @@ pub const JOB_DELAY: chrono::Duration = chrono::Duration::seconds(30);
 pub struct RefundView {
     pub id: i64,
     pub order_number: i64,
-    pub gateway: GatewayName,
+    /// What paid the order: `gateway` (then `gateway` names it) or `coins`.
+    pub paid_with: String,
+    /// None for a coin-paid order's refund.
+    pub gateway: Option<GatewayName>,
     #[serde(with = "rust_decimal::serde::str")]
     pub amount: Decimal,
     pub currency: String,
@@ -72,7 +81,7 @@ fn shaped(mut v: RefundView) -> RefundView {
 }
 
 const COLUMNS: &str =
-    "id, order_number, gateway, amount, currency::text AS currency, reason, state, refund_id,
+    "id, order_number, paid_with, gateway, amount, currency::text AS currency, reason, state, refund_id,
                        failure, created_at, updated_at";
 
 #[derive(Debug, Clone, Deserialize)]
@@ -108,6 +117,8 @@ pub enum RefundError {
     #[error(transparent)]
     Record(#[from] ProcessError),
     #[error(transparent)]
+    Coins(#[from] CoinError),
+    #[error(transparent)]
     Queue(#[from] QueueError),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
@@ -128,6 +139,9 @@ struct Paid {
     payment_id: Option<String>,
     captured: Option<Decimal>,
     currency: String,
+    total: Decimal,
+    paid_with_coins: bool,
+    coin_reservation: Option<String>,
 }
 
 /// Writes refund request `key` for order `number` (or returns the one written before with this
@@ -143,7 +157,8 @@ pub async fn request(
     }
     let mut tx = pool.begin().await?;
     let paid: Option<Paid> = sqlx::query_as(
-        "SELECT o.status, o.gateway, o.session_id, po.payment_id, po.amount AS captured, o.currency::text AS currency
+        "SELECT o.status, o.gateway, o.session_id, po.payment_id, po.amount AS captured, o.currency::text AS currency,
+                o.total, o.paid_with_coins, o.coin_reservation
          FROM orders o LEFT JOIN payment_orders po ON po.gateway = o.gateway AND po.session_id = o.session_id
          WHERE o.number = $1 FOR UPDATE OF o",
     )
@@ -166,14 +181,6 @@ pub async fn request(
         .currency
         .parse()
         .map_err(|_| RefundError::InvalidAmount(format!("order {number} has no currency")))?;
-    let (Some(session), Some(payment), Some(captured)) =
-        (paid.session_id, paid.payment_id, paid.captured)
-    else {
-        return Err(RefundError::NotRefundable {
-            number,
-            status: paid.status,
-        });
-    };
     if !matches!(
         paid.status,
         OrderStatus::Paid | OrderStatus::PartiallyRefunded
@@ -183,21 +190,25 @@ pub async fn request(
             status: paid.status,
         });
     }
-    // Refunded already, plus requests under way that are not recorded as refunds yet.
-    let taken: Decimal = sqlx::query_scalar(
-        "SELECT COALESCE((SELECT sum(r.amount) FROM payment_refunds r
-                            JOIN payment_orders po ON po.id = r.payment_order_id
-                           WHERE po.gateway = $1 AND po.session_id = $2), 0)
-              + COALESCE((SELECT sum(q.amount) FROM refund_requests q
-                           WHERE q.gateway = $1 AND q.session_id = $2
-                             AND q.state IN ('requested', 'accepted')
-                             AND NOT EXISTS (SELECT 1 FROM payment_refunds r
-                                              WHERE r.gateway = q.gateway AND r.refund_id = q.refund_id)), 0)",
-    )
-    .bind(paid.gateway)
-    .bind(&session)
-    .fetch_one(&mut *tx)
-    .await?;
+    let paid_through = match (&paid.session_id, &paid.payment_id, paid.captured) {
+        _ if paid.paid_with_coins => None,
+        (Some(session), Some(payment), Some(captured)) => {
+            Some((session.clone(), payment.clone(), captured))
+        }
+        _ => {
+            return Err(RefundError::NotRefundable {
+                number,
+                status: paid.status,
+            });
+        }
+    };
+    let (captured, taken) = match &paid_through {
+        Some((session, _, captured)) => (
+            *captured,
+            gateway_taken(&mut tx, paid.gateway, session).await?,
+        ),
+        None => (paid.total, coins_taken(&mut tx, number).await?),
+    };
     let left =
         Money::new(captured - taken, c).map_err(|e| RefundError::InvalidAmount(e.to_string()))?;
     let amount = match &new.amount {
@@ -218,6 +229,16 @@ pub async fn request(
             left,
         });
     }
+    let Some((session, payment, _)) = paid_through else {
+        let reservation = paid.coin_reservation.ok_or(RefundError::NotRefundable {
+            number,
+            status: paid.status,
+        })?;
+        let view = refund_coins(&mut tx, number, key, new, &reservation, amount).await?;
+        tx.commit().await?;
+        tracing::info!(order = number, refund_request = view.id, %amount, "coins given back");
+        return Ok((view, true));
+    };
     let view: RefundView = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "INSERT INTO refund_requests (idempotency_key, order_number, gateway, session_id, payment_id, amount, currency, reason)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING {COLUMNS}"
@@ -232,14 +253,7 @@ pub async fn request(
     .bind(new.reason.trim())
     .fetch_one(&mut *tx)
     .await
-    .map_err(|e| {
-        // The same key taken at this moment for another order's refund.
-        if crate::db::constraint(&e) == Some("refund_requests_idempotency_key_key") {
-            RefundError::KeyReused
-        } else {
-            RefundError::Database(e)
-        }
-    })?;
+    .map_err(key_taken)?;
     let view = shaped(view);
     let job = NewJob::of(&CarryOutRefund { id: view.id })?
         .key(format!("carry_out_refund:{}", view.id))
@@ -248,6 +262,112 @@ pub async fn request(
     tx.commit().await?;
     tracing::info!(order = number, refund_request = view.id, %amount, "refund requested");
     Ok((view, true))
+}
+
+/// The same key taken at this moment for another order's refund.
+fn key_taken(e: sqlx::Error) -> RefundError {
+    if crate::db::constraint(&e) == Some("refund_requests_idempotency_key_key") {
+        RefundError::KeyReused
+    } else {
+        RefundError::Database(e)
+    }
+}
+
+/// What a gateway payment has given back or is giving back: its recorded refunds, and the
+/// requests under way that are not recorded as refunds yet.
+async fn gateway_taken(
+    tx: &mut sqlx::PgConnection,
+    gateway: GatewayName,
+    session: &str,
+) -> Result<Decimal, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT COALESCE((SELECT sum(r.amount) FROM payment_refunds r
+                            JOIN payment_orders po ON po.id = r.payment_order_id
+                           WHERE po.gateway = $1 AND po.session_id = $2), 0)
+              + COALESCE((SELECT sum(q.amount) FROM refund_requests q
+                           WHERE q.gateway = $1 AND q.session_id = $2
+                             AND q.state IN ('requested', 'accepted')
+                             AND NOT EXISTS (SELECT 1 FROM payment_refunds r
+                                              WHERE r.gateway = q.gateway AND r.refund_id = q.refund_id)), 0)",
+    )
+    .bind(gateway)
+    .bind(session)
+    .fetch_one(&mut *tx)
+    .await
+}
+
+/// The coin refunds of a coin-paid order (each done when written).
+async fn coin_refunds(
+    tx: &mut sqlx::PgConnection,
+    number: i64,
+) -> Result<Vec<(String, Decimal)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT refund_id, amount FROM refund_requests
+         WHERE order_number = $1 AND paid_with = 'coins' AND state = 'succeeded' ORDER BY id",
+    )
+    .bind(number)
+    .fetch_all(&mut *tx)
+    .await
+}
+
+async fn coins_taken(tx: &mut sqlx::PgConnection, number: i64) -> Result<Decimal, sqlx::Error> {
+    Ok(coin_refunds(tx, number)
+        .await?
+        .iter()
+        .map(|(_, a)| *a)
+        .sum())
+}
+
+/// A coin-paid order's refund, under the order's lock: the request (done), the coins back in
+/// the buyer's wallet, the seller's part and the fee's taken back as for any refund, and the
+/// order's refunded amount, in the caller's transaction.
+async fn refund_coins(
+    tx: &mut sqlx::PgConnection,
+    number: i64,
+    key: &str,
+    new: &NewRefund,
+    reservation: &str,
+    amount: Money,
+) -> Result<RefundView, RefundError> {
+    let refund_id = format!("coins-{:032x}", rand::random::<u128>());
+    let view: RefundView = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO refund_requests (idempotency_key, order_number, paid_with, amount, currency, reason, state, refund_id)
+         VALUES ($1, $2, 'coins', $3, $4, $5, 'succeeded', $6) RETURNING {COLUMNS}"
+    )))
+    .bind(key)
+    .bind(number)
+    .bind(amount.amount())
+    .bind(amount.currency().as_str())
+    .bind(new.reason.trim())
+    .bind(&refund_id)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(key_taken)?;
+    coins::refund(tx, reservation, amount, &refund_id, number).await?;
+    if let Some(sale) = Sale::of_order(tx, number, Channel::Coins).await? {
+        let facts = coin_refunds(tx, number)
+            .await?
+            .into_iter()
+            .map(|(refund_id, a)| {
+                Money::new(a, amount.currency())
+                    .map(|amount| TakeBack::Refund { refund_id, amount })
+                    .map_err(|e| RefundError::InvalidAmount(e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        sales::settle_take_backs(tx, &sale, &facts).await?;
+    }
+    sqlx::query(
+        "UPDATE orders SET amount_refunded = amount_refunded + $2,
+                status = CASE WHEN amount_refunded + $2 >= total THEN 'refunded' ELSE 'partially_refunded' END,
+                payment_status = CASE WHEN amount_refunded + $2 >= total THEN 'refunded' ELSE 'partially_refunded' END,
+                updated_at = now()
+         WHERE number = $1",
+    )
+    .bind(number)
+    .bind(amount.amount())
+    .execute(&mut *tx)
+    .await?;
+    Ok(shaped(view))
 }
 
 async fn by_key(tx: &mut sqlx::PgConnection, key: &str) -> Result<Option<RefundView>, sqlx::Error> {
