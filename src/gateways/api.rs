@@ -8,7 +8,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use super::{GatewayName, PaymentStatus};
+use super::{DisputeStatus, GatewayName, PaymentStatus};
 use crate::money::Money;
 
 pub type GatewayFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, GatewayError>> + Send + 'a>>;
@@ -77,6 +77,15 @@ pub struct RefundQuery {
     pub session_id: String,
     pub payment_id: String,
     pub refund_id: String,
+    pub seller_account: Option<String>,
+}
+
+/// A dispute whose decision never reached us, to ask about.
+#[derive(Debug, Clone)]
+pub struct DisputeQuery {
+    pub session_id: String,
+    pub payment_id: String,
+    pub dispute_id: String,
     pub seller_account: Option<String>,
 }
 
@@ -166,6 +175,12 @@ pub trait PaymentGateway: Send + Sync {
     /// Where a refund it took stands now (a refund answered as accepted, whose outcome never
     /// arrived).
     fn refund_status<'a>(&'a self, query: &'a RefundQuery) -> GatewayFuture<'a, RefundOutcome>;
+    /// Where a dispute stands now (one open long, whose decision's event may have been lost).
+    /// `None`: the gateway keeps no such dispute to ask about, or names a status we do not know.
+    fn dispute_status<'a>(
+        &'a self,
+        query: &'a DisputeQuery,
+    ) -> GatewayFuture<'a, Option<DisputeStatus>>;
     /// Events created since `since` whose delivery to our endpoint has not succeeded (Stripe's
     /// events list with `delivery_success=false`), on the seller's account when given. `None`:
     /// the gateway keeps no such list (nothing was asked); reconciliation asks it about each
@@ -221,7 +236,8 @@ impl GatewayRegistry {
 }
 
 /// Implements [`PaymentGateway`] for a type with the inherent methods `gateway`, `create`,
-/// `read`, `refund_payment`, `refund_state` and `map`: the trait's boxing in one place.
+/// `read`, `refund_payment`, `refund_state`, `dispute_state` and `map`: the trait's boxing in one
+/// place.
 macro_rules! payment_gateway {
     ($ty:ty, undelivered) => {
         $crate::gateways::api::payment_gateway!(@impl $ty,
@@ -273,6 +289,14 @@ macro_rules! payment_gateway {
             ) -> $crate::gateways::api::GatewayFuture<'a, $crate::gateways::api::RefundOutcome>
             {
                 Box::pin(self.refund_state(query))
+            }
+
+            fn dispute_status<'a>(
+                &'a self,
+                query: &'a $crate::gateways::api::DisputeQuery,
+            ) -> $crate::gateways::api::GatewayFuture<'a, Option<$crate::gateways::DisputeStatus>>
+            {
+                Box::pin(self.dispute_state(query))
             }
 
             fn map_status(&self, raw: &str) -> $crate::gateways::PaymentStatus {
@@ -338,6 +362,12 @@ mod tests {
         }
         fn refund_status<'a>(&'a self, _: &'a RefundQuery) -> GatewayFuture<'a, RefundOutcome> {
             Box::pin(async { Ok(RefundOutcome::Pending) })
+        }
+        fn dispute_status<'a>(
+            &'a self,
+            _: &'a DisputeQuery,
+        ) -> GatewayFuture<'a, Option<DisputeStatus>> {
+            Box::pin(async { Ok(None) })
         }
         fn map_status(&self, raw: &str) -> PaymentStatus {
             unknown_status(self.0, raw)

@@ -335,6 +335,17 @@ impl HostedGateway {
     }
 }
 
+impl HostedGateway {
+    /// This gateway opens no disputes of its own: a dispute of its payments comes from its
+    /// acquirer, which is asked instead.
+    async fn dispute_state(
+        &self,
+        _: &super::api::DisputeQuery,
+    ) -> Result<Option<super::DisputeStatus>, GatewayError> {
+        Ok(None)
+    }
+}
+
 super::api::payment_gateway!(HostedGateway);
 
 impl HostedGateway {

@@ -7,8 +7,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::api::{
-    GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt, RefundRequest, Session,
-    SessionRequest, read_json, unknown_status,
+    DisputeQuery, GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt,
+    RefundRequest, Session, SessionRequest, read_json, unknown_status,
 };
 use super::{
     DisputeStatus, EventError, Fact, GatewayName, Interpretation, PaymentRef, PaymentStatus,
@@ -375,6 +375,36 @@ impl MercadoPagoClient {
             _ => RefundOutcome::Pending,
         })
     }
+}
+
+impl MercadoPagoClient {
+    /// A mediation is its payment's status (`GET /v1/payments/{id}`): still `in_mediation`, or
+    /// decided as the payment's events read it (approved again: won; `charged_back`: lost;
+    /// `refunded`: ended as a refund).
+    async fn dispute_state(&self, q: &DisputeQuery) -> Result<Option<DisputeStatus>, GatewayError> {
+        let p: PaymentStatusOnly = read_json(
+            NAME,
+            self.http
+                .get(format!("{}/v1/payments/{}", self.base_url, q.payment_id))
+                .bearer_auth(self.access_token.expose())
+                .send()
+                .await,
+            mp_error,
+        )
+        .await?;
+        Ok(match p.status.as_str() {
+            "in_mediation" => Some(DisputeStatus::Open),
+            "approved" => Some(DisputeStatus::Won),
+            "charged_back" => Some(DisputeStatus::Lost),
+            "refunded" => Some(DisputeStatus::Refunded),
+            _ => None,
+        })
+    }
+}
+
+#[derive(Deserialize)]
+struct PaymentStatusOnly {
+    status: String,
 }
 
 super::api::payment_gateway!(MercadoPagoClient);

@@ -8,8 +8,8 @@ use serde_json::Value;
 
 use super::GatewayName;
 use super::api::{
-    GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt, RefundRequest, Session,
-    SessionRequest, read_json, unknown_status,
+    DisputeQuery, GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt,
+    RefundRequest, Session, SessionRequest, read_json, unknown_status,
 };
 use crate::secret::Secret;
 
@@ -410,6 +410,29 @@ impl RazorpayGateway {
             _ => RefundOutcome::Pending,
         })
     }
+}
+
+impl RazorpayGateway {
+    /// The dispute entity (`GET /v1/disputes/{id}`).
+    async fn dispute_state(&self, q: &DisputeQuery) -> Result<Option<DisputeStatus>, GatewayError> {
+        let dispute: RzpDispute = read_json(
+            NAME,
+            self.http
+                .get(format!("{}/v1/disputes/{}", self.api, q.dispute_id))
+                .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                .send()
+                .await,
+            rzp_error,
+        )
+        .await?;
+        Ok(dispute.status.as_deref().and_then(dispute_status))
+    }
+}
+
+/// A dispute entity, as far as we read it.
+#[derive(Deserialize)]
+struct RzpDispute {
+    status: Option<String>,
 }
 
 super::api::payment_gateway!(RazorpayGateway);

@@ -18,10 +18,10 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::api::{
-    GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt, RefundRequest, Session,
-    SessionRequest, UndeliveredEvent, read_json, unknown_status,
+    DisputeQuery, GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt,
+    RefundRequest, Session, SessionRequest, UndeliveredEvent, read_json, unknown_status,
 };
-use super::{GatewayName, PaymentStatus};
+use super::{DisputeStatus, GatewayName, PaymentStatus};
 use crate::money::Money;
 use crate::secret::Secret;
 
@@ -69,6 +69,12 @@ const EVENT_PAGES: usize = 5;
 #[derive(Deserialize)]
 struct StripeRefund {
     id: String,
+    status: Option<String>,
+}
+
+/// A Dispute object, as far as we read it.
+#[derive(Deserialize)]
+struct StripeDispute {
     status: Option<String>,
 }
 
@@ -385,6 +391,24 @@ impl StripeConnect {
             Some("canceled") => RefundOutcome::Canceled,
             _ => RefundOutcome::Pending,
         })
+    }
+}
+
+impl StripeConnect {
+    /// The Dispute object (`GET /v1/disputes/{id}`), on the seller's account for direct charges.
+    async fn dispute_state(&self, q: &DisputeQuery) -> Result<Option<DisputeStatus>, GatewayError> {
+        let mut req = self
+            .http
+            .get(format!("{}/v1/disputes/{}", self.api, q.dispute_id))
+            .bearer_auth(self.secret_key.expose());
+        if let Some(a) = self.account(q.seller_account.as_deref()) {
+            req = req.header("Stripe-Account", a);
+        }
+        let dispute: StripeDispute = read_json(NAME, req.send().await, stripe_error).await?;
+        Ok(dispute
+            .status
+            .as_deref()
+            .and_then(super::stripe::dispute_status))
     }
 }
 

@@ -12,6 +12,12 @@
 //! events are stored under their own ids, exactly as their webhooks would have been, so a late
 //! webhook is a duplicate; sessions an event settled are not asked about again.
 //!
+//! Disputes are asked about too: one open for [`DISPUTE_ASK_AFTER`] may have been decided by an
+//! event we never received (`PaymentGateway::dispute_status`: Stripe's and Razorpay's dispute
+//! objects, Mercado Pago's payment in mediation). A decision is stored as a reconciliation
+//! event and processed like the webhook that was lost; each open dispute is asked at most daily
+//! (and, open past any network's deadline, it is the consistency check `dispute_undecided`'s).
+//!
 //! Each gateway is asked at most `per_run` sessions per run, spaced by `pace` (its rate
 //! limit), least recently checked first. A gateway that does not answer is left for the next
 //! run, and reported (a finding and a log line).
@@ -23,9 +29,10 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
 use super::ProcessPaymentEvent;
-use crate::gateways::api::{PaymentState, UndeliveredEvent};
+use crate::gateways::api::{DisputeQuery, PaymentState, UndeliveredEvent};
 use crate::gateways::{
-    EventError, Fact, GatewayName, GatewayRegistry, Interpretation, PaymentRef, PaymentStatus,
+    DisputeStatus, EventError, Fact, GatewayName, GatewayRegistry, Interpretation, PaymentRef,
+    PaymentStatus,
 };
 use crate::money::Money;
 use crate::queue::{self, QueueError};
@@ -40,21 +47,34 @@ struct Reconciled {
     payment_id: Option<String>,
     status: String,
     amount: Option<Money>,
+    /// A dispute's decision (then `status` is the dispute's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    dispute_id: Option<String>,
 }
 
 /// Reads a reconciliation event, as `gateways::interpret` reads a webhook.
 pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
     let r: Reconciled = serde_json::from_slice(body)?;
+    let payment = PaymentRef {
+        session_id: Some(r.session_id),
+        payment_id: r.payment_id,
+    };
+    if let Some(dispute_id) = r.dispute_id {
+        return Ok(match r.status.parse::<DisputeStatus>() {
+            Ok(status) if status.is_decided() => Interpretation::Update {
+                payment,
+                facts: vec![Fact::DisputeDecided { dispute_id, status }],
+            },
+            _ => Interpretation::Ignore("the gateway says the dispute is open".into()),
+        });
+    }
     let status = match r.status.as_str() {
         "succeeded" => PaymentStatus::Succeeded,
         "failed" => PaymentStatus::Failed,
         _ => return Ok(Interpretation::Ignore("the gateway says pending".into())),
     };
     Ok(Interpretation::Update {
-        payment: PaymentRef {
-            session_id: Some(r.session_id),
-            payment_id: r.payment_id,
-        },
+        payment,
         facts: vec![Fact::Payment {
             status,
             amount: r.amount,
@@ -134,7 +154,129 @@ pub async fn run(
             report.unreachable.push(name);
         }
     }
+    let (asked, found, unreachable) = ask_about_disputes(pool, gateways, settings).await?;
+    report.asked += asked;
+    report.found += found;
+    for name in unreachable {
+        if !report.unreachable.contains(&name) {
+            report.unreachable.push(name);
+        }
+    }
     Ok(report)
+}
+
+/// How long a dispute stays open before its gateway is asked whether it was decided (and then
+/// at most daily). Most are decided within weeks, and their decision's event comes at once.
+pub const DISPUTE_ASK_AFTER: chrono::Duration = chrono::Duration::days(7);
+
+#[derive(sqlx::FromRow)]
+struct OpenDispute {
+    gateway: GatewayName,
+    session_id: String,
+    payment_id: Option<String>,
+    dispute_id: String,
+    order_number: i64,
+    seller_account: Option<String>,
+}
+
+/// Asks each gateway about its disputes open past [`DISPUTE_ASK_AFTER`], least recently asked
+/// first, `per_run` at most per gateway, `pace` apart. Returns (asked, decided, unreachable).
+async fn ask_about_disputes(
+    pool: &PgPool,
+    gateways: &GatewayRegistry,
+    settings: &Settings,
+) -> Result<(usize, usize, Vec<GatewayName>), QueueError> {
+    let names: Vec<&str> = gateways.names().iter().map(|g| g.as_str()).collect();
+    let open: Vec<OpenDispute> = sqlx::query_as(
+        "SELECT gateway, session_id, payment_id, dispute_id, order_number, seller_account FROM (
+             SELECT d.gateway, po.session_id, po.payment_id, d.dispute_id, s.order_number,
+                    s.metadata ->> 'seller_account' AS seller_account,
+                    row_number() OVER (PARTITION BY d.gateway ORDER BY d.checked_at NULLS FIRST, d.updated_at) AS n
+             FROM payment_disputes d
+             JOIN payment_orders po ON po.id = d.payment_order_id
+             JOIN payment_sessions s ON s.gateway = po.gateway AND s.session_id = po.session_id
+             WHERE d.gateway = ANY($1) AND d.status = 'open'
+               AND d.updated_at < now() - make_interval(secs => $2)
+               AND (d.checked_at IS NULL OR d.checked_at < now() - interval '1 day')
+         ) due WHERE n <= $3",
+    )
+    .bind(&names)
+    .bind(DISPUTE_ASK_AFTER.num_seconds() as f64)
+    .bind(settings.per_run as i64)
+    .fetch_all(pool)
+    .await?;
+    let (mut asked, mut decided, mut unreachable) = (0, 0, Vec::new());
+    for d in open {
+        if unreachable.contains(&d.gateway) {
+            continue;
+        }
+        let Some(gateway) = gateways.get(d.gateway) else {
+            continue;
+        };
+        if asked > 0 {
+            tokio::time::sleep(settings.pace).await;
+        }
+        asked += 1;
+        let p = Pending {
+            gateway: d.gateway,
+            session_id: d.session_id.clone(),
+            order_number: d.order_number,
+            seller_account: d.seller_account.clone(),
+        };
+        let query = DisputeQuery {
+            session_id: d.session_id.clone(),
+            payment_id: d.payment_id.clone().unwrap_or_default(),
+            dispute_id: d.dispute_id.clone(),
+            seller_account: d.seller_account.clone(),
+        };
+        let status = match gateway.dispute_status(&query).await {
+            Ok(status) => status,
+            Err(e) => {
+                let (outcome, transient) = match e.is_transient() {
+                    true => ("unreachable", true),
+                    false => ("refused", false),
+                };
+                tracing::warn!(gateway = %d.gateway, dispute = %d.dispute_id, error = %e, "reconciliation: the gateway did not say where the dispute stands");
+                let detail = format!("dispute {}: {e}", d.dispute_id);
+                finding(pool, d.gateway, &p, outcome, &detail).await?;
+                if transient {
+                    unreachable.push(d.gateway);
+                }
+                continue;
+            }
+        };
+        let mut tx = pool.begin().await?;
+        sqlx::query(
+            "UPDATE payment_disputes SET checked_at = now() WHERE gateway = $1 AND dispute_id = $2",
+        )
+        .bind(d.gateway)
+        .bind(&d.dispute_id)
+        .execute(&mut *tx)
+        .await?;
+        if let Some(status) = status.filter(DisputeStatus::is_decided) {
+            let body = serde_json::to_vec(&Reconciled {
+                session_id: d.session_id.clone(),
+                payment_id: d.payment_id.clone(),
+                status: status.as_str().to_owned(),
+                amount: None,
+                dispute_id: Some(d.dispute_id.clone()),
+            })
+            .map_err(QueueError::Encode)?;
+            let event_id = format!("reconciled_dispute:{}:{status}", d.dispute_id);
+            if store_event(&mut tx, d.gateway, &event_id, EVENT_TYPE, &body).await? {
+                let detail = format!(
+                    "the gateway says dispute {} is {status}; no webhook had said so",
+                    d.dispute_id
+                );
+                finding(&mut *tx, d.gateway, &p, "dispute_decided", &detail).await?;
+                decided += 1;
+                tracing::warn!(gateway = %d.gateway, dispute = %d.dispute_id, order = d.order_number, %status,
+                    "reconciliation found a dispute's decision no webhook reported");
+            }
+        }
+        tx.commit().await?;
+    }
+    Ok((asked, decided, unreachable))
 }
 
 async fn ask_gateway(
@@ -340,6 +482,7 @@ async fn record(
         payment_id: state.payment_id.clone(),
         status: status.to_owned(),
         amount: state.amount,
+        dispute_id: None,
     })
     .map_err(QueueError::Encode)?;
     // The same finding twice is the same event.

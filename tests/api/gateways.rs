@@ -883,3 +883,194 @@ async fn a_refund_whose_outcome_never_arrives_is_asked_of_the_gateway(pool: PgPo
         "6.00 is free again"
     );
 }
+
+/// Where a dispute stands, asked of each gateway as its API documents it: Stripe's and
+/// Razorpay's dispute objects, Mercado Pago's payment in mediation; a status we do not know
+/// is no decision.
+#[tokio::test]
+async fn every_gateway_says_where_a_dispute_stands() {
+    use payfleet::gateways::DisputeStatus;
+    use payfleet::gateways::api::DisputeQuery;
+    let status = Arc::new(Mutex::new("under_review"));
+    let (s1, s2, s3) = (status.clone(), status.clone(), status.clone());
+    let api = Router::new()
+        .route(
+            "/v1/disputes/{id}",
+            axum::routing::get(move |Path(id): Path<String>| {
+                let s = *s1.lock().unwrap();
+                async move { axum::Json(json!({"id": id, "object": "dispute", "status": s})) }
+            }),
+        )
+        .route(
+            "/rzp/v1/disputes/{id}",
+            axum::routing::get(move |Path(id): Path<String>| {
+                let s = *s2.lock().unwrap();
+                async move { axum::Json(json!({"id": id, "entity": "dispute", "status": s})) }
+            }),
+        )
+        .route(
+            "/mp/v1/payments/{id}",
+            axum::routing::get(move |Path(id): Path<String>| {
+                let s = *s3.lock().unwrap();
+                async move { axum::Json(json!({"id": id.parse::<i64>().unwrap(), "status": s})) }
+            }),
+        );
+    let log = Log::default();
+    let base = stand_in(api, log.clone()).await;
+    let stripe = StripeConnect::new(&base, Secret::new("sk_test_123"), "http://shop.test").unwrap();
+    let rzp = RazorpayGateway::new(
+        &format!("{base}/rzp"),
+        "rzp_test_key",
+        Secret::new("rzp_secret"),
+        "http://shop.test",
+    )
+    .unwrap();
+    let mp = MercadoPagoClient::new(&format!("{base}/mp"), Secret::new("APP_USR-token")).unwrap();
+    let query = |dispute: &str, account: Option<&str>| DisputeQuery {
+        session_id: "s_1".into(),
+        payment_id: "1234".into(),
+        dispute_id: dispute.into(),
+        seller_account: account.map(str::to_owned),
+    };
+    let ask = async |raw: &'static str, gateway: &dyn PaymentGateway, q: DisputeQuery| {
+        *status.lock().unwrap() = raw;
+        gateway.dispute_status(&q).await.unwrap()
+    };
+    let cases: [(&str, &dyn PaymentGateway, &str, Option<DisputeStatus>); 11] = [
+        ("needs_response", &stripe, "dp_1", Some(DisputeStatus::Open)),
+        ("won", &stripe, "dp_1", Some(DisputeStatus::Won)),
+        ("lost", &stripe, "dp_1", Some(DisputeStatus::Lost)),
+        ("a_status_from_2030", &stripe, "dp_1", None),
+        ("under_review", &rzp, "disp_1", Some(DisputeStatus::Open)),
+        ("closed", &rzp, "disp_1", Some(DisputeStatus::Won)),
+        ("lost", &rzp, "disp_1", Some(DisputeStatus::Lost)),
+        ("in_mediation", &mp, "mp-1234", Some(DisputeStatus::Open)),
+        ("approved", &mp, "mp-1234", Some(DisputeStatus::Won)),
+        ("charged_back", &mp, "mp-1234", Some(DisputeStatus::Lost)),
+        ("refunded", &mp, "mp-1234", Some(DisputeStatus::Refunded)),
+    ];
+    for (raw, gateway, dispute, want) in cases {
+        assert_eq!(
+            ask(raw, gateway, query(dispute, Some("acct_1"))).await,
+            want,
+            "{} {raw}",
+            gateway.name()
+        );
+    }
+    let seen = log.lock().unwrap().clone();
+    let stripe_asked = seen.iter().find(|s| s.uri == "/v1/disputes/dp_1").unwrap();
+    assert_eq!(stripe_asked.method, Method::GET);
+    assert_eq!(stripe_asked.header("stripe-account"), Some("acct_1"));
+    assert_eq!(
+        stripe_asked.header("authorization"),
+        Some("Bearer sk_test_123")
+    );
+    let rzp_asked = seen
+        .iter()
+        .find(|s| s.uri == "/rzp/v1/disputes/disp_1")
+        .unwrap();
+    assert!(
+        rzp_asked
+            .header("authorization")
+            .is_some_and(|a| a.starts_with("Basic "))
+    );
+    assert!(seen.iter().any(|s| s.uri == "/mp/v1/payments/1234"
+        && s.header("authorization") == Some("Bearer APP_USR-token")));
+}
+
+/// A dispute whose decision's event never came: once open a week, reconciliation asks the
+/// gateway and records the decision as the lost event would have (won: the seller's money
+/// comes back, once), and asks nothing more of a decided dispute.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_dispute_whose_decision_never_arrives_is_asked_of_the_gateway(pool: PgPool) {
+    let api = Router::new().route(
+        "/v1/disputes/{id}",
+        axum::routing::get(|Path(id): Path<String>| async move {
+            axum::Json(json!({"id": id, "object": "dispute", "status": "won"}))
+        }),
+    );
+    let log = Log::default();
+    let base = stand_in(api, log.clone()).await;
+    let mut config = test_config();
+    config.stripe = Some(payfleet::config::StripeApi {
+        base_url: base,
+        secret_key: Secret::new("sk_test_123"),
+    });
+    let app = spawn_app_with(pool.clone(), config.clone()).await;
+    orders_for(&pool, "stripe", &["cs_1"], "19.90", "BRL").await;
+    let paid = r#"{"id":"evt_paid","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
+    let disputed = r#"{"id":"evt_dp","type":"charge.dispute.created","data":{"object":{"id":"dp_1","payment_intent":"pi_1","amount":1990,"currency":"brl","status":"needs_response"}}}"#;
+    for body in [paid, disputed] {
+        assert_eq!(app.deliver(&stripe(body, now())).await.0, 200);
+        process_events_with(&pool, &config).await;
+    }
+    let dispute = async || -> String {
+        sqlx::query_scalar("SELECT status FROM payment_disputes WHERE dispute_id = 'dp_1'")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let order_status = async || -> String {
+        sqlx::query_scalar("SELECT status FROM orders WHERE number = 1")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(
+        (dispute().await, order_status().await),
+        ("open".into(), "disputed".into())
+    );
+    let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
+    let settings = payfleet::payments::reconcile::Settings {
+        grace: std::time::Duration::from_secs(3600),
+        per_run: 10,
+        pace: std::time::Duration::ZERO,
+    };
+    // Open for a day only: its event may still come, nothing is asked.
+    let r = payfleet::payments::reconcile::run(&pool, &gateways, &settings)
+        .await
+        .unwrap();
+    assert_eq!(r.asked, 0);
+    sqlx::query("UPDATE payment_disputes SET updated_at = now() - interval '8 days'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let r = payfleet::payments::reconcile::run(&pool, &gateways, &settings)
+        .await
+        .unwrap();
+    assert_eq!((r.asked, r.found), (1, 1));
+    process_events_with(&pool, &config).await;
+    assert_eq!(
+        (dispute().await, order_status().await),
+        ("won".into(), "paid".into())
+    );
+    let outcome: String = sqlx::query_scalar(
+        "SELECT outcome FROM reconciliation_findings WHERE detail LIKE '%dp_1%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(outcome, "dispute_decided");
+    // The reversal is posted once, however often the decision is seen again.
+    let again = payfleet::payments::reconcile::run(&pool, &gateways, &settings)
+        .await
+        .unwrap();
+    assert_eq!(again.asked, 0, "a decided dispute is not asked about");
+    let late = r#"{"id":"evt_won","type":"charge.dispute.closed","data":{"object":{"id":"dp_1","payment_intent":"pi_1","amount":1990,"currency":"brl","status":"won"}}}"#;
+    assert_eq!(app.deliver(&stripe(late, now())).await.0, 200);
+    process_events_with(&pool, &config).await;
+    let reversals: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM ledger_transfers WHERE kind = 'dispute_reversal'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(reversals, 1);
+    assert_eq!(
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.uri == "/v1/disputes/dp_1")
+            .count(),
+        1
+    );
+}
