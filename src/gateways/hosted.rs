@@ -336,8 +336,9 @@ impl HostedGateway {
 }
 
 impl HostedGateway {
-    /// This gateway opens no disputes of its own: a dispute of its payments comes from its
-    /// acquirer, which is asked instead.
+    /// The simulator decides no disputes, so there is nothing to ask. (Where the internal
+    /// gateway collects through Stripe, `PAYFLEET_INTERNAL_ACQUIRER=stripe`, it is Stripe's
+    /// client, which is asked.)
     async fn dispute_state(
         &self,
         _: &super::api::DisputeQuery,

@@ -351,7 +351,10 @@ impl From<RefundError> for ApiError {
             },
             RefundError::Record(e) if e.is_transient() => Self::Unavailable(Box::new(e)),
             RefundError::Record(e) => Self::Internal(Box::new(e)),
-            RefundError::Coins(crate::ledger::coins::CoinError::Database(e)) => e.into(),
+            RefundError::Coins(crate::ledger::coins::CoinError::Database(e))
+            | RefundError::Coins(crate::ledger::coins::CoinError::Ledger(
+                crate::ledger::LedgerError::Database(e),
+            )) => e.into(),
             RefundError::Coins(e) => Self::Internal(Box::new(e)),
             RefundError::Queue(e) => e.into(),
             RefundError::Database(e) => e.into(),

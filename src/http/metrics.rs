@@ -213,7 +213,7 @@ async fn gauges(pool: &PgPool, out: &mut String) -> Result<(), sqlx::Error> {
             b.map_or(0.0, |b| b.oldest_age_secs)
         );
     }
-    out.push_str("# HELP payfleet_reconciliation_findings What reconciliation found in the last day, by gateway and outcome (succeeded or failed: a payment no webhook reported; unreachable, refused: the gateway did not answer).\n");
+    out.push_str("# HELP payfleet_reconciliation_findings What reconciliation found in the last day, by gateway and outcome (succeeded or failed: a payment no webhook reported; dispute_decided: a dispute's decision no webhook reported; unreachable, refused: the gateway did not answer).\n");
     out.push_str("# TYPE payfleet_reconciliation_findings gauge\n");
     for (gateway, outcome, n) in crate::payments::reconcile::recent_counts(pool).await? {
         let _ = writeln!(

@@ -351,7 +351,7 @@ impl Processor {
         let read = if row.source == "reconciliation"
             && row.event_type.as_deref() == Some(reconcile::EVENT_TYPE)
         {
-            reconcile::interpret(&row.raw_body)
+            reconcile::interpret(gateway, &row.raw_body)
         } else {
             gateways::interpret(gateway, &row.raw_body)
         };

@@ -52,14 +52,20 @@ struct Reconciled {
     dispute_id: Option<String>,
 }
 
-/// Reads a reconciliation event, as `gateways::interpret` reads a webhook.
-pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
+/// Reads a reconciliation event of `gateway`'s, as `gateways::interpret` reads a webhook.
+pub fn interpret(gateway: GatewayName, body: &[u8]) -> Result<Interpretation, EventError> {
     let r: Reconciled = serde_json::from_slice(body)?;
     let payment = PaymentRef {
         session_id: Some(r.session_id),
         payment_id: r.payment_id,
     };
     if let Some(dispute_id) = r.dispute_id {
+        // A Mercado Pago mediation is its payment's state: the payment is read again whole, so
+        // the refunds that ended it (lost with the same webhook) are recorded with its decision.
+        if let (GatewayName::MercadoPago, Some(resource_id)) = (gateway, payment.payment_id.clone())
+        {
+            return Ok(Interpretation::Lookup { resource_id });
+        }
         return Ok(match r.status.parse::<DisputeStatus>() {
             Ok(status) if status.is_decided() => Interpretation::Update {
                 payment,
@@ -229,23 +235,27 @@ async fn ask_about_disputes(
             dispute_id: d.dispute_id.clone(),
             seller_account: d.seller_account.clone(),
         };
-        let status = match gateway.dispute_status(&query).await {
+        let asked_now = gateway.dispute_status(&query).await;
+        let mut tx = pool.begin().await?;
+        let status = match asked_now {
             Ok(status) => status,
-            Err(e) => {
-                let (outcome, transient) = match e.is_transient() {
-                    true => ("unreachable", true),
-                    false => ("refused", false),
-                };
-                tracing::warn!(gateway = %d.gateway, dispute = %d.dispute_id, error = %e, "reconciliation: the gateway did not say where the dispute stands");
+            // Not answered: asked again next run (the gateway's other disputes wait for it).
+            Err(e) if e.is_transient() => {
+                drop(tx);
+                tracing::warn!(gateway = %d.gateway, dispute = %d.dispute_id, error = %e, "reconciliation: the gateway does not answer about a dispute; trying again next run");
                 let detail = format!("dispute {}: {e}", d.dispute_id);
-                finding(pool, d.gateway, &p, outcome, &detail).await?;
-                if transient {
-                    unreachable.push(d.gateway);
-                }
+                finding(pool, d.gateway, &p, "unreachable", &detail).await?;
+                unreachable.push(d.gateway);
                 continue;
             }
+            // Refused: reported once a day at most, like any answer (the others are asked meanwhile).
+            Err(e) => {
+                tracing::warn!(gateway = %d.gateway, dispute = %d.dispute_id, error = %e, "reconciliation: the gateway refused the question about a dispute");
+                let detail = format!("dispute {}: {e}", d.dispute_id);
+                finding(&mut *tx, d.gateway, &p, "refused", &detail).await?;
+                None
+            }
         };
-        let mut tx = pool.begin().await?;
         sqlx::query(
             "UPDATE payment_disputes SET checked_at = now() WHERE gateway = $1 AND dispute_id = $2",
         )

@@ -986,7 +986,16 @@ async fn a_dispute_whose_decision_never_arrives_is_asked_of_the_gateway(pool: Pg
     let api = Router::new().route(
         "/v1/disputes/{id}",
         axum::routing::get(|Path(id): Path<String>| async move {
-            axum::Json(json!({"id": id, "object": "dispute", "status": "won"}))
+            if id == "dp_gone" {
+                return (
+                    StatusCode::NOT_FOUND,
+                    axum::Json(json!({"error": {"type": "invalid_request_error", "code": "resource_missing", "message": "No such dispute: 'dp_gone'"}})),
+                );
+            }
+            (
+                StatusCode::OK,
+                axum::Json(json!({"id": id, "object": "dispute", "status": "won"})),
+            )
         }),
     );
     let log = Log::default();
@@ -997,10 +1006,13 @@ async fn a_dispute_whose_decision_never_arrives_is_asked_of_the_gateway(pool: Pg
         secret_key: Secret::new("sk_test_123"),
     });
     let app = spawn_app_with(pool.clone(), config.clone()).await;
-    orders_for(&pool, "stripe", &["cs_1"], "19.90", "BRL").await;
+    orders_for(&pool, "stripe", &["cs_1", "cs_2"], "19.90", "BRL").await;
     let paid = r#"{"id":"evt_paid","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
     let disputed = r#"{"id":"evt_dp","type":"charge.dispute.created","data":{"object":{"id":"dp_1","payment_intent":"pi_1","amount":1990,"currency":"brl","status":"needs_response"}}}"#;
-    for body in [paid, disputed] {
+    // Another, which the gateway will not find when asked.
+    let paid_2 = r#"{"id":"evt_paid_2","type":"checkout.session.completed","data":{"object":{"id":"cs_2","payment_intent":"pi_2","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
+    let disputed_2 = r#"{"id":"evt_dp_2","type":"charge.dispute.created","data":{"object":{"id":"dp_gone","payment_intent":"pi_2","amount":1990,"currency":"brl","status":"needs_response"}}}"#;
+    for body in [paid, disputed, paid_2, disputed_2] {
         assert_eq!(app.deliver(&stripe(body, now())).await.0, 200);
         process_events_with(&pool, &config).await;
     }
@@ -1038,19 +1050,31 @@ async fn a_dispute_whose_decision_never_arrives_is_asked_of_the_gateway(pool: Pg
     let r = payfleet::payments::reconcile::run(&pool, &gateways, &settings)
         .await
         .unwrap();
-    assert_eq!((r.asked, r.found), (1, 1));
+    assert_eq!((r.asked, r.found), (2, 1));
     process_events_with(&pool, &config).await;
     assert_eq!(
         (dispute().await, order_status().await),
         ("won".into(), "paid".into())
     );
-    let outcome: String = sqlx::query_scalar(
-        "SELECT outcome FROM reconciliation_findings WHERE detail LIKE '%dp_1%'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert_eq!(outcome, "dispute_decided");
+    let findings: Vec<(String, String)> =
+        sqlx::query_as("SELECT outcome, detail FROM reconciliation_findings ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(findings.len(), 2, "{findings:?}");
+    assert!(
+        findings
+            .iter()
+            .any(|(o, d)| o == "dispute_decided" && d.contains("dp_1")),
+        "{findings:?}"
+    );
+    // The refused question is reported, and asked again tomorrow, not at every run.
+    assert!(
+        findings
+            .iter()
+            .any(|(o, d)| o == "refused" && d.contains("dp_gone")),
+        "{findings:?}"
+    );
     // The reversal is posted once, however often the decision is seen again.
     let again = payfleet::payments::reconcile::run(&pool, &gateways, &settings)
         .await

@@ -773,6 +773,81 @@ async fn mercadopago_mediations_end_won_or_as_a_refund(pool: PgPool) {
     assert_eq!(dispute("303").await, ("lost".into(), "charged_back".into()));
 }
 
+/// A mediation ended by a refund, whose notification was lost: reconciliation asks about the
+/// dispute a week on and reads the payment again whole, so the refund is recorded with the
+/// decision (the dispute alone would give the seller back money the buyer got).
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_mercadopago_mediation_whose_end_was_never_notified_is_reconciled_with_its_refund(
+    pool: PgPool,
+) {
+    let payments = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+    let base = mercadopago_api(payments.clone()).await;
+    let mut config = test_config();
+    config.mercadopago = Some(MercadoPagoApi {
+        base_url: base,
+        access_token: Secret::new("TEST-token"),
+    });
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "mercadopago", &["pref_404"], "50.00", "BRL").await;
+    let set = |status: &str, refunds: serde_json::Value| {
+        payments.lock().unwrap().insert(
+            "404".to_owned(),
+            serde_json::json!({
+                "id": 404, "status": status, "transaction_amount": 50, "currency_id": "BRL",
+                "external_reference": "pref_404", "refunds": refunds
+            }),
+        );
+    };
+    for (i, status) in ["approved", "in_mediation"].into_iter().enumerate() {
+        set(status, serde_json::json!([]));
+        app.deliver(&mercadopago("404", &format!("req-{i}"), now() * 1000))
+            .await;
+        process_events_with(&pool, &config).await;
+    }
+    let state = async || -> (String, String, String) {
+        sqlx::query_as(
+            "SELECT d.status, o.status, o.amount_refunded::text FROM payment_disputes d, orders o
+             WHERE d.dispute_id = 'mp-404' AND o.session_id = 'pref_404'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(
+        state().await,
+        ("open".into(), "disputed".into(), "0.0000".into())
+    );
+    // Ended by a refund; its notification never comes.
+    set(
+        "refunded",
+        serde_json::json!([{"id": 9004, "amount": 50, "status": "approved"}]),
+    );
+    sqlx::query("UPDATE payment_disputes SET updated_at = now() - interval '8 days'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
+    let settings = payfleet::payments::reconcile::Settings {
+        grace: std::time::Duration::from_secs(3600),
+        per_run: 10,
+        pace: std::time::Duration::ZERO,
+    };
+    let r = payfleet::payments::reconcile::run(&pool, &gateways, &settings)
+        .await
+        .unwrap();
+    assert_eq!((r.asked, r.found), (1, 1));
+    process_events_with(&pool, &config).await;
+    assert_eq!(
+        state().await,
+        ("refunded".into(), "refunded".into(), "50.0000".into())
+    );
+    let refunds: i64 = sqlx::query_scalar("SELECT count(*) FROM payment_refunds")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(refunds, 1);
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_refund_and_its_payment_processed_in_one_batch_both_apply(pool: PgPool) {
     // The refund decides to wait while its own run is still being recorded, and the payment,
