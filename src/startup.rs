@@ -468,6 +468,7 @@ pub fn start(
         pool: pool.clone(),
         events: None,
         fleet: fleet.as_ref().map(FleetHandle::probe),
+        database: Default::default(),
     };
     let router = if roles.serve {
         let events = EventWriter::start(

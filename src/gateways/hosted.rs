@@ -70,6 +70,18 @@ fn random_id(prefix: &str) -> String {
     format!("{prefix}_{:024x}", rand::random::<u128>() >> 32)
 }
 
+/// Whether `s` has the shape of a session id this gateway makes (`ips_` or `mps_` and 24 hex
+/// digits): anything else is no session, without asking the database.
+pub fn is_session_id(s: &str) -> bool {
+    s.split_once('_').is_some_and(|(prefix, hex)| {
+        matches!(prefix, "ips" | "mps")
+            && hex.len() == 24
+            && hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
+}
+
 impl HostedGateway {
     /// `name`: internal or mock. Payment pages are served under `public_url`; their forms are
     /// signed with `page_key` (the same in every receiver: derived from the gateway's secret).

@@ -40,7 +40,11 @@ const ROWS: i64 = 50;
 pub(super) fn routes() -> Routes<AppState> {
     Routes::default()
         .route("/admin/ui", get(dashboard))
-        .route("/admin/ui/session", post(sign_in))
+        // A sign-in form is a token; its body is read before anything else is checked.
+        .route(
+            "/admin/ui/session",
+            post(sign_in).layer(axum::extract::DefaultBodyLimit::max(4096)),
+        )
         .route("/admin/ui/sign-out", post(sign_out))
         .route("/admin/ui/jobs/{id}/{action}", post(job_action))
         .route("/admin/ui/events/{id}/replay", post(replay_event))
@@ -242,12 +246,21 @@ async fn sign_in(
     _caller: Anyone,
     State(state): State<AppState>,
     Client(client): Client,
+    headers: axum::http::HeaderMap,
     form: Result<Form<SignIn>, FormRejection>,
 ) -> Page {
     let token = match token_of(&state) {
         Ok(t) => t,
         Err(page) => return page,
     };
+    // Another site's page posting wrong tokens from an operator's browser would lock the
+    // operator's address out: such a form is refused, and counts as no guess.
+    if !super::html::same_origin(&headers, &state.public_url) {
+        return sign_in_page(
+            StatusCode::FORBIDDEN,
+            Some("this form was sent from another site: sign in from the dashboard's own page"),
+        );
+    }
     if let Err(e) = state.callers.gate(client) {
         let mut page = sign_in_page(StatusCode::TOO_MANY_REQUESTS, Some(&format!("{e}")));
         if let ApiError::TooManyRequests(left) = e {
@@ -258,8 +271,15 @@ async fn sign_in(
         }
         return page;
     }
-    let Ok(Form(form)) = form else {
-        return sign_in_page(StatusCode::BAD_REQUEST, Some("send the admin token"));
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(FormRejection::BytesRejection(r)) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            return sign_in_page(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                Some("this form is too large"),
+            );
+        }
+        Err(_) => return sign_in_page(StatusCode::BAD_REQUEST, Some("send the admin token")),
     };
     if !token.matches(form.token.trim()) {
         state.callers.failed(

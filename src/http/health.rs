@@ -3,7 +3,8 @@
 //! writer, not RabbitMQ (webhooks must land while the broker is down); a worker needs the
 //! database and a running fleet.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -24,6 +25,36 @@ pub struct Readiness {
     pub events: Option<EventWriter>,
     /// Running workers: the fleet must be running.
     pub fleet: Option<FleetProbe>,
+    /// The database's last answer: anyone may probe, so the database is asked at most once a
+    /// second whatever the pace of the probes.
+    pub database: DatabaseProbe,
+}
+
+/// The last time the database was asked, and whether it answered.
+#[derive(Clone, Default)]
+pub struct DatabaseProbe(Arc<tokio::sync::Mutex<Option<(Instant, bool)>>>);
+
+impl DatabaseProbe {
+    const FRESH: Duration = Duration::from_secs(1);
+
+    async fn answers(&self, pool: &PgPool) -> bool {
+        // Probes that arrive while one asks wait for its answer.
+        let mut last = self.0.lock().await;
+        if let Some((at, ok)) = *last
+            && at.elapsed() < Self::FRESH
+        {
+            return ok;
+        }
+        // A probe must answer fast even when the database is gone.
+        let ok = tokio::time::timeout(
+            Duration::from_secs(1),
+            sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(pool),
+        )
+        .await
+        .is_ok_and(|r| r.is_ok());
+        *last = Some((Instant::now(), ok));
+        ok
+    }
 }
 
 /// Public: a probe carries no credential, and the answers say only "ok" or "unavailable".
@@ -48,13 +79,7 @@ async fn readyz(_caller: Anyone, State(r): State<Readiness>) -> impl IntoRespons
             Value::String(if ok { "ok" } else { "unavailable" }.to_owned()),
         );
     };
-    // A probe must answer fast even when the database is gone.
-    let db = tokio::time::timeout(
-        Duration::from_secs(1),
-        sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(&r.pool),
-    )
-    .await
-    .is_ok_and(|r| r.is_ok());
+    let db = r.database.answers(&r.pool).await;
     check("database", db);
     if let Some(events) = &r.events {
         check("event_writer", events.is_alive());

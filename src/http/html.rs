@@ -17,3 +17,22 @@ pub(super) fn page(title: &str, css: &str, body: &str) -> String {
         t = escape(title)
     )
 }
+
+/// A form posted from one of our own pages: no browser sends another site's origin as ours. A
+/// request without `Origin` and `Sec-Fetch-Site` (not a browser's) passes: what it carries (a
+/// form token, a credential) still decides.
+pub(super) fn same_origin(headers: &axum::http::HeaderMap, public_url: &str) -> bool {
+    let ours = reqwest::Url::parse(public_url).map(|u| u.origin().ascii_serialization());
+    let origin_ok = match (headers.get("origin").map(|v| v.to_str()), &ours) {
+        (None, _) => true,
+        (Some(Ok(origin)), Ok(ours)) => {
+            reqwest::Url::parse(origin).is_ok_and(|o| o.origin().ascii_serialization() == *ours)
+        }
+        _ => false,
+    };
+    let site_ok = !matches!(
+        headers.get("sec-fetch-site").and_then(|v| v.to_str().ok()),
+        Some("cross-site" | "same-site")
+    );
+    origin_ok && site_ok
+}

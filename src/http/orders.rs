@@ -53,10 +53,11 @@ async fn order(
     Path(raw): Path<String>,
 ) -> Result<Json<OrderView>, ApiError> {
     let n = number(&raw)?;
-    let order = orders::view(&state.pool, n)
-        .await?
-        .ok_or_else(|| ApiError::NotFound(format!("no order {n}")))?;
-    caller.may_read(order.seller_id)?;
+    let no_order = || ApiError::NotFound(format!("no order {n}"));
+    let order = orders::view(&state.pool, n).await?.ok_or_else(no_order)?;
+    // Another seller's order is "no order", as a missing one: a seller's key cannot tell which
+    // numbers exist (numbers run 1, 2, 3: they would tell other sellers' volume).
+    caller.may_read(order.seller_id).map_err(|_| no_order())?;
     Ok(Json(order))
 }
 

@@ -34,7 +34,13 @@ const FORM_SECS: i64 = 3600;
 
 pub(super) fn routes() -> Routes<AppState> {
     Routes::default()
-        .route("/pay/{session}", get(page).post(decide))
+        // A page's form is a few dozen bytes.
+        .route(
+            "/pay/{session}",
+            get(page)
+                .post(decide)
+                .layer(axum::extract::DefaultBodyLimit::max(4096)),
+        )
         .route("/pay/razorpay/{order_id}", get(razorpay_page))
         .route(
             "/orders/paid",
@@ -114,24 +120,6 @@ fn form_token_holds(gateway: &HostedGateway, session: &str, given: &str, now: i6
     bool::from(want.as_slice().ct_eq(&mac)) && expires_at > now
 }
 
-/// A form from the page itself: no browser sends another site's origin as ours. A request
-/// without `Origin` and `Sec-Fetch-Site` (not a browser's) still needs the form token.
-fn same_origin(headers: &HeaderMap, public_url: &str) -> bool {
-    let ours = reqwest::Url::parse(public_url).map(|u| u.origin().ascii_serialization());
-    let origin_ok = match (headers.get("origin").map(|v| v.to_str()), &ours) {
-        (None, _) => true,
-        (Some(Ok(origin)), Ok(ours)) => {
-            reqwest::Url::parse(origin).is_ok_and(|o| o.origin().ascii_serialization() == *ours)
-        }
-        _ => false,
-    };
-    let site_ok = !matches!(
-        headers.get("sec-fetch-site").and_then(|v| v.to_str().ok()),
-        Some("cross-site" | "same-site")
-    );
-    origin_ok && site_ok
-}
-
 fn hosted_gateway(state: &AppState, gateway: GatewayName) -> Result<HostedGateway, ApiError> {
     state
         .hosted
@@ -147,6 +135,11 @@ async fn session_of(
     session: &str,
 ) -> Result<(hosted::HostedPayment, HostedGateway), ApiError> {
     let not_found = || ApiError::NotFound(format!("no payment session {session}"));
+    // Nothing is asked of the database for a page this receiver cannot serve (the simulator
+    // off: no hosted gateway) or for an id no session can have.
+    if state.hosted.is_empty() || !hosted::is_session_id(session) {
+        return Err(not_found());
+    }
     let p = hosted::payment(&state.pool, session)
         .await?
         .ok_or_else(not_found)?;
@@ -202,7 +195,7 @@ async fn decide(
     headers: HeaderMap,
     form: Result<Form<Decision>, FormRejection>,
 ) -> Result<Response, ApiError> {
-    if !same_origin(&headers, &state.public_url) {
+    if !html::same_origin(&headers, &state.public_url) {
         return Ok(refused(
             "this form was sent from another site: nothing was recorded",
         ));

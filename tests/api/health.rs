@@ -64,6 +64,7 @@ async fn readiness_fails_when_the_event_writer_has_ended(pool: PgPool) {
             pool,
             events: Some(dead),
             fleet: None,
+            database: Default::default(),
         },
         http::Callers::new(None, None, None, None),
         std::time::Duration::ZERO,

@@ -167,8 +167,18 @@ async fn a_sellers_key_reads_only_its_sellers_data_and_cannot_check_out(pool: Pg
             "{area}: {body}"
         );
     }
+    // Another seller's order answers as a missing one: numbers tell nothing.
     let (status, body) = get(format!("/orders/{n}")).await;
-    assert_eq!(status, 403, "another seller's order: {body}");
+    assert_eq!(
+        (status, body["error"]["message"].as_str()),
+        (404, Some(format!("no order {n}").as_str())),
+        "another seller's order: {body}"
+    );
+    let (status, missing) = get(format!("/orders/{}", n + 1000)).await;
+    assert_eq!(
+        (status, missing["error"]["code"].as_str()),
+        (404, body["error"]["code"].as_str())
+    );
     assert_eq!(get("/wallets/b".into()).await.0, 403);
     let checkout = seller_client
         .post(format!("http://{}/checkout", shop.app.addr))
@@ -710,4 +720,81 @@ async fn a_5xx_answer_says_nothing_of_the_internal_error_but_names_its_request(p
     ] {
         assert!(!message.contains(internal), "{internal:?} in {message:?}");
     }
+}
+
+/// Another site's page cannot lock an operator out: a cross-site sign-in is refused and counts
+/// as no guess, and a sign-in body is a token's size at most.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_cross_site_sign_in_is_refused_without_counting_as_a_guess(pool: PgPool) {
+    let mut config = test_config();
+    config.http.client_address_header = Some("x-forwarded-for".parse().unwrap());
+    let app = spawn_app_with(pool.clone(), config).await;
+    let browser = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let sign_in = |token: String, origin: Option<&'static str>| {
+        let mut req = browser
+            .post(format!("http://{}/admin/ui/session", app.addr))
+            .header("x-forwarded-for", "198.51.100.9")
+            .form(&[("token", token)]);
+        if let Some(o) = origin {
+            req = req
+                .header("origin", o)
+                .header("sec-fetch-site", "cross-site");
+        }
+        async move { req.send().await.unwrap().status().as_u16() }
+    };
+    for i in 0..20 {
+        assert_eq!(
+            sign_in(format!("wrong-{i}"), Some("https://evil.example")).await,
+            403
+        );
+    }
+    let api_key = app
+        .anon
+        .get(format!("http://{}/wallets/b", app.addr))
+        .header("x-forwarded-for", "198.51.100.9")
+        .bearer_auth(&app.api_key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(api_key.status(), 200, "the address is not locked out");
+    assert_eq!(sign_in(ADMIN_TOKEN.into(), None).await, 303);
+    let big = app
+        .anon
+        .post(format!("http://{}/admin/ui/session", app.addr))
+        .form(&[("token", "x".repeat(10_000))])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(big.status(), 413);
+}
+
+/// The probes and pages anyone may call do not reach the database at the caller's pace: with
+/// the database gone, a payment page of no session is 404 at once, and `/readyz` asks the
+/// database at most once a second.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn anonymous_pages_and_probes_spare_the_database(pool: PgPool) {
+    let proxy = DbProxy::for_database(&pool).await;
+    let app = spawn_app(proxy.pool(&pool)).await;
+    assert_eq!(app.get("/readyz").await.0, 200);
+    proxy.set(Link::Refused);
+    // The answer of a moment ago stands for a second.
+    assert_eq!(app.get("/readyz").await.0, 200);
+    for junk in [
+        "1",
+        "ips_nothex",
+        "ips_0123456789abcdef0123456",
+        "ips_0123456789ABCDEF01234567",
+    ] {
+        let (status, body) = app.get(&format!("/pay/{junk}")).await;
+        assert_eq!(status, 404, "{junk}: {body}");
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (status, body) = app.get("/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    // A well-formed id is looked up: the outage is a 503.
+    let (status, _) = app.get("/pay/ips_0123456789abcdef01234567").await;
+    assert_eq!(status, 503);
 }
