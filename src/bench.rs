@@ -1,5 +1,5 @@
-//! `payfleet bench ingest` and `payfleet bench queue`: benchmarks anyone can run against the
-//! configured PostgreSQL server. Each works in a scratch database (`<name>_bench`, recreated
+//! `payfleet bench ingest`, `payfleet bench queue` and `payfleet bench e2e` (its own module):
+//! benchmarks anyone can run against the configured PostgreSQL server. Each works in a scratch database (`<name>_bench`, recreated
 //! every run, so real data is never touched), measures the machine's own limit in the same run,
 //! and prints its figures last as `name=value` lines.
 
@@ -20,6 +20,9 @@ use crate::secret::SecretUrl;
 use crate::startup::Roles;
 use crate::webhooks::signature::StandardSecret;
 use crate::{db, startup};
+
+mod e2e;
+pub use e2e::{E2eArgs, e2e};
 
 #[derive(clap::Args, Debug)]
 pub struct IngestArgs {

@@ -158,6 +158,9 @@ enum BenchCommand {
     Ingest(bench::IngestArgs),
     /// Enqueue and drain rates, and enqueue-to-start latency.
     Queue(bench::QueueArgs),
+    /// Checkouts and payment effects per second through the HTTP API (one seller's flash sale,
+    /// many sellers) and receipt-to-effect latency, beside pgbench's TPC-B at as many clients.
+    E2e(bench::E2eArgs),
     /// A worker process of `bench queue --workers N` (started by it).
     #[command(hide = true)]
     DrainWorker(bench::DrainWorkerArgs),
@@ -201,6 +204,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench { which } => match which {
             BenchCommand::Ingest(args) => bench::ingest(&config, args).await,
             BenchCommand::Queue(args) => bench::queue(&config, args).await,
+            BenchCommand::E2e(args) => bench::e2e(&config, args).await,
             BenchCommand::DrainWorker(args) => bench::drain_worker(&config, args).await,
         },
     }

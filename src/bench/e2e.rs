@@ -1,0 +1,473 @@
+//! `payfleet bench e2e`: the work the fleet exists for, measured from outside through the HTTP
+//! API, beside pgbench's TPC-B-like transactions at the same number of clients in the same run.
+//!
+//! 1. Checkouts: `clients` backends each check out one order at a time (a new Idempotency-Key
+//!    each, the payment link made over the RabbitMQ RPC), for one seller's product and then
+//!    for fifty sellers' products.
+//! 2. Payment effects, per scenario (one seller: a flash sale; fifty sellers): with the
+//!    workers stopped, a signed `payment.succeeded` of the internal gateway arrives for every
+//!    order (a backlog); the workers start, and the clock runs until every order is paid, its
+//!    sale and fee posted and its order message written. Effects per second.
+//! 3. Receipt to effect: with the workers running, payments arrive at a steady pace (half the
+//!    one-seller rate measured in 2, over fifty sellers) and each one's time from the webhook's
+//!    sending to its order's `paid_at` is taken.
+//! 4. The baseline: `pgbench -i` at scale `clients`, then its TPC-B-like script at `clients`.
+//!
+//! The ledger is checked afterwards (every balance its entries, every currency zero) and every
+//! paid order must have its sale credit.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use tokio::net::TcpListener;
+
+use super::{percentile, scratch, send_all, wait_until, which_pgbench};
+use crate::config::Config;
+use crate::startup::{self, Roles};
+use crate::webhooks::signature::StandardSecret;
+use crate::{auth, catalogue, ledger};
+
+#[derive(clap::Args, Debug)]
+pub struct E2eArgs {
+    /// Orders per scenario (one seller, fifty sellers).
+    #[arg(long, default_value_t = 3000)]
+    pub orders: usize,
+    /// Concurrent clients: checkout backends, webhook senders, and pgbench's clients.
+    #[arg(long, default_value_t = 16)]
+    pub clients: usize,
+    /// Sellers of the many-sellers scenario.
+    #[arg(long, default_value_t = 50)]
+    pub sellers: usize,
+    /// Payments sent at a steady pace for the receipt-to-effect latency (0 skips it).
+    #[arg(long, default_value_t = 1000)]
+    pub latency_samples: usize,
+    /// How long pgbench runs.
+    #[arg(long, default_value_t = 20)]
+    pub pgbench_secs: u64,
+}
+
+/// An order awaiting its payment: its number and its internal gateway session.
+struct Awaiting {
+    number: i64,
+    session: String,
+}
+
+pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
+    if args.orders == 0 || args.clients == 0 || args.sellers == 0 {
+        bail!("--orders, --clients and --sellers must be positive");
+    }
+    let pgbench = which_pgbench().context("pgbench is needed for the PostgreSQL baseline (Debian: apt-get install postgresql-15 or postgresql-contrib)")?;
+    let (pool, url) = scratch(config).await?;
+    let (secret, _) = StandardSecret::generate();
+    let mut app = config.clone();
+    app.webhooks = crate::webhooks::WebhookSecrets {
+        internal: Some(secret.clone()),
+        ..Default::default()
+    };
+    // A scratch database of its own: the internal gateway's payments are the bench's, no money.
+    app.payment_simulator = true;
+    let (_, api_key) = auth::api_keys::create(
+        &pool,
+        auth::NewApiKey {
+            name: "bench e2e".into(),
+            seller_id: None,
+        },
+    )
+    .await?;
+    let flash = products(&pool, 1, "flash").await?;
+    let many = products(&pool, args.sellers, "shop").await?;
+
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let receiver = startup::start(&app, pool.clone(), Roles::SERVE, Some(listener))?;
+    let workers = startup::start(&app, pool.clone(), Roles::WORK, None)?;
+    let mut lines = Vec::new();
+
+    // 1. Checkouts.
+    let started = Instant::now();
+    let (flash_orders, mut lat) =
+        checkouts(addr, &api_key, &flash, args.orders, args.clients).await?;
+    let (many_orders, lat_many) =
+        checkouts(addr, &api_key, &many, args.orders, args.clients).await?;
+    let secs = started.elapsed().as_secs_f64();
+    lat.extend(lat_many);
+    lat.sort();
+    let checkouts_per_s = (2 * args.orders) as f64 / secs;
+    eprintln!(
+        "e2e: {} checkouts at {} clients: {checkouts_per_s:.0}/s, p50 {:.1} ms, p99 {:.1} ms",
+        2 * args.orders,
+        args.clients,
+        percentile(&lat, 0.5),
+        percentile(&lat, 0.99)
+    );
+    lines.push(format!("e2e_checkouts_per_s={checkouts_per_s:.0}"));
+    lines.push(format!("e2e_checkout_p50_ms={:.1}", percentile(&lat, 0.5)));
+    lines.push(format!("e2e_checkout_p99_ms={:.1}", percentile(&lat, 0.99)));
+    workers.stop().await;
+
+    // 2. Payment effects from a backlog.
+    let mut next_event = 0usize;
+    let mut workers = None;
+    let mut rates = Vec::new();
+    for (name, orders) in [
+        ("one_seller", &flash_orders),
+        ("many_sellers", &many_orders),
+    ] {
+        pay_all(addr, &secret, orders, args.clients, &mut next_event).await?;
+        let started = Instant::now();
+        let fleet = startup::start(&app, pool.clone(), Roles::WORK, None)?;
+        let numbers: Vec<i64> = orders.iter().map(|o| o.number).collect();
+        wait_until(
+            || async { Ok(paid(&pool, &numbers).await? == numbers.len() as i64) },
+            Duration::from_millis(50),
+        )
+        .await?;
+        let secs = started.elapsed().as_secs_f64();
+        let rate = orders.len() as f64 / secs;
+        eprintln!(
+            "e2e: {name}: {} payments to effect in {secs:.2} s: {rate:.0}/s",
+            orders.len()
+        );
+        lines.push(format!("e2e_effects_{name}_per_s={rate:.0}"));
+        rates.push((name, rate));
+        match name {
+            "one_seller" => fleet.stop().await,
+            _ => workers = Some(fleet),
+        }
+    }
+    let workers = workers.context("the fleet of the last scenario")?;
+
+    // 3. Receipt to effect at a steady pace, the workers running.
+    if args.latency_samples > 0 {
+        let pace = rates.first().map_or(100.0, |(_, r)| r / 2.0).max(1.0);
+        let orders = {
+            // Fresh orders over the many sellers, the workers running (their links made).
+            let (o, _) =
+                checkouts(addr, &api_key, &many, args.latency_samples, args.clients).await?;
+            o
+        };
+        let lat = paced(&pool, addr, &secret, &orders, pace, &mut next_event).await?;
+        eprintln!(
+            "e2e: receipt to effect at {pace:.0} payments/s: p50 {:.1} ms, p99 {:.1} ms",
+            percentile(&lat, 0.5),
+            percentile(&lat, 0.99)
+        );
+        lines.push(format!("e2e_paced_per_s={pace:.0}"));
+        lines.push(format!(
+            "e2e_receipt_to_effect_p50_ms={:.1}",
+            percentile(&lat, 0.5)
+        ));
+        lines.push(format!(
+            "e2e_receipt_to_effect_p99_ms={:.1}",
+            percentile(&lat, 0.99)
+        ));
+    }
+    workers.stop().await;
+    receiver.stop().await;
+    check_ledger(&pool).await?;
+
+    // 4. The baseline.
+    let tps = tpc_b(&pgbench, url.expose(), args.clients, args.pgbench_secs).await?;
+    eprintln!(
+        "pgbench: TPC-B-like at {} clients: {tps:.0} tps",
+        args.clients
+    );
+    lines.push(format!("pgbench_tpcb_c{}_tps={tps:.0}", args.clients));
+    lines.push(format!(
+        "e2e_checkouts_vs_pgbench={:.2}",
+        checkouts_per_s / tps
+    ));
+    for (name, rate) in rates {
+        lines.push(format!("e2e_effects_{name}_vs_pgbench={:.2}", rate / tps));
+    }
+    pool.close().await;
+    for l in lines {
+        println!("{l}");
+    }
+    Ok(())
+}
+
+/// `sellers` sellers (weekly payouts, no holding period) with one 19.90 BRL product each.
+async fn products(pool: &PgPool, sellers: usize, name: &str) -> anyhow::Result<Vec<String>> {
+    let mut ids = Vec::with_capacity(sellers);
+    for i in 0..sellers {
+        let seller = catalogue::create_seller(
+            pool,
+            catalogue::NewSeller {
+                name: format!("{name} {i}"),
+                payout_frequency: "weekly".parse()?,
+                payout_minimum: "0".into(),
+                holding_days: Some(0),
+                stripe_account: None,
+                payout_minimums: Default::default(),
+            },
+        )
+        .await?;
+        let product = catalogue::create_product(
+            pool,
+            catalogue::NewProduct {
+                seller_id: seller.id.to_string(),
+                name: format!("{name} {i} item"),
+                kind: "one_off".parse()?,
+                price: "19.90".into(),
+                currency: "BRL".into(),
+                interval: None,
+            },
+        )
+        .await?;
+        ids.push(product.id.to_string());
+    }
+    Ok(ids)
+}
+
+/// `count` checkouts by `clients` backends at once, round robin over `products`. Returns the
+/// orders and each checkout's time.
+async fn checkouts(
+    addr: SocketAddr,
+    api_key: &str,
+    products: &[String],
+    count: usize,
+    clients: usize,
+) -> anyhow::Result<(Vec<Awaiting>, Vec<Duration>)> {
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(clients)
+        .build()?;
+    let tasks: Vec<_> = (0..clients)
+        .map(|c| {
+            let (http, key) = (http.clone(), api_key.to_owned());
+            let mine: Vec<(usize, String)> = (0..count)
+                .filter(|i| i % clients == c)
+                .map(|i| (i, products[i % products.len()].clone()))
+                .collect();
+            tokio::spawn(async move {
+                let mut out = Vec::with_capacity(mine.len());
+                for (i, product) in mine {
+                    let t = Instant::now();
+                    let resp = http
+                        .post(format!("http://{addr}/checkout"))
+                        .bearer_auth(&key)
+                        .header(
+                            "idempotency-key",
+                            format!("bench-{:032x}-{i}", rand::random::<u128>()),
+                        )
+                        .json(
+                            &json!({"buyer_id": format!("buyer-{i}"), "gateway": "internal",
+                                      "items": [{"product_id": product, "quantity": 1}]}),
+                        )
+                        .send()
+                        .await?;
+                    let status = resp.status();
+                    let body: Value = resp.json().await.unwrap_or(Value::Null);
+                    if status.as_u16() != 201 {
+                        bail!("a checkout answered {status}: {body}");
+                    }
+                    let elapsed = t.elapsed();
+                    let order = &body["orders"][0];
+                    let (Some(number), Some(session)) = (
+                        order["number"].as_i64(),
+                        order["payment"]["session_id"].as_str(),
+                    ) else {
+                        bail!("a checkout's answer has no order with its payment session: {body}");
+                    };
+                    out.push((
+                        Awaiting {
+                            number,
+                            session: session.to_owned(),
+                        },
+                        elapsed,
+                    ));
+                }
+                anyhow::Ok(out)
+            })
+        })
+        .collect();
+    let mut orders = Vec::with_capacity(count);
+    let mut lat = Vec::with_capacity(count);
+    for t in tasks {
+        for (o, d) in t.await?? {
+            orders.push(o);
+            lat.push(d);
+        }
+    }
+    Ok((orders, lat))
+}
+
+/// A signed `payment.succeeded` of the internal gateway for `order`, as delivery `n`.
+fn payment(
+    addr: SocketAddr,
+    secret: &StandardSecret,
+    order: &Awaiting,
+    n: usize,
+) -> anyhow::Result<hyper::Request<http_body_util::Full<axum::body::Bytes>>> {
+    let body = format!(
+        r#"{{"type":"payment.succeeded","data":{{"session_id":"{}","payment_id":"pay_{}","amount":"19.90","currency":"BRL"}}}}"#,
+        order.session, order.session
+    );
+    let id = format!("msg_e2e_{n}");
+    let ts = chrono::Utc::now().timestamp();
+    let sig = secret.sign(&id, ts, body.as_bytes());
+    Ok(hyper::Request::post("/webhooks/internal")
+        .header("host", addr.to_string())
+        .header("webhook-id", id)
+        .header("webhook-timestamp", ts.to_string())
+        .header("webhook-signature", sig)
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(axum::body::Bytes::from(body)))?)
+}
+
+/// Every order's payment, sent by `clients` senders at once (the backlog).
+async fn pay_all(
+    addr: SocketAddr,
+    secret: &StandardSecret,
+    orders: &[Awaiting],
+    clients: usize,
+    next: &mut usize,
+) -> anyhow::Result<()> {
+    let mut senders: Vec<Vec<_>> = (0..clients).map(|_| Vec::new()).collect();
+    for (i, o) in orders.iter().enumerate() {
+        senders[i % clients].push(payment(addr, secret, o, *next)?);
+        *next += 1;
+    }
+    let tasks: Vec<_> = senders
+        .into_iter()
+        .map(|r| tokio::spawn(send_all(addr, r)))
+        .collect();
+    for t in tasks {
+        t.await??;
+    }
+    Ok(())
+}
+
+/// Payments sent one at a time at `per_s`; each one's time from the webhook's sending to its
+/// order's `paid_at` (the start of the transaction that confirmed it: the figure leaves out that
+/// transaction's own few milliseconds).
+async fn paced(
+    pool: &PgPool,
+    addr: SocketAddr,
+    secret: &StandardSecret,
+    orders: &[Awaiting],
+    per_s: f64,
+    next: &mut usize,
+) -> anyhow::Result<Vec<Duration>> {
+    let gap = Duration::from_secs_f64(1.0 / per_s);
+    let mut answered = Vec::with_capacity(orders.len());
+    let mut tick = tokio::time::interval(gap);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tasks = Vec::with_capacity(orders.len());
+    for o in orders {
+        tick.tick().await;
+        let req = payment(addr, secret, o, *next)?;
+        *next += 1;
+        let number = o.number;
+        tasks.push(tokio::spawn(async move {
+            let sent = chrono::Utc::now();
+            send_all(addr, vec![req]).await?;
+            anyhow::Ok((number, sent))
+        }));
+    }
+    for t in tasks {
+        answered.push(t.await??);
+    }
+    let numbers: Vec<i64> = answered.iter().map(|(n, _)| *n).collect();
+    wait_until(
+        || async { Ok(paid(pool, &numbers).await? == numbers.len() as i64) },
+        Duration::from_millis(50),
+    )
+    .await?;
+    let paid_at: Vec<(i64, chrono::DateTime<chrono::Utc>)> =
+        sqlx::query_as("SELECT number, paid_at FROM orders WHERE number = ANY($1)")
+            .bind(&numbers)
+            .fetch_all(pool)
+            .await?;
+    let paid_at: std::collections::HashMap<i64, chrono::DateTime<chrono::Utc>> =
+        paid_at.into_iter().collect();
+    let mut lat: Vec<Duration> = answered
+        .iter()
+        .filter_map(|(n, at)| {
+            paid_at
+                .get(n)
+                .map(|p| (*p - *at).to_std().unwrap_or_default())
+        })
+        .collect();
+    lat.sort();
+    Ok(lat)
+}
+
+async fn paid(pool: &PgPool, numbers: &[i64]) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM orders WHERE number = ANY($1) AND paid_at IS NOT NULL",
+    )
+    .bind(numbers)
+    .fetch_one(pool)
+    .await?)
+}
+
+/// The ledger after the run: every balance is its entries, every currency sums to zero, every
+/// paid order has its sale credit and an order message.
+async fn check_ledger(pool: &PgPool) -> anyhow::Result<()> {
+    let (accounts, currencies) = ledger::check(pool).await?;
+    if !accounts.is_empty() || !currencies.is_empty() {
+        bail!("the ledger does not hold: accounts {accounts:?}, currencies {currencies:?}");
+    }
+    let (paid, credited): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE EXISTS (
+                    SELECT 1 FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number))
+         FROM orders o WHERE o.paid_at IS NOT NULL",
+    )
+    .fetch_one(pool)
+    .await?;
+    if paid != credited {
+        bail!("{paid} orders are paid but {credited} have their sale credit");
+    }
+    eprintln!("e2e: the ledger holds; {paid} paid orders, each with its sale credit");
+    Ok(())
+}
+
+/// pgbench's TPC-B-like transactions at `clients` clients for `secs`, at scale `clients` (one
+/// branch row per client: its own hot rows, as pgbench intends).
+async fn tpc_b(
+    pgbench: &std::path::Path,
+    url: &str,
+    clients: usize,
+    secs: u64,
+) -> anyhow::Result<f64> {
+    let init = tokio::process::Command::new(pgbench)
+        .env("PGSSLMODE", "disable")
+        .args(["-i", "-q", "-s", &clients.to_string()])
+        .arg(url)
+        .output()
+        .await
+        .context("cannot run pgbench -i")?;
+    if !init.status.success() {
+        bail!(
+            "pgbench -i failed: {}",
+            String::from_utf8_lossy(&init.stderr)
+        );
+    }
+    let out = tokio::process::Command::new(pgbench)
+        .env("PGSSLMODE", "disable")
+        .args([
+            "-c",
+            &clients.to_string(),
+            "-j",
+            &clients.min(2).to_string(),
+            "-T",
+            &secs.to_string(),
+        ])
+        .arg(url)
+        .output()
+        .await
+        .context("cannot run pgbench")?;
+    if !out.status.success() {
+        bail!("pgbench failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find(|l| l.starts_with("tps = "))
+        .and_then(|l| l.trim_start_matches("tps = ").split_whitespace().next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .context("pgbench printed no tps")
+}
