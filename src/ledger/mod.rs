@@ -146,6 +146,19 @@ impl LedgerError {
 
 /// The id of an account, created at zero if new.
 pub async fn account(tx: &mut PgConnection, a: &AccountRef) -> Result<i64, sqlx::Error> {
+    // Nearly always it exists: one read, and the insert (with its speculative index entry and a
+    // sequence value spent) only for a new one.
+    let existing: Option<i64> = sqlx::query_scalar(
+        "SELECT id FROM ledger_accounts WHERE kind = $1 AND owner = $2 AND currency = $3",
+    )
+    .bind(a.kind)
+    .bind(&a.owner)
+    .bind(a.currency.as_str())
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some(id) = existing {
+        return Ok(id);
+    }
     let created: Option<i64> = sqlx::query_scalar(
         "INSERT INTO ledger_accounts (kind, owner, currency) VALUES ($1, $2, $3)
          ON CONFLICT (kind, owner, currency) DO NOTHING RETURNING id",

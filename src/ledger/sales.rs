@@ -316,6 +316,11 @@ pub async fn settle_take_backs(
     sale: &Sale,
     facts: &[TakeBack],
 ) -> Result<(), LedgerError> {
+    // Nothing taken back: nothing to bring in line (facts are never forgotten, so none was
+    // posted before either), and the seller's accounts are not held for it.
+    if facts.is_empty() {
+        return Ok(());
+    }
     let a = sale.accounts();
     lock_seller(tx, &a).await?;
     let mismatch = || LedgerError::Mismatch(format!("order {}", sale.order_number));
@@ -462,19 +467,22 @@ pub async fn release_matured(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, L
         let Some((order, seller, currency, credit)) = due else {
             return Ok(done);
         };
-        release_one(&mut tx, order, &seller, &currency, credit).await?;
+        // A run whose snapshot predates another's commit can take a sale that one has just
+        // released: the release's own key finds it done, and it is not counted twice.
+        let released = release_one(&mut tx, order, &seller, &currency, credit).await?;
         tx.commit().await?;
-        done += 1;
+        done += u64::from(released);
     }
 }
 
+/// Releases one sale; false when another run had released it.
 async fn release_one(
     tx: &mut PgConnection,
     order: i64,
     seller: &str,
     currency: &str,
     credit: Decimal,
-) -> Result<(), LedgerError> {
+) -> Result<bool, LedgerError> {
     let c: Currency = currency
         .parse()
         .map_err(|_| LedgerError::Mismatch(format!("order {order}")))?;
@@ -490,7 +498,7 @@ async fn release_one(
     .execute(&mut *tx)
     .await?;
     if claimed.rows_affected() == 0 {
-        return Ok(());
+        return Ok(false);
     }
     // What left pending for this order since its credit, and what came back to it.
     let moved: Decimal = sqlx::query_scalar(
@@ -507,7 +515,7 @@ async fn release_one(
     .await?;
     let left = credit + moved;
     if left.is_zero() {
-        return Ok(());
+        return Ok(true);
     }
     // More taken back than the sale left (a dispute on a partly refunded sale): the shortfall
     // moves to pending from available, so that pending holds nothing of a released sale and
@@ -538,5 +546,5 @@ async fn release_one(
         .bind(left)
         .execute(&mut *tx)
         .await?;
-    Ok(())
+    Ok(true)
 }
