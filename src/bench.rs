@@ -192,6 +192,19 @@ async fn scratch(config: &Config) -> anyhow::Result<(PgPool, SecretUrl)> {
     Ok((pool, url))
 }
 
+/// The configuration with the internal gateway under a new secret (returned, to sign with) and
+/// the simulator on: a scratch database of its own, whose payments are the bench's, no money.
+fn simulated(config: &Config) -> (Config, StandardSecret) {
+    let (secret, _) = StandardSecret::generate();
+    let mut app = config.clone();
+    app.webhooks = crate::webhooks::WebhookSecrets {
+        internal: Some(secret.clone()),
+        ..Default::default()
+    };
+    app.payment_simulator = true;
+    (app, secret)
+}
+
 fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
     let (base, query) = match url.split_once('?') {
         Some((b, q)) => (b, Some(q)),
@@ -233,14 +246,7 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
     }
     let pgbench = which_pgbench().context("pgbench is needed for the PostgreSQL baseline (Debian: apt-get install postgresql-15 or postgresql-contrib)")?;
     let (pool, url) = scratch(config).await?;
-    let (secret, _) = StandardSecret::generate();
-    let mut app_config = config.clone();
-    app_config.webhooks = crate::webhooks::WebhookSecrets {
-        internal: Some(secret.clone()),
-        ..Default::default()
-    };
-    // A scratch database of its own: the internal gateway's events are the bench's, no money.
-    app_config.payment_simulator = true;
+    let (app_config, secret) = simulated(config);
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let server = startup::start(&app_config, pool.clone(), Roles::SERVE, Some(listener))?;

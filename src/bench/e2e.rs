@@ -61,14 +61,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
     }
     let pgbench = which_pgbench().context("pgbench is needed for the PostgreSQL baseline (Debian: apt-get install postgresql-15 or postgresql-contrib)")?;
     let (pool, url) = scratch(config).await?;
-    let (secret, _) = StandardSecret::generate();
-    let mut app = config.clone();
-    app.webhooks = crate::webhooks::WebhookSecrets {
-        internal: Some(secret.clone()),
-        ..Default::default()
-    };
-    // A scratch database of its own: the internal gateway's payments are the bench's, no money.
-    app.payment_simulator = true;
+    let (app, secret) = super::simulated(config);
     let (_, api_key) = auth::api_keys::create(
         &pool,
         auth::NewApiKey {

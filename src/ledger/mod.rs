@@ -148,15 +148,7 @@ impl LedgerError {
 pub async fn account(tx: &mut PgConnection, a: &AccountRef) -> Result<i64, sqlx::Error> {
     // Nearly always it exists: one read, and the insert (with its speculative index entry and a
     // sequence value spent) only for a new one.
-    let existing: Option<i64> = sqlx::query_scalar(
-        "SELECT id FROM ledger_accounts WHERE kind = $1 AND owner = $2 AND currency = $3",
-    )
-    .bind(a.kind)
-    .bind(&a.owner)
-    .bind(a.currency.as_str())
-    .fetch_optional(&mut *tx)
-    .await?;
-    if let Some(id) = existing {
+    if let Some(id) = account_id(tx, a).await? {
         return Ok(id);
     }
     let created: Option<i64> = sqlx::query_scalar(
@@ -173,13 +165,17 @@ pub async fn account(tx: &mut PgConnection, a: &AccountRef) -> Result<i64, sqlx:
     }
     // A separate statement: it sees the row another transaction committed meanwhile, which the
     // insert's own snapshot may not.
+    account_id(tx, a).await?.ok_or(sqlx::Error::RowNotFound)
+}
+
+async fn account_id(tx: &mut PgConnection, a: &AccountRef) -> Result<Option<i64>, sqlx::Error> {
     sqlx::query_scalar(
         "SELECT id FROM ledger_accounts WHERE kind = $1 AND owner = $2 AND currency = $3",
     )
     .bind(a.kind)
     .bind(&a.owner)
     .bind(a.currency.as_str())
-    .fetch_one(&mut *tx)
+    .fetch_optional(&mut *tx)
     .await
 }
 
