@@ -330,10 +330,10 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
     )?;
     for (c, rps) in results {
         let tx_per_client = (args.requests / c).max(1);
-        let out = tokio::process::Command::new(&pgbench)
-            // The same transport as payfleet's own connections (no TLS).
-            .env("PGSSLMODE", "disable")
-            .args([
+        let script_path = script.to_string_lossy();
+        let tps = pgbench_tps(
+            &pgbench,
+            &[
                 "-n",
                 "-c",
                 &c.to_string(),
@@ -342,22 +342,11 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
                 "-t",
                 &tx_per_client.to_string(),
                 "-f",
-            ])
-            .arg(&script)
-            .arg(url.expose())
-            .output()
-            .await
-            .context("cannot run pgbench")?;
-        if !out.status.success() {
-            bail!("pgbench failed: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
-        let tps = text
-            .lines()
-            .find(|l| l.starts_with("tps = "))
-            .and_then(|l| l.trim_start_matches("tps = ").split_whitespace().next())
-            .and_then(|v| v.parse::<f64>().ok())
-            .context("pgbench printed no tps")?;
+                &script_path,
+            ],
+            url.expose(),
+        )
+        .await?;
         eprintln!(
             "pgbench: {c} clients: {tps:.0} inserts/s; payfleet reaches {:.0}% of it",
             100.0 * rps / tps
@@ -491,6 +480,27 @@ async fn send_expecting(
     drop(sender);
     let _ = conn.await;
     Ok(lat)
+}
+
+/// Runs pgbench with `args` against `url` and reads its `tps = ` line.
+async fn pgbench_tps(pgbench: &std::path::Path, args: &[&str], url: &str) -> anyhow::Result<f64> {
+    let out = tokio::process::Command::new(pgbench)
+        // The same transport as payfleet's own connections (no TLS).
+        .env("PGSSLMODE", "disable")
+        .args(args)
+        .arg(url)
+        .output()
+        .await
+        .context("cannot run pgbench")?;
+    if !out.status.success() {
+        bail!("pgbench failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find(|l| l.starts_with("tps = "))
+        .and_then(|l| l.trim_start_matches("tps = ").split_whitespace().next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .context("pgbench printed no tps")
 }
 
 fn which_pgbench() -> Option<std::path::PathBuf> {

@@ -440,27 +440,17 @@ async fn tpc_b(
             String::from_utf8_lossy(&init.stderr)
         );
     }
-    let out = tokio::process::Command::new(pgbench)
-        .env("PGSSLMODE", "disable")
-        .args([
+    super::pgbench_tps(
+        pgbench,
+        &[
             "-c",
             &clients.to_string(),
             "-j",
             &clients.min(2).to_string(),
             "-T",
             &secs.to_string(),
-        ])
-        .arg(url)
-        .output()
-        .await
-        .context("cannot run pgbench")?;
-    if !out.status.success() {
-        bail!("pgbench failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find(|l| l.starts_with("tps = "))
-        .and_then(|l| l.trim_start_matches("tps = ").split_whitespace().next())
-        .and_then(|v| v.parse::<f64>().ok())
-        .context("pgbench printed no tps")
+        ],
+        url,
+    )
+    .await
 }

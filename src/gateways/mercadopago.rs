@@ -181,25 +181,18 @@ impl MercadoPagoClient {
         // `approved` again, lost as a chargeback (`charged_back`), or lost as a refund
         // (`refunded`: the refunds above carry the money, so the dispute takes nothing back).
         let dispute_id = format!("mp-{}", id_text(&p.id));
-        match (p.status.as_str(), amount) {
-            ("in_mediation", Some(amount)) => facts.push(Fact::Dispute {
-                dispute_id,
-                amount,
-                status: Some(DisputeStatus::Open),
-            }),
-            ("charged_back", Some(amount)) => facts.push(Fact::Dispute {
-                dispute_id,
-                amount,
-                status: Some(DisputeStatus::Lost),
-            }),
-            ("approved", _) => facts.push(Fact::DisputeDecided {
-                dispute_id,
-                status: DisputeStatus::Won,
-            }),
-            ("refunded", _) => facts.push(Fact::DisputeDecided {
-                dispute_id,
-                status: DisputeStatus::Refunded,
-            }),
+        match (mediation_status(&p.status), amount) {
+            // Opened or lost: the mediation takes its amount.
+            (Some(status @ (DisputeStatus::Open | DisputeStatus::Lost)), Some(amount)) => facts
+                .push(Fact::Dispute {
+                    dispute_id,
+                    amount,
+                    status: Some(status),
+                }),
+            // Won or ended as a refund: it decides a mediation there was, if any.
+            (Some(status @ (DisputeStatus::Won | DisputeStatus::Refunded)), _) => {
+                facts.push(Fact::DisputeDecided { dispute_id, status })
+            }
             _ => {}
         }
         let payment = PaymentRef {
@@ -207,6 +200,18 @@ impl MercadoPagoClient {
             payment_id: Some(id_text(&p.id)),
         };
         Ok((payment, facts))
+    }
+}
+
+/// A payment's status as its mediation's: `in_mediation` open, approved (again) won,
+/// `charged_back` lost, `refunded` ended as a refund (the refunds carry the money).
+fn mediation_status(payment_status: &str) -> Option<DisputeStatus> {
+    match payment_status {
+        "in_mediation" => Some(DisputeStatus::Open),
+        "approved" => Some(DisputeStatus::Won),
+        "charged_back" => Some(DisputeStatus::Lost),
+        "refunded" => Some(DisputeStatus::Refunded),
+        _ => None,
     }
 }
 
@@ -392,13 +397,7 @@ impl MercadoPagoClient {
             mp_error,
         )
         .await?;
-        Ok(match p.status.as_str() {
-            "in_mediation" => Some(DisputeStatus::Open),
-            "approved" => Some(DisputeStatus::Won),
-            "charged_back" => Some(DisputeStatus::Lost),
-            "refunded" => Some(DisputeStatus::Refunded),
-            _ => None,
-        })
+        Ok(mediation_status(&p.status))
     }
 }
 

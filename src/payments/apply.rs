@@ -179,12 +179,16 @@ pub(crate) async fn apply(
 ) -> Result<Applied, ProcessError> {
     let g = gateway.as_str();
     lock_keys(tx, gateway, &keys_of(payment)).await?;
-    if let Some(applied) = second_payment_facts(tx, gateway, payment, facts).await? {
-        return Ok(applied);
-    }
-
     let has_payment_fact = facts.iter().any(|f| matches!(f, Fact::Payment { .. }));
     let found = find(tx, gateway, payment).await?;
+    // Only an event naming a payment other than the session's own can be about a second one:
+    // the events of the payment itself (nearly all) ask nothing more.
+    if payment.payment_id.is_some()
+        && found.as_ref().and_then(|p| p.payment_id.as_ref()) != payment.payment_id.as_ref()
+        && let Some(applied) = second_payment_facts(tx, gateway, payment, facts).await?
+    {
+        return Ok(applied);
+    }
     if let (Some(po), Some(session), Some(pid)) = (&found, &payment.session_id, &payment.payment_id)
         && &po.session_id != session
     {

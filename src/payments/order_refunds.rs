@@ -19,8 +19,8 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
 use super::ProcessError;
-use crate::gateways::api::RefundRequest;
-use crate::gateways::{Fact, GatewayError, GatewayName, GatewayRegistry, PaymentRef};
+use crate::gateways::api::{RefundOutcome, RefundRequest};
+use crate::gateways::{GatewayError, GatewayName, GatewayRegistry};
 use crate::ledger::coins::{self, CoinError};
 use crate::ledger::sales::{self, Channel, Sale, TakeBack};
 use crate::money::{Currency, Money};
@@ -473,6 +473,15 @@ pub async fn carry_out(
         let view = get(pool, id).await?.ok_or(RefundError::NoRequest(id))?;
         return Ok(CarriedOut::Answered(view));
     }
+    // The refund the gateway took, to record or to ask about later.
+    let taken = |refund_id: &str| super::SettleRefund {
+        gateway: p.gateway,
+        session_id: p.session_id.clone(),
+        payment_id: p.payment_id.clone(),
+        refund_id: refund_id.to_owned(),
+        amount,
+        seller_account: p.seller_account.clone(),
+    };
     match asked {
         Ok(receipt) if receipt.succeeded => {
             sqlx::query(
@@ -484,15 +493,9 @@ pub async fn carry_out(
             .await?;
             // Recorded as the gateway's refund event would record it; the event, when it comes,
             // finds it known.
-            let payment = PaymentRef {
-                session_id: Some(p.session_id),
-                payment_id: Some(p.payment_id),
-            };
-            let fact = Fact::Refund {
-                refund_id: receipt.refund_id.clone(),
-                amount,
-            };
-            super::apply::apply(&mut tx, p.gateway, &payment, &[fact], None).await?;
+            taken(&receipt.refund_id)
+                .record(&mut tx, RefundOutcome::Succeeded)
+                .await?;
             tracing::info!(refund_request = id, refund = %receipt.refund_id, "refund done");
         }
         Ok(receipt) => {
@@ -511,15 +514,7 @@ pub async fn carry_out(
             .execute(&mut *tx)
             .await?;
             // Its event records it; if that never comes, the gateway is asked.
-            let settle = super::SettleRefund {
-                gateway: p.gateway,
-                session_id: p.session_id.clone(),
-                payment_id: p.payment_id.clone(),
-                refund_id: receipt.refund_id.clone(),
-                amount,
-                seller_account: p.seller_account.clone(),
-            };
-            queue::enqueue(&mut *tx, settle.job()?).await?;
+            queue::enqueue(&mut *tx, taken(&receipt.refund_id).job()?).await?;
             tracing::info!(refund_request = id, refund = %receipt.refund_id, "refund accepted by the gateway; its event (or, failing it, the gateway asked later) will record it");
         }
         // An answer we could not read, or an error of the gateway's own store, may hide a

@@ -132,7 +132,7 @@ impl SettleRefund {
     }
 
     /// Records the refund's outcome as its event would.
-    async fn record(
+    pub(super) async fn record(
         &self,
         tx: &mut sqlx::PgConnection,
         outcome: RefundOutcome,

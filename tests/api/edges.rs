@@ -9,10 +9,15 @@ use crate::helpers::*;
 
 /// An internal-gateway event of `kind` about `session` and its payment `payment`.
 fn about(kind: &str, session: &str, payment: &str, amount: Option<&str>) -> String {
+    let extra = amount.map_or(json!({}), |a| json!({"amount": a, "currency": "BRL"}));
+    about_with(kind, session, payment, extra)
+}
+
+/// The same, with `extra` fields in its data (a refund's or a dispute's id and amount).
+fn about_with(kind: &str, session: &str, payment: &str, extra: serde_json::Value) -> String {
     let mut data = json!({"session_id": session, "payment_id": payment});
-    if let Some(a) = amount {
-        data["amount"] = json!(a);
-        data["currency"] = json!("BRL");
+    for (k, v) in extra.as_object().into_iter().flatten() {
+        data[k] = v.clone();
     }
     json!({"type": kind, "data": data}).to_string()
 }
@@ -157,9 +162,12 @@ async fn a_second_payment_on_a_paid_session_is_given_back_not_absorbed(pool: PgP
     deliver(
         &app,
         "second_refunded",
-        &json!({"type": "refund.succeeded", "data": {"session_id": "sess_a", "payment_id": "pay_second",
-                "refund_id": "rf_second", "amount": "10.00", "currency": "BRL"}})
-        .to_string(),
+        &about_with(
+            "refund.succeeded",
+            "sess_a",
+            "pay_second",
+            json!({"refund_id": "rf_second", "amount": "10.00", "currency": "BRL"}),
+        ),
     )
     .await;
     assert_eq!(
@@ -184,9 +192,12 @@ async fn a_second_payment_on_a_paid_session_is_given_back_not_absorbed(pool: PgP
     deliver(
         &app,
         "first_refunded",
-        &json!({"type": "refund.succeeded", "data": {"session_id": "sess_a", "payment_id": "pay_first",
-                "refund_id": "rf_first", "amount": "4.00", "currency": "BRL"}})
-        .to_string(),
+        &about_with(
+            "refund.succeeded",
+            "sess_a",
+            "pay_first",
+            json!({"refund_id": "rf_first", "amount": "4.00", "currency": "BRL"}),
+        ),
     )
     .await;
     assert_eq!(
@@ -270,9 +281,12 @@ async fn facts_of_a_session_that_did_not_pay_leave_the_order_alone(pool: PgPool)
     deliver(
         &app,
         "b_refund",
-        &json!({"type": "refund.succeeded", "data": {"session_id": "sess_b", "payment_id": "pay_b",
-                "refund_id": "rf_b", "amount": "3.00", "currency": "BRL"}})
-        .to_string(),
+        &about_with(
+            "refund.succeeded",
+            "sess_b",
+            "pay_b",
+            json!({"refund_id": "rf_b", "amount": "3.00", "currency": "BRL"}),
+        ),
     )
     .await;
     let paid = (
@@ -464,8 +478,12 @@ async fn a_refund_the_gateway_fails_later_ends_failed_and_frees_its_amount(pool:
     deliver(
         &app,
         "refund_failed",
-        &json!({"type": "refund.failed", "data": {"session_id": "sess_a", "payment_id": "pay_a", "refund_id": "rf_late"}})
-            .to_string(),
+        &about_with(
+            "refund.failed",
+            "sess_a",
+            "pay_a",
+            json!({"refund_id": "rf_late"}),
+        ),
     )
     .await;
     let (state, failure): (String, Option<String>) =
@@ -554,9 +572,12 @@ async fn a_payment_of_the_wrong_amount_is_given_back_once_whatever_follows(pool:
     deliver(
         &app,
         "dispute",
-        &json!({"type": "dispute.created", "data": {"session_id": "sess_a", "payment_id": "pay_a",
-                "dispute_id": "dp_1", "amount": "1.00", "currency": "BRL"}})
-        .to_string(),
+        &about_with(
+            "dispute.created",
+            "sess_a",
+            "pay_a",
+            json!({"dispute_id": "dp_1", "amount": "1.00", "currency": "BRL"}),
+        ),
     )
     .await;
     assert!(
@@ -580,9 +601,12 @@ async fn a_dispute_left_open_past_any_decision_is_shown_to_an_operator(pool: PgP
         deliver(
             &app,
             id,
-            &json!({"type": "dispute.created", "data": {"session_id": "sess_a", "payment_id": "pay_a",
-                    "dispute_id": dispute, "amount": "2.00", "currency": "BRL"}})
-            .to_string(),
+            &about_with(
+                "dispute.created",
+                "sess_a",
+                "pay_a",
+                json!({"dispute_id": dispute, "amount": "2.00", "currency": "BRL"}),
+            ),
         )
         .await;
     }

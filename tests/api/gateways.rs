@@ -1033,11 +1033,7 @@ async fn a_dispute_whose_decision_never_arrives_is_asked_of_the_gateway(pool: Pg
         ("open".into(), "disputed".into())
     );
     let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
-    let settings = payfleet::payments::reconcile::Settings {
-        grace: std::time::Duration::from_secs(3600),
-        per_run: 10,
-        pace: std::time::Duration::ZERO,
-    };
+    let settings = crate::reconcile::settings(10, 0);
     // Open for a day only: its event may still come, nothing is asked.
     let r = payfleet::payments::reconcile::run(&pool, &gateways, &settings)
         .await

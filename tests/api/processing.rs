@@ -827,11 +827,7 @@ async fn a_mercadopago_mediation_whose_end_was_never_notified_is_reconciled_with
         .await
         .unwrap();
     let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
-    let settings = payfleet::payments::reconcile::Settings {
-        grace: std::time::Duration::from_secs(3600),
-        per_run: 10,
-        pace: std::time::Duration::ZERO,
-    };
+    let settings = crate::reconcile::settings(10, 0);
     let r = payfleet::payments::reconcile::run(&pool, &gateways, &settings)
         .await
         .unwrap();

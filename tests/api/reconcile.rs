@@ -16,7 +16,7 @@ use sqlx::PgPool;
 use crate::checkout::{Shop, payment_side};
 use crate::helpers::*;
 
-fn settings(per_run: usize, pace_ms: u64) -> Settings {
+pub(crate) fn settings(per_run: usize, pace_ms: u64) -> Settings {
     Settings {
         grace: Duration::ZERO,
         per_run,
