@@ -81,9 +81,10 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     }));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('order %s', o.number),
-                format('%s order paid at %s has no sale credit in the ledger',
-                       CASE WHEN o.paid_with_coins THEN 'coins' ELSE o.gateway END, o.paid_at)
-         FROM orders o
+                format('%s order paid at %s has no sale credit in the ledger%s',
+                       CASE WHEN o.paid_with_coins THEN 'coins' ELSE o.gateway END, o.paid_at,
+                       COALESCE(' (the ledger refused it: ' || d.failure || ')', ''))
+         FROM orders o LEFT JOIN ledger_sales_due d ON d.order_number = o.number
          WHERE o.paid_at < now() - make_interval(secs => $1)
            AND o.status NOT IN ('expired', 'cancelled')
            AND (o.paid_with_coins OR o.gateway IN ('internal', 'mock', 'razorpay'))

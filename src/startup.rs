@@ -448,6 +448,12 @@ pub fn start(
             Duration::from_millis(200),
         ));
         tokio::spawn(order_messages::keep_unrouted(broker.clone(), pool.clone()));
+        // Sales whose job stopped before posting them (ledger::poster): every worker sweeps.
+        tokio::spawn(crate::ledger::poster::sweep(
+            pool.clone(),
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+        ));
         Some(fleet)
     } else {
         None

@@ -389,9 +389,11 @@ async fn paced(
     Ok(lat)
 }
 
+/// Orders whose effect is whole: paid, and their sale credit posted.
 async fn paid(pool: &PgPool, numbers: &[i64]) -> anyhow::Result<i64> {
     Ok(sqlx::query_scalar(
-        "SELECT count(*) FROM orders WHERE number = ANY($1) AND paid_at IS NOT NULL",
+        "SELECT count(*) FROM orders o WHERE o.number = ANY($1) AND o.paid_at IS NOT NULL
+            AND EXISTS (SELECT 1 FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number)",
     )
     .bind(numbers)
     .fetch_one(pool)

@@ -233,6 +233,18 @@ async fn gauges(pool: &PgPool, out: &mut String) -> Result<(), sqlx::Error> {
             "payfleet_consistency_violations{{check=\"{check}\"}} {n}"
         );
     }
+    let (due, refused, oldest_due) = crate::ledger::poster::due(pool).await?;
+    out.push_str("# HELP payfleet_ledger_sales_due Confirmed sales not yet posted to the ledger, by state (due: the poster's next batch; refused: kept for an operator, replay the order's event after a fix).\n# TYPE payfleet_ledger_sales_due gauge\n");
+    let _ = writeln!(out, "payfleet_ledger_sales_due{{state=\"due\"}} {due}");
+    let _ = writeln!(
+        out,
+        "payfleet_ledger_sales_due{{state=\"refused\"}} {refused}"
+    );
+    out.push_str("# HELP payfleet_ledger_oldest_sale_due_seconds Age of the oldest confirmed sale not yet posted (the poster keeps it at milliseconds).\n# TYPE payfleet_ledger_oldest_sale_due_seconds gauge\n");
+    let _ = writeln!(
+        out,
+        "payfleet_ledger_oldest_sale_due_seconds {oldest_due:.3}"
+    );
     let (unpublished, oldest) = crate::messaging::orders::backlog(pool).await?;
     out.push_str("# HELP payfleet_outbox_unpublished Order messages written and not yet confirmed by the broker.\n# TYPE payfleet_outbox_unpublished gauge\n");
     let _ = writeln!(out, "payfleet_outbox_unpublished {unpublished}");

@@ -13,6 +13,7 @@
 //! accounts.
 //!
 //! - `sales`: what a paid order, its refunds and disputes post, and the holding period's release
+//! - `poster`: the sales of payments posted in batches per seller, right after their effect
 //! - `payouts`: paying sellers their available balance
 //! - `invoices`: commission invoices per seller and period
 //! - `coins`: the buyers' internal coins
@@ -21,6 +22,7 @@ pub mod coins;
 pub mod invoices;
 pub mod jobs;
 pub mod payouts;
+pub mod poster;
 pub mod sales;
 
 use chrono::{DateTime, Utc};
@@ -130,53 +132,77 @@ pub enum LedgerError {
     Database(#[from] sqlx::Error),
 }
 
-impl LedgerError {
-    fn from_db(e: sqlx::Error, to: &AccountRef, from: &AccountRef) -> Self {
-        if crate::db::constraint(&e) == Some("ledger_accounts_wallet_not_negative") {
-            // Only the account money leaves can go down.
-            let _ = to;
-            return Self::Insufficient {
-                kind: from.kind,
-                owner: from.owner.clone(),
-            };
-        }
-        Self::Database(e)
-    }
-}
-
 /// The id of an account, created at zero if new.
 pub async fn account(tx: &mut PgConnection, a: &AccountRef) -> Result<i64, sqlx::Error> {
-    // Nearly always it exists: one read, and the insert (with its speculative index entry and a
-    // sequence value spent) only for a new one.
-    if let Some(id) = account_id(tx, a).await? {
-        return Ok(id);
-    }
-    let created: Option<i64> = sqlx::query_scalar(
-        "INSERT INTO ledger_accounts (kind, owner, currency) VALUES ($1, $2, $3)
-         ON CONFLICT (kind, owner, currency) DO NOTHING RETURNING id",
-    )
-    .bind(a.kind)
-    .bind(&a.owner)
-    .bind(a.currency.as_str())
-    .fetch_optional(&mut *tx)
-    .await?;
-    if let Some(id) = created {
-        return Ok(id);
-    }
-    // A separate statement: it sees the row another transaction committed meanwhile, which the
-    // insert's own snapshot may not.
-    account_id(tx, a).await?.ok_or(sqlx::Error::RowNotFound)
+    let ids = accounts(tx, std::slice::from_ref(a)).await?;
+    ids.first().copied().ok_or(sqlx::Error::RowNotFound)
 }
 
-async fn account_id(tx: &mut PgConnection, a: &AccountRef) -> Result<Option<i64>, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT id FROM ledger_accounts WHERE kind = $1 AND owner = $2 AND currency = $3",
+/// The ids of accounts, in the order asked, each created at zero if new. Nearly always they all
+/// exist: one read, and an insert (with its speculative index entry and a sequence value spent)
+/// only for the new ones.
+pub async fn accounts(tx: &mut PgConnection, refs: &[AccountRef]) -> Result<Vec<i64>, sqlx::Error> {
+    let mut ids = find_accounts(tx, refs).await?;
+    let missing: Vec<&AccountRef> = refs
+        .iter()
+        .zip(&ids)
+        .filter(|(_, id)| id.is_none())
+        .map(|(r, _)| r)
+        .collect();
+    if !missing.is_empty() {
+        let (kinds, owners, currencies) = columns(missing.iter().copied());
+        sqlx::query(
+            "INSERT INTO ledger_accounts (kind, owner, currency)
+             SELECT * FROM unnest($1::text[], $2::text[], $3::bpchar[])
+             ON CONFLICT (kind, owner, currency) DO NOTHING",
+        )
+        .bind(&kinds)
+        .bind(&owners)
+        .bind(&currencies)
+        .execute(&mut *tx)
+        .await?;
+        // A separate statement: it sees the rows another transaction committed meanwhile, which
+        // the insert's own snapshot may not.
+        ids = find_accounts(tx, refs).await?;
+    }
+    ids.into_iter()
+        .map(|id| id.ok_or(sqlx::Error::RowNotFound))
+        .collect()
+}
+
+fn columns<'a>(
+    refs: impl Iterator<Item = &'a AccountRef>,
+) -> (Vec<&'a str>, Vec<&'a str>, Vec<&'a str>) {
+    let mut columns = (Vec::new(), Vec::new(), Vec::new());
+    for r in refs {
+        columns.0.push(r.kind.as_str());
+        columns.1.push(r.owner.as_str());
+        columns.2.push(r.currency.as_str());
+    }
+    columns
+}
+
+async fn find_accounts(
+    tx: &mut PgConnection,
+    refs: &[AccountRef],
+) -> Result<Vec<Option<i64>>, sqlx::Error> {
+    let (kinds, owners, currencies) = columns(refs.iter());
+    let found: Vec<(i64, i32)> = sqlx::query_as(
+        "SELECT a.id, r.i::int4 FROM unnest($1::text[], $2::text[], $3::bpchar[]) WITH ORDINALITY AS r(kind, owner, currency, i)
+         JOIN ledger_accounts a ON a.kind = r.kind AND a.owner = r.owner AND a.currency = r.currency",
     )
-    .bind(a.kind)
-    .bind(&a.owner)
-    .bind(a.currency.as_str())
-    .fetch_optional(&mut *tx)
-    .await
+    .bind(&kinds)
+    .bind(&owners)
+    .bind(&currencies)
+    .fetch_all(&mut *tx)
+    .await?;
+    let mut ids = vec![None; refs.len()];
+    for (id, i) in found {
+        if let Some(slot) = usize::try_from(i - 1).ok().and_then(|i| ids.get_mut(i)) {
+            *slot = Some(id);
+        }
+    }
+    Ok(ids)
 }
 
 /// Locks accounts for the rest of the transaction, in id order. Returns their balances by id.
@@ -191,69 +217,164 @@ pub async fn lock(tx: &mut PgConnection, ids: &[i64]) -> Result<Vec<(i64, Decima
 
 /// Posts a transfer in the caller's transaction: once per source key.
 pub async fn post(tx: &mut PgConnection, t: &Transfer) -> Result<Posted, LedgerError> {
-    if t.from.currency != t.amount.currency() || t.to.currency != t.amount.currency() {
-        return Err(LedgerError::Mismatch(t.source_key.clone()));
+    let posted = post_many(tx, std::slice::from_ref(t)).await?;
+    Ok(posted.first().copied().unwrap_or(Posted::AlreadyPosted))
+}
+
+/// Posts transfers in the caller's transaction, each once per source key, in the order given
+/// (a key given twice posts once), with a fixed number of statements however many there are:
+/// the accounts are found, locked in id order (so two postings cannot deadlock on them), the
+/// new transfers written, and their entries with each account's running balance, then the
+/// balances moved. What each transfer did comes back in the same order.
+pub async fn post_many(
+    tx: &mut PgConnection,
+    transfers: &[Transfer],
+) -> Result<Vec<Posted>, LedgerError> {
+    let mut refs: Vec<AccountRef> = Vec::new();
+    let mut live = Vec::new();
+    for (i, t) in transfers.iter().enumerate() {
+        if t.from.currency != t.amount.currency() || t.to.currency != t.amount.currency() {
+            return Err(LedgerError::Mismatch(t.source_key.clone()));
+        }
+        if t.amount.is_zero() {
+            continue;
+        }
+        for a in [&t.from, &t.to] {
+            if !refs.contains(a) {
+                refs.push(a.clone());
+            }
+        }
+        live.push(i);
     }
-    if t.amount.is_zero() {
-        return Ok(Posted::AlreadyPosted);
+    let mut posted = vec![Posted::AlreadyPosted; transfers.len()];
+    if live.is_empty() {
+        return Ok(posted);
     }
-    let from = account(tx, &t.from).await?;
-    let to = account(tx, &t.to).await?;
-    let balances = lock(tx, &[from, to]).await?;
-    let balance = |id: i64| {
-        balances
-            .iter()
-            .find(|(a, _)| *a == id)
-            .map(|(_, b)| *b)
+    let ids = accounts(tx, &refs).await?;
+    let id_of = |a: &AccountRef| {
+        refs.iter()
+            .position(|r| r == a)
+            .map(|i| ids[i])
             .unwrap_or_default()
     };
-    let inserted: Option<i64> = sqlx::query_scalar(
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut balances: std::collections::HashMap<i64, Decimal> =
+        lock(tx, &sorted).await?.into_iter().collect();
+
+    let mut keys = Vec::with_capacity(live.len());
+    let mut kinds = Vec::with_capacity(live.len());
+    let mut froms = Vec::with_capacity(live.len());
+    let mut tos = Vec::with_capacity(live.len());
+    let mut amounts = Vec::with_capacity(live.len());
+    let mut currencies = Vec::with_capacity(live.len());
+    let mut available = Vec::with_capacity(live.len());
+    let mut orders = Vec::with_capacity(live.len());
+    let mut references = Vec::with_capacity(live.len());
+    for &i in &live {
+        let t = &transfers[i];
+        keys.push(t.source_key.as_str());
+        kinds.push(t.kind.as_str());
+        froms.push(id_of(&t.from));
+        tos.push(id_of(&t.to));
+        amounts.push(t.amount.amount());
+        currencies.push(t.from.currency.as_str());
+        available.push(t.available_at);
+        orders.push(t.order_number);
+        references.push(t.reference.as_deref());
+    }
+    let inserted: Vec<(i64, String)> = sqlx::query_as(
         "INSERT INTO ledger_transfers (source_key, kind, from_account, to_account, amount, currency,
                                        available_at, order_number, reference)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-         ON CONFLICT (source_key) DO NOTHING RETURNING id",
+         SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::numeric[], $6::bpchar[],
+                              $7::timestamptz[], $8::bigint[], $9::text[])
+         ON CONFLICT (source_key) DO NOTHING RETURNING id, source_key",
     )
-    .bind(&t.source_key)
-    .bind(t.kind)
-    .bind(from)
-    .bind(to)
-    .bind(t.amount.amount())
-    .bind(t.amount.currency().as_str())
-    .bind(t.available_at)
-    .bind(t.order_number)
-    .bind(&t.reference)
-    .fetch_optional(&mut *tx)
+    .bind(&keys)
+    .bind(&kinds)
+    .bind(&froms)
+    .bind(&tos)
+    .bind(&amounts)
+    .bind(&currencies)
+    .bind(&available)
+    .bind(&orders)
+    .bind(&references)
+    .fetch_all(&mut *tx)
     .await?;
-    let Some(transfer) = inserted else {
-        return Ok(Posted::AlreadyPosted);
-    };
-    let amount = t.amount.amount();
-    let (from_before, to_before) = (balance(from), balance(to));
+    if inserted.is_empty() {
+        return Ok(posted);
+    }
+    let mut new: std::collections::HashMap<String, i64> =
+        inserted.into_iter().map(|(id, key)| (key, id)).collect();
+    // Entries in the order the transfers were written (their ids), each account's starting
+    // where its previous one ended.
+    let mut written: Vec<(i64, usize)> = Vec::with_capacity(new.len());
+    for &i in &live {
+        if let Some(id) = new.remove(&transfers[i].source_key) {
+            written.push((id, i));
+        }
+    }
+    written.sort_unstable();
+    let mut entry_transfers = Vec::with_capacity(2 * written.len());
+    let mut entry_accounts = Vec::with_capacity(2 * written.len());
+    let mut entry_amounts = Vec::with_capacity(2 * written.len());
+    let mut befores = Vec::with_capacity(2 * written.len());
+    let mut afters = Vec::with_capacity(2 * written.len());
+    for &(id, i) in &written {
+        let t = &transfers[i];
+        let amount = t.amount.amount();
+        for (account, delta) in [(id_of(&t.from), -amount), (id_of(&t.to), amount)] {
+            let balance = balances.entry(account).or_default();
+            entry_transfers.push(id);
+            entry_accounts.push(account);
+            entry_amounts.push(delta);
+            befores.push(*balance);
+            *balance += delta;
+            afters.push(*balance);
+        }
+        posted[i] = Posted::Posted(id);
+    }
     sqlx::query(
         "INSERT INTO ledger_entries (transfer_id, account_id, amount, balance_before, balance_after)
-         VALUES ($1, $2, $3, $4, $5), ($1, $6, $7, $8, $9)",
+         SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::numeric[], $4::numeric[], $5::numeric[])",
     )
-    .bind(transfer)
-    .bind(from)
-    .bind(-amount)
-    .bind(from_before)
-    .bind(from_before - amount)
-    .bind(to)
-    .bind(amount)
-    .bind(to_before)
-    .bind(to_before + amount)
+    .bind(&entry_transfers)
+    .bind(&entry_accounts)
+    .bind(&entry_amounts)
+    .bind(&befores)
+    .bind(&afters)
     .execute(&mut *tx)
     .await?;
+    let (moved, to): (Vec<i64>, Vec<Decimal>) = sorted
+        .iter()
+        .filter(|id| entry_accounts.contains(id))
+        .map(|id| (*id, balances.get(id).copied().unwrap_or_default()))
+        .unzip();
     sqlx::query(
-        "UPDATE ledger_accounts SET balance = balance + d.delta, updated_at = now()
-         FROM unnest($1::bigint[], $2::numeric[]) AS d(id, delta) WHERE ledger_accounts.id = d.id",
+        "UPDATE ledger_accounts SET balance = d.balance, updated_at = now()
+         FROM unnest($1::bigint[], $2::numeric[]) AS d(id, balance) WHERE ledger_accounts.id = d.id",
     )
-    .bind([from, to])
-    .bind([-amount, amount])
+    .bind(&moved)
+    .bind(&to)
     .execute(&mut *tx)
     .await
-    .map_err(|e| LedgerError::from_db(e, &t.to, &t.from))?;
-    Ok(Posted::Posted(transfer))
+    .map_err(|e| {
+        if crate::db::constraint(&e) == Some("ledger_accounts_wallet_not_negative") {
+            // Only an account money leaves can go down: the first one below zero now.
+            let below = written.iter().map(|&(_, i)| &transfers[i].from).find(|a| {
+                balances.get(&id_of(a)).is_some_and(|b| *b < Decimal::ZERO)
+            });
+            if let Some(a) = below {
+                return LedgerError::Insufficient {
+                    kind: a.kind,
+                    owner: a.owner.clone(),
+                };
+            }
+        }
+        LedgerError::Database(e)
+    })?;
+    Ok(posted)
 }
 
 /// A seller's balances in one currency.
@@ -266,7 +387,9 @@ pub struct Balance {
     pub connected_sales: String,
 }
 
+/// A seller's balances, with every sale confirmed so far posted.
 pub async fn balances(pool: &sqlx::PgPool, seller: &str) -> Result<Vec<Balance>, sqlx::Error> {
+    poster::settle(pool, seller).await?;
     let rows: Vec<(String, Decimal, Decimal, Decimal)> = sqlx::query_as(
         "SELECT currency::text,
                 COALESCE(sum(balance) FILTER (WHERE kind = 'seller_pending'), 0),
@@ -345,13 +468,15 @@ impl Serialize for Entry {
     }
 }
 
-/// A seller's entries, oldest first, `limit` after entry `after`.
+/// A seller's entries, oldest first, `limit` after entry `after`, with every sale confirmed so
+/// far posted.
 pub async fn entries(
     pool: &sqlx::PgPool,
     seller: &str,
     after: i64,
     limit: i64,
 ) -> Result<Vec<Entry>, sqlx::Error> {
+    poster::settle(pool, seller).await?;
     sqlx::query_as(
         "SELECT e.id, replace(a.kind, 'seller_', '') AS bucket, t.kind, a.currency::text AS currency,
                 e.amount, e.balance_before, e.balance_after, t.available_at, t.source_key, t.order_number,

@@ -21,7 +21,9 @@ use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
 use sqlx::{PgConnection, PgPool};
 
-use super::{AccountKind, AccountRef, LedgerError, Transfer, TransferKind, account, lock, post};
+use super::{
+    AccountKind, AccountRef, LedgerError, Transfer, TransferKind, accounts, lock, post, post_many,
+};
 use crate::gateways::{DisputeStatus, GatewayName};
 use crate::money::{Currency, Money};
 
@@ -34,7 +36,7 @@ pub enum Channel {
 }
 
 impl Channel {
-    fn name(&self) -> &'static str {
+    pub(super) fn name(&self) -> &'static str {
         match self {
             Self::Gateway(g) => g.as_str(),
             Self::Coins => "coins",
@@ -140,7 +142,7 @@ impl Sale {
 
 /// A confirmed order as the ledger needs it.
 #[derive(sqlx::FromRow)]
-struct SaleRow {
+pub(super) struct SaleRow {
     seller_id: String,
     total: Decimal,
     platform_fee: Decimal,
@@ -150,24 +152,13 @@ struct SaleRow {
     holding_days: i32,
 }
 
-impl Sale {
-    /// Order `number` as a sale through `channel`, if it was paid and kept (an expired or
-    /// cancelled order is no sale: its late payment is given back).
-    pub async fn of_order(
-        tx: &mut PgConnection,
+impl SaleRow {
+    pub(super) fn into_sale(
+        self,
         number: i64,
         channel: Channel,
     ) -> Result<Option<Sale>, LedgerError> {
-        let row: Option<SaleRow> = sqlx::query_as(
-            "SELECT o.seller_id::text AS seller_id, o.total, o.platform_fee, o.seller_net, o.currency::text AS currency,
-                    o.paid_at, s.holding_days
-             FROM orders o JOIN sellers s ON s.id = o.seller_id
-             WHERE o.number = $1 AND o.status NOT IN ('expired', 'cancelled')",
-        )
-        .bind(number)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(SaleRow {
+        let SaleRow {
             seller_id,
             total,
             platform_fee,
@@ -175,7 +166,7 @@ impl Sale {
             currency,
             paid_at: Some(paid_at),
             holding_days,
-        }) = row
+        } = self
         else {
             return Ok(None);
         };
@@ -195,19 +186,45 @@ impl Sale {
     }
 }
 
+/// What makes a confirmed order a sale: it was paid and kept (an expired or cancelled order is
+/// no sale: its late payment is given back).
+pub(super) const SALE_COLUMNS: &str = "o.seller_id::text AS seller_id, o.total, o.platform_fee, o.seller_net, o.currency::text AS currency,
+    o.paid_at, s.holding_days";
+pub(super) const SALE_JOIN: &str = "orders o JOIN sellers s ON s.id = o.seller_id";
+pub(super) const IS_SALE: &str =
+    "o.status NOT IN ('expired', 'cancelled') AND o.paid_at IS NOT NULL";
+
+impl Sale {
+    /// Order `number` as a sale through `channel`, if it was paid and kept.
+    pub async fn of_order(
+        tx: &mut PgConnection,
+        number: i64,
+        channel: Channel,
+    ) -> Result<Option<Sale>, LedgerError> {
+        let row: Option<SaleRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT {SALE_COLUMNS} FROM {SALE_JOIN} WHERE o.number = $1 AND {IS_SALE}"
+        )))
+        .bind(number)
+        .fetch_optional(&mut *tx)
+        .await?;
+        match row {
+            Some(row) => row.into_sale(number, channel),
+            None => Ok(None),
+        }
+    }
+}
+
 /// Locks every account of the seller a sale touches, in id order, before any posting: all the
 /// postings of one seller and currency serialise here, and never deadlock on each other.
 async fn lock_seller(tx: &mut PgConnection, a: &Accounts) -> Result<(), sqlx::Error> {
-    let mut ids = Vec::with_capacity(5);
-    for r in [
-        &a.clearing,
-        &a.revenue,
-        &a.pending,
-        &a.available,
-        &a.connected,
-    ] {
-        ids.push(account(tx, r).await?);
-    }
+    let refs = [
+        a.clearing.clone(),
+        a.revenue.clone(),
+        a.pending.clone(),
+        a.available.clone(),
+        a.connected.clone(),
+    ];
+    let mut ids = accounts(tx, &refs).await?;
     ids.sort_unstable();
     lock(tx, &ids).await?;
     Ok(())
@@ -240,39 +257,45 @@ async fn seller_bucket(
 
 /// The paid order's credit and fee. Once per order.
 pub async fn record_sale(tx: &mut PgConnection, sale: &Sale) -> Result<(), LedgerError> {
-    let a = sale.accounts();
-    lock_seller(tx, &a).await?;
-    let n = sale.order_number;
-    if sale.channel.through_platform() {
-        let mut credit = sale.transfer(
-            format!("sale:{n}"),
-            TransferKind::SaleCredit,
-            &a.clearing,
-            &a.pending,
-            sale.net,
-        );
-        credit.available_at =
-            Some(sale.paid_at + chrono::Duration::days(i64::from(sale.holding_days)));
-        post(tx, &credit).await?;
-    } else {
-        let t = sale.transfer(
-            format!("sale:{n}"),
-            TransferKind::ConnectedSale,
-            &a.clearing,
-            &a.connected,
-            sale.net,
-        );
-        post(tx, &t).await?;
-    }
-    let fee = sale.transfer(
-        format!("fee:{n}"),
-        TransferKind::Fee,
-        &a.clearing,
-        &a.revenue,
-        sale.fee,
-    );
-    post(tx, &fee).await?;
+    post_many(tx, &sale.postings()).await?;
     Ok(())
+}
+
+impl Sale {
+    /// The sale's credit to the seller and its fee to the platform, both from the clearing
+    /// account of its channel.
+    pub(super) fn postings(&self) -> [Transfer; 2] {
+        let a = self.accounts();
+        let n = self.order_number;
+        let credit = if self.channel.through_platform() {
+            let mut credit = self.transfer(
+                format!("sale:{n}"),
+                TransferKind::SaleCredit,
+                &a.clearing,
+                &a.pending,
+                self.net,
+            );
+            credit.available_at =
+                Some(self.paid_at + chrono::Duration::days(i64::from(self.holding_days)));
+            credit
+        } else {
+            self.transfer(
+                format!("sale:{n}"),
+                TransferKind::ConnectedSale,
+                &a.clearing,
+                &a.connected,
+                self.net,
+            )
+        };
+        let fee = self.transfer(
+            format!("fee:{n}"),
+            TransferKind::Fee,
+            &a.clearing,
+            &a.revenue,
+            self.fee,
+        );
+        [credit, fee]
+    }
 }
 
 /// What is taken back from a sale, as one of its facts names it.
@@ -374,8 +397,10 @@ pub async fn settle_take_backs(
     let (seller_target, fee_target) = sale.split(&target)?;
     let (mut seller_taken, mut fee_taken) = taken_so_far(tx, sale).await?;
     let from = seller_bucket(tx, sale, &a).await?;
+    let done = posted(tx, &steps).await?;
+    let mut postings = Vec::new();
     for step in steps {
-        if posted(tx, &step.key).await? {
+        if done.contains(&step.key) {
             continue;
         }
         let seller = seller_target.amount() - seller_taken;
@@ -407,22 +432,29 @@ pub async fn settle_take_backs(
             };
             let mut t = sale.transfer(key, kind, debit, credit, amount);
             t.reference = Some(step.reference.clone());
-            post(tx, &t).await?;
+            postings.push(t);
         }
         seller_taken += seller;
         fee_taken += fee;
     }
+    post_many(tx, &postings).await?;
     Ok(())
 }
 
-/// Whether a take-back key has posted either of its parts.
-async fn posted(tx: &mut PgConnection, key: &str) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM ledger_transfers WHERE source_key IN ($1 || ':seller', $1 || ':fee'))",
+/// The take-back keys that have posted either of their parts.
+async fn posted(
+    tx: &mut PgConnection,
+    steps: &[Step],
+) -> Result<std::collections::HashSet<String>, sqlx::Error> {
+    let keys: Vec<&str> = steps.iter().map(|s| s.key.as_str()).collect();
+    let done: Vec<String> = sqlx::query_scalar(
+        "SELECT k FROM unnest($1::text[]) AS k
+         WHERE EXISTS (SELECT 1 FROM ledger_transfers WHERE source_key IN (k || ':seller', k || ':fee'))",
     )
-    .bind(key)
-    .fetch_one(&mut *tx)
-    .await
+    .bind(&keys)
+    .fetch_all(&mut *tx)
+    .await?;
+    Ok(done.into_iter().collect())
 }
 
 /// What the sale's take-back postings hold now: the seller's part and the fee's.
@@ -488,7 +520,7 @@ async fn release_one(
         .map_err(|_| LedgerError::Mismatch(format!("order {order}")))?;
     let pending = AccountRef::new(AccountKind::SellerPending, seller, c);
     let available = AccountRef::new(AccountKind::SellerAvailable, seller, c);
-    let mut ids = vec![account(tx, &pending).await?, account(tx, &available).await?];
+    let mut ids = accounts(tx, &[pending.clone(), available.clone()]).await?;
     ids.sort_unstable();
     lock(tx, &ids).await?;
     let claimed = sqlx::query(

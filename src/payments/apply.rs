@@ -168,6 +168,23 @@ async fn find(
     }
 }
 
+/// What applying did, and the seller whose sale it left due (to post once the transaction has
+/// committed: `ledger::poster::post_due`).
+#[derive(Debug)]
+pub(crate) struct Outcome {
+    pub applied: Applied,
+    pub due_seller: Option<String>,
+}
+
+impl From<Applied> for Outcome {
+    fn from(applied: Applied) -> Self {
+        Self {
+            applied,
+            due_seller: None,
+        }
+    }
+}
+
 /// Records the facts, derives the payment's status, brings the order in line and wakes the
 /// events that waited for this payment.
 pub(crate) async fn apply(
@@ -176,7 +193,7 @@ pub(crate) async fn apply(
     payment: &PaymentRef,
     facts: &[Fact],
     event_id: Option<i64>,
-) -> Result<Applied, ProcessError> {
+) -> Result<Outcome, ProcessError> {
     let g = gateway.as_str();
     lock_keys(tx, gateway, &keys_of(payment)).await?;
     let has_payment_fact = facts.iter().any(|f| matches!(f, Fact::Payment { .. }));
@@ -187,7 +204,7 @@ pub(crate) async fn apply(
         && found.as_ref().and_then(|p| p.payment_id.as_ref()) != payment.payment_id.as_ref()
         && let Some(applied) = second_payment_facts(tx, gateway, payment, facts).await?
     {
-        return Ok(applied);
+        return Ok(applied.into());
     }
     if let (Some(po), Some(session), Some(pid)) = (&found, &payment.session_id, &payment.payment_id)
         && &po.session_id != session
@@ -214,7 +231,7 @@ pub(crate) async fn apply(
                 .fetch_one(&mut *tx)
                 .await?
             }
-            _ => return Ok(Applied::Waiting(wait_key(payment))),
+            _ => return Ok(Applied::Waiting(wait_key(payment)).into()),
         },
     };
 
@@ -334,7 +351,7 @@ pub(crate) async fn apply(
     }
 
     // The facts recorded so far are kept (and derived from) even when a later one must wait.
-    let order_changed = derive_and_apply(tx, gateway, po.id, event_id).await?;
+    let (order_changed, due_seller) = derive_and_apply(tx, gateway, po.id, event_id).await?;
     // The payment is known now: whatever waited for it looks again (if it is still not captured,
     // a refund simply waits again).
     let mut keys = vec![session_key(&po.session_id)];
@@ -345,10 +362,14 @@ pub(crate) async fn apply(
         keys.push(payment_key(p));
     }
     wake_waiting(tx, gateway, &keys, event_id).await?;
-    Ok(match waiting {
+    let applied = match waiting {
         Some(key) => Applied::Waiting(key),
         None if changed || order_changed => Applied::Changed,
         None => Applied::Unchanged,
+    };
+    Ok(Outcome {
+        applied,
+        due_seller,
     })
 }
 
@@ -686,13 +707,13 @@ struct Known {
 /// line. The order is found through the payment side's own record of the session
 /// (`payment_sessions`): a payment that no checkout asked for is recorded as an unmatched payment
 /// for an operator, never turned into an order. Returns whether the order (or the unmatched
-/// record) changed.
+/// record) changed, and the seller whose sale is due.
 async fn derive_and_apply(
     tx: &mut PgConnection,
     gateway: GatewayName,
     po_id: i64,
     event_id: Option<i64>,
-) -> Result<bool, ProcessError> {
+) -> Result<(bool, Option<String>), ProcessError> {
     let known: Known = sqlx::query_as(
         "SELECT po.session_id, po.payment_id, po.succeeded_at IS NOT NULL AS succeeded,
                 po.failed_at IS NOT NULL AS failed, po.amount, po.currency::text AS currency,
@@ -767,7 +788,8 @@ async fn derive_and_apply(
         reason: reason.to_owned(),
         of_payment: false,
     };
-    match effect {
+    let mut due = None;
+    let changed = match effect {
         None => {
             record_unmatched(
                 tx,
@@ -782,7 +804,7 @@ async fn derive_and_apply(
         }
         Some(effect @ (PaymentEffect::Changed | PaymentEffect::Unchanged)) => {
             if let Some((number, _, _, _)) = &session {
-                sync_ledger(tx, gateway, po_id, *number).await?;
+                due = sync_ledger(tx, gateway, po_id, *number).await?;
             }
             Ok(effect == PaymentEffect::Changed)
         }
@@ -827,55 +849,66 @@ async fn derive_and_apply(
             }
             Ok(true)
         }
-    }
+    }?;
+    Ok((changed, due))
 }
 
 /// Brings the seller's ledger in line with a confirmed order's payment: the sale, each refund,
 /// each dispute in its current status. Every posting is keyed by its source, so running this
 /// again (a duplicate, a reprocessed event) posts nothing twice, and facts that arrived in any
 /// order end in the same ledger.
+///
+/// A sale with nothing taken back (nearly every payment) is only recorded as due here, without
+/// the seller's accounts; its seller comes back, for the poster to post once this transaction
+/// has committed (`ledger::poster`). A sale with refunds or disputes is posted here, under the
+/// seller's accounts, before what is taken back from it.
 async fn sync_ledger(
     tx: &mut PgConnection,
     gateway: GatewayName,
     po_id: i64,
     number: i64,
-) -> Result<(), ProcessError> {
-    let Some(sale) = Sale::of_order(tx, number, sales::Channel::Gateway(gateway)).await? else {
-        return Ok(());
+) -> Result<Option<String>, ProcessError> {
+    let channel = sales::Channel::Gateway(gateway);
+    // Refunds, then disputes, each in the order recorded: the first key not posted carries what
+    // is left to take (`settle_take_backs`).
+    let taken: Vec<(String, Decimal, Option<DisputeStatus>)> = sqlx::query_as(
+        "SELECT id, amount, status FROM (
+             SELECT 0 AS source, id AS seq, refund_id AS id, amount, NULL::text AS status
+             FROM payment_refunds WHERE payment_order_id = $1
+             UNION ALL
+             SELECT 1, id, dispute_id, amount, status FROM payment_disputes WHERE payment_order_id = $1
+         ) t ORDER BY source, seq",
+    )
+    .bind(po_id)
+    .fetch_all(&mut *tx)
+    .await?;
+    if taken.is_empty() {
+        return Ok(crate::ledger::poster::defer(tx, number, channel).await?);
+    }
+    let Some(sale) = Sale::of_order(tx, number, channel).await? else {
+        return Ok(None);
     };
     let money = |d: Decimal| {
         Money::new(d, sale.total.currency())
             .map_err(|_| crate::ledger::LedgerError::Mismatch(format!("order {number}")))
     };
     sales::record_sale(tx, &sale).await?;
-    let refunds: Vec<(String, Decimal)> = sqlx::query_as(
-        "SELECT refund_id, amount FROM payment_refunds WHERE payment_order_id = $1 ORDER BY id",
-    )
-    .bind(po_id)
-    .fetch_all(&mut *tx)
-    .await?;
-    let disputes: Vec<(String, Decimal, DisputeStatus)> = sqlx::query_as(
-        "SELECT dispute_id, amount, status FROM payment_disputes WHERE payment_order_id = $1 ORDER BY id",
-    )
-    .bind(po_id)
-    .fetch_all(&mut *tx)
-    .await?;
-    let mut facts = Vec::with_capacity(refunds.len() + disputes.len());
-    for (refund_id, amount) in refunds {
-        facts.push(sales::TakeBack::Refund {
-            refund_id,
-            amount: money(amount)?,
-        });
-    }
-    for (dispute_id, amount, status) in disputes {
-        facts.push(sales::TakeBack::Dispute {
-            dispute_id,
-            amount: money(amount)?,
-            status,
+    let mut facts = Vec::with_capacity(taken.len());
+    for (id, amount, status) in taken {
+        facts.push(match status {
+            None => sales::TakeBack::Refund {
+                refund_id: id,
+                amount: money(amount)?,
+            },
+            Some(status) => sales::TakeBack::Dispute {
+                dispute_id: id,
+                amount: money(amount)?,
+                status,
+            },
         });
     }
     sales::settle_take_backs(tx, &sale, &facts).await?;
-    Ok(())
+    Ok(None)
 }
 
 /// A payment no checkout asked for: kept for an operator, with its latest state.

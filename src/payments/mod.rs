@@ -390,10 +390,13 @@ impl Processor {
         if processed.flatten().is_some() {
             return Ok(Processed::AlreadyProcessed);
         }
+        let mut due_seller = None;
         let result = match interpretation {
             Interpretation::Ignore(reason) => Processed::Ignored(reason),
             Interpretation::Update { payment, facts } => {
-                match apply::apply(&mut tx, of, &payment, &facts, Some(row.id)).await? {
+                let outcome = apply::apply(&mut tx, of, &payment, &facts, Some(row.id)).await?;
+                due_seller = outcome.due_seller;
+                match outcome.applied {
                     apply::Applied::Changed => Processed::Applied,
                     apply::Applied::Unchanged => {
                         Processed::Ignored("every fact was already known".into())
@@ -405,6 +408,14 @@ impl Processor {
         };
         events::mark(&mut tx, row.id, &result).await?;
         tx.commit().await?;
+        // The effect has committed; its sale is posted with the seller's others due. A failure
+        // here loses nothing (the sale stays due, for the next poster or the sweep), so it does
+        // not fail the event.
+        if let Some(seller) = due_seller
+            && let Err(e) = crate::ledger::poster::post_due(pool, &seller).await
+        {
+            tracing::warn!(seller, error = %e, "cannot post the seller's sales now; the sweep will");
+        }
         Ok(result)
     }
 }

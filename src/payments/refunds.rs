@@ -152,6 +152,8 @@ impl SettleRefund {
             session_id: Some(self.session_id.clone()),
             payment_id: Some(self.payment_id.clone()),
         };
+        // A refund's fact posts its sale with it (under the seller's accounts) and leaves none
+        // due; a refund that ended moves no money (a sale it found due is the sweep's).
         super::apply::apply(tx, self.gateway, &payment, &[fact], None).await?;
         Ok(())
     }

@@ -1891,3 +1891,199 @@ async fn the_money_command_checks_the_ledger_and_refuses_a_month_not_ended(pool:
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("YYYY-MM"));
 }
+
+// The seller's poster (ledger::poster): a payment's sale is due in the payment's transaction
+// and posted in batches per seller right after.
+
+/// `n` orders of one seller at 100.00 BRL (fee 10.00), each marked paid by hand as a payment's
+/// transaction would, with its sale left due: as if every job stopped between its payment's
+/// commit and its posting.
+async fn sales_left_due(shop: &Shop, pool: &PgPool, seller: &str, n: usize) -> Vec<i64> {
+    let product = shop.product(seller, "100.00", "BRL").await;
+    let mut numbers = Vec::new();
+    for i in 0..n {
+        let order = shop
+            .checkout_one(&format!("due-{seller}-{i}"), "buyer", &product, 1)
+            .await;
+        numbers.push(order["number"].as_i64().unwrap());
+    }
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(
+        "UPDATE orders SET status = 'paid', payment_status = 'succeeded', paid_at = now() WHERE number = ANY($1)",
+    )
+    .bind(&numbers)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    for &number in &numbers {
+        let due = ledger::poster::defer(
+            &mut tx,
+            number,
+            sales::Channel::Gateway(payfleet::gateways::GatewayName::Internal),
+        )
+        .await
+        .unwrap();
+        assert_eq!(due.as_deref(), Some(seller), "order {number}'s sale is due");
+    }
+    tx.commit().await.unwrap();
+    numbers
+}
+
+/// How many transactions wrote the seller's sale credits (rows of one transaction share xmin).
+async fn posting_transactions(pool: &PgPool, numbers: &[i64]) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT count(*), count(DISTINCT xmin::text) FROM ledger_transfers
+         WHERE kind = 'sale_credit' AND order_number = ANY($1)",
+    )
+    .bind(numbers)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+async fn still_due(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM ledger_sales_due")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_flash_sale_posts_every_sale_once_and_nothing_is_left_due(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let seller = shop.seller_with("Flash", "weekly", "1.00", 14).await;
+    let product = shop.product(&seller, "100.00", "BRL").await;
+    let mut numbers = Vec::new();
+    for i in 0..30 {
+        let order = shop
+            .checkout_one(&format!("flash-{i}"), &format!("b{i}"), &product, 1)
+            .await;
+        let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+        send_paid(&shop, &format!("msg_{i}"), &session, "100.00").await;
+        // The same payment twice, concurrently processed with the others.
+        send_paid(&shop, &format!("msg_again_{i}"), &session, "100.00").await;
+        numbers.push(order["number"].as_i64().unwrap());
+    }
+    // Ten at once, as the workers run them: each posts its seller's sales due after its commit.
+    process_all(&pool, &shop).await;
+    assert_eq!(still_due(&pool).await, 0, "the jobs posted their sales");
+    let (credits, _) = posting_transactions(&pool, &numbers).await;
+    assert_eq!(credits, 30, "one sale credit per order");
+    let fees: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM ledger_transfers WHERE kind = 'fee' AND order_number = ANY($1)",
+    )
+    .bind(&numbers)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(fees, 30, "one fee per order");
+    assert_eq!(shop.balance(&seller).await, (d("2700.00"), d("0")));
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn sales_left_due_are_posted_in_one_batch_before_a_balance_is_read(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let seller = shop.seller_with("Batch", "weekly", "1.00", 14).await;
+    let numbers = sales_left_due(&shop, &pool, &seller, 12).await;
+    assert_eq!(posting_transactions(&pool, &numbers).await, (0, 0));
+    // A reader never sees a balance behind a confirmed order: it posts what is due first.
+    assert_eq!(shop.balance(&seller).await, (d("1080.00"), d("0")));
+    assert_eq!(
+        posting_transactions(&pool, &numbers).await,
+        (12, 1),
+        "twelve sales, one transaction"
+    );
+    assert_eq!(still_due(&pool).await, 0);
+    // The seller's pending entries run on from one another, in order.
+    let chain: Vec<(Decimal, Decimal)> = sqlx::query_as(
+        "SELECT e.balance_before, e.balance_after FROM ledger_entries e
+         JOIN ledger_accounts a ON a.id = e.account_id
+         WHERE a.kind = 'seller_pending' AND a.owner = $1 ORDER BY e.id",
+    )
+    .bind(&seller)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    for (i, (before, after)) in chain.iter().enumerate() {
+        assert_eq!(*before, Decimal::from(90 * i as i64));
+        assert_eq!(*after, Decimal::from(90 * (i as i64 + 1)));
+    }
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_sweep_posts_what_a_stopped_job_left_due(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let seller = shop.seller_with("Swept", "weekly", "1.00", 14).await;
+    let numbers = sales_left_due(&shop, &pool, &seller, 3).await;
+    let sweep = tokio::spawn(ledger::poster::sweep(
+        pool.clone(),
+        Duration::from_millis(50),
+        Duration::ZERO,
+    ));
+    wait_for("the sweep to post", Duration::from_secs(10), async || {
+        still_due(&pool).await == 0
+    })
+    .await;
+    sweep.abort();
+    assert_eq!(posting_transactions(&pool, &numbers).await.0, 3);
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_due_row_for_a_sale_already_posted_posts_nothing_more(pool: PgPool) {
+    let (shop, seller, n, session) = one_sale(&pool).await;
+    send_paid(&shop, "msg_paid", &session, "100.00").await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("90.00"), d("0")));
+    // A row left by a transaction that also had the sale posted another way (a refund's posts
+    // its sale first): the poster finds the postings' keys taken.
+    sqlx::query("INSERT INTO ledger_sales_due (order_number, seller_id, channel) VALUES ($1, $2::uuid, 'internal')")
+        .bind(n)
+        .bind(&seller)
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ledger::poster::post_due(&pool, &seller).await.unwrap(), 1);
+    assert_eq!(still_due(&pool).await, 0);
+    assert_eq!(shop.balance(&seller).await, (d("90.00"), d("0")));
+    assert_eq!(posting_transactions(&pool, &[n]).await.0, 1);
+    invariants_hold(&pool).await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_sale_the_ledger_refuses_is_kept_with_its_reason_and_holds_up_no_other(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let seller = shop.seller_with("Refused", "weekly", "1.00", 14).await;
+    let numbers = sales_left_due(&shop, &pool, &seller, 3).await;
+    // A row no valid order makes: a channel the ledger does not know.
+    sqlx::query("UPDATE ledger_sales_due SET channel = 'nowhere' WHERE order_number = $1")
+        .bind(numbers[1])
+        .execute(&pool)
+        .await
+        .unwrap();
+    ledger::poster::post_due(&pool, &seller).await.unwrap();
+    assert_eq!(shop.balance(&seller).await, (d("180.00"), d("0")));
+    let (due, refused, _) = ledger::poster::due(&pool).await.unwrap();
+    assert_eq!((due, refused), (0, 1));
+    let failure: String =
+        sqlx::query_scalar("SELECT failure FROM ledger_sales_due WHERE order_number = $1")
+            .bind(numbers[1])
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(failure.contains("nowhere"), "{failure}");
+    // Visible to an operator: the consistency check names the order and why.
+    payfleet::consistency::run(&pool, Duration::ZERO)
+        .await
+        .unwrap();
+    let findings = payfleet::consistency::open(&pool, 50).await.unwrap();
+    let f = findings
+        .iter()
+        .find(|f| f.check_name == "sale_without_credit")
+        .expect("a finding");
+    assert_eq!(f.subject, format!("order {}", numbers[1]));
+    assert!(f.detail.contains("refused"), "{}", f.detail);
+    invariants_hold(&pool).await;
+}

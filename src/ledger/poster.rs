@@ -1,0 +1,264 @@
+//! The seller's poster: sales are posted in batches per seller, after the payment's effect.
+//!
+//! A payment's transaction confirms its order, writes its order message and records its sale as
+//! due ([`defer`], one statement, no account touched). Right after it commits, the job that
+//! processed it posts whatever its seller has due ([`post_due`]): one transaction locks the
+//! seller's accounts once, writes every due sale's credit and fee with their entries
+//! (`ledger::post_many`, a fixed number of statements for the whole batch) and deletes the
+//! rows it posted. While one poster holds a seller's accounts, the payments of that seller keep
+//! committing beside it, and the next poster takes all of them at once: under a flash sale the
+//! batches grow, and the seller's accounts are held once per batch instead of once per payment
+//! for the whole of its transaction.
+//!
+//! What keeps the ledger's promises: a due row is claimed `FOR UPDATE SKIP LOCKED`, so two
+//! posters never take the same sale (one that finds its seller's sales claimed leaves them to
+//! the poster that holds them); the postings are keyed by their source (`sale:<n>`, `fee:<n>`),
+//! so a sale posted another way (a refund's transaction posts its sale first) is not posted
+//! again; and entries are written under the accounts' row locks, each starting where the
+//! account's last one ended. Anything that reads a seller's balances waits for that seller's
+//! sales due first ([`settle`]), so no answer is behind a confirmed order.
+//!
+//! A sale whose job stopped between the two transactions is posted by the next payment of its
+//! seller, or by every worker's [`sweep`] within a second. A sale the ledger refuses (which no
+//! valid order does) keeps its row with the reason, is counted by the metrics and the
+//! consistency check `sale_without_credit`, and is tried again when its order's event is
+//! replayed.
+
+use std::time::Duration;
+
+use sqlx::{PgConnection, PgPool};
+
+use super::LedgerError;
+use super::sales::{Channel, IS_SALE, SALE_COLUMNS, SALE_JOIN, SaleRow};
+use crate::gateways::GatewayName;
+
+/// Sales one poster transaction takes at most: enough that a flash sale's batches stay few,
+/// few enough that a batch holds the seller's accounts for milliseconds.
+const BATCH: i64 = 500;
+
+impl Channel {
+    fn parse(text: &str) -> Option<Self> {
+        match text {
+            "coins" => Some(Self::Coins),
+            g => g.parse::<GatewayName>().ok().map(Self::Gateway),
+        }
+    }
+}
+
+/// Records order `number`'s sale through `channel` as due, unless it is posted already or the
+/// order is no sale. Returns its seller when a sale is due now, for [`post_due`] after commit.
+pub async fn defer(
+    tx: &mut PgConnection,
+    number: i64,
+    channel: Channel,
+) -> Result<Option<String>, sqlx::Error> {
+    // A replayed event re-drives a sale whose posting was refused.
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO ledger_sales_due (order_number, seller_id, channel)
+         SELECT o.number, o.seller_id, $2 FROM orders o
+         WHERE o.number = $1 AND {IS_SALE}
+           AND NOT EXISTS (SELECT 1 FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number)
+         ON CONFLICT (order_number) DO UPDATE SET failure = NULL WHERE ledger_sales_due.failure IS NOT NULL
+         RETURNING seller_id::text"
+    )))
+    .bind(number)
+    .bind(channel.name())
+    .fetch_optional(&mut *tx)
+    .await
+    .map(|seller: Option<String>| seller)
+}
+
+#[derive(sqlx::FromRow)]
+struct DueRow {
+    order_number: i64,
+    channel: String,
+    is_sale: bool,
+    #[sqlx(flatten)]
+    sale: SaleRow,
+}
+
+/// How a poster treats sales another poster has claimed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Claimed {
+    /// Leave them to it (the job that just recorded a sale: someone is posting it).
+    Skip,
+    /// Wait for it (a reader, who must see them posted).
+    Wait,
+}
+
+/// Posts the sales due of `seller`, in batches, until none is left unclaimed. Returns how many
+/// were dealt with. Sales another poster holds are left to it.
+pub async fn post_due(pool: &PgPool, seller: &str) -> Result<u64, LedgerError> {
+    post(pool, seller, Claimed::Skip).await
+}
+
+/// Posts the sales due of `seller`, waiting for those another poster holds: once it returns,
+/// every sale of the seller committed before is in the ledger. For readers of balances and
+/// entries; without anything due it is one read.
+pub async fn settle(pool: &PgPool, seller: &str) -> Result<u64, sqlx::Error> {
+    if seller.parse::<uuid::Uuid>().is_err() {
+        return Ok(0);
+    }
+    let due: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM ledger_sales_due WHERE seller_id = $1::uuid AND failure IS NULL)",
+    )
+    .bind(seller)
+    .fetch_one(pool)
+    .await?;
+    if !due {
+        return Ok(0);
+    }
+    // A refused sale is kept with its reason by `post` itself: what comes back is an outage.
+    post(pool, seller, Claimed::Wait)
+        .await
+        .map_err(|e| match e {
+            LedgerError::Database(e) => e,
+            other => sqlx::Error::Decode(Box::new(other)),
+        })
+}
+
+async fn post(pool: &PgPool, seller: &str, claimed: Claimed) -> Result<u64, LedgerError> {
+    let mut done = 0;
+    loop {
+        match post_batch(pool, seller, claimed, None).await {
+            Ok(n) => {
+                done += n;
+                if n < BATCH as u64 {
+                    return Ok(done);
+                }
+            }
+            Err(e) if is_outage(&e) => return Err(e),
+            // One refused sale must not hold up the seller's others: each is posted alone, and
+            // the one refused keeps its reason.
+            Err(e) => {
+                tracing::warn!(seller, error = %e, "a batch of sales was refused; posting them one at a time");
+                return Ok(done + post_one_by_one(pool, seller).await?);
+            }
+        }
+    }
+}
+
+fn is_outage(e: &LedgerError) -> bool {
+    matches!(e, LedgerError::Database(e) if crate::db::is_transient(e))
+}
+
+/// One transaction: claims the seller's sales due (up to [`BATCH`], or only order `only`),
+/// posts them, deletes their rows.
+async fn post_batch(
+    pool: &PgPool,
+    seller: &str,
+    claimed: Claimed,
+    only: Option<i64>,
+) -> Result<u64, LedgerError> {
+    let mut tx = pool.begin().await?;
+    let lock = match claimed {
+        Claimed::Skip => "FOR UPDATE OF d SKIP LOCKED",
+        Claimed::Wait => "FOR UPDATE OF d",
+    };
+    let rows: Vec<DueRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT d.order_number, d.channel, ({IS_SALE}) AS is_sale, {SALE_COLUMNS}
+         FROM ledger_sales_due d JOIN {SALE_JOIN} ON o.number = d.order_number
+         WHERE d.seller_id = $1::uuid AND d.failure IS NULL AND ($3::bigint IS NULL OR d.order_number = $3)
+         ORDER BY d.order_number LIMIT $2 {lock}"
+    )))
+    .bind(seller)
+    .bind(BATCH)
+    .bind(only)
+    .fetch_all(&mut *tx)
+    .await?;
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    let numbers: Vec<i64> = rows.iter().map(|r| r.order_number).collect();
+    let mut postings = Vec::with_capacity(2 * rows.len());
+    for row in rows {
+        let number = row.order_number;
+        let channel = Channel::parse(&row.channel).ok_or_else(|| {
+            LedgerError::Mismatch(format!("order {number}: channel {}", row.channel))
+        })?;
+        // An order that stopped being a sale since (none does once paid) posts nothing.
+        if !row.is_sale {
+            continue;
+        }
+        if let Some(sale) = row.sale.into_sale(number, channel)? {
+            postings.extend(sale.postings());
+        }
+    }
+    super::post_many(&mut tx, &postings).await?;
+    sqlx::query("DELETE FROM ledger_sales_due WHERE order_number = ANY($1)")
+        .bind(&numbers)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(numbers.len() as u64)
+}
+
+/// Each sale due of the seller in its own transaction; one refused keeps its reason.
+async fn post_one_by_one(pool: &PgPool, seller: &str) -> Result<u64, LedgerError> {
+    let numbers: Vec<i64> = sqlx::query_scalar(
+        "SELECT order_number FROM ledger_sales_due WHERE seller_id = $1::uuid AND failure IS NULL ORDER BY order_number",
+    )
+    .bind(seller)
+    .fetch_all(pool)
+    .await?;
+    let mut done = 0;
+    for number in numbers {
+        match post_batch(pool, seller, Claimed::Skip, Some(number)).await {
+            Ok(n) => done += n,
+            Err(e) if is_outage(&e) => return Err(e),
+            Err(e) => {
+                let reason = crate::queue::error_chain(&e);
+                tracing::error!(seller, order = number, %reason, "the ledger refused a sale; it is kept for an operator (replay its event after a fix)");
+                sqlx::query("UPDATE ledger_sales_due SET failure = $2 WHERE order_number = $1")
+                    .bind(number)
+                    .bind(&reason)
+                    .execute(pool)
+                    .await?;
+            }
+        }
+    }
+    Ok(done)
+}
+
+/// Posts every seller's sales left due for longer than `after` (a job that stopped between its
+/// payment's transaction and its posting), every `every`, for as long as the process runs. Each
+/// worker runs one; they share the rows.
+pub async fn sweep(pool: PgPool, every: Duration, after: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let sellers: Result<Vec<String>, sqlx::Error> = sqlx::query_scalar(
+            "SELECT DISTINCT seller_id::text FROM ledger_sales_due
+             WHERE failure IS NULL AND created_at < now() - make_interval(secs => $1) LIMIT 100",
+        )
+        .bind(after.as_secs_f64())
+        .fetch_all(&pool)
+        .await;
+        match sellers {
+            Ok(sellers) => {
+                for seller in sellers {
+                    match post_due(&pool, &seller).await {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!(seller, sales = n, "posted sales left due"),
+                        Err(e) => {
+                            tracing::warn!(seller, error = %e, "cannot post sales left due; trying again")
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot look for sales left due; trying again"),
+        }
+    }
+}
+
+/// Sales due now, and those the ledger refused: for the metrics.
+pub async fn due(pool: &PgPool) -> Result<(i64, i64, f64), sqlx::Error> {
+    sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE failure IS NULL), count(*) FILTER (WHERE failure IS NOT NULL),
+                COALESCE(EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE failure IS NULL)), 0)::float8
+         FROM ledger_sales_due",
+    )
+    .fetch_one(pool)
+    .await
+}
