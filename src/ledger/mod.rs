@@ -285,9 +285,11 @@ pub async fn post_many(
         references.push(t.reference.as_deref());
     }
     let inserted: Vec<(i64, String)> = sqlx::query_as(
+        // Stamped when written, not when the transaction began: a poster's transaction may
+        // have waited for its seller's turn.
         "INSERT INTO ledger_transfers (source_key, kind, from_account, to_account, amount, currency,
-                                       available_at, order_number, reference)
-         SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::numeric[], $6::bpchar[],
+                                       available_at, order_number, reference, created_at)
+         SELECT *, statement_timestamp() FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::numeric[], $6::bpchar[],
                               $7::timestamptz[], $8::bigint[], $9::text[])
          ON CONFLICT (source_key) DO NOTHING RETURNING id, source_key",
     )

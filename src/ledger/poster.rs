@@ -10,13 +10,14 @@
 //! batches grow, and the seller's accounts are held once per batch instead of once per payment
 //! for the whole of its transaction.
 //!
-//! What keeps the ledger's promises: a due row is claimed `FOR UPDATE SKIP LOCKED`, so two
-//! posters never take the same sale (one that finds its seller's sales claimed leaves them to
-//! the poster that holds them); the postings are keyed by their source (`sale:<n>`, `fee:<n>`),
-//! so a sale posted another way (a refund's transaction posts its sale first) is not posted
-//! again; and entries are written under the accounts' row locks, each starting where the
-//! account's last one ended. Anything that reads a seller's balances waits for that seller's
-//! sales due first ([`settle`]), so no answer is behind a confirmed order.
+//! What keeps the ledger's promises: the posters of one seller take turns on an advisory lock
+//! taken before they read what is due, so the one whose turn it is takes every sale committed
+//! until then, and the others, finding their sales posted, leave at once; the postings are keyed
+//! by their source (`sale:<n>`, `fee:<n>`), so a sale posted another way (a refund's
+//! transaction posts its sale first) is not posted again; and entries are written under the
+//! accounts' row locks, each starting where the account's last one ended. Anything that reads a
+//! seller's balances posts that seller's sales due first ([`settle`]), so no answer is behind a
+//! confirmed order.
 //!
 //! A sale whose job stopped between the two transactions is posted by the next payment of its
 //! seller, or by every worker's [`sweep`] within a second. A sale the ledger refuses (which no
@@ -45,13 +46,27 @@ impl Channel {
     }
 }
 
+/// A sale recorded as due: to post once its transaction has committed ([`Due::post`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Due {
+    pub seller: String,
+    pub order_number: i64,
+}
+
+impl Due {
+    /// Posts it with its seller's others, unless a poster has taken it already.
+    pub async fn post(&self, pool: &PgPool) -> Result<u64, LedgerError> {
+        post_due(pool, &self.seller, Some(self.order_number)).await
+    }
+}
+
 /// Records order `number`'s sale through `channel` as due, unless it is posted already or the
-/// order is no sale. Returns its seller when a sale is due now, for [`post_due`] after commit.
+/// order is no sale.
 pub async fn defer(
     tx: &mut PgConnection,
     number: i64,
     channel: Channel,
-) -> Result<Option<String>, sqlx::Error> {
+) -> Result<Option<Due>, sqlx::Error> {
     // A replayed event re-drives a sale whose posting was refused.
     sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "INSERT INTO ledger_sales_due (order_number, seller_id, channel)
@@ -65,7 +80,12 @@ pub async fn defer(
     .bind(channel.name())
     .fetch_optional(&mut *tx)
     .await
-    .map(|seller: Option<String>| seller)
+    .map(|seller: Option<String>| {
+        seller.map(|seller| Due {
+            seller,
+            order_number: number,
+        })
+    })
 }
 
 #[derive(sqlx::FromRow)]
@@ -77,24 +97,26 @@ struct DueRow {
     sale: SaleRow,
 }
 
-/// How a poster treats sales another poster has claimed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Claimed {
-    /// Leave them to it (the job that just recorded a sale: someone is posting it).
-    Skip,
-    /// Wait for it (a reader, who must see them posted).
-    Wait,
+/// Posts the sales due of `seller`, in batches, until none is left. Returns how many were dealt
+/// with. `mine`: the sale the caller has just recorded; when another poster has taken it
+/// already, there is nothing to wait for.
+pub async fn post_due(pool: &PgPool, seller: &str, mine: Option<i64>) -> Result<u64, LedgerError> {
+    if let Some(number) = mine {
+        let due: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM ledger_sales_due WHERE order_number = $1 AND failure IS NULL)",
+        )
+        .bind(number)
+        .fetch_one(pool)
+        .await?;
+        if !due {
+            return Ok(0);
+        }
+    }
+    post(pool, seller).await
 }
 
-/// Posts the sales due of `seller`, in batches, until none is left unclaimed. Returns how many
-/// were dealt with. Sales another poster holds are left to it.
-pub async fn post_due(pool: &PgPool, seller: &str) -> Result<u64, LedgerError> {
-    post(pool, seller, Claimed::Skip).await
-}
-
-/// Posts the sales due of `seller`, waiting for those another poster holds: once it returns,
-/// every sale of the seller committed before is in the ledger. For readers of balances and
-/// entries; without anything due it is one read.
+/// Posts the sales due of `seller`: once it returns, every sale of the seller committed before
+/// is in the ledger. For readers of balances and entries; without anything due it is one read.
 pub async fn settle(pool: &PgPool, seller: &str) -> Result<u64, sqlx::Error> {
     if seller.parse::<uuid::Uuid>().is_err() {
         return Ok(0);
@@ -109,18 +131,16 @@ pub async fn settle(pool: &PgPool, seller: &str) -> Result<u64, sqlx::Error> {
         return Ok(0);
     }
     // A refused sale is kept with its reason by `post` itself: what comes back is an outage.
-    post(pool, seller, Claimed::Wait)
-        .await
-        .map_err(|e| match e {
-            LedgerError::Database(e) => e,
-            other => sqlx::Error::Decode(Box::new(other)),
-        })
+    post(pool, seller).await.map_err(|e| match e {
+        LedgerError::Database(e) => e,
+        other => sqlx::Error::Decode(Box::new(other)),
+    })
 }
 
-async fn post(pool: &PgPool, seller: &str, claimed: Claimed) -> Result<u64, LedgerError> {
+async fn post(pool: &PgPool, seller: &str) -> Result<u64, LedgerError> {
     let mut done = 0;
     loop {
-        match post_batch(pool, seller, claimed, None).await {
+        match post_batch(pool, seller, None).await {
             Ok(n) => {
                 done += n;
                 if n < BATCH as u64 {
@@ -144,22 +164,19 @@ fn is_outage(e: &LedgerError) -> bool {
 
 /// One transaction: claims the seller's sales due (up to [`BATCH`], or only order `only`),
 /// posts them, deletes their rows.
-async fn post_batch(
-    pool: &PgPool,
-    seller: &str,
-    claimed: Claimed,
-    only: Option<i64>,
-) -> Result<u64, LedgerError> {
+async fn post_batch(pool: &PgPool, seller: &str, only: Option<i64>) -> Result<u64, LedgerError> {
     let mut tx = pool.begin().await?;
-    let lock = match claimed {
-        Claimed::Skip => "FOR UPDATE OF d SKIP LOCKED",
-        Claimed::Wait => "FOR UPDATE OF d",
-    };
+    // The seller's turn: while one poster holds it, the sales of the seller's payments keep
+    // committing, and the next poster takes them all at once.
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('ledger_poster:' || $1, 0))")
+        .bind(seller)
+        .execute(&mut *tx)
+        .await?;
     let rows: Vec<DueRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT d.order_number, d.channel, ({IS_SALE}) AS is_sale, {SALE_COLUMNS}
          FROM ledger_sales_due d JOIN {SALE_JOIN} ON o.number = d.order_number
          WHERE d.seller_id = $1::uuid AND d.failure IS NULL AND ($3::bigint IS NULL OR d.order_number = $3)
-         ORDER BY d.order_number LIMIT $2 {lock}"
+         ORDER BY d.order_number LIMIT $2"
     )))
     .bind(seller)
     .bind(BATCH)
@@ -203,7 +220,7 @@ async fn post_one_by_one(pool: &PgPool, seller: &str) -> Result<u64, LedgerError
     .await?;
     let mut done = 0;
     for number in numbers {
-        match post_batch(pool, seller, Claimed::Skip, Some(number)).await {
+        match post_batch(pool, seller, Some(number)).await {
             Ok(n) => done += n,
             Err(e) if is_outage(&e) => return Err(e),
             Err(e) => {
@@ -238,7 +255,7 @@ pub async fn sweep(pool: PgPool, every: Duration, after: Duration) {
         match sellers {
             Ok(sellers) => {
                 for seller in sellers {
-                    match post_due(&pool, &seller).await {
+                    match post_due(&pool, &seller, None).await {
                         Ok(0) => {}
                         Ok(n) => tracing::info!(seller, sales = n, "posted sales left due"),
                         Err(e) => {

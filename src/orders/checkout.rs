@@ -24,7 +24,7 @@ use sha2::{Digest, Sha256};
 use sqlx::{PgConnection, PgPool};
 
 use super::pricing::{self, PricingError};
-use super::{OrderEventKind, OrderView, expiry, of_checkout, record_event};
+use super::{OrderView, expiry, of_checkout};
 use crate::catalogue::{self, ProductId, ProductKind};
 use crate::gateways::GatewayName;
 use crate::messaging::rpc::{PaymentLinkReply, PaymentLinkRequest, PaymentLinks, RpcError};
@@ -375,68 +375,30 @@ impl Checkout {
         .await?;
         let expires_at =
             now + chrono::Duration::from_std(self.expiry).unwrap_or(chrono::Duration::minutes(30));
-        // Numbers last: the counter row stays locked until commit, so the less follows it the
-        // more checkouts run at once.
-        let last: i64 = sqlx::query_scalar(
-            "UPDATE order_numbers SET last = last + $1 WHERE singleton RETURNING last",
-        )
-        .bind(priced.len() as i64)
-        .fetch_one(&mut *tx)
-        .await?;
-        let first = last - priced.len() as i64 + 1;
-        let mut lines = Lines::default();
-        for (i, o) in priced.iter().enumerate() {
-            let number = first + i as i64;
-            let order_id: i64 = sqlx::query_scalar(
-                "INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, \"interval\", currency,
-                                     subtotal, discount, total, platform_fee, seller_net, gateway, coupon_id, expires_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) RETURNING id",
-            )
-            .bind(number)
-            .bind(checkout)
-            .bind(o.seller_id)
-            .bind(buyer)
-            .bind(o.kind)
-            .bind(o.interval)
-            .bind(o.currency.as_str())
-            .bind(o.subtotal.amount())
-            .bind(o.discount.amount())
-            .bind(o.total.amount())
-            .bind(o.platform_fee.amount())
-            .bind(o.seller_net.amount())
-            .bind(gateway)
-            .bind(o.uses_coupon().then(|| coupon.as_ref().map(|c| c.id)).flatten())
-            .bind(expires_at)
-            .fetch_one(&mut *tx)
-            .await?;
-            for (line, l) in o.lines.iter().enumerate() {
-                lines.push(order_id, line as i32 + 1, l);
-            }
-            if o.uses_coupon()
-                && let Some(c) = &coupon
-            {
-                sqlx::query("INSERT INTO coupon_redemptions (order_id, coupon_id) VALUES ($1, $2)")
-                    .bind(order_id)
-                    .bind(c.id)
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            record_event(
-                &mut tx,
-                order_id,
-                OrderEventKind::Created,
-                serde_json::json!({"number": number}),
-            )
-            .await?;
-            expiry::schedule(&mut tx, number, expires_at).await?;
-        }
-        lines.insert(&mut tx).await?;
         sqlx::query("UPDATE idempotency_keys SET checkout_id = $2 WHERE owner = $3 AND key = $1")
             .bind(key.key)
             .bind(checkout)
             .bind(key.owner)
             .execute(&mut *tx)
             .await?;
+        let mut orders = NewOrders::default();
+        for o in &priced {
+            let coupon = o
+                .uses_coupon()
+                .then(|| coupon.as_ref().map(|c| c.id))
+                .flatten();
+            orders.push(o, coupon);
+        }
+        // Numbers last: the counter row stays locked until commit, so everything numbered is
+        // written by one statement after it takes the row, and only the expiry jobs follow.
+        let numbered = orders
+            .insert(&mut tx, checkout, buyer, gateway, expires_at)
+            .await?;
+        let jobs = numbered
+            .iter()
+            .map(|number| expiry::job(*number, expires_at))
+            .collect::<Result<Vec<_>, _>>()?;
+        crate::queue::enqueue_many(&mut *tx, &jobs).await?;
         tx.commit().await?;
         Ok(checkout)
     }
@@ -573,47 +535,120 @@ struct IdempotencyKey<'a> {
 }
 
 /// A checkout's order lines, written in one statement.
+/// A checkout's orders and their lines, as columns, for the one statement that numbers and
+/// writes them.
 #[derive(Default)]
-struct Lines {
-    order_id: Vec<i64>,
+struct NewOrders {
+    seller_id: Vec<uuid::Uuid>,
+    kind: Vec<ProductKind>,
+    interval: Vec<Option<String>>,
+    currency: Vec<String>,
+    subtotal: Vec<Decimal>,
+    discount: Vec<Decimal>,
+    total: Vec<Decimal>,
+    platform_fee: Vec<Decimal>,
+    seller_net: Vec<Decimal>,
+    coupon_id: Vec<Option<uuid::Uuid>>,
+    /// Each line's order, by its place (1-based) among the checkout's orders.
+    line_order: Vec<i64>,
     line: Vec<i32>,
-    product_id: Vec<ProductId>,
+    product_id: Vec<uuid::Uuid>,
     name: Vec<String>,
     unit_price: Vec<Decimal>,
     quantity: Vec<i32>,
-    subtotal: Vec<Decimal>,
-    discount: Vec<Decimal>,
+    line_subtotal: Vec<Decimal>,
+    line_discount: Vec<Decimal>,
 }
 
-impl Lines {
-    fn push(&mut self, order_id: i64, line: i32, l: &pricing::PricedLine) {
-        self.order_id.push(order_id);
-        self.line.push(line);
-        self.product_id.push(l.product.id);
-        self.name.push(l.product.name.clone());
-        self.unit_price.push(l.unit_price.amount());
-        self.quantity.push(l.quantity as i32);
-        self.subtotal.push(l.subtotal.amount());
-        self.discount.push(l.discount.amount());
+impl NewOrders {
+    fn push(&mut self, o: &pricing::PricedOrder, coupon: Option<catalogue::CouponId>) {
+        self.seller_id.push(o.seller_id.0);
+        self.kind.push(o.kind);
+        self.interval.push(o.interval.map(|i| i.to_string()));
+        self.currency.push(o.currency.as_str().to_owned());
+        self.subtotal.push(o.subtotal.amount());
+        self.discount.push(o.discount.amount());
+        self.total.push(o.total.amount());
+        self.platform_fee.push(o.platform_fee.amount());
+        self.seller_net.push(o.seller_net.amount());
+        self.coupon_id.push(coupon.map(|c| c.0));
+        let place = self.seller_id.len() as i64;
+        for (line, l) in o.lines.iter().enumerate() {
+            self.line_order.push(place);
+            self.line.push(line as i32 + 1);
+            self.product_id.push(l.product.id.0);
+            self.name.push(l.product.name.clone());
+            self.unit_price.push(l.unit_price.amount());
+            self.quantity.push(l.quantity as i32);
+            self.line_subtotal.push(l.subtotal.amount());
+            self.line_discount.push(l.discount.amount());
+        }
     }
 
-    async fn insert(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
-        let products: Vec<uuid::Uuid> = self.product_id.iter().map(|p| p.0).collect();
-        sqlx::query(
-            "INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
-             SELECT * FROM unnest($1::bigint[], $2::int[], $3::uuid[], $4::text[], $5::numeric[], $6::int[], $7::numeric[], $8::numeric[])",
+    /// Takes the next numbers from the counter row (sequential, no gaps: a rolled-back checkout
+    /// gives them back) and writes the orders, their lines, their coupon redemptions and their
+    /// `created` events, in one statement. Returns the numbers, in the orders' order.
+    async fn insert(
+        &self,
+        tx: &mut PgConnection,
+        checkout: i64,
+        buyer: &str,
+        gateway: GatewayName,
+        expires_at: chrono::DateTime<Utc>,
+    ) -> Result<Vec<i64>, sqlx::Error> {
+        let kinds: Vec<&str> = self.kind.iter().map(|k| k.as_str()).collect();
+        sqlx::query_scalar(
+            "WITH n AS (
+                 UPDATE order_numbers SET last = last + cardinality($1::uuid[]) WHERE singleton RETURNING last
+             ), o AS (
+                 INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, \"interval\", currency,
+                                     subtotal, discount, total, platform_fee, seller_net, gateway, coupon_id, expires_at)
+                 SELECT n.last - cardinality($1::uuid[]) + t.place, $11, t.seller_id, $12, t.kind, t.interval, t.currency,
+                        t.subtotal, t.discount, t.total, t.platform_fee, t.seller_net, $13, t.coupon_id, $14
+                 FROM n, unnest($1::uuid[], $2::text[], $3::text[], $4::bpchar[], $5::numeric[], $6::numeric[],
+                                $7::numeric[], $8::numeric[], $9::numeric[], $10::uuid[])
+                      WITH ORDINALITY AS t(seller_id, kind, interval, currency, subtotal, discount, total,
+                                           platform_fee, seller_net, coupon_id, place)
+                 RETURNING id, number, coupon_id, number - (SELECT last FROM n) + cardinality($1::uuid[]) AS place
+             ), items AS (
+                 INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
+                 SELECT o.id, l.line, l.product_id, l.name, l.unit_price, l.quantity, l.subtotal, l.discount
+                 FROM unnest($15::bigint[], $16::int[], $17::uuid[], $18::text[], $19::numeric[], $20::int[],
+                             $21::numeric[], $22::numeric[])
+                      AS l(place, line, product_id, name, unit_price, quantity, subtotal, discount)
+                 JOIN o ON o.place = l.place
+             ), redemptions AS (
+                 INSERT INTO coupon_redemptions (order_id, coupon_id) SELECT id, coupon_id FROM o WHERE coupon_id IS NOT NULL
+             ), events AS (
+                 INSERT INTO order_events (order_id, kind, payload)
+                 SELECT id, 'created', jsonb_build_object('number', number) FROM o
+             )
+             SELECT number FROM o ORDER BY number",
         )
-        .bind(&self.order_id)
+        .bind(&self.seller_id)
+        .bind(&kinds)
+        .bind(&self.interval)
+        .bind(&self.currency)
+        .bind(&self.subtotal)
+        .bind(&self.discount)
+        .bind(&self.total)
+        .bind(&self.platform_fee)
+        .bind(&self.seller_net)
+        .bind(&self.coupon_id)
+        .bind(checkout)
+        .bind(buyer)
+        .bind(gateway)
+        .bind(expires_at)
+        .bind(&self.line_order)
         .bind(&self.line)
-        .bind(&products)
+        .bind(&self.product_id)
         .bind(&self.name)
         .bind(&self.unit_price)
         .bind(&self.quantity)
-        .bind(&self.subtotal)
-        .bind(&self.discount)
-        .execute(tx)
-        .await?;
-        Ok(())
+        .bind(&self.line_subtotal)
+        .bind(&self.line_discount)
+        .fetch_all(&mut *tx)
+        .await
     }
 }
 

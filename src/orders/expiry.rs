@@ -35,13 +35,15 @@ pub async fn schedule(
     number: i64,
     at: DateTime<Utc>,
 ) -> Result<Scheduled, QueueError> {
-    queue::schedule(
-        &mut *tx,
-        NewJob::of(&ExpireOrder { number })?
-            .key(ExpireOrder::key(number))
-            .run_at(at),
-    )
-    .await
+    queue::schedule(&mut *tx, job(number, at)?).await
+}
+
+/// Order `number`'s expiry job, to run `at`: one per order (its key), so a new order's can be
+/// enqueued with it, and a reschedule replaces it ([`schedule`]).
+pub fn job(number: i64, at: DateTime<Utc>) -> Result<NewJob, QueueError> {
+    Ok(NewJob::of(&ExpireOrder { number })?
+        .key(ExpireOrder::key(number))
+        .run_at(at))
 }
 
 /// What an expiry run found.

@@ -12,6 +12,7 @@ use sqlx::PgConnection;
 
 use super::{ProcessError, ProcessPaymentEvent, RefundPayment};
 use crate::gateways::{DisputeStatus, Fact, GatewayName, PaymentRef, PaymentStatus};
+use crate::ledger::poster::Due;
 use crate::ledger::sales::{self, Sale};
 use crate::money::Money;
 use crate::orders::{self, PaymentEffect};
@@ -168,20 +169,16 @@ async fn find(
     }
 }
 
-/// What applying did, and the seller whose sale it left due (to post once the transaction has
-/// committed: `ledger::poster::post_due`).
+/// What applying did, and the sale it left due (to post once the transaction has committed).
 #[derive(Debug)]
 pub(crate) struct Outcome {
     pub applied: Applied,
-    pub due_seller: Option<String>,
+    pub due: Option<Due>,
 }
 
 impl From<Applied> for Outcome {
     fn from(applied: Applied) -> Self {
-        Self {
-            applied,
-            due_seller: None,
-        }
+        Self { applied, due: None }
     }
 }
 
@@ -351,7 +348,7 @@ pub(crate) async fn apply(
     }
 
     // The facts recorded so far are kept (and derived from) even when a later one must wait.
-    let (order_changed, due_seller) = derive_and_apply(tx, gateway, po.id, event_id).await?;
+    let (order_changed, due) = derive_and_apply(tx, gateway, po.id, event_id).await?;
     // The payment is known now: whatever waited for it looks again (if it is still not captured,
     // a refund simply waits again).
     let mut keys = vec![session_key(&po.session_id)];
@@ -367,10 +364,7 @@ pub(crate) async fn apply(
         None if changed || order_changed => Applied::Changed,
         None => Applied::Unchanged,
     };
-    Ok(Outcome {
-        applied,
-        due_seller,
-    })
+    Ok(Outcome { applied, due })
 }
 
 /// A second, different payment on a session that has its payment (Mercado Pago preferences and
@@ -713,7 +707,7 @@ async fn derive_and_apply(
     gateway: GatewayName,
     po_id: i64,
     event_id: Option<i64>,
-) -> Result<(bool, Option<String>), ProcessError> {
+) -> Result<(bool, Option<Due>), ProcessError> {
     let known: Known = sqlx::query_as(
         "SELECT po.session_id, po.payment_id, po.succeeded_at IS NOT NULL AS succeeded,
                 po.failed_at IS NOT NULL AS failed, po.amount, po.currency::text AS currency,
@@ -867,7 +861,7 @@ async fn sync_ledger(
     gateway: GatewayName,
     po_id: i64,
     number: i64,
-) -> Result<Option<String>, ProcessError> {
+) -> Result<Option<Due>, ProcessError> {
     let channel = sales::Channel::Gateway(gateway);
     // Refunds, then disputes, each in the order recorded: the first key not posted carries what
     // is left to take (`settle_take_backs`).

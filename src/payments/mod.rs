@@ -390,12 +390,12 @@ impl Processor {
         if processed.flatten().is_some() {
             return Ok(Processed::AlreadyProcessed);
         }
-        let mut due_seller = None;
+        let mut due = None;
         let result = match interpretation {
             Interpretation::Ignore(reason) => Processed::Ignored(reason),
             Interpretation::Update { payment, facts } => {
                 let outcome = apply::apply(&mut tx, of, &payment, &facts, Some(row.id)).await?;
-                due_seller = outcome.due_seller;
+                due = outcome.due;
                 match outcome.applied {
                     apply::Applied::Changed => Processed::Applied,
                     apply::Applied::Unchanged => {
@@ -411,10 +411,10 @@ impl Processor {
         // The effect has committed; its sale is posted with the seller's others due. A failure
         // here loses nothing (the sale stays due, for the next poster or the sweep), so it does
         // not fail the event.
-        if let Some(seller) = due_seller
-            && let Err(e) = crate::ledger::poster::post_due(pool, &seller).await
+        if let Some(due) = due
+            && let Err(e) = due.post(pool).await
         {
-            tracing::warn!(seller, error = %e, "cannot post the seller's sales now; the sweep will");
+            tracing::warn!(seller = due.seller, error = %e, "cannot post the seller's sales now; the sweep will");
         }
         Ok(result)
     }

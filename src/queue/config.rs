@@ -209,6 +209,13 @@ impl QueuesConfig {
         if f.rescue_interval_ms == 0 {
             return Err(invalid("fleet.rescue_interval_ms must be positive".into()));
         }
+        // A job due more than a minute ahead wakes no worker (store::ENQUEUE_MANY): every worker
+        // must look again sooner than that.
+        if f.poll_interval_ms > 60_000 {
+            return Err(invalid(
+                "fleet.poll_interval_ms must be at most 60000 (a job scheduled a minute ahead or more wakes no worker; each looks again within its poll interval)".into(),
+            ));
+        }
         Ok(config)
     }
 
@@ -308,5 +315,14 @@ mod tests {
         assert!(e.to_string().contains("claimers must be at least 1"), "{e}");
         let c = QueuesConfig::parse("[queues.a]\nconcurrency = 4\ntimeout_ms = 5\n", "t").unwrap();
         assert_eq!(c.queue("a").map(|q| q.claimers), Some(1), "one by default");
+    }
+
+    #[test]
+    fn a_poll_interval_beyond_a_minute_is_refused() {
+        let queue = "[queues.a]\nconcurrency = 4\ntimeout_ms = 5\n";
+        let e = QueuesConfig::parse(&format!("[fleet]\npoll_interval_ms = 60001\n{queue}"), "t")
+            .unwrap_err();
+        assert!(e.to_string().contains("at most 60000"), "{e}");
+        QueuesConfig::parse(&format!("[fleet]\npoll_interval_ms = 60000\n{queue}"), "t").unwrap();
     }
 }

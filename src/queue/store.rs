@@ -59,16 +59,23 @@ pub(crate) fn millis(d: Duration) -> i64 {
 
 // ---- enqueue, schedule, cancel -------------------------------------------------------------
 
+// A job due more than a minute from now wakes no worker: every worker looks again within its
+// poll interval (`[fleet] poll_interval_ms`, a second by default; keep it under a minute), long
+// before the job is due, and a transaction that notifies takes a database-wide lock at commit
+// (PostgreSQL's notification queue), which a checkout scheduling its orders' expiries half an
+// hour ahead should not queue behind.
 pub(crate) const ENQUEUE_ONE: &str = concat!(
     "WITH j AS (",
     insert_jobs_from!(job_columns_from_params!()),
-    " RETURNING id) SELECT id FROM j, pg_notify('payfleet_jobs', $1[1]) AS n"
+    " RETURNING id, run_at) SELECT id FROM j
+      LEFT JOIN LATERAL (SELECT pg_notify('payfleet_jobs', $1[1]) WHERE j.run_at <= now() + interval '1 minute') n ON true"
 );
 
 pub(crate) const ENQUEUE_MANY: &str = concat!(
     "WITH j AS (",
     insert_jobs_from!(job_columns_from_params!()),
-    " RETURNING id), queues AS (SELECT DISTINCT q FROM unnest($1::text[]) AS q)
+    " RETURNING id), queues AS (SELECT DISTINCT q FROM unnest($1::text[], $5::timestamptz[]) AS x(q, at)
+                                WHERE at IS NULL OR at <= now() + interval '1 minute')
          SELECT (SELECT count(*) FROM j)
          FROM (SELECT count(pg_notify('payfleet_jobs', q)) FROM queues) n"
 );
