@@ -97,9 +97,9 @@ struct DueRow {
     sale: SaleRow,
 }
 
-/// Posts the sales due of `seller`, in batches, until none is left. Returns how many were dealt
-/// with. `mine`: the sale the caller has just recorded; when another poster has taken it
-/// already, there is nothing to wait for.
+/// Posts the sales due of `seller`, in batches, until none is left, or leaves them to the
+/// poster whose turn is next. Returns how many this call posted. `mine`: the sale the caller
+/// has just recorded; when a poster has taken it already, there is nothing to do.
 pub async fn post_due(pool: &PgPool, seller: &str, mine: Option<i64>) -> Result<u64, LedgerError> {
     if let Some(number) = mine {
         let due: bool = sqlx::query_scalar(
@@ -112,7 +112,7 @@ pub async fn post_due(pool: &PgPool, seller: &str, mine: Option<i64>) -> Result<
             return Ok(0);
         }
     }
-    post(pool, seller).await
+    post(pool, seller, Turn::Queue).await
 }
 
 /// Posts the sales due of `seller`: once it returns, every sale of the seller committed before
@@ -131,16 +131,29 @@ pub async fn settle(pool: &PgPool, seller: &str) -> Result<u64, sqlx::Error> {
         return Ok(0);
     }
     // A refused sale is kept with its reason by `post` itself: what comes back is an outage.
-    post(pool, seller).await.map_err(|e| match e {
+    post(pool, seller, Turn::Wait).await.map_err(|e| match e {
         LedgerError::Database(e) => e,
         other => sqlx::Error::Decode(Box::new(other)),
     })
 }
 
-async fn post(pool: &PgPool, seller: &str) -> Result<u64, LedgerError> {
+/// How a poster waits for the seller's turn (an advisory lock, taken before it reads what is
+/// due, so the poster whose turn it is takes every sale committed until then).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Turn {
+    /// Wait for it: a reader, who must see every sale committed before it posted.
+    Wait,
+    /// Take it if free, or wait as the one poster next in line (a second advisory lock, held
+    /// only while waiting), or else leave: the poster next in line reads what is due only once
+    /// it has its turn, so it takes this caller's sale too. A job never waits behind more than
+    /// one other poster, and its slot goes back to new payments.
+    Queue,
+}
+
+async fn post(pool: &PgPool, seller: &str, turn: Turn) -> Result<u64, LedgerError> {
     let mut done = 0;
     loop {
-        match post_batch(pool, seller, None).await {
+        match post_batch(pool, seller, turn, None).await {
             Ok(n) => {
                 done += n;
                 if n < BATCH as u64 {
@@ -162,16 +175,70 @@ fn is_outage(e: &LedgerError) -> bool {
     matches!(e, LedgerError::Database(e) if crate::db::is_transient(e))
 }
 
-/// One transaction: claims the seller's sales due (up to [`BATCH`], or only order `only`),
-/// posts them, deletes their rows.
-async fn post_batch(pool: &PgPool, seller: &str, only: Option<i64>) -> Result<u64, LedgerError> {
-    let mut tx = pool.begin().await?;
-    // The seller's turn: while one poster holds it, the sales of the seller's payments keep
-    // committing, and the next poster takes them all at once.
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('ledger_poster:' || $1, 0))")
+/// Takes the seller's turn in `tx` as `turn` says; false: left to the poster next in line.
+async fn take_turn(tx: &mut PgConnection, seller: &str, turn: Turn) -> Result<bool, sqlx::Error> {
+    const TURN: &str = "hashtextextended('ledger_poster:' || $1, 0)";
+    const NEXT: &str = "hashtextextended('ledger_poster_next:' || $1, 0)";
+    if turn == Turn::Wait {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT pg_advisory_xact_lock({TURN})"
+        )))
         .bind(seller)
         .execute(&mut *tx)
         .await?;
+        return Ok(true);
+    }
+    let free: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_try_advisory_xact_lock({TURN})"
+    )))
+    .bind(seller)
+    .fetch_one(&mut *tx)
+    .await?;
+    if free {
+        return Ok(true);
+    }
+    // Next in line: a session lock, so that it can be let go as soon as the turn is ours (the
+    // next caller may then line up behind us). Taken and let go within this transaction, on
+    // its one connection (also behind a transaction-pooling PgBouncer).
+    let next: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_try_advisory_lock({NEXT})"
+    )))
+    .bind(seller)
+    .fetch_one(&mut *tx)
+    .await?;
+    if !next {
+        return Ok(false);
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_advisory_xact_lock({TURN}), pg_advisory_unlock({NEXT})"
+    )))
+    .bind(seller)
+    .execute(&mut *tx)
+    .await?;
+    Ok(true)
+}
+
+/// One transaction: claims the seller's sales due (up to [`BATCH`], or only order `only`),
+/// posts them, deletes their rows. Returns how many; none when left to the next poster.
+async fn post_batch(
+    pool: &PgPool,
+    seller: &str,
+    turn: Turn,
+    only: Option<i64>,
+) -> Result<u64, LedgerError> {
+    let mut conn = pool.acquire().await?;
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    match take_turn(&mut tx, seller, turn).await {
+        Ok(true) => {}
+        Ok(false) => return Ok(0),
+        Err(e) => {
+            // It may hold the session lock of the next in line: the connection is closed
+            // rather than returned with it (the lock goes with the session).
+            drop(tx);
+            conn.close_on_drop();
+            return Err(e.into());
+        }
+    }
     let rows: Vec<DueRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT d.order_number, d.channel, ({IS_SALE}) AS is_sale, {SALE_COLUMNS}
          FROM ledger_sales_due d JOIN {SALE_JOIN} ON o.number = d.order_number
@@ -220,7 +287,7 @@ async fn post_one_by_one(pool: &PgPool, seller: &str) -> Result<u64, LedgerError
     .await?;
     let mut done = 0;
     for number in numbers {
-        match post_batch(pool, seller, Some(number)).await {
+        match post_batch(pool, seller, Turn::Wait, Some(number)).await {
             Ok(n) => done += n,
             Err(e) if is_outage(&e) => return Err(e),
             Err(e) => {

@@ -106,6 +106,8 @@ struct Locked {
     session_id: Option<String>,
     payment_attempt: i32,
     paid_with_coins: bool,
+    /// Coins the buyer set aside to pay with (given back once the gateway's payment arrives).
+    coin_reserved: bool,
 }
 
 /// The session a payment's facts come from, as the payment side recorded it.
@@ -140,7 +142,7 @@ pub async fn apply_payment(
     } = through;
     let order: Option<Locked> = sqlx::query_as(
         "SELECT id, status, payment_status, total, currency::text AS currency, amount_refunded, paid_at, session_id,
-                payment_attempt, paid_with_coins
+                payment_attempt, paid_with_coins, coin_reservation IS NOT NULL AS coin_reserved
          FROM orders WHERE number = $1 AND gateway = $2 FOR UPDATE",
     )
     .bind(number)
@@ -257,7 +259,9 @@ pub async fn apply_payment(
         )
         .await?;
         // Coins the buyer tried to pay with first go back.
-        coins::give_back(tx, o.id).await?;
+        if o.coin_reserved {
+            coins::give_back(tx, o.id).await?;
+        }
     }
     Ok(Some(PaymentEffect::Changed))
 }

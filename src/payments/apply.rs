@@ -196,8 +196,12 @@ pub(crate) async fn apply(
     let has_payment_fact = facts.iter().any(|f| matches!(f, Fact::Payment { .. }));
     let found = find(tx, gateway, payment).await?;
     // Only an event naming a payment other than the session's own can be about a second one:
-    // the events of the payment itself (nearly all) ask nothing more.
+    // the events of the payment itself (nearly all) ask nothing more, nor does the first event
+    // of a session no payment is known for (a second payment is one on a session that has its
+    // payment).
+    let unknown_session = found.is_none() && payment.session_id.is_some();
     if payment.payment_id.is_some()
+        && !unknown_session
         && found.as_ref().and_then(|p| p.payment_id.as_ref()) != payment.payment_id.as_ref()
         && let Some(applied) = second_payment_facts(tx, gateway, payment, facts).await?
     {
@@ -798,7 +802,8 @@ async fn derive_and_apply(
         }
         Some(effect @ (PaymentEffect::Changed | PaymentEffect::Unchanged)) => {
             if let Some((number, _, _, _)) = &session {
-                due = sync_ledger(tx, gateway, po_id, *number).await?;
+                let taken_back = !refunded.is_zero() || !facts.disputes.is_empty();
+                due = sync_ledger(tx, gateway, po_id, *number, taken_back).await?;
             }
             Ok(effect == PaymentEffect::Changed)
         }
@@ -855,14 +860,19 @@ async fn derive_and_apply(
 /// A sale with nothing taken back (nearly every payment) is only recorded as due here, without
 /// the seller's accounts; its seller comes back, for the poster to post once this transaction
 /// has committed (`ledger::poster`). A sale with refunds or disputes is posted here, under the
-/// seller's accounts, before what is taken back from it.
+/// seller's accounts, before what is taken back from it. `taken_back`: whether the payment has
+/// refunds or disputes (when it has none, they are not looked for).
 async fn sync_ledger(
     tx: &mut PgConnection,
     gateway: GatewayName,
     po_id: i64,
     number: i64,
+    taken_back: bool,
 ) -> Result<Option<Due>, ProcessError> {
     let channel = sales::Channel::Gateway(gateway);
+    if !taken_back {
+        return Ok(crate::ledger::poster::defer(tx, number, channel).await?);
+    }
     // Refunds, then disputes, each in the order recorded: the first key not posted carries what
     // is left to take (`settle_take_backs`).
     let taken: Vec<(String, Decimal, Option<DisputeStatus>)> = sqlx::query_as(
