@@ -1,14 +1,18 @@
-//! The seller's poster: sales are posted in batches per seller, after the payment's effect.
+//! The seller's poster: sales are posted in batches per seller when a seller's payments arrive
+//! faster than its accounts can be held for each.
 //!
-//! A payment's transaction confirms its order, writes its order message and records its sale as
-//! due ([`defer`], one statement, no account touched). Right after it commits, the job that
-//! processed it posts whatever its seller has due ([`post_due`]): one transaction locks the
-//! seller's accounts once, writes every due sale's credit and fee with their entries
-//! (`ledger::post_many`, a fixed number of statements for the whole batch) and deletes the
-//! rows it posted. While one poster holds a seller's accounts, the payments of that seller keep
-//! committing beside it, and the next poster takes all of them at once: under a flash sale the
-//! batches grow, and the seller's accounts are held once per batch instead of once per payment
-//! for the whole of its transaction.
+//! Whoever posts a seller's sales holds the seller's turn (an advisory lock). A payment's
+//! transaction (the order confirmed, its order message in the outbox) tries the turn
+//! ([`post_or_defer`]): free, it posts its sale itself, a few statements before the commit it
+//! makes anyway; taken (another payment of the same seller is posting), it records its sale as
+//! due (one statement, no account touched) and, right after it commits, the job that processed
+//! it posts whatever its seller has due ([`Due::post`]): one transaction holds the seller's
+//! turn and accounts once, writes every due sale's credit and fee with their entries
+//! (`ledger::post_many`, a fixed number of statements for the whole batch) and deletes the rows
+//! it posted. While one poster holds the turn, the payments of that seller keep committing
+//! beside it, and the next poster takes all of them at once: under a flash sale the batches
+//! grow, and the seller's accounts are held once per batch instead of once per payment for the
+//! whole of its transaction.
 //!
 //! What keeps the ledger's promises: the posters of one seller take turns on an advisory lock
 //! taken before they read what is due, so the one whose turn it is takes every sale committed
@@ -88,6 +92,46 @@ pub async fn defer(
     })
 }
 
+/// Order `number`'s sale through `channel`, in the payment's own transaction: posted there when
+/// no poster has the seller's turn (the seller's accounts are then free, and the sale is
+/// written by a few statements before the commit the payment makes anyway), else recorded as
+/// due for the poster whose turn it is. Returns the sale left due, to post after commit.
+pub async fn post_or_defer(
+    tx: &mut PgConnection,
+    number: i64,
+    channel: Channel,
+) -> Result<Option<Due>, LedgerError> {
+    #[derive(sqlx::FromRow)]
+    struct Unposted {
+        turn: bool,
+        #[sqlx(flatten)]
+        sale: SaleRow,
+    }
+    // The turn is tried only for a sale not posted yet.
+    let row: Option<Unposted> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_try_advisory_xact_lock({TURN_OF_ORDER}) AS turn, {SALE_COLUMNS}
+         FROM {SALE_JOIN}
+         WHERE o.number = $1 AND {IS_SALE}
+           AND NOT EXISTS (SELECT 1 FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number)"
+    )))
+    .bind(number)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    if !row.turn {
+        return Ok(defer(tx, number, channel).await?);
+    }
+    if let Some(sale) = row.sale.into_sale(number, channel)? {
+        super::post_many(tx, &sale.postings()).await?;
+    }
+    Ok(None)
+}
+
+/// The seller's turn, as [`TURN`] names it, for the seller of order `o`.
+const TURN_OF_ORDER: &str = "hashtextextended('ledger_poster:' || o.seller_id::text, 0)";
+
 #[derive(sqlx::FromRow)]
 struct DueRow {
     order_number: i64,
@@ -137,6 +181,11 @@ pub async fn settle(pool: &PgPool, seller: &str) -> Result<u64, sqlx::Error> {
     })
 }
 
+/// The seller's turn: one advisory lock per seller, held by whoever posts its sales.
+const TURN: &str = "hashtextextended('ledger_poster:' || $1, 0)";
+/// The one poster next in line for the seller's turn ([`Turn::Queue`]).
+const NEXT: &str = "hashtextextended('ledger_poster_next:' || $1, 0)";
+
 /// How a poster waits for the seller's turn (an advisory lock, taken before it reads what is
 /// due, so the poster whose turn it is takes every sale committed until then).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,8 +226,6 @@ fn is_outage(e: &LedgerError) -> bool {
 
 /// Takes the seller's turn in `tx` as `turn` says; false: left to the poster next in line.
 async fn take_turn(tx: &mut PgConnection, seller: &str, turn: Turn) -> Result<bool, sqlx::Error> {
-    const TURN: &str = "hashtextextended('ledger_poster:' || $1, 0)";
-    const NEXT: &str = "hashtextextended('ledger_poster_next:' || $1, 0)";
     if turn == Turn::Wait {
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT pg_advisory_xact_lock({TURN})"

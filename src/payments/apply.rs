@@ -857,9 +857,10 @@ async fn derive_and_apply(
 /// again (a duplicate, a reprocessed event) posts nothing twice, and facts that arrived in any
 /// order end in the same ledger.
 ///
-/// A sale with nothing taken back (nearly every payment) is only recorded as due here, without
-/// the seller's accounts; its seller comes back, for the poster to post once this transaction
-/// has committed (`ledger::poster`). A sale with refunds or disputes is posted here, under the
+/// A sale with nothing taken back (nearly every payment) is posted here when no poster has its
+/// seller's turn, else recorded as due and returned, for the poster to post once this
+/// transaction has committed (`ledger::poster`): a seller's flash sale never queues its
+/// payments on the seller's accounts. A sale with refunds or disputes is posted here, under the
 /// seller's accounts, before what is taken back from it. `taken_back`: whether the payment has
 /// refunds or disputes (when it has none, they are not looked for).
 async fn sync_ledger(
@@ -871,7 +872,7 @@ async fn sync_ledger(
 ) -> Result<Option<Due>, ProcessError> {
     let channel = sales::Channel::Gateway(gateway);
     if !taken_back {
-        return Ok(crate::ledger::poster::defer(tx, number, channel).await?);
+        return Ok(crate::ledger::poster::post_or_defer(tx, number, channel).await?);
     }
     // Refunds, then disputes, each in the order recorded: the first key not posted carries what
     // is left to take (`settle_take_backs`).
