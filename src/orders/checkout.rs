@@ -23,11 +23,13 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use sqlx::{PgConnection, PgPool};
 
+use super::expiry::ExpireOrder;
 use super::pricing::{self, PricingError};
-use super::{OrderView, expiry, of_checkout};
+use super::{OrderView, of_checkout};
 use crate::catalogue::{self, ProductId, ProductKind};
 use crate::gateways::GatewayName;
 use crate::messaging::rpc::{PaymentLinkReply, PaymentLinkRequest, PaymentLinks, RpcError};
+use crate::queue::Job;
 use crate::queue::QueueError;
 
 /// How long a request holds its key beyond the payment side's timeout, before another may take
@@ -318,8 +320,18 @@ impl Checkout {
         let mut tx = self.pool.begin().await?;
         // Only the request holding the key writes (a crashed one may have been taken over), and
         // the row lock makes the tie between key and checkout exact.
+        //
+        // The transaction commits without waiting for its WAL to reach the disk
+        // (`synchronous_commit` off for it alone), so the order-number counter is held for the
+        // commit's bookkeeping, not for a disk flush, and checkouts do not queue behind each
+        // other's flushes. It is durable before anything names its orders: the answer is
+        // stored, and the payment side records each order's session, by synchronous commits
+        // after it, and PostgreSQL's log is flushed in order. A crash before then loses the
+        // whole checkout, numbers included (no gap): the client saw no answer, and the same
+        // request with the same key checks out again.
         let row: Option<(Option<i64>, Option<String>)> = sqlx::query_as(
-            "SELECT checkout_id, locked_by FROM idempotency_keys WHERE owner = $2 AND key = $1 FOR UPDATE",
+            "SELECT checkout_id, locked_by FROM idempotency_keys, set_config('synchronous_commit', 'off', true)
+             WHERE owner = $2 AND key = $1 FOR UPDATE OF idempotency_keys",
         )
         .bind(key.key)
         .bind(key.owner)
@@ -390,15 +402,10 @@ impl Checkout {
             orders.push(o, coupon);
         }
         // Numbers last: the counter row stays locked until commit, so everything numbered is
-        // written by one statement after it takes the row, and only the expiry jobs follow.
-        let numbered = orders
+        // written by the one statement that takes the row, and only the commit follows it.
+        orders
             .insert(&mut tx, checkout, buyer, gateway, expires_at)
             .await?;
-        let jobs = numbered
-            .iter()
-            .map(|number| expiry::job(*number, expires_at))
-            .collect::<Result<Vec<_>, _>>()?;
-        crate::queue::enqueue_many(&mut *tx, &jobs).await?;
         tx.commit().await?;
         Ok(checkout)
     }
@@ -586,8 +593,10 @@ impl NewOrders {
     }
 
     /// Takes the next numbers from the counter row (sequential, no gaps: a rolled-back checkout
-    /// gives them back) and writes the orders, their lines, their coupon redemptions and their
-    /// `created` events, in one statement. Returns the numbers, in the orders' order.
+    /// gives them back) and writes the orders, their lines, their coupon redemptions, their
+    /// `created` events and their expiry jobs (`expiry::ExpireOrder`, its payload and key made
+    /// here from each number, which a test of that module pins), in one statement. Returns the
+    /// numbers, in the orders' order.
     async fn insert(
         &self,
         tx: &mut PgConnection,
@@ -597,7 +606,7 @@ impl NewOrders {
         expires_at: chrono::DateTime<Utc>,
     ) -> Result<Vec<i64>, sqlx::Error> {
         let kinds: Vec<&str> = self.kind.iter().map(|k| k.as_str()).collect();
-        sqlx::query_scalar(
+        sqlx::query_scalar(concat!(
             "WITH n AS (
                  UPDATE order_numbers SET last = last + cardinality($1::uuid[]) WHERE singleton RETURNING last
              ), o AS (
@@ -622,9 +631,15 @@ impl NewOrders {
              ), events AS (
                  INSERT INTO order_events (order_id, kind, payload)
                  SELECT id, 'created', jsonb_build_object('number', number) FROM o
-             )
+             ), expiries AS (",
+            crate::insert_jobs_from!(
+                "(SELECT $23::text AS job_queue, $24::text AS job_kind, $25 || number AS job_key,
+                         jsonb_build_object('number', number) AS job_payload, $14::timestamptz AS job_run_at,
+                         $26::int AS job_max_attempts, NULL::text AS job_fairness_key FROM o) AS t"
+            ),
+            ")
              SELECT number FROM o ORDER BY number",
-        )
+        ))
         .bind(&self.seller_id)
         .bind(&kinds)
         .bind(&self.interval)
@@ -647,6 +662,10 @@ impl NewOrders {
         .bind(&self.quantity)
         .bind(&self.line_subtotal)
         .bind(&self.line_discount)
+        .bind(ExpireOrder::QUEUE)
+        .bind(ExpireOrder::KIND)
+        .bind(ExpireOrder::KEY_PREFIX)
+        .bind(ExpireOrder::MAX_ATTEMPTS)
         .fetch_all(&mut *tx)
         .await
     }

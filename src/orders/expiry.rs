@@ -24,8 +24,11 @@ impl Job for ExpireOrder {
 }
 
 impl ExpireOrder {
+    /// An order's expiry job's key is this and its number.
+    pub const KEY_PREFIX: &'static str = "order_expiry:";
+
     pub fn key(number: i64) -> String {
-        format!("order_expiry:{number}")
+        format!("{}{number}", Self::KEY_PREFIX)
     }
 }
 
@@ -38,9 +41,9 @@ pub async fn schedule(
     queue::schedule(&mut *tx, job(number, at)?).await
 }
 
-/// Order `number`'s expiry job, to run `at`: one per order (its key), so a new order's can be
-/// enqueued with it, and a reschedule replaces it ([`schedule`]).
-pub fn job(number: i64, at: DateTime<Utc>) -> Result<NewJob, QueueError> {
+/// Order `number`'s expiry job, to run `at`: one per order (its key), which a reschedule
+/// replaces. (A new order's is written by checkout's numbering statement.)
+fn job(number: i64, at: DateTime<Utc>) -> Result<NewJob, QueueError> {
     Ok(NewJob::of(&ExpireOrder { number })?
         .key(ExpireOrder::key(number))
         .run_at(at))
@@ -110,4 +113,18 @@ pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, crate::queue::
     .await?;
     tx.commit().await?;
     Ok(Expiry::Expired)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Checkout writes new orders' expiry jobs in its numbering statement, building this
+    /// payload and key in SQL from each order's number: they must stay this shape.
+    #[test]
+    fn an_expiry_job_is_its_orders_number_under_its_key() {
+        let payload = serde_json::to_value(ExpireOrder { number: 7 }).unwrap();
+        assert_eq!(payload, serde_json::json!({"number": 7}));
+        assert_eq!(ExpireOrder::key(7), format!("{}7", ExpireOrder::KEY_PREFIX));
+    }
 }
