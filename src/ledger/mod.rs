@@ -150,6 +150,17 @@ pub async fn accounts(tx: &mut PgConnection, refs: &[AccountRef]) -> Result<Vec<
         .map(|(r, _)| r)
         .collect();
     if !missing.is_empty() {
+        // In one order whoever inserts them, so two transactions creating the same accounts
+        // cannot deadlock on the unique index.
+        let mut missing = missing;
+        missing.sort_by(|a, b| {
+            (a.kind.as_str(), &a.owner, a.currency.as_str()).cmp(&(
+                b.kind.as_str(),
+                &b.owner,
+                b.currency.as_str(),
+            ))
+        });
+        missing.dedup();
         let (kinds, owners, currencies) = columns(missing.iter().copied());
         sqlx::query(
             "INSERT INTO ledger_accounts (kind, owner, currency)

@@ -58,9 +58,18 @@ pub struct Due {
 }
 
 impl Due {
-    /// Posts it with its seller's others, unless a poster has taken it already.
-    pub async fn post(&self, pool: &PgPool) -> Result<u64, LedgerError> {
-        post_due(pool, &self.seller, Some(self.order_number)).await
+    /// Posts it with its seller's others, unless a poster has taken it already. In a task of
+    /// its own: a caller that stops waiting (a job timed out) cannot cut a poster off between
+    /// lining up and letting go of its place in line.
+    pub async fn post(self, pool: &PgPool) -> Result<u64, LedgerError> {
+        let pool = pool.clone();
+        let seller = self.seller.clone();
+        tokio::spawn(async move { post_due(&pool, &self.seller, Some(self.order_number)).await })
+            .await
+            .unwrap_or_else(|e| {
+                tracing::error!(seller, error = %e, "the poster's task failed; the sweep will post its sales");
+                Ok(0)
+            })
     }
 }
 
@@ -104,12 +113,15 @@ pub async fn post_or_defer(
     #[derive(sqlx::FromRow)]
     struct Unposted {
         turn: bool,
+        due: bool,
         #[sqlx(flatten)]
         sale: SaleRow,
     }
     // The turn is tried only for a sale not posted yet.
     let row: Option<Unposted> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT pg_try_advisory_xact_lock({TURN_OF_ORDER}) AS turn, {SALE_COLUMNS}
+        "SELECT pg_try_advisory_xact_lock({TURN_OF_ORDER}) AS turn,
+                EXISTS (SELECT 1 FROM ledger_sales_due d WHERE d.order_number = o.number) AS due,
+                {SALE_COLUMNS}
          FROM {SALE_JOIN}
          WHERE o.number = $1 AND {IS_SALE}
            AND NOT EXISTS (SELECT 1 FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number)"
@@ -123,10 +135,25 @@ pub async fn post_or_defer(
     if !row.turn {
         return Ok(defer(tx, number, channel).await?);
     }
+    // A refusal here is the payment's, as any posting's in its transaction: the event is
+    // rejected with its reason and replayed after a fix.
     if let Some(sale) = row.sale.into_sale(number, channel)? {
         super::post_many(tx, &sale.postings()).await?;
     }
+    // Left by an earlier run (refused by a poster, and replayed since): posted now.
+    if row.due {
+        clear(tx, number).await?;
+    }
     Ok(None)
+}
+
+/// Deletes order `number`'s due row, in the transaction that posts its sale some other way.
+pub(super) async fn clear(tx: &mut PgConnection, number: i64) -> Result<(), sqlx::Error> {
+    sqlx::query("DELETE FROM ledger_sales_due WHERE order_number = $1")
+        .bind(number)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
 }
 
 /// The seller's turn, as [`TURN`] names it, for the seller of order `o`.
@@ -279,10 +306,19 @@ async fn post_batch(
         Ok(true) => {}
         Ok(false) => return Ok(0),
         Err(e) => {
-            // It may hold the session lock of the next in line: the connection is closed
-            // rather than returned with it (the lock goes with the session).
+            // It may hold the session lock of the next in line, which a rollback keeps: let go
+            // of it on the same connection, or close the connection (the lock goes with the
+            // session) rather than return it to the pool with it.
             drop(tx);
-            conn.close_on_drop();
+            let released = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SELECT pg_advisory_unlock({NEXT})"
+            )))
+            .bind(seller)
+            .execute(&mut *conn)
+            .await;
+            if released.is_err() {
+                conn.close_on_drop();
+            }
             return Err(e.into());
         }
     }

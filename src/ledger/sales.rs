@@ -255,9 +255,14 @@ async fn seller_bucket(
     })
 }
 
-/// The paid order's credit and fee. Once per order.
+/// The paid order's credit and fee. Once per order. Every account of the seller is locked
+/// first (in id order, one statement), so that what the transaction posts after it (a refund,
+/// a dispute) locks nothing more and cannot deadlock with another posting of the seller.
 pub async fn record_sale(tx: &mut PgConnection, sale: &Sale) -> Result<(), LedgerError> {
+    lock_seller(tx, &sale.accounts()).await?;
     post_many(tx, &sale.postings()).await?;
+    // A due row a replay leaves (its sale refused by a poster once) goes with its posting.
+    super::poster::clear(tx, sale.order_number).await?;
     Ok(())
 }
 

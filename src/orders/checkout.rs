@@ -320,18 +320,8 @@ impl Checkout {
         let mut tx = self.pool.begin().await?;
         // Only the request holding the key writes (a crashed one may have been taken over), and
         // the row lock makes the tie between key and checkout exact.
-        //
-        // The transaction commits without waiting for its WAL to reach the disk
-        // (`synchronous_commit` off for it alone), so the order-number counter is held for the
-        // commit's bookkeeping, not for a disk flush, and checkouts do not queue behind each
-        // other's flushes. It is durable before anything names its orders: the answer is
-        // stored, and the payment side records each order's session, by synchronous commits
-        // after it, and PostgreSQL's log is flushed in order. A crash before then loses the
-        // whole checkout, numbers included (no gap): the client saw no answer, and the same
-        // request with the same key checks out again.
         let row: Option<(Option<i64>, Option<String>)> = sqlx::query_as(
-            "SELECT checkout_id, locked_by FROM idempotency_keys, set_config('synchronous_commit', 'off', true)
-             WHERE owner = $2 AND key = $1 FOR UPDATE OF idempotency_keys",
+            "SELECT checkout_id, locked_by FROM idempotency_keys WHERE owner = $2 AND key = $1 FOR UPDATE",
         )
         .bind(key.key)
         .bind(key.owner)
@@ -403,9 +393,13 @@ impl Checkout {
         }
         // Numbers last: the counter row stays locked until commit, so everything numbered is
         // written by the one statement that takes the row, and only the commit follows it.
-        orders
+        let numbered = orders
             .insert(&mut tx, checkout, buyer, gateway, expires_at)
             .await?;
+        if numbered.len() != priced.len() {
+            // Only a missing counter row does this (migration 0011 writes it): nothing is kept.
+            return Err(CheckoutError::Database(sqlx::Error::RowNotFound));
+        }
         tx.commit().await?;
         Ok(checkout)
     }

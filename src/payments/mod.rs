@@ -411,10 +411,11 @@ impl Processor {
         // The effect has committed; its sale is posted with the seller's others due. A failure
         // here loses nothing (the sale stays due, for the next poster or the sweep), so it does
         // not fail the event.
-        if let Some(due) = due
-            && let Err(e) = due.post(pool).await
-        {
-            tracing::warn!(seller = due.seller, error = %e, "cannot post the seller's sales now; the sweep will");
+        if let Some(due) = due {
+            let seller = due.seller.clone();
+            if let Err(e) = due.post(pool).await {
+                tracing::warn!(seller, error = %e, "cannot post the seller's sales now; the sweep will");
+            }
         }
         Ok(result)
     }

@@ -2096,5 +2096,24 @@ async fn a_sale_the_ledger_refuses_is_kept_with_its_reason_and_holds_up_no_other
         .expect("a finding");
     assert_eq!(f.subject, format!("order {}", numbers[1]));
     assert!(f.detail.contains("refused"), "{}", f.detail);
+    // Its event replayed after a fix: the payment posts the sale itself (no poster has the
+    // turn), and the refused row goes with it.
+    let mut tx = pool.begin().await.unwrap();
+    let left = ledger::poster::post_or_defer(
+        &mut tx,
+        numbers[1],
+        sales::Channel::Gateway(payfleet::gateways::GatewayName::Internal),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(left, None, "posted in the payment's own transaction");
+    assert_eq!(ledger::poster::due(&pool).await.unwrap().0, 0);
+    assert_eq!(
+        ledger::poster::due(&pool).await.unwrap().1,
+        0,
+        "nothing refused is left"
+    );
+    assert_eq!(shop.balance(&seller).await, (d("270.00"), d("0")));
     invariants_hold(&pool).await;
 }
