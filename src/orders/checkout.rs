@@ -25,7 +25,7 @@ use sqlx::{PgConnection, PgPool};
 
 use super::expiry::ExpireOrder;
 use super::pricing::{self, PricingError};
-use super::{OrderView, of_checkout};
+use super::{OrderView, PaymentLinkView, of_checkout};
 use crate::catalogue::{self, ProductId, ProductKind};
 use crate::gateways::GatewayName;
 use crate::messaging::rpc::{PaymentLinkReply, PaymentLinkRequest, PaymentLinks, RpcError};
@@ -430,7 +430,7 @@ impl Checkout {
         me: &str,
         checkout: i64,
     ) -> Result<serde_json::Value, CheckoutError> {
-        let orders = of_checkout(&self.pool, checkout).await?;
+        let mut orders = of_checkout(&self.pool, checkout).await?;
         let missing: Vec<&OrderView> = orders
             .iter()
             .filter(|o| o.payment.is_none() && o.status.is_payable())
@@ -443,9 +443,14 @@ impl Checkout {
         .await;
         let mut unavailable = (Vec::new(), None);
         let mut refused = (Vec::new(), None);
+        let mut stored = Vec::with_capacity(missing.len());
+        // Read again only if a link was stored by someone else meanwhile (the answer says what
+        // the orders hold).
+        let mut read_again = false;
         for (o, r) in missing.iter().zip(results) {
             match r {
-                Ok(()) => {}
+                Ok(Some(view)) => stored.push((o.number, view)),
+                Ok(None) => read_again = true,
                 Err((reason, true)) => {
                     unavailable.0.push(o.number);
                     unavailable.1 = Some(reason);
@@ -462,7 +467,15 @@ impl Checkout {
         if let (orders, Some(reason)) = unavailable {
             return Err(CheckoutError::LinksUnavailable { orders, reason });
         }
-        let orders = of_checkout(&self.pool, checkout).await?;
+        if read_again {
+            orders = of_checkout(&self.pool, checkout).await?;
+        } else {
+            for (number, view) in stored {
+                if let Some(o) = orders.iter_mut().find(|o| o.number == number) {
+                    o.payment = Some(view);
+                }
+            }
+        }
         let answer = serde_json::to_value(CheckoutAnswer { orders }).unwrap_or_default();
         sqlx::query(
             "UPDATE idempotency_keys SET response = $2, locked_until = NULL, locked_by = NULL
@@ -665,13 +678,14 @@ impl NewOrders {
     }
 }
 
-/// Asks the payment side for an order's link and stores it on the order. Returns why not, and
+/// Asks the payment side for an order's link and stores it on the order. Returns the link
+/// stored (none: the order had one stored meanwhile, by another request), or why not and
 /// whether asking again later may work.
 pub async fn link(
     pool: &PgPool,
     links: &dyn PaymentLinks,
     o: &OrderView,
-) -> Result<(), (String, bool)> {
+) -> Result<Option<PaymentLinkView>, (String, bool)> {
     let seller = catalogue::seller(pool, o.seller_id)
         .await
         .map_err(|e| (e.to_string(), true))?;
@@ -701,7 +715,7 @@ pub async fn link(
     };
     match links.create(&request).await {
         Ok(PaymentLinkReply::Created { session_id, url }) => {
-            sqlx::query(
+            let stored = sqlx::query(
                 "UPDATE orders SET session_id = $2, payment_url = $3, updated_at = now()
                  WHERE number = $1 AND session_id IS NULL AND payment_attempt = $4",
             )
@@ -712,7 +726,11 @@ pub async fn link(
             .execute(pool)
             .await
             .map_err(|e| (e.to_string(), true))?;
-            Ok(())
+            Ok((stored.rows_affected() == 1).then(|| PaymentLinkView {
+                gateway: o.gateway,
+                session_id,
+                url,
+            }))
         }
         Ok(PaymentLinkReply::Failed {
             code,

@@ -142,31 +142,17 @@ async fn find(
     gateway: GatewayName,
     payment: &PaymentRef,
 ) -> Result<Option<PaymentRow>, sqlx::Error> {
-    if let Some(session) = &payment.session_id {
-        let row = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT {PAYMENT_COLUMNS} FROM payment_orders WHERE gateway = $1 AND session_id = $2 FOR UPDATE"
-        )))
-        .bind(gateway.as_str())
-        .bind(session)
-        .fetch_optional(&mut *tx)
-        .await?;
-        if row.is_some() {
-            return Ok(row);
-        }
-    }
-    match &payment.payment_id {
-        Some(pid) => {
-            sqlx::query_as(sqlx::AssertSqlSafe(format!(
-                "SELECT {PAYMENT_COLUMNS} FROM payment_orders WHERE gateway = $1 AND payment_id = $2
-                 ORDER BY id LIMIT 1 FOR UPDATE"
-            )))
-            .bind(gateway.as_str())
-            .bind(pid)
-            .fetch_optional(&mut *tx)
-            .await
-        }
-        None => Ok(None),
-    }
+    // The session's payment if there is one, else the first with the payment id: one statement.
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {PAYMENT_COLUMNS} FROM payment_orders
+         WHERE gateway = $1 AND (session_id = $2 OR payment_id = $3)
+         ORDER BY session_id IS NOT DISTINCT FROM $2 DESC, id LIMIT 1 FOR UPDATE"
+    )))
+    .bind(gateway.as_str())
+    .bind(&payment.session_id)
+    .bind(&payment.payment_id)
+    .fetch_optional(&mut *tx)
+    .await
 }
 
 /// What applying did, and the sale it left due (to post once the transaction has committed).
@@ -699,6 +685,11 @@ struct Known {
     currency: Option<String>,
     refunded: Decimal,
     disputes: Vec<DisputeStatus>,
+    /// The payment side's record of the session, when a checkout asked for it.
+    order_number: Option<i64>,
+    url: Option<String>,
+    metadata: Option<serde_json::Value>,
+    attempt: Option<i32>,
 }
 
 /// Derives the payment's status from its facts and brings the payment row and its order in
@@ -716,10 +707,14 @@ async fn derive_and_apply(
         "SELECT po.session_id, po.payment_id, po.succeeded_at IS NOT NULL AS succeeded,
                 po.failed_at IS NOT NULL AS failed, po.amount, po.currency::text AS currency,
                 COALESCE((SELECT sum(amount) FROM payment_refunds r WHERE r.payment_order_id = po.id), 0) AS refunded,
-                ARRAY(SELECT status FROM payment_disputes d WHERE d.payment_order_id = po.id) AS disputes
-         FROM payment_orders po WHERE po.id = $1",
+                ARRAY(SELECT status FROM payment_disputes d WHERE d.payment_order_id = po.id) AS disputes,
+                ps.order_number, ps.url, ps.metadata, ps.attempt
+         FROM payment_orders po
+         LEFT JOIN payment_sessions ps ON ps.gateway = $2 AND ps.session_id = po.session_id
+         WHERE po.id = $1",
     )
     .bind(po_id)
+    .bind(gateway)
     .fetch_one(&mut *tx)
     .await?;
     let Known {
@@ -731,6 +726,10 @@ async fn derive_and_apply(
         currency,
         refunded,
         disputes,
+        order_number,
+        url,
+        metadata,
+        attempt,
     } = known;
     let facts = Facts {
         succeeded,
@@ -752,13 +751,13 @@ async fn derive_and_apply(
     let paid: Option<Money> = amount
         .zip(currency.as_deref())
         .and_then(|(a, c)| Money::new(a, c.parse().ok()?).ok());
-    let session: Option<(i64, String, serde_json::Value, i32)> = sqlx::query_as(
-        "SELECT order_number, url, metadata, attempt FROM payment_sessions WHERE gateway = $1 AND session_id = $2",
-    )
-    .bind(gateway)
-    .bind(&session_id)
-    .fetch_optional(&mut *tx)
-    .await?;
+    let session: Option<(i64, String, serde_json::Value, i32)> =
+        match (order_number, url, metadata, attempt) {
+            (Some(n), Some(url), Some(metadata), Some(attempt)) => {
+                Some((n, url, metadata, attempt))
+            }
+            _ => None,
+        };
     let effect = match &session {
         Some((number, url, _, attempt)) => {
             let through = orders::PaidThrough {
