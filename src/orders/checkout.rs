@@ -726,7 +726,7 @@ pub async fn link(
             .execute(pool)
             .await
             .map_err(|e| (e.to_string(), true))?;
-            Ok((stored.rows_affected() == 1).then(|| PaymentLinkView {
+            Ok((stored.rows_affected() == 1).then_some(PaymentLinkView {
                 gateway: o.gateway,
                 session_id,
                 url,
