@@ -82,6 +82,13 @@ crate::text_enum! {
     }
 }
 
+impl AccountKind {
+    /// Whether its balance may never go below zero (`ledger_accounts_wallet_not_negative`).
+    pub fn has_floor(&self) -> bool {
+        matches!(self, Self::BuyerWallet | Self::CoinsReserved)
+    }
+}
+
 /// An account by what it is: its kind, whom it concerns, its currency.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AccountRef {
@@ -345,6 +352,18 @@ pub async fn post_many(
             befores.push(*balance);
             *balance += delta;
             afters.push(*balance);
+        }
+        // An account with a floor stays above it after every entry, not only at the end of
+        // the batch (the schema checks the balance the batch ends with).
+        if t.from.kind.has_floor()
+            && balances
+                .get(&id_of(&t.from))
+                .is_some_and(|b| *b < Decimal::ZERO)
+        {
+            return Err(LedgerError::Insufficient {
+                kind: t.from.kind,
+                owner: t.from.owner.clone(),
+            });
         }
         posted[i] = Posted::Posted(id);
     }

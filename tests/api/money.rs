@@ -2117,3 +2117,67 @@ async fn a_sale_the_ledger_refuses_is_kept_with_its_reason_and_holds_up_no_other
     assert_eq!(shop.balance(&seller).await, (d("270.00"), d("0")));
     invariants_hold(&pool).await;
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_batch_never_takes_a_wallet_below_zero_even_if_it_ends_above(pool: PgPool) {
+    let c = brl();
+    let issued = AccountRef::new(AccountKind::CoinsIssued, "platform", c);
+    let wallet = AccountRef::new(AccountKind::BuyerWallet, "buyer-1", c);
+    let spent = AccountRef::new(AccountKind::CoinsSpent, "platform", c);
+    let transfer = |key: &str, from: &AccountRef, to: &AccountRef, amount: &str| Transfer {
+        source_key: key.into(),
+        kind: TransferKind::Adjustment,
+        from: from.clone(),
+        to: to.clone(),
+        amount: Money::new(d(amount), c).unwrap(),
+        available_at: None,
+        order_number: None,
+        reference: None,
+    };
+    let mut tx = pool.begin().await.unwrap();
+    ledger::post(&mut tx, &transfer("grant", &issued, &wallet, "10.00"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    // 15 spent before 10 more arrive: the wallet would stand at -5 between the two entries.
+    let mut tx = pool.begin().await.unwrap();
+    let refused = ledger::post_many(
+        &mut tx,
+        &[
+            transfer("spend", &wallet, &spent, "15.00"),
+            transfer("grant-2", &issued, &wallet, "10.00"),
+        ],
+    )
+    .await;
+    assert!(
+        matches!(
+            refused,
+            Err(ledger::LedgerError::Insufficient {
+                kind: AccountKind::BuyerWallet,
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+    drop(tx);
+    // In the other order the same batch holds.
+    let mut tx = pool.begin().await.unwrap();
+    ledger::post_many(
+        &mut tx,
+        &[
+            transfer("grant-2", &issued, &wallet, "10.00"),
+            transfer("spend", &wallet, &spent, "15.00"),
+        ],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let balance: Decimal = sqlx::query_scalar(
+        "SELECT balance FROM ledger_accounts WHERE kind = 'buyer_wallet' AND owner = 'buyer-1'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(balance, d("5.00"));
+    invariants_hold(&pool).await;
+}
