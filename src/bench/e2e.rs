@@ -114,7 +114,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         let fleet = startup::start(&app, pool.clone(), Roles::WORK, None)?;
         let numbers: Vec<i64> = orders.iter().map(|o| o.number).collect();
         wait_until(
-            || async { Ok(paid(&pool, &numbers).await? == numbers.len() as i64) },
+            || async { Ok(effected(&pool, &numbers).await? == numbers.len() as i64) },
             Duration::from_millis(50),
         )
         .await?;
@@ -367,7 +367,7 @@ async fn paced(
     }
     let numbers: Vec<i64> = answered.iter().map(|(n, _)| *n).collect();
     wait_until(
-        || async { Ok(paid(pool, &numbers).await? == numbers.len() as i64) },
+        || async { Ok(effected(pool, &numbers).await? == numbers.len() as i64) },
         Duration::from_millis(50),
     )
     .await?;
@@ -393,7 +393,7 @@ async fn paced(
 
 /// Orders whose effect is whole: their sale credit is posted (which only a paid order has).
 /// Cheap on purpose (one index range), since it runs beside the work it measures.
-async fn paid(pool: &PgPool, numbers: &[i64]) -> anyhow::Result<i64> {
+async fn effected(pool: &PgPool, numbers: &[i64]) -> anyhow::Result<i64> {
     Ok(sqlx::query_scalar(
         "SELECT count(*) FROM ledger_transfers WHERE order_number = ANY($1) AND kind = 'sale_credit'",
     )

@@ -74,34 +74,6 @@ impl Due {
     }
 }
 
-/// Records order `number`'s sale through `channel` as due, unless it is posted already or the
-/// order is no sale.
-pub async fn defer(
-    tx: &mut PgConnection,
-    number: i64,
-    channel: Channel,
-) -> Result<Option<Due>, sqlx::Error> {
-    // A replayed event re-drives a sale whose posting was refused.
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO ledger_sales_due (order_number, seller_id, channel)
-         SELECT o.number, o.seller_id, $2 FROM orders o
-         WHERE o.number = $1 AND {IS_SALE}
-           AND NOT EXISTS (SELECT 1 FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number)
-         ON CONFLICT (order_number) DO UPDATE SET failure = NULL WHERE ledger_sales_due.failure IS NOT NULL
-         RETURNING seller_id::text"
-    )))
-    .bind(number)
-    .bind(channel.name())
-    .fetch_optional(&mut *tx)
-    .await
-    .map(|seller: Option<String>| {
-        seller.map(|seller| Due {
-            seller,
-            order_number: number,
-        })
-    })
-}
-
 /// Order `number`'s sale through `channel`, in the payment's own transaction: posted there when
 /// no poster has the seller's turn (the seller's accounts are then free, and the sale is
 /// written by a few statements before the commit the payment makes anyway), else recorded as
@@ -134,7 +106,21 @@ pub async fn post_or_defer(
         return Ok(None);
     };
     if !row.turn {
-        return Ok(defer(tx, number, channel).await?);
+        // Due for the poster whose turn it is (a replayed event re-drives a sale whose posting
+        // was refused).
+        sqlx::query(
+            "INSERT INTO ledger_sales_due (order_number, seller_id, channel) VALUES ($1, $2::uuid, $3)
+             ON CONFLICT (order_number) DO UPDATE SET failure = NULL WHERE ledger_sales_due.failure IS NOT NULL",
+        )
+        .bind(number)
+        .bind(&row.sale.seller_id)
+        .bind(channel.name())
+        .execute(&mut *tx)
+        .await?;
+        return Ok(Some(Due {
+            seller: row.sale.seller_id,
+            order_number: number,
+        }));
     }
     // A refusal here is the payment's, as any posting's in its transaction: the event is
     // rejected with its reason and replayed after a fix.

@@ -143,7 +143,7 @@ impl Sale {
 /// A confirmed order as the ledger needs it.
 #[derive(sqlx::FromRow)]
 pub(super) struct SaleRow {
-    seller_id: String,
+    pub(super) seller_id: String,
     total: Decimal,
     platform_fee: Decimal,
     seller_net: Decimal,

@@ -887,7 +887,7 @@ async fn sync_ledger(
     .fetch_all(&mut *tx)
     .await?;
     if taken.is_empty() {
-        return Ok(crate::ledger::poster::defer(tx, number, channel).await?);
+        return Ok(crate::ledger::poster::post_or_defer(tx, number, channel).await?);
     }
     let Some(sale) = Sale::of_order(tx, number, channel).await? else {
         return Ok(None);
