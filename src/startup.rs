@@ -30,6 +30,7 @@ use crate::messaging::rpc::{self, RpcClient};
 use crate::orders::checkout::Checkout;
 use crate::orders::coins::SettleCoins;
 use crate::orders::expiry::{self, ExpireOrder, Expiry};
+use crate::payments::batch::{BatchSettings, Batcher};
 use crate::payments::hosted::{DeliverHostedEvent, Deliverer, QueueSink};
 use crate::payments::links::LinkService;
 use crate::payments::order_refunds::CarryOutRefund;
@@ -195,6 +196,7 @@ pub fn gateways(
 pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
     let (gateways, _) = gateways(config, pool)?;
     let processor = Arc::new(processor(config, gateways.clone())?);
+    let batcher = Batcher::start(pool.clone(), processor, BatchSettings::default());
     let mut targets = Vec::new();
     if let Some(s) = &config.webhooks.internal {
         targets.push((
@@ -215,9 +217,9 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
     );
     let mut registry = Registry::new();
     registry.register::<ProcessPaymentEvent, _, _>(move |ctx: JobContext, job: ProcessPaymentEvent| {
-        let processor = processor.clone();
+        let batcher = batcher.clone();
         async move {
-            let result = processor.process(&ctx.pool, job.gateway, &job.event_id).await?;
+            let result = batcher.process(&ctx.pool, job.gateway, &job.event_id).await?;
             tracing::debug!(gateway = %job.gateway, event = %job.event_id, ?result, "payment event processed");
             Ok(())
         }

@@ -240,10 +240,11 @@ pub async fn post(tx: &mut PgConnection, t: &Transfer) -> Result<Posted, LedgerE
 }
 
 /// Posts transfers in the caller's transaction, each once per source key, in the order given
-/// (a key given twice posts once), with a fixed number of statements however many there are:
-/// the accounts are found, locked in id order (so two postings cannot deadlock on them), the
-/// new transfers written, and their entries with each account's running balance, then the
-/// balances moved. What each transfer did comes back in the same order.
+/// (a key given twice posts once), in two round trips however many there are: the accounts are
+/// found (created if new) before any lock, then one call of the database's `ledger_post`
+/// (migration 0045) locks them in id order (so two postings cannot deadlock on them), writes
+/// the new transfers and their entries with each account's running balance, and moves the
+/// balances. What each transfer did comes back in the same order.
 pub async fn post_many(
     tx: &mut PgConnection,
     transfers: &[Transfer],
@@ -275,11 +276,12 @@ pub async fn post_many(
             .map(|i| ids[i])
             .unwrap_or_default()
     };
-    let mut sorted = ids.clone();
-    sorted.sort_unstable();
-    sorted.dedup();
-    let mut balances: std::collections::HashMap<i64, Decimal> =
-        lock(tx, &sorted).await?.into_iter().collect();
+    let floored: Vec<i64> = refs
+        .iter()
+        .zip(&ids)
+        .filter(|(r, _)| r.kind.has_floor())
+        .map(|(_, id)| *id)
+        .collect();
 
     let mut keys = Vec::with_capacity(live.len());
     let mut kinds = Vec::with_capacity(live.len());
@@ -302,14 +304,8 @@ pub async fn post_many(
         orders.push(t.order_number);
         references.push(t.reference.as_deref());
     }
-    let inserted: Vec<(i64, String)> = sqlx::query_as(
-        // Stamped when written, not when the transaction began: a poster's transaction may
-        // have waited for its seller's turn.
-        "INSERT INTO ledger_transfers (source_key, kind, from_account, to_account, amount, currency,
-                                       available_at, order_number, reference, created_at)
-         SELECT *, statement_timestamp() FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::numeric[], $6::bpchar[],
-                              $7::timestamptz[], $8::bigint[], $9::text[])
-         ON CONFLICT (source_key) DO NOTHING RETURNING id, source_key",
+    let written: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT posted_id, posted_key FROM ledger_post($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
     )
     .bind(&keys)
     .bind(&kinds)
@@ -320,92 +316,35 @@ pub async fn post_many(
     .bind(&available)
     .bind(&orders)
     .bind(&references)
+    .bind(&floored)
     .fetch_all(&mut *tx)
-    .await?;
-    if inserted.is_empty() {
-        return Ok(posted);
-    }
-    let mut new: std::collections::HashMap<String, i64> =
-        inserted.into_iter().map(|(id, key)| (key, id)).collect();
-    // Entries in the order the transfers were written (their ids), each account's starting
-    // where its previous one ended.
-    let mut written: Vec<(i64, usize)> = Vec::with_capacity(new.len());
-    for &i in &live {
-        if let Some(id) = new.remove(&transfers[i].source_key) {
-            written.push((id, i));
-        }
-    }
-    written.sort_unstable();
-    let mut entry_transfers = Vec::with_capacity(2 * written.len());
-    let mut entry_accounts = Vec::with_capacity(2 * written.len());
-    let mut entry_amounts = Vec::with_capacity(2 * written.len());
-    let mut befores = Vec::with_capacity(2 * written.len());
-    let mut afters = Vec::with_capacity(2 * written.len());
-    for &(id, i) in &written {
-        let t = &transfers[i];
-        let amount = t.amount.amount();
-        for (account, delta) in [(id_of(&t.from), -amount), (id_of(&t.to), amount)] {
-            let balance = balances.entry(account).or_default();
-            entry_transfers.push(id);
-            entry_accounts.push(account);
-            entry_amounts.push(delta);
-            befores.push(*balance);
-            *balance += delta;
-            afters.push(*balance);
-        }
-        // An account with a floor stays above it after every entry, not only at the end of
-        // the batch (the schema checks the balance the batch ends with).
-        if t.from.kind.has_floor()
-            && balances
-                .get(&id_of(&t.from))
-                .is_some_and(|b| *b < Decimal::ZERO)
-        {
-            return Err(LedgerError::Insufficient {
-                kind: t.from.kind,
-                owner: t.from.owner.clone(),
-            });
-        }
-        posted[i] = Posted::Posted(id);
-    }
-    sqlx::query(
-        "INSERT INTO ledger_entries (transfer_id, account_id, amount, balance_before, balance_after)
-         SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::numeric[], $4::numeric[], $5::numeric[])",
-    )
-    .bind(&entry_transfers)
-    .bind(&entry_accounts)
-    .bind(&entry_amounts)
-    .bind(&befores)
-    .bind(&afters)
-    .execute(&mut *tx)
-    .await?;
-    let (moved, to): (Vec<i64>, Vec<Decimal>) = sorted
-        .iter()
-        .filter(|id| entry_accounts.contains(id))
-        .map(|id| (*id, balances.get(id).copied().unwrap_or_default()))
-        .unzip();
-    sqlx::query(
-        "UPDATE ledger_accounts SET balance = d.balance, updated_at = now()
-         FROM unnest($1::bigint[], $2::numeric[]) AS d(id, balance) WHERE ledger_accounts.id = d.id",
-    )
-    .bind(&moved)
-    .bind(&to)
-    .execute(&mut *tx)
     .await
     .map_err(|e| {
         if crate::db::constraint(&e) == Some("ledger_accounts_wallet_not_negative") {
-            // Only an account money leaves can go down: the first one below zero now.
-            let below = written.iter().map(|&(_, i)| &transfers[i].from).find(|a| {
-                balances.get(&id_of(a)).is_some_and(|b| *b < Decimal::ZERO)
-            });
-            if let Some(a) = below {
+            // The account named by the error's detail: one money leaves.
+            let account = match &e {
+                sqlx::Error::Database(d) => d
+                    .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                    .and_then(|d| d.detail())
+                    .and_then(|id| id.parse::<i64>().ok()),
+                _ => None,
+            };
+            if let Some(a) = refs.iter().zip(&ids).find(|(_, id)| Some(**id) == account) {
                 return LedgerError::Insufficient {
-                    kind: a.kind,
-                    owner: a.owner.clone(),
+                    kind: a.0.kind,
+                    owner: a.0.owner.clone(),
                 };
             }
         }
         LedgerError::Database(e)
     })?;
+    let mut new: std::collections::HashMap<String, i64> =
+        written.into_iter().map(|(id, key)| (key, id)).collect();
+    for &i in &live {
+        if let Some(id) = new.remove(&transfers[i].source_key) {
+            posted[i] = Posted::Posted(id);
+        }
+    }
     Ok(posted)
 }
 

@@ -134,6 +134,47 @@ pub async fn post_or_defer(
     Ok(None)
 }
 
+/// Posts the sales of orders just confirmed in the caller's transaction, many at once (the
+/// batch path of event processing), with one [`super::post_many`]: the sellers' accounts are
+/// the transaction's last locks, held for one round trip and the commit. It takes no turn: a
+/// payment's own transaction finding the turn free then waits for the accounts (for that one
+/// round trip), and a poster holding a turn locks accounts as this does, in id order. Orders
+/// that are not sales (none, once confirmed) post nothing.
+pub async fn post_confirmed(
+    tx: &mut PgConnection,
+    orders: &[(i64, Channel)],
+) -> Result<(), LedgerError> {
+    if orders.is_empty() {
+        return Ok(());
+    }
+    let numbers: Vec<i64> = orders.iter().map(|(n, _)| *n).collect();
+    #[derive(sqlx::FromRow)]
+    struct Confirmed {
+        number: i64,
+        #[sqlx(flatten)]
+        sale: SaleRow,
+    }
+    let rows: Vec<Confirmed> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT o.number, {SALE_COLUMNS} FROM {SALE_JOIN}
+         WHERE o.number = ANY($1) AND {IS_SALE} ORDER BY o.number"
+    )))
+    .bind(&numbers)
+    .fetch_all(&mut *tx)
+    .await?;
+    let channels: std::collections::HashMap<i64, Channel> = orders.iter().copied().collect();
+    let mut postings = Vec::with_capacity(2 * rows.len());
+    for row in rows {
+        let Some(channel) = channels.get(&row.number) else {
+            continue;
+        };
+        if let Some(sale) = row.sale.into_sale(row.number, *channel)? {
+            postings.extend(sale.postings());
+        }
+    }
+    super::post_many(tx, &postings).await?;
+    Ok(())
+}
+
 /// Deletes order `number`'s due row, in the transaction that posts its sale some other way.
 pub(super) async fn clear(tx: &mut PgConnection, number: i64) -> Result<(), sqlx::Error> {
     sqlx::query("DELETE FROM ledger_sales_due WHERE order_number = $1")

@@ -137,6 +137,8 @@ impl Unpublished {
 }
 
 const BATCH: i64 = 200;
+/// How long the relay lets messages gather after a short batch.
+const LINGER: Duration = Duration::from_millis(25);
 
 /// Declares the exchanges and queues (idempotent; every relay does it after connecting).
 async fn declare(channel: &Channel, broker: &Broker, routes: &Routes) -> lapin::Result<()> {
@@ -342,6 +344,12 @@ async fn relay_until_stopped(broker: Broker, pool: PgPool, routes: Routes, idle:
                 Ok(n) => {
                     failures = 0;
                     tracing::debug!(published = n, "order messages published");
+                    // A short batch: messages are coming in a few at a time. Let them gather
+                    // for a moment, so that a flood is relayed in batches (a statement, a
+                    // confirm wait and an update each) rather than message by message.
+                    if n < (BATCH / 4) as usize {
+                        tokio::time::sleep(LINGER).await;
+                    }
                 }
                 Err(RelayError::Database(e)) => {
                     tracing::warn!(error = %e, "the outbox relay cannot read the outbox; retrying");

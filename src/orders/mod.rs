@@ -294,6 +294,96 @@ pub(crate) async fn record_extra_payment(
 /// Records what happened to an order: once for every kind but `reopened`, and once per
 /// payment (its session and payment id in the payload) for `late_payment` and `extra_payment`
 /// (the unique indexes decide). Returns whether it was new.
+/// An order a first payment can confirm plainly, as [`lock_plainly_payable`] finds it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Payable {
+    pub id: i64,
+    pub number: i64,
+    pub status: OrderStatus,
+    pub total: Decimal,
+    pub currency: String,
+}
+
+impl Payable {
+    /// Whether `paid` is exactly what the order costs ([`apply_payment`]'s check).
+    pub fn costs(&self, paid: &Money) -> bool {
+        self.currency == paid.currency().as_str()
+            && Money::new(self.total, paid.currency()).ok().as_ref() == Some(paid)
+    }
+}
+
+/// Locks, in id order, those of the orders (`number`, `gateway`) whose payment would simply
+/// confirm them: waiting for their money and never paid, with no coins paid or set aside. The
+/// rest are left to [`apply_payment`], which knows every other case (a late payment, a second
+/// one, coins to give back).
+pub async fn lock_plainly_payable(
+    tx: &mut PgConnection,
+    orders: &[(i64, GatewayName)],
+) -> Result<Vec<Payable>, sqlx::Error> {
+    let (numbers, gateways): (Vec<i64>, Vec<GatewayName>) = orders.iter().copied().unzip();
+    sqlx::query_as(
+        "SELECT o.id, o.number, o.status, o.total, o.currency::text AS currency
+         FROM orders o
+         WHERE o.number = ANY($1) AND (o.number, o.gateway) IN (SELECT * FROM unnest($1::bigint[], $2::text[]))
+           AND o.status IN ('awaiting_payment', 'payment_failed') AND o.paid_at IS NULL
+           AND NOT o.paid_with_coins AND o.coin_reservation IS NULL
+         ORDER BY o.id FOR UPDATE OF o",
+    )
+    .bind(&numbers)
+    .bind(&gateways)
+    .fetch_all(&mut *tx)
+    .await
+}
+
+/// A payment that confirms a [`Payable`] order: the session it came through.
+#[derive(Debug, Clone)]
+pub struct Confirmation<'a> {
+    pub order: &'a Payable,
+    pub session_id: &'a str,
+    pub url: &'a str,
+}
+
+/// Confirms orders locked by [`lock_plainly_payable`] with their succeeded payments, as
+/// [`apply_payment`] does for one (the paying session becomes the order's, one `paid` event
+/// each), in one statement for all of them.
+pub async fn confirm_paid(
+    tx: &mut PgConnection,
+    paid: &[Confirmation<'_>],
+) -> Result<(), sqlx::Error> {
+    let payment = PaymentOrderStatus::Succeeded;
+    let mut ids = Vec::with_capacity(paid.len());
+    let mut statuses = Vec::with_capacity(paid.len());
+    let mut sessions = Vec::with_capacity(paid.len());
+    let mut urls = Vec::with_capacity(paid.len());
+    for p in paid {
+        ids.push(p.order.id);
+        statuses.push(next_status(p.order.status, payment));
+        sessions.push(p.session_id);
+        urls.push(p.url);
+    }
+    sqlx::query(
+        "WITH paid AS (
+             UPDATE orders o SET status = p.status, payment_status = $5, amount_refunded = 0,
+                 paid_at = COALESCE(o.paid_at, now()), session_id = p.session_id,
+                 payment_url = p.url, updated_at = now()
+             FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[]) AS p(id, status, session_id, url)
+             WHERE o.id = p.id
+             RETURNING o.id, o.number)
+         INSERT INTO order_events (order_id, kind, payload)
+         SELECT id, $6, jsonb_build_object('number', number) FROM paid
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(&ids)
+    .bind(&statuses)
+    .bind(&sessions)
+    .bind(&urls)
+    .bind(payment)
+    .bind(OrderEventKind::Paid)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
 pub(crate) async fn record_event(
     tx: &mut PgConnection,
     order_id: i64,

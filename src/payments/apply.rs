@@ -113,7 +113,19 @@ async fn lock_keys(
     gateway: GatewayName,
     keys: &[String],
 ) -> Result<(), sqlx::Error> {
-    let mut names: Vec<String> = keys.iter().map(|k| format!("{gateway}:{k}")).collect();
+    lock_key_names(tx, keys.iter().map(|k| key_name(gateway, k)).collect()).await
+}
+
+/// A payment key's lock, among every gateway's.
+pub(super) fn key_name(gateway: GatewayName, key: &str) -> String {
+    format!("{gateway}:{key}")
+}
+
+/// Takes the locks of payment keys (named by [`key_name`]) for the rest of the transaction.
+pub(super) async fn lock_key_names(
+    tx: &mut PgConnection,
+    mut names: Vec<String>,
+) -> Result<(), sqlx::Error> {
     names.sort();
     names.dedup();
     // Taken in sorted order (unnest keeps the array's): no two events can deadlock on them.
@@ -126,7 +138,7 @@ async fn lock_keys(
     Ok(())
 }
 
-fn keys_of(payment: &PaymentRef) -> Vec<String> {
+pub(super) fn keys_of(payment: &PaymentRef) -> Vec<String> {
     let mut keys = Vec::new();
     if let Some(s) = &payment.session_id {
         keys.push(session_key(s));
@@ -973,13 +985,32 @@ async fn wake_waiting(
     keys: &[String],
     current_event: Option<i64>,
 ) -> Result<(), ProcessError> {
+    let keys: Vec<(GatewayName, &str)> = keys.iter().map(|k| (gateway, k.as_str())).collect();
+    wake_waiting_many(tx, &keys, current_event.as_slice()).await
+}
+
+/// [`wake_waiting`] for the payments of many events at once (`keys`: each payment's gateway and
+/// key), in one statement; `current`: the events being processed, which never wake themselves.
+pub(super) async fn wake_waiting_many(
+    tx: &mut PgConnection,
+    keys: &[(GatewayName, &str)],
+    current: &[i64],
+) -> Result<(), ProcessError> {
+    let (mut sources, mut names) = (Vec::new(), Vec::new());
+    for (gateway, key) in keys {
+        for source in event_sources(*gateway) {
+            sources.push(source);
+            names.push(*key);
+        }
+    }
     let waiting: Vec<(GatewayName, String, Vec<u8>)> = sqlx::query_as(
-        "SELECT gateway, event_id, raw_body FROM payment_events
-         WHERE gateway = ANY($1) AND waiting_for = ANY($2) AND outcome = 'waiting' AND id IS DISTINCT FROM $3",
+        "SELECT DISTINCT e.gateway, e.event_id, e.raw_body FROM payment_events e
+         JOIN unnest($1::text[], $2::text[]) AS w(gateway, key) ON e.gateway = w.gateway AND e.waiting_for = w.key
+         WHERE e.outcome = 'waiting' AND NOT (e.id = ANY($3))",
     )
-    .bind(event_sources(gateway))
-    .bind(keys)
-    .bind(current_event)
+    .bind(&sources)
+    .bind(&names)
+    .bind(current)
     .fetch_all(&mut *tx)
     .await?;
     if waiting.is_empty() {
@@ -992,6 +1023,10 @@ async fn wake_waiting(
     // A waiter whose own run is still being recorded (it decided to wait moments ago) runs
     // again after it: it must not miss its payment.
     let woken = queue::enqueue_or_rerun(&mut *tx, &jobs).await?;
-    tracing::info!(%gateway, waiting = waiting.len(), woken, "payment known: waiting events enqueued again");
+    tracing::info!(
+        waiting = waiting.len(),
+        woken,
+        "payment known: waiting events enqueued again"
+    );
     Ok(())
 }

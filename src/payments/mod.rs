@@ -14,6 +14,7 @@
 //! Only outages (a database or gateway that does not answer) are retried by the job.
 
 mod apply;
+pub mod batch;
 pub mod events;
 pub mod hosted;
 pub mod links;

@@ -142,6 +142,11 @@ pub struct QueueSettings {
     /// since PostgreSQL works on one claim while the worker starts the jobs of the other.
     #[serde(default = "one_claimer")]
     pub claimers: u32,
+    /// The least time between two claims of one claim loop (River's fetch cooldown). Under a
+    /// flood of short jobs, slots free up one by one; without a pause each claim takes the few
+    /// freed since the last, and the claims' own cost grows to rival the jobs'. 0: none.
+    #[serde(default)]
+    pub fetch_cooldown_ms: u64,
 }
 
 fn one_claimer() -> u32 {
@@ -151,6 +156,10 @@ fn one_claimer() -> u32 {
 impl QueueSettings {
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms)
+    }
+
+    pub fn fetch_cooldown(&self) -> Duration {
+        Duration::from_millis(self.fetch_cooldown_ms)
     }
 }
 

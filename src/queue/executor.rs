@@ -151,6 +151,7 @@ pub(crate) async fn fetch(
     let mut running: JoinSet<()> = JoinSet::new();
     let mut runs: HashMap<tokio::task::Id, (JobId, i64)> = HashMap::new();
     let mut failures = 0u32;
+    let mut last_claim: Option<Instant> = None;
 
     'work: loop {
         if *stopped.borrow() {
@@ -174,8 +175,16 @@ pub(crate) async fn fetch(
         }
         // Let the runs just started take their first step before counting free slots: a claim
         // sent while they start asks for a handful of jobs and pays a whole statement for them
-        // (claims averaged half the queue's concurrency before this).
-        tokio::task::yield_now().await;
+        // (claims averaged half the queue's concurrency before this). With a cooldown, let the
+        // slots free up until it has passed since the last claim.
+        let cooldown = last_claim
+            .map(|at| settings.fetch_cooldown().saturating_sub(at.elapsed()))
+            .unwrap_or_default();
+        if cooldown.is_zero() {
+            tokio::task::yield_now().await;
+        } else if !pause(&mut stopped, cooldown).await {
+            break 'work;
+        }
         let mut cursor = turn.lock().await;
         // Counted once this loop's turn has come: the sibling's claim just took what it could.
         let more = slots
@@ -188,6 +197,7 @@ pub(crate) async fn fetch(
         }
         let want = reserved.num_permits();
         let claim_sent = Instant::now();
+        last_claim = Some(claim_sent);
         let result = store::claim(
             &shared.pool,
             queue,

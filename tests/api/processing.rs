@@ -531,6 +531,7 @@ async fn a_handler_error_that_is_not_an_outage_is_not_retried(pool: PgPool) {
         concurrency: 1,
         timeout_ms: 5000,
         claimers: 1,
+        fetch_cooldown_ms: 0,
     };
     queue::work_until_idle(&pool, &registry, "test", &settings)
         .await
@@ -866,4 +867,335 @@ async fn a_refund_and_its_payment_processed_in_one_batch_both_apply(pool: PgPool
             .await
             .unwrap();
     assert_eq!(outcomes, vec!["applied", "applied"]);
+}
+
+// ---- payment events many to a transaction (payments::batch) ---------------------------------
+
+/// Everything a payment's effect writes, for one session, without ids and times: the payment,
+/// the order, its messages, its ledger postings, the event's outcome.
+async fn effect_of(pool: &PgPool, session: &str) -> String {
+    let row: (String, String, String, String, bool, String, String, bool, String, String) = sqlx::query_as(
+        "SELECT po.status, po.amount::text, po.currency::text, coalesce(po.payment_id, ''), po.succeeded_at IS NOT NULL,
+                o.status, o.payment_status, o.paid_at IS NOT NULL, o.payment_url, o.amount_refunded::text
+         FROM orders o JOIN payment_orders po ON po.gateway = o.gateway AND po.session_id = o.session_id
+         WHERE o.session_id = $1",
+    )
+    .bind(session)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let messages: Vec<(String, serde_json::Value)> = sqlx::query_as(
+        "SELECT e.kind, e.payload - 'number' FROM order_events e JOIN orders o ON o.id = e.order_id
+         WHERE o.session_id = $1 ORDER BY e.id",
+    )
+    .bind(session)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let postings: Vec<(String, String, String, String, String, bool)> = sqlx::query_as(
+        "SELECT t.kind, t.amount::text, f.kind, a.kind, split_part(t.source_key, ':', 1),
+                t.available_at IS NOT DISTINCT FROM o.paid_at + s.holding_days * interval '1 day'
+         FROM ledger_transfers t JOIN orders o ON o.number = t.order_number JOIN sellers s ON s.id = o.seller_id
+         JOIN ledger_accounts f ON f.id = t.from_account JOIN ledger_accounts a ON a.id = t.to_account
+         WHERE o.session_id = $1 ORDER BY t.kind",
+    )
+    .bind(session)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let entries: Vec<(String, String)> = sqlx::query_as(
+        "SELECT a.kind, e.amount::text FROM ledger_entries e JOIN ledger_transfers t ON t.id = e.transfer_id
+         JOIN ledger_accounts a ON a.id = e.account_id JOIN orders o ON o.number = t.order_number
+         WHERE o.session_id = $1 ORDER BY a.kind, e.amount",
+    )
+    .bind(session)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let event: (Option<String>, Option<String>, Option<String>, bool) = sqlx::query_as(
+        "SELECT outcome, outcome_detail, waiting_for, processed_at IS NOT NULL FROM payment_events
+         WHERE convert_from(raw_body, 'UTF8')::jsonb -> 'data' ->> 'session_id' = $1",
+    )
+    .bind(session)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    format!("{row:?} {messages:?} {postings:?} {entries:?} {event:?}")
+}
+
+/// Each session's first success, delivered (unprocessed) with its order of `total`.
+async fn first_payments(app: &TestApp, sessions: &[&str], total: &str) {
+    orders_for(&app.pool, "internal", sessions, total, "BRL").await;
+    for s in sessions {
+        app.deliver(&internal(
+            &format!("msg_{s}"),
+            &payment_body("payment.succeeded", s, total),
+        ))
+        .await;
+    }
+}
+
+async fn batch(pool: &PgPool, sessions: &[&str]) -> Vec<bool> {
+    let ids: Vec<String> = sessions.iter().map(|s| format!("msg_{s}")).collect();
+    let events: Vec<(GatewayName, &str)> = ids
+        .iter()
+        .map(|id| (GatewayName::Internal, id.as_str()))
+        .collect();
+    payfleet::payments::batch::process_batch(pool, false, &events)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn first_payments_applied_in_a_batch_end_as_one_event_at_a_time_would(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    // Two sellers' orders (the fixture gives each call its own seller), a fee on half of them.
+    first_payments(&app, &["a1", "a2", "b1"], "19.90").await;
+    first_payments(&app, &["a3", "a4", "b2"], "10.00").await;
+    sqlx::query(
+        "UPDATE orders SET platform_fee = 1.00, seller_net = total - 1.00 WHERE session_id IN ('a3', 'a4', 'b2')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for s in ["a1", "a3"] {
+        assert_eq!(
+            Processor::default()
+                .process(&pool, GatewayName::Internal, &format!("msg_{s}"))
+                .await
+                .unwrap(),
+            Processed::Applied
+        );
+    }
+    assert_eq!(batch(&pool, &["b1", "b2"]).await, [true, true]);
+    assert_eq!(
+        effect_of(&pool, "b1").await.replace("b1", "a1"),
+        effect_of(&pool, "a1").await,
+        "a batched payment is the same effect"
+    );
+    assert_eq!(
+        effect_of(&pool, "b2").await.replace("b2", "a3"),
+        effect_of(&pool, "a3").await,
+        "with a fee too"
+    );
+    // Processed again, alone or in a batch, nothing more happens.
+    assert_eq!(batch(&pool, &["b1", "b2"]).await, [false, false]);
+    assert_eq!(
+        Processor::default()
+            .process(&pool, GatewayName::Internal, "msg_b1")
+            .await
+            .unwrap(),
+        Processed::AlreadyProcessed
+    );
+    let (accounts, currencies) = payfleet::ledger::check(&pool).await.unwrap();
+    assert!(accounts.is_empty() && currencies.is_empty());
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_batch_leaves_every_case_but_a_plain_first_payment_to_the_one_event_path(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    first_payments(&app, &["plain", "known", "expired"], "10.00").await;
+    orders_for(&pool, "internal", &["wrong", "refunded"], "10.00", "BRL").await;
+    // Paid for the wrong amount; an order that expired; a payment known already (its first
+    // event processed), delivered again under another id; a refund; an event of no session.
+    app.deliver(&internal(
+        "msg_wrong",
+        &payment_body("payment.succeeded", "wrong", "9.00"),
+    ))
+    .await;
+    sqlx::query(
+        "UPDATE orders SET status = 'expired', expired_at = now() WHERE session_id = 'expired'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    Processor::default()
+        .process(&pool, GatewayName::Internal, "msg_known")
+        .await
+        .unwrap();
+    app.deliver(&internal(
+        "msg_known_again",
+        &payment_body("payment.succeeded", "known", "10.00"),
+    ))
+    .await;
+    app.deliver(&internal(
+        "msg_refunded",
+        &refund_body("refunded", "ref_1", "10.00"),
+    ))
+    .await;
+    app.deliver(&internal(
+        "msg_nobody",
+        &payment_body("payment.succeeded", "nobody", "10.00"),
+    ))
+    .await;
+    // The same payment twice in one batch: the first only.
+    app.deliver(&internal(
+        "msg_plain_again",
+        &payment_body("payment.succeeded", "plain", "10.00"),
+    ))
+    .await;
+    let applied = batch(
+        &pool,
+        &[
+            "wrong",
+            "expired",
+            "known_again",
+            "refunded",
+            "nobody",
+            "plain",
+            "plain_again",
+        ],
+    )
+    .await;
+    assert_eq!(applied, [false, false, false, false, false, true, false]);
+    let untouched: Vec<String> = sqlx::query_scalar(
+        "SELECT event_id FROM payment_events WHERE outcome IS NULL ORDER BY event_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        untouched,
+        [
+            "msg_expired",
+            "msg_known_again",
+            "msg_nobody",
+            "msg_plain_again",
+            "msg_refunded",
+            "msg_wrong"
+        ],
+        "left as they were"
+    );
+    // Each then ends as the one-event path decides.
+    process_events(&pool).await;
+    let outcomes: Vec<(String, String)> =
+        sqlx::query_as("SELECT event_id, outcome FROM payment_events ORDER BY event_id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let outcome = |id: &str| {
+        outcomes
+            .iter()
+            .find(|(e, _)| e == id)
+            .map(|(_, o)| o.clone())
+            .unwrap()
+    };
+    assert_eq!(outcome("msg_refunded"), "waiting");
+    assert_eq!(outcome("msg_plain_again"), "ignored");
+    assert_eq!(outcome("msg_known_again"), "ignored");
+    let statuses: Vec<(String, String)> =
+        sqlx::query_as("SELECT session_id, status FROM orders ORDER BY session_id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        statuses,
+        [
+            ("expired".into(), "expired".into()),
+            ("known".into(), "paid".into()),
+            ("plain".into(), "paid".into()),
+            ("refunded".into(), "awaiting_payment".into()),
+            ("wrong".into(), "awaiting_payment".into()),
+        ]
+    );
+    let give_backs: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE kind = 'refund_payment'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        give_backs, 2,
+        "the late payment and the wrong amount go back"
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_that_waited_is_woken_by_its_payment_applied_in_a_batch(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["s1"], "25.00", "BRL").await;
+    app.deliver(&internal("msg_refund", &refund_body("s1", "ref_1", "5.00")))
+        .await;
+    process_events(&pool).await;
+    app.deliver(&internal(
+        "msg_s1",
+        &payment_body("payment.succeeded", "s1", "25.00"),
+    ))
+    .await;
+    assert_eq!(batch(&pool, &["s1"]).await, [true]);
+    let woken: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM jobs WHERE key = 'payment_event:internal:msg_refund' AND state = 'available'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(woken, 1, "the waiting refund is processed again");
+    process_events(&pool).await;
+    let (order, payment) = order_status(&pool, "internal", "s1").await.unwrap();
+    assert_eq!(
+        (order.as_str(), payment.as_deref()),
+        ("partially_refunded", Some("partially_refunded"))
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn one_sellers_payments_in_concurrent_batches_post_each_sale_once(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    let sessions: Vec<String> = (0..60).map(|i| format!("f{i}")).collect();
+    let names: Vec<&str> = sessions.iter().map(String::as_str).collect();
+    // One seller (one fixture call), a fee on each.
+    first_payments(&app, &names, "19.90").await;
+    sqlx::query("UPDATE orders SET platform_fee = 1.99, seller_net = 17.91")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // Overlapping batches at once, as workers would run them; and the one-event path beside.
+    let mut runs = Vec::new();
+    for chunk in [&names[0..30], &names[20..50], &names[40..60], &names[..]] {
+        let (pool, chunk): (PgPool, Vec<String>) =
+            (pool.clone(), chunk.iter().map(|s| s.to_string()).collect());
+        runs.push(tokio::spawn(async move {
+            let chunk: Vec<&str> = chunk.iter().map(String::as_str).collect();
+            batch(&pool, &chunk).await.iter().filter(|a| **a).count()
+        }));
+    }
+    let alone = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            let mut n = 0;
+            for i in (0..60).step_by(7) {
+                let p = Processor::default()
+                    .process(&pool, GatewayName::Internal, &format!("msg_f{i}"))
+                    .await
+                    .unwrap();
+                n += usize::from(p == Processed::Applied);
+            }
+            n
+        })
+    };
+    let mut applied = alone.await.unwrap();
+    for r in runs {
+        applied += r.await.unwrap();
+    }
+    assert_eq!(applied, 60, "each payment applied once");
+    let (credits, fees, pending, revenue): (i64, i64, String, String) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE t.kind = 'sale_credit'), count(*) FILTER (WHERE t.kind = 'fee'),
+                (SELECT balance::text FROM ledger_accounts WHERE kind = 'seller_pending'),
+                (SELECT balance::text FROM ledger_accounts WHERE kind = 'platform_revenue')
+         FROM ledger_transfers t",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (credits, fees, pending.as_str(), revenue.as_str()),
+        (60, 60, "1074.6000", "119.4000")
+    );
+    let (accounts, currencies) = payfleet::ledger::check(&pool).await.unwrap();
+    assert!(accounts.is_empty() && currencies.is_empty());
+    let paid_events: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM order_events WHERE kind = 'paid'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(paid_events, 60, "one order message each");
 }

@@ -26,13 +26,18 @@ fn settings() -> QueueSettings {
         concurrency: 10,
         timeout_ms: 2_000,
         claimers: 1,
+        fetch_cooldown_ms: 0,
     }
 }
 
 fn fast_config(extra: &str) -> QueuesConfig {
+    leased_config(600, extra)
+}
+
+fn leased_config(lease_ms: u64, extra: &str) -> QueuesConfig {
     QueuesConfig::parse(
         &format!(
-            "[fleet]\npoll_interval_ms = 10000\nlease_ms = 600\nrescue_interval_ms = 200\nshutdown_timeout_ms = 500\n{extra}\n[queues.test]\nconcurrency = 4\ntimeout_ms = 5000\n"
+            "[fleet]\npoll_interval_ms = 10000\nlease_ms = {lease_ms}\nrescue_interval_ms = 200\nshutdown_timeout_ms = 500\n{extra}\n[queues.test]\nconcurrency = 4\ntimeout_ms = 10000\n"
         ),
         "test",
     )
@@ -282,6 +287,7 @@ async fn concurrent_claims_never_share_a_job(pool: PgPool) {
                         concurrency: 7,
                         timeout_ms: 1000,
                         claimers: 1,
+                        fetch_cooldown_ms: 0,
                     },
                 )
                 .await
@@ -363,6 +369,7 @@ async fn typed_outcomes_are_stored_with_backoff_errors_and_attempts(pool: PgPool
         concurrency: 10,
         timeout_ms: 300,
         claimers: 1,
+        fetch_cooldown_ms: 0,
     };
     assert_eq!(
         work_until_idle(&pool, &outcomes(), "test", &short)
@@ -993,11 +1000,12 @@ fn slow(log: Arc<RunLog>, ms: u64) -> Registry {
     r
 }
 
-/// Enqueues an Echo job per payload and starts a fleet (leases of 600 ms) whose runs take `ms`;
-/// returns once they all run.
+/// Enqueues an Echo job per payload and starts a fleet (leases of `lease_ms`) whose runs take
+/// `ms`; returns once they all run.
 async fn running_slowly(
     pool: &PgPool,
     log: &Arc<RunLog>,
+    lease_ms: u64,
     ms: u64,
     payloads: &[i64],
 ) -> (Vec<JobId>, payfleet::queue::FleetHandle) {
@@ -1010,7 +1018,13 @@ async fn running_slowly(
                 .unwrap(),
         );
     }
-    let fleet = start_fleet(pool, slow(log.clone(), ms));
+    let fleet = Fleet::new(
+        pool.clone(),
+        slow(log.clone(), ms),
+        leased_config(lease_ms, ""),
+        "test",
+    )
+    .start();
     wait_running(pool, payloads.len() as i64).await;
     (ids, fleet)
 }
@@ -1045,7 +1059,7 @@ async fn hold_row(pool: &PgPool, id: JobId) -> sqlx::Transaction<'static, sqlx::
 async fn a_row_locked_by_another_transaction_does_not_hold_up_other_runs_ends(pool: PgPool) {
     let log = Arc::new(RunLog::default());
     // Leases of 600 ms; each run takes 150 ms, so both end while A's row is held.
-    let (ids, fleet) = running_slowly(&pool, &log, 150, &[1, 2]).await;
+    let (ids, fleet) = running_slowly(&pool, &log, 600, 150, &[1, 2]).await;
     let (a, b) = (ids[0], ids[1]);
 
     // A business transaction holds A's row (a schedule or cancel of its key, say). Ends are
@@ -1085,14 +1099,15 @@ async fn a_row_locked_by_another_transaction_does_not_hold_up_other_runs_ends(po
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_row_locked_by_another_transaction_does_not_hold_up_other_renewals(pool: PgPool) {
     let log = Arc::new(RunLog::default());
-    // Leases of 600 ms; each run takes 2 s.
-    let (ids, fleet) = running_slowly(&pool, &log, 2000, &[1, 2]).await;
+    // Leases of 2 s (renewed every 2/3 s, each renewal given 0.5 s: a loaded test machine
+    // must not miss one for B); each run takes 7 s.
+    let (ids, fleet) = running_slowly(&pool, &log, 2000, 7000, &[1, 2]).await;
     let (a, b) = (ids[0], ids[1]);
 
     // A long business transaction holds A's row (a schedule or cancel of its key, say) for
     // longer than a lease.
     let tx = hold_row(&pool, a).await;
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    tokio::time::sleep(Duration::from_millis(3500)).await;
     let b_lease_left: f64 = sqlx::query_scalar(
         "SELECT extract(epoch FROM lease_expires_at - now())::float8 FROM jobs WHERE id = $1",
     )
@@ -1108,7 +1123,7 @@ async fn a_row_locked_by_another_transaction_does_not_hold_up_other_renewals(poo
 
     // B ran once, to its end. A could not be renewed for a whole lease: it was stopped (another
     // worker could have taken it), and runs again later.
-    for _ in 0..100 {
+    for _ in 0..200 {
         if completed(&pool, b).await {
             break;
         }
@@ -1121,10 +1136,11 @@ async fn a_row_locked_by_another_transaction_does_not_hold_up_other_renewals(poo
         Some(&1),
         "B never ran twice"
     );
-    assert_eq!(
-        *log.cut_short.lock().unwrap(),
-        vec![1],
-        "only A was stopped"
+    // A's next run (after its backoff) may still be running at the shutdown, which stops it too.
+    let cut_short = log.cut_short.lock().unwrap().clone();
+    assert!(
+        cut_short.first() == Some(&1) && !cut_short.contains(&2),
+        "only A was stopped: {cut_short:?}"
     );
     let (a_state, _, _, errors) = job(&pool, a).await;
     assert!(
@@ -1143,7 +1159,7 @@ async fn a_row_locked_by_another_transaction_does_not_hold_up_other_renewals(poo
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_run_whose_job_another_worker_took_is_cancelled_and_its_end_refused(pool: PgPool) {
     let log = Arc::new(RunLog::default());
-    let (ids, fleet) = running_slowly(&pool, &log, 5000, &[7]).await;
+    let (ids, fleet) = running_slowly(&pool, &log, 600, 5000, &[7]).await;
     let id = ids[0];
 
     // Another worker holds the job now (as after a rescue and a new claim).
@@ -1330,6 +1346,7 @@ async fn sellers_whose_jobs_all_wait_for_later_do_not_hide_a_due_one(pool: PgPoo
         concurrency: 1,
         timeout_ms: 2_000,
         claimers: 1,
+        fetch_cooldown_ms: 0,
     };
     let ran = tokio::time::timeout(
         Duration::from_secs(20),

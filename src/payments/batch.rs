@@ -1,0 +1,423 @@
+//! Payment events processed many to a transaction.
+//!
+//! Nearly every event is the first success of a checkout's session, with its amount: it records
+//! the payment, confirms its order, writes the order's `paid` message and posts the sale. Done
+//! one event per transaction, that is some twenty statements and a commit each, and a flash
+//! sale's payments then wait on each other for the seller's accounts. Here the events that the
+//! jobs of one worker hand in meanwhile are taken together: one transaction and a fixed number of
+//! statements for the lot, each statement doing the same step for every event (the rows of
+//! `unnest`ed arrays), the seller's turn and accounts taken last and held only for the posting
+//! and the commit.
+//!
+//! Only that plain case is done here, and only when every condition for it holds under the same
+//! locks the one-event path takes (the event unprocessed, the payment's keys, the order's row):
+//! a webhook whose one fact is a success with its amount, of a session no payment is known for,
+//! whose order waits for its money, was never paid, has no coins paid or set aside, and costs
+//! exactly that amount. Anything else (a duplicate, a refund, a late or second payment, a wrong
+//! amount, an event the batch could not process) goes back to its job, which processes it alone
+//! through [`Processor::process`]: the one path that knows every case. Both end in the same rows;
+//! `tests/api/processing.rs` compares them.
+//!
+//! The jobs keep their own leases, timeouts and retries: a job hands its event to the batcher and
+//! waits for the answer; if the batch fails (an outage, a deadlock, a refusal), every job of it
+//! processes its event alone, which retries an outage as any job does.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use sqlx::{PgConnection, PgPool};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+use super::apply::{key_name, keys_of, lock_key_names, wake_waiting_many};
+use super::{EventOutcome, ProcessError, Processed, Processor};
+use crate::gateways::{self, Fact, GatewayName, Interpretation, PaymentStatus};
+use crate::ledger::sales::Channel;
+use crate::money::Money;
+use crate::orders::{self, Confirmation};
+use crate::payment_status::{Facts, derive_status};
+
+/// How the batcher of one worker process works.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchSettings {
+    /// Most events in one transaction.
+    pub max_events: usize,
+    /// Batch transactions in flight at once (each holds one database connection).
+    pub in_flight: usize,
+    /// Events processed alone at once (each holds one database connection while it runs).
+    pub alone: usize,
+}
+
+impl Default for BatchSettings {
+    fn default() -> Self {
+        Self {
+            max_events: 128,
+            in_flight: 2,
+            alone: 16,
+        }
+    }
+}
+
+/// Hands events to the batch transactions; cheap to clone.
+#[derive(Clone)]
+pub struct Batcher {
+    queue: mpsc::Sender<Request>,
+    alone: Arc<Semaphore>,
+    processor: Arc<Processor>,
+}
+
+struct Request {
+    gateway: GatewayName,
+    event_id: String,
+    reply: oneshot::Sender<Option<Processed>>,
+}
+
+impl Batcher {
+    /// Starts the batcher's task on the current runtime; it ends when every handle is dropped.
+    pub fn start(pool: PgPool, processor: Arc<Processor>, settings: BatchSettings) -> Self {
+        let (queue, requests) = mpsc::channel(settings.max_events * settings.in_flight * 4);
+        tokio::spawn(batch_loop(
+            pool,
+            processor.clone(),
+            requests,
+            settings.max_events.max(1),
+            Arc::new(Semaphore::new(settings.in_flight.max(1))),
+        ));
+        Self {
+            queue,
+            alone: Arc::new(Semaphore::new(settings.alone.max(1))),
+            processor,
+        }
+    }
+
+    /// Processes one stored event: in a batch when it is the plain case, else alone. Safe to run
+    /// any number of times, as [`Processor::process`] is.
+    pub async fn process(
+        &self,
+        pool: &PgPool,
+        gateway: GatewayName,
+        event_id: &str,
+    ) -> Result<Processed, ProcessError> {
+        let (reply, answer) = oneshot::channel();
+        let request = Request {
+            gateway,
+            event_id: event_id.to_owned(),
+            reply,
+        };
+        if self.queue.send(request).await.is_ok()
+            && let Ok(Some(done)) = answer.await
+        {
+            return Ok(done);
+        }
+        // The semaphore is never closed.
+        let _turn = self.alone.acquire().await.ok();
+        self.processor.process(pool, gateway, event_id).await
+    }
+}
+
+/// Takes what the jobs handed in since the last batch started (at most `max`) as soon as a
+/// batch transaction may start: under load the batches grow by themselves, and a lone event
+/// waits for nothing.
+async fn batch_loop(
+    pool: PgPool,
+    processor: Arc<Processor>,
+    mut requests: mpsc::Receiver<Request>,
+    max: usize,
+    in_flight: Arc<Semaphore>,
+) {
+    loop {
+        let Ok(permit) = in_flight.clone().acquire_owned().await else {
+            return;
+        };
+        let Some(first) = requests.recv().await else {
+            return;
+        };
+        let mut batch = vec![first];
+        while batch.len() < max {
+            match requests.try_recv() {
+                Ok(r) => batch.push(r),
+                Err(_) => break,
+            }
+        }
+        let (pool, processor) = (pool.clone(), processor.clone());
+        // A panic in the batch drops its replies: each job then processes its event alone.
+        tokio::spawn(async move {
+            let events: Vec<(GatewayName, &str)> = batch
+                .iter()
+                .map(|r| (r.gateway, r.event_id.as_str()))
+                .collect();
+            let done = match process_batch(&pool, processor.internal_on_stripe, &events).await {
+                Ok(done) => done,
+                Err(e) => {
+                    tracing::warn!(events = events.len(), error = %crate::queue::error_chain(&e), "a batch of payment events failed; each is processed alone");
+                    vec![false; events.len()]
+                }
+            };
+            for (request, applied) in batch.into_iter().zip(done) {
+                let _ = request.reply.send(applied.then_some(Processed::Applied));
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// A webhook the batch can apply: the first success of a session, with its amount.
+struct Candidate {
+    /// Its place in the batch.
+    at: usize,
+    event: i64,
+    gateway: GatewayName,
+    session_id: String,
+    payment_id: Option<String>,
+    paid: Money,
+    /// Its order's number and its session's link, found under the locks.
+    order: Option<(i64, String)>,
+}
+
+/// Processes the plain cases among `events` in one transaction. Returns, for each event, whether
+/// it was applied here; the others are left exactly as they were, for [`Processor::process`].
+/// `internal_on_stripe`: as [`Processor::internal_on_stripe`].
+pub async fn process_batch(
+    pool: &PgPool,
+    internal_on_stripe: bool,
+    events: &[(GatewayName, &str)],
+) -> Result<Vec<bool>, ProcessError> {
+    let mut done = vec![false; events.len()];
+    let mut tx = pool.begin().await?;
+    let mut candidates = read_candidates(&mut tx, internal_on_stripe, events).await?;
+    if candidates.is_empty() {
+        return Ok(done);
+    }
+    // The one-event path's locks, in its order: the events' rows (above), the payments' keys,
+    // then the orders' rows.
+    let names = candidates
+        .iter()
+        .flat_map(|c| {
+            let payment = gateways::PaymentRef {
+                session_id: Some(c.session_id.clone()),
+                payment_id: c.payment_id.clone(),
+            };
+            keys_of(&payment)
+                .into_iter()
+                .map(|k| key_name(c.gateway, &k))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    lock_key_names(&mut tx, names).await?;
+    find_sessions(&mut tx, &mut candidates).await?;
+    let wanted: Vec<(i64, GatewayName)> = candidates
+        .iter()
+        .filter_map(|c| c.order.as_ref().map(|(n, _)| (*n, c.gateway)))
+        .collect();
+    let payable: HashMap<i64, orders::Payable> = orders::lock_plainly_payable(&mut tx, &wanted)
+        .await?
+        .into_iter()
+        .map(|o| (o.number, o))
+        .collect();
+    // Two sessions of one order (an earlier attempt paid late beside the current one): the
+    // first confirms it, the other is a second payment, for the one-event path.
+    let mut confirming = HashSet::new();
+    candidates.retain(|c| {
+        c.order.as_ref().is_some_and(|(n, _)| {
+            payable.get(n).is_some_and(|o| o.costs(&c.paid)) && confirming.insert(*n)
+        })
+    });
+    if candidates.is_empty() {
+        return Ok(done);
+    }
+
+    insert_payments(&mut tx, &candidates).await?;
+    let confirmations: Vec<Confirmation<'_>> = candidates
+        .iter()
+        .filter_map(|c| {
+            let (number, url) = c.order.as_ref()?;
+            Some(Confirmation {
+                order: payable.get(number)?,
+                session_id: &c.session_id,
+                url,
+            })
+        })
+        .collect();
+    orders::confirm_paid(&mut tx, &confirmations).await?;
+    // Whatever waited for these payments (a refund that overtook its payment) looks again.
+    let mut keys = Vec::with_capacity(2 * candidates.len());
+    for c in &candidates {
+        keys.push((c.gateway, format!("session:{}", c.session_id)));
+        if let Some(p) = &c.payment_id {
+            keys.push((c.gateway, format!("payment:{p}")));
+        }
+    }
+    let keys: Vec<(GatewayName, &str)> = keys.iter().map(|(g, k)| (*g, k.as_str())).collect();
+    let ids: Vec<i64> = candidates.iter().map(|c| c.event).collect();
+    wake_waiting_many(&mut tx, &keys, &ids).await?;
+    sqlx::query(
+        "UPDATE payment_events SET outcome = $2, outcome_detail = NULL, waiting_for = NULL, processed_at = now()
+         WHERE id = ANY($1) AND processed_at IS NULL",
+    )
+    .bind(&ids)
+    .bind(EventOutcome::Applied)
+    .execute(&mut *tx)
+    .await?;
+    // Last: the sellers' turns and accounts, held only for the posting and the commit.
+    let sales: Vec<(i64, Channel)> = candidates
+        .iter()
+        .filter_map(|c| Some((c.order.as_ref()?.0, Channel::Gateway(c.gateway))))
+        .collect();
+    crate::ledger::poster::post_confirmed(&mut tx, &sales).await?;
+    tx.commit().await?;
+    for c in &candidates {
+        done[c.at] = true;
+    }
+    tracing::debug!(
+        events = events.len(),
+        applied = candidates.len(),
+        "payment events applied in a batch"
+    );
+    Ok(done)
+}
+
+/// Locks the unprocessed events among `events` (in id order, as the one-event path locks its
+/// one) and keeps the plain cases: webhooks (not reconciliation's answers) whose one fact is a
+/// success with its amount, each session and payment once in the batch.
+async fn read_candidates(
+    tx: &mut PgConnection,
+    internal_on_stripe: bool,
+    events: &[(GatewayName, &str)],
+) -> Result<Vec<Candidate>, sqlx::Error> {
+    let (gateways, ids): (Vec<GatewayName>, Vec<&str>) = events.iter().copied().unzip();
+    let rows: Vec<(i64, GatewayName, String, Vec<u8>, String)> = sqlx::query_as(
+        // Each event found by its key, then all locked in id order.
+        "SELECT e.id, e.gateway, e.event_id, e.raw_body, e.source FROM payment_events e
+         WHERE e.id = ANY(ARRAY(
+                   SELECT (SELECT x.id FROM payment_events x WHERE x.gateway = k.gateway AND x.event_id = k.event_id)
+                   FROM unnest($1::text[], $2::text[]) AS k(gateway, event_id)))
+           AND e.processed_at IS NULL
+         ORDER BY e.id FOR UPDATE",
+    )
+    .bind(&gateways)
+    .bind(&ids)
+    .fetch_all(&mut *tx)
+    .await?;
+    let at: HashMap<(GatewayName, &str), usize> = events
+        .iter()
+        .enumerate()
+        .map(|(i, (g, id))| ((*g, *id), i))
+        .collect();
+    let mut seen = HashSet::new();
+    let mut candidates = Vec::with_capacity(rows.len());
+    for (event, gateway, event_id, body, source) in rows {
+        // A Stripe event may be about the internal gateway's payment (its acquirer): whose it
+        // is, the one-event path decides.
+        if source != "webhook" || (gateway == GatewayName::Stripe && internal_on_stripe) {
+            continue;
+        }
+        let Some(&place) = at.get(&(gateway, event_id.as_str())) else {
+            continue;
+        };
+        let Ok(Interpretation::Update { payment, facts }) = gateways::interpret(gateway, &body)
+        else {
+            continue;
+        };
+        let (
+            Some(session_id),
+            [
+                Fact::Payment {
+                    status: PaymentStatus::Succeeded,
+                    amount: Some(paid),
+                },
+            ],
+        ) = (payment.session_id, facts.as_slice())
+        else {
+            continue;
+        };
+        let fresh = seen.insert((gateway, format!("session:{session_id}")))
+            & payment
+                .payment_id
+                .as_ref()
+                .is_none_or(|p| seen.insert((gateway, format!("payment:{p}"))));
+        if !fresh {
+            continue;
+        }
+        candidates.push(Candidate {
+            at: place,
+            event,
+            gateway,
+            session_id,
+            payment_id: payment.payment_id,
+            paid: *paid,
+            order: None,
+        });
+    }
+    Ok(candidates)
+}
+
+/// Each candidate's order and payment link, from its session; a candidate whose session or
+/// payment id is known to a payment already (a duplicate, a second payment) keeps none.
+async fn find_sessions(
+    tx: &mut PgConnection,
+    candidates: &mut [Candidate],
+) -> Result<(), sqlx::Error> {
+    let gateways: Vec<GatewayName> = candidates.iter().map(|c| c.gateway).collect();
+    let sessions: Vec<&str> = candidates.iter().map(|c| c.session_id.as_str()).collect();
+    let payments: Vec<Option<&str>> = candidates.iter().map(|c| c.payment_id.as_deref()).collect();
+    let found: Vec<(i64, i64, String)> = sqlx::query_as(
+        // Looked up one by one through their keys' indexes (LIMIT keeps the planner from
+        // turning the lookups into a scan of every session).
+        "SELECT k.i::int8, ps.order_number, ps.url
+         FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS k(gateway, session_id, payment_id, i)
+         CROSS JOIN LATERAL (SELECT order_number, url FROM payment_sessions ps
+                             WHERE ps.gateway = k.gateway AND ps.session_id = k.session_id LIMIT 1) ps
+         WHERE NOT EXISTS (SELECT 1 FROM payment_orders po WHERE po.gateway = k.gateway AND po.session_id = k.session_id)
+           AND NOT EXISTS (SELECT 1 FROM payment_orders po WHERE po.gateway = k.gateway AND po.payment_id = k.payment_id)",
+    )
+    .bind(&gateways)
+    .bind(&sessions)
+    .bind(&payments)
+    .fetch_all(&mut *tx)
+    .await?;
+    for (i, number, url) in found {
+        if let Some(c) = usize::try_from(i - 1)
+            .ok()
+            .and_then(|i| candidates.get_mut(i))
+        {
+            c.order = Some((number, url));
+        }
+    }
+    Ok(())
+}
+
+/// The payments, known from now on as succeeded with their amounts (as the one-event path
+/// leaves a first success: its status derived from that one fact).
+async fn insert_payments(
+    tx: &mut PgConnection,
+    candidates: &[Candidate],
+) -> Result<(), sqlx::Error> {
+    let status = derive_status(&Facts {
+        succeeded: true,
+        ..Facts::default()
+    });
+    let mut gateways = Vec::with_capacity(candidates.len());
+    let mut sessions = Vec::with_capacity(candidates.len());
+    let mut payments = Vec::with_capacity(candidates.len());
+    let mut amounts = Vec::with_capacity(candidates.len());
+    let mut currencies = Vec::with_capacity(candidates.len());
+    for c in candidates {
+        gateways.push(c.gateway);
+        sessions.push(c.session_id.as_str());
+        payments.push(c.payment_id.as_deref());
+        amounts.push(c.paid.amount());
+        currencies.push(c.paid.currency().to_string());
+    }
+    sqlx::query(
+        "INSERT INTO payment_orders (gateway, session_id, payment_id, status, amount, currency, succeeded_at)
+         SELECT g, s, p, $6, a, c, now() FROM unnest($1::text[], $2::text[], $3::text[], $4::numeric[], $5::text[]) AS x(g, s, p, a, c)",
+    )
+    .bind(&gateways)
+    .bind(&sessions)
+    .bind(&payments)
+    .bind(&amounts)
+    .bind(&currencies)
+    .bind(status)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
