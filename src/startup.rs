@@ -27,7 +27,7 @@ use crate::ledger::jobs as ledger_jobs;
 use crate::messaging::Broker;
 use crate::messaging::orders as order_messages;
 use crate::messaging::rpc::{self, RpcClient};
-use crate::orders::checkout::Checkout;
+use crate::orders::checkout::{self, Checkout};
 use crate::orders::coins::SettleCoins;
 use crate::orders::expiry::{self, ExpireOrder, Expiry};
 use crate::payments::batch::{BatchSettings, Batcher};
@@ -496,6 +496,11 @@ pub fn start(
             expiry: config.order_expiry,
             gateways: gateways.names(),
             rpc_timeout: config.rpc_timeout,
+            writer: checkout::Writer::start(
+                pool.clone(),
+                config.platform_fee_percent,
+                config.order_expiry,
+            ),
         };
         let callers = Callers::new(
             config.admin_token.clone(),

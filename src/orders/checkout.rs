@@ -22,6 +22,7 @@ use rust_decimal::Decimal;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use sqlx::{PgConnection, PgPool};
+use tokio::sync::{mpsc, oneshot};
 
 use super::expiry::ExpireOrder;
 use super::pricing::{self, PricingError};
@@ -127,6 +128,8 @@ pub struct Checkout {
     pub gateways: Vec<GatewayName>,
     /// How long the payment side is given to answer (all links are asked at once).
     pub rpc_timeout: Duration,
+    /// Writes the orders of concurrent checkouts in one transaction.
+    pub writer: Writer,
 }
 
 /// The answer: the checkout's orders.
@@ -269,13 +272,9 @@ impl Checkout {
         }
     }
 
-    /// The checkout's transaction: orders, items, redemptions, numbers, expiry jobs, key.
-    async fn create(
-        &self,
-        key: IdempotencyKey<'_>,
-        me: &str,
-        r: &CheckoutRequest,
-    ) -> Result<i64, CheckoutError> {
+    /// The cart, checked before anything is locked: who buys, through which gateway, which
+    /// products in which quantities, with which coupon.
+    fn cart(&self, r: &CheckoutRequest) -> Result<Cart, CheckoutError> {
         let buyer = r.buyer_id.trim();
         if buyer.is_empty() || buyer.chars().count() > 200 || buyer.chars().any(char::is_control) {
             return Err(CheckoutError::InvalidBuyer(
@@ -316,7 +315,49 @@ impl Checkout {
         if wanted.is_empty() {
             return Err(CheckoutError::InvalidItems("the cart is empty".into()));
         }
+        let coupon = r.coupon.as_ref().filter(|c| !c.trim().is_empty()).cloned();
+        Ok(Cart {
+            buyer: buyer.to_owned(),
+            gateway,
+            coupon,
+            wanted,
+        })
+    }
 
+    /// The checkout's orders, written with those of the checkouts running beside it in one
+    /// transaction ([`Writer`]), or alone when its cart needs more than the writer does (a
+    /// coupon's redemptions, a Stripe seller's account) or the writer could not write it.
+    async fn create(
+        &self,
+        key: IdempotencyKey<'_>,
+        me: &str,
+        r: &CheckoutRequest,
+    ) -> Result<i64, CheckoutError> {
+        let cart = self.cart(r)?;
+        if cart.coupon.is_none() && cart.gateway != GatewayName::Stripe {
+            match self.writer.write(key, me, &cart).await {
+                Written::Created(checkout) => return Ok(checkout),
+                Written::Refused(e) => return Err(e),
+                Written::Alone => {}
+            }
+        }
+        self.create_alone(key, me, &cart).await
+    }
+
+    /// The checkout's transaction: orders, items, redemptions, numbers, expiry jobs, key.
+    async fn create_alone(
+        &self,
+        key: IdempotencyKey<'_>,
+        me: &str,
+        cart: &Cart,
+    ) -> Result<i64, CheckoutError> {
+        let Cart {
+            buyer,
+            gateway,
+            coupon,
+            wanted,
+        } = cart;
+        let (buyer, gateway) = (buyer.as_str(), *gateway);
         let mut tx = self.pool.begin().await?;
         // Only the request holding the key writes (a crashed one may have been taken over), and
         // the row lock makes the tie between key and checkout exact.
@@ -334,24 +375,14 @@ impl Checkout {
         }
         let ids: Vec<ProductId> = wanted.iter().map(|(id, _)| *id).collect();
         let products = catalogue::products(&mut *tx, &ids).await?;
-        let mut items = Vec::with_capacity(wanted.len());
-        for (id, quantity) in &wanted {
-            let product = products
-                .iter()
-                .find(|p| p.id == *id)
-                .ok_or_else(|| CheckoutError::UnknownProduct(format!("no product {id}")))?;
-            items.push((product.clone(), *quantity));
-        }
-        let coupon = match &r.coupon {
-            Some(code) if !code.trim().is_empty() => Some(
-                catalogue::lock_coupon(&mut tx, code)
-                    .await?
-                    .ok_or_else(|| {
-                        CheckoutError::CouponUnavailable(format!("no coupon {code:?}"))
-                    })?,
-            ),
-            _ => None,
-        };
+        let items = cart_items(wanted, &products)?;
+        let coupon =
+            match coupon {
+                Some(code) => Some(catalogue::lock_coupon(&mut tx, code).await?.ok_or_else(
+                    || CheckoutError::CouponUnavailable(format!("no coupon {code:?}")),
+                )?),
+                None => None,
+            };
         let now = Utc::now();
         let priced = pricing::price(&items, coupon.as_ref(), self.fee_percent, now)?;
         if gateway == GatewayName::Stripe {
@@ -389,13 +420,11 @@ impl Checkout {
                 .uses_coupon()
                 .then(|| coupon.as_ref().map(|c| c.id))
                 .flatten();
-            orders.push(o, coupon);
+            orders.push(o, coupon, checkout, buyer, gateway);
         }
         // Numbers last: the counter row stays locked until commit, so everything numbered is
         // written by the one statement that takes the row, and only the commit follows it.
-        let numbered = orders
-            .insert(&mut tx, checkout, buyer, gateway, expires_at)
-            .await?;
+        let numbered = orders.insert(&mut tx, expires_at).await?;
         if numbered.len() != priced.len() {
             // Only a missing counter row does this (migration 0011 writes it): nothing is kept.
             return Err(CheckoutError::Database(sqlx::Error::RowNotFound));
@@ -548,11 +577,244 @@ struct IdempotencyKey<'a> {
     key: &'a str,
 }
 
+/// A cart as checked before anything is locked.
+struct Cart {
+    buyer: String,
+    gateway: GatewayName,
+    coupon: Option<String>,
+    wanted: Vec<(ProductId, u32)>,
+}
+
+/// The cart's lines with their products, in cart order.
+fn cart_items(
+    wanted: &[(ProductId, u32)],
+    products: &[catalogue::Product],
+) -> Result<Vec<(catalogue::Product, u32)>, CheckoutError> {
+    wanted
+        .iter()
+        .map(|(id, quantity)| {
+            products
+                .iter()
+                .find(|p| p.id == *id)
+                .map(|p| (p.clone(), *quantity))
+                .ok_or_else(|| CheckoutError::UnknownProduct(format!("no product {id}")))
+        })
+        .collect()
+}
+
+/// What the writer did with one checkout.
+enum Written {
+    Created(i64),
+    /// Refused for what it asks (an unknown product, a cart that cannot be priced), or its key
+    /// is no longer this request's: nothing was written for it.
+    Refused(CheckoutError),
+    /// Not written (the batch failed as a whole): to write alone, where its own error shows.
+    Alone,
+}
+
+struct Pending {
+    owner: String,
+    key: String,
+    me: String,
+    buyer: String,
+    gateway: GatewayName,
+    wanted: Vec<(ProductId, u32)>,
+    reply: oneshot::Sender<Written>,
+}
+
+/// Writes the orders of the checkouts that arrive while it writes others, many to one
+/// transaction: the order-number counter is held, for the numbering statement and the commit,
+/// once per batch instead of once per checkout, which under sixteen concurrent clients was the
+/// checkouts' pace (each holding it through its own commit's flush). A batch checks every
+/// checkout as [`Checkout::create_alone`] does (its key still its request's, its products known,
+/// its cart priced), writes the checkouts and their keys in one statement and every order with
+/// the one numbering statement, and answers each. A cart with a coupon, or paid through Stripe,
+/// is written alone (a coupon's row lock and redemptions, the sellers' accounts). Cheap to
+/// clone.
+#[derive(Clone)]
+pub struct Writer {
+    queue: mpsc::Sender<Pending>,
+}
+
+/// Most checkouts in one transaction.
+const WRITER_BATCH: usize = 64;
+
+impl Writer {
+    /// Starts the writer's task on the current runtime; it ends when every handle is dropped.
+    pub fn start(pool: PgPool, fee_percent: Decimal, expiry: Duration) -> Self {
+        let (queue, pending) = mpsc::channel(4 * WRITER_BATCH);
+        tokio::spawn(write_loop(pool, fee_percent, expiry, pending));
+        Self { queue }
+    }
+
+    async fn write(&self, key: IdempotencyKey<'_>, me: &str, cart: &Cart) -> Written {
+        let (reply, answer) = oneshot::channel();
+        let pending = Pending {
+            owner: key.owner.to_owned(),
+            key: key.key.to_owned(),
+            me: me.to_owned(),
+            buyer: cart.buyer.clone(),
+            gateway: cart.gateway,
+            wanted: cart.wanted.clone(),
+            reply,
+        };
+        if self.queue.send(pending).await.is_err() {
+            return Written::Alone;
+        }
+        answer.await.unwrap_or(Written::Alone)
+    }
+}
+
+/// One batch at a time, each taking what arrived while the last was written: the counter
+/// serialises batches anyway, and a lone checkout waits for nothing.
+async fn write_loop(
+    pool: PgPool,
+    fee_percent: Decimal,
+    expiry: Duration,
+    mut pending: mpsc::Receiver<Pending>,
+) {
+    while let Some(first) = pending.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < WRITER_BATCH {
+            match pending.try_recv() {
+                Ok(p) => batch.push(p),
+                Err(_) => break,
+            }
+        }
+        let written = match write_batch(&pool, fee_percent, expiry, &batch).await {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(checkouts = batch.len(), error = %e, "a batch of checkouts failed; each is written alone");
+                batch.iter().map(|_| Written::Alone).collect()
+            }
+        };
+        for (p, w) in batch.into_iter().zip(written) {
+            let _ = p.reply.send(w);
+        }
+    }
+}
+
+/// One transaction for `batch`: the keys locked, the products read, each cart priced, the
+/// checkouts and their keys written, every order numbered and written, then the commit.
+async fn write_batch(
+    pool: &PgPool,
+    fee_percent: Decimal,
+    expiry: Duration,
+    batch: &[Pending],
+) -> Result<Vec<Written>, CheckoutError> {
+    let mut out: Vec<Option<Written>> = batch.iter().map(|_| None).collect();
+    let mut tx = pool.begin().await?;
+    let (owners, keys): (Vec<&str>, Vec<&str>) = batch
+        .iter()
+        .map(|p| (p.owner.as_str(), p.key.as_str()))
+        .unzip();
+    // Only the request holding its key writes (a crashed one may have been taken over), and
+    // the row lock makes the tie between key and checkout exact. In one order, so that two
+    // batches never deadlock on them.
+    let held: Vec<(String, String, Option<i64>, Option<String>)> = sqlx::query_as(
+        "SELECT owner, key, checkout_id, locked_by FROM idempotency_keys
+         WHERE (owner, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))
+         ORDER BY owner, key FOR UPDATE",
+    )
+    .bind(&owners)
+    .bind(&keys)
+    .fetch_all(&mut *tx)
+    .await?;
+    let mut ids: Vec<ProductId> = batch
+        .iter()
+        .flat_map(|p| p.wanted.iter().map(|(id, _)| *id))
+        .collect();
+    ids.sort_unstable_by_key(|id| id.0);
+    ids.dedup();
+    let products = catalogue::products(&mut *tx, &ids).await?;
+    let now = Utc::now();
+    let expires_at =
+        now + chrono::Duration::from_std(expiry).unwrap_or(chrono::Duration::minutes(30));
+    let mut writing = Vec::new();
+    for (i, p) in batch.iter().enumerate() {
+        let row = held
+            .iter()
+            .find(|(o, k, _, _)| *o == p.owner && *k == p.key);
+        match row {
+            Some((_, _, Some(checkout), _)) => {
+                out[i] = Some(Written::Created(*checkout));
+                continue;
+            }
+            Some((_, _, None, Some(by))) if *by == p.me => {}
+            _ => {
+                out[i] = Some(Written::Refused(CheckoutError::KeyInUse));
+                continue;
+            }
+        }
+        let priced = cart_items(&p.wanted, &products)
+            .and_then(|items| Ok(pricing::price(&items, None, fee_percent, now)?));
+        match priced {
+            Ok(priced) => writing.push((i, priced)),
+            Err(e) => out[i] = Some(Written::Refused(e)),
+        }
+    }
+    if !writing.is_empty() {
+        let (buyers, gateways, owners, keys): (Vec<&str>, Vec<GatewayName>, Vec<&str>, Vec<&str>) =
+            writing.iter().fold(Default::default(), |mut cols, (i, _)| {
+                let p = &batch[*i];
+                cols.0.push(p.buyer.as_str());
+                cols.1.push(p.gateway);
+                cols.2.push(p.owner.as_str());
+                cols.3.push(p.key.as_str());
+                cols
+            });
+        let checkouts: Vec<i64> = sqlx::query_scalar(
+            "WITH x AS MATERIALIZED (
+                 SELECT nextval(pg_get_serial_sequence('checkouts', 'id')) AS id, t.*
+                 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS t(buyer, gateway, owner, key, i)
+             ), c AS (
+                 INSERT INTO checkouts (id, buyer_id, gateway) SELECT id, buyer, gateway FROM x
+             ), k AS (
+                 UPDATE idempotency_keys SET checkout_id = x.id FROM x
+                 WHERE idempotency_keys.owner = x.owner AND idempotency_keys.key = x.key
+             )
+             SELECT id FROM x ORDER BY i",
+        )
+        .bind(&buyers)
+        .bind(&gateways)
+        .bind(&owners)
+        .bind(&keys)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut orders = NewOrders::default();
+        let mut count = 0;
+        for ((i, priced), checkout) in writing.iter().zip(&checkouts) {
+            let p = &batch[*i];
+            for o in priced {
+                orders.push(o, None, *checkout, &p.buyer, p.gateway);
+                count += 1;
+            }
+        }
+        // Numbers last: only the commit follows the counter.
+        let numbered = orders.insert(&mut tx, expires_at).await?;
+        if numbered.len() != count || checkouts.len() != writing.len() {
+            // Only a missing counter row does this (migration 0011 writes it): nothing is kept.
+            return Err(CheckoutError::Database(sqlx::Error::RowNotFound));
+        }
+        tx.commit().await?;
+        for ((i, _), checkout) in writing.iter().zip(checkouts) {
+            out[*i] = Some(Written::Created(checkout));
+        }
+    }
+    Ok(out
+        .into_iter()
+        .map(|w| w.unwrap_or(Written::Alone))
+        .collect())
+}
+
 /// A checkout's order lines, written in one statement.
 /// A checkout's orders and their lines, as columns, for the one statement that numbers and
 /// writes them.
 #[derive(Default)]
 struct NewOrders {
+    checkout_id: Vec<i64>,
+    buyer_id: Vec<String>,
+    gateway: Vec<GatewayName>,
     seller_id: Vec<uuid::Uuid>,
     kind: Vec<ProductKind>,
     interval: Vec<Option<String>>,
@@ -575,7 +837,17 @@ struct NewOrders {
 }
 
 impl NewOrders {
-    fn push(&mut self, o: &pricing::PricedOrder, coupon: Option<catalogue::CouponId>) {
+    fn push(
+        &mut self,
+        o: &pricing::PricedOrder,
+        coupon: Option<catalogue::CouponId>,
+        checkout: i64,
+        buyer: &str,
+        gateway: GatewayName,
+    ) {
+        self.checkout_id.push(checkout);
+        self.buyer_id.push(buyer.to_owned());
+        self.gateway.push(gateway);
         self.seller_id.push(o.seller_id.0);
         self.kind.push(o.kind);
         self.interval.push(o.interval.map(|i| i.to_string()));
@@ -600,16 +872,13 @@ impl NewOrders {
     }
 
     /// Takes the next numbers from the counter row (sequential, no gaps: a rolled-back checkout
-    /// gives them back) and writes the orders, their lines, their coupon redemptions, their
-    /// `created` events and their expiry jobs (`expiry::ExpireOrder`, its payload and key made
-    /// here from each number, which a test of that module pins), in one statement. Returns the
-    /// numbers, in the orders' order.
+    /// gives them back) and writes the orders (of one checkout or of many), their lines, their
+    /// coupon redemptions, their `created` events and their expiry jobs (`expiry::ExpireOrder`,
+    /// its payload and key made here from each number, which a test of that module pins), in
+    /// one statement. Returns the numbers, in the orders' order.
     async fn insert(
         &self,
         tx: &mut PgConnection,
-        checkout: i64,
-        buyer: &str,
-        gateway: GatewayName,
         expires_at: chrono::DateTime<Utc>,
     ) -> Result<Vec<i64>, sqlx::Error> {
         let kinds: Vec<&str> = self.kind.iter().map(|k| k.as_str()).collect();
@@ -619,12 +888,15 @@ impl NewOrders {
              ), o AS (
                  INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, \"interval\", currency,
                                      subtotal, discount, total, platform_fee, seller_net, gateway, coupon_id, expires_at)
-                 SELECT n.last - cardinality($1::uuid[]) + t.place, $11, t.seller_id, $12, t.kind, t.interval, t.currency,
-                        t.subtotal, t.discount, t.total, t.platform_fee, t.seller_net, $13, t.coupon_id, $14
+                 SELECT n.last - cardinality($1::uuid[]) + t.place, t.checkout_id, t.seller_id, t.buyer_id, t.kind,
+                        t.interval, t.currency, t.subtotal, t.discount, t.total, t.platform_fee, t.seller_net,
+                        t.gateway, t.coupon_id, $14
                  FROM n, unnest($1::uuid[], $2::text[], $3::text[], $4::bpchar[], $5::numeric[], $6::numeric[],
-                                $7::numeric[], $8::numeric[], $9::numeric[], $10::uuid[])
+                                $7::numeric[], $8::numeric[], $9::numeric[], $10::uuid[], $11::bigint[],
+                                $12::text[], $13::text[])
                       WITH ORDINALITY AS t(seller_id, kind, interval, currency, subtotal, discount, total,
-                                           platform_fee, seller_net, coupon_id, place)
+                                           platform_fee, seller_net, coupon_id, checkout_id, buyer_id, gateway,
+                                           place)
                  RETURNING id, number, coupon_id, number - (SELECT last FROM n) + cardinality($1::uuid[]) AS place
              ), items AS (
                  INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
@@ -657,9 +929,9 @@ impl NewOrders {
         .bind(&self.platform_fee)
         .bind(&self.seller_net)
         .bind(&self.coupon_id)
-        .bind(checkout)
-        .bind(buyer)
-        .bind(gateway)
+        .bind(&self.checkout_id)
+        .bind(&self.buyer_id)
+        .bind(&self.gateway)
         .bind(expires_at)
         .bind(&self.line_order)
         .bind(&self.line)

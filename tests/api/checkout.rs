@@ -702,3 +702,99 @@ pub fn payment_side(
         payfleet::messaging::rpc::PaymentLink,
     >(broker, links, 4))
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn checkouts_written_together_each_keep_their_own_orders_refusals_and_keys(pool: PgPool) {
+    let shop = Arc::new(shop(pool.clone()).await);
+    let (a, b) = (shop.seller("A").await, shop.seller("B").await);
+    let (pa, pb) = (
+        shop.product(&a, "5.00", "BRL").await,
+        shop.product(&b, "7.00", "BRL").await,
+    );
+    let missing = "00000000-0000-4000-8000-000000000000";
+    // Thirty checkouts at once (the writer takes them in batches): some for one seller, some
+    // for two (two orders), some for a product that does not exist; one key sent twice.
+    let tasks: Vec<_> = (0..31)
+        .map(|i| {
+            let (shop, pa, pb) = (shop.clone(), pa.clone(), pb.clone());
+            tokio::spawn(async move {
+                let n = if i == 30 { 3 } else { i };
+                let mut body = match n % 5 {
+                    0 => cart(&[(missing, 1)]),
+                    1 => cart(&[(&pa, 1), (&pb, 2)]),
+                    _ => cart(&[(&pa, n)]),
+                };
+                body["buyer_id"] = json!(format!("buyer-{n}"));
+                let (status, answer) = shop.checkout(Some(&format!("key-{n}")), body).await;
+                (n, status, answer)
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    let mut orders_answered = 0;
+    for (n, status, answer) in &answers {
+        match (n % 5, *status) {
+            (0, 422) => assert_eq!(answer["error"]["code"], "unknown_product", "{answer}"),
+            (1, 201) => {
+                assert_eq!(answer["orders"].as_array().unwrap().len(), 2, "{answer}");
+                orders_answered += 2;
+            }
+            (_, 201) => {
+                let o = &answer["orders"][0];
+                assert_eq!(o["buyer_id"], format!("buyer-{n}"), "{answer}");
+                assert_eq!(
+                    o["total"].as_str().unwrap(),
+                    format!("{}.00", 5 * n),
+                    "{answer}"
+                );
+                orders_answered += 1;
+            }
+            // The same key twice at once: the second waits for the first or is told it runs.
+            (_, 409) if *n == 3 => {
+                assert_eq!(answer["error"]["code"], "idempotency_key_in_use")
+            }
+            other => panic!("{other:?}: {answer}"),
+        }
+    }
+    // The repeat of key-3 answered the same orders, or 409: the orders exist once.
+    let key3: Vec<&Value> = answers
+        .iter()
+        .filter(|(n, s, _)| *n == 3 && *s == 201)
+        .map(|(_, _, a)| a)
+        .collect();
+    assert!(key3.windows(2).all(|w| w[0] == w[1]), "{key3:?}");
+    let orders_answered = orders_answered - (key3.len() as i64 - 1);
+    let numbers: Vec<i64> = sqlx::query_scalar("SELECT number FROM orders ORDER BY number")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        numbers,
+        (1..=orders_answered).collect::<Vec<_>>(),
+        "no gaps"
+    );
+    // Every order sits in the checkout its key names, with its buyer; a refused key is free.
+    let mismatched: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM orders o JOIN idempotency_keys k ON k.checkout_id = o.checkout_id
+         WHERE o.buyer_id <> 'buyer-' || split_part(k.key, '-', 2)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(mismatched, 0);
+    let keys: Vec<String> = sqlx::query_scalar("SELECT key FROM idempotency_keys ORDER BY key")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 24, "the six refused keys are free: {keys:?}");
+    assert!(keys.iter().all(|k| !k.ends_with('0') && !k.ends_with('5')));
+    assert_eq!(count(&pool, "checkouts").await, 24);
+    let expiries: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE kind = 'expire_order'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(expiries, orders_answered, "one expiry job per order");
+}
