@@ -80,7 +80,7 @@ BEGIN
 
     UPDATE ledger_accounts a SET balance = m.balance, updated_at = now()
       FROM unnest(moved_ids, moved_to) AS m(id, balance)
-     WHERE a.id = m.id;
+     WHERE a.id = ANY(moved_ids) AND a.id = m.id;
     RETURN QUERY SELECT * FROM unnest(new_ids, new_keys);
 END;
 $$;

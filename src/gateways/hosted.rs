@@ -114,11 +114,15 @@ impl HostedGateway {
         };
         let metadata = serde_json::to_value(&r.metadata).unwrap_or_default();
         // Idempotent by order: a second request finds the first session (read in a statement
-        // of its own, which sees a concurrent request's committed row).
-        sqlx::query(
+        // of its own, which sees a concurrent request's committed row). Committed without
+        // waiting for its flush: nothing refers to the session before the payment side stores
+        // it with a synchronous commit, which flushes this one too (the log is one sequence);
+        // lost in a crash before that, the session is made again when the link is asked again.
+        let made: Option<String> = sqlx::query_scalar(
             "INSERT INTO internal_payments (session_id, gateway, order_number, attempt, amount, currency, metadata)
-             VALUES ($1, $2, $3, $4, $5, $6, $7)
-             ON CONFLICT (gateway, order_number, attempt) DO NOTHING",
+             SELECT $1, $2, $3, $4, $5, $6, $7 FROM (SELECT set_config('synchronous_commit', 'off', true)) c
+             ON CONFLICT (gateway, order_number, attempt) DO NOTHING
+             RETURNING session_id",
         )
         .bind(random_id(prefix))
         .bind(self.name)
@@ -127,16 +131,21 @@ impl HostedGateway {
         .bind(r.amount.amount())
         .bind(r.amount.currency().as_str())
         .bind(metadata)
-        .execute(&self.pool)
+        .fetch_optional(&self.pool)
         .await?;
-        let session_id: String = sqlx::query_scalar(
-            "SELECT session_id FROM internal_payments WHERE gateway = $1 AND order_number = $2 AND attempt = $3",
-        )
-        .bind(self.name)
-        .bind(r.order_number)
-        .bind(r.attempt)
-        .fetch_one(&self.pool)
-        .await?;
+        let session_id: String = match made {
+            Some(id) => id,
+            None => {
+                sqlx::query_scalar(
+                    "SELECT session_id FROM internal_payments WHERE gateway = $1 AND order_number = $2 AND attempt = $3",
+                )
+                .bind(self.name)
+                .bind(r.order_number)
+                .bind(r.attempt)
+                .fetch_one(&self.pool)
+                .await?
+            }
+        };
         let url = format!("{}/pay/{session_id}", self.public_url);
         Ok(Session { session_id, url })
     }

@@ -467,19 +467,15 @@ impl Checkout {
         let results = futures_util::future::join_all(
             missing
                 .iter()
-                .map(|o| link(&self.pool, self.links.as_ref(), o)),
+                .map(|o| ask_link(&self.pool, self.links.as_ref(), o)),
         )
         .await;
         let mut unavailable = (Vec::new(), None);
         let mut refused = (Vec::new(), None);
-        let mut stored = Vec::with_capacity(missing.len());
-        // Read again only if a link was stored by someone else meanwhile (the answer says what
-        // the orders hold).
-        let mut read_again = false;
+        let mut asked = Vec::with_capacity(missing.len());
         for (o, r) in missing.iter().zip(results) {
             match r {
-                Ok(Some(view)) => stored.push((o.number, view)),
-                Ok(None) => read_again = true,
+                Ok(view) => asked.push((o.number, o.payment_attempt, view)),
                 Err((reason, true)) => {
                     unavailable.0.push(o.number);
                     unavailable.1 = Some(reason);
@@ -496,15 +492,54 @@ impl Checkout {
         if let (orders, Some(reason)) = unavailable {
             return Err(CheckoutError::LinksUnavailable { orders, reason });
         }
-        if read_again {
-            orders = of_checkout(&self.pool, checkout).await?;
-        } else {
-            for (number, view) in stored {
-                if let Some(o) = orders.iter_mut().find(|o| o.number == number) {
-                    o.payment = Some(view);
-                }
+        for (number, _, view) in &asked {
+            if let Some(o) = orders.iter_mut().find(|o| o.number == *number) {
+                o.payment = Some(view.clone());
             }
         }
+        // The links and the answer in one statement (one commit): the answer is stored only if
+        // every link was, else another request stored one of them meanwhile, and the answer
+        // says what the orders hold.
+        let answer = serde_json::to_value(CheckoutAnswer { orders }).unwrap_or_default();
+        let (numbers, attempts, sessions, urls) = asked.iter().fold(
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new()),
+            |mut cols, (n, attempt, view)| {
+                cols.0.push(*n);
+                cols.1.push(*attempt);
+                cols.2.push(view.session_id.as_str());
+                cols.3.push(view.url.as_str());
+                cols
+            },
+        );
+        let answered: bool = sqlx::query_scalar(
+            "WITH l AS (
+                 UPDATE orders o SET session_id = x.session_id, payment_url = x.url, updated_at = now()
+                 FROM unnest($1::bigint[], $2::int[], $3::text[], $4::text[]) AS x(number, attempt, session_id, url)
+                 WHERE o.number = ANY($1) AND o.number = x.number AND o.session_id IS NULL
+                   AND o.payment_attempt = x.attempt
+                 RETURNING o.number
+             ), k AS (
+                 UPDATE idempotency_keys SET response = $5, locked_until = NULL, locked_by = NULL
+                 WHERE owner = $8 AND key = $6 AND locked_by = $7
+                   AND (SELECT count(*) FROM l) = cardinality($1::bigint[])
+                 RETURNING 1
+             )
+             SELECT EXISTS (SELECT 1 FROM k) OR (SELECT count(*) FROM l) = cardinality($1::bigint[])",
+        )
+        .bind(&numbers)
+        .bind(&attempts)
+        .bind(&sessions)
+        .bind(&urls)
+        .bind(&answer)
+        .bind(key.key)
+        .bind(me)
+        .bind(key.owner)
+        .fetch_one(&self.pool)
+        .await?;
+        if answered {
+            return Ok(answer);
+        }
+        let orders = of_checkout(&self.pool, checkout).await?;
         let answer = serde_json::to_value(CheckoutAnswer { orders }).unwrap_or_default();
         sqlx::query(
             "UPDATE idempotency_keys SET response = $2, locked_until = NULL, locked_by = NULL
@@ -665,15 +700,26 @@ impl Writer {
     }
 }
 
-/// One batch at a time, each taking what arrived while the last was written: the counter
-/// serialises batches anyway, and a lone checkout waits for nothing.
+/// Batches in flight at once: while one holds the counter for its last statement and commit,
+/// the next checks its keys and carts and writes its checkouts.
+const WRITERS_IN_FLIGHT: usize = 2;
+
+/// Each batch takes what arrived while the others were written (a lone checkout waits for
+/// nothing); the counter serialises their numbering statements and commits.
 async fn write_loop(
     pool: PgPool,
     fee_percent: Decimal,
     expiry: Duration,
     mut pending: mpsc::Receiver<Pending>,
 ) {
-    while let Some(first) = pending.recv().await {
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(WRITERS_IN_FLIGHT));
+    loop {
+        let Ok(permit) = in_flight.clone().acquire_owned().await else {
+            return;
+        };
+        let Some(first) = pending.recv().await else {
+            return;
+        };
         let mut batch = vec![first];
         while batch.len() < WRITER_BATCH {
             match pending.try_recv() {
@@ -681,16 +727,21 @@ async fn write_loop(
                 Err(_) => break,
             }
         }
-        let written = match write_batch(&pool, fee_percent, expiry, &batch).await {
-            Ok(w) => w,
-            Err(e) => {
-                tracing::warn!(checkouts = batch.len(), error = %e, "a batch of checkouts failed; each is written alone");
-                batch.iter().map(|_| Written::Alone).collect()
+        let pool = pool.clone();
+        // A panic drops the replies: each checkout is then written alone.
+        tokio::spawn(async move {
+            let written = match write_batch(&pool, fee_percent, expiry, &batch).await {
+                Ok(w) => w,
+                Err(e) => {
+                    tracing::warn!(checkouts = batch.len(), error = %e, "a batch of checkouts failed; each is written alone");
+                    batch.iter().map(|_| Written::Alone).collect()
+                }
+            };
+            for (p, w) in batch.into_iter().zip(written) {
+                let _ = p.reply.send(w);
             }
-        };
-        for (p, w) in batch.into_iter().zip(written) {
-            let _ = p.reply.send(w);
-        }
+            drop(permit);
+        });
     }
 }
 
@@ -713,7 +764,8 @@ async fn write_batch(
     // batches never deadlock on them.
     let held: Vec<(String, String, Option<i64>, Option<String>)> = sqlx::query_as(
         "SELECT owner, key, checkout_id, locked_by FROM idempotency_keys
-         WHERE (owner, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))
+         WHERE owner = ANY($1) AND key = ANY($2)
+           AND (owner, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))
          ORDER BY owner, key FOR UPDATE",
     )
     .bind(&owners)
@@ -771,7 +823,8 @@ async fn write_batch(
                  INSERT INTO checkouts (id, buyer_id, gateway) SELECT id, buyer, gateway FROM x
              ), k AS (
                  UPDATE idempotency_keys SET checkout_id = x.id FROM x
-                 WHERE idempotency_keys.owner = x.owner AND idempotency_keys.key = x.key
+                 WHERE idempotency_keys.owner = ANY($3) AND idempotency_keys.key = ANY($4)
+                   AND idempotency_keys.owner = x.owner AND idempotency_keys.key = x.key
              )
              SELECT id FROM x ORDER BY i",
         )
@@ -958,9 +1011,36 @@ pub async fn link(
     links: &dyn PaymentLinks,
     o: &OrderView,
 ) -> Result<Option<PaymentLinkView>, (String, bool)> {
-    let seller = catalogue::seller(pool, o.seller_id)
-        .await
-        .map_err(|e| (e.to_string(), true))?;
+    let view = ask_link(pool, links, o).await?;
+    let stored = sqlx::query(
+        "UPDATE orders SET session_id = $2, payment_url = $3, updated_at = now()
+         WHERE number = $1 AND session_id IS NULL AND payment_attempt = $4",
+    )
+    .bind(o.number)
+    .bind(&view.session_id)
+    .bind(&view.url)
+    .bind(o.payment_attempt)
+    .execute(pool)
+    .await
+    .map_err(|e| (e.to_string(), true))?;
+    Ok((stored.rows_affected() == 1).then_some(view))
+}
+
+/// Asks the payment side for an order's link (not stored yet), or says why not and whether
+/// asking again later may work.
+async fn ask_link(
+    pool: &PgPool,
+    links: &dyn PaymentLinks,
+    o: &OrderView,
+) -> Result<PaymentLinkView, (String, bool)> {
+    // Only Stripe charges on the seller's own account.
+    let seller_account = match o.gateway {
+        GatewayName::Stripe => catalogue::seller(pool, o.seller_id)
+            .await
+            .map_err(|e| (e.to_string(), true))?
+            .and_then(|s| s.stripe_account),
+        _ => None,
+    };
     let money =
         |v: &str| crate::money::Money::parse(v, &o.currency).map_err(|e| (e.to_string(), false));
     let request = PaymentLinkRequest {
@@ -969,7 +1049,7 @@ pub async fn link(
         amount: money(&o.total)?,
         platform_fee: money(&o.platform_fee)?,
         seller_id: o.seller_id.to_string(),
-        seller_account: seller.and_then(|s| s.stripe_account),
+        seller_account,
         buyer_id: o.buyer_id.clone(),
         description: format!(
             "Order {}{}",
@@ -986,24 +1066,11 @@ pub async fn link(
         expires_at: o.expires_at,
     };
     match links.create(&request).await {
-        Ok(PaymentLinkReply::Created { session_id, url }) => {
-            let stored = sqlx::query(
-                "UPDATE orders SET session_id = $2, payment_url = $3, updated_at = now()
-                 WHERE number = $1 AND session_id IS NULL AND payment_attempt = $4",
-            )
-            .bind(o.number)
-            .bind(&session_id)
-            .bind(&url)
-            .bind(o.payment_attempt)
-            .execute(pool)
-            .await
-            .map_err(|e| (e.to_string(), true))?;
-            Ok((stored.rows_affected() == 1).then_some(PaymentLinkView {
-                gateway: o.gateway,
-                session_id,
-                url,
-            }))
-        }
+        Ok(PaymentLinkReply::Created { session_id, url }) => Ok(PaymentLinkView {
+            gateway: o.gateway,
+            session_id,
+            url,
+        }),
         Ok(PaymentLinkReply::Failed {
             code,
             message,

@@ -367,7 +367,8 @@ pub async fn confirm_paid(
                  paid_at = COALESCE(o.paid_at, now()), session_id = p.session_id,
                  payment_url = p.url, updated_at = now()
              FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[]) AS p(id, status, session_id, url)
-             WHERE o.id = p.id
+             -- By the index, whatever the plan thinks of the array's length.
+             WHERE o.id = ANY($1) AND o.id = p.id
              RETURNING o.id, o.number)
          INSERT INTO order_events (order_id, kind, payload)
          SELECT id, $6, jsonb_build_object('number', number) FROM paid

@@ -1004,9 +1004,10 @@ pub(super) async fn wake_waiting_many(
         }
     }
     let waiting: Vec<(GatewayName, String, Vec<u8>)> = sqlx::query_as(
-        "SELECT DISTINCT e.gateway, e.event_id, e.raw_body FROM payment_events e
-         JOIN unnest($1::text[], $2::text[]) AS w(gateway, key) ON e.gateway = w.gateway AND e.waiting_for = w.key
-         WHERE e.outcome = 'waiting' AND NOT (e.id = ANY($3))",
+        // Through the index of waiting events, whatever the plan makes of the arrays.
+        "SELECT e.gateway, e.event_id, e.raw_body FROM payment_events e
+         WHERE e.outcome = 'waiting' AND e.waiting_for = ANY($2) AND NOT (e.id = ANY($3))
+           AND (e.gateway, e.waiting_for) IN (SELECT * FROM unnest($1::text[], $2::text[]))",
     )
     .bind(&sources)
     .bind(&names)

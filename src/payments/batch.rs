@@ -362,12 +362,19 @@ async fn find_sessions(
     let found: Vec<(i64, i64, String)> = sqlx::query_as(
         // Looked up one by one through their keys' indexes (LIMIT keeps the planner from
         // turning the lookups into a scan of every session).
-        "SELECT k.i::int8, ps.order_number, ps.url
-         FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS k(gateway, session_id, payment_id, i)
-         CROSS JOIN LATERAL (SELECT order_number, url FROM payment_sessions ps
-                             WHERE ps.gateway = k.gateway AND ps.session_id = k.session_id LIMIT 1) ps
-         WHERE NOT EXISTS (SELECT 1 FROM payment_orders po WHERE po.gateway = k.gateway AND po.session_id = k.session_id)
-           AND NOT EXISTS (SELECT 1 FROM payment_orders po WHERE po.gateway = k.gateway AND po.payment_id = k.payment_id)",
+        // Each looked up through its keys' indexes: scalar subqueries and a LIMIT keep the
+        // planner from turning the lookups into joins that read every session or payment.
+        "SELECT i, order_number, url FROM (
+             SELECT k.i::int8 AS i, ps.order_number, ps.url,
+                    (SELECT po.id FROM payment_orders po
+                     WHERE po.gateway = k.gateway AND po.session_id = k.session_id LIMIT 1) AS by_session,
+                    (SELECT po.id FROM payment_orders po
+                     WHERE po.gateway = k.gateway AND po.payment_id = k.payment_id LIMIT 1) AS by_payment
+             FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS k(gateway, session_id, payment_id, i)
+             CROSS JOIN LATERAL (SELECT order_number, url FROM payment_sessions ps
+                                 WHERE ps.gateway = k.gateway AND ps.session_id = k.session_id LIMIT 1) ps
+         ) t
+         WHERE by_session IS NULL AND by_payment IS NULL",
     )
     .bind(&gateways)
     .bind(&sessions)

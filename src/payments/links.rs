@@ -90,10 +90,11 @@ impl LinkService {
         session: &crate::gateways::api::Session,
         metadata: &BTreeMap<String, String>,
     ) -> Result<(String, String), sqlx::Error> {
-        sqlx::query(
+        let stored: Option<(String, String)> = sqlx::query_as(
             "INSERT INTO payment_sessions (order_number, attempt, gateway, session_id, url, amount, currency, platform_fee, metadata)
              VALUES ($1, $9, $2, $3, $4, $5, $6, $7, $8)
-             ON CONFLICT (order_number, attempt) DO NOTHING",
+             ON CONFLICT (order_number, attempt) DO NOTHING
+             RETURNING session_id, url",
         )
         .bind(r.order_number)
         .bind(r.gateway)
@@ -104,9 +105,12 @@ impl LinkService {
         .bind(r.platform_fee.amount())
         .bind(serde_json::to_value(metadata).unwrap_or_default())
         .bind(r.attempt)
-        .execute(&self.pool)
+        .fetch_optional(&self.pool)
         .await?;
-        // A separate statement sees the winner's row whoever it was.
+        if let Some(stored) = stored {
+            return Ok(stored);
+        }
+        // Another request stored one first: a separate statement sees its row.
         self.stored(r.order_number, r.attempt)
             .await?
             .ok_or(sqlx::Error::RowNotFound)

@@ -1147,11 +1147,11 @@ async fn a_row_locked_by_another_transaction_does_not_hold_up_other_renewals(poo
         matches!(a_state.as_str(), "retryable" | "available"),
         "{a_state}"
     );
+    // Its attempt ended as the worker wrote it, or as the rescuer did: whichever reached the row
+    // first once the transaction let go of it (both wait for it).
+    let error = errors[0]["error"].as_str().unwrap();
     assert!(
-        errors[0]["error"]
-            .as_str()
-            .unwrap()
-            .contains("could not be renewed in time"),
+        error.contains("could not be renewed in time") || error.contains("stopped renewing it"),
         "{errors}"
     );
 }
