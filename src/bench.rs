@@ -194,15 +194,16 @@ async fn scratch(config: &Config) -> anyhow::Result<(PgPool, SecretUrl)> {
 
 /// The configuration with the internal gateway under a new secret (returned, to sign with) and
 /// the simulator on: a scratch database of its own, whose payments are the bench's, no money.
-fn simulated(config: &Config) -> (Config, StandardSecret) {
-    let (secret, _) = StandardSecret::generate();
+/// (The secret's text too, for a child process's environment.)
+fn simulated(config: &Config) -> (Config, StandardSecret, String) {
+    let (secret, text) = StandardSecret::generate();
     let mut app = config.clone();
     app.webhooks = crate::webhooks::WebhookSecrets {
         internal: Some(secret.clone()),
         ..Default::default()
     };
     app.payment_simulator = true;
-    (app, secret)
+    (app, secret, text)
 }
 
 fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
@@ -246,7 +247,7 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
     }
     let pgbench = which_pgbench().context("pgbench is needed for the PostgreSQL baseline (Debian: apt-get install postgresql-15 or postgresql-contrib)")?;
     let (pool, url) = scratch(config).await?;
-    let (app_config, secret) = simulated(config);
+    let (app_config, secret, _) = simulated(config);
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let server = startup::start(&app_config, pool.clone(), Roles::SERVE, Some(listener))?;

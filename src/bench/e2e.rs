@@ -47,6 +47,152 @@ pub struct E2eArgs {
     /// How long pgbench runs.
     #[arg(long, default_value_t = 20)]
     pub pgbench_secs: u64,
+    /// Run the fleet as processes of this binary, as deployed: one `serve` and this many
+    /// `work` processes, each on its own default pool (0: receiver and workers in the bench's
+    /// own process, on one pool).
+    #[arg(long, default_value_t = 0)]
+    pub worker_processes: usize,
+}
+
+/// The fleet under test: in the bench's process, or child processes of this binary.
+enum Fleet {
+    InProcess {
+        app: Config,
+        pool: PgPool,
+        running: Option<startup::Running>,
+    },
+    Processes {
+        env: Vec<(String, String)>,
+        count: usize,
+        children: Vec<tokio::process::Child>,
+    },
+}
+
+impl Fleet {
+    /// Starts the workers; returns once they are started (the processes: once each answers
+    /// its health check).
+    async fn start_workers(&mut self) -> anyhow::Result<()> {
+        match self {
+            Self::InProcess { app, pool, running } => {
+                *running = Some(startup::start(app, pool.clone(), Roles::WORK, None)?);
+            }
+            Self::Processes {
+                env,
+                count,
+                children,
+            } => {
+                let mut health = Vec::new();
+                for _ in 0..*count {
+                    let port = free_port()?;
+                    let mut env = env.clone();
+                    env.push(("PAYFLEET_WORKER_BIND".into(), format!("127.0.0.1:{port}")));
+                    children.push(spawn(&env, "work")?);
+                    health.push(port);
+                }
+                for port in health {
+                    wait_ready(port).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops the workers (SIGTERM for the processes) and waits for them.
+    async fn stop_workers(&mut self) -> anyhow::Result<()> {
+        match self {
+            Self::InProcess { running, .. } => {
+                if let Some(r) = running.take() {
+                    r.stop().await;
+                }
+            }
+            Self::Processes { children, .. } => {
+                for mut child in children.drain(..) {
+                    stop(&mut child).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A free port on the loopback interface, for a child process to listen on.
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// `payfleet <role>` with `env`, its output discarded.
+fn spawn(env: &[(String, String)], role: &str) -> anyhow::Result<tokio::process::Child> {
+    let exe = std::env::current_exe().context("cannot find this binary to run the fleet")?;
+    tokio::process::Command::new(exe)
+        .arg(role)
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .env("RUST_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("cannot start payfleet {role}"))
+}
+
+/// Asks a child to stop as an operator would (SIGTERM), and waits for it.
+async fn stop(child: &mut tokio::process::Child) -> anyhow::Result<()> {
+    if let Some(pid) = child.id() {
+        tokio::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .await
+            .context("cannot run kill")?;
+    }
+    match tokio::time::timeout(Duration::from_secs(30), child.wait()).await {
+        Ok(status) => {
+            status?;
+        }
+        Err(_) => child.kill().await?,
+    }
+    Ok(())
+}
+
+/// Waits until the process listening on `port` says it is ready.
+async fn wait_ready(port: u16) -> anyhow::Result<()> {
+    let http = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ready = http
+            .get(format!("http://127.0.0.1:{port}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if ready {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("the process on port {port} was not ready within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The receiver: in the bench's process, or a child `payfleet serve`.
+enum Receiver {
+    InProcess(Option<startup::Running>),
+    Process(tokio::process::Child),
+}
+
+impl Receiver {
+    async fn stop(&mut self) -> anyhow::Result<()> {
+        match self {
+            Self::InProcess(r) => {
+                if let Some(r) = r.take() {
+                    r.stop().await;
+                }
+                Ok(())
+            }
+            Self::Process(child) => stop(child).await,
+        }
+    }
 }
 
 /// An order awaiting its payment: its number and its internal gateway session.
@@ -61,7 +207,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
     }
     let pgbench = which_pgbench().context("pgbench is needed for the PostgreSQL baseline (Debian: apt-get install postgresql-15 or postgresql-contrib)")?;
     let (pool, url) = scratch(config).await?;
-    let (app, secret) = super::simulated(config);
+    let (app, secret, secret_text) = super::simulated(config);
     let (_, api_key) = auth::api_keys::create(
         &pool,
         auth::NewApiKey {
@@ -73,10 +219,48 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
     let flash = products(&pool, 1, "flash").await?;
     let many = products(&pool, args.sellers, "shop").await?;
 
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let receiver = startup::start(&app, pool.clone(), Roles::SERVE, Some(listener))?;
-    let workers = startup::start(&app, pool.clone(), Roles::WORK, None)?;
+    // The receiver, and the fleet whose workers the bench stops and starts.
+    let (addr, mut receiver, mut fleet) = if args.worker_processes == 0 {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let receiver = startup::start(&app, pool.clone(), Roles::SERVE, Some(listener))?;
+        let fleet = Fleet::InProcess {
+            app: app.clone(),
+            pool: pool.clone(),
+            running: None,
+        };
+        (addr, Receiver::InProcess(Some(receiver)), fleet)
+    } else {
+        // Their own broker queues (the default namespace may be another fleet's), the rest of
+        // the configuration as deployed: each process its default pool.
+        let env: Vec<(String, String)> = vec![
+            ("DATABASE_URL".into(), url.expose().to_owned()),
+            ("INTERNAL_WEBHOOK_SECRET".into(), secret_text),
+            ("PAYFLEET_PAYMENT_SIMULATOR".into(), "on".into()),
+            (
+                "PAYFLEET_AMQP_NAMESPACE".into(),
+                format!("bench-{:08x}", rand::random::<u32>()),
+            ),
+            ("PAYFLEET_AMQP_QUEUE_TTL_MS".into(), "600000".into()),
+            ("AMQP_URL".into(), app.amqp_url.expose().to_owned()),
+        ];
+        let port = free_port()?;
+        let mut serve_env = env.clone();
+        serve_env.push(("PAYFLEET_BIND".into(), format!("127.0.0.1:{port}")));
+        let child = spawn(&serve_env, "serve")?;
+        wait_ready(port).await?;
+        let fleet = Fleet::Processes {
+            env,
+            count: args.worker_processes,
+            children: Vec::new(),
+        };
+        (
+            SocketAddr::from(([127, 0, 0, 1], port)),
+            Receiver::Process(child),
+            fleet,
+        )
+    };
+    fleet.start_workers().await?;
     let mut lines = Vec::new();
 
     // 1. Checkouts.
@@ -99,11 +283,10 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
     lines.push(format!("e2e_checkouts_per_s={checkouts_per_s:.0}"));
     lines.push(format!("e2e_checkout_p50_ms={:.1}", percentile(&lat, 0.5)));
     lines.push(format!("e2e_checkout_p99_ms={:.1}", percentile(&lat, 0.99)));
-    workers.stop().await;
+    fleet.stop_workers().await?;
 
     // 2. Payment effects from a backlog.
     let mut next_event = 0usize;
-    let mut workers = None;
     let mut rates = Vec::new();
     for (name, orders) in [
         ("one_seller", &flash_orders),
@@ -111,7 +294,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
     ] {
         pay_all(addr, &secret, orders, args.clients, &mut next_event).await?;
         let started = Instant::now();
-        let fleet = startup::start(&app, pool.clone(), Roles::WORK, None)?;
+        fleet.start_workers().await?;
         let numbers: Vec<i64> = orders.iter().map(|o| o.number).collect();
         wait_until(
             || async { Ok(effected(&pool, &numbers).await? == numbers.len() as i64) },
@@ -126,12 +309,10 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         );
         lines.push(format!("e2e_effects_{name}_per_s={rate:.0}"));
         rates.push((name, rate));
-        match name {
-            "one_seller" => fleet.stop().await,
-            _ => workers = Some(fleet),
+        if name == "one_seller" {
+            fleet.stop_workers().await?;
         }
     }
-    let workers = workers.context("the fleet of the last scenario")?;
 
     // 3. Receipt to effect at a steady pace, the workers running.
     if args.latency_samples > 0 {
@@ -158,8 +339,8 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
             percentile(&lat, 0.99)
         ));
     }
-    workers.stop().await;
-    receiver.stop().await;
+    fleet.stop_workers().await?;
+    receiver.stop().await?;
     check_ledger(&pool).await?;
 
     // 4. The baseline.
