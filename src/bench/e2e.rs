@@ -57,7 +57,7 @@ pub struct E2eArgs {
 /// The fleet under test: in the bench's process, or child processes of this binary.
 enum Fleet {
     InProcess {
-        app: Config,
+        app: Box<Config>,
         pool: PgPool,
         running: Option<startup::Running>,
     },
@@ -225,7 +225,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         let addr = listener.local_addr()?;
         let receiver = startup::start(&app, pool.clone(), Roles::SERVE, Some(listener))?;
         let fleet = Fleet::InProcess {
-            app: app.clone(),
+            app: Box::new(app.clone()),
             pool: pool.clone(),
             running: None,
         };
