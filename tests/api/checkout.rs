@@ -798,3 +798,54 @@ async fn checkouts_written_together_each_keep_their_own_orders_refusals_and_keys
         .unwrap();
     assert_eq!(expiries, orders_answered, "one expiry job per order");
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_checkout_that_fails_its_batch_is_written_alone_and_holds_up_no_other(pool: PgPool) {
+    let shop = Arc::new(shop(pool.clone()).await);
+    let s = shop.seller("A").await;
+    let p = shop.product(&s, "5.00", "BRL").await;
+    // A refusal the writer cannot see coming (a rule of the schema, say) for one buyer.
+    sqlx::query(
+        "CREATE FUNCTION refuse_boom() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.buyer_id = 'boom' THEN
+                 RAISE EXCEPTION 'no' USING ERRCODE = 'check_violation';
+             END IF;
+             RETURN NEW;
+         END $$",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("CREATE TRIGGER refuse_boom BEFORE INSERT ON checkouts FOR EACH ROW EXECUTE FUNCTION refuse_boom()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let tasks: Vec<_> = (0..12)
+        .map(|i| {
+            let (shop, p) = (shop.clone(), p.clone());
+            tokio::spawn(async move {
+                let mut body = cart(&[(&p, 1)]);
+                if i == 5 {
+                    body["buyer_id"] = json!("boom");
+                }
+                shop.checkout(Some(&format!("key-{i}")), body).await.0
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 201).count(),
+        11,
+        "{statuses:?}"
+    );
+    assert_eq!(statuses[5], 500, "{statuses:?}");
+    let numbers: Vec<i64> = sqlx::query_scalar("SELECT number FROM orders ORDER BY number")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(numbers, (1..=11).collect::<Vec<_>>(), "no gaps");
+}

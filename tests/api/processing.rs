@@ -1199,3 +1199,62 @@ async fn one_sellers_payments_in_concurrent_batches_post_each_sale_once(pool: Pg
             .unwrap();
     assert_eq!(paid_events, 60, "one order message each");
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_event_that_fails_its_batch_is_processed_alone_and_holds_up_no_other(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    first_payments(&app, &["ok1", "boom", "ok2"], "10.00").await;
+    // A refusal the batch cannot see coming (a rule of the schema, say): its statement fails
+    // for the whole batch.
+    sqlx::query(
+        "CREATE FUNCTION refuse_boom() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.session_id = 'boom' AND NEW.paid_at IS NOT NULL THEN
+                 RAISE EXCEPTION 'no' USING ERRCODE = 'check_violation';
+             END IF;
+             RETURN NEW;
+         END $$",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("CREATE TRIGGER refuse_boom BEFORE UPDATE ON orders FOR EACH ROW EXECUTE FUNCTION refuse_boom()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(
+        payfleet::payments::batch::process_batch(
+            &pool,
+            false,
+            &[
+                (GatewayName::Internal, "msg_ok1"),
+                (GatewayName::Internal, "msg_boom"),
+                (GatewayName::Internal, "msg_ok2"),
+            ],
+        )
+        .await
+        .is_err(),
+        "the batch fails as a whole"
+    );
+    // The jobs: each event alone, the others applied, the refused one rejected with its reason.
+    process_events(&pool).await;
+    let outcomes: Vec<(String, String)> =
+        sqlx::query_as("SELECT event_id, outcome FROM payment_events ORDER BY event_id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        outcomes,
+        [
+            ("msg_boom".into(), "rejected".into()),
+            ("msg_ok1".into(), "applied".into()),
+            ("msg_ok2".into(), "applied".into()),
+        ]
+    );
+    let credits: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM ledger_transfers WHERE kind = 'sale_credit'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(credits, 2);
+}
