@@ -1,4 +1,4 @@
--- The ledger's barriers of 0037, checked once per statement of entries instead of once per entry.
+-- The ledger's barriers of 0037, checked once per statement instead of once per row.
 -- A batch of a hundred sales writes four hundred entries in one statement: per row, each ran a
 -- trigger function at once and another at commit, each re-checking its whole transfer (three
 -- checks per transfer), which cost more than writing the entries. The rules are the same:
@@ -85,3 +85,48 @@ END;
 $$;
 
 DROP FUNCTION ledger_transfer_balanced(bigint);
+
+-- 3. An account's kind, owner and currency are fixed and its balance is always its last
+--    entry's: checked once per statement of updates (a batch of sales moves a hundred and
+--    fifty accounts' balances in one), not by a query per account. Deletes stay refused row
+--    by row.
+DROP TRIGGER ledger_accounts_guard ON ledger_accounts;
+
+CREATE FUNCTION ledger_accounts_hold() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    bad record;
+BEGIN
+    IF EXISTS (SELECT 1 FROM new_accounts n JOIN old_accounts o ON o.id = n.id
+                WHERE n.kind <> o.kind OR n.owner <> o.owner OR n.currency <> o.currency) THEN
+        RAISE EXCEPTION 'a ledger account''s kind, owner and currency are fixed'
+            USING ERRCODE = 'check_violation', CONSTRAINT = 'ledger_accounts_fixed';
+    END IF;
+    SELECT n.id, n.balance, l.balance_after AS last INTO bad
+      FROM new_accounts n JOIN old_accounts o ON o.id = n.id
+      LEFT JOIN LATERAL (SELECT e.balance_after FROM ledger_entries e
+                          WHERE e.account_id = n.id ORDER BY e.id DESC LIMIT 1) l ON true
+     WHERE n.balance <> o.balance AND (l.balance_after IS NULL OR l.balance_after <> n.balance)
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'account % would hold %, not its last entry''s balance %',
+            bad.id, bad.balance, bad.last
+            USING ERRCODE = 'check_violation', CONSTRAINT = 'ledger_accounts_balance_is_entries';
+    END IF;
+    RETURN NULL;
+END;
+$$;
+
+CREATE TRIGGER ledger_accounts_hold AFTER UPDATE ON ledger_accounts
+    REFERENCING OLD TABLE AS old_accounts NEW TABLE AS new_accounts
+    FOR EACH STATEMENT EXECUTE FUNCTION ledger_accounts_hold();
+
+CREATE FUNCTION ledger_accounts_never_deleted() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'ledger accounts are never deleted' USING ERRCODE = 'raise_exception';
+END;
+$$;
+
+CREATE TRIGGER ledger_accounts_never_deleted BEFORE DELETE ON ledger_accounts
+    FOR EACH ROW EXECUTE FUNCTION ledger_accounts_never_deleted();
+
+DROP FUNCTION ledger_account_guard();

@@ -68,7 +68,7 @@ async fn every_violation_is_found_listed_counted_and_resolved_when_gone(pool: Pg
     // (Possible only without the schema's barrier, which this test turns off for it.)
     exec(
         &pool,
-        "ALTER TABLE ledger_accounts DISABLE TRIGGER ledger_accounts_guard",
+        "ALTER TABLE ledger_accounts DISABLE TRIGGER ledger_accounts_hold",
     )
     .await;
     exec(
