@@ -19,9 +19,10 @@
 //! - `ledger`     double entry: sales, refunds, disputes, holding period, payouts, commission
 //!   invoices, coins, and their recurring jobs
 //! - `payment_status` the provider's truth derived from facts, shared by payments and orders
-//! - `orders`     checkout, pricing, expiry, paying with coins: the business truth
-//! - `payments`   event processing (facts, waiting and rejected events, replay), payment links,
-//!   refunds
+//! - `orders`     checkout (concurrent checkouts written together), pricing, expiry, paying
+//!   with coins: the business truth
+//! - `payments`   event processing (facts, waiting and rejected events, replay; the plain first
+//!   payments many to a transaction in `payments::batch`), payment links, refunds
 //! - `webhooks`   signature schemes, the verified [`webhooks::Webhook`], the batching writer
 //! - `consistency` the invariants checked by a recurring job, findings an operator lists
 //! - `recurring`  schedules from jobs/recurring.toml, each period run once by the fleet
