@@ -717,15 +717,9 @@ async fn write_loop(
         let Ok(permit) = in_flight.clone().acquire_owned().await else {
             return;
         };
-        let Some(first) = pending.recv().await else {
+        let mut batch = Vec::with_capacity(WRITER_BATCH);
+        if pending.recv_many(&mut batch, WRITER_BATCH).await == 0 {
             return;
-        };
-        let mut batch = vec![first];
-        while batch.len() < WRITER_BATCH {
-            match pending.try_recv() {
-                Ok(p) => batch.push(p),
-                Err(_) => break,
-            }
         }
         let pool = pool.clone();
         // A panic drops the replies: each checkout is then written alone.

@@ -6,8 +6,8 @@
 //! sale's payments then wait on each other for the seller's accounts. Here the events that the
 //! jobs of one worker hand in meanwhile are taken together: one transaction and a fixed number of
 //! statements for the lot, each statement doing the same step for every event (the rows of
-//! `unnest`ed arrays), the seller's turn and accounts taken last and held only for the posting
-//! and the commit.
+//! `unnest`ed arrays), the sellers' accounts taken last and held only for the posting and the
+//! commit.
 //!
 //! Only that plain case is done here, and only when every condition for it holds under the same
 //! locks the one-event path takes (the event unprocessed, the payment's keys, the order's row):
@@ -128,15 +128,9 @@ async fn batch_loop(
         let Ok(permit) = in_flight.clone().acquire_owned().await else {
             return;
         };
-        let Some(first) = requests.recv().await else {
+        let mut batch = Vec::with_capacity(max);
+        if requests.recv_many(&mut batch, max).await == 0 {
             return;
-        };
-        let mut batch = vec![first];
-        while batch.len() < max {
-            match requests.try_recv() {
-                Ok(r) => batch.push(r),
-                Err(_) => break,
-            }
         }
         let (pool, processor) = (pool.clone(), processor.clone());
         // A panic in the batch drops its replies: each job then processes its event alone.
