@@ -420,24 +420,32 @@ async fn checkouts(
                 let mut out = Vec::with_capacity(mine.len());
                 for (i, product) in mine {
                     let t = Instant::now();
-                    let resp = http
-                        .post(format!("http://{addr}/checkout"))
-                        .bearer_auth(&key)
-                        .header(
-                            "idempotency-key",
-                            format!("bench-{:032x}-{i}", rand::random::<u128>()),
-                        )
-                        .json(
-                            &json!({"buyer_id": format!("buyer-{i}"), "gateway": "internal",
-                                      "items": [{"product_id": product, "quantity": 1}]}),
-                        )
-                        .send()
-                        .await?;
-                    let status = resp.status();
-                    let body: Value = resp.json().await.unwrap_or(Value::Null);
-                    if status.as_u16() != 201 {
-                        bail!("a checkout answered {status}: {body}");
-                    }
+                    let idempotency_key = format!("bench-{:032x}-{i}", rand::random::<u128>());
+                    let mut tries = 0;
+                    let body = loop {
+                        let resp = http
+                            .post(format!("http://{addr}/checkout"))
+                            .bearer_auth(&key)
+                            .header("idempotency-key", &idempotency_key)
+                            .json(
+                                &json!({"buyer_id": format!("buyer-{i}"), "gateway": "internal",
+                                          "items": [{"product_id": product, "quantity": 1}]}),
+                            )
+                            .send()
+                            .await?;
+                        let status = resp.status();
+                        let body: Value = resp.json().await.unwrap_or(Value::Null);
+                        match status.as_u16() {
+                            201 => break body,
+                            // The payment side is not reachable yet (a fleet just started): the
+                            // same request again, as the answer says and a client would.
+                            503 if tries < 100 => {
+                                tries += 1;
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                            _ => bail!("a checkout answered {status}: {body}"),
+                        }
+                    };
                     let elapsed = t.elapsed();
                     let order = &body["orders"][0];
                     let (Some(number), Some(session)) = (

@@ -132,6 +132,13 @@ async fn batch_loop(
         if requests.recv_many(&mut batch, max).await == 0 {
             return;
         }
+        // The jobs of one claim hand their events in one after the other: let those already
+        // started hand theirs in before the batch closes (a worker's first batch was one event).
+        tokio::task::yield_now().await;
+        let room = max - batch.len();
+        if room > 0 && !requests.is_empty() {
+            requests.recv_many(&mut batch, room).await;
+        }
         let (pool, processor) = (pool.clone(), processor.clone());
         // A panic in the batch drops its replies: each job then processes its event alone.
         tokio::spawn(async move {
