@@ -90,9 +90,14 @@ impl LinkService {
         session: &crate::gateways::api::Session,
         metadata: &BTreeMap<String, String>,
     ) -> Result<(String, String), sqlx::Error> {
+        // Committed without waiting for its flush: the link reaches a buyer only once the order
+        // side has stored it with a synchronous commit, which flushes this one too (the log is
+        // one sequence). Lost in a crash before that, the link is asked again, and the gateway,
+        // asked with the same idempotency key, gives the same session.
         let stored: Option<(String, String)> = sqlx::query_as(
             "INSERT INTO payment_sessions (order_number, attempt, gateway, session_id, url, amount, currency, platform_fee, metadata)
-             VALUES ($1, $9, $2, $3, $4, $5, $6, $7, $8)
+             SELECT $1, $9, $2, $3, $4, $5, $6, $7, $8
+             FROM (SELECT set_config('synchronous_commit', 'off', true)) c
              ON CONFLICT (order_number, attempt) DO NOTHING
              RETURNING session_id, url",
         )
