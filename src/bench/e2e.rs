@@ -44,6 +44,9 @@ pub struct E2eArgs {
     /// Payments sent at a steady pace for the receipt-to-effect latency (0 skips it).
     #[arg(long, default_value_t = 1000)]
     pub latency_samples: usize,
+    /// Their pace, payments per second (default: half the one-seller rate measured before).
+    #[arg(long)]
+    pub pace: Option<f64>,
     /// How long pgbench runs.
     #[arg(long, default_value_t = 20)]
     pub pgbench_secs: u64,
@@ -316,7 +319,10 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
 
     // 3. Receipt to effect at a steady pace, the workers running.
     if args.latency_samples > 0 {
-        let pace = rates.first().map_or(100.0, |(_, r)| r / 2.0).max(1.0);
+        let pace = args
+            .pace
+            .unwrap_or_else(|| rates.first().map_or(100.0, |(_, r)| r / 2.0))
+            .max(1.0);
         let orders = {
             // Fresh orders over the many sellers, the workers running (their links made).
             let (o, _) =
