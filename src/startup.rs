@@ -30,7 +30,7 @@ use crate::messaging::rpc::{self, RpcClient};
 use crate::orders::checkout::{self, Checkout};
 use crate::orders::coins::SettleCoins;
 use crate::orders::expiry::{self, ExpireOrder, Expiry};
-use crate::payments::batch::{BatchSettings, Batcher};
+use crate::payments::batch::{BatchSettings, Batcher, Handled};
 use crate::payments::hosted::{DeliverHostedEvent, Deliverer, QueueSink};
 use crate::payments::links::LinkService;
 use crate::payments::order_refunds::CarryOutRefund;
@@ -219,9 +219,14 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
     registry.register::<ProcessPaymentEvent, _, _>(move |ctx: JobContext, job: ProcessPaymentEvent| {
         let batcher = batcher.clone();
         async move {
-            let result = batcher.process(&ctx.pool, job.gateway, &job.event_id).await?;
-            tracing::debug!(gateway = %job.gateway, event = %job.event_id, ?result, "payment event processed");
-            Ok(())
+            match batcher.process(&ctx.pool, job.gateway, &job.event_id).await? {
+                Handled::Processed(result) => {
+                    tracing::debug!(gateway = %job.gateway, event = %job.event_id, ?result, "payment event processed");
+                    Ok(())
+                }
+                // Back in the queue for a worker with a turn free, no attempt spent.
+                Handled::Busy => Err(JobError::Snooze(Duration::from_secs(1))),
+            }
         }
     })?;
     registry.register::<ExpireOrder, _, _>(|ctx: JobContext, job: ExpireOrder| async move {

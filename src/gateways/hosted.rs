@@ -115,7 +115,7 @@ impl HostedGateway {
         let metadata = serde_json::to_value(&r.metadata).unwrap_or_default();
         // Idempotent by order: a second request finds the first session (read in a statement
         // of its own, which sees a concurrent request's committed row). Committed without
-        // waiting for its flush: nothing refers to the session before the payment side stores
+        // waiting for its flush: its link reaches a buyer only once the order side has stored
         // it with a synchronous commit, which flushes this one too (the log is one sequence);
         // lost in a crash before that, the session is made again when the link is asked again.
         let made: Option<String> = sqlx::query_scalar(

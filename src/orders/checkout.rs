@@ -221,10 +221,11 @@ impl Checkout {
         me: &str,
     ) -> Result<Claim, CheckoutError> {
         let lock_secs = self.key_lock().as_secs_f64();
-        // Committed without waiting for its flush: nothing is answered, nor any order written,
+        // Committed without waiting for its flush: no order is written, nor any answer stored,
         // on the strength of the claim alone, and the checkout's own transaction and the stored
         // answer are synchronous commits after it, which flush it too (the log is one
-        // sequence). A claim lost in a crash before them is a claim never made.
+        // sequence). A claim lost in a crash before them is a claim never made (at most, a
+        // concurrent repeat was told 409 or 422 on its strength meanwhile: it sends again).
         let inserted: Option<String> = sqlx::query_scalar(
             "INSERT INTO idempotency_keys (owner, key, request_hash, locked_until, locked_by)
              SELECT $5, $1, $2, now() + $3 * interval '1 second', $4

@@ -299,6 +299,7 @@ pub(crate) async fn record_extra_payment(
 pub struct Payable {
     pub id: i64,
     pub number: i64,
+    pub gateway: GatewayName,
     pub status: OrderStatus,
     pub total: Decimal,
     pub currency: String,
@@ -322,7 +323,7 @@ pub async fn lock_plainly_payable(
 ) -> Result<Vec<Payable>, sqlx::Error> {
     let (numbers, gateways): (Vec<i64>, Vec<GatewayName>) = orders.iter().copied().unzip();
     sqlx::query_as(
-        "SELECT o.id, o.number, o.status, o.total, o.currency::text AS currency
+        "SELECT o.id, o.number, o.gateway, o.status, o.total, o.currency::text AS currency
          FROM orders o
          WHERE o.number = ANY($1) AND (o.number, o.gateway) IN (SELECT * FROM unnest($1::bigint[], $2::text[]))
            AND o.status IN ('awaiting_payment', 'payment_failed') AND o.paid_at IS NULL

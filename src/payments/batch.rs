@@ -24,6 +24,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::{Semaphore, mpsc, oneshot};
@@ -45,6 +46,10 @@ pub struct BatchSettings {
     pub in_flight: usize,
     /// Events processed alone at once (each holds one database connection while it runs).
     pub alone: usize,
+    /// How long an event waits for a turn to be processed alone before its job gives its slot
+    /// back ([`Handled::Busy`]): a worker holds many more events than it processes alone at
+    /// once, and the wait must not eat the job's timeout or its attempts.
+    pub alone_wait: Duration,
 }
 
 impl Default for BatchSettings {
@@ -53,8 +58,19 @@ impl Default for BatchSettings {
             max_events: 128,
             in_flight: 2,
             alone: 16,
+            alone_wait: Duration::from_secs(10),
         }
     }
+}
+
+/// What became of an event handed to the batcher.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Handled {
+    Processed(Processed),
+    /// Not a batch's, and every turn to process it alone stayed taken for
+    /// [`BatchSettings::alone_wait`]: its job comes back later, without spending an attempt,
+    /// when this worker or another has a turn free.
+    Busy,
 }
 
 /// Hands events to the batch transactions; cheap to clone.
@@ -62,6 +78,7 @@ impl Default for BatchSettings {
 pub struct Batcher {
     queue: mpsc::Sender<Request>,
     alone: Arc<Semaphore>,
+    alone_wait: Duration,
     processor: Arc<Processor>,
 }
 
@@ -85,6 +102,7 @@ impl Batcher {
         Self {
             queue,
             alone: Arc::new(Semaphore::new(settings.alone.max(1))),
+            alone_wait: settings.alone_wait,
             processor,
         }
     }
@@ -96,7 +114,7 @@ impl Batcher {
         pool: &PgPool,
         gateway: GatewayName,
         event_id: &str,
-    ) -> Result<Processed, ProcessError> {
+    ) -> Result<Handled, ProcessError> {
         let (reply, answer) = oneshot::channel();
         let request = Request {
             gateway,
@@ -106,11 +124,15 @@ impl Batcher {
         if self.queue.send(request).await.is_ok()
             && let Ok(Some(done)) = answer.await
         {
-            return Ok(done);
+            return Ok(Handled::Processed(done));
         }
-        // The semaphore is never closed.
-        let _turn = self.alone.acquire().await.ok();
-        self.processor.process(pool, gateway, event_id).await
+        let Ok(Ok(_turn)) = tokio::time::timeout(self.alone_wait, self.alone.acquire()).await
+        else {
+            return Ok(Handled::Busy);
+        };
+        Ok(Handled::Processed(
+            self.processor.process(pool, gateway, event_id).await?,
+        ))
     }
 }
 
@@ -209,17 +231,21 @@ pub async fn process_batch(
         .iter()
         .filter_map(|c| c.order.as_ref().map(|(n, _)| (*n, c.gateway)))
         .collect();
-    let payable: HashMap<i64, orders::Payable> = orders::lock_plainly_payable(&mut tx, &wanted)
-        .await?
-        .into_iter()
-        .map(|o| (o.number, o))
-        .collect();
+    let payable: HashMap<(i64, GatewayName), orders::Payable> =
+        orders::lock_plainly_payable(&mut tx, &wanted)
+            .await?
+            .into_iter()
+            .map(|o| ((o.number, o.gateway), o))
+            .collect();
     // Two sessions of one order (an earlier attempt paid late beside the current one): the
     // first confirms it, the other is a second payment, for the one-event path.
     let mut confirming = HashSet::new();
     candidates.retain(|c| {
         c.order.as_ref().is_some_and(|(n, _)| {
-            payable.get(n).is_some_and(|o| o.costs(&c.paid)) && confirming.insert(*n)
+            payable
+                .get(&(*n, c.gateway))
+                .is_some_and(|o| o.costs(&c.paid))
+                && confirming.insert(*n)
         })
     });
     if candidates.is_empty() {
@@ -232,7 +258,7 @@ pub async fn process_batch(
         .filter_map(|c| {
             let (number, url) = c.order.as_ref()?;
             Some(Confirmation {
-                order: payable.get(number)?,
+                order: payable.get(&(*number, c.gateway))?,
                 session_id: &c.session_id,
                 url,
             })
@@ -361,8 +387,6 @@ async fn find_sessions(
     let sessions: Vec<&str> = candidates.iter().map(|c| c.session_id.as_str()).collect();
     let payments: Vec<Option<&str>> = candidates.iter().map(|c| c.payment_id.as_deref()).collect();
     let found: Vec<(i64, i64, String)> = sqlx::query_as(
-        // Looked up one by one through their keys' indexes (LIMIT keeps the planner from
-        // turning the lookups into a scan of every session).
         // Each looked up through its keys' indexes: scalar subqueries and a LIMIT keep the
         // planner from turning the lookups into joins that read every session or payment.
         "SELECT i, order_number, url FROM (

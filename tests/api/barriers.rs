@@ -62,6 +62,18 @@ const ACCOUNTS: &str = "INSERT INTO ledger_accounts (id, kind, owner, currency) 
     (101, 'gateway_clearing', 'internal:y', 'BRL'), (102, 'seller_pending', 'y', 'BRL'),
     (103, 'seller_pending', 'y', 'USD')";
 
+/// A transfer (900, 5.00 BRL, from 101 to `to`) written with `entries`, in one statement, as
+/// the code writes them.
+fn with_entries(id: i64, to: i64, entries: &str) -> String {
+    format!(
+        "WITH t AS (INSERT INTO ledger_transfers (id, source_key, kind, from_account, to_account, amount, currency)
+                    VALUES ({id}, 'bad{id}', 'adjustment', 101, {to}, 5, 'BRL') RETURNING id)
+         INSERT INTO ledger_entries (transfer_id, account_id, amount, balance_before, balance_after)
+         SELECT t.id, e.account, e.amount, e.before, e.after FROM t,
+                (VALUES {entries}) AS e(account, amount, before, after)"
+    )
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_transfer_is_two_entries_summing_to_zero_in_its_currency(pool: PgPool) {
     sqlx::query(ACCOUNTS).execute(&pool).await.unwrap();
@@ -70,41 +82,53 @@ async fn a_transfer_is_two_entries_summing_to_zero_in_its_currency(pool: PgPool)
     // Entries that do not sum to zero.
     refused(
         &pool,
-        &[
-            transfer,
-            "INSERT INTO ledger_entries (transfer_id, account_id, amount, balance_before, balance_after)
-             VALUES (900, 101, -5, 0, -5), (900, 102, 4, 0, 4)",
-        ],
-        "ledger_transfer_balanced",
+        &[&with_entries(900, 102, "(101, -5, 0, -5), (102, 4, 0, 4)")],
+        "entries summing to -1",
     )
     .await;
     // No entries at all.
     refused(&pool, &[transfer], "ledger_transfer_balanced").await;
-    // An entry on an account of another currency.
+    // Its entries written by a statement of their own: the transfer stood without them.
     refused(
         &pool,
         &[
-            "INSERT INTO ledger_transfers (id, source_key, kind, from_account, to_account, amount, currency)
-             VALUES (901, 'bad2', 'adjustment', 101, 103, 5, 'BRL')",
+            transfer,
             "INSERT INTO ledger_entries (transfer_id, account_id, amount, balance_before, balance_after)
-             VALUES (901, 101, -5, 0, -5), (901, 103, 5, 0, 5)",
+             VALUES (900, 101, -5, 0, -5), (900, 102, 5, 0, 5)",
         ],
+        "has no entries",
+    )
+    .await;
+    // One entry only.
+    refused(
+        &pool,
+        &[&with_entries(900, 102, "(101, -5, 0, -5)")],
+        "1 entries, not 2",
+    )
+    .await;
+    // An entry on an account of another currency.
+    refused(
+        &pool,
+        &[&with_entries(901, 103, "(101, -5, 0, -5), (103, 5, 0, 5)")],
         "another currency",
     )
     .await;
     // Entries on accounts the transfer does not name.
     refused(
         &pool,
-        &[
-            transfer,
-            "INSERT INTO ledger_entries (transfer_id, account_id, amount, balance_before, balance_after)
-             VALUES (900, 102, -5, 0, -5), (900, 101, 5, 0, 5)",
-        ],
+        &[&with_entries(900, 102, "(102, -5, 0, -5), (101, 5, 0, 5)")],
         "ledger_transfer_balanced",
     )
     .await;
-    // Written as the code writes it, it holds.
+    // Written as the code writes it, it holds; a third entry of it, later, is refused.
     one_posting(&pool).await;
+    refused(
+        &pool,
+        &["INSERT INTO ledger_entries (transfer_id, account_id, amount, balance_before, balance_after)
+           SELECT t.id, 101, 1, 0, 1 FROM ledger_transfers t WHERE t.source_key = 't1'"],
+        "ledger_transfer_balanced",
+    )
+    .await;
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -122,25 +146,64 @@ async fn a_balance_moves_only_with_its_entries(pool: PgPool) {
         "ledger_accounts_fixed",
     )
     .await;
+    // Another id, with another balance, is no way around the balance's rule either.
+    refused(
+        &pool,
+        &["UPDATE ledger_accounts SET id = 999, balance = 1000 WHERE kind = 'seller_pending'"],
+        "ledger_accounts_fixed",
+    )
+    .await;
     refused(
         &pool,
         &["DELETE FROM ledger_accounts WHERE kind = 'seller_pending'"],
         "never deleted",
     )
     .await;
-    // An entry that does not start where the account's last one ended.
+    // An entry that does not start where the account's last one ended (the pending account
+    // holds 5.00).
+    let skip = "WITH t AS (INSERT INTO ledger_transfers (id, source_key, kind, from_account, to_account, amount, currency)
+                           SELECT 902, 'skip', 'adjustment', a.id, b.id, 1, 'BRL'
+                           FROM ledger_accounts a, ledger_accounts b
+                           WHERE a.kind = 'gateway_clearing' AND b.kind = 'seller_pending' RETURNING *)
+                INSERT INTO ledger_entries (transfer_id, account_id, amount, balance_before, balance_after)
+                SELECT id, from_account, -1, -5, -6 FROM t UNION ALL SELECT id, to_account, 1, BEFORE, AFTER FROM t";
     refused(
         &pool,
-        &[
-            "INSERT INTO ledger_transfers (id, source_key, kind, from_account, to_account, amount, currency)
-             SELECT 902, 'skip', 'adjustment', a.id, b.id, 1, 'BRL'
-             FROM ledger_accounts a, ledger_accounts b WHERE a.kind = 'gateway_clearing' AND b.kind = 'seller_pending'",
-            "INSERT INTO ledger_entries (transfer_id, account_id, amount, balance_before, balance_after)
-             SELECT 902, id, 1, 0, 1 FROM ledger_accounts WHERE kind = 'seller_pending'",
-        ],
+        &[&skip.replace("BEFORE, AFTER", "0, 1")],
         "ledger_entries_follow",
     )
     .await;
+    // Entries written below their accounts' last ones (ids from before them), each starting
+    // where the entry before its id ended (there is none: 0).
+    refused(
+        &pool,
+        &["WITH t AS (INSERT INTO ledger_transfers (id, source_key, kind, from_account, to_account, amount, currency)
+                      SELECT 903, 'below', 'adjustment', a.id, b.id, 1, 'BRL'
+                      FROM ledger_accounts a, ledger_accounts b
+                      WHERE a.kind = 'gateway_clearing' AND b.kind = 'seller_pending' RETURNING *)
+           INSERT INTO ledger_entries (id, transfer_id, account_id, amount, balance_before, balance_after)
+           SELECT -2, id, from_account, -1, 0, -1 FROM t UNION ALL SELECT -1, id, to_account, 1, 0, 1 FROM t"],
+        "ledger_entries_follow",
+    )
+    .await;
+    // Written as the code writes it, the same posting holds.
+    let (clearing, pending): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT id FROM ledger_accounts WHERE kind = 'gateway_clearing'),
+                (SELECT id FROM ledger_accounts WHERE kind = 'seller_pending')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        attempt(
+            &pool,
+            &[&skip.replace("BEFORE, AFTER", "5, 6"),
+              &format!("UPDATE ledger_accounts SET balance = CASE id WHEN {clearing} THEN -6 ELSE 6 END WHERE id IN ({clearing}, {pending})")]
+        )
+        .await
+        .is_none(),
+        "a posting that follows its accounts' last entries holds"
+    );
     refused(
         &pool,
         &["UPDATE ledger_entries SET amount = 6"],

@@ -1258,3 +1258,63 @@ async fn an_event_that_fails_its_batch_is_processed_alone_and_holds_up_no_other(
             .unwrap();
     assert_eq!(credits, 2);
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_event_with_no_turn_to_run_alone_is_given_back_busy(pool: PgPool) {
+    use payfleet::payments::batch::{BatchSettings, Batcher, Handled};
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["s1", "s2"], "10.00", "BRL").await;
+    // Two refunds: never a batch's, each is processed alone.
+    app.deliver(&internal("msg_r1", &refund_body("s1", "ref_1", "1.00")))
+        .await;
+    app.deliver(&internal("msg_r2", &refund_body("s2", "ref_2", "1.00")))
+        .await;
+    let batcher = Batcher::start(
+        pool.clone(),
+        std::sync::Arc::new(Processor::default()),
+        BatchSettings {
+            alone: 1,
+            alone_wait: std::time::Duration::from_millis(300),
+            ..BatchSettings::default()
+        },
+    );
+    // The first holds the one turn, stuck behind its payment's key (a long transaction holds it).
+    let mut held = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('internal:session:s1', 0))")
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let first = {
+        let (batcher, pool) = (batcher.clone(), pool.clone());
+        tokio::spawn(async move {
+            batcher
+                .process(&pool, GatewayName::Internal, "msg_r1")
+                .await
+                .unwrap()
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let second = batcher
+        .process(&pool, GatewayName::Internal, "msg_r2")
+        .await
+        .unwrap();
+    assert_eq!(
+        second,
+        Handled::Busy,
+        "no turn within its wait: its slot back"
+    );
+    held.commit().await.unwrap();
+    assert_eq!(
+        first.await.unwrap(),
+        Handled::Processed(Processed::Waiting("payment:pay_s1".into()))
+    );
+    // (Its job is snoozed: back in the queue, no attempt spent.) With a turn free, it runs.
+    let second = batcher
+        .process(&pool, GatewayName::Internal, "msg_r2")
+        .await
+        .unwrap();
+    assert_eq!(
+        second,
+        Handled::Processed(Processed::Waiting("payment:pay_s2".into()))
+    );
+}
