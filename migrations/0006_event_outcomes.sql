@@ -45,29 +45,6 @@ ALTER TABLE payment_disputes
     DROP CONSTRAINT payment_disputes_status_check,
     ADD CONSTRAINT payment_disputes_status_valid CHECK (status IN ('open', 'won', 'lost', 'refunded'));
 
--- An outcome the function does not know raises instead of discarding the job. The raise lives
--- in its own function so jobs_next_state stays a plain SQL expression that the planner inlines
--- into jobs_end_runs.
-CREATE FUNCTION jobs_unknown_run_end(pending text, outcome text) RETURNS text
-LANGUAGE plpgsql IMMUTABLE AS $$
-BEGIN
-    RAISE EXCEPTION 'unknown run end (pending %, outcome %)', pending, outcome
-        USING ERRCODE = 'invalid_parameter_value';
-END;
-$$;
-
-CREATE OR REPLACE FUNCTION jobs_next_state(pending text, outcome text, attempt integer, max_attempts integer)
-RETURNS text LANGUAGE sql IMMUTABLE AS $$
-    SELECT CASE
-        WHEN outcome IS NULL OR outcome NOT IN ('complete', 'retry', 'fail', 'snooze', 'cancel', 'release')
-             OR (pending IS NOT NULL AND pending NOT IN ('cancel', 'reschedule'))
-            THEN jobs_unknown_run_end(pending, outcome)
-        WHEN pending = 'cancel' THEN 'cancelled'
-        WHEN pending = 'reschedule' THEN 'available'
-        WHEN outcome = 'complete' THEN 'completed'
-        WHEN outcome = 'cancel' THEN 'cancelled'
-        WHEN outcome IN ('snooze', 'release') THEN 'available'
-        WHEN outcome = 'retry' AND attempt < max_attempts THEN 'retryable'
-        ELSE 'discarded'
-    END
-$$;
+-- This migration also taught the queue's jobs_next_state to raise on an outcome it does not
+-- know: that part moved with the queue's schema to crates/queue/migrations (db.rs accepts the
+-- checksum this file had before the move).

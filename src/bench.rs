@@ -15,11 +15,11 @@ use sqlx::postgres::PgConnectOptions;
 use tokio::net::TcpListener;
 
 use crate::config::Config;
-use crate::queue::{self, Fleet, Job, JobContext, NewJob, QueuesConfig, Registry};
 use crate::secret::SecretUrl;
+use crate::secret::StandardSecret;
 use crate::startup::Roles;
-use crate::webhooks::signature::StandardSecret;
 use crate::{db, startup};
+use payfleet_queue::{self as queue, Fleet, Job, JobContext, NewJob, QueuesConfig, Registry};
 
 mod e2e;
 pub use e2e::{E2eArgs, e2e};
@@ -613,7 +613,9 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         lines.push(format!("queue_backlog_jobs={}", args.backlog));
         eprintln!(
             "queue: a claim of 16 due jobs with the backlog in place (rolled back):\n  {}",
-            explain_claim(&pool).await?.join("\n  ")
+            queue::admin::explain_claim(&pool, Noop::QUEUE, 16)
+                .await?
+                .join("\n  ")
         );
     }
 
@@ -660,7 +662,7 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
             async move {
                 // Drained: nothing due on the queue (the workers' own question, through the
                 // claim indexes) and nothing running (through the index of running jobs).
-                if queue::next_due_in(&pool, Noop::QUEUE).await? == Some(Duration::ZERO) {
+                if queue::admin::next_due_in(&pool, Noop::QUEUE).await? == Some(Duration::ZERO) {
                     return Ok(false);
                 }
                 let running: bool = sqlx::query_scalar(
@@ -696,7 +698,9 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
     if args.backlog > 0 {
         eprintln!(
             "queue: the claim with the backlog in place, after the drain (nothing due):\n  {}",
-            explain_claim(&pool).await?.join("\n  ")
+            queue::admin::explain_claim(&pool, Noop::QUEUE, 16)
+                .await?
+                .join("\n  ")
         );
     }
 
@@ -781,33 +785,6 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         println!("{l}");
     }
     Ok(())
-}
-
-/// The plan of a claim of 16 jobs of the drained queue as it runs (`EXPLAIN (ANALYZE,
-/// BUFFERS)`), in a transaction rolled back afterwards: the jobs it claims stay due.
-async fn explain_claim(pool: &PgPool) -> anyhow::Result<Vec<String>> {
-    let mut tx = pool.begin().await?;
-    let plan = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "EXPLAIN (ANALYZE, BUFFERS) {}",
-        crate::queue::CLAIM_SQL
-            // From the highest: "$1" is also the start of "$10".
-            .replace("$12", "'{}'::bigint[]")
-            .replace("$11", "'{}'::timestamptz[]")
-            .replace("$10", "'{}'::text[]")
-            .replace("$9", "NULL::bigint")
-            .replace("$8", "NULL::timestamptz")
-            .replace("$7", "'off'")
-            .replace("$6", "256")
-            .replace("$5", "NULL")
-            .replace("$4", "'bench-explain'")
-            .replace("$3", "30000")
-            .replace("$2", "16")
-            .replace("$1", &format!("'{}'", Noop::QUEUE))
-    )))
-    .fetch_all(&mut *tx)
-    .await?;
-    tx.rollback().await?;
-    Ok(plan)
 }
 
 /// The live jobs as a compact copy with the same indexes would hold them: rows, bytes.

@@ -6,9 +6,9 @@ use tokio::net::TcpListener;
 
 use crate::config::Config;
 use crate::payments::events::{self, Replayed};
-use crate::queue::{JobId, admin};
 use crate::startup::{self, Roles};
 use crate::{bench, db, demo};
+use payfleet_queue::{JobId, admin};
 
 #[derive(Parser)]
 #[command(
@@ -170,7 +170,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let config = Config::from_env()?;
     match cli.command {
         Command::Migrate => {
-            db::migrate_as_configured(&config).await?;
+            let (url, locking) = config.migrations_url();
+            db::migrate_at(url, locking).await?;
             println!("migrations applied");
             Ok(())
         }
@@ -246,7 +247,8 @@ async fn up(config: Config, public: bool) -> anyhow::Result<()> {
             config.bind
         );
     }
-    db::migrate_as_configured(&config).await?;
+    let (url, locking) = config.migrations_url();
+    db::migrate_at(url, locking).await?;
     let pool = db::connect(&config.database_url, config.db_pool_size).await?;
     let (config, shown) = demo::development_config(&pool, config).await?;
     for (name, value) in &shown {

@@ -6,10 +6,14 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use crate::auth::Token;
-use crate::queue::{QueuesConfig, QueuesConfigError};
+use crate::http::server::HttpSettings;
+use crate::secret::StandardSecret;
 use crate::secret::{Secret, SecretUrl};
 use crate::webhooks::WebhookSecrets;
-use crate::webhooks::signature::StandardSecret;
+use payfleet_queue::{QueuesConfig, QueuesConfigError};
+
+/// The queues' settings shipped with the binary; used when no file is configured or found.
+const BUILT_IN_QUEUES: &str = include_str!("../jobs/queues.toml");
 
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/payfleet";
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -57,7 +61,7 @@ pub struct RazorpayApi {
     pub key_secret: Secret,
 }
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     /// Who collects the internal gateway's payments (the platform is merchant of record).
     pub enum InternalAcquirer {
         /// The pay/fail page: no money moves (development, tests, previews).
@@ -65,22 +69,6 @@ crate::text_enum! {
         /// Stripe Checkout Sessions on the platform's own Stripe account.
         Stripe = "stripe",
     }
-}
-
-/// The HTTP server's limits, so that no single client can slow it for others, and where the
-/// client's address comes from.
-#[derive(Debug, Clone)]
-pub struct HttpSettings {
-    /// A connection that has not sent a complete request head within this is closed (also
-    /// between two requests on a kept-alive connection).
-    pub header_timeout: std::time::Duration,
-    /// A request body not received whole within this is refused and its connection closed.
-    pub body_timeout: std::time::Duration,
-    /// Connections served at once; more are closed as they arrive.
-    pub max_connections: usize,
-    /// Behind a proxy: the header it sets to the client's address (its last value is taken).
-    /// Unset, the client is the connection's peer: no header can claim another address.
-    pub client_address_header: Option<axum::http::HeaderName>,
 }
 
 /// The longest a signed webhook's timestamp may be from now: a replay is refused after this.
@@ -346,7 +334,7 @@ impl Config {
                 if local.is_file() {
                     QueuesConfig::from_file(&local)?
                 } else {
-                    QueuesConfig::built_in()?
+                    QueuesConfig::parse(BUILT_IN_QUEUES, "the built-in jobs/queues.toml")?
                 }
             }
         };
@@ -611,6 +599,14 @@ pub fn log_format() -> Result<LogFormat, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_built_in_queues_parse() {
+        let c = QueuesConfig::parse(BUILT_IN_QUEUES, "t").expect("built-in queues");
+        for queue in ["default", "events", "orders", "payments", "recurring"] {
+            assert!(c.queue(queue).is_some(), "{queue}");
+        }
+    }
 
     #[test]
     fn secrets_and_passwords_never_reach_debug_output() {

@@ -1,17 +1,57 @@
-//! The PostgreSQL connection: the pool (creating the database if absent), the migrations, which
-//! errors mean an outage (retry later) rather than a refusal, and how Rust enums are stored as
-//! text columns ([`text_enum!`]).
+//! The PostgreSQL connection: the pool (creating the database if absent), the migrations (the
+//! queue's, then the application's), and which errors mean a refusal of the row or a lost
+//! connection. Which errors mean an outage, and the text-column enums, are the queue crate's
+//! (`payfleet_queue::pg`), re-exported here.
 
+use std::borrow::Cow;
+use std::collections::HashSet;
 use std::str::FromStr;
+use std::sync::LazyLock;
 use std::time::Duration;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
+use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgPool};
 
+pub use payfleet_queue::pg::{UnknownValue, is_transient};
+
 use crate::secret::SecretUrl;
 
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+/// The application's own migrations, recorded in `_sqlx_migrations`. The queue's schema is the
+/// queue crate's (`payfleet_queue::pg::MIGRATOR`, its own table), applied first.
+pub static APP_MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
+    let mut migrator = sqlx::migrate!("./migrations");
+    // The versions the queue took over are missing here by design; [`check_history`] refuses
+    // any other missing one, as sqlx would.
+    migrator.set_ignore_missing(true);
+    migrator
+});
+
+/// Every migration a fresh database takes, the queue's then the application's, as one migrator
+/// for `#[sqlx::test]`, which takes one. Their versions cannot collide (the queue's are
+/// timestamps); on a fresh test database both land in `_sqlx_migrations`, where
+/// [`migrate`] keeps the queue's in their own table.
+pub static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| Migrator {
+    migrations: Cow::Owned(
+        payfleet_queue::pg::MIGRATOR
+            .migrations
+            .iter()
+            .chain(APP_MIGRATOR.migrations.iter())
+            .cloned()
+            .collect(),
+    ),
+    ..Migrator::DEFAULT
+});
+
+/// The application's migrations that built the queue's schema before the queue kept its own
+/// (`crates/queue/migrations` holds the result in one step). A database migrated before records
+/// them in `_sqlx_migrations`; they are not missing.
+const MOVED_TO_QUEUE: [i64; 15] = [1, 5, 9, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31];
+
+/// Migration 0006 held a part of the queue's schema, which moved with it: a database migrated
+/// before records the file's checksum from before the move, which is its current one's equal.
+const MIGRATION_6_BEFORE_THE_MOVE: &str = "a85bc02d0250c7206245d96a2a12c742c4a0a6d281e1e3fb2e3e6440cfd5ca3e216c6b0c3a90cf02a3e0cedba9d84bd5";
 
 /// Opens the pool, creating the database first if the server does not have it.
 pub async fn connect(database_url: &SecretUrl, max_connections: u32) -> anyhow::Result<PgPool> {
@@ -68,50 +108,96 @@ pub(crate) fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
+/// Applies the queue's migrations, then the application's, each set in its own table.
 pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
-    MIGRATOR.run(pool).await.context("migrations failed")
+    run_migrations(pool, true).await
 }
 
-/// Runs the migrations where `config` says: on the direct connection behind a pooler, and
-/// without the migrator's session lock when there is none (`PAYFLEET_LISTEN_URL=off`).
-pub async fn migrate_as_configured(config: &crate::config::Config) -> anyhow::Result<()> {
-    let (url, locking) = config.migrations_url();
+/// [`migrate`] on its own pool to `url` (the direct connection behind a pooler), without the
+/// migrators' session lock when `locking` is off (a pooler in transaction mode has no session
+/// to hold it: `PAYFLEET_LISTEN_URL=off`).
+pub async fn migrate_at(url: &SecretUrl, locking: bool) -> anyhow::Result<()> {
     let pool = connect(url, 2).await?;
-    let migrator = sqlx::migrate::Migrator {
-        migrations: MIGRATOR.migrations.clone(),
-        ignore_missing: MIGRATOR.ignore_missing,
-        locking,
-        no_tx: MIGRATOR.no_tx,
-        table_name: MIGRATOR.table_name.clone(),
-        create_schemas: MIGRATOR.create_schemas.clone(),
-    };
-    let done = migrator.run(&pool).await.context("migrations failed");
+    let done = run_migrations(&pool, locking).await;
     pool.close().await;
     done
 }
 
-/// Connection trouble, pool exhaustion, a restarting server, a deadlock or serialization
-/// failure, exhausted resources, a statement or lock timeout, a server that turned read-only
-/// (a failover to a standby), a system or internal error: the same work may succeed later.
-/// Anything else (a constraint, bad data, a bug in a statement) will fail the same way again.
-pub fn is_transient(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
-            // 08 connection, 40 rollback (deadlock, serialization), 53 resources, 57 operator
-            // intervention (timeouts, shutdown), 58 system, XX internal; 55P03 lock timeout;
-            // 25006 read-only transaction.
-            ["08", "40", "53", "57", "58", "XX", "55P03", "25006"]
-                .iter()
-                .any(|class| c.starts_with(class))
-        }),
-        _ => false,
+async fn run_migrations(pool: &PgPool, locking: bool) -> anyhow::Result<()> {
+    check_history(pool).await?;
+    locked(&payfleet_queue::pg::MIGRATOR, locking)
+        .run(pool)
+        .await
+        .context("the queue's migrations failed")?;
+    locked(&APP_MIGRATOR, locking)
+        .run(pool)
+        .await
+        .context("migrations failed")
+}
+
+fn locked(migrator: &Migrator, locking: bool) -> Migrator {
+    Migrator {
+        migrations: migrator.migrations.clone(),
+        ignore_missing: migrator.ignore_missing,
+        locking,
+        no_tx: migrator.no_tx,
+        table_name: migrator.table_name.clone(),
+        create_schemas: migrator.create_schemas.clone(),
     }
+}
+
+/// What sqlx checks of the applied migrations, with the queue's move allowed for: a version
+/// recorded but absent from this release is refused unless the queue took it over, and a
+/// database that recorded some of those but not all (one migrated by a release older than the
+/// last before the move) is refused too: the queue's single step expects all of them. It also
+/// records 0006's current checksum where the one from before the move is recorded.
+async fn check_history(pool: &PgPool) -> anyhow::Result<()> {
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+        .fetch_one(pool)
+        .await
+        .context("cannot read the migrations' history")?;
+    if !exists {
+        return Ok(());
+    }
+    let applied: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations")
+        .fetch_all(pool)
+        .await
+        .context("cannot read the migrations' history")?;
+    let known: HashSet<i64> = MIGRATOR.migrations.iter().map(|m| m.version).collect();
+    if let Some(v) = applied
+        .iter()
+        .find(|v| !known.contains(v) && !MOVED_TO_QUEUE.contains(v))
+    {
+        bail!(
+            "the database has migration {v}, which this release does not know (was it migrated by a newer release?)"
+        );
+    }
+    let moved = MOVED_TO_QUEUE
+        .iter()
+        .filter(|v| applied.contains(v))
+        .count();
+    if moved > 0 && moved < MOVED_TO_QUEUE.len() {
+        bail!(
+            "the database stops before migration 31: apply the migrations of the release before the queue's own (or any older one that reaches 31) first"
+        );
+    }
+    if moved > 0 {
+        let current = APP_MIGRATOR
+            .migrations
+            .iter()
+            .find(|m| m.version == 6)
+            .context("migration 6 is missing from this build")?;
+        let before = hex::decode(MIGRATION_6_BEFORE_THE_MOVE).context("the recorded checksum")?;
+        sqlx::query(
+            "UPDATE _sqlx_migrations SET checksum = $1 WHERE version = 6 AND checksum = $2",
+        )
+        .bind(current.checksum.as_ref())
+        .bind(before)
+        .execute(pool)
+        .await
+        .context("cannot record migration 6's checksum after the move")?;
+    }
+    Ok(())
 }
 
 /// The database refused this row for what it holds (bad data, a constraint, a trigger's
@@ -147,113 +233,4 @@ pub fn constraint(e: &sqlx::Error) -> Option<&str> {
         sqlx::Error::Database(db) => db.constraint(),
         _ => None,
     }
-}
-
-/// A stored value that is not one of the enum's spellings: the schema's CHECK constraints keep
-/// this from happening, so it means a newer release wrote a state this one does not know.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{value:?} is not a known {what}")]
-pub struct UnknownValue {
-    pub what: &'static str,
-    pub value: String,
-}
-
-/// A fieldless enum stored in a `text` column (kept valid by a CHECK constraint): its spelling
-/// in one place, with `as_str`, `FromStr`, `Display`, serde and sqlx encode/decode.
-///
-/// ```ignore
-/// text_enum! {
-///     /// What a run's end asks of the job.
-///     pub enum RunOutcome { Complete = "complete", Retry = "retry" }
-/// }
-/// ```
-#[macro_export]
-macro_rules! text_enum {
-    (
-        $(#[$meta:meta])*
-        $vis:vis enum $name:ident {
-            $( $(#[$vmeta:meta])* $variant:ident = $text:literal ),+ $(,)?
-        }
-    ) => {
-        $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-        $vis enum $name {
-            $( $(#[$vmeta])* $variant ),+
-        }
-
-        impl $name {
-            pub const ALL: &'static [$name] = &[$($name::$variant),+];
-
-            pub fn as_str(&self) -> &'static str {
-                match self {
-                    $( $name::$variant => $text ),+
-                }
-            }
-        }
-
-        impl ::std::fmt::Display for $name {
-            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-
-        impl ::std::str::FromStr for $name {
-            type Err = $crate::db::UnknownValue;
-            fn from_str(s: &str) -> Result<Self, Self::Err> {
-                match s {
-                    $( $text => Ok($name::$variant), )+
-                    other => Err($crate::db::UnknownValue {
-                        what: stringify!($name),
-                        value: other.to_owned(),
-                    }),
-                }
-            }
-        }
-
-        impl ::serde::Serialize for $name {
-            fn serialize<S: ::serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                s.serialize_str(self.as_str())
-            }
-        }
-
-        impl<'de> ::serde::Deserialize<'de> for $name {
-            fn deserialize<D: ::serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                let s = <::std::borrow::Cow<'de, str> as ::serde::Deserialize>::deserialize(d)?;
-                s.parse().map_err(::serde::de::Error::custom)
-            }
-        }
-
-        impl ::sqlx::Type<::sqlx::Postgres> for $name {
-            fn type_info() -> ::sqlx::postgres::PgTypeInfo {
-                <&str as ::sqlx::Type<::sqlx::Postgres>>::type_info()
-            }
-            fn compatible(ty: &::sqlx::postgres::PgTypeInfo) -> bool {
-                <&str as ::sqlx::Type<::sqlx::Postgres>>::compatible(ty)
-            }
-        }
-
-        impl ::sqlx::postgres::PgHasArrayType for $name {
-            fn array_type_info() -> ::sqlx::postgres::PgTypeInfo {
-                <&str as ::sqlx::postgres::PgHasArrayType>::array_type_info()
-            }
-        }
-
-        impl ::sqlx::Encode<'_, ::sqlx::Postgres> for $name {
-            fn encode_by_ref(
-                &self,
-                buf: &mut ::sqlx::postgres::PgArgumentBuffer,
-            ) -> Result<::sqlx::encode::IsNull, ::sqlx::error::BoxDynError> {
-                <&str as ::sqlx::Encode<'_, ::sqlx::Postgres>>::encode(self.as_str(), buf)
-            }
-        }
-
-        impl<'r> ::sqlx::Decode<'r, ::sqlx::Postgres> for $name {
-            fn decode(
-                value: ::sqlx::postgres::PgValueRef<'r>,
-            ) -> Result<Self, ::sqlx::error::BoxDynError> {
-                let text = <&str as ::sqlx::Decode<'r, ::sqlx::Postgres>>::decode(value)?;
-                Ok(text.parse::<$name>()?)
-            }
-        }
-    };
 }

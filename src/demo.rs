@@ -16,7 +16,7 @@ use sqlx::PgPool;
 
 use crate::auth::{self, ApiKeys, Lookup, Token};
 use crate::config::Config;
-use crate::webhooks::signature::StandardSecret;
+use crate::secret::StandardSecret;
 use crate::{catalogue, orders};
 
 const INTERNAL: &str = "INTERNAL_WEBHOOK_SECRET";

@@ -1,16 +1,21 @@
 //! payfleet: the background job worker fleet behind a marketplace's payments.
 //!
-//! Layout (one module per bounded context; the root only assembles). Arrows point one way:
-//! `secret`, `money`, `db`, `tls` -> `gateways` -> `queue`, `messaging`, `catalogue` -> `auth` ->
-//! `ledger`, `payment_status`, `recurring` -> `orders` -> `payments` -> `webhooks` -> `http` ->
-//! `config`, `startup` -> `cli`, `demo`, `bench`.
-//! - `secret`     values that never print (secrets, URLs with passwords)
+//! The job queue is its own crate, `payfleet-queue` (`crates/queue`): the queue, its schema and
+//! migrations (their own table), the worker fleet, the apalis adapter. It knows nothing of
+//! payments, and everything here may use it.
+//!
+//! Layout (one module per bounded context; the root only assembles). A module uses only
+//! modules left of it in this chain (`tests/api/layout.rs` keeps it true):
+//! `secret` -> `money`, `db`, `tls` -> `gateways` -> `messaging`, `catalogue` -> `auth` ->
+//! `ledger`, `payment_status`, `recurring` -> `orders`, `consistency` -> `payments` ->
+//! `webhooks` -> `http` -> `config` -> `startup` -> `demo`, `bench` -> `cli`.
+//! - `secret`     values that never print (secrets, URLs with passwords), and what they sign
+//!   with: HMAC, keys derived per purpose, the Standard Webhooks secret
 //! - `money`      [`money::Money`]: decimal plus currency
-//! - `db`         the pool, migrations, which errors are outages, enums stored as text
+//! - `db`         the pool, the migrations (the queue's, then ours), which errors are about the
+//!   row or a lost connection
 //! - `tls`        the process's one TLS provider
 //! - `gateways`   each gateway's events and status mappers (safe defaults), the API clients
-//! - `queue`      the PostgreSQL job queue and the worker fleet (executor, completer, leases,
-//!   listener, maintenance; its SQL in `queue::store`)
 //! - `messaging`  the shared RabbitMQ connection, the RPCs (payment links, coins) and the
 //!   order messages (outbox relay, routing by order type)
 //! - `catalogue`  sellers, products, coupons
@@ -47,7 +52,6 @@ pub mod money;
 pub mod orders;
 pub mod payment_status;
 pub mod payments;
-pub mod queue;
 pub mod recurring;
 pub mod secret;
 pub mod startup;

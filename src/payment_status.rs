@@ -6,7 +6,7 @@ use rust_decimal::Decimal;
 
 use crate::gateways::DisputeStatus;
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     /// `payment_orders.status`.
     pub enum PaymentOrderStatus {
         Pending = "pending",

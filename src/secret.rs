@@ -1,8 +1,16 @@
 //! Values that must never reach a log line or a `Debug` dump: webhook secrets, API tokens and
 //! connection URLs that may carry a password. The wrappers print a redacted form; code that
-//! needs the value asks for it by name (`expose`), which makes every use easy to find.
+//! needs the value asks for it by name (`expose`), which makes every use easy to find. And what
+//! the secrets sign with: HMAC-SHA256, keys derived for one purpose (HKDF), and the Standard
+//! Webhooks secret ([`StandardSecret`]) the internal and mock gateways sign with.
 
 use std::fmt;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as B64;
+use hkdf::Hkdf;
+use hmac::Mac;
+use sha2::Sha256;
 
 /// A secret string. `Debug` and `Display` print `[redacted]`.
 #[derive(Clone, PartialEq, Eq)]
@@ -124,5 +132,76 @@ mod tests {
             redact_password("postgres://127.0.0.1/x"),
             "postgres://127.0.0.1/x"
         );
+    }
+}
+
+// ---- keys: what the secrets sign with ---------------------------------------------------------
+
+type HmacSha256 = hmac::Hmac<Sha256>;
+
+/// HMAC-SHA256 of the concatenated `parts` (the expected tag of a message, computed once).
+pub fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    // HMAC takes keys of any length; new_from_slice cannot fail for it.
+    let mut m = <HmacSha256 as Mac>::new_from_slice(key)
+        .unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
+    for p in parts {
+        m.update(p);
+    }
+    m.finalize().into_bytes().into()
+}
+
+/// A key for one purpose (`purpose` names it), derived from a secret with HKDF-SHA256: what it
+/// signs changes when the secret changes, and the key never reveals the secret.
+pub fn derive_key(secret: &[u8], purpose: &str) -> [u8; 32] {
+    let mut key = [0u8; 32];
+    // 32 bytes is far below HKDF-SHA256's limit of 255 blocks: expand cannot fail.
+    let _ = Hkdf::<Sha256>::new(Some(b"payfleet"), secret).expand(purpose.as_bytes(), &mut key);
+    key
+}
+
+/// A Standard Webhooks secret: `whsec_` followed by the base64 of the key.
+#[derive(Clone, PartialEq, Eq)]
+pub struct StandardSecret(Vec<u8>);
+
+impl std::fmt::Debug for StandardSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StandardSecret(..)")
+    }
+}
+
+impl StandardSecret {
+    pub fn parse(secret: &str) -> Result<Self, &'static str> {
+        let b64 = secret.strip_prefix("whsec_").unwrap_or(secret);
+        let key = B64
+            .decode(b64)
+            .map_err(|_| "not whsec_ followed by base64")?;
+        if key.len() < 16 {
+            return Err("the key must be at least 16 bytes");
+        }
+        Ok(Self(key))
+    }
+
+    /// A fresh random secret, for development set-ups.
+    pub fn generate() -> (Self, String) {
+        let key: [u8; 24] = rand::random();
+        (Self(key.to_vec()), format!("whsec_{}", B64.encode(key)))
+    }
+
+    /// A key for another purpose (`purpose` names it), derived from this secret with
+    /// HKDF-SHA256: every process holding the secret derives the same key, and the key never
+    /// signs a webhook.
+    pub fn derive_key(&self, purpose: &str) -> [u8; 32] {
+        derive_key(&self.0, purpose)
+    }
+
+    /// The `webhook-signature` value for a message: what a sender (and a test) puts on it.
+    pub fn sign(&self, id: &str, ts: i64, body: &[u8]) -> String {
+        format!("v1,{}", B64.encode(self.tag(id, &ts.to_string(), body)))
+    }
+
+    /// The HMAC tag of a message (`ts` as its header spells it): what [`Self::sign`] encodes
+    /// and a receiver compares.
+    pub(crate) fn tag(&self, id: &str, ts: &str, body: &[u8]) -> [u8; 32] {
+        hmac_sha256(&self.0, &[id.as_bytes(), b".", ts.as_bytes(), b".", body])
     }
 }

@@ -35,9 +35,9 @@ use crate::payments::hosted::{DeliverHostedEvent, Deliverer, QueueSink};
 use crate::payments::links::LinkService;
 use crate::payments::order_refunds::CarryOutRefund;
 use crate::payments::{ProcessPaymentEvent, Processor, RefundPayment, SettleRefund};
-use crate::queue::{Fleet, FleetHandle, JobContext, JobError, Listen, Notifier, Registry};
 use crate::recurring::{self, RecurringRun, Tasks};
 use crate::webhooks::{EventWriter, Verifier};
+use payfleet_queue::{Fleet, FleetHandle, JobContext, JobError, Listen, Notifier, Registry};
 
 /// What a process runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -312,7 +312,7 @@ pub fn recurring_tasks(config: &Config, gateways: &GatewayRegistry) -> Tasks {
                 fleet.discarded_retention_secs,
             );
             async move {
-                let n = crate::queue::prune(&pool, completed, discarded).await?;
+                let n = payfleet_queue::prune(&pool, completed, discarded).await?;
                 if n > 0 {
                     tracing::info!(jobs = n, "pruned finished jobs");
                 }

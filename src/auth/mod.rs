@@ -12,9 +12,10 @@
 pub mod api_keys;
 pub mod limiter;
 
-use hkdf::Hkdf;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
+
+use crate::secret::derive_key;
 
 pub use api_keys::{ApiKey, ApiKeyId, ApiKeys, KeyHolder, Lookup, NewApiKey};
 pub use limiter::{FailureLimiter, Locked};
@@ -38,15 +39,6 @@ impl std::fmt::Debug for Token {
 /// The SHA-256 of a credential: what is kept, looked up and compared instead of it.
 pub fn digest(value: &[u8]) -> [u8; 32] {
     Sha256::digest(value).into()
-}
-
-/// A key for one purpose (`purpose` names it), derived from a secret with HKDF-SHA256: what it
-/// signs changes when the secret changes, and the key never reveals the secret.
-pub fn derive_key(secret: &[u8], purpose: &str) -> [u8; 32] {
-    let mut key = [0u8; 32];
-    // 32 bytes is far below HKDF-SHA256's limit of 255 blocks: expand cannot fail.
-    let _ = Hkdf::<Sha256>::new(Some(b"payfleet"), secret).expand(purpose.as_bytes(), &mut key);
-    key
 }
 
 /// A new random credential: `prefix` and 43 URL-safe characters (256 bits).

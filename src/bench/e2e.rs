@@ -26,8 +26,8 @@ use tokio::net::TcpListener;
 
 use super::{percentile, scratch, send_all, which_pgbench};
 use crate::config::Config;
+use crate::secret::StandardSecret;
 use crate::startup::{self, Roles};
-use crate::webhooks::signature::StandardSecret;
 use crate::{auth, catalogue, ledger};
 
 #[derive(clap::Args, Debug)]

@@ -46,7 +46,7 @@ id_type!(
 id_type!(ProductId, "product_id");
 id_type!(CouponId, "coupon_id");
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     pub enum PayoutFrequency {
         Daily = "daily",
         Weekly = "weekly",
@@ -54,7 +54,7 @@ crate::text_enum! {
     }
 }
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     /// One-off products and subscriptions are never in the same order.
     pub enum ProductKind {
         OneOff = "one_off",
@@ -62,7 +62,7 @@ crate::text_enum! {
     }
 }
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     pub enum Interval {
         Day = "day",
         Week = "week",

@@ -18,7 +18,7 @@ pub use mercadopago::{MercadoPagoClient, MercadoPagoError};
 pub use razorpay::{RazorpayGateway, event_identity as razorpay_event_identity};
 pub use stripe_connect::StripeConnect;
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     /// The gateways payfleet speaks to, by the name used in URLs, configuration and storage.
     pub enum GatewayName {
         Stripe = "stripe",
@@ -39,7 +39,7 @@ pub enum PaymentStatus {
     Failed,
 }
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     /// Where a dispute stands. It moves once, from `open` to one of the decided states, and
     /// never back: a late "created" or an unknown status cannot reopen it.
     pub enum DisputeStatus {
@@ -178,7 +178,7 @@ pub fn seller_hint(gateway: GatewayName, v: &serde_json::Value) -> Option<String
         }
     };
     // A key longer than the queue takes is cut (on a character boundary): it only groups.
-    let mut end = hint.len().min(crate::queue::MAX_FAIRNESS_KEY);
+    let mut end = hint.len().min(payfleet_queue::MAX_FAIRNESS_KEY);
     while !hint.is_char_boundary(end) {
         end -= 1;
     }
@@ -251,6 +251,6 @@ mod seller_hint_tests {
         );
         let long = json!({"data": {"seller_id": "é".repeat(300)}});
         let hint = seller_hint(GatewayName::Internal, &long).unwrap();
-        assert!(hint.len() <= crate::queue::MAX_FAIRNESS_KEY && hint.starts_with("seller:é"));
+        assert!(hint.len() <= payfleet_queue::MAX_FAIRNESS_KEY && hint.starts_with("seller:é"));
     }
 }

@@ -28,9 +28,9 @@ use super::html::{self, escape};
 use super::{ApiError, AppState, Routes};
 use crate::auth::Token;
 use crate::payments::events::{self, Replayed};
-use crate::queue::JobId;
-use crate::queue::admin as jobs;
-use crate::webhooks::signature::hmac_sha256;
+use crate::secret::hmac_sha256;
+use payfleet_queue::JobId;
+use payfleet_queue::admin as jobs;
 
 const COOKIE_NAME: &str = "payfleet_session";
 const SESSION_SECS: i64 = 8 * 3600;

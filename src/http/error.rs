@@ -18,9 +18,9 @@ use crate::orders::checkout::CheckoutError;
 use crate::orders::coins::CoinPaymentError;
 use crate::payments::events::ReplayError;
 use crate::payments::order_refunds::RefundError;
-use crate::queue::QueueError;
-use crate::queue::admin::AdminError;
 use crate::webhooks::{RejectedWebhook, StoreError};
+use payfleet_queue::QueueError;
+use payfleet_queue::admin::AdminError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -155,7 +155,7 @@ impl From<StoreError> for ApiError {
             Self::DependencyDown {
                 code: "unavailable",
                 message: format!("{e}; nothing was stored, send it again later"),
-                detail: crate::queue::error_chain(&e),
+                detail: payfleet_queue::error_chain(&e),
             }
         } else {
             Self::Internal(Box::new(e))
@@ -208,13 +208,13 @@ impl ApiError {
     pub(super) fn log(&self) {
         match self {
             Self::Unavailable(e) => {
-                tracing::warn!(error = %crate::queue::error_chain(e.as_ref()), "answering 503")
+                tracing::warn!(error = %payfleet_queue::error_chain(e.as_ref()), "answering 503")
             }
             Self::DependencyDown {
                 message, detail, ..
             } => tracing::warn!(%message, %detail, "answering 503"),
             Self::Internal(e) => {
-                tracing::error!(error = %crate::queue::error_chain(e.as_ref()), "answering 500")
+                tracing::error!(error = %payfleet_queue::error_chain(e.as_ref()), "answering 500")
             }
             _ => {}
         }

@@ -14,8 +14,8 @@ use serde_json::{Map, Value, json};
 use sqlx::PgPool;
 
 use super::callers::Anyone;
-use crate::queue::FleetProbe;
 use crate::webhooks::EventWriter;
+use payfleet_queue::FleetProbe;
 
 /// What `/readyz` checks in this process.
 #[derive(Clone)]

@@ -20,8 +20,8 @@ use super::ApiError;
 use super::callers::{Callers, MetricsReader};
 use crate::gateways::GatewayName;
 use crate::payments::events;
-use crate::queue::admin;
 use crate::webhooks::Stored;
+use payfleet_queue::admin;
 
 const GATEWAYS: usize = GatewayName::ALL.len();
 

@@ -27,7 +27,7 @@ use super::{ApiError, AppState, Routes};
 use crate::gateways::hosted::{self, HostedGateway, Outcome};
 use crate::gateways::{GatewayName, PaymentGateway};
 use crate::orders;
-use crate::webhooks::signature::hmac_sha256;
+use crate::secret::hmac_sha256;
 
 /// How long a rendered form may be posted back.
 const FORM_SECS: i64 = 3600;

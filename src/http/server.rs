@@ -1,5 +1,5 @@
 //! Serving a router over HTTP/1 with the limits that keep one client from slowing the service
-//! for everyone else (`config::HttpSettings`):
+//! for everyone else ([`HttpSettings`]):
 //! - a request head must arrive whole within `header_timeout` (10 s), on a new connection and
 //!   between two requests of a kept-alive one (hyper's header read timeout, with a timer), or
 //!   the connection is closed;
@@ -30,7 +30,21 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::time::Sleep;
 
-use crate::config::HttpSettings;
+/// The HTTP server's limits, so that no single client can slow it for others, and where the
+/// client's address comes from.
+#[derive(Debug, Clone)]
+pub struct HttpSettings {
+    /// A connection that has not sent a complete request head within this is closed (also
+    /// between two requests on a kept-alive connection).
+    pub header_timeout: std::time::Duration,
+    /// A request body not received whole within this is refused and its connection closed.
+    pub body_timeout: std::time::Duration,
+    /// Connections served at once; more are closed as they arrive.
+    pub max_connections: usize,
+    /// Behind a proxy: the header it sets to the client's address (its last value is taken).
+    /// Unset, the client is the connection's peer: no header can claim another address.
+    pub client_address_header: Option<axum::http::HeaderName>,
+}
 
 /// How long a graceful stop waits for requests in flight before it drops their connections.
 const DRAIN: Duration = Duration::from_secs(10);

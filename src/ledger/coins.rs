@@ -15,7 +15,7 @@ use super::{AccountKind, AccountRef, LedgerError, Transfer, TransferKind, accoun
 use crate::messaging::rpc::{CoinReply, CoinRequest, Coins, Handler};
 use crate::money::{Currency, Money};
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     pub enum ReservationState {
         Reserved = "reserved",
         Approved = "approved",

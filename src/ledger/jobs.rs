@@ -8,7 +8,7 @@ use chrono_tz::Tz;
 use sqlx::PgPool;
 
 use super::{LedgerError, invoices, payouts, sales};
-use crate::queue::JobError;
+use payfleet_queue::JobError;
 
 fn job_error(e: LedgerError) -> JobError {
     match e {

@@ -33,7 +33,7 @@ use sqlx::PgConnection;
 pub use crate::money::amount_text as decimal_text;
 use crate::money::{Currency, Money};
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     pub enum AccountKind {
         /// Money a gateway took for the platform (merchant of record), per gateway and seller.
         GatewayClearing = "gateway_clearing",
@@ -57,7 +57,7 @@ crate::text_enum! {
     }
 }
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     pub enum TransferKind {
         SaleCredit = "sale_credit",
         Fee = "fee",

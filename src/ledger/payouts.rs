@@ -14,7 +14,7 @@ use super::{AccountKind, AccountRef, LedgerError, Transfer, TransferKind, accoun
 use crate::catalogue::PayoutFrequency;
 use crate::money::{Currency, Money};
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     pub enum PayoutState {
         Pending = "pending",
         Paid = "paid",

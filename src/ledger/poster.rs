@@ -402,7 +402,7 @@ async fn post_one_by_one(pool: &PgPool, seller: &str) -> Result<u64, LedgerError
             Ok(n) => done += n,
             Err(e) if is_outage(&e) => return Err(e),
             Err(e) => {
-                let reason = crate::queue::error_chain(&e);
+                let reason = payfleet_queue::error_chain(&e);
                 tracing::error!(seller, order = number, %reason, "the ledger refused a sale; it is kept for an operator (replay its event after a fix)");
                 sqlx::query("UPDATE ledger_sales_due SET failure = $2 WHERE order_number = $1")
                     .bind(number)

@@ -590,7 +590,7 @@ async fn consume_until_stopped<H>(
                     let _ = delivery.ack(BasicAckOptions::default()).await;
                 }
                 Err(e) => {
-                    let text = crate::queue::error_chain(&e);
+                    let text = payfleet_queue::error_chain(&e);
                     // An outage is not the message's fault: it is delivered again, uncounted.
                     let dead = if crate::db::is_transient(&e) {
                         false

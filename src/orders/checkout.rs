@@ -14,7 +14,7 @@
 //!    `POST /orders/{number}/payment`) asks again. Once every order has its link, the answer is
 //!    stored with the key and returned to every repeat.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use chrono::Utc;
@@ -30,8 +30,8 @@ use super::{OrderView, PaymentLinkView, of_checkout};
 use crate::catalogue::{self, ProductId, ProductKind};
 use crate::gateways::GatewayName;
 use crate::messaging::rpc::{PaymentLinkReply, PaymentLinkRequest, PaymentLinks, RpcError};
-use crate::queue::Job;
-use crate::queue::QueueError;
+use payfleet_queue::Job;
+use payfleet_queue::QueueError;
 
 /// How long a request holds its key beyond the payment side's timeout, before another may take
 /// over (it crashed).
@@ -892,6 +892,47 @@ struct NewOrders {
     line_discount: Vec<Decimal>,
 }
 
+/// The orders of a batch of checkouts, with their items, redemptions, first messages and
+/// expiry jobs, in one statement.
+static WRITE_ORDERS: LazyLock<String> = LazyLock::new(|| {
+    [
+        "WITH n AS (
+                 UPDATE order_numbers SET last = last + cardinality($1::uuid[]) WHERE singleton RETURNING last
+             ), o AS (
+                 INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, \"interval\", currency,
+                                     subtotal, discount, total, platform_fee, seller_net, gateway, coupon_id, expires_at)
+                 SELECT n.last - cardinality($1::uuid[]) + t.place, t.checkout_id, t.seller_id, t.buyer_id, t.kind,
+                        t.interval, t.currency, t.subtotal, t.discount, t.total, t.platform_fee, t.seller_net,
+                        t.gateway, t.coupon_id, $14
+                 FROM n, unnest($1::uuid[], $2::text[], $3::text[], $4::bpchar[], $5::numeric[], $6::numeric[],
+                                $7::numeric[], $8::numeric[], $9::numeric[], $10::uuid[], $11::bigint[],
+                                $12::text[], $13::text[])
+                      WITH ORDINALITY AS t(seller_id, kind, interval, currency, subtotal, discount, total,
+                                           platform_fee, seller_net, coupon_id, checkout_id, buyer_id, gateway,
+                                           place)
+                 RETURNING id, number, coupon_id, number - (SELECT last FROM n) + cardinality($1::uuid[]) AS place
+             ), items AS (
+                 INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
+                 SELECT o.id, l.line, l.product_id, l.name, l.unit_price, l.quantity, l.subtotal, l.discount
+                 FROM unnest($15::bigint[], $16::int[], $17::uuid[], $18::text[], $19::numeric[], $20::int[],
+                             $21::numeric[], $22::numeric[])
+                      AS l(place, line, product_id, name, unit_price, quantity, subtotal, discount)
+                 JOIN o ON o.place = l.place
+             ), redemptions AS (
+                 INSERT INTO coupon_redemptions (order_id, coupon_id) SELECT id, coupon_id FROM o WHERE coupon_id IS NOT NULL
+             ), events AS (
+                 INSERT INTO order_events (order_id, kind, payload)
+                 SELECT id, 'created', jsonb_build_object('number', number) FROM o
+             ), expiries AS (",
+        &payfleet_queue::insert_jobs_from("(SELECT $23::text AS job_queue, $24::text AS job_kind, $25 || number AS job_key,
+                         jsonb_build_object('number', number) AS job_payload, $14::timestamptz AS job_run_at,
+                         $26::int AS job_max_attempts, NULL::text AS job_fairness_key FROM o) AS t"),
+        ")
+             SELECT number FROM o ORDER BY number",
+    ]
+    .concat()
+});
+
 impl NewOrders {
     fn push(
         &mut self,
@@ -938,71 +979,35 @@ impl NewOrders {
         expires_at: chrono::DateTime<Utc>,
     ) -> Result<Vec<i64>, sqlx::Error> {
         let kinds: Vec<&str> = self.kind.iter().map(|k| k.as_str()).collect();
-        sqlx::query_scalar(concat!(
-            "WITH n AS (
-                 UPDATE order_numbers SET last = last + cardinality($1::uuid[]) WHERE singleton RETURNING last
-             ), o AS (
-                 INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, \"interval\", currency,
-                                     subtotal, discount, total, platform_fee, seller_net, gateway, coupon_id, expires_at)
-                 SELECT n.last - cardinality($1::uuid[]) + t.place, t.checkout_id, t.seller_id, t.buyer_id, t.kind,
-                        t.interval, t.currency, t.subtotal, t.discount, t.total, t.platform_fee, t.seller_net,
-                        t.gateway, t.coupon_id, $14
-                 FROM n, unnest($1::uuid[], $2::text[], $3::text[], $4::bpchar[], $5::numeric[], $6::numeric[],
-                                $7::numeric[], $8::numeric[], $9::numeric[], $10::uuid[], $11::bigint[],
-                                $12::text[], $13::text[])
-                      WITH ORDINALITY AS t(seller_id, kind, interval, currency, subtotal, discount, total,
-                                           platform_fee, seller_net, coupon_id, checkout_id, buyer_id, gateway,
-                                           place)
-                 RETURNING id, number, coupon_id, number - (SELECT last FROM n) + cardinality($1::uuid[]) AS place
-             ), items AS (
-                 INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
-                 SELECT o.id, l.line, l.product_id, l.name, l.unit_price, l.quantity, l.subtotal, l.discount
-                 FROM unnest($15::bigint[], $16::int[], $17::uuid[], $18::text[], $19::numeric[], $20::int[],
-                             $21::numeric[], $22::numeric[])
-                      AS l(place, line, product_id, name, unit_price, quantity, subtotal, discount)
-                 JOIN o ON o.place = l.place
-             ), redemptions AS (
-                 INSERT INTO coupon_redemptions (order_id, coupon_id) SELECT id, coupon_id FROM o WHERE coupon_id IS NOT NULL
-             ), events AS (
-                 INSERT INTO order_events (order_id, kind, payload)
-                 SELECT id, 'created', jsonb_build_object('number', number) FROM o
-             ), expiries AS (",
-            crate::insert_jobs_from!(
-                "(SELECT $23::text AS job_queue, $24::text AS job_kind, $25 || number AS job_key,
-                         jsonb_build_object('number', number) AS job_payload, $14::timestamptz AS job_run_at,
-                         $26::int AS job_max_attempts, NULL::text AS job_fairness_key FROM o) AS t"
-            ),
-            ")
-             SELECT number FROM o ORDER BY number",
-        ))
-        .bind(&self.seller_id)
-        .bind(&kinds)
-        .bind(&self.interval)
-        .bind(&self.currency)
-        .bind(&self.subtotal)
-        .bind(&self.discount)
-        .bind(&self.total)
-        .bind(&self.platform_fee)
-        .bind(&self.seller_net)
-        .bind(&self.coupon_id)
-        .bind(&self.checkout_id)
-        .bind(&self.buyer_id)
-        .bind(&self.gateway)
-        .bind(expires_at)
-        .bind(&self.line_order)
-        .bind(&self.line)
-        .bind(&self.product_id)
-        .bind(&self.name)
-        .bind(&self.unit_price)
-        .bind(&self.quantity)
-        .bind(&self.line_subtotal)
-        .bind(&self.line_discount)
-        .bind(ExpireOrder::QUEUE)
-        .bind(ExpireOrder::KIND)
-        .bind(ExpireOrder::KEY_PREFIX)
-        .bind(ExpireOrder::MAX_ATTEMPTS)
-        .fetch_all(&mut *tx)
-        .await
+        sqlx::query_scalar(WRITE_ORDERS.as_str())
+            .bind(&self.seller_id)
+            .bind(&kinds)
+            .bind(&self.interval)
+            .bind(&self.currency)
+            .bind(&self.subtotal)
+            .bind(&self.discount)
+            .bind(&self.total)
+            .bind(&self.platform_fee)
+            .bind(&self.seller_net)
+            .bind(&self.coupon_id)
+            .bind(&self.checkout_id)
+            .bind(&self.buyer_id)
+            .bind(&self.gateway)
+            .bind(expires_at)
+            .bind(&self.line_order)
+            .bind(&self.line)
+            .bind(&self.product_id)
+            .bind(&self.name)
+            .bind(&self.unit_price)
+            .bind(&self.quantity)
+            .bind(&self.line_subtotal)
+            .bind(&self.line_discount)
+            .bind(ExpireOrder::QUEUE)
+            .bind(ExpireOrder::KIND)
+            .bind(ExpireOrder::KEY_PREFIX)
+            .bind(ExpireOrder::MAX_ATTEMPTS)
+            .fetch_all(&mut *tx)
+            .await
     }
 }
 

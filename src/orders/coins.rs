@@ -21,7 +21,7 @@ use crate::ledger::coins::{self, ReservationState};
 use crate::ledger::sales::{self, Channel, Sale};
 use crate::messaging::rpc::{CoinReply, CoinRequest, Coins, RpcClient, RpcError};
 use crate::money::Money;
-use crate::queue::{self, Job, JobError, NewJob, QueueError};
+use payfleet_queue::{self as queue, Job, JobError, NewJob, QueueError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CoinPaymentError {

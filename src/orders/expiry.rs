@@ -11,7 +11,7 @@ use sqlx::{PgConnection, PgPool};
 
 use super::{OrderEventKind, OrderStatus, record_event};
 use crate::catalogue::{self, CouponId};
-use crate::queue::{self, Job, NewJob, QueueError, Scheduled};
+use payfleet_queue::{self as queue, Job, NewJob, QueueError, Scheduled};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExpireOrder {
@@ -68,7 +68,7 @@ struct Row {
 }
 
 /// Expires order `number` if it is still waiting for payment and its time has come.
-pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, crate::queue::QueueError> {
+pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, payfleet_queue::QueueError> {
     let mut tx = pool.begin().await?;
     let row: Option<Row> =
         sqlx::query_as("SELECT id, status, expires_at FROM orders WHERE number = $1 FOR UPDATE")

@@ -17,7 +17,7 @@ use crate::gateways::GatewayName;
 use crate::money::{Money, amount_text as amount};
 use crate::payment_status::PaymentOrderStatus;
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     /// `orders.status` (docs/state_machine.md).
     pub enum OrderStatus {
         AwaitingPayment = "awaiting_payment",
@@ -39,7 +39,7 @@ impl OrderStatus {
     }
 }
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     /// What happened to an order, recorded once each in its own transaction (`order_events`):
     /// what the order side tells other services.
     pub enum OrderEventKind {
@@ -133,7 +133,7 @@ pub async fn apply_payment(
     payment: PaymentOrderStatus,
     paid: Option<Money>,
     refunded: Decimal,
-) -> Result<Option<PaymentEffect>, crate::queue::QueueError> {
+) -> Result<Option<PaymentEffect>, payfleet_queue::QueueError> {
     let PaidThrough {
         session_id,
         url,
@@ -576,7 +576,7 @@ pub enum ReopenError {
     #[error("order {number} is {status}; only an order awaiting payment can be paid")]
     NotPayable { number: i64, status: OrderStatus },
     #[error(transparent)]
-    Queue(#[from] crate::queue::QueueError),
+    Queue(#[from] payfleet_queue::QueueError),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }

@@ -17,7 +17,7 @@ use crate::ledger::sales::{self, Sale};
 use crate::money::Money;
 use crate::orders::{self, PaymentEffect};
 use crate::payment_status::{Facts, derive_status};
-use crate::queue::{self, NewJob};
+use payfleet_queue::{self as queue, NewJob};
 
 /// A fact that can never apply as it stands.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -171,7 +171,7 @@ async fn batch_loop(
             let done = match process_batch(&pool, processor.internal_on_stripe, &events).await {
                 Ok(done) => done,
                 Err(e) => {
-                    tracing::warn!(events = events.len(), error = %crate::queue::error_chain(&e), "a batch of payment events failed; each is processed alone");
+                    tracing::warn!(events = events.len(), error = %payfleet_queue::error_chain(&e), "a batch of payment events failed; each is processed alone");
                     vec![false; events.len()]
                 }
             };

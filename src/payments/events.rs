@@ -8,7 +8,7 @@ use sqlx::{PgConnection, PgPool};
 
 use super::{EventOutcome, ProcessPaymentEvent, Processed};
 use crate::gateways::GatewayName;
-use crate::queue::{self, JobState, QueueError};
+use payfleet_queue::{self as queue, JobState, QueueError};
 
 /// Records what processing concluded, in the processing transaction. Applied and ignored are
 /// final; waiting and rejected leave the event to be processed again.

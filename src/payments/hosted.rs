@@ -11,8 +11,8 @@ use sqlx::{PgConnection, PgPool};
 
 use crate::gateways::GatewayName;
 use crate::gateways::hosted::{self, EventSink};
-use crate::queue::{self, Job, JobError, NewJob};
-use crate::webhooks::signature::StandardSecret;
+use crate::secret::StandardSecret;
+use payfleet_queue::{self as queue, Job, JobError, NewJob};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DeliverHostedEvent {

@@ -28,12 +28,12 @@ use sqlx::PgPool;
 use crate::gateways::{
     self, EventError, GatewayName, Interpretation, MercadoPagoClient, MercadoPagoError, PaymentRef,
 };
-use crate::queue::{Job, JobError, NewJob, QueueError};
+use payfleet_queue::{Job, JobError, NewJob, QueueError};
 
 pub use apply::Rejection;
 pub use refunds::{RefundPayment, SettleRefund};
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     /// `payment_events.outcome`.
     pub enum EventOutcome {
         Applied = "applied",
@@ -209,7 +209,7 @@ impl Processor {
             Ok(p) => Ok(p),
             Err(e) if e.is_transient() => Err(e),
             Err(e) => {
-                let reason = crate::queue::error_chain(&e);
+                let reason = payfleet_queue::error_chain(&e);
                 tracing::warn!(%gateway, event, event_row = row.id, %reason, "payment event rejected; replay it after a fix");
                 events::mark_rejected(pool, row.id, &reason).await?;
                 Ok(Processed::Rejected(reason))

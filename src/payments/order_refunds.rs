@@ -25,9 +25,9 @@ use crate::ledger::coins::{self, CoinError};
 use crate::ledger::sales::{self, Channel, Sale, TakeBack};
 use crate::money::{Currency, Money};
 use crate::orders::OrderStatus;
-use crate::queue::{self, Job, JobError, NewJob, QueueError};
+use payfleet_queue::{self as queue, Job, JobError, NewJob, QueueError};
 
-crate::text_enum! {
+payfleet_queue::text_enum! {
     pub enum RefundState {
         Requested = "requested",
         Accepted = "accepted",

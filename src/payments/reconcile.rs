@@ -35,7 +35,7 @@ use crate::gateways::{
     PaymentStatus,
 };
 use crate::money::Money;
-use crate::queue::{self, QueueError};
+use payfleet_queue::{self as queue, QueueError};
 
 /// The `event_type` of the events reconciliation stores.
 pub const EVENT_TYPE: &str = "payfleet.reconciled";

@@ -13,7 +13,7 @@ use sqlx::PgPool;
 use crate::gateways::api::{RefundOutcome, RefundQuery, RefundRequest};
 use crate::gateways::{Fact, GatewayName, GatewayRegistry, PaymentRef};
 use crate::money::Money;
-use crate::queue::{self, Job, JobError, NewJob, QueueError};
+use payfleet_queue::{self as queue, Job, JobError, NewJob, QueueError};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RefundPayment {

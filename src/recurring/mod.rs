@@ -27,7 +27,7 @@ use sqlx::PgPool;
 
 pub use schedules::{Schedule, ScheduleError, Schedules};
 
-use crate::queue::{self, Job, JobContext, JobError, NewJob, QueueError};
+use payfleet_queue::{self as queue, Job, JobContext, JobError, NewJob, QueueError};
 
 /// Runs one period of a recurring job.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -17,7 +17,9 @@ use tokio::sync::Semaphore;
 
 use crate::gateways::{self, GatewayName};
 use crate::secret::Secret;
-use signature::{SignatureError, StandardSecret};
+use signature::SignatureError;
+
+use crate::secret::StandardSecret;
 
 /// One secret per integration. A gateway without one is disabled (its endpoint answers 404).
 /// Built by `config`; every field prints redacted.

@@ -9,11 +9,10 @@
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
 use subtle::ConstantTimeEq;
 
-type HmacSha256 = Hmac<Sha256>;
+use crate::secret::StandardSecret;
+use crate::secret::hmac_sha256;
 
 /// Longest signature header accepted. Real ones are well under 1 KiB (a timestamp and one or
 /// two signatures while a secret rolls).
@@ -46,17 +45,6 @@ impl SignatureError {
             Self::Timestamp(_) => "timestamp",
         }
     }
-}
-
-/// HMAC-SHA256 of the concatenated `parts` (the expected tag of a message, computed once).
-pub(crate) fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-    // HMAC takes keys of any length; new_from_slice cannot fail for it.
-    let mut m = <HmacSha256 as Mac>::new_from_slice(key)
-        .unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
-    for p in parts {
-        m.update(p);
-    }
-    m.finalize().into_bytes().into()
 }
 
 /// Whether any candidate equals the expected tag. Every candidate is compared in full, in
@@ -220,49 +208,6 @@ pub fn razorpay(secret: &str, header: Option<&str>, body: &[u8]) -> Result<(), S
     Ok(())
 }
 
-/// A Standard Webhooks secret: `whsec_` followed by the base64 of the key.
-#[derive(Clone, PartialEq, Eq)]
-pub struct StandardSecret(Vec<u8>);
-
-impl std::fmt::Debug for StandardSecret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("StandardSecret(..)")
-    }
-}
-
-impl StandardSecret {
-    pub fn parse(secret: &str) -> Result<Self, &'static str> {
-        let b64 = secret.strip_prefix("whsec_").unwrap_or(secret);
-        let key = B64
-            .decode(b64)
-            .map_err(|_| "not whsec_ followed by base64")?;
-        if key.len() < 16 {
-            return Err("the key must be at least 16 bytes");
-        }
-        Ok(Self(key))
-    }
-
-    /// A fresh random secret, for development set-ups.
-    pub fn generate() -> (Self, String) {
-        let key: [u8; 24] = rand::random();
-        (Self(key.to_vec()), format!("whsec_{}", B64.encode(key)))
-    }
-
-    /// A key for another purpose (`purpose` names it), derived from this secret with
-    /// HKDF-SHA256: every process holding the secret derives the same key, and the key never
-    /// signs a webhook.
-    pub fn derive_key(&self, purpose: &str) -> [u8; 32] {
-        crate::auth::derive_key(&self.0, purpose)
-    }
-
-    /// The `webhook-signature` value for a message: what a sender (and a test) puts on it.
-    pub fn sign(&self, id: &str, ts: i64, body: &[u8]) -> String {
-        let ts = ts.to_string();
-        let tag = hmac_sha256(&self.0, &[id.as_bytes(), b".", ts.as_bytes(), b".", body]);
-        format!("v1,{}", B64.encode(tag))
-    }
-}
-
 /// Standard Webhooks: `webhook-signature` holds space-separated `v1,<base64>` entries over
 /// `"{webhook-id}.{webhook-timestamp}.{body}"`.
 pub fn standard(
@@ -300,10 +245,7 @@ pub fn standard(
     if candidates.is_empty() {
         return Err(SignatureError::Mismatch(H));
     }
-    let want = hmac_sha256(
-        &secret.0,
-        &[id.as_bytes(), b".", ts_text.as_bytes(), b".", body],
-    );
+    let want = secret.tag(id, ts_text, body);
     if !any_matches(&want, candidates.iter().map(Vec::as_slice)) {
         return Err(SignatureError::Mismatch(H));
     }

@@ -18,8 +18,8 @@
 
 use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use futures_util::FutureExt;
@@ -31,7 +31,7 @@ use tokio::time::Instant;
 use super::{Stored, Webhook};
 use crate::gateways::GatewayName;
 use crate::payments::ProcessPaymentEvent;
-use crate::queue::{Job, JobColumns, NewJob, Notifier, QueueError};
+use payfleet_queue::{Job, JobColumns, NewJob, Notifier, QueueError};
 
 /// Most events in one statement.
 const MAX_BATCH: usize = 256;
@@ -324,6 +324,46 @@ struct Written {
     redrive_failed: Option<Arc<sqlx::Error>>,
 }
 
+/// The events, and for each one inserted its processing job, in one statement.
+static RECORD_EVENTS: LazyLock<String> = LazyLock::new(|| {
+    [
+        "WITH t AS (
+                     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[],
+                                          $6::int[], $7::text[], $8::text[], $9::text[], $10::text[],
+                                          $11::bytea[], $12::jsonb[])
+                         AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts,
+                              job_fairness_key, gateway, event_id, event_type, raw_body, headers)),
+                 ev AS (
+                     INSERT INTO payment_events (gateway, event_id, event_type, raw_body, headers)
+                     SELECT gateway, event_id, event_type, raw_body, headers FROM t
+                     ON CONFLICT (gateway, event_id) DO NOTHING
+                     RETURNING gateway, event_id),
+                 jobs AS (",
+        &payfleet_queue::insert_jobs_from("ev JOIN t USING (gateway, event_id)"),
+        ")
+                 SELECT gateway, event_id FROM ev",
+    ]
+    .concat()
+});
+
+/// Processing jobs for the repeated events not processed yet, in one statement.
+static REDRIVE: LazyLock<String> = LazyLock::new(|| {
+    [
+        "WITH t AS (
+                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[],
+                                      $6::int[], $7::text[], $8::text[], $9::text[])
+                     AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts,
+                          job_fairness_key, gateway, event_id)),
+             jobs AS (",
+        &payfleet_queue::insert_jobs_from("(SELECT t.* FROM t WHERE EXISTS (
+                     SELECT 1 FROM payment_events p
+                     WHERE p.gateway = t.gateway AND p.event_id = t.event_id AND p.processed_at IS NULL)) AS src"),
+        " RETURNING id)
+             SELECT count(*) FROM jobs",
+    ]
+    .concat()
+});
+
 /// Writes the events of `batch` that are new, each with its job, in one statement. Repeats are
 /// rare (a gateway resending after a timeout): for those only, a second statement enqueues the
 /// processing again of the ones not processed yet, unless a job is still unfinished for them.
@@ -344,25 +384,7 @@ async fn write(conn: &mut PgConnection, batch: &[Pending]) -> Result<Written, sq
         headers.push(&p.webhook.headers);
     }
     let rows: Vec<(GatewayName, String)> = jobs
-        .bind(sqlx::query_as(
-            concat!(
-                "WITH t AS (
-                     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[],
-                                          $6::int[], $7::text[], $8::text[], $9::text[], $10::text[],
-                                          $11::bytea[], $12::jsonb[])
-                         AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts,
-                              job_fairness_key, gateway, event_id, event_type, raw_body, headers)),
-                 ev AS (
-                     INSERT INTO payment_events (gateway, event_id, event_type, raw_body, headers)
-                     SELECT gateway, event_id, event_type, raw_body, headers FROM t
-                     ON CONFLICT (gateway, event_id) DO NOTHING
-                     RETURNING gateway, event_id),
-                 jobs AS (",
-                crate::insert_jobs_from!("ev JOIN t USING (gateway, event_id)"),
-                ")
-                 SELECT gateway, event_id FROM ev"
-            ),
-        ))
+        .bind(sqlx::query_as(RECORD_EVENTS.as_str()))
         .bind(&gateways)
         .bind(&ids)
         .bind(&types)
@@ -405,21 +427,7 @@ async fn redrive(conn: &mut PgConnection, repeats: &[&Pending]) -> Result<u64, s
         ids.push(p.webhook.event_id.as_str());
     }
     let (written,): (i64,) = jobs
-        .bind(sqlx::query_as(concat!(
-            "WITH t AS (
-                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[],
-                                      $6::int[], $7::text[], $8::text[], $9::text[])
-                     AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts,
-                          job_fairness_key, gateway, event_id)),
-             jobs AS (",
-            crate::insert_jobs_from!(
-                "(SELECT t.* FROM t WHERE EXISTS (
-                     SELECT 1 FROM payment_events p
-                     WHERE p.gateway = t.gateway AND p.event_id = t.event_id AND p.processed_at IS NULL)) AS src"
-            ),
-            " RETURNING id)
-             SELECT count(*) FROM jobs"
-        )))
+        .bind(sqlx::query_as(REDRIVE.as_str()))
         .bind(&gateways)
         .bind(&ids)
         .fetch_one(conn)

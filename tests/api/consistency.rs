@@ -187,7 +187,7 @@ async fn every_violation_is_found_listed_counted_and_resolved_when_gone(pool: Pg
         "UPDATE payment_events SET processed_at = now(), outcome = 'ignored'",
     )
     .await;
-    payfleet::queue::rescue_expired(&pool).await.unwrap();
+    payfleet_queue::rescue_expired(&pool).await.unwrap();
     let after = consistency::run(&pool, grace).await.unwrap();
     assert_eq!((after.open, after.new, after.resolved), (7, 0, 2));
     let metrics = app.metrics().await;

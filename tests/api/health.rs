@@ -210,7 +210,7 @@ async fn a_scrape_reads_the_backlog_not_the_whole_jobs_table(pool: PgPool) {
         .await
         .unwrap();
     sqlx::query("ANALYZE jobs").execute(&pool).await.unwrap();
-    for sql in payfleet::queue::admin::LIVE_COUNT_QUERIES {
+    for sql in payfleet_queue::admin::LIVE_COUNT_QUERIES {
         let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {sql}")))
             .fetch_all(&pool)
             .await
@@ -218,7 +218,7 @@ async fn a_scrape_reads_the_backlog_not_the_whole_jobs_table(pool: PgPool) {
         let plan = plan.join("\n");
         assert!(!plan.contains("Seq Scan"), "{sql}\n{plan}");
     }
-    let counts = payfleet::queue::admin::live_counts(&pool).await.unwrap();
+    let counts = payfleet_queue::admin::live_counts(&pool).await.unwrap();
     assert_eq!(counts.len(), 1);
     assert_eq!(
         (counts[0].state.as_str(), counts[0].count),
@@ -269,7 +269,7 @@ async fn the_backlog_gauge_never_reads_the_jobs_scheduled_for_later(pool: PgPool
     sqlx::query("ANALYZE jobs").execute(&pool).await.unwrap();
     let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {}",
-        payfleet::queue::admin::LIVE_COUNT_QUERIES[2]
+        payfleet_queue::admin::LIVE_COUNT_QUERIES[2]
     )))
     .fetch_all(&pool)
     .await
@@ -284,7 +284,7 @@ async fn the_backlog_gauge_never_reads_the_jobs_scheduled_for_later(pool: PgPool
         .and_then(|n| n.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
         .unwrap_or(u64::MAX);
     assert!(pages < 40, "{pages} pages read:\n{plan}");
-    let due = payfleet::queue::admin::due_by_queue(&pool).await.unwrap();
+    let due = payfleet_queue::admin::due_by_queue(&pool).await.unwrap();
     assert_eq!(
         due.iter()
             .map(|d| (d.queue.as_str(), d.due))

@@ -4,11 +4,12 @@ use payfleet::auth::{self, Token};
 use payfleet::config::Config;
 use payfleet::gateways::GatewayName;
 use payfleet::payments::ProcessPaymentEvent;
-use payfleet::queue::{Job, QueueSettings, Registry, work_until_idle};
 use payfleet::secret::Secret;
+use payfleet::secret::StandardSecret;
 use payfleet::startup::{self, Roles, Running};
 use payfleet::webhooks::WebhookSecrets;
-use payfleet::webhooks::signature::{StandardSecret, hex_hmac};
+use payfleet::webhooks::signature::hex_hmac;
+use payfleet_queue::{Job, QueueSettings, Registry, work_until_idle};
 use sqlx::PgPool;
 use tokio::net::TcpListener;
 

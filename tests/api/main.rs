@@ -1,7 +1,6 @@
 //! The integration tests: each one gets its own database on the real PostgreSQL server
 //! (#[sqlx::test]) and, where it needs HTTP, its own server on port 0.
 
-mod apalis;
 mod barriers;
 mod browser;
 mod checkout;
@@ -11,14 +10,15 @@ mod edges;
 mod gateways;
 mod health;
 mod helpers;
+mod layout;
 mod messaging;
+mod migrations;
 mod money;
 mod orders;
 mod outage;
 mod pgbouncer;
 mod process;
 mod processing;
-mod queue;
 mod reconcile;
 mod recurring;
 mod security;

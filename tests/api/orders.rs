@@ -161,7 +161,7 @@ async fn a_worker_that_dies_while_confirming_leaves_the_order_confirmed_once(poo
     .execute(&pool)
     .await
     .unwrap();
-    assert_eq!(payfleet::queue::rescue_expired(&pool).await.unwrap(), 1);
+    assert_eq!(payfleet_queue::rescue_expired(&pool).await.unwrap(), 1);
     sqlx::query("UPDATE jobs SET run_at = now() WHERE queue = 'events'")
         .execute(&pool)
         .await

@@ -10,8 +10,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use payfleet::config::ListenTo;
-use payfleet::queue::{self, Fleet, Job, JobContext, Listen, NewJob, QueuesConfig, Registry};
 use payfleet::secret::SecretUrl;
+use payfleet_queue::{
+    self as queue, Fleet, Job, JobContext, Listen, NewJob, QueuesConfig, Registry,
+};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool, Row};

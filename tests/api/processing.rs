@@ -5,8 +5,8 @@ use axum::routing::get;
 use payfleet::config::MercadoPagoApi;
 use payfleet::gateways::GatewayName;
 use payfleet::payments::{Processed, Processor};
-use payfleet::queue::rescue_expired;
 use payfleet::secret::Secret;
+use payfleet_queue::rescue_expired;
 use sqlx::PgPool;
 
 use crate::helpers::*;
@@ -510,7 +510,7 @@ async fn permanent_failures_are_rejected_at_once_with_their_reason(pool: PgPool)
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_handler_error_that_is_not_an_outage_is_not_retried(pool: PgPool) {
-    use payfleet::queue::{self, Job, JobContext, NewJob, QueueSettings, Registry};
+    use payfleet_queue::{self as queue, Job, JobContext, NewJob, QueueSettings, Registry};
     #[derive(serde::Serialize, serde::Deserialize)]
     struct DividesByZero;
     impl Job for DividesByZero {

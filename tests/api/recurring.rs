@@ -73,12 +73,12 @@ async fn each_period_runs_once_however_many_processes_tick(pool: PgPool) {
     );
     // Its worker died after the run finished but before the job's end was written: the job is
     // rescued and claimed again. That rerun is a no-op, and the period stays completed.
-    let job = payfleet::queue::NewJob::of(&recurring::RecurringRun {
+    let job = payfleet_queue::NewJob::of(&recurring::RecurringRun {
         name: "holding_release".into(),
         period,
     })
     .unwrap();
-    payfleet::queue::enqueue(&pool, job).await.unwrap();
+    payfleet_queue::enqueue(&pool, job).await.unwrap();
     assert_eq!(step(&pool, &config, "recurring").await, 1);
     assert_eq!(
         rows(&pool).await,

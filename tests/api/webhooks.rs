@@ -349,7 +349,7 @@ async fn an_event_the_database_refuses_does_not_fail_the_others_written_with_it(
 
 /// A Standard Webhooks delivery with a fresh timestamp, a `body` and `n` wrong signatures.
 fn forged(id: &str, n: usize, body: Vec<u8>) -> Delivery {
-    let wrong = payfleet::webhooks::signature::StandardSecret::parse(MOCK_SECRET)
+    let wrong = payfleet::secret::StandardSecret::parse(MOCK_SECRET)
         .unwrap()
         .sign(id, now(), b"{}");
     Delivery {

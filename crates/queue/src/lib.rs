@@ -1,13 +1,19 @@
-//! The PostgreSQL job queue: our schema, our SQL, a plain tokio runtime.
+//! payfleet-queue: a PostgreSQL job queue and its worker fleet, on sqlx and a plain tokio
+//! runtime. It knows nothing of what its jobs do (payfleet's payments are one user of it).
 //!
 //! - [`enqueue`], [`schedule`], [`cancel`] take any executor, so a job is written inside the
-//!   caller's transaction and exists if and only if the business write commits.
+//!   caller's transaction and exists if and only if the business write commits;
+//!   [`insert_jobs_from`] places the same insert inside a statement of the caller's own.
 //! - [`Fleet`] runs the workers of one process. Its parts, as River's `internal/` splits them:
 //!   `executor` (a fetcher per queue: batched `FOR UPDATE SKIP LOCKED` claims, each run in its own
 //!   task under a timeout), `completer` (batched run ends), `lease` (renewals, and cancelling a
 //!   run whose lease is lost), `listener` (LISTEN/NOTIFY wake-ups; polling is the fallback) and
-//!   `maintenance` (rescue of expired leases, pruning).
+//!   `maintenance` (rescue of expired leases, pruning); what those loops share (stopping,
+//!   pausing, backing off) is `loops`, below them all.
 //! - `store` holds every statement; the rules of a run's end are SQL (`jobs_end_runs`).
+//! - [`pg`]: the schema's migrations (their own table, `pg::migrate`), which database errors
+//!   are outages, and enums stored as text. [`admin`]: the operator's view and repairs.
+//! - `apalis` (feature `apalis`): the queue as an apalis-core backend.
 
 pub mod admin;
 #[cfg(feature = "apalis")]
@@ -18,8 +24,10 @@ mod executor;
 mod fleet;
 mod lease;
 mod listener;
+mod loops;
 mod maintenance;
 mod notifier;
+pub mod pg;
 mod registry;
 mod store;
 
@@ -36,8 +44,6 @@ pub use fleet::{Fleet, FleetHandle, FleetProbe, Listen, work_until_idle};
 pub use maintenance::{prune, rescue_expired, vacuum_if_dead};
 pub use notifier::Notifier;
 pub use registry::{JobContext, Registry, RegistryError};
-pub(crate) use store::CLAIM as CLAIM_SQL;
-pub(crate) use store::next_due_in;
 
 crate::text_enum! {
     /// `jobs.state` (docs/state_machine.md).
@@ -204,8 +210,29 @@ pub async fn enqueue<'c>(
     Ok(id.map(|(id,)| id))
 }
 
-/// Jobs as parallel arrays, bound as the first six parameters of a statement that inserts them
-/// with [`insert_jobs_from!`] over [`job_columns_from_params!`].
+/// The INSERT of jobs as SQL text, for a statement of the caller's that writes its own rows and
+/// their jobs in one round trip (a CTE of it, say), under the rules of [`enqueue_many`]: a key
+/// an unfinished job holds means nothing is written for that job, and the statement goes on.
+///
+/// `source` is SQL naming a relation (a CTE's name, or a parenthesised subquery with an alias)
+/// with the columns `job_queue text, job_kind text, job_key text, job_payload jsonb,
+/// job_run_at timestamptz` (NULL: now), `job_max_attempts int, job_fairness_key text`; any
+/// other columns are ignored. [`JOB_COLUMNS_FROM_PARAMS`] is such a relation over the seven
+/// parameters [`JobColumns::bind`] fills. Append `RETURNING ...` to see what was written.
+///
+/// The statement does not wake the workers (a NOTIFY inside a transaction would serialise its
+/// commits): call [`Notifier::notify`] once it has committed, or let the workers' polling find
+/// the jobs. Build the text once (a `LazyLock<String>`), so the statement is prepared once.
+pub fn insert_jobs_from(source: &str) -> String {
+    store::insert_jobs_from(source)
+}
+
+/// The relation [`insert_jobs_from`] reads, over the seven parameters `$1` to `$7` that
+/// [`JobColumns::bind`] fills.
+pub const JOB_COLUMNS_FROM_PARAMS: &str = store::JOB_COLUMNS_FROM_PARAMS;
+
+/// Jobs as parallel arrays, bound as the first seven parameters of a statement that inserts them
+/// with [`insert_jobs_from`] over [`JOB_COLUMNS_FROM_PARAMS`].
 #[derive(Debug, Default)]
 pub struct JobColumns<'a> {
     queues: Vec<&'a str>,
@@ -406,11 +433,11 @@ impl JobError {
 }
 
 /// A database error inside a job is retried with backoff when it is an outage
-/// ([`crate::db::is_transient`]); anything else (a constraint, bad data) would fail the same way
+/// ([`crate::pg::is_transient`]); anything else (a constraint, bad data) would fail the same way
 /// again, so the job fails at once, keeping the error for an operator.
 impl From<sqlx::Error> for JobError {
     fn from(e: sqlx::Error) -> Self {
-        if crate::db::is_transient(&e) {
+        if crate::pg::is_transient(&e) {
             Self::retry(e)
         } else {
             Self::fail(e)

@@ -2,10 +2,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use crate::constraint_of;
 use chrono::Utc;
-use payfleet::queue::{
-    self, Cancelled, Fleet, Job, JobContext, JobError, JobId, NewJob, QueueSettings, QueuesConfig,
-    Registry, Scheduled, admin, prune, rescue_expired, work_until_idle,
+use payfleet_queue::{
+    self as queue, Cancelled, Fleet, Job, JobContext, JobError, JobId, NewJob, QueueSettings,
+    QueuesConfig, Registry, Scheduled, admin, prune, rescue_expired, work_until_idle,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -71,7 +72,7 @@ async fn state_counts(pool: &PgPool) -> Vec<(String, i64)> {
 }
 
 /// A fleet with short leases and a 10 s poll over `registry`.
-fn start_fleet(pool: &PgPool, registry: Registry) -> payfleet::queue::FleetHandle {
+fn start_fleet(pool: &PgPool, registry: Registry) -> payfleet_queue::FleetHandle {
     Fleet::new(pool.clone(), registry, fast_config(""), "test").start()
 }
 
@@ -89,7 +90,7 @@ fn recording(seen: Arc<std::sync::Mutex<Vec<i64>>>) -> Registry {
     r
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_job_exists_if_and_only_if_the_callers_transaction_commits(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
     queue::enqueue(&mut *tx, NewJob::of(&Echo { n: 1 }).unwrap())
@@ -105,7 +106,7 @@ async fn a_job_exists_if_and_only_if_the_callers_transaction_commits(pool: PgPoo
     assert_eq!(state_counts(&pool).await, vec![("available".into(), 1)]);
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_key_is_unique_among_unfinished_jobs_and_enqueue_does_not_abort_the_transaction(
     pool: PgPool,
 ) {
@@ -132,7 +133,7 @@ async fn a_key_is_unique_among_unfinished_jobs_and_enqueue_does_not_abort_the_tr
     );
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn schedule_replaces_the_waiting_job_and_the_old_one_never_runs(pool: PgPool) {
     let later = Utc::now() + chrono::Duration::hours(1);
     let a = queue::schedule(
@@ -163,7 +164,7 @@ async fn schedule_replaces_the_waiting_job_and_the_old_one_never_runs(pool: PgPo
     assert!(state_counts(&pool).await.is_empty());
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn concurrent_schedules_of_one_key_leave_exactly_one_job(pool: PgPool) {
     let tasks: Vec<_> = (0..16)
         .map(|n| {
@@ -189,7 +190,7 @@ async fn concurrent_schedules_of_one_key_leave_exactly_one_job(pool: PgPool) {
     assert_eq!(seen.lock().unwrap().len(), 1);
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_rolled_back_reschedule_leaves_the_old_job(pool: PgPool) {
     let Scheduled::Inserted(id) =
         queue::schedule(&pool, NewJob::of(&Echo { n: 1 }).unwrap().key("k"))
@@ -206,7 +207,7 @@ async fn a_rolled_back_reschedule_leaves_the_old_job(pool: PgPool) {
     assert_eq!(job(&pool, id).await.2["n"], 1);
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends(pool: PgPool) {
     let started = Arc::new(tokio::sync::Notify::new());
     let release = Arc::new(tokio::sync::Notify::new());
@@ -269,7 +270,7 @@ async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends
     );
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn concurrent_claims_never_share_a_job(pool: PgPool) {
     let jobs: Vec<NewJob> = (0..200).map(|n| NewJob::of(&Echo { n }).unwrap()).collect();
     assert_eq!(queue::enqueue_many(&pool, &jobs).await.unwrap(), 200);
@@ -348,7 +349,7 @@ fn outcomes() -> Registry {
     r
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn typed_outcomes_are_stored_with_backoff_errors_and_attempts(pool: PgPool) {
     let mut ids = std::collections::HashMap::new();
     for what in ["ok", "retry", "fail", "snooze", "cancel", "panic", "slow"] {
@@ -443,7 +444,7 @@ async fn typed_outcomes_are_stored_with_backoff_errors_and_attempts(pool: PgPool
     );
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_job_that_keeps_killing_workers_ends_discarded(pool: PgPool) {
     let id = queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap())
         .await
@@ -473,7 +474,7 @@ async fn a_job_that_keeps_killing_workers_ends_discarded(pool: PgPool) {
     assert_eq!(rescue_expired(&pool).await.unwrap(), 0);
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn the_fleet_runs_jobs_on_notification_and_future_jobs_on_time(pool: PgPool) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     // The poll interval is 10 s: only LISTEN/NOTIFY and the next-run timer can explain prompt starts.
@@ -507,7 +508,7 @@ async fn the_fleet_runs_jobs_on_notification_and_future_jobs_on_time(pool: PgPoo
     );
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_running_job_keeps_its_lease_and_a_dead_workers_job_is_rescued(pool: PgPool) {
     let runs = Arc::new(AtomicUsize::new(0));
     let mut registry = Registry::new();
@@ -565,7 +566,7 @@ async fn a_running_job_keeps_its_lease_and_a_dead_workers_job_is_rescued(pool: P
     );
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn shutdown_finishes_short_jobs_and_releases_long_ones(pool: PgPool) {
     let short = queue::enqueue(&pool, NewJob::of(&Outcome { what: "ok".into() }).unwrap())
         .await
@@ -598,7 +599,7 @@ async fn shutdown_finishes_short_jobs_and_releases_long_ones(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn finished_jobs_are_pruned_after_their_retention(pool: PgPool) {
     // Completed rows as versions before migration 0030 left them (a completed job is deleted
     // now, and the schema refuses to write one).
@@ -642,7 +643,7 @@ async fn finished_jobs_are_pruned_after_their_retention(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn operators_see_counts_and_dead_jobs_and_can_retry_or_discard(pool: PgPool) {
     let dead = queue::enqueue(
         &pool,
@@ -698,7 +699,7 @@ async fn operators_see_counts_and_dead_jobs_and_can_retry_or_discard(pool: PgPoo
     ));
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn the_schema_refuses_inconsistent_states(pool: PgPool) {
     for (bad, constraint) in [
         (
@@ -727,11 +728,11 @@ async fn the_schema_refuses_inconsistent_states(pool: PgPool) {
         ),
     ] {
         let e = sqlx::query(bad).execute(&pool).await.unwrap_err();
-        assert_eq!(payfleet::db::constraint(&e), Some(constraint), "{bad}: {e}");
+        assert_eq!(constraint_of(&e), Some(constraint), "{bad}: {e}");
     }
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn an_unknown_run_outcome_raises_instead_of_discarding_the_job(pool: PgPool) {
     let e = sqlx::query_scalar::<_, String>("SELECT jobs_next_state(NULL, $1, 1, 3)")
         .bind("exploded")
@@ -770,11 +771,11 @@ fn registering_a_kind_twice_is_an_error() {
         .unwrap();
     assert!(matches!(
         r.register::<Echo, _, _>(|_c: JobContext, _j: Echo| async { Ok(()) }),
-        Err(payfleet::queue::RegistryError::Duplicate("echo"))
+        Err(payfleet_queue::RegistryError::Duplicate("echo"))
     ));
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_job_cancelled_while_running_ends_cancelled_whatever_its_outcome(pool: PgPool) {
     let started = Arc::new(tokio::sync::Notify::new());
     let release = Arc::new(tokio::sync::Notify::new());
@@ -809,7 +810,7 @@ async fn a_job_cancelled_while_running_ends_cancelled_whatever_its_outcome(pool:
     assert_eq!(job(&pool, id).await.0, "cancelled");
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_queue_never_runs_more_than_its_concurrency(pool: PgPool) {
     // With one claim loop, and with as many as the queue has slots (they share the slots).
     for claimers in [1, 3] {
@@ -849,7 +850,7 @@ async fn a_queue_never_runs_more_than_its_concurrency(pool: PgPool) {
     }
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn without_a_notification_polling_still_finds_the_job(pool: PgPool) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let config = QueuesConfig::parse(
@@ -869,7 +870,7 @@ async fn without_a_notification_polling_still_finds_the_job(pool: PgPool) {
     assert_eq!(*seen.lock().unwrap(), vec![7]);
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn the_listener_reconnects_by_itself(pool: PgPool) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     // A 10 s poll: a prompt start can only come from a notification.
@@ -892,7 +893,7 @@ async fn the_listener_reconnects_by_itself(pool: PgPool) {
     fleet.shutdown().await;
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn ends_postgres_would_refuse_as_given_are_still_written(pool: PgPool) {
     let registry = outcomes();
     let mut ids = Vec::new();
@@ -1008,7 +1009,7 @@ async fn running_slowly(
     lease_ms: u64,
     ms: u64,
     payloads: &[i64],
-) -> (Vec<JobId>, payfleet::queue::FleetHandle) {
+) -> (Vec<JobId>, payfleet_queue::FleetHandle) {
     let mut ids = Vec::new();
     for n in payloads {
         ids.push(
@@ -1055,7 +1056,7 @@ async fn hold_row(pool: &PgPool, id: JobId) -> sqlx::Transaction<'static, sqlx::
     tx
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_row_locked_by_another_transaction_does_not_hold_up_other_runs_ends(pool: PgPool) {
     let log = Arc::new(RunLog::default());
     // Leases of 600 ms; each run takes 150 ms, so both end while A's row is held.
@@ -1066,7 +1067,7 @@ async fn a_row_locked_by_another_transaction_does_not_hold_up_other_runs_ends(po
     // first written without locking their rows beforehand; that statement must not wait for
     // this one: B's end is written meanwhile, A's once the row is free.
     let tx = hold_row(&pool, a).await;
-    crate::helpers::wait_for(
+    crate::wait_for(
         "B's end, written while A's row is held",
         Duration::from_millis(400),
         async || completed(&pool, b).await,
@@ -1078,7 +1079,7 @@ async fn a_row_locked_by_another_transaction_does_not_hold_up_other_runs_ends(po
         "A's end waits for its row"
     );
     tx.commit().await.unwrap();
-    crate::helpers::wait_for(
+    crate::wait_for(
         "A's end, once its row is free",
         Duration::from_secs(5),
         async || completed(&pool, a).await,
@@ -1096,7 +1097,7 @@ async fn a_row_locked_by_another_transaction_does_not_hold_up_other_runs_ends(po
     );
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_row_locked_by_another_transaction_does_not_hold_up_other_renewals(pool: PgPool) {
     let log = Arc::new(RunLog::default());
     // Leases of 2 s (renewed every 2/3 s, each renewal given 0.5 s: a loaded test machine
@@ -1156,7 +1157,7 @@ async fn a_row_locked_by_another_transaction_does_not_hold_up_other_renewals(poo
     );
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_run_whose_job_another_worker_took_is_cancelled_and_its_end_refused(pool: PgPool) {
     let log = Arc::new(RunLog::default());
     let (ids, fleet) = running_slowly(&pool, &log, 600, 5000, &[7]).await;
@@ -1212,7 +1213,7 @@ async fn until_seen(seen: &Arc<std::sync::Mutex<Vec<i64>>>, done: impl Fn(&[i64]
     }
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_sellers_job_starts_next_behind_another_sellers_flood_of_100_000(pool: PgPool) {
     for chunk in (0..100_000i64).collect::<Vec<_>>().chunks(20_000) {
         let flood: Vec<NewJob> = chunk
@@ -1267,7 +1268,7 @@ async fn a_sellers_job_starts_next_behind_another_sellers_flood_of_100_000(pool:
     );
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn claims_take_turns_between_sellers_and_the_jobs_without_one(pool: PgPool) {
     // Three sellers and the unkeyed jobs, 20 each, all enqueued group after group.
     let mut jobs = Vec::new();
@@ -1320,7 +1321,7 @@ async fn claims_take_turns_between_sellers_and_the_jobs_without_one(pool: PgPool
     }
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn sellers_whose_jobs_all_wait_for_later_do_not_hide_a_due_one(pool: PgPool) {
     // 300 sellers whose only job waits for a retry in an hour, then one seller with a due
     // job, sorted after them all: more than one claim's walk (256 groups) away.
@@ -1360,7 +1361,7 @@ async fn sellers_whose_jobs_all_wait_for_later_do_not_hide_a_due_one(pool: PgPoo
     assert!(completed(&pool, due).await);
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn an_empty_or_overlong_fairness_key_is_refused_and_nothing_is_written(pool: PgPool) {
     for key in [String::new(), "s".repeat(201)] {
         let len = key.len();
@@ -1379,7 +1380,7 @@ async fn an_empty_or_overlong_fairness_key_is_refused_and_nothing_is_written(poo
 /// ran. The mark may commit while the completion waits for the row: the completion then reads
 /// the row again and keeps the job (to run again, or cancelled), instead of deleting the work
 /// the schedule asked for.
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_schedule_committed_while_a_completion_waits_for_the_row_keeps_the_job(pool: PgPool) {
     for (mark, want) in [("schedule", "available"), ("cancel", "cancelled")] {
         let key = format!("order:{mark}:expire");

@@ -24,7 +24,7 @@ use sqlx::PgPool;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::fleet::{Shared, backoff};
+use super::loops::{Shared, backoff};
 use super::store::LockedRows;
 use super::{BookkeepingCommit, Ended, JobId, end_runs_as, store};
 
@@ -176,7 +176,7 @@ async fn write_ends(
                 );
                 locked = LockedRows::Skip;
             }
-            Err(e) if crate::db::is_transient(&e) => {
+            Err(e) if crate::pg::is_transient(&e) => {
                 failures += 1;
                 let wait = backoff(failures);
                 tracing::warn!(error = %e, jobs = batch.len(), retry_in = ?wait, "could not record job outcomes");

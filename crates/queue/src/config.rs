@@ -1,13 +1,11 @@
-//! `jobs/queues.toml`: the operator-editable settings of the fleet and of each queue.
+//! The operator-editable settings of the fleet and of each queue, as TOML (payfleet ships its
+//! own as `jobs/queues.toml`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
 use serde::Deserialize;
-
-/// The catalogue shipped with the binary; used when no file is configured or found.
-const BUILT_IN: &str = include_str!("../../jobs/queues.toml");
 
 #[derive(Debug, thiserror::Error)]
 pub enum QueuesConfigError {
@@ -164,10 +162,6 @@ impl QueueSettings {
 }
 
 impl QueuesConfig {
-    pub fn built_in() -> Result<Self, QueuesConfigError> {
-        Self::parse(BUILT_IN, "the built-in jobs/queues.toml")
-    }
-
     /// Reads `path`; a missing file is an error, since the operator named it.
     pub fn from_file(path: &Path) -> Result<Self, QueuesConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| QueuesConfigError::Read {
@@ -278,7 +272,13 @@ mod tests {
 
     #[test]
     fn flags_narrow_the_queues_and_set_concurrency_or_say_what_is_wrong() {
-        let mut c = QueuesConfig::built_in().unwrap();
+        let mut c = QueuesConfig::parse(
+            "[queues.default]\nconcurrency = 10\ntimeout_ms = 100\n\
+             [queues.events]\nconcurrency = 10\ntimeout_ms = 100\n\
+             [queues.payments]\nconcurrency = 10\ntimeout_ms = 100\n",
+            "t",
+        )
+        .unwrap();
         c.only(&["events".to_owned(), "payments".to_owned()])
             .unwrap();
         assert_eq!(c.queues.keys().collect::<Vec<_>>(), ["events", "payments"]);
@@ -294,13 +294,6 @@ mod tests {
     }
 
     use super::*;
-
-    #[test]
-    fn the_built_in_catalogue_parses() {
-        let c = QueuesConfig::built_in().expect("built-in config");
-        assert!(c.queue("default").is_some());
-        assert!(c.queue("events").is_some());
-    }
 
     #[test]
     fn unknown_fields_and_zero_concurrency_or_claimers_are_rejected() {

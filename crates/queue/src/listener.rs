@@ -10,7 +10,7 @@ use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio::sync::{Notify, watch};
 
-use super::fleet::{backoff, pause, stop_requested};
+use super::loops::{backoff, pause, stop_requested};
 use super::store::CHANNEL;
 
 /// A queue's wake-up call: its claimers sleep on it when nothing is due, and its claims read

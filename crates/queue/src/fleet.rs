@@ -15,6 +15,7 @@ use tokio::task::JoinSet;
 use super::executor::{QueueShare, fetch, run_one};
 use super::lease::Leases;
 use super::listener::QueueWaker;
+use super::loops::Shared;
 use super::registry::Registry;
 use super::store::FairCursor;
 use super::{
@@ -96,20 +97,6 @@ impl FleetHandle {
     pub fn running_jobs(&self) -> usize {
         self.leases.len()
     }
-}
-
-/// What the fleet's loops share.
-pub(crate) struct Shared {
-    /// Claims and the jobs themselves.
-    pub pool: PgPool,
-    /// The fleet's own bookkeeping (listener, completions, lease renewals, rescue, pruning), on
-    /// connections of its own: busy handlers must never starve the renewals, or leases would
-    /// expire under running jobs and another worker would run them a second time.
-    pub control: PgPool,
-    pub registry: Registry,
-    pub config: QueuesConfig,
-    pub worker_id: String,
-    pub leases: Arc<Leases>,
 }
 
 impl Fleet {
@@ -286,30 +273,6 @@ where
             }
         }
     }
-}
-
-/// Resolves once the fleet is told to stop (or its handle is gone).
-pub(crate) async fn stop_requested(stopped: &mut watch::Receiver<bool>) {
-    loop {
-        if *stopped.borrow_and_update() {
-            return;
-        }
-        if stopped.changed().await.is_err() {
-            return;
-        }
-    }
-}
-
-/// Sleeps, unless the fleet is told to stop first. Returns false when stopping.
-pub(crate) async fn pause(stopped: &mut watch::Receiver<bool>, d: Duration) -> bool {
-    tokio::select! {
-        _ = tokio::time::sleep(d) => true,
-        _ = stop_requested(stopped) => false,
-    }
-}
-
-pub(crate) fn backoff(failures: u32) -> Duration {
-    Duration::from_millis((100u64 << failures.min(6)).min(5_000))
 }
 
 /// Claims and runs due jobs of `queue` one batch at a time, in this task, until none is due:

@@ -15,8 +15,8 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::fleet::{Shared, backoff, pause, stop_requested};
 use super::listener::QueueWaker;
+use super::loops::{Shared, backoff, pause, stop_requested};
 use super::registry::{JobContext, Registry};
 use super::store::{self, Claimed};
 use super::{Ended, JobId, QueueSettings, RunEnd};

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use sqlx::PgPool;
 use tokio::sync::watch;
 
-use super::fleet::{Shared, stop_requested};
+use super::loops::{Shared, stop_requested};
 use super::{Ended, RunEnd, end_runs, store};
 
 const RESCUE_BATCH: i64 = 1000;

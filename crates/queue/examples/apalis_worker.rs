@@ -17,7 +17,7 @@ use apalis_core::error::BoxDynError;
 use apalis_core::task::attempt::Attempt;
 use apalis_core::task::builder::TaskBuilder;
 use apalis_core::worker::builder::WorkerBuilder;
-use payfleet::queue::apalis::{PayfleetBackend, Settings};
+use payfleet_queue::apalis::{PayfleetBackend, Settings};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
@@ -57,10 +57,14 @@ async fn stop_when_drained(pool: &PgPool) {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    // The local database `payfleet up` uses, unless told otherwise.
     let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| payfleet::config::DEFAULT_DATABASE_URL.to_owned());
-    let pool = payfleet::db::connect(&payfleet::secret::SecretUrl::new(url), 5).await?;
-    payfleet::db::migrate(&pool).await?;
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/payfleet".to_owned());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(5)
+        .connect(&url)
+        .await?;
+    payfleet_queue::pg::migrate(&pool).await?;
 
     let backend = PayfleetBackend::<SendReceipt>::new(
         pool.clone(),

@@ -173,3 +173,49 @@ pub async fn discard(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
     tx.commit().await?;
     Ok(())
 }
+
+/// How long until the earliest waiting job of `queue` is due (zero if one is due now; `None`
+/// when nothing waits): the workers' own question, through the claim indexes.
+pub async fn next_due_in(
+    pool: &PgPool,
+    queue: &str,
+) -> Result<Option<std::time::Duration>, sqlx::Error> {
+    store::next_due_in(pool, queue).await
+}
+
+/// The plan of a claim of `want` jobs of `queue` as it runs (`EXPLAIN (ANALYZE, BUFFERS)`), in
+/// a transaction rolled back afterwards: the jobs it claims stay due. For a slow claim, the
+/// question is which index it walks and how many rows it meets.
+pub async fn explain_claim(
+    pool: &PgPool,
+    queue: &str,
+    want: i32,
+) -> Result<Vec<String>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let plan = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN (ANALYZE, BUFFERS) {}",
+        store::CLAIM
+            // From the highest: "$1" is also the start of "$10".
+            .replace("$12", "'{}'::bigint[]")
+            .replace("$11", "'{}'::timestamptz[]")
+            .replace("$10", "'{}'::text[]")
+            .replace("$9", "NULL::bigint")
+            .replace("$8", "NULL::timestamptz")
+            .replace("$7", "'off'")
+            .replace("$6", "256")
+            .replace("$5", "NULL")
+            .replace("$4", "'explain'")
+            .replace("$3", "30000")
+            .replace("$2", &want.to_string())
+            .replace("$1", &quote_literal(queue))
+    )))
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.rollback().await?;
+    Ok(plan)
+}
+
+/// `text` as an SQL string literal.
+fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}

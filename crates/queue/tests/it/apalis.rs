@@ -13,12 +13,12 @@ use apalis_core::task::builder::TaskBuilder;
 use apalis_core::task::data::Data;
 use apalis_core::task::task_id::TaskId;
 use apalis_core::worker::builder::WorkerBuilder;
-use payfleet::queue::JobError;
-use payfleet::queue::apalis::{PayfleetBackend, Settings};
+use payfleet_queue::JobError;
+use payfleet_queue::apalis::{PayfleetBackend, Settings};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
-use crate::helpers::wait_for;
+use crate::wait_for;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Charge {
@@ -89,7 +89,7 @@ async fn states(pool: &PgPool) -> Vec<(String, i64)> {
     .unwrap()
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn an_apalis_handler_runs_payfleet_jobs_under_leases_each_once(pool: PgPool) {
     let backend = setup(&pool).await;
     let mut sink = backend.clone();
@@ -115,7 +115,7 @@ async fn an_apalis_handler_runs_payfleet_jobs_under_leases_each_once(pool: PgPoo
     assert_eq!((runs, distinct, leased), (30, 30, 30));
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_failed_run_waits_for_the_stored_backoff_and_a_failure_for_good_is_kept(pool: PgPool) {
     let backend = setup(&pool).await;
     let mut sink = backend.clone();
@@ -167,16 +167,16 @@ async fn a_failed_run_waits_for_the_stored_backoff_and_a_failure_for_good_is_kep
     assert!(kept.contains("card reported stolen"), "{kept}");
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn pushing_a_key_again_replaces_the_waiting_job_and_the_worker_sees_only_the_last(
     pool: PgPool,
 ) {
     let backend = setup(&pool).await;
     let mut sink = backend.clone();
     // The fleet's own job under the same key, on its own queue: apalis keys never touch it.
-    payfleet::queue::schedule(
+    payfleet_queue::schedule(
         &pool,
-        payfleet::queue::NewJob::raw("orders", "expire_order", serde_json::json!({"number": 7}))
+        payfleet_queue::NewJob::raw("orders", "expire_order", serde_json::json!({"number": 7}))
             .key("order:7")
             .run_at(chrono::Utc::now() + chrono::Duration::hours(1)),
     )
@@ -243,7 +243,7 @@ async fn slow(_job: Charge) -> Result<(), BoxDynError> {
     Ok(())
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_handler_whose_lease_is_lost_is_cancelled(pool: PgPool) {
     let mut settings = Settings::new("charges", "charge");
     settings.lease = Duration::from_millis(600);

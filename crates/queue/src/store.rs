@@ -15,23 +15,16 @@ use super::{BookkeepingCommit, JobId, JobState, RunOutcome};
 /// The channel every LISTENing worker waits on; the payload is the queue's name.
 pub(crate) const CHANNEL: &str = "payfleet_jobs";
 
-/// The one INSERT of jobs, as SQL text to place in a statement (a CTE, say), so a business
-/// statement can write its rows and their jobs in one round trip with the same rules as
-/// `queue::enqueue`. `$source` names a relation with the columns `job_queue, job_kind, job_key,
-/// job_payload, job_run_at, job_max_attempts, job_fairness_key`; `JobColumns` binds them as
-/// arrays for [`job_columns_from_params!`]. A key held by an unfinished job means nothing is
-/// written for that job, and the statement goes on. Add `RETURNING ...` as needed.
-#[macro_export]
+// The one INSERT of jobs, as text the const statements below are built from at compile time;
+// `crate::insert_jobs_from` gives it to callers, with its contract.
 macro_rules! insert_jobs_from {
     ($($source:tt)+) => {
-        concat!($crate::insert_jobs_on_key_conflict!($($source)+), " DO NOTHING")
+        concat!(insert_jobs_on_key_conflict!($($source)+), " DO NOTHING")
     };
 }
 
-/// [`insert_jobs_from!`] up to its conflict target, the key of an unfinished job: the caller
-/// says what a conflict does.
-#[macro_export]
-#[doc(hidden)]
+// `insert_jobs_from!` up to its conflict target, the key of an unfinished job: the caller says
+// what a conflict does.
 macro_rules! insert_jobs_on_key_conflict {
     ($($source:tt)+) => {
         concat!(
@@ -44,14 +37,21 @@ macro_rules! insert_jobs_on_key_conflict {
     };
 }
 
-/// The seven parameters `JobColumns::bind` fills, as a relation for [`insert_jobs_from!`].
-#[macro_export]
+// The seven parameters `JobColumns::bind` fills, as a relation for `insert_jobs_from!`.
 macro_rules! job_columns_from_params {
     () => {
         "unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::timestamptz[], $6::int[], $7::text[]) \
          AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts, job_fairness_key)"
     };
 }
+
+/// See [`crate::insert_jobs_from`].
+pub(crate) fn insert_jobs_from(source: &str) -> String {
+    // The marker is not SQL a source could contain by accident: it is replaced, once.
+    insert_jobs_from!("\u{0}source\u{0}").replacen("\u{0}source\u{0}", source, 1)
+}
+
+pub(crate) const JOB_COLUMNS_FROM_PARAMS: &str = job_columns_from_params!();
 
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
@@ -702,7 +702,7 @@ mod tests {
     /// The fleet's bookkeeping commit mode holds for the claim's and the end's own transaction
     /// and never stays on the connection: a pooled connection (PgBouncer's included) goes back
     /// as it came, and a handler's transaction on it commits synchronously.
-    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    #[sqlx::test(migrator = "crate::pg::MIGRATOR")]
     async fn the_bookkeeping_commit_mode_holds_for_its_own_transaction_only(pool: PgPool) {
         sqlx::query("INSERT INTO jobs (queue, kind) SELECT 'q', 'k' FROM generate_series(1, 3)")
             .execute(&pool)
@@ -820,7 +820,7 @@ mod tests {
     /// The same for a seller's group: its probe starts where the previous claims stopped in
     /// it, a job committed behind that point is claimed once notified, and a seller that
     /// appears before a hinted one is not passed over.
-    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    #[sqlx::test(migrator = "crate::pg::MIGRATOR")]
     async fn a_sellers_job_committed_behind_the_claims_is_found(pool: PgPool) {
         for n in 1..=6 {
             insert_keyed(&pool, n, Some("seller-b"), 100 - n).await;
@@ -845,7 +845,7 @@ mod tests {
     /// before the previous claim) is still claimed: at once after a notification, within the
     /// period of probes from the start without one, and by the claim after one that found
     /// nothing.
-    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    #[sqlx::test(migrator = "crate::pg::MIGRATOR")]
     async fn a_job_committed_behind_the_claims_is_found(pool: PgPool) {
         for n in 1..=10 {
             insert_job(&pool, n, 100 - n).await;
