@@ -210,6 +210,20 @@ pub struct Report {
     pub resolved: u64,
 }
 
+/// Adds the recurring `consistency` task (jobs/recurring.toml): [`run`], its report logged.
+pub fn add_task(tasks: &mut crate::recurring::Tasks, grace: Duration) {
+    tasks.add("consistency", move |pool, _period| async move {
+        let report = run(&pool, grace).await?;
+        tracing::info!(
+            open = report.open,
+            new = report.new,
+            resolved = report.resolved,
+            "consistency checked"
+        );
+        Ok(())
+    });
+}
+
 /// Runs the checks and brings `consistency_findings` in line: new violations opened (and
 /// logged with their ids), lasting ones seen again, gone ones resolved.
 pub async fn run(pool: &PgPool, grace: Duration) -> Result<Report, sqlx::Error> {

@@ -27,17 +27,16 @@ use crate::ledger::jobs as ledger_jobs;
 use crate::messaging::Broker;
 use crate::messaging::orders as order_messages;
 use crate::messaging::rpc::{self, RpcClient};
+use crate::orders;
 use crate::orders::checkout::{self, Checkout};
-use crate::orders::coins::SettleCoins;
-use crate::orders::expiry::{self, ExpireOrder, Expiry};
-use crate::payments::batch::{BatchSettings, Batcher, Handled};
-use crate::payments::hosted::{DeliverHostedEvent, Deliverer, QueueSink};
+use crate::payments::batch::{BatchSettings, Batcher};
+use crate::payments::hosted::{Deliverer, QueueSink};
 use crate::payments::links::LinkService;
-use crate::payments::order_refunds::CarryOutRefund;
-use crate::payments::{ProcessPaymentEvent, Processor, RefundPayment, SettleRefund};
-use crate::recurring::{self, RecurringRun, Tasks};
+use crate::payments::{self, Processor};
+use crate::recurring::{self, Tasks};
+use crate::secret::StandardSecret;
 use crate::webhooks::{EventWriter, Verifier};
-use payfleet_queue::{Fleet, FleetHandle, JobContext, JobError, Listen, Notifier, Registry};
+use payfleet_queue::{Fleet, FleetHandle, JobError, Listen, Notifier, Registry};
 
 /// What a process runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,11 +191,28 @@ pub fn gateways(
     Ok((registry, hosted))
 }
 
-/// Every job kind this fleet runs, with its handler.
+/// Every job kind this fleet runs: each context registers its own kinds with their workers.
 pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
     let (gateways, _) = gateways(config, pool)?;
     let processor = Arc::new(processor(config, gateways.clone())?);
     let batcher = Batcher::start(pool.clone(), processor, BatchSettings::default());
+    let deliverer = Deliverer::new(pool.clone(), hosted_targets(config))
+        .context("cannot build the event deliverer")?;
+    let mut registry = Registry::new();
+    orders::register(&mut registry)?;
+    payments::register(&mut registry, batcher, deliverer, gateways.clone())?;
+    recurring::register(
+        &mut registry,
+        recurring::Runner {
+            tasks: recurring_tasks(config, &gateways),
+            schedules: config.recurring.clone(),
+        },
+    )?;
+    Ok(registry)
+}
+
+/// Where the hosted gateways (internal, mock) deliver their events, and what they sign with.
+fn hosted_targets(config: &Config) -> Vec<(GatewayName, String, StandardSecret)> {
     let mut targets = Vec::new();
     if let Some(s) = &config.webhooks.internal {
         targets.push((
@@ -212,73 +228,16 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
             s.clone(),
         ));
     }
-    let deliverer = Arc::new(
-        Deliverer::new(pool.clone(), targets).context("cannot build the event deliverer")?,
-    );
-    let mut registry = Registry::new();
-    registry.register::<ProcessPaymentEvent, _, _>(move |ctx: JobContext, job: ProcessPaymentEvent| {
-        let batcher = batcher.clone();
-        async move {
-            match batcher.process(&ctx.pool, job.gateway, &job.event_id).await? {
-                Handled::Processed(result) => {
-                    tracing::debug!(gateway = %job.gateway, event = %job.event_id, ?result, "payment event processed");
-                    Ok(())
-                }
-                // Back in the queue for a worker with a turn free, no attempt spent.
-                Handled::Busy => Err(JobError::Snooze(Duration::from_secs(1))),
-            }
-        }
-    })?;
-    registry.register::<ExpireOrder, _, _>(|ctx: JobContext, job: ExpireOrder| async move {
-        match expiry::expire(&ctx.pool, job.number).await? {
-            Expiry::NotYet(wait) => Err(JobError::Snooze(wait)),
-            done => {
-                tracing::debug!(order = job.number, ?done, "order expiry ran");
-                Ok(())
-            }
-        }
-    })?;
-    registry.register::<DeliverHostedEvent, _, _>(
-        move |_ctx: JobContext, job: DeliverHostedEvent| {
-            let deliverer = deliverer.clone();
-            async move { Ok(deliverer.deliver(&job.id).await?) }
-        },
-    )?;
-    let refunds = gateways.clone();
-    registry.register::<RefundPayment, _, _>(move |ctx: JobContext, job: RefundPayment| {
-        let gateways = refunds.clone();
-        async move { job.run(&ctx.pool, &gateways).await }
-    })?;
-    let settling = gateways.clone();
-    registry.register::<SettleRefund, _, _>(move |ctx: JobContext, job: SettleRefund| {
-        let gateways = settling.clone();
-        async move { job.run(&ctx.pool, &gateways).await }
-    })?;
-    let refunding = gateways.clone();
-    registry.register::<CarryOutRefund, _, _>(move |ctx: JobContext, job: CarryOutRefund| {
-        let gateways = refunding.clone();
-        async move { job.run(&ctx.pool, &gateways).await }
-    })?;
-    registry.register::<SettleCoins, _, _>(|ctx: JobContext, job: SettleCoins| async move {
-        job.run(&ctx.pool).await
-    })?;
-    let tasks = Arc::new(recurring_tasks(config, &gateways));
-    let schedules = Arc::new(config.recurring.clone());
-    registry.register::<RecurringRun, _, _>(move |ctx: JobContext, job: RecurringRun| {
-        let (tasks, schedules) = (tasks.clone(), schedules.clone());
-        async move { recurring::run(&tasks, &schedules, &ctx, &job).await }
-    })?;
-    Ok(registry)
+    targets
 }
 
 /// How long a consumer remembers the order messages it handled.
 const CONSUMED_RETENTION: Duration = Duration::from_secs(30 * 24 * 3600);
 
-/// What each recurring job of `jobs/recurring.toml` does.
+/// What each recurring job of `jobs/recurring.toml` does: the ledger's runs, reconciliation,
+/// the consistency checks and the housekeeping.
 pub fn recurring_tasks(config: &Config, gateways: &GatewayRegistry) -> Tasks {
     let fleet = config.queues.fleet.clone();
-    let grace = config.consistency_grace;
-    let reconcile = Arc::new((gateways.clone(), config.reconcile.clone()));
     let invoice_zone = config.invoice_timezone;
     let mut tasks = Tasks::default();
     tasks
@@ -287,43 +246,30 @@ pub fn recurring_tasks(config: &Config, gateways: &GatewayRegistry) -> Tasks {
             ledger_jobs::invoices(pool, period, invoice_zone)
         })
         .add("holding_release", ledger_jobs::release)
-        .add("reconcile", move |pool, _period| {
-            let reconcile = reconcile.clone();
-            async move {
-                let (gateways, settings) = &*reconcile;
-                let r = crate::payments::reconcile::run(&pool, gateways, settings).await?;
-                tracing::info!(asked = r.asked, found = r.found, unreachable = ?r.unreachable, "reconciliation done");
-                Ok(())
-            }
-        })
-        .add("consistency", move |pool, _period| async move {
-            let report = crate::consistency::run(&pool, grace).await?;
-            tracing::info!(
-                open = report.open,
-                new = report.new,
-                resolved = report.resolved,
-                "consistency checked"
-            );
-            Ok(())
-        })
         .add("prune", move |pool, _period| {
-            let (completed, discarded) = (
+            prune(
+                pool,
                 fleet.completed_retention_secs,
                 fleet.discarded_retention_secs,
-            );
-            async move {
-                let n = payfleet_queue::prune(&pool, completed, discarded).await?;
-                if n > 0 {
-                    tracing::info!(jobs = n, "pruned finished jobs");
-                }
-                let n = order_messages::prune_consumed(&pool, CONSUMED_RETENTION).await?;
-                if n > 0 {
-                    tracing::info!(messages = n, "pruned consumed order message records");
-                }
-                Ok(())
-            }
+            )
         });
+    payments::reconcile::add_task(&mut tasks, gateways.clone(), config.reconcile.clone());
+    crate::consistency::add_task(&mut tasks, config.consistency_grace);
     tasks
+}
+
+/// The housekeeping: finished jobs past their retention, and the consumers' records of the
+/// order messages they handled.
+async fn prune(pool: PgPool, completed_secs: u64, discarded_secs: u64) -> Result<(), JobError> {
+    let n = payfleet_queue::prune(&pool, completed_secs, discarded_secs).await?;
+    if n > 0 {
+        tracing::info!(jobs = n, "pruned finished jobs");
+    }
+    let n = order_messages::prune_consumed(&pool, CONSUMED_RETENTION).await?;
+    if n > 0 {
+        tracing::info!(messages = n, "pruned consumed order message records");
+    }
+    Ok(())
 }
 
 /// A started process. [`Running::stop`] stops it gracefully: the server first (no new

@@ -21,7 +21,7 @@ use crate::ledger::coins::{self, ReservationState};
 use crate::ledger::sales::{self, Channel, Sale};
 use crate::messaging::rpc::{CoinReply, CoinRequest, Coins, RpcClient, RpcError};
 use crate::money::Money;
-use payfleet_queue::{self as queue, Job, JobError, NewJob, QueueError};
+use payfleet_queue::{self as queue, Job, JobContext, JobError, NewJob, QueueError, Worker};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CoinPaymentError {
@@ -80,11 +80,17 @@ impl SettleCoins {
         queue::enqueue(&mut *tx, job).await?;
         Ok(())
     }
+}
 
-    pub async fn run(&self, pool: &PgPool) -> Result<(), JobError> {
-        match coins::decide(pool, &self.reservation_id, self.approve).await {
+/// Runs the coin settlements: approving what was released (or the reverse) is a bug to look
+/// at, failed for good; an outage is retried.
+pub struct CoinSettler;
+
+impl Worker<SettleCoins> for CoinSettler {
+    async fn work(&self, ctx: JobContext, job: SettleCoins) -> Result<(), JobError> {
+        match coins::decide(&ctx.pool, &job.reservation_id, job.approve).await {
             Ok(state) => {
-                tracing::info!(reservation = %self.reservation_id, %state, "coin reservation settled");
+                tracing::info!(reservation = %job.reservation_id, %state, "coin reservation settled");
                 Ok(())
             }
             Err(coins::CoinError::Database(e)) => Err(e.into()),

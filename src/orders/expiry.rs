@@ -11,7 +11,9 @@ use sqlx::{PgConnection, PgPool};
 
 use super::{OrderEventKind, OrderStatus, record_event};
 use crate::catalogue::{self, CouponId};
-use payfleet_queue::{self as queue, Job, NewJob, QueueError, Scheduled};
+use payfleet_queue::{
+    self as queue, Job, JobContext, JobError, NewJob, QueueError, Scheduled, Worker,
+};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExpireOrder {
@@ -113,6 +115,22 @@ pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, payfleet_queue
     .await?;
     tx.commit().await?;
     Ok(Expiry::Expired)
+}
+
+/// Runs the expiry jobs. An order whose time moved (its payment reopened) is looked at again
+/// then: a snooze, no attempt spent.
+pub struct Expirer;
+
+impl Worker<ExpireOrder> for Expirer {
+    async fn work(&self, ctx: JobContext, job: ExpireOrder) -> Result<(), JobError> {
+        match expire(&ctx.pool, job.number).await? {
+            Expiry::NotYet(wait) => Err(JobError::Snooze(wait)),
+            done => {
+                tracing::debug!(order = job.number, ?done, "order expiry ran");
+                Ok(())
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ use crate::catalogue::{Interval, ProductKind, SellerId};
 use crate::gateways::GatewayName;
 use crate::money::{Money, amount_text as amount};
 use crate::payment_status::PaymentOrderStatus;
+use payfleet_queue::{Registry, RegistryError};
 
 payfleet_queue::text_enum! {
     /// `orders.status` (docs/state_machine.md).
@@ -646,5 +647,13 @@ pub async fn expire_now(pool: &sqlx::PgPool, number: i64) -> Result<(), ReopenEr
         .await?;
     expiry::schedule(&mut tx, number, now).await?;
     tx.commit().await?;
+    Ok(())
+}
+
+/// The order side's job kinds, each with its worker: expiries and coin settlements.
+pub fn register(registry: &mut Registry) -> Result<(), RegistryError> {
+    registry
+        .add::<expiry::ExpireOrder, _>(expiry::Expirer)?
+        .add::<coins::SettleCoins, _>(coins::CoinSettler)?;
     Ok(())
 }

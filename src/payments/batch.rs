@@ -36,6 +36,9 @@ use crate::ledger::sales::Channel;
 use crate::money::Money;
 use crate::orders::{self, Confirmation};
 use crate::payment_status::{Facts, derive_status};
+use payfleet_queue::{JobContext, JobError, Worker};
+
+use super::ProcessPaymentEvent;
 
 /// How the batcher of one worker process works.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,6 +136,20 @@ impl Batcher {
         Ok(Handled::Processed(
             self.processor.process(pool, gateway, event_id).await?,
         ))
+    }
+}
+
+/// The batcher runs the event-processing jobs.
+impl Worker<ProcessPaymentEvent> for Batcher {
+    async fn work(&self, ctx: JobContext, job: ProcessPaymentEvent) -> Result<(), JobError> {
+        match self.process(&ctx.pool, job.gateway, &job.event_id).await? {
+            Handled::Processed(result) => {
+                tracing::debug!(gateway = %job.gateway, event = %job.event_id, ?result, "payment event processed");
+                Ok(())
+            }
+            // Back in the queue for a worker with a turn free, no attempt spent.
+            Handled::Busy => Err(JobError::Snooze(Duration::from_secs(1))),
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use sqlx::{PgConnection, PgPool};
 use crate::gateways::GatewayName;
 use crate::gateways::hosted::{self, EventSink};
 use crate::secret::StandardSecret;
-use payfleet_queue::{self as queue, Job, JobError, NewJob};
+use payfleet_queue::{self as queue, Job, JobContext, JobError, NewJob, Worker};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DeliverHostedEvent {
@@ -81,6 +81,13 @@ impl From<DeliveryError> for JobError {
             DeliveryError::Database(db) if !crate::db::is_transient(db) => JobError::fail(e),
             _ => JobError::retry(e),
         }
+    }
+}
+
+/// The deliverer runs the delivery jobs.
+impl Worker<DeliverHostedEvent> for Deliverer {
+    async fn work(&self, _ctx: JobContext, job: DeliverHostedEvent) -> Result<(), JobError> {
+        Ok(self.deliver(&job.id).await?)
     }
 }
 

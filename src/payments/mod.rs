@@ -28,7 +28,7 @@ use sqlx::PgPool;
 use crate::gateways::{
     self, EventError, GatewayName, Interpretation, MercadoPagoClient, MercadoPagoError, PaymentRef,
 };
-use payfleet_queue::{Job, JobError, NewJob, QueueError};
+use payfleet_queue::{Job, JobError, NewJob, QueueError, Registry, RegistryError};
 
 pub use apply::Rejection;
 pub use refunds::{RefundPayment, SettleRefund};
@@ -420,4 +420,22 @@ impl Processor {
         }
         Ok(result)
     }
+}
+
+/// The payment side's job kinds, each with its worker: event processing (through the
+/// batcher), the hosted gateway's deliveries, and refunds (through the gateways).
+pub fn register(
+    registry: &mut Registry,
+    batcher: batch::Batcher,
+    deliverer: hosted::Deliverer,
+    gateways: gateways::GatewayRegistry,
+) -> Result<(), RegistryError> {
+    let refunder = refunds::Refunder(gateways);
+    registry
+        .add::<ProcessPaymentEvent, _>(batcher)?
+        .add::<hosted::DeliverHostedEvent, _>(deliverer)?
+        .add::<refunds::RefundPayment, _>(refunder.clone())?
+        .add::<refunds::SettleRefund, _>(refunder.clone())?
+        .add::<order_refunds::CarryOutRefund, _>(refunder)?;
+    Ok(())
 }

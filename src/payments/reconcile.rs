@@ -116,6 +116,24 @@ struct Pending {
     seller_account: Option<String>,
 }
 
+/// Adds the recurring `reconcile` task (jobs/recurring.toml): [`run`], its report logged.
+pub fn add_task(
+    tasks: &mut crate::recurring::Tasks,
+    gateways: GatewayRegistry,
+    settings: Settings,
+) {
+    let reconcile = std::sync::Arc::new((gateways, settings));
+    tasks.add("reconcile", move |pool, _period| {
+        let reconcile = reconcile.clone();
+        async move {
+            let (gateways, settings) = &*reconcile;
+            let r = run(&pool, gateways, settings).await?;
+            tracing::info!(asked = r.asked, found = r.found, unreachable = ?r.unreachable, "reconciliation done");
+            Ok(())
+        }
+    });
+}
+
 /// One run: asks each enabled gateway about its payments pending past the grace period.
 pub async fn run(
     pool: &PgPool,

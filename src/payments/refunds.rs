@@ -13,7 +13,9 @@ use sqlx::PgPool;
 use crate::gateways::api::{RefundOutcome, RefundQuery, RefundRequest};
 use crate::gateways::{Fact, GatewayName, GatewayRegistry, PaymentRef};
 use crate::money::Money;
-use payfleet_queue::{self as queue, Job, JobError, NewJob, QueueError};
+use payfleet_queue::{self as queue, Job, JobContext, JobError, NewJob, QueueError, Worker};
+
+use super::order_refunds::CarryOutRefund;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RefundPayment {
@@ -188,5 +190,28 @@ impl SettleRefund {
         tx.commit().await?;
         tracing::info!(gateway = %self.gateway, refund = %self.refund_id, ?outcome, "a refund's outcome, asked of its gateway, is recorded");
         Ok(())
+    }
+}
+
+/// Runs the refund jobs (a late payment's, a refund's settlement, an operator's or seller's
+/// refund request) with the gateways they ask.
+#[derive(Clone)]
+pub struct Refunder(pub GatewayRegistry);
+
+impl Worker<RefundPayment> for Refunder {
+    async fn work(&self, ctx: JobContext, job: RefundPayment) -> Result<(), JobError> {
+        job.run(&ctx.pool, &self.0).await
+    }
+}
+
+impl Worker<SettleRefund> for Refunder {
+    async fn work(&self, ctx: JobContext, job: SettleRefund) -> Result<(), JobError> {
+        job.run(&ctx.pool, &self.0).await
+    }
+}
+
+impl Worker<CarryOutRefund> for Refunder {
+    async fn work(&self, ctx: JobContext, job: CarryOutRefund) -> Result<(), JobError> {
+        job.run(&ctx.pool, &self.0).await
     }
 }

@@ -27,7 +27,9 @@ use sqlx::PgPool;
 
 pub use schedules::{Schedule, ScheduleError, Schedules};
 
-use payfleet_queue::{self as queue, Job, JobContext, JobError, NewJob, QueueError};
+use payfleet_queue::{
+    self as queue, Job, JobContext, JobError, NewJob, QueueError, Registry, RegistryError, Worker,
+};
 
 /// Runs one period of a recurring job.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -182,9 +184,27 @@ pub async fn schedule(pool: PgPool, schedules: Schedules, stopped: impl Future<O
     }
 }
 
+/// Runs the periods' jobs: each with its task (by name) and its schedule.
+pub struct Runner {
+    pub tasks: Tasks,
+    pub schedules: Schedules,
+}
+
+impl Worker<RecurringRun> for Runner {
+    async fn work(&self, ctx: JobContext, job: RecurringRun) -> Result<(), JobError> {
+        run(&self.tasks, &self.schedules, &ctx, &job).await
+    }
+}
+
+/// The recurring jobs' kind, with its worker.
+pub fn register(registry: &mut Registry, runner: Runner) -> Result<(), RegistryError> {
+    registry.add::<RecurringRun, _>(runner)?;
+    Ok(())
+}
+
 /// Runs a period's job: marks it running, runs its task, records how it ended. A failure on
 /// the last attempt (or one that can never succeed) marks the period failed, with its error.
-pub async fn run(
+async fn run(
     tasks: &Tasks,
     schedules: &Schedules,
     ctx: &JobContext,

@@ -43,7 +43,7 @@ pub use config::{
 pub use fleet::{Fleet, FleetHandle, FleetProbe, Listen, work_until_idle};
 pub use maintenance::{prune, rescue_expired, vacuum_if_dead};
 pub use notifier::Notifier;
-pub use registry::{JobContext, Registry, RegistryError};
+pub use registry::{JobContext, Registry, RegistryError, Worker};
 
 crate::text_enum! {
     /// `jobs.state` (docs/state_machine.md).

@@ -1,4 +1,6 @@
-//! Which handler runs which kind of job.
+//! Which worker runs which kind of job. A kind's behaviour is one [`Worker`] implementation,
+//! holding what its jobs need (given once, at registration), as River's `Worker.Work` and
+//! underway's `Task::execute`; [`Registry::register`] also takes a plain closure.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -32,6 +34,13 @@ pub enum RegistryError {
     Duplicate(&'static str),
 }
 
+/// What a kind of job does: runs one job of kind `J`. Its outcome is typed: `Ok` completes the
+/// job; [`JobError`] retries it (after the stored backoff or a given delay), fails it for good,
+/// snoozes it (no attempt spent) or cancels it. One type may work several kinds.
+pub trait Worker<J: Job>: Send + Sync + 'static {
+    fn work(&self, ctx: JobContext, job: J) -> impl Future<Output = Result<(), JobError>> + Send;
+}
+
 /// The handlers of one worker process, by job kind.
 #[derive(Default, Clone)]
 pub struct Registry {
@@ -49,6 +58,15 @@ impl std::fmt::Debug for Registry {
 impl Registry {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Registers `worker` as the one that runs `J`'s kind; a kind can only have one.
+    pub fn add<J: Job, W: Worker<J>>(&mut self, worker: W) -> Result<&mut Self, RegistryError> {
+        let worker = Arc::new(worker);
+        self.register::<J, _, _>(move |ctx, job| {
+            let worker = worker.clone();
+            async move { worker.work(ctx, job).await }
+        })
     }
 
     /// Registers the handler of `J`; a kind can only have one.

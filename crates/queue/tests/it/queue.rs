@@ -6,7 +6,7 @@ use crate::constraint_of;
 use chrono::Utc;
 use payfleet_queue::{
     self as queue, Cancelled, Fleet, Job, JobContext, JobError, JobId, NewJob, QueueSettings,
-    QueuesConfig, Registry, Scheduled, admin, prune, rescue_expired, work_until_idle,
+    QueuesConfig, Registry, Scheduled, Worker, admin, prune, rescue_expired, work_until_idle,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -1449,4 +1449,60 @@ async fn a_schedule_committed_while_a_completion_waits_for_the_row_keeps_the_job
             "{mark}: kept, not deleted"
         );
     }
+}
+
+/// A worker holding what its jobs need: the payloads it has seen, and a limit below which it
+/// snoozes a job instead of running it.
+struct Collector {
+    seen: Arc<std::sync::Mutex<Vec<i64>>>,
+    snooze_below: i64,
+}
+
+impl Worker<Echo> for Collector {
+    async fn work(&self, _ctx: JobContext, job: Echo) -> Result<(), JobError> {
+        if job.n < self.snooze_below {
+            return Err(JobError::Snooze(Duration::from_secs(3600)));
+        }
+        self.seen.lock().unwrap().push(job.n);
+        Ok(())
+    }
+}
+
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn a_worker_given_at_registration_runs_its_kind_with_what_it_holds(pool: PgPool) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut registry = Registry::new();
+    registry
+        .add::<Echo, _>(Collector {
+            seen: seen.clone(),
+            snooze_below: 10,
+        })
+        .unwrap();
+    assert!(matches!(
+        registry.add::<Echo, _>(Collector {
+            seen: seen.clone(),
+            snooze_below: 0,
+        }),
+        Err(payfleet_queue::RegistryError::Duplicate("echo"))
+    ));
+    queue::enqueue_many(
+        &pool,
+        &[
+            NewJob::of(&Echo { n: 5 }).unwrap(),
+            NewJob::of(&Echo { n: 20 }).unwrap(),
+        ],
+    )
+    .await
+    .unwrap();
+    work_until_idle(&pool, &registry, "test", &settings())
+        .await
+        .unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![20]);
+    // The snoozed job waits, its attempt not spent.
+    let (state, attempt): (String, i32) =
+        sqlx::query_as("SELECT state, attempt FROM jobs WHERE payload ->> 'n' = '5'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), attempt), ("available", 0));
 }
