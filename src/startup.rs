@@ -30,7 +30,7 @@ use crate::messaging::rpc::{self, RpcClient};
 use crate::orders;
 use crate::orders::checkout::{self, Checkout};
 use crate::payments::batch::{BatchSettings, Batcher};
-use crate::payments::hosted::{Deliverer, QueueSink};
+use crate::payments::delivery::{Deliverer, QueueSink};
 use crate::payments::links::LinkService;
 use crate::payments::{self, Processor};
 use crate::recurring::{self, Tasks};

@@ -15,7 +15,7 @@ use crate::ledger::coins::CoinError;
 use crate::ledger::payouts::PayoutError;
 use crate::orders::ReopenError;
 use crate::orders::checkout::CheckoutError;
-use crate::orders::coins::CoinPaymentError;
+use crate::orders::coin_payment::CoinPaymentError;
 use crate::payments::events::ReplayError;
 use crate::payments::order_refunds::RefundError;
 use crate::webhooks::{RejectedWebhook, StoreError};

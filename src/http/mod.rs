@@ -8,8 +8,8 @@ mod dashboard;
 mod error;
 mod health;
 mod html;
+mod ledger;
 pub mod metrics;
-mod money;
 mod orders;
 mod pay;
 pub mod server;
@@ -128,7 +128,7 @@ pub fn router(state: AppState) -> (Router, Vec<&'static str>) {
                 .merge(admin::routes())
                 .merge(dashboard::routes())
                 .merge(pay::routes())
-                .merge(money::routes())
+                .merge(ledger::routes())
                 .with_state(state.clone()),
         )
         .merge(health::routes(state.readiness.clone()))

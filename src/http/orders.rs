@@ -98,5 +98,7 @@ async fn pay_with_coins(
 ) -> Result<Json<OrderView>, ApiError> {
     caller.acts_for_buyers()?;
     let n = number(&raw)?;
-    Ok(Json(orders::coins::pay(&state.pool, &state.rpc, n).await?))
+    Ok(Json(
+        orders::coin_payment::pay(&state.pool, &state.rpc, n).await?,
+    ))
 }

@@ -105,7 +105,7 @@ pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, payfleet_queue
     if let Some(coupon) = released {
         catalogue::release_redemption(&mut tx, coupon).await?;
     }
-    super::coins::give_back(&mut tx, o.id).await?;
+    super::coin_payment::give_back(&mut tx, o.id).await?;
     record_event(
         &mut tx,
         o.id,

@@ -3,7 +3,7 @@
 //! (`expiry`). The order's state and the provider's state of its payment are kept side by side.
 
 pub mod checkout;
-pub mod coins;
+pub mod coin_payment;
 pub mod expiry;
 pub mod pricing;
 
@@ -261,7 +261,7 @@ pub async fn apply_payment(
         .await?;
         // Coins the buyer tried to pay with first go back.
         if o.coin_reserved {
-            coins::give_back(tx, o.id).await?;
+            coin_payment::give_back(tx, o.id).await?;
         }
     }
     Ok(Some(PaymentEffect::Changed))
@@ -654,6 +654,6 @@ pub async fn expire_now(pool: &sqlx::PgPool, number: i64) -> Result<(), ReopenEr
 pub fn register(registry: &mut Registry) -> Result<(), RegistryError> {
     registry
         .add::<expiry::ExpireOrder, _>(expiry::Expirer)?
-        .add::<coins::SettleCoins, _>(coins::CoinSettler)?;
+        .add::<coin_payment::SettleCoins, _>(coin_payment::CoinSettler)?;
     Ok(())
 }

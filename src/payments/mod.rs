@@ -15,8 +15,8 @@
 
 mod apply;
 pub mod batch;
+pub mod delivery;
 pub mod events;
-pub mod hosted;
 pub mod links;
 pub mod order_refunds;
 pub mod reconcile;
@@ -427,13 +427,13 @@ impl Processor {
 pub fn register(
     registry: &mut Registry,
     batcher: batch::Batcher,
-    deliverer: hosted::Deliverer,
+    deliverer: delivery::Deliverer,
     gateways: gateways::GatewayRegistry,
 ) -> Result<(), RegistryError> {
     let refunder = refunds::Refunder(gateways);
     registry
         .add::<ProcessPaymentEvent, _>(batcher)?
-        .add::<hosted::DeliverHostedEvent, _>(deliverer)?
+        .add::<delivery::DeliverHostedEvent, _>(deliverer)?
         .add::<refunds::RefundPayment, _>(refunder.clone())?
         .add::<refunds::SettleRefund, _>(refunder.clone())?
         .add::<order_refunds::CarryOutRefund, _>(refunder)?;
