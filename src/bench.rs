@@ -14,11 +14,11 @@ use sqlx::PgPool;
 use sqlx::postgres::PgConnectOptions;
 use tokio::net::TcpListener;
 
-use crate::config::Config;
-use crate::secret::SecretUrl;
-use crate::secret::StandardSecret;
-use crate::startup::Roles;
-use crate::{db, startup};
+use payfleet::config::Config;
+use payfleet::secret::SecretUrl;
+use payfleet::secret::StandardSecret;
+use payfleet::startup::Roles;
+use payfleet::{db, startup};
 use payfleet_queue::{self as queue, Fleet, Job, JobContext, NewJob, QueuesConfig, Registry};
 
 mod e2e;
@@ -198,7 +198,7 @@ async fn scratch(config: &Config) -> anyhow::Result<(PgPool, SecretUrl)> {
 fn simulated(config: &Config) -> (Config, StandardSecret, String) {
     let (secret, text) = StandardSecret::generate();
     let mut app = config.clone();
-    app.webhooks = crate::webhooks::WebhookSecrets {
+    app.webhooks = payfleet::webhooks::WebhookSecrets {
         internal: Some(secret.clone()),
         ..Default::default()
     };
@@ -380,7 +380,7 @@ async fn refusals(
         ("refused_8000_signatures", header(8000), ts),
         (
             "refused_max_signatures",
-            header(crate::webhooks::signature::MAX_CANDIDATES),
+            header(payfleet::webhooks::signature::MAX_CANDIDATES),
             ts,
         ),
         ("refused_stale", header(1), ts - 3600),

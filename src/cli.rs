@@ -4,10 +4,11 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
 
-use crate::config::Config;
-use crate::payments::events::{self, Replayed};
-use crate::startup::{self, Roles};
-use crate::{bench, db, demo};
+use crate::{bench, demo};
+use payfleet::config::Config;
+use payfleet::db;
+use payfleet::payments::events::{self, Replayed};
+use payfleet::startup::{self, Roles};
 use payfleet_queue::{JobId, admin};
 
 #[derive(Parser)]
@@ -271,7 +272,7 @@ async fn up(config: Config, public: bool) -> anyhow::Result<()> {
     running.until(startup::shutdown_signal()).await
 }
 
-fn names(gateways: &[crate::gateways::GatewayName]) -> String {
+fn names(gateways: &[payfleet::gateways::GatewayName]) -> String {
     gateways
         .iter()
         .map(|g| g.as_str())
@@ -366,7 +367,7 @@ async fn events_command(config: Config, action: EventsAction) -> anyhow::Result<
 }
 
 async fn messages_command(config: Config, action: MessagesAction) -> anyhow::Result<()> {
-    use crate::messaging::orders as messages;
+    use payfleet::messaging::orders as messages;
     let pool = db::connect(&config.database_url, 2).await?;
     match action {
         MessagesAction::Dead { limit } => {
@@ -409,7 +410,7 @@ fn month(text: &str) -> anyhow::Result<(chrono::NaiveDate, chrono::NaiveDate)> {
 }
 
 async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()> {
-    use crate::ledger::{self, invoices, payouts, sales};
+    use payfleet::ledger::{self, invoices, payouts, sales};
     // Checked before connecting: a typo gets its message without a database.
     let period = match &action {
         MoneyAction::Invoices { month: Some(m) } => {
@@ -487,13 +488,13 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
 async fn consistency_command(config: Config, run: bool) -> anyhow::Result<()> {
     let pool = db::connect(&config.database_url, 2).await?;
     if run {
-        let r = crate::consistency::run(&pool, config.consistency_grace).await?;
+        let r = payfleet::consistency::run(&pool, config.consistency_grace).await?;
         println!(
             "checked: {} violations ({} new), {} resolved",
             r.open, r.new, r.resolved
         );
     }
-    let findings = crate::consistency::open(&pool, 1000).await?;
+    let findings = payfleet::consistency::open(&pool, 1000).await?;
     if findings.is_empty() {
         println!("no open consistency findings");
     }

@@ -91,7 +91,7 @@ async fn create_database_if_absent(options: &PgConnectOptions) -> anyhow::Result
 
 /// Runs one statement on the server's `postgres` database: creating or dropping ours cannot be
 /// done from inside it.
-pub(crate) async fn on_maintenance_database(
+pub async fn on_maintenance_database(
     options: &PgConnectOptions,
     sql: String,
 ) -> Result<(), sqlx::Error> {
@@ -104,7 +104,7 @@ pub(crate) async fn on_maintenance_database(
 }
 
 /// A database name as a quoted SQL identifier.
-pub(crate) fn quote_ident(name: &str) -> String {
+pub fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 

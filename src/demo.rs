@@ -14,10 +14,10 @@ use anyhow::{Context, bail};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-use crate::auth::{self, ApiKeys, Lookup, Token};
-use crate::config::Config;
-use crate::secret::StandardSecret;
-use crate::{catalogue, orders};
+use payfleet::auth::{self, ApiKeys, Lookup, Token};
+use payfleet::config::Config;
+use payfleet::secret::StandardSecret;
+use payfleet::{catalogue, orders};
 
 const INTERNAL: &str = "INTERNAL_WEBHOOK_SECRET";
 const MOCK: &str = "MOCK_WEBHOOK_SECRET";
@@ -228,8 +228,8 @@ fn number(o: &Value) -> i64 {
 }
 
 pub async fn run(config: &Config, args: DemoArgs) -> anyhow::Result<()> {
-    crate::tls::install_provider();
-    let pool = crate::db::connect(&config.database_url, 2).await?;
+    payfleet::tls::install_provider();
+    let pool = payfleet::db::connect(&config.database_url, 2).await?;
     let (config, _) = development_config(&pool, config.clone()).await?;
     let base = args
         .url

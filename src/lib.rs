@@ -8,7 +8,8 @@
 //! modules left of it in this chain (`tests/api/layout.rs` keeps it true):
 //! `secret` -> `money`, `db`, `tls` -> `gateways` -> `messaging`, `catalogue` -> `auth` ->
 //! `ledger`, `payment_status`, `recurring` -> `orders`, `consistency` -> `payments` ->
-//! `webhooks` -> `http` -> `config` -> `startup` -> `demo`, `bench` -> `cli`.
+//! `webhooks` -> `http` -> `config` -> `startup`. The binary (`src/main.rs`: `cli`, `demo`,
+//! `bench`) sits on top and uses the library like any other program.
 //! - `secret`     values that never print (secrets, URLs with passwords), and what they sign
 //!   with: HMAC, keys derived per purpose, the Standard Webhooks secret
 //! - `money`      [`money::Money`]: decimal plus currency
@@ -25,25 +26,23 @@
 //!   invoices, coins, and their recurring jobs
 //! - `payment_status` the provider's truth derived from facts, shared by payments and orders
 //! - `orders`     checkout (concurrent checkouts written together), pricing, expiry, paying
-//!   with coins: the business truth
+//!   with coins (`orders::coin_payment`): the business truth
 //! - `payments`   event processing (facts, waiting and rejected events, replay; the plain first
-//!   payments many to a transaction in `payments::batch`), payment links, refunds
+//!   payments many to a transaction in `payments::batch`), payment links, refunds, the hosted
+//!   gateways' deliveries (`payments::delivery`)
 //! - `webhooks`   signature schemes, the verified [`webhooks::Webhook`], the batching writer
 //! - `consistency` the invariants checked by a recurring job, findings an operator lists
 //! - `recurring`  schedules from jobs/recurring.toml, each period run once by the fleet
 //! - `http`       the routes of each area, one extractor per kind of caller (`http::callers`),
 //!   the one API error type, the server and its limits, health and metrics
-//! - `config`, `startup`, `cli`: environment, the one way to assemble a process, subcommands;
-//!   `demo`: drives a running fleet; `bench`: the benchmarks
+//! - `config`, `startup`: environment, the one way to assemble a process (each context
+//!   registers its job kinds with their workers; `startup::registry` lists those calls)
 
 pub mod auth;
-pub mod bench;
 pub mod catalogue;
-pub mod cli;
 pub mod config;
 pub mod consistency;
 pub mod db;
-pub mod demo;
 pub mod gateways;
 pub mod http;
 pub mod ledger;

@@ -1,3 +1,10 @@
+//! The one binary: a subcommand per process role (the Procfile maps them), the operator's
+//! commands, the demo and the benchmarks. The library (`payfleet`) builds everything they run.
+
+mod bench;
+mod cli;
+mod demo;
+
 use std::io::IsTerminal;
 
 use clap::Parser;
@@ -28,7 +35,7 @@ async fn main() -> std::process::ExitCode {
             .init(),
         LogFormat::Text => logs.init(),
     }
-    match payfleet::cli::run(payfleet::cli::Cli::parse()).await {
+    match cli::run(cli::Cli::parse()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("payfleet: {e:#}");

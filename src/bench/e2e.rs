@@ -25,10 +25,10 @@ use sqlx::PgPool;
 use tokio::net::TcpListener;
 
 use super::{percentile, scratch, send_all, which_pgbench};
-use crate::config::Config;
-use crate::secret::StandardSecret;
-use crate::startup::{self, Roles};
-use crate::{auth, catalogue, ledger};
+use payfleet::config::Config;
+use payfleet::secret::StandardSecret;
+use payfleet::startup::{self, Roles};
+use payfleet::{auth, catalogue, ledger};
 
 #[derive(clap::Args, Debug)]
 pub struct E2eArgs {
