@@ -9,7 +9,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{delete, get, post};
 
 use super::callers::Operator;
-use super::{ApiError, AppState, JsonBody, Routes};
+use super::{ApiError, JsonBody, Routes};
 use crate::auth::api_keys::{self, ApiKeyError, NewApiKey};
 use crate::catalogue::{self, NewCoupon, NewProduct, NewSeller};
 use crate::ledger::coins;
@@ -21,7 +21,22 @@ use crate::payments::order_refunds::{
 };
 use crate::recurring;
 
-pub(super) fn routes() -> Routes<AppState> {
+/// What the admin API: the pool, the gateways (an operator's refund) and the recurring jobs' schedules.
+#[derive(Clone)]
+pub struct AdminState {
+    pub pool: sqlx::PgPool,
+    pub gateways: crate::gateways::GatewayRegistry,
+    pub recurring: crate::recurring::Schedules,
+    pub callers: super::Callers,
+}
+
+impl axum::extract::FromRef<AdminState> for super::Callers {
+    fn from_ref(state: &AdminState) -> Self {
+        state.callers.clone()
+    }
+}
+
+pub(super) fn routes(state: AdminState) -> Routes {
     Routes::default()
         .route("/admin/api-keys", post(create_api_key).get(list_api_keys))
         .route("/admin/api-keys/{id}", delete(revoke_api_key))
@@ -42,6 +57,7 @@ pub(super) fn routes() -> Routes<AppState> {
         .route("/admin/payouts/{id}/paid", post(payout_paid))
         .route("/admin/payouts/{id}/failed", post(payout_failed))
         .route("/admin/wallets/{buyer}/grants", post(grant_coins))
+        .with_state(state)
 }
 
 impl From<ApiKeyError> for ApiError {
@@ -65,7 +81,7 @@ impl From<ApiKeyError> for ApiError {
 /// Makes an API key: the key is in this answer only (it is kept as a hash).
 async fn create_api_key(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
     JsonBody(body): JsonBody<NewApiKey>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     let (made, key) = api_keys::create(&state.pool, body).await?;
@@ -78,7 +94,7 @@ async fn create_api_key(
 /// Every API key, without the keys.
 async fn list_api_keys(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let keys = api_keys::list(&state.pool).await?;
     Ok(Json(serde_json::json!({ "api_keys": keys })))
@@ -87,7 +103,7 @@ async fn list_api_keys(
 /// Revokes a key: refused by every process within a second.
 async fn revoke_api_key(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
     Path(id): Path<String>,
 ) -> Result<Json<api_keys::ApiKey>, ApiError> {
     let key = api_keys::revoke(&state.pool, &id).await?;
@@ -97,7 +113,7 @@ async fn revoke_api_key(
 
 async fn create_seller(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
     JsonBody(body): JsonBody<NewSeller>,
 ) -> Result<(StatusCode, Json<catalogue::Seller>), ApiError> {
     let seller = catalogue::create_seller(&state.pool, body).await?;
@@ -106,7 +122,7 @@ async fn create_seller(
 
 async fn create_product(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
     JsonBody(body): JsonBody<NewProduct>,
 ) -> Result<(StatusCode, Json<catalogue::Product>), ApiError> {
     let product = catalogue::create_product(&state.pool, body).await?;
@@ -115,7 +131,7 @@ async fn create_product(
 
 async fn create_coupon(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
     JsonBody(body): JsonBody<NewCoupon>,
 ) -> Result<(StatusCode, Json<catalogue::Coupon>), ApiError> {
     let coupon = catalogue::create_coupon(&state.pool, body).await?;
@@ -125,7 +141,7 @@ async fn create_coupon(
 /// Ends the wait of an unpaid order now: the workers expire it (its coupon given back).
 async fn expire_order(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
     Path(raw): Path<String>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     let number = super::orders::number(&raw)?;
@@ -139,7 +155,7 @@ async fn expire_order(
 /// Payments no checkout asked for, for an operator to look into.
 async fn unmatched(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let list = crate::payments::events::unmatched(&state.pool, 200).await?;
     Ok(Json(serde_json::json!({ "unmatched_payments": list })))
@@ -150,7 +166,7 @@ async fn unmatched(
 /// refused.
 async fn refund_order(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
     headers: HeaderMap,
     Path(raw): Path<String>,
     JsonBody(body): JsonBody<NewRefund>,
@@ -199,7 +215,7 @@ async fn refund_order(
 
 async fn order_refunds(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
     Path(raw): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let number = super::orders::number(&raw)?;
@@ -210,7 +226,7 @@ async fn order_refunds(
 /// Payouts waiting for the bank's answer.
 async fn pending_payouts(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let list = payouts::in_state(&state.pool, PayoutState::Pending).await?;
     Ok(Json(serde_json::json!({ "payouts": list })))
@@ -226,7 +242,7 @@ fn payout_id(raw: &str) -> Result<i64, ApiError> {
 /// The bank paid the payout.
 async fn payout_paid(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
     Path(raw): Path<String>,
 ) -> Result<Json<payouts::Payout>, ApiError> {
     let payout = payouts::decide(&state.pool, payout_id(&raw)?, None).await?;
@@ -241,7 +257,7 @@ struct Failure {
 /// The bank refused the payout: the seller's available balance gets it back, once.
 async fn payout_failed(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
     Path(raw): Path<String>,
     JsonBody(body): JsonBody<Failure>,
 ) -> Result<Json<payouts::Payout>, ApiError> {
@@ -265,7 +281,7 @@ struct Grant {
 /// Gives a buyer coins; `Idempotency-Key` required (the same key grants once).
 async fn grant_coins(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
     headers: HeaderMap,
     Path(buyer): Path<String>,
     JsonBody(body): JsonBody<Grant>,
@@ -296,7 +312,7 @@ async fn grant_coins(
 /// The recurring jobs with their last and next run.
 async fn recurring_jobs(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let list = recurring::overview(&state.pool, &state.recurring, chrono::Utc::now()).await?;
     Ok(Json(serde_json::json!({ "recurring": list })))
@@ -310,7 +326,7 @@ struct Limit {
 /// A recurring job's runs, newest first (`limit` 1 to 500, default 20).
 async fn recurring_runs(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
     Path(name): Path<String>,
     limit: Result<Query<Limit>, QueryRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
@@ -331,7 +347,7 @@ async fn recurring_runs(
 /// The consistency findings still open, oldest first.
 async fn consistency_findings(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let findings = crate::consistency::open(&state.pool, 1000).await?;
     Ok(Json(serde_json::json!({ "findings": findings })))
@@ -340,7 +356,7 @@ async fn consistency_findings(
 /// What missed-webhook reconciliation found, newest first.
 async fn reconciliation_findings(
     _operator: Operator,
-    State(state): State<AppState>,
+    State(state): State<AdminState>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let findings = crate::payments::reconcile::findings(&state.pool, 500).await?;
     Ok(Json(serde_json::json!({ "findings": findings })))

@@ -25,19 +25,35 @@ use subtle::ConstantTimeEq;
 
 use super::callers::Anyone;
 use super::html::{self, escape};
-use super::{ApiError, AppState, Routes};
+use super::{ApiError, Routes};
 use crate::auth::Token;
 use crate::payments::events::{self, Replayed};
 use crate::secret::hmac_sha256;
 use payfleet_queue::JobId;
 use payfleet_queue::admin as jobs;
 
+/// What the dashboard: the pool, who may sign in, where buyers reach us, the schedules, and whether its cookie is `Secure`.
+#[derive(Clone)]
+pub struct DashboardState {
+    pub pool: sqlx::PgPool,
+    pub callers: super::Callers,
+    pub public_url: String,
+    pub recurring: crate::recurring::Schedules,
+    pub secure_cookies: bool,
+}
+
+impl axum::extract::FromRef<DashboardState> for super::Callers {
+    fn from_ref(state: &DashboardState) -> Self {
+        state.callers.clone()
+    }
+}
+
 const COOKIE_NAME: &str = "payfleet_session";
 const SESSION_SECS: i64 = 8 * 3600;
 /// Rows shown per table; the CLI lists the rest.
 const ROWS: i64 = 50;
 
-pub(super) fn routes() -> Routes<AppState> {
+pub(super) fn routes(state: DashboardState) -> Routes {
     Routes::default()
         .route("/admin/ui", get(dashboard))
         // A sign-in form is a token; its body is read before anything else is checked.
@@ -49,6 +65,7 @@ pub(super) fn routes() -> Routes<AppState> {
         .route("/admin/ui/jobs/{id}/{action}", post(job_action))
         .route("/admin/ui/events/{id}/replay", post(replay_event))
         .route("/admin/ui/events/replay-all", post(replay_all))
+        .with_state(state)
 }
 
 /// A signed-in operator's session: its nonce keys the CSRF token of its forms.
@@ -197,7 +214,7 @@ th{background:#f3f4f7}td.n{text-align:right}form.inline{display:inline}\
 .error{color:#a40000}.notice{background:#e8f5e9;padding:.5rem}.muted{color:#667}\
 .bad{background:#fdecea}pre{white-space:pre-wrap;max-width:40rem;margin:0}";
 
-fn token_of(state: &AppState) -> Result<&Token, Page> {
+fn token_of(state: &DashboardState) -> Result<&Token, Page> {
     state.callers.admin().ok_or_else(|| {
         Page::new(
             StatusCode::FORBIDDEN,
@@ -231,12 +248,12 @@ struct SignIn {
 /// The address a request comes from, as the callers' limiter counts it.
 struct Client(std::net::IpAddr);
 
-impl FromRequestParts<AppState> for Client {
+impl FromRequestParts<DashboardState> for Client {
     type Rejection = std::convert::Infallible;
 
     async fn from_request_parts(
         parts: &mut Parts,
-        state: &AppState,
+        state: &DashboardState,
     ) -> Result<Self, Self::Rejection> {
         Ok(Client(state.callers.client(parts)))
     }
@@ -244,7 +261,7 @@ impl FromRequestParts<AppState> for Client {
 
 async fn sign_in(
     _caller: Anyone,
-    State(state): State<AppState>,
+    State(state): State<DashboardState>,
     Client(client): Client,
     headers: axum::http::HeaderMap,
     form: Result<Form<SignIn>, FormRejection>,
@@ -314,10 +331,10 @@ struct OperatorSession {
     token: Token,
 }
 
-impl FromRequestParts<AppState> for OperatorSession {
+impl FromRequestParts<DashboardState> for OperatorSession {
     type Rejection = Page;
 
-    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Page> {
+    async fn from_request_parts(parts: &mut Parts, state: &DashboardState) -> Result<Self, Page> {
         let token = token_of(state)?.clone();
         let session =
             Session::from_headers(&token, &parts.headers, Utc::now()).ok_or_else(|| {
@@ -379,7 +396,7 @@ enum JobAction {
 
 async fn job_action(
     operator: OperatorSession,
-    State(state): State<AppState>,
+    State(state): State<DashboardState>,
     path: Result<Path<(String, JobAction)>, axum::extract::rejection::PathRejection>,
     form: Result<Form<Csrf>, FormRejection>,
 ) -> Result<Page, Page> {
@@ -410,7 +427,7 @@ async fn job_action(
 
 async fn replay_event(
     operator: OperatorSession,
-    State(state): State<AppState>,
+    State(state): State<DashboardState>,
     Path(raw): Path<String>,
     form: Result<Form<Csrf>, FormRejection>,
 ) -> Result<Page, Page> {
@@ -428,7 +445,7 @@ async fn replay_event(
 
 async fn replay_all(
     operator: OperatorSession,
-    State(state): State<AppState>,
+    State(state): State<DashboardState>,
     form: Result<Form<Csrf>, FormRejection>,
 ) -> Result<Page, Page> {
     operator.check(form.as_deref().ok())?;
@@ -482,7 +499,7 @@ fn table(id: &str, headers: &[&str], rows: Vec<String>, empty: &str) -> String {
 /// Anyone gets the sign-in form; a signed-in operator the dashboard.
 async fn dashboard(
     _caller: Anyone,
-    State(state): State<AppState>,
+    State(state): State<DashboardState>,
     headers: HeaderMap,
     Query(shown): Query<Shown>,
 ) -> Result<Page, Page> {

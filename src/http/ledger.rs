@@ -11,11 +11,24 @@ use serde_json::{Value, json};
 
 use super::callers::Backend;
 use super::html::{escape, page};
-use super::{ApiError, AppState, Routes};
+use super::{ApiError, Routes};
 use crate::catalogue::{self, SellerId};
 use crate::ledger::{self, coins, invoices, payouts};
 
-pub(super) fn routes() -> Routes<AppState> {
+/// What the ledger's read API: the pool.
+#[derive(Clone)]
+pub struct LedgerState {
+    pub pool: sqlx::PgPool,
+    pub callers: super::Callers,
+}
+
+impl axum::extract::FromRef<LedgerState> for super::Callers {
+    fn from_ref(state: &LedgerState) -> Self {
+        state.callers.clone()
+    }
+}
+
+pub(super) fn routes(state: LedgerState) -> Routes {
     Routes::default()
         .route("/sellers/{id}/balances", get(balances))
         .route("/sellers/{id}/ledger", get(entries))
@@ -24,13 +37,14 @@ pub(super) fn routes() -> Routes<AppState> {
         .route("/sellers/{id}/invoices/{number}", get(invoice))
         .route("/sellers/{id}/invoices/{number}/print", get(invoice_page))
         .route("/wallets/{buyer}", get(wallets))
+        .with_state(state)
 }
 
 /// A seller named by the path, that the caller may read: 403 for a key bound to another seller
 /// (checked before the seller is looked up, so it learns nothing of who exists), 404 (as JSON)
 /// for an id that is not one, or not known.
 async fn seller(
-    state: &AppState,
+    state: &LedgerState,
     caller: &Backend,
     raw: &str,
 ) -> Result<catalogue::Seller, ApiError> {
@@ -45,7 +59,7 @@ async fn seller(
 
 async fn balances(
     caller: Backend,
-    State(state): State<AppState>,
+    State(state): State<LedgerState>,
     Path(raw): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let s = seller(&state, &caller, &raw).await?;
@@ -64,7 +78,7 @@ const MAX_PAGE: i64 = 500;
 /// The seller's entries, oldest first; `next_after` continues the listing.
 async fn entries(
     caller: Backend,
-    State(state): State<AppState>,
+    State(state): State<LedgerState>,
     Path(raw): Path<String>,
     page: Result<Query<Page>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
@@ -93,7 +107,7 @@ async fn entries(
 
 async fn seller_payouts(
     caller: Backend,
-    State(state): State<AppState>,
+    State(state): State<LedgerState>,
     Path(raw): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let s = seller(&state, &caller, &raw).await?;
@@ -103,7 +117,7 @@ async fn seller_payouts(
 
 async fn seller_invoices(
     caller: Backend,
-    State(state): State<AppState>,
+    State(state): State<LedgerState>,
     Path(raw): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let s = seller(&state, &caller, &raw).await?;
@@ -112,7 +126,7 @@ async fn seller_invoices(
 }
 
 async fn find_invoice(
-    state: &AppState,
+    state: &LedgerState,
     caller: &Backend,
     raw: &str,
     number: &str,
@@ -128,7 +142,7 @@ async fn find_invoice(
 
 async fn invoice(
     caller: Backend,
-    State(state): State<AppState>,
+    State(state): State<LedgerState>,
     Path((raw, number)): Path<(String, String)>,
 ) -> Result<Json<invoices::Invoice>, ApiError> {
     Ok(Json(find_invoice(&state, &caller, &raw, &number).await?))
@@ -141,7 +155,7 @@ const INVOICE_CSS: &str = "body{font-family:sans-serif;max-width:48rem;margin:2r
 /// The invoice as a page to print.
 async fn invoice_page(
     caller: Backend,
-    State(state): State<AppState>,
+    State(state): State<LedgerState>,
     Path((raw, number)): Path<(String, String)>,
 ) -> Result<Html<String>, ApiError> {
     let inv = find_invoice(&state, &caller, &raw, &number).await?;
@@ -182,7 +196,7 @@ async fn invoice_page(
 /// A buyer's coins: the backend's (whose own buyers they are), not a seller's key.
 async fn wallets(
     caller: Backend,
-    State(state): State<AppState>,
+    State(state): State<LedgerState>,
     Path(buyer): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     caller.acts_for_buyers()?;

@@ -1,6 +1,7 @@
-//! The HTTP surface: one file per area, each with its routes (`webhooks`, `orders`, `money`,
-//! `admin`, `dashboard`, `pay`, `health`, `metrics`), who may call them (`callers`), the one
-//! error type (`error`), the server and its limits (`server`), and the assembly below.
+//! The HTTP surface: one file per area, each with its routes and its own state, with only what
+//! its handlers use (`webhooks`, `orders`, `ledger`, `admin`, `dashboard`, `pay`, `health`,
+//! `metrics`), who may call them (`callers`), the one error type (`error`), the server and its
+//! limits (`server`), and the assembly below.
 
 mod admin;
 pub mod callers;
@@ -19,7 +20,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{FromRef, FromRequest, Request};
+use axum::extract::{FromRequest, Request};
 use axum::routing::MethodRouter;
 use serde::de::DeserializeOwned;
 use sqlx::PgPool;
@@ -33,8 +34,8 @@ use crate::gateways::hosted::HostedGateway;
 use crate::orders::checkout::Checkout;
 use crate::webhooks::{EventWriter, Verifier};
 
-/// Everything the HTTP handlers share.
-#[derive(Clone)]
+/// What the receiver is built from. No handler sees all of it: [`router`] gives each area's
+/// router its own state, with only what that area's handlers use.
 pub struct AppState {
     pub pool: PgPool,
     pub verifier: Verifier,
@@ -61,12 +62,6 @@ pub struct AppState {
     pub recurring: crate::recurring::Schedules,
     /// The dashboard's session cookie is `Secure` (the public URL is https).
     pub secure_cookies: bool,
-}
-
-impl FromRef<AppState> for Callers {
-    fn from_ref(state: &AppState) -> Self {
-        state.callers.clone()
-    }
 }
 
 /// A router that keeps the path of every route it is given, so that the whole surface can be
@@ -120,18 +115,49 @@ impl Routes {
 
 /// The receiver's API, and its paths.
 pub fn router(state: AppState) -> (Router, Vec<&'static str>) {
+    let webhooks = webhooks::WebhookState {
+        verifier: state.verifier,
+        events: state.events,
+        counters: state.counters.clone(),
+        body_limit: state.webhook_body_limit,
+    };
+    let orders = orders::OrdersState {
+        pool: state.pool.clone(),
+        checkout: state.checkout,
+        rpc: state.rpc,
+        callers: state.callers.clone(),
+    };
+    let admin = admin::AdminState {
+        pool: state.pool.clone(),
+        gateways: state.gateways,
+        recurring: state.recurring.clone(),
+        callers: state.callers.clone(),
+    };
+    let dashboard = dashboard::DashboardState {
+        pool: state.pool.clone(),
+        callers: state.callers.clone(),
+        public_url: state.public_url.clone(),
+        recurring: state.recurring,
+        secure_cookies: state.secure_cookies,
+    };
+    let pay = pay::PayState {
+        pool: state.pool.clone(),
+        hosted: state.hosted,
+        public_url: state.public_url,
+        razorpay_key_id: state.razorpay_key_id,
+    };
+    let ledger = ledger::LedgerState {
+        pool: state.pool.clone(),
+        callers: state.callers.clone(),
+    };
     Routes::default()
-        .merge(
-            Routes::default()
-                .merge(webhooks::routes(state.webhook_body_limit))
-                .merge(orders::routes())
-                .merge(admin::routes())
-                .merge(dashboard::routes())
-                .merge(pay::routes())
-                .merge(ledger::routes())
-                .with_state(state.clone()),
-        )
-        .merge(health::routes(state.readiness.clone()))
+        .merge(webhooks::routes(webhooks))
+        .merge(orders::routes(orders))
+        .merge(admin::routes(admin))
+        .merge(dashboard::routes(dashboard))
+        .merge(pay::routes(pay))
+        .merge(ledger::routes(ledger))
+        .merge(health::routes(state.readiness))
         .merge(metrics::routes(
             state.pool.clone(),
             Some(state.counters.clone()),

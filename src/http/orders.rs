@@ -9,11 +9,26 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 
 use super::callers::Backend;
-use super::{ApiError, AppState, JsonBody, Routes};
+use super::{ApiError, JsonBody, Routes};
 use crate::orders::checkout::MAX_BODY_BYTES;
 use crate::orders::{self, OrderView};
 
-pub(super) fn routes() -> Routes<AppState> {
+/// What the order API: the pool, the checkout writer and the order side's RPC client (payment links, coins).
+#[derive(Clone)]
+pub struct OrdersState {
+    pub pool: sqlx::PgPool,
+    pub checkout: crate::orders::checkout::Checkout,
+    pub rpc: crate::messaging::rpc::RpcClient,
+    pub callers: super::Callers,
+}
+
+impl axum::extract::FromRef<OrdersState> for super::Callers {
+    fn from_ref(state: &OrdersState) -> Self {
+        state.callers.clone()
+    }
+}
+
+pub(super) fn routes(state: OrdersState) -> Routes {
     Routes::default()
         .route(
             "/checkout",
@@ -22,11 +37,12 @@ pub(super) fn routes() -> Routes<AppState> {
         .route("/orders/{number}", get(order))
         .route("/orders/{number}/payment", post(reopen))
         .route("/orders/{number}/coins", post(pay_with_coins))
+        .with_state(state)
 }
 
 async fn checkout(
     caller: Backend,
-    State(state): State<AppState>,
+    State(state): State<OrdersState>,
     headers: HeaderMap,
     JsonBody(body): JsonBody<serde_json::Value>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
@@ -49,7 +65,7 @@ pub(super) fn number(raw: &str) -> Result<i64, ApiError> {
 
 async fn order(
     caller: Backend,
-    State(state): State<AppState>,
+    State(state): State<OrdersState>,
     Path(raw): Path<String>,
 ) -> Result<Json<OrderView>, ApiError> {
     let n = number(&raw)?;
@@ -65,7 +81,7 @@ async fn order(
 /// its payment link if it had none yet.
 async fn reopen(
     caller: Backend,
-    State(state): State<AppState>,
+    State(state): State<OrdersState>,
     Path(raw): Path<String>,
 ) -> Result<Json<OrderView>, ApiError> {
     caller.acts_for_buyers()?;
@@ -93,7 +109,7 @@ async fn reopen(
 /// nothing (ask again).
 async fn pay_with_coins(
     caller: Backend,
-    State(state): State<AppState>,
+    State(state): State<OrdersState>,
     Path(raw): Path<String>,
 ) -> Result<Json<OrderView>, ApiError> {
     caller.acts_for_buyers()?;

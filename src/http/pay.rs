@@ -23,16 +23,25 @@ use subtle::ConstantTimeEq;
 
 use super::callers::{Anyone, Buyer};
 use super::html::{self, escape};
-use super::{ApiError, AppState, Routes};
+use super::{ApiError, Routes};
 use crate::gateways::hosted::{self, HostedGateway, Outcome};
 use crate::gateways::{GatewayName, PaymentGateway};
 use crate::orders;
 use crate::secret::hmac_sha256;
 
+/// What the payment pages: the pool, the hosted gateways whose pages this receiver serves (none unless the simulator is on), the only origin their forms come from, and Razorpay's public key id.
+#[derive(Clone)]
+pub struct PayState {
+    pub pool: sqlx::PgPool,
+    pub hosted: Vec<crate::gateways::hosted::HostedGateway>,
+    pub public_url: String,
+    pub razorpay_key_id: Option<String>,
+}
+
 /// How long a rendered form may be posted back.
 const FORM_SECS: i64 = 3600;
 
-pub(super) fn routes() -> Routes<AppState> {
+pub(super) fn routes(state: PayState) -> Routes {
     Routes::default()
         // A page's form is a few dozen bytes.
         .route(
@@ -57,6 +66,7 @@ pub(super) fn routes() -> Routes<AppState> {
                 Html(layout("Payment cancelled", "<p>No payment was taken.</p>"))
             }),
         )
+        .with_state(state)
 }
 
 fn layout(title: &str, body: &str) -> String {
@@ -120,7 +130,7 @@ fn form_token_holds(gateway: &HostedGateway, session: &str, given: &str, now: i6
     bool::from(want.as_slice().ct_eq(&mac)) && expires_at > now
 }
 
-fn hosted_gateway(state: &AppState, gateway: GatewayName) -> Result<HostedGateway, ApiError> {
+fn hosted_gateway(state: &PayState, gateway: GatewayName) -> Result<HostedGateway, ApiError> {
     state
         .hosted
         .iter()
@@ -131,7 +141,7 @@ fn hosted_gateway(state: &AppState, gateway: GatewayName) -> Result<HostedGatewa
 
 /// The session of a page, on a hosted gateway this receiver serves pages for.
 async fn session_of(
-    state: &AppState,
+    state: &PayState,
     session: &str,
 ) -> Result<(hosted::HostedPayment, HostedGateway), ApiError> {
     let not_found = || ApiError::NotFound(format!("no payment session {session}"));
@@ -149,7 +159,7 @@ async fn session_of(
 
 async fn page(
     _caller: Buyer,
-    State(state): State<AppState>,
+    State(state): State<PayState>,
     Path(session): Path<String>,
 ) -> Result<Response, ApiError> {
     let (p, gateway) = session_of(&state, &session).await?;
@@ -190,7 +200,7 @@ fn refused(message: &str) -> Response {
 
 async fn decide(
     _caller: Buyer,
-    State(state): State<AppState>,
+    State(state): State<PayState>,
     Path(session): Path<String>,
     headers: HeaderMap,
     form: Result<Form<Decision>, FormRejection>,
@@ -261,7 +271,7 @@ async fn decide(
 
 async fn razorpay_page(
     _caller: Buyer,
-    State(state): State<AppState>,
+    State(state): State<PayState>,
     Path(order_id): Path<String>,
 ) -> Result<Response, ApiError> {
     let key_id = state

@@ -12,25 +12,38 @@ use axum::routing::post;
 use serde::Serialize;
 
 use super::callers::Gateway;
-use super::{ApiError, AppState, Routes};
+use super::{ApiError, Routes};
 use crate::gateways::GatewayName;
 use crate::webhooks::{Delivery, Stored};
+
+/// What the webhook route: the verifier, the batching writer, the counters the metrics read and the body limit.
+#[derive(Clone)]
+pub struct WebhookState {
+    pub verifier: crate::webhooks::Verifier,
+    pub events: crate::webhooks::EventWriter,
+    pub counters: std::sync::Arc<super::WebhookCounters>,
+    /// The largest body taken (its refusal names it).
+    pub body_limit: usize,
+}
 
 #[derive(Serialize)]
 struct Receipt {
     status: Stored,
 }
 
-pub(super) fn routes(body_limit: usize) -> Routes<AppState> {
-    Routes::default().route(
-        "/webhooks/{gateway}",
-        post(receive).layer(DefaultBodyLimit::max(body_limit)),
-    )
+pub(super) fn routes(state: WebhookState) -> Routes {
+    let body_limit = state.body_limit;
+    Routes::default()
+        .route(
+            "/webhooks/{gateway}",
+            post(receive).layer(DefaultBodyLimit::max(body_limit)),
+        )
+        .with_state(state)
 }
 
 async fn receive(
     _caller: Gateway,
-    State(state): State<AppState>,
+    State(state): State<WebhookState>,
     Path(gateway): Path<String>,
     Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
@@ -48,7 +61,7 @@ async fn receive(
         )));
     }
     let body = body.map_err(|r| {
-        let e = ApiError::from_body(r, Some(state.webhook_body_limit));
+        let e = ApiError::from_body(r, Some(state.body_limit));
         refused(match e {
             ApiError::PayloadTooLarge(_) => "too_large",
             _ => "unreadable_body",
