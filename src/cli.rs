@@ -391,7 +391,13 @@ async fn messages_command(config: Config, action: MessagesAction) -> anyhow::Res
             consumer,
             message_id,
         } => {
-            messages::replay_dead(&pool, &consumer, &message_id).await?;
+            messages::replay_dead(
+                &pool,
+                &payfleet::orders::outbox::OrderOutbox,
+                &consumer,
+                &message_id,
+            )
+            .await?;
             println!("message {message_id} goes to {consumer} again");
         }
     }

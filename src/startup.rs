@@ -399,6 +399,7 @@ pub fn start(
             pool.clone(),
             config.order_routes.clone(),
             Duration::from_millis(200),
+            orders::outbox::OrderOutbox,
         ));
         tokio::spawn(order_messages::keep_unrouted(broker.clone(), pool.clone()));
         // Sales whose job stopped before posting them (ledger::poster): every worker sweeps.

@@ -554,7 +554,7 @@ async fn dashboard(
             )
         })
         .collect();
-    let (unpublished, oldest_unpublished) = crate::messaging::orders::backlog(pool).await?;
+    let (unpublished, oldest_unpublished) = crate::orders::outbox::backlog(pool).await?;
     body.push_str("<h2>Queues</h2>");
     body.push_str(&table(
         "queues",

@@ -1,7 +1,8 @@
 //! Order messages: every order event ("order paid", "expired", ...) goes to the queue of the
 //! service that consumes that order type, never round-robin across unrelated consumers.
 //!
-//! - Outbox: `order_events` is the outbox. An event row is written in the transaction of the
+//! - Outbox: `order_events` is the outbox (the order side's: `orders::outbox` reads it for the
+//!   relay through [`Outbox`]). An event row is written in the transaction of the
 //!   business change that causes it (confirmation, expiry, ...), so no change goes without its
 //!   message and no message without its change. A relay in every worker process publishes the
 //!   unpublished rows (`FOR UPDATE SKIP LOCKED`: relays share the work), waits for the broker's
@@ -106,17 +107,42 @@ impl OrderMessage {
 }
 
 #[derive(sqlx::FromRow)]
-struct Unpublished {
-    id: i64,
-    kind: String,
-    payload: serde_json::Value,
-    created_at: DateTime<Utc>,
-    number: i64,
-    order_kind: String,
-    seller_id: String,
-    buyer_id: String,
-    total: rust_decimal::Decimal,
-    currency: String,
+pub struct Unpublished {
+    /// The outbox row's id: the message's id is built from it (`order-event-<id>`).
+    pub id: i64,
+    pub kind: String,
+    pub payload: serde_json::Value,
+    pub created_at: DateTime<Utc>,
+    pub number: i64,
+    pub order_kind: String,
+    pub seller_id: String,
+    pub buyer_id: String,
+    pub total: rust_decimal::Decimal,
+    pub currency: String,
+}
+
+/// Where the relay takes the order messages from: the order side's outbox, whose rows only
+/// the order side reads and writes (`orders::outbox`). The relay holds the transaction: the
+/// rows it takes stay locked until the broker has confirmed them.
+pub trait Outbox: Send + Sync + 'static {
+    /// Up to `max` unpublished rows, oldest first, locked (skipping those another relay holds).
+    fn take(
+        &self,
+        tx: &mut PgConnection,
+        max: i64,
+    ) -> impl Future<Output = Result<Vec<Unpublished>, sqlx::Error>> + Send;
+    /// Marks rows as published.
+    fn mark_published(
+        &self,
+        tx: &mut PgConnection,
+        ids: &[i64],
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    /// Marks a row to be published again (a dead message replayed); false if there is none.
+    fn publish_again(
+        &self,
+        tx: &mut PgConnection,
+        id: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 }
 
 impl Unpublished {
@@ -226,19 +252,10 @@ async fn relay_batch(
     channel: &Channel,
     broker: &Broker,
     pool: &PgPool,
+    outbox: &impl Outbox,
 ) -> Result<usize, RelayError> {
     let mut tx = pool.begin().await?;
-    let rows: Vec<Unpublished> = sqlx::query_as(
-        "SELECT e.id, e.kind, e.payload, e.created_at, o.number, o.kind AS order_kind,
-                o.seller_id::text AS seller_id, o.buyer_id, o.total, o.currency::text AS currency
-         FROM order_events e JOIN orders o ON o.id = e.order_id
-         WHERE e.published_at IS NULL
-         ORDER BY e.id LIMIT $1
-         FOR UPDATE OF e SKIP LOCKED",
-    )
-    .bind(BATCH)
-    .fetch_all(&mut *tx)
-    .await?;
+    let rows = outbox.take(&mut tx, BATCH).await?;
     if rows.is_empty() {
         return Ok(0);
     }
@@ -290,10 +307,7 @@ async fn relay_batch(
         failure = Some(RelayError::Unconfirmed(CONFIRM_TIMEOUT));
     }
     if !acked.is_empty() {
-        sqlx::query("UPDATE order_events SET published_at = now() WHERE id = ANY($1)")
-            .bind(&acked)
-            .execute(&mut *tx)
-            .await?;
+        outbox.mark_published(&mut tx, &acked).await?;
     }
     tx.commit().await?;
     match failure {
@@ -306,14 +320,26 @@ async fn relay_batch(
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The outbox relay of one process: runs until the broker is stopped.
-pub async fn relay(broker: Broker, pool: PgPool, routes: Routes, idle: Duration) {
+pub async fn relay(
+    broker: Broker,
+    pool: PgPool,
+    routes: Routes,
+    idle: Duration,
+    outbox: impl Outbox,
+) {
     tokio::select! {
         _ = broker.stopped() => {}
-        _ = relay_until_stopped(broker.clone(), pool, routes, idle) => {}
+        _ = relay_until_stopped(broker.clone(), pool, routes, idle, &outbox) => {}
     }
 }
 
-async fn relay_until_stopped(broker: Broker, pool: PgPool, routes: Routes, idle: Duration) {
+async fn relay_until_stopped(
+    broker: Broker,
+    pool: PgPool,
+    routes: Routes,
+    idle: Duration,
+    outbox: &impl Outbox,
+) {
     // Consecutive failed batches: the pause before the next grows, so a broker that keeps
     // refusing a message is not asked five times a second.
     let mut failures = 0u32;
@@ -336,7 +362,7 @@ async fn relay_until_stopped(broker: Broker, pool: PgPool, routes: Routes, idle:
             }
         };
         loop {
-            match relay_batch(&channel, &broker, &pool).await {
+            match relay_batch(&channel, &broker, &pool, outbox).await {
                 Ok(0) => {
                     failures = 0;
                     tokio::time::sleep(idle).await;
@@ -446,6 +472,7 @@ pub enum ReplayMessageError {
 /// order event goes through the outbox once more. A consumer that handled it meanwhile drops it.
 pub async fn replay_dead(
     pool: &PgPool,
+    outbox: &impl Outbox,
     consumer: &str,
     message_id: &str,
 ) -> Result<(), ReplayMessageError> {
@@ -467,10 +494,9 @@ pub async fn replay_dead(
             message_id: message_id.to_owned(),
         });
     }
-    sqlx::query("UPDATE order_events SET published_at = NULL WHERE id = $1")
-        .bind(event)
-        .execute(&mut *tx)
-        .await?;
+    if !outbox.publish_again(&mut tx, event).await? {
+        return Err(ReplayMessageError::NotFromOutbox(message_id.to_owned()));
+    }
     tx.commit().await?;
     Ok(())
 }
@@ -699,15 +725,5 @@ pub async fn keep_unrouted(broker: Broker, pool: PgPool) {
             })
         },
     )
-    .await
-}
-
-/// Unpublished order events and the age of the oldest, for the gauges.
-pub async fn backlog(pool: &PgPool) -> Result<(i64, f64), sqlx::Error> {
-    sqlx::query_as(
-        "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0)
-         FROM order_events WHERE published_at IS NULL",
-    )
-    .fetch_one(pool)
     .await
 }

@@ -5,6 +5,7 @@
 pub mod checkout;
 pub mod coin_payment;
 pub mod expiry;
+pub mod outbox;
 pub mod pricing;
 
 use chrono::{DateTime, Utc};

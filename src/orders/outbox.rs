@@ -1,0 +1,53 @@
+//! The order messages' outbox: `order_events`, written in the transaction of the change it
+//! reports ([`super::record_event`], and checkout's numbering statement for `created`), and
+//! read here alone. The relay (`messaging::orders`) publishes what [`OrderOutbox`] gives it.
+
+use sqlx::{PgConnection, PgPool};
+
+use crate::messaging::orders::{Outbox, Unpublished};
+
+/// The order side's outbox, as the relay reads it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OrderOutbox;
+
+impl Outbox for OrderOutbox {
+    async fn take(&self, tx: &mut PgConnection, max: i64) -> Result<Vec<Unpublished>, sqlx::Error> {
+        sqlx::query_as(
+            "SELECT e.id, e.kind, e.payload, e.created_at, o.number, o.kind AS order_kind,
+                    o.seller_id::text AS seller_id, o.buyer_id, o.total, o.currency::text AS currency
+             FROM order_events e JOIN orders o ON o.id = e.order_id
+             WHERE e.published_at IS NULL
+             ORDER BY e.id LIMIT $1
+             FOR UPDATE OF e SKIP LOCKED",
+        )
+        .bind(max)
+        .fetch_all(&mut *tx)
+        .await
+    }
+
+    async fn mark_published(&self, tx: &mut PgConnection, ids: &[i64]) -> Result<(), sqlx::Error> {
+        sqlx::query("UPDATE order_events SET published_at = now() WHERE id = ANY($1)")
+            .bind(ids)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+
+    async fn publish_again(&self, tx: &mut PgConnection, id: i64) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query("UPDATE order_events SET published_at = NULL WHERE id = $1")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+}
+
+/// Unpublished order events and the age of the oldest, for the gauges.
+pub async fn backlog(pool: &PgPool) -> Result<(i64, f64), sqlx::Error> {
+    sqlx::query_as(
+        "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0)
+         FROM order_events WHERE published_at IS NULL",
+    )
+    .fetch_one(pool)
+    .await
+}
