@@ -82,6 +82,27 @@ impl SettleCoins {
     }
 }
 
+/// Records a refund of `amount` on order `number`, paid with coins: refunded once the refunds
+/// reach its total, partly refunded before.
+pub async fn record_refund(
+    tx: &mut PgConnection,
+    number: i64,
+    amount: rust_decimal::Decimal,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE orders SET amount_refunded = amount_refunded + $2,
+                status = CASE WHEN amount_refunded + $2 >= total THEN 'refunded' ELSE 'partially_refunded' END,
+                payment_status = CASE WHEN amount_refunded + $2 >= total THEN 'refunded' ELSE 'partially_refunded' END,
+                updated_at = now()
+         WHERE number = $1",
+    )
+    .bind(number)
+    .bind(amount)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
 /// Runs the coin settlements: approving what was released (or the reverse) is a bug to look
 /// at, failed for good; an outage is retried.
 pub struct CoinSettler;

@@ -405,6 +405,33 @@ pub(crate) async fn record_event(
     Ok(done.rows_affected() == 1)
 }
 
+/// An order as a refund request needs it.
+#[derive(Debug, sqlx::FromRow)]
+pub struct RefundableOrder {
+    pub status: OrderStatus,
+    pub gateway: GatewayName,
+    pub session_id: Option<String>,
+    pub currency: String,
+    pub total: Decimal,
+    pub paid_with_coins: bool,
+    pub coin_reservation: Option<String>,
+}
+
+/// Order `number`, locked (`FOR UPDATE`) for a refund request's transaction: requests of one
+/// order take turns.
+pub async fn lock_for_refund(
+    tx: &mut PgConnection,
+    number: i64,
+) -> Result<Option<RefundableOrder>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT status, gateway, session_id, currency::text AS currency, total, paid_with_coins, coin_reservation
+         FROM orders WHERE number = $1 FOR UPDATE",
+    )
+    .bind(number)
+    .fetch_optional(&mut *tx)
+    .await
+}
+
 /// An order as clients see it: its own state and its payment's, side by side.
 #[derive(Debug, Clone, Serialize)]
 pub struct OrderView {

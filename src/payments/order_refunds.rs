@@ -24,7 +24,7 @@ use crate::gateways::{GatewayError, GatewayName, GatewayRegistry};
 use crate::ledger::coins::{self, CoinError};
 use crate::ledger::sales::{self, Channel, Sale, TakeBack};
 use crate::money::{Currency, Money};
-use crate::orders::OrderStatus;
+use crate::orders::{self, OrderStatus};
 use payfleet_queue::{self as queue, Job, JobError, NewJob, QueueError};
 
 payfleet_queue::text_enum! {
@@ -130,8 +130,7 @@ impl From<crate::ledger::LedgerError> for RefundError {
     }
 }
 
-/// What the request's row and the order's payment say.
-#[derive(sqlx::FromRow)]
+/// What the order and its payment say.
 struct Paid {
     status: OrderStatus,
     gateway: GatewayName,
@@ -156,16 +155,31 @@ pub async fn request(
         return Err(RefundError::InvalidReason);
     }
     let mut tx = pool.begin().await?;
-    let paid: Option<Paid> = sqlx::query_as(
-        "SELECT o.status, o.gateway, o.session_id, po.payment_id, po.amount AS captured, o.currency::text AS currency,
-                o.total, o.paid_with_coins, o.coin_reservation
-         FROM orders o LEFT JOIN payment_orders po ON po.gateway = o.gateway AND po.session_id = o.session_id
-         WHERE o.number = $1 FOR UPDATE OF o",
-    )
-    .bind(number)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let paid = paid.ok_or(RefundError::NoOrder(number))?;
+    let order = orders::lock_for_refund(&mut tx, number)
+        .await?
+        .ok_or(RefundError::NoOrder(number))?;
+    let payment: Option<(Option<String>, Option<Decimal>)> = match &order.session_id {
+        Some(session_id) => sqlx::query_as(
+            "SELECT payment_id, amount FROM payment_orders WHERE gateway = $1 AND session_id = $2",
+        )
+        .bind(order.gateway)
+        .bind(session_id)
+        .fetch_optional(&mut *tx)
+        .await?,
+        None => None,
+    };
+    let (payment_id, captured) = payment.unwrap_or_default();
+    let paid = Paid {
+        status: order.status,
+        gateway: order.gateway,
+        session_id: order.session_id,
+        payment_id,
+        captured,
+        currency: order.currency,
+        total: order.total,
+        paid_with_coins: order.paid_with_coins,
+        coin_reservation: order.coin_reservation,
+    };
     // Under the order's lock: a concurrent request with the same key has committed or not.
     if let Some(existing) = by_key(&mut tx, key).await? {
         let same_amount = match &new.amount {
@@ -356,17 +370,7 @@ async fn refund_coins(
             .collect::<Result<Vec<_>, _>>()?;
         sales::settle_take_backs(tx, &sale, &facts).await?;
     }
-    sqlx::query(
-        "UPDATE orders SET amount_refunded = amount_refunded + $2,
-                status = CASE WHEN amount_refunded + $2 >= total THEN 'refunded' ELSE 'partially_refunded' END,
-                payment_status = CASE WHEN amount_refunded + $2 >= total THEN 'refunded' ELSE 'partially_refunded' END,
-                updated_at = now()
-         WHERE number = $1",
-    )
-    .bind(number)
-    .bind(amount.amount())
-    .execute(&mut *tx)
-    .await?;
+    orders::coin_payment::record_refund(tx, number, amount.amount()).await?;
     Ok(shaped(view))
 }
 

@@ -547,9 +547,14 @@ async fn a_running_job_keeps_its_lease_and_a_dead_workers_job_is_rescued(pool: P
     .await
     .unwrap();
     let fleet = start_fleet(&pool, registry);
-    tokio::time::sleep(Duration::from_millis(2300)).await;
+    // Until both are done, however slow the machine: the assertions below are about how.
+    crate::wait_for(
+        "the long job done and the dead one rescued",
+        Duration::from_secs(30),
+        async || completed(&pool, id).await && job(&pool, dead).await.0 == "discarded",
+    )
+    .await;
     fleet.shutdown().await;
-    assert!(completed(&pool, id).await);
     let (state, attempt, _, errors) = job(&pool, dead).await;
     assert_eq!(state, "discarded", "rescued; its only attempt is used up");
     assert_eq!(attempt, 1);
