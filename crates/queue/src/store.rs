@@ -1,5 +1,5 @@
 //! Every statement the queue runs, in one place. The rules of a run's end live in SQL
-//! (`jobs_end_runs`, `jobs_next_state`: migrations 0005 and 0006), so the worker, the rescue
+//! (`jobs_end_runs`, `jobs_next_state`: the crate's migration), so the worker, the rescue
 //! and the shutdown release cannot disagree about them.
 
 use std::collections::BTreeMap;
@@ -146,9 +146,9 @@ pub(crate) struct FairCursor {
 
 /// Where the previous claims stopped in each group they took jobs from, so the next claim's
 /// probe of the group starts there rather than at the group's start, where the index entries of
-/// every job of it claimed since the last vacuum wait for it (migration 0031). A job committed
-/// behind such a point (its transaction took its run time before the claim and committed after
-/// it) is found by a probe from the start: the claims of a queue probe from the start, with
+/// every job of it claimed since the last vacuum wait for it. A job committed behind such a
+/// point (its transaction took its run time before the claim and committed after it) is found
+/// by a probe from the start: the claims of a queue probe from the start, with
 /// every hint dropped, whenever a job was notified since their last such probe (every way a
 /// job becomes waiting notifies: `arrivals` counts what the listener heard), after a claim that
 /// found nothing, and at least every `every` (`PROBE_FROM_START_EVERY`: notifications may be
@@ -271,7 +271,7 @@ const CLAIM_MAX_GROUPS: i32 = 256;
 /// The claim: up to $2 due jobs of queue $1, leased for $3 ms to worker $4, in one statement
 /// whose transaction commits with `synchronous_commit` $7 (`BookkeepingCommit`).
 ///
-/// Fair between groups (migrations 0026, 0031): the walk starts after group $5 and visits groups
+/// Fair between groups (`jobs_fair_walk`): the walk starts after group $5 and visits groups
 /// until $2 of them have a job due (or $6 were visited, or the ring closes), probing the unkeyed
 /// group after ($8, $9) and the keyed groups $10 after ($11, $12), where given (`Hints`). The
 /// batch is shared equally between the due groups, each taking its oldest due jobs from the
@@ -537,8 +537,8 @@ pub(crate) async fn lock_expired<'c>(
     .await
 }
 
-/// Deletes up to `limit` finished jobs past their retention. (No job is completed in the table
-/// since migration 0030; this still takes the completed rows earlier versions left.)
+/// Deletes up to `limit` finished jobs past their retention. (A run that completes deletes its
+/// job; this still takes the completed rows that releases before that left.)
 pub(crate) async fn prune_batch(
     pool: &PgPool,
     completed_retention_secs: u64,
@@ -576,7 +576,7 @@ pub(crate) async fn notify_queues(pool: &PgPool, queues: &[String]) -> Result<()
 /// Jobs that are not finished, by queue and state. Reads only the partial indexes of waiting
 /// (keyed and unkeyed) and running jobs, so its cost follows the backlog, not the table
 /// (finished jobs are kept for days: dead and cancelled ones, and completed ones written
-/// before migration 0030, which deletes a job as it completes).
+/// by releases before a completed run deleted its job).
 pub(crate) const UNFINISHED_COUNTS: &str = "SELECT queue, state, sum(count)::bigint AS count FROM (
          SELECT queue, state, count(*) AS count FROM jobs
          WHERE state IN ('available', 'retryable') AND fairness_key IS NULL GROUP BY queue, state
