@@ -28,7 +28,8 @@ pub static APP_MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
     migrator
 });
 
-/// Every migration a fresh database takes, the queue's then the application's, as one migrator
+/// Every migration a fresh database takes, the queue's then the application's (the order they
+/// must run in, which is not the versions' order: `run_to` does not apply), as one migrator
 /// for `#[sqlx::test]`, which takes one. Their versions cannot collide (the queue's are
 /// timestamps); on a fresh test database both land in `_sqlx_migrations`, where
 /// [`migrate`] keeps the queue's in their own table.

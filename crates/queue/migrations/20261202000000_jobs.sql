@@ -1,78 +1,14 @@
--- The queue's schema as payfleet's migrations 0001 to 0031 left it, in one step. Everything is
--- created only where absent (functions and the trigger are replaced by the same text), so a
--- database those migrations built takes this one without a change: that is how a database
--- migrated before the queue kept its own migrations adopts them. The state machine a job's row
--- follows is docs/state_machine.md; the rules of a run's end are `jobs_end_runs` and
--- `jobs_next_state` below, so the worker, the rescue and a shutdown's release cannot disagree.
+-- The queue's schema as payfleet's migrations 0001 to 0031 left it, in one step. On a database
+-- those migrations built (payfleet migrate checks that its history reaches 0031) the table
+-- exists: then only the functions are replaced, by the same text, which locks no table, and
+-- the table, its indexes and trigger, and the database's jit setting are left as they are (a
+-- CREATE INDEX IF NOT EXISTS would still lock the table against writes until this commits, and
+-- an operator may have turned jit back on). The state machine a job's row follows is
+-- docs/state_machine.md; the rules of a run's end are `jobs_end_runs` and `jobs_next_state`
+-- below, so the worker, the rescue and a shutdown's release cannot disagree.
 
--- States (docs/state_machine.md):
---   available  waiting for its run_at; claimable once run_at <= now()
---   running    claimed by a worker that holds a lease until lease_expires_at
---   retryable  failed an attempt; claimable again at run_at (the stored backoff)
---   discarded, cancelled: finished; kept until pruned. A run that completes deletes its job:
---   what it did is recorded by the job's own writes; the queue keeps what an operator acts on.
-CREATE TABLE IF NOT EXISTS jobs (
-    id bigserial PRIMARY KEY,
-    queue text NOT NULL CHECK (queue <> ''),
-    kind text NOT NULL CHECK (kind <> ''),
-    -- At most one unfinished job per key (jobs_key_unfinished): enqueueing under a held key
-    -- writes nothing, rescheduling replaces.
-    key text CHECK (key <> ''),
-    payload jsonb NOT NULL DEFAULT '{}'::jsonb,
-    state text NOT NULL DEFAULT 'available',
-    attempt integer NOT NULL DEFAULT 0,
-    max_attempts integer NOT NULL DEFAULT 25,
-    run_at timestamptz NOT NULL DEFAULT now(),
-    created_at timestamptz NOT NULL DEFAULT now(),
-    attempted_at timestamptz,
-    finished_at timestamptz,
-    -- The lease: a fencing token that changes on every claim, so a worker that lost its lease
-    -- (and maybe its job to another worker) can never finish someone else's run.
-    lease_token bigint,
-    lease_expires_at timestamptz,
-    locked_by text,
-    -- What an operator asked of a running job, applied when its run ends.
-    pending text,
-    -- One entry per failed attempt: {"attempt", "at", "worker", "error"}.
-    errors jsonb NOT NULL DEFAULT '[]'::jsonb,
-    -- Claims take turns between keys within a queue (jobs_fair_walk).
-    fairness_key text,
-    CONSTRAINT jobs_attempted_before_retry CHECK (state <> 'retryable' OR attempt > 0),
-    CONSTRAINT jobs_attempts_valid CHECK (max_attempts > 0 AND attempt >= 0 AND attempt <= max_attempts),
-    CONSTRAINT jobs_fairness_key_valid CHECK (fairness_key <> '' AND length(fairness_key) <= 200),
-    CONSTRAINT jobs_finished_iff_final
-        CHECK ((state IN ('completed', 'discarded', 'cancelled')) = (finished_at IS NOT NULL)),
-    CONSTRAINT jobs_lease_iff_running
-        CHECK ((state = 'running') = (lease_token IS NOT NULL AND lease_expires_at IS NOT NULL AND locked_by IS NOT NULL)),
-    CONSTRAINT jobs_pending_only_while_running
-        CHECK (pending IS NULL OR (state = 'running' AND pending IN ('reschedule', 'cancel'))),
-    CONSTRAINT jobs_state_valid
-        CHECK (state IN ('available', 'running', 'retryable', 'completed', 'discarded', 'cancelled')),
-    -- A completed job's row is deleted by its run's end (a delete writes no new row version
-    -- and no index entry, where an update to 'completed' wrote both).
-    CONSTRAINT jobs_completed_are_deleted CHECK (state <> 'completed')
-)
--- The table turns over its whole content all day: vacuum by counts, not by a fraction of a
--- size that swings between empty and a backlog, and without the cost delay.
-WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 50000,
-      autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000,
-      autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000,
-      autovacuum_vacuum_cost_delay = 0);
-
--- A run's fencing token: every claim takes the next one.
-CREATE SEQUENCE IF NOT EXISTS jobs_lease_token_seq;
-
--- The claim: per queue, unkeyed jobs in due order, and keyed ones per key in due order (the
--- claim steps from one key to the next with one probe each).
-CREATE INDEX IF NOT EXISTS jobs_claimable_unkeyed ON jobs (queue, run_at, id)
-    WHERE state IN ('available', 'retryable') AND fairness_key IS NULL;
-CREATE INDEX IF NOT EXISTS jobs_claimable_keyed ON jobs (queue, fairness_key, run_at, id)
-    WHERE state IN ('available', 'retryable') AND fairness_key IS NOT NULL;
-CREATE INDEX IF NOT EXISTS jobs_finished ON jobs (state, finished_at) WHERE finished_at IS NOT NULL;
-CREATE UNIQUE INDEX IF NOT EXISTS jobs_key_unfinished ON jobs (key)
-    WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable');
-CREATE INDEX IF NOT EXISTS jobs_running_lease ON jobs (lease_expires_at) WHERE state = 'running';
-
+-- The functions first: the table's trigger calls one. (The PL/pgSQL ones read the table only
+-- when they run.)
 CREATE OR REPLACE FUNCTION jobs_notify()
  RETURNS trigger
  LANGUAGE plpgsql
@@ -332,21 +268,95 @@ $function$
 
 ;
 
--- A job that becomes claimable wakes the LISTENing workers of its queue (the insert notifies
--- in its own statement).
-CREATE OR REPLACE TRIGGER jobs_notify_update AFTER UPDATE OF state, run_at ON jobs
-    FOR EACH ROW WHEN (NEW.state IN ('available', 'retryable')
-                       AND (OLD.state IS DISTINCT FROM NEW.state OR OLD.run_at IS DISTINCT FROM NEW.run_at))
-    EXECUTE FUNCTION jobs_notify();
-
--- The queue's statements are short (a claim: milliseconds), and PostgreSQL compiles a plan with
--- LLVM when its estimated cost passes jit_above_cost, which a large table's statistics pass
--- easily: the compilation then costs hundreds of milliseconds on a statement that runs in two.
--- Off for this database's new sessions; a role without the right gets a notice.
-DO $$
+DO $schema$
 BEGIN
-    EXECUTE format('ALTER DATABASE %I SET jit = off', current_database());
-EXCEPTION WHEN insufficient_privilege THEN
-    RAISE NOTICE 'jit stays on for database %: %', current_database(), SQLERRM;
+    IF to_regclass('jobs') IS NOT NULL THEN
+        RETURN;
+    END IF;
+
+    -- States (docs/state_machine.md):
+    --   available  waiting for its run_at; claimable once run_at <= now()
+    --   running    claimed by a worker that holds a lease until lease_expires_at
+    --   retryable  failed an attempt; claimable again at run_at (the stored backoff)
+    --   discarded, cancelled: finished; kept until pruned. A run that completes deletes its job:
+    --   what it did is recorded by the job's own writes; the queue keeps what an operator acts on.
+    CREATE TABLE jobs (
+        id bigserial PRIMARY KEY,
+        queue text NOT NULL CHECK (queue <> ''),
+        kind text NOT NULL CHECK (kind <> ''),
+        -- At most one unfinished job per key (jobs_key_unfinished): enqueueing under a held key
+        -- writes nothing, rescheduling replaces.
+        key text CHECK (key <> ''),
+        payload jsonb NOT NULL DEFAULT '{}'::jsonb,
+        state text NOT NULL DEFAULT 'available',
+        attempt integer NOT NULL DEFAULT 0,
+        max_attempts integer NOT NULL DEFAULT 25,
+        run_at timestamptz NOT NULL DEFAULT now(),
+        created_at timestamptz NOT NULL DEFAULT now(),
+        attempted_at timestamptz,
+        finished_at timestamptz,
+        -- The lease: a fencing token that changes on every claim, so a worker that lost its lease
+        -- (and maybe its job to another worker) can never finish someone else's run.
+        lease_token bigint,
+        lease_expires_at timestamptz,
+        locked_by text,
+        -- What an operator asked of a running job, applied when its run ends.
+        pending text,
+        -- One entry per failed attempt: {"attempt", "at", "worker", "error"}.
+        errors jsonb NOT NULL DEFAULT '[]'::jsonb,
+        -- Claims take turns between keys within a queue (jobs_fair_walk).
+        fairness_key text,
+        CONSTRAINT jobs_attempted_before_retry CHECK (state <> 'retryable' OR attempt > 0),
+        CONSTRAINT jobs_attempts_valid CHECK (max_attempts > 0 AND attempt >= 0 AND attempt <= max_attempts),
+        CONSTRAINT jobs_fairness_key_valid CHECK (fairness_key <> '' AND length(fairness_key) <= 200),
+        CONSTRAINT jobs_finished_iff_final
+            CHECK ((state IN ('completed', 'discarded', 'cancelled')) = (finished_at IS NOT NULL)),
+        CONSTRAINT jobs_lease_iff_running
+            CHECK ((state = 'running') = (lease_token IS NOT NULL AND lease_expires_at IS NOT NULL AND locked_by IS NOT NULL)),
+        CONSTRAINT jobs_pending_only_while_running
+            CHECK (pending IS NULL OR (state = 'running' AND pending IN ('reschedule', 'cancel'))),
+        CONSTRAINT jobs_state_valid
+            CHECK (state IN ('available', 'running', 'retryable', 'completed', 'discarded', 'cancelled')),
+        -- A completed job's row is deleted by its run's end (a delete writes no new row version
+        -- and no index entry, where an update to 'completed' wrote both).
+        CONSTRAINT jobs_completed_are_deleted CHECK (state <> 'completed')
+    )
+    -- The table turns over its whole content all day: vacuum by counts, not by a fraction of a
+    -- size that swings between empty and a backlog, and without the cost delay.
+    WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 50000,
+          autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000,
+          autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000,
+          autovacuum_vacuum_cost_delay = 0);
+
+    -- A run's fencing token: every claim takes the next one.
+    CREATE SEQUENCE jobs_lease_token_seq;
+
+    -- The claim: per queue, unkeyed jobs in due order, and keyed ones per key in due order (the
+    -- claim steps from one key to the next with one probe each).
+    CREATE INDEX jobs_claimable_unkeyed ON jobs (queue, run_at, id)
+        WHERE state IN ('available', 'retryable') AND fairness_key IS NULL;
+    CREATE INDEX jobs_claimable_keyed ON jobs (queue, fairness_key, run_at, id)
+        WHERE state IN ('available', 'retryable') AND fairness_key IS NOT NULL;
+    CREATE INDEX jobs_finished ON jobs (state, finished_at) WHERE finished_at IS NOT NULL;
+    CREATE UNIQUE INDEX jobs_key_unfinished ON jobs (key)
+        WHERE key IS NOT NULL AND state IN ('available', 'running', 'retryable');
+    CREATE INDEX jobs_running_lease ON jobs (lease_expires_at) WHERE state = 'running';
+
+    -- A job that becomes claimable wakes the LISTENing workers of its queue (the insert notifies
+    -- in its own statement).
+    CREATE TRIGGER jobs_notify_update AFTER UPDATE OF state, run_at ON jobs
+        FOR EACH ROW WHEN (NEW.state IN ('available', 'retryable')
+                           AND (OLD.state IS DISTINCT FROM NEW.state OR OLD.run_at IS DISTINCT FROM NEW.run_at))
+        EXECUTE FUNCTION jobs_notify();
+
+    -- The queue's statements are short (a claim: milliseconds), and PostgreSQL compiles a plan with
+    -- LLVM when its estimated cost passes jit_above_cost, which a large table's statistics pass
+    -- easily: the compilation then costs hundreds of milliseconds on a statement that runs in two.
+    -- Off for this database's new sessions; a role without the right gets a notice.
+    BEGIN
+        EXECUTE format('ALTER DATABASE %I SET jit = off', current_database());
+    EXCEPTION WHEN insufficient_privilege THEN
+        RAISE NOTICE 'jit stays on for database %: %', current_database(), SQLERRM;
+    END;
 END
-$$;
+$schema$;
