@@ -30,12 +30,6 @@ pub struct AdminState {
     pub callers: super::Callers,
 }
 
-impl axum::extract::FromRef<AdminState> for super::Callers {
-    fn from_ref(state: &AdminState) -> Self {
-        state.callers.clone()
-    }
-}
-
 pub(super) fn routes(state: AdminState) -> Routes {
     Routes::default()
         .route("/admin/api-keys", post(create_api_key).get(list_api_keys))

@@ -42,12 +42,6 @@ pub struct DashboardState {
     pub secure_cookies: bool,
 }
 
-impl axum::extract::FromRef<DashboardState> for super::Callers {
-    fn from_ref(state: &DashboardState) -> Self {
-        state.callers.clone()
-    }
-}
-
 const COOKIE_NAME: &str = "payfleet_session";
 const SESSION_SECS: i64 = 8 * 3600;
 /// Rows shown per table; the CLI lists the rest.

@@ -22,12 +22,6 @@ pub struct LedgerState {
     pub callers: super::Callers,
 }
 
-impl axum::extract::FromRef<LedgerState> for super::Callers {
-    fn from_ref(state: &LedgerState) -> Self {
-        state.callers.clone()
-    }
-}
-
 pub(super) fn routes(state: LedgerState) -> Routes {
     Routes::default()
         .route("/sellers/{id}/balances", get(balances))

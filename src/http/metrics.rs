@@ -103,19 +103,13 @@ impl WebhookCounters {
 type Reading = Option<(Instant, Arc<str>)>;
 
 #[derive(Clone)]
-struct MetricsState {
+pub(super) struct MetricsState {
     pool: PgPool,
     webhooks: Option<Arc<WebhookCounters>>,
-    callers: Callers,
+    pub(super) callers: Callers,
     /// How long a reading of the gauges is served before it is read again.
     refresh: Duration,
     gauges: Arc<tokio::sync::Mutex<Reading>>,
-}
-
-impl axum::extract::FromRef<MetricsState> for Callers {
-    fn from_ref(state: &MetricsState) -> Self {
-        state.callers.clone()
-    }
 }
 
 /// `webhooks`: the receiver's counters, when this process receives webhooks.

@@ -64,6 +64,27 @@ pub struct AppState {
     pub secure_cookies: bool,
 }
 
+/// The caller extractors (`callers`: `Operator`, `Backend`, `MetricsReader`) take the
+/// credentials and the failure limiter from the state of any area whose routes use them: one
+/// `Callers`, shared by every area.
+macro_rules! callers_in {
+    ($($state:ty),+ $(,)?) => {
+        $(impl axum::extract::FromRef<$state> for Callers {
+            fn from_ref(state: &$state) -> Self {
+                state.callers.clone()
+            }
+        })+
+    };
+}
+
+callers_in!(
+    orders::OrdersState,
+    ledger::LedgerState,
+    admin::AdminState,
+    dashboard::DashboardState,
+    metrics::MetricsState,
+);
+
 /// A router that keeps the path of every route it is given, so that the whole surface can be
 /// walked (a test sends every route a request without credentials, and fails on any that is
 /// not on the short public list and does not answer 401).

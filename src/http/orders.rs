@@ -22,12 +22,6 @@ pub struct OrdersState {
     pub callers: super::Callers,
 }
 
-impl axum::extract::FromRef<OrdersState> for super::Callers {
-    fn from_ref(state: &OrdersState) -> Self {
-        state.callers.clone()
-    }
-}
-
 pub(super) fn routes(state: OrdersState) -> Routes {
     Routes::default()
         .route(

@@ -50,7 +50,8 @@ impl Browser {
                 panic!("cannot start chromium ({e}): install it with `apt-get install chromium` (.ci/run does)")
             });
         let mut lines = BufReader::new(chromium.stderr.take().unwrap()).lines();
-        let url = tokio::time::timeout(Duration::from_secs(30), async {
+        // Generous: under the whole suite's load on two cores, its start has taken over 30 s.
+        let url = tokio::time::timeout(Duration::from_secs(120), async {
             while let Some(line) = lines.next_line().await.unwrap() {
                 if let Some(url) = line.strip_prefix("DevTools listening on ") {
                     return url.trim().to_owned();
@@ -59,7 +60,7 @@ impl Browser {
             panic!("chromium ended without its DevTools address");
         })
         .await
-        .expect("chromium did not start within 30 s");
+        .expect("chromium did not start within 120 s");
         // Keep reading its stderr so it never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         let (ws, _) = tokio_tungstenite::connect_async(url.as_str())
