@@ -130,19 +130,6 @@ impl From<crate::ledger::LedgerError> for RefundError {
     }
 }
 
-/// What the order and its payment say.
-struct Paid {
-    status: OrderStatus,
-    gateway: GatewayName,
-    session_id: Option<String>,
-    payment_id: Option<String>,
-    captured: Option<Decimal>,
-    currency: String,
-    total: Decimal,
-    paid_with_coins: bool,
-    coin_reservation: Option<String>,
-}
-
 /// Writes refund request `key` for order `number` (or returns the one written before with this
 /// key). Returns the request and whether it was written now.
 pub async fn request(
@@ -155,31 +142,20 @@ pub async fn request(
         return Err(RefundError::InvalidReason);
     }
     let mut tx = pool.begin().await?;
-    let order = orders::lock_for_refund(&mut tx, number)
+    let paid = orders::lock_for_refund(&mut tx, number)
         .await?
         .ok_or(RefundError::NoOrder(number))?;
-    let payment: Option<(Option<String>, Option<Decimal>)> = match &order.session_id {
+    let payment: Option<(Option<String>, Option<Decimal>)> = match &paid.session_id {
         Some(session_id) => sqlx::query_as(
             "SELECT payment_id, amount FROM payment_orders WHERE gateway = $1 AND session_id = $2",
         )
-        .bind(order.gateway)
+        .bind(paid.gateway)
         .bind(session_id)
         .fetch_optional(&mut *tx)
         .await?,
         None => None,
     };
     let (payment_id, captured) = payment.unwrap_or_default();
-    let paid = Paid {
-        status: order.status,
-        gateway: order.gateway,
-        session_id: order.session_id,
-        payment_id,
-        captured,
-        currency: order.currency,
-        total: order.total,
-        paid_with_coins: order.paid_with_coins,
-        coin_reservation: order.coin_reservation,
-    };
     // Under the order's lock: a concurrent request with the same key has committed or not.
     if let Some(existing) = by_key(&mut tx, key).await? {
         let same_amount = match &new.amount {
@@ -204,7 +180,7 @@ pub async fn request(
             status: paid.status,
         });
     }
-    let paid_through = match (&paid.session_id, &paid.payment_id, paid.captured) {
+    let paid_through = match (&paid.session_id, &payment_id, captured) {
         _ if paid.paid_with_coins => None,
         (Some(session), Some(payment), Some(captured)) => {
             Some((session.clone(), payment.clone(), captured))
