@@ -198,11 +198,14 @@ async fn scratch(config: &Config) -> anyhow::Result<(PgPool, SecretUrl)> {
 fn simulated(config: &Config) -> (Config, StandardSecret, String) {
     let (secret, text) = StandardSecret::generate();
     let mut app = config.clone();
-    app.webhooks = payfleet::webhooks::WebhookSecrets {
-        internal: Some(secret.clone()),
-        ..Default::default()
-    };
-    app.payment_simulator = true;
+    let gateways = &mut app.gateways;
+    gateways.stripe = Default::default();
+    gateways.mercadopago = Default::default();
+    gateways.razorpay = Default::default();
+    gateways.hosted.internal = Some(secret.clone());
+    gateways.hosted.mock = None;
+    gateways.hosted.internal_acquirer = payfleet::gateways::hosted::InternalAcquirer::Simulator;
+    gateways.hosted.simulator = true;
     (app, secret, text)
 }
 
@@ -380,7 +383,7 @@ async fn refusals(
         ("refused_8000_signatures", header(8000), ts),
         (
             "refused_max_signatures",
-            header(payfleet::webhooks::signature::MAX_CANDIDATES),
+            header(payfleet::gateways::signature::MAX_CANDIDATES),
             ts,
         ),
         ("refused_stale", header(1), ts - 3600),

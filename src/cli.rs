@@ -232,7 +232,7 @@ async fn serve(config: Config, roles: Roles) -> anyhow::Result<()> {
     tracing::info!(
         database = %config.database_url,
         address = ?running.addr(),
-        webhooks = %names(&config.webhooks.enabled_gateways()),
+        webhooks = %names(&config.gateways.signature_checks().enabled()),
         serve = roles.serve,
         work = roles.work,
         "payfleet started"
@@ -267,7 +267,7 @@ async fn up(config: Config, public: bool) -> anyhow::Result<()> {
     println!(
         "payfleet is up on http://{} (gateways: {})",
         config.bind,
-        names(&config.webhooks.enabled_gateways())
+        names(&config.gateways.signature_checks().enabled())
     );
     running.until(startup::shutdown_signal()).await
 }

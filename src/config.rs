@@ -1,15 +1,17 @@
-//! Configuration from the environment (12-factor): every variable the process reads is read
-//! here. A missing or invalid setting stops start-up with a message that names it. Secrets and
-//! URLs with passwords are wrapped so they never print.
+//! Configuration from the environment (12-factor). The process's own settings are read here;
+//! a context with settings of its own reads them itself (`gateways::Settings::from_env`,
+//! `payments::reconcile::Settings::from_env`) and this module composes them. A missing or
+//! invalid setting stops start-up with a message that names it. Secrets and URLs with passwords
+//! are wrapped so they never print.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use crate::auth::Token;
+pub use crate::env::{Env, ProcessEnv};
+use crate::env::{Invalid, http_url, parsed, var};
 use crate::http::server::HttpSettings;
-use crate::secret::StandardSecret;
-use crate::secret::{Secret, SecretUrl};
-use crate::webhooks::WebhookSecrets;
+use crate::secret::SecretUrl;
 use payfleet_queue::{QueuesConfig, QueuesConfigError};
 
 /// The queues' settings shipped with the binary; used when no file is configured or found.
@@ -19,12 +21,11 @@ pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/payfl
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 pub const DEFAULT_BIND: &str = "127.0.0.1:8080";
 pub const DEFAULT_WEBHOOK_BODY_LIMIT: usize = 1024 * 1024;
-pub const DEFAULT_MERCADOPAGO_API_URL: &str = "https://api.mercadopago.com";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{name} is not valid: {problem}")]
-    Invalid { name: &'static str, problem: String },
+    #[error(transparent)]
+    Invalid(#[from] Invalid),
     #[error(transparent)]
     Queues(#[from] QueuesConfigError),
     #[error(transparent)]
@@ -32,43 +33,7 @@ pub enum ConfigError {
 }
 
 fn invalid(name: &'static str, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        name,
-        problem: problem.into(),
-    }
-}
-
-/// Mercado Pago's API: event processing reads payments (its webhook bodies are not signed), the
-/// payment side creates preferences and refunds.
-#[derive(Debug, Clone)]
-pub struct MercadoPagoApi {
-    pub base_url: String,
-    pub access_token: Secret,
-}
-
-/// Stripe's API, for Connect direct charges.
-#[derive(Debug, Clone)]
-pub struct StripeApi {
-    pub base_url: String,
-    pub secret_key: Secret,
-}
-
-/// Razorpay's API.
-#[derive(Debug, Clone)]
-pub struct RazorpayApi {
-    pub base_url: String,
-    pub key_id: String,
-    pub key_secret: Secret,
-}
-
-payfleet_queue::text_enum! {
-    /// Who collects the internal gateway's payments (the platform is merchant of record).
-    pub enum InternalAcquirer {
-        /// The pay/fail page: no money moves (development, tests, previews).
-        Simulator = "simulator",
-        /// Stripe Checkout Sessions on the platform's own Stripe account.
-        Stripe = "stripe",
-    }
+    ConfigError::Invalid(crate::env::invalid(name, problem))
 }
 
 /// The longest a signed webhook's timestamp may be from now: a replay is refused after this.
@@ -87,16 +52,14 @@ pub struct Config {
     /// Where the session-level work goes (LISTEN, the migrations' lock) when DATABASE_URL is a
     /// pooler in transaction mode: `PAYFLEET_LISTEN_URL`.
     pub listen: ListenTo,
-    pub webhooks: WebhookSecrets,
+    /// Each gateway's secrets, API credentials and switches.
+    pub gateways: crate::gateways::Settings,
     pub webhook_body_limit: usize,
     /// Webhooks that may wait for the event writer; beyond it a request is refused at once (503).
     pub webhook_queue_capacity: usize,
     /// How far a signed timestamp may be from now, either way.
     pub webhook_tolerance_secs: i64,
     pub queues: QueuesConfig,
-    pub mercadopago: Option<MercadoPagoApi>,
-    pub stripe: Option<StripeApi>,
-    pub razorpay: Option<RazorpayApi>,
     /// Names this machine in worker ids.
     pub host_name: String,
     /// Turns the admin API and the dashboard on (only its digest is kept).
@@ -106,12 +69,6 @@ pub struct Config {
     /// How long a reading of the metrics' database gauges is served before it is read again,
     /// whatever the scrape rate (`PAYFLEET_METRICS_REFRESH_MS`).
     pub metrics_refresh: std::time::Duration,
-    /// The internal and mock gateways' pay/fail page may run (`PAYFLEET_PAYMENT_SIMULATOR=on`):
-    /// it moves no real money, so production never turns it on.
-    pub payment_simulator: bool,
-    /// Who collects the internal gateway's payments: the simulator, or Stripe on the platform's
-    /// own account (`PAYFLEET_INTERNAL_ACQUIRER`).
-    pub internal_acquirer: InternalAcquirer,
     /// The limits of the HTTP server and who its clients are.
     pub http: HttpSettings,
     /// The platform's commission, in percent of each order's total.
@@ -120,9 +77,6 @@ pub struct Config {
     pub order_expiry: std::time::Duration,
     /// Where buyers reach this receiver (payment pages, the pages gateways send them back to).
     pub public_url: String,
-    /// Where the hosted gateways deliver their events.
-    pub internal_webhook_url: String,
-    pub mock_webhook_url: String,
     /// How long the order side waits for the payment side's answer.
     pub rpc_timeout: std::time::Duration,
     /// Prefix of this fleet's RabbitMQ queues.
@@ -142,84 +96,10 @@ pub struct Config {
     pub order_routes: crate::messaging::orders::Routes,
 }
 
-/// The source of settings: the process environment, or a map (tests).
-pub trait Env {
-    fn get(&self, name: &str) -> Option<String>;
-}
-
-/// The process environment.
-pub struct ProcessEnv;
-
-impl Env for ProcessEnv {
-    fn get(&self, name: &str) -> Option<String> {
-        std::env::var(name).ok()
-    }
-}
-
-impl<const N: usize> Env for [(&str, &str); N] {
-    fn get(&self, name: &str) -> Option<String> {
-        self.iter()
-            .find(|(k, _)| *k == name)
-            .map(|(_, v)| (*v).to_owned())
-    }
-}
-
-fn var(env: &dyn Env, name: &str) -> Option<String> {
-    env.get(name)
-        .map(|v| v.trim().to_owned())
-        .filter(|v| !v.is_empty())
-}
-
-fn parsed<T: std::str::FromStr>(
-    env: &dyn Env,
-    name: &'static str,
-    default: T,
-) -> Result<T, ConfigError>
-where
-    T::Err: std::fmt::Display,
-{
-    match var(env, name) {
-        None => Ok(default),
-        Some(v) => v
-            .parse()
-            .map_err(|e: T::Err| invalid(name, format!("{v:?}: {e}"))),
-    }
-}
-
 /// An operator's token: at least 32 visible characters.
 fn token(env: &dyn Env, name: &'static str) -> Result<Option<Token>, ConfigError> {
     var(env, name)
         .map(|v| Token::parse(&v).map_err(|problem| invalid(name, problem)))
-        .transpose()
-}
-
-/// A gateway's API base URL: https, except on this machine (a local stand-in), so that no
-/// credential or payment travels in the clear.
-fn gateway_api(env: &dyn Env, name: &'static str, default: &str) -> Result<String, ConfigError> {
-    let v = var(env, name).unwrap_or_else(|| default.to_owned());
-    let url = reqwest::Url::parse(&v).map_err(|e| invalid(name, format!("{v:?}: {e}")))?;
-    let loopback = url.host_str().is_some_and(|h| {
-        h.eq_ignore_ascii_case("localhost")
-            || h.trim_start_matches('[')
-                .trim_end_matches(']')
-                .parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| ip.is_loopback())
-    });
-    match url.scheme() {
-        "https" => {}
-        "http" if loopback => {}
-        "http" => return Err(invalid(name, "must be https (http only on loopback)")),
-        _ => return Err(invalid(name, "must start with https://")),
-    }
-    Ok(v.trim_end_matches('/').to_owned())
-}
-
-fn standard_secret(
-    env: &dyn Env,
-    name: &'static str,
-) -> Result<Option<StandardSecret>, ConfigError> {
-    var(env, name)
-        .map(|v| StandardSecret::parse(&v).map_err(|problem| invalid(name, problem)))
         .transpose()
 }
 
@@ -271,8 +151,8 @@ impl Config {
         Self::from(&ProcessEnv)
     }
 
-    /// Reads `env`. Webhook secrets are only those configured: see
-    /// [`WebhookSecrets::with_development_defaults`] for `up`.
+    /// Reads `env`. Webhook secrets are only those configured (`up` adds the hosted gateways'
+    /// own: `demo::development_config`).
     pub fn from(env: &dyn Env) -> Result<Self, ConfigError> {
         let database_url = url(
             env,
@@ -350,45 +230,6 @@ impl Config {
                 }
             }
         };
-        let mercadopago = match var(env, "MERCADOPAGO_ACCESS_TOKEN") {
-            None => None,
-            Some(token) => {
-                let base_url =
-                    gateway_api(env, "MERCADOPAGO_API_URL", DEFAULT_MERCADOPAGO_API_URL)?;
-                Some(MercadoPagoApi {
-                    base_url,
-                    access_token: Secret::new(token),
-                })
-            }
-        };
-        let api = |name: &'static str, default: &str| -> Result<String, ConfigError> {
-            let v = var(env, name).unwrap_or_else(|| default.to_owned());
-            if !v.starts_with("http://") && !v.starts_with("https://") {
-                return Err(invalid(name, "must start with http:// or https://"));
-            }
-            Ok(v.trim_end_matches('/').to_owned())
-        };
-        let stripe = match var(env, "STRIPE_SECRET_KEY") {
-            None => None,
-            Some(key) => Some(StripeApi {
-                base_url: gateway_api(env, "STRIPE_API_URL", "https://api.stripe.com")?,
-                secret_key: Secret::new(key),
-            }),
-        };
-        let razorpay = match (var(env, "RAZORPAY_KEY_ID"), var(env, "RAZORPAY_KEY_SECRET")) {
-            (None, None) => None,
-            (Some(key_id), Some(secret)) => Some(RazorpayApi {
-                base_url: gateway_api(env, "RAZORPAY_API_URL", "https://api.razorpay.com")?,
-                key_id,
-                key_secret: Secret::new(secret),
-            }),
-            _ => {
-                return Err(invalid(
-                    "RAZORPAY_KEY_ID",
-                    "set both RAZORPAY_KEY_ID and RAZORPAY_KEY_SECRET, or neither",
-                ));
-            }
-        };
         let admin_token = token(env, "PAYFLEET_ADMIN_TOKEN")?;
         let metrics_token = token(env, "PAYFLEET_METRICS_TOKEN")?;
         let metrics_refresh_ms = parsed(env, "PAYFLEET_METRICS_REFRESH_MS", 5000u64)?;
@@ -399,25 +240,6 @@ impl Config {
             ));
         }
         let metrics_refresh = std::time::Duration::from_millis(metrics_refresh_ms);
-        let payment_simulator = match var(env, "PAYFLEET_PAYMENT_SIMULATOR").as_deref() {
-            None | Some("off") => false,
-            Some("on") => true,
-            Some(other) => {
-                return Err(invalid(
-                    "PAYFLEET_PAYMENT_SIMULATOR",
-                    format!("{other:?}: on or off"),
-                ));
-            }
-        };
-        let internal_acquirer = match var(env, "PAYFLEET_INTERNAL_ACQUIRER") {
-            None => InternalAcquirer::Simulator,
-            Some(v) => v.parse().map_err(|_| {
-                invalid(
-                    "PAYFLEET_INTERNAL_ACQUIRER",
-                    format!("{v:?}: simulator or stripe"),
-                )
-            })?,
-        };
         let http = HttpSettings {
             header_timeout: std::time::Duration::from_secs(10),
             body_timeout: std::time::Duration::from_secs(30),
@@ -453,15 +275,8 @@ impl Config {
                 "must be 1 to 2592000 (30 days)",
             ));
         }
-        let public_url = api("PAYFLEET_PUBLIC_URL", &format!("http://{bind}"))?;
-        let internal_webhook_url = api(
-            "PAYFLEET_INTERNAL_WEBHOOK_URL",
-            &format!("{public_url}/webhooks/internal"),
-        )?;
-        let mock_webhook_url = api(
-            "PAYFLEET_MOCK_WEBHOOK_URL",
-            &format!("{public_url}/webhooks/mock"),
-        )?;
+        let public_url = http_url(env, "PAYFLEET_PUBLIC_URL", &format!("http://{bind}"))?;
+        let gateways = crate::gateways::Settings::from_env(env, &public_url)?;
         let rpc_timeout_ms = parsed(env, "PAYFLEET_RPC_TIMEOUT_MS", 5000u64)?;
         if !(1..=120_000).contains(&rpc_timeout_ms) {
             return Err(invalid("PAYFLEET_RPC_TIMEOUT_MS", "must be 1 to 120000"));
@@ -509,33 +324,19 @@ impl Config {
             worker_bind,
             db_pool_size,
             listen,
-            webhooks: WebhookSecrets {
-                stripe: var(env, "STRIPE_WEBHOOK_SECRET").map(Secret::new),
-                stripe_platform: var(env, "STRIPE_PLATFORM_WEBHOOK_SECRET").map(Secret::new),
-                mercadopago: var(env, "MERCADOPAGO_WEBHOOK_SECRET").map(Secret::new),
-                razorpay: var(env, "RAZORPAY_WEBHOOK_SECRET").map(Secret::new),
-                internal: standard_secret(env, "INTERNAL_WEBHOOK_SECRET")?,
-                mock: standard_secret(env, "MOCK_WEBHOOK_SECRET")?,
-            },
+            gateways,
             webhook_body_limit,
             webhook_queue_capacity,
             webhook_tolerance_secs,
             queues,
-            mercadopago,
-            stripe,
-            razorpay,
             host_name,
             admin_token,
             metrics_token,
             metrics_refresh,
-            payment_simulator,
-            internal_acquirer,
             http,
             platform_fee_percent,
             order_expiry: std::time::Duration::from_secs(order_expiry_secs),
             public_url,
-            internal_webhook_url,
-            mock_webhook_url,
             rpc_timeout: std::time::Duration::from_millis(rpc_timeout_ms),
             amqp_namespace,
             amqp_queue_ttl_ms,
@@ -555,19 +356,7 @@ impl Config {
                 "PAYFLEET_CONSISTENCY_GRACE_SECS",
                 900u64,
             )?),
-            reconcile: crate::payments::reconcile::Settings {
-                grace: std::time::Duration::from_secs(parsed(
-                    env,
-                    "PAYFLEET_RECONCILE_GRACE_SECS",
-                    300u64,
-                )?),
-                per_run: parsed(env, "PAYFLEET_RECONCILE_PER_RUN", 100usize)?,
-                pace: std::time::Duration::from_millis(parsed(
-                    env,
-                    "PAYFLEET_RECONCILE_PACE_MS",
-                    200u64,
-                )?),
-            },
+            reconcile: crate::payments::reconcile::Settings::from_env(env)?,
         })
     }
 }
@@ -727,10 +516,13 @@ mod tests {
             q,
         ])
         .unwrap();
-        assert_eq!(c.razorpay.unwrap().base_url, "http://127.0.0.1:9999");
+        assert_eq!(
+            c.gateways.razorpay.api.unwrap().base_url,
+            "http://127.0.0.1:9999"
+        );
         let c = Config::from(&[q]).unwrap();
-        assert!(!c.payment_simulator);
-        assert_eq!(c.internal_acquirer, InternalAcquirer::Simulator);
+        assert!(!c.gateways.hosted.simulator);
+        assert_eq!(c.gateways.internal_acquirer(), None);
         assert_eq!(c.http.header_timeout, std::time::Duration::from_secs(10));
         assert_eq!(c.http.body_timeout, std::time::Duration::from_secs(30));
         assert!(c.http.client_address_header.is_none());

@@ -29,6 +29,8 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::PgPool;
 
+use crate::gateways::GatewayName;
+
 /// A violation seen by a run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Violation {
@@ -50,6 +52,15 @@ pub const CHECKS: &[&str] = &[
     "dispute_undecided",
     "order_message_dead",
 ];
+
+/// The gateways whose sales the ledger credits to the seller (the money reached the platform).
+fn through_platform() -> Vec<&'static str> {
+    GatewayName::ALL
+        .iter()
+        .filter(|g| crate::gateways::format(**g).settles_through_platform())
+        .map(|g| g.as_str())
+        .collect()
+}
 
 /// Looks at every invariant now. `grace`: how long work in flight may take before it counts.
 pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sqlx::Error> {
@@ -87,10 +98,11 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
          FROM orders o LEFT JOIN ledger_sales_due d ON d.order_number = o.number
          WHERE o.paid_at < now() - make_interval(secs => $1)
            AND o.status NOT IN ('expired', 'cancelled')
-           AND (o.paid_with_coins OR o.gateway IN ('internal', 'mock', 'razorpay'))
+           AND (o.paid_with_coins OR o.gateway = ANY($2))
            AND NOT EXISTS (SELECT 1 FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number)",
     )
     .bind(grace_secs)
+    .bind(through_platform())
     .fetch_all(pool)
     .await?;
     found.extend(rows.into_iter().map(|(subject, detail)| Violation {

@@ -55,8 +55,8 @@ pub async fn development_config(
     let mut shown = Vec::new();
     for name in [INTERNAL, MOCK] {
         let configured = match name {
-            INTERNAL => config.webhooks.internal.is_some(),
-            _ => config.webhooks.mock.is_some(),
+            INTERNAL => config.gateways.hosted.internal.is_some(),
+            _ => config.gateways.hosted.mock.is_some(),
         };
         if configured {
             continue;
@@ -68,8 +68,8 @@ pub async fn development_config(
         let secret = StandardSecret::parse(&value)
             .map_err(|problem| anyhow::anyhow!("the kept {name} is not valid: {problem}"))?;
         match name {
-            INTERNAL => config.webhooks.internal = Some(secret),
-            _ => config.webhooks.mock = Some(secret),
+            INTERNAL => config.gateways.hosted.internal = Some(secret),
+            _ => config.gateways.hosted.mock = Some(secret),
         }
         shown.push((name, value));
     }
@@ -78,7 +78,7 @@ pub async fn development_config(
         config.admin_token = Some(token);
         shown.push((ADMIN, value));
     }
-    config.payment_simulator = true;
+    config.gateways.hosted.simulator = true;
     shown.push((API_KEY, development_api_key(pool).await?));
     Ok((config, shown))
 }
@@ -238,7 +238,8 @@ pub async fn run(config: &Config, args: DemoArgs) -> anyhow::Result<()> {
         .to_owned();
     let api_key = development_api_key(&pool).await?;
     let internal = config
-        .webhooks
+        .gateways
+        .hosted
         .internal
         .clone()
         .context("the internal gateway has no secret")?;

@@ -6,17 +6,22 @@
 //!
 //! Layout (one module per bounded context; the root only assembles). A module uses only
 //! modules left of it in this chain (`tests/api/layout.rs` keeps it true):
-//! `secret` -> `money`, `db`, `tls` -> `gateways` -> `messaging`, `catalogue` -> `auth` ->
+//! `secret` -> `env`, `money`, `db`, `tls` -> `gateways` -> `messaging`, `catalogue` -> `auth` ->
 //! `ledger`, `payment_status`, `recurring` -> `orders`, `consistency` -> `payments` ->
 //! `webhooks` -> `http` -> `config` -> `startup`. The binary (`src/main.rs`: `cli`, `demo`,
 //! `bench`) sits on top and uses the library like any other program.
 //! - `secret`     values that never print (secrets, URLs with passwords), and what they sign
 //!   with: HMAC, keys derived per purpose, the Standard Webhooks secret
+//! - `env`        where settings come from, reading and checking one variable (each context
+//!   reads its own settings with it)
 //! - `money`      [`money::Money`]: decimal plus currency
 //! - `db`         the pool, the migrations (the queue's, then ours), which errors are about the
 //!   row or a lost connection
 //! - `tls`        the process's one TLS provider
-//! - `gateways`   each gateway's events and status mappers (safe defaults), the API clients
+//! - `gateways`   one folder per gateway (`gateways::stripe`, ...) holding all of it: its
+//!   signature scheme, its events and status mappers (safe defaults), its API client, its
+//!   settings; the rest reaches it through `gateways::EventFormat`, `gateways::SignatureCheck`
+//!   and `gateways::PaymentGateway`
 //! - `messaging`  the shared RabbitMQ connection, the RPCs (payment links, coins) and the
 //!   order messages (outbox relay, routing by order type)
 //! - `catalogue`  sellers, products, coupons
@@ -30,7 +35,8 @@
 //! - `payments`   event processing (facts, waiting and rejected events, replay; the plain first
 //!   payments many to a transaction in `payments::batch`), payment links, refunds, the hosted
 //!   gateways' deliveries (`payments::delivery`)
-//! - `webhooks`   signature schemes, the verified [`webhooks::Webhook`], the batching writer
+//! - `webhooks`   the verified [`webhooks::Webhook`] (each gateway's check, asked by name),
+//!   the batching writer
 //! - `consistency` the invariants checked by a recurring job, findings an operator lists
 //! - `recurring`  schedules from jobs/recurring.toml, each period run once by the fleet
 //! - `http`       the routes of each area, one extractor per kind of caller (`http::callers`),
@@ -43,6 +49,7 @@ pub mod catalogue;
 pub mod config;
 pub mod consistency;
 pub mod db;
+pub mod env;
 pub mod gateways;
 pub mod http;
 pub mod ledger;

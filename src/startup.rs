@@ -16,11 +16,9 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
 use crate::auth::ApiKeys;
-use crate::config::{Config, InternalAcquirer, ListenTo};
+use crate::config::{Config, ListenTo};
+use crate::gateways::GatewayRegistry;
 use crate::gateways::hosted::HostedGateway;
-use crate::gateways::{
-    GatewayName, GatewayRegistry, MercadoPagoClient, RazorpayGateway, StripeConnect,
-};
 use crate::http::{self, AppState, Callers, Readiness};
 use crate::ledger::coins::CoinService;
 use crate::ledger::jobs as ledger_jobs;
@@ -34,7 +32,6 @@ use crate::payments::delivery::{Deliverer, QueueSink};
 use crate::payments::links::LinkService;
 use crate::payments::{self, Processor};
 use crate::recurring::{self, Tasks};
-use crate::secret::StandardSecret;
 use crate::webhooks::{EventWriter, Verifier};
 use payfleet_queue::{Fleet, FleetHandle, JobError, Listen, Notifier, Registry};
 
@@ -66,129 +63,26 @@ impl Roles {
 /// success that carries no amount is asked of its gateway (`gateways`).
 pub fn processor(config: &Config, gateways: GatewayRegistry) -> anyhow::Result<Processor> {
     let mercadopago = config
+        .gateways
         .mercadopago
-        .as_ref()
-        .map(|api| MercadoPagoClient::new(&api.base_url, api.access_token.clone()))
-        .transpose()
+        .reader()
         .context("cannot build the Mercado Pago client")?;
     Ok(Processor {
         mercadopago,
-        internal_on_stripe: config.internal_acquirer == InternalAcquirer::Stripe,
+        internal_acquirer: config.gateways.internal_acquirer(),
         gateways,
     })
 }
 
-/// The enabled gateways whose payments are simulated (the pay/fail page: no money moves): the
-/// mock, and the internal gateway unless it collects through a real acquirer.
-pub fn simulated_gateways(config: &Config) -> Vec<GatewayName> {
-    let mut simulated = Vec::new();
-    if config.webhooks.internal.is_some() && config.internal_acquirer == InternalAcquirer::Simulator
-    {
-        simulated.push(GatewayName::Internal);
-    }
-    if config.webhooks.mock.is_some() {
-        simulated.push(GatewayName::Mock);
-    }
-    simulated
-}
-
-/// A simulated gateway runs only where the payment simulator is on: a pay button that moves no
-/// money must never be reachable where money is real.
-fn check_simulator(config: &Config) -> anyhow::Result<()> {
-    let simulated = simulated_gateways(config);
-    if simulated.is_empty() {
-        return Ok(());
-    }
-    let names = simulated
-        .iter()
-        .map(|g| g.as_str())
-        .collect::<Vec<_>>()
-        .join(" and ");
-    if !config.payment_simulator {
-        anyhow::bail!(
-            "the {names} gateway's payments are simulated (a pay/fail page, no money moves) and PAYFLEET_PAYMENT_SIMULATOR is off: \
-             set PAYFLEET_PAYMENT_SIMULATOR=on only where no money is real (development, tests, previews); \
-             in production unset MOCK_WEBHOOK_SECRET and have the internal gateway collect through Stripe (PAYFLEET_INTERNAL_ACQUIRER=stripe)"
-        );
-    }
-    tracing::warn!(
-        gateways = %names,
-        "PAYFLEET_PAYMENT_SIMULATOR is on: these gateways' payments are simulated and move no money; never run this where money is real"
-    );
-    Ok(())
-}
-
-/// The gateways buyers can pay through: a gateway is enabled when its webhook secret is
-/// configured (its events can be received) and, for an outside gateway, its API credentials.
-/// Also the hosted ones (internal, mock) by themselves, for their payment pages.
+/// The gateways buyers can pay through, and the hosted ones by themselves for their payment
+/// pages (`gateways::Settings::clients`); the hosted ones' events are delivered by the queue.
 pub fn gateways(
     config: &Config,
     pool: &PgPool,
 ) -> anyhow::Result<(GatewayRegistry, Vec<HostedGateway>)> {
-    let mut registry = GatewayRegistry::default();
-    let mut hosted = Vec::new();
-    let secrets = &config.webhooks;
-    let simulated = simulated_gateways(config);
-    for (name, secret) in [
-        (GatewayName::Internal, secrets.internal.as_ref()),
-        (GatewayName::Mock, secrets.mock.as_ref()),
-    ] {
-        if let (Some(secret), true) = (secret, simulated.contains(&name)) {
-            let g = HostedGateway::new(
-                name,
-                pool.clone(),
-                &config.public_url,
-                Arc::new(QueueSink),
-                secret.derive_key("payment page form"),
-            );
-            registry.register(Arc::new(g.clone()))?;
-            hosted.push(g);
-        }
-    }
-    if config.internal_acquirer == InternalAcquirer::Stripe {
-        // Its facts come from Stripe alone: an internal-gateway webhook secret would let events
-        // signed with it speak for real-money sessions no simulator ever made.
-        if secrets.internal.is_some() {
-            anyhow::bail!(
-                "PAYFLEET_INTERNAL_ACQUIRER=stripe and INTERNAL_WEBHOOK_SECRET are both set: the internal gateway's payments are Stripe's, confirmed by Stripe's signed events only; unset INTERNAL_WEBHOOK_SECRET"
-            );
-        }
-        let api = config
-            .stripe
-            .as_ref()
-            .filter(|_| secrets.stripe.is_some() || secrets.stripe_platform.is_some())
-            .context(
-                "PAYFLEET_INTERNAL_ACQUIRER=stripe needs STRIPE_SECRET_KEY and the platform endpoint's signing secret (STRIPE_PLATFORM_WEBHOOK_SECRET, or STRIPE_WEBHOOK_SECRET): the platform account's events confirm its payments",
-            )?;
-        let g = StripeConnect::internal_acquirer(
-            &api.base_url,
-            api.secret_key.clone(),
-            &config.public_url,
-        )
-        .context("cannot build the Stripe client")?;
-        registry.register(Arc::new(g))?;
-    }
-    if let (Some(api), true) = (&config.stripe, secrets.stripe.is_some()) {
-        let g = StripeConnect::new(&api.base_url, api.secret_key.clone(), &config.public_url)
-            .context("cannot build the Stripe client")?;
-        registry.register(Arc::new(g))?;
-    }
-    if let (Some(api), true) = (&config.mercadopago, secrets.mercadopago.is_some()) {
-        let g = MercadoPagoClient::new(&api.base_url, api.access_token.clone())
-            .context("cannot build the Mercado Pago client")?;
-        registry.register(Arc::new(g))?;
-    }
-    if let (Some(api), true) = (&config.razorpay, secrets.razorpay.is_some()) {
-        let g = RazorpayGateway::new(
-            &api.base_url,
-            &api.key_id,
-            api.key_secret.clone(),
-            &config.public_url,
-        )
-        .context("cannot build the Razorpay client")?;
-        registry.register(Arc::new(g))?;
-    }
-    Ok((registry, hosted))
+    Ok(config
+        .gateways
+        .clients(pool, &config.public_url, Arc::new(QueueSink))?)
 }
 
 /// Every job kind this fleet runs: each context registers its own kinds with their workers.
@@ -196,7 +90,7 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
     let (gateways, _) = gateways(config, pool)?;
     let processor = Arc::new(processor(config, gateways.clone())?);
     let batcher = Batcher::start(pool.clone(), processor, BatchSettings::default());
-    let deliverer = Deliverer::new(pool.clone(), hosted_targets(config))
+    let deliverer = Deliverer::new(pool.clone(), config.gateways.hosted.targets())
         .context("cannot build the event deliverer")?;
     let mut registry = Registry::new();
     orders::register(&mut registry)?;
@@ -209,26 +103,6 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
         },
     )?;
     Ok(registry)
-}
-
-/// Where the hosted gateways (internal, mock) deliver their events, and what they sign with.
-fn hosted_targets(config: &Config) -> Vec<(GatewayName, String, StandardSecret)> {
-    let mut targets = Vec::new();
-    if let Some(s) = &config.webhooks.internal {
-        targets.push((
-            GatewayName::Internal,
-            config.internal_webhook_url.clone(),
-            s.clone(),
-        ));
-    }
-    if let Some(s) = &config.webhooks.mock {
-        targets.push((
-            GatewayName::Mock,
-            config.mock_webhook_url.clone(),
-            s.clone(),
-        ));
-    }
-    targets
 }
 
 /// How long a consumer remembers the order messages it handled.
@@ -361,7 +235,14 @@ pub fn start(
     roles: Roles,
     listener: Option<TcpListener>,
 ) -> anyhow::Result<Running> {
-    check_simulator(config)?;
+    config.gateways.check()?;
+    let simulated = config.gateways.hosted.simulated();
+    if !simulated.is_empty() {
+        tracing::warn!(
+            gateways = ?simulated,
+            "PAYFLEET_PAYMENT_SIMULATOR is on: these gateways' payments are simulated and move no money; never run this where money is real"
+        );
+    }
     let broker = Broker::start(
         config.amqp_url.clone(),
         &config.amqp_namespace,
@@ -463,7 +344,7 @@ pub fn start(
         Some(http::router(AppState {
             pool: pool.clone(),
             verifier: Verifier::new(
-                Arc::new(config.webhooks.clone()),
+                config.gateways.signature_checks(),
                 config.webhook_tolerance_secs,
             ),
             events,
@@ -475,7 +356,7 @@ pub fn start(
             public_url: config.public_url.clone(),
             callers,
             metrics_refresh: config.metrics_refresh,
-            razorpay_key_id: config.razorpay.as_ref().map(|r| r.key_id.clone()),
+            razorpay_key_id: config.gateways.razorpay.key_id(),
             gateways: gateways.clone(),
             rpc,
             recurring: config.recurring.clone(),

@@ -1,22 +1,43 @@
-//! The gateways: their names, how each one's webhook events read, and how each one's statuses
-//! map onto ours. Every mapper has a safe default: a status we do not know moves no money.
+//! The gateways. One folder per gateway holds all payfleet knows of it: how its webhooks are
+//! signed (`signature`), what its events mean (`events`), its API client (`client`), its
+//! settings, and its [`EventFormat`] (what the receiver and event processing ask of it). The
+//! rest of the fleet reaches a gateway only through the three traits here and in `api`:
+//! - [`EventFormat`]: a delivery's event id, type and seller, its events' facts, and how its
+//!   money flows; one per gateway, found by name with [`format`] (the one place that names
+//!   them all);
+//! - [`SignatureCheck`]: a delivery's signature, with the secrets its settings hold;
+//! - [`api::PaymentGateway`]: sessions, statuses, refunds, disputes, missed events, held by
+//!   name in [`GatewayRegistry`].
+//!
+//! Every mapper has a safe default: a status we do not know moves no money.
+//! - `stripe`       Stripe Connect direct charges, and the internal gateway's acquirer
+//! - `mercadopago`  Mercado Pago (unsigned bodies: the payment is read from its API)
+//! - `razorpay`     Razorpay (orders are the sessions)
+//! - `hosted`       payfleet's own gateways, `internal` and `mock` (Standard Webhooks)
 
 pub mod api;
 pub mod hosted;
-mod internal;
-mod mercadopago;
-mod razorpay;
-mod stripe;
-mod stripe_connect;
+pub mod mercadopago;
+pub mod razorpay;
+pub mod signature;
+pub mod stripe;
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::http::HeaderMap;
 use serde::Serialize;
+use sqlx::PgPool;
 
+use crate::env::{Env, Invalid};
 use crate::money::{Money, MoneyError};
+use signature::SignatureError;
 
 pub use api::{GatewayError, GatewayRegistry, PaymentGateway};
 pub use mercadopago::{MercadoPagoClient, MercadoPagoError};
-pub use razorpay::{RazorpayGateway, event_identity as razorpay_event_identity};
-pub use stripe_connect::StripeConnect;
+pub use razorpay::RazorpayGateway;
+pub use stripe::StripeConnect;
 
 payfleet_queue::text_enum! {
     /// The gateways payfleet speaks to, by the name used in URLs, configuration and storage.
@@ -135,64 +156,291 @@ pub(crate) fn http_client(timeout: std::time::Duration) -> Result<reqwest::Clien
         .build()
 }
 
-/// Reads a verified event body.
-pub fn interpret(gateway: GatewayName, body: &[u8]) -> Result<Interpretation, EventError> {
-    match gateway {
-        GatewayName::Stripe => stripe::interpret(body),
-        GatewayName::Razorpay => razorpay::interpret(body),
-        GatewayName::Internal | GatewayName::Mock => internal::interpret(body),
-        GatewayName::MercadoPago => mercadopago::interpret(body),
+/// What a webhook delivery carries, owned, so it can be verified on another thread.
+pub struct Delivery {
+    pub gateway: GatewayName,
+    pub headers: HeaderMap,
+    pub query: HashMap<String, String>,
+    pub body: Bytes,
+}
+
+impl Delivery {
+    /// A header's value, if it is text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// A query parameter's value.
+    pub fn query(&self, name: &str) -> Option<&str> {
+        self.query.get(name).map(String::as_str)
     }
 }
 
-/// Whom an event is for, as far as its signed body says: our seller id where the payment carries
-/// the metadata our payment links give it (Stripe's `metadata`, Razorpay's `notes`, `seller_id`
-/// in the data of our own gateways), else the gateway account it was sent for (a Stripe
-/// connected account, Mercado Pago's `user_id`, Razorpay's `account_id`). Used only as the
-/// processing job's fairness key, so one seller's flood of events cannot hold up another
-/// seller's payment; nothing is decided by it.
-pub fn seller_hint(gateway: GatewayName, v: &serde_json::Value) -> Option<String> {
-    let text = |v: Option<&serde_json::Value>| match v? {
+/// How one gateway's deliveries and events read. Nothing here needs a secret: a delivery is
+/// read only after its [`SignatureCheck`] passed, and stored events are read again by event
+/// processing whatever the receiver's settings are now.
+pub trait EventFormat: Send + Sync {
+    fn name(&self) -> GatewayName;
+
+    /// The headers that carry a delivery's signature and identity, kept with the event.
+    fn signature_headers(&self) -> &'static [&'static str];
+
+    /// The query parameters a delivery's signature covers, kept with the event.
+    fn signed_query(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    /// The event's id, from what the signature covers (the body, or a signed header or query
+    /// parameter). `Err`: why the delivery cannot be named.
+    fn event_id(
+        &self,
+        delivery: &Delivery,
+        json: &serde_json::Value,
+    ) -> Result<String, &'static str>;
+
+    /// The body's field that names the event's type.
+    fn type_field(&self) -> &'static str {
+        "type"
+    }
+
+    /// The event's type, as the gateway names it, for the event log.
+    fn event_type(&self, json: &serde_json::Value) -> Option<String> {
+        json.get(self.type_field())?.as_str().map(str::to_owned)
+    }
+
+    /// Our seller's id, where the payment carries the metadata our payment links give it.
+    fn seller_id(&self, json: &serde_json::Value) -> Option<String>;
+
+    /// The gateway account the event was sent for (a Stripe connected account, ...).
+    fn account(&self, json: &serde_json::Value) -> Option<String> {
+        let _ = json;
+        None
+    }
+
+    /// What a verified event body establishes.
+    fn interpret(&self, body: &[u8]) -> Result<Interpretation, EventError>;
+
+    /// Whether its payments' money reaches the platform (which then owes the seller), or goes
+    /// straight to the seller.
+    fn settles_through_platform(&self) -> bool;
+
+    /// Whether it charges on the seller's own account, which a checkout must then know.
+    fn charges_on_seller_account(&self) -> bool {
+        false
+    }
+
+    /// Whether a dispute's state is its payment's state, read whole from the gateway (a
+    /// reconciled dispute is then a lookup of the payment).
+    fn disputes_are_payment_state(&self) -> bool {
+        false
+    }
+
+    /// The gateways whose events may carry facts about this gateway's payments: its own, and
+    /// those that may acquire for it.
+    fn event_sources(&self) -> &'static [GatewayName];
+
+    /// Whom an event is for, as far as its signed body says: our seller id (`seller:<id>`),
+    /// else the gateway account (`<gateway>:<account>`). Used only as the processing job's
+    /// fairness key, so one seller's flood of events cannot hold up another seller's payment;
+    /// nothing is decided by it. A key longer than the queue takes is cut (on a character
+    /// boundary): it only groups.
+    fn seller_hint(&self, json: &serde_json::Value) -> Option<String> {
+        let hint = match self.seller_id(json) {
+            Some(seller) => format!("seller:{seller}"),
+            None => format!("{}:{}", self.name(), self.account(json)?),
+        };
+        let mut end = hint.len().min(payfleet_queue::MAX_FAIRNESS_KEY);
+        while !hint.is_char_boundary(end) {
+            end -= 1;
+        }
+        Some(hint[..end].to_owned())
+    }
+}
+
+/// The event format of a gateway. The one place that names every gateway.
+pub fn format(gateway: GatewayName) -> &'static dyn EventFormat {
+    match gateway {
+        GatewayName::Stripe => &stripe::FORMAT,
+        GatewayName::MercadoPago => &mercadopago::FORMAT,
+        GatewayName::Razorpay => &razorpay::FORMAT,
+        GatewayName::Internal => &hosted::INTERNAL,
+        GatewayName::Mock => &hosted::MOCK,
+    }
+}
+
+/// Reads a verified event body of `gateway`'s.
+pub fn interpret(gateway: GatewayName, body: &[u8]) -> Result<Interpretation, EventError> {
+    format(gateway).interpret(body)
+}
+
+/// Checks a delivery's signature with the secrets one gateway's settings hold.
+pub trait SignatureCheck: Send + Sync {
+    fn gateway(&self) -> GatewayName;
+    /// `now` and `tolerance` in seconds: a signed timestamp further from now is refused.
+    fn verify(&self, delivery: &Delivery, now: i64, tolerance: i64) -> Result<(), SignatureError>;
+}
+
+/// The signature checks of the gateways whose webhook secret is configured, by name. A gateway
+/// without one is disabled.
+#[derive(Clone, Default)]
+pub struct SignatureChecks(HashMap<GatewayName, Arc<dyn SignatureCheck>>);
+
+impl std::fmt::Debug for SignatureChecks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.enabled()).finish()
+    }
+}
+
+impl SignatureChecks {
+    fn add(&mut self, check: Option<Arc<dyn SignatureCheck>>) {
+        if let Some(c) = check {
+            self.0.insert(c.gateway(), c);
+        }
+    }
+
+    pub fn get(&self, gateway: GatewayName) -> Option<&dyn SignatureCheck> {
+        self.0.get(&gateway).map(|c| c.as_ref())
+    }
+
+    /// The enabled gateways, in a stable order.
+    pub fn enabled(&self) -> Vec<GatewayName> {
+        GatewayName::ALL
+            .iter()
+            .copied()
+            .filter(|g| self.0.contains_key(g))
+            .collect()
+    }
+}
+
+/// Every gateway's settings, each read by its own folder.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub stripe: stripe::Settings,
+    pub mercadopago: mercadopago::Settings,
+    pub razorpay: razorpay::Settings,
+    pub hosted: hosted::Settings,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    /// Settings that are each valid but unsafe or useless together.
+    #[error("{0}")]
+    Conflict(String),
+    #[error("cannot build the {gateway} client")]
+    Client {
+        gateway: GatewayName,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error(transparent)]
+    Duplicate(#[from] api::DuplicateGateway),
+}
+
+impl Settings {
+    /// `public_url`: where buyers reach this receiver (payment pages, the pages gateways send
+    /// them back to, the hosted gateways' webhook endpoints by default).
+    pub fn from_env(env: &dyn Env, public_url: &str) -> Result<Self, Invalid> {
+        Ok(Self {
+            stripe: stripe::Settings::from_env(env)?,
+            mercadopago: mercadopago::Settings::from_env(env)?,
+            razorpay: razorpay::Settings::from_env(env)?,
+            hosted: hosted::Settings::from_env(env, public_url)?,
+        })
+    }
+
+    /// The signature checks of the gateways whose webhook secret is configured.
+    pub fn signature_checks(&self) -> SignatureChecks {
+        let mut checks = SignatureChecks::default();
+        checks.add(self.stripe.signature_check());
+        checks.add(self.mercadopago.signature_check());
+        checks.add(self.razorpay.signature_check());
+        for check in self.hosted.signature_checks() {
+            checks.add(Some(check));
+        }
+        checks
+    }
+
+    /// The gateway that collects the internal gateway's payments, where it is not simulated.
+    pub fn internal_acquirer(&self) -> Option<GatewayName> {
+        self.hosted.acquirer()
+    }
+
+    /// Refuses settings that are each valid but unsafe together: a simulated gateway where the
+    /// payment simulator is off, an internal-gateway secret beside a real acquirer.
+    pub fn check(&self) -> Result<(), SettingsError> {
+        self.hosted.check()?;
+        if self.hosted.acquirer().is_some() && !self.stripe.receives_platform_events() {
+            return Err(SettingsError::Conflict(
+                "PAYFLEET_INTERNAL_ACQUIRER=stripe needs STRIPE_SECRET_KEY and the platform endpoint's signing secret (STRIPE_PLATFORM_WEBHOOK_SECRET, or STRIPE_WEBHOOK_SECRET): the platform account's events confirm its payments".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The gateways buyers can pay through: a gateway is enabled when its webhook secret is
+    /// configured (its events can be received) and, for an outside gateway, its API
+    /// credentials. Also the hosted ones by themselves, for their payment pages; their events
+    /// go to `sink`.
+    pub fn clients(
+        &self,
+        pool: &PgPool,
+        public_url: &str,
+        sink: Arc<dyn hosted::EventSink>,
+    ) -> Result<(GatewayRegistry, Vec<hosted::HostedGateway>), SettingsError> {
+        self.check()?;
+        let mut registry = GatewayRegistry::default();
+        let hosted = self.hosted.gateways(pool, public_url, sink);
+        for g in &hosted {
+            registry.register(Arc::new(g.clone()))?;
+        }
+        let outside: [Option<Arc<dyn PaymentGateway>>; 4] = [
+            self.stripe
+                .acquirer_client(public_url, self.hosted.acquirer())?,
+            self.stripe.client(public_url)?,
+            self.mercadopago.client()?,
+            self.razorpay.client(public_url)?,
+        ];
+        for g in outside.into_iter().flatten() {
+            registry.register(g)?;
+        }
+        Ok((registry, hosted))
+    }
+}
+
+/// A gateway's API base URL: https, except on this machine (a local stand-in), so that no
+/// credential or payment travels in the clear.
+fn api_url(env: &dyn Env, name: &'static str, default: &str) -> Result<String, Invalid> {
+    let v = crate::env::var(env, name).unwrap_or_else(|| default.to_owned());
+    let url =
+        reqwest::Url::parse(&v).map_err(|e| crate::env::invalid(name, format!("{v:?}: {e}")))?;
+    let loopback = url.host_str().is_some_and(|h| {
+        h.eq_ignore_ascii_case("localhost")
+            || h.trim_start_matches('[')
+                .trim_end_matches(']')
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    });
+    match url.scheme() {
+        "https" => {}
+        "http" if loopback => {}
+        "http" => {
+            return Err(crate::env::invalid(
+                name,
+                "must be https (http only on loopback)",
+            ));
+        }
+        _ => return Err(crate::env::invalid(name, "must start with https://")),
+    }
+    Ok(v.trim_end_matches('/').to_owned())
+}
+
+/// A JSON value as text: a non-empty string, or a number (ids some gateways send as numbers).
+fn text(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
         serde_json::Value::String(s) if !s.is_empty() => Some(s.clone()),
         serde_json::Value::Number(n) => Some(n.to_string()),
         _ => None,
-    };
-    let ours = match gateway {
-        GatewayName::Stripe => text(v.pointer("/data/object/metadata/seller_id")),
-        GatewayName::Razorpay => ["payment", "refund", "order", "dispute"]
-            .iter()
-            .find_map(|e| text(v.pointer(&format!("/payload/{e}/entity/notes/seller_id")))),
-        GatewayName::Internal | GatewayName::Mock => text(v.pointer("/data/seller_id")),
-        GatewayName::MercadoPago => None,
-    };
-    let hint = match ours {
-        Some(seller) => format!("seller:{seller}"),
-        None => {
-            let account = match gateway {
-                GatewayName::Stripe => text(v.get("account")),
-                GatewayName::MercadoPago => text(v.get("user_id")),
-                GatewayName::Razorpay => text(v.get("account_id")),
-                GatewayName::Internal | GatewayName::Mock => None,
-            }?;
-            format!("{gateway}:{account}")
-        }
-    };
-    // A key longer than the queue takes is cut (on a character boundary): it only groups.
-    let mut end = hint.len().min(payfleet_queue::MAX_FAIRNESS_KEY);
-    while !hint.is_char_boundary(end) {
-        end -= 1;
     }
-    Some(hint[..end].to_owned())
-}
-
-/// The event's type, as the gateway names it, for the event log.
-pub fn event_type(gateway: GatewayName, v: &serde_json::Value) -> Option<String> {
-    let field = match gateway {
-        GatewayName::Razorpay => "event",
-        GatewayName::MercadoPago => "action",
-        _ => "type",
-    };
-    v.get(field)?.as_str().map(str::to_owned)
 }
 
 fn ref_of(session_id: Option<&str>, payment_id: Option<&str>) -> Result<PaymentRef, EventError> {
@@ -208,8 +456,63 @@ fn ref_of(session_id: Option<&str>, payment_id: Option<&str>) -> Result<PaymentR
 }
 
 #[cfg(test)]
+mod format_tests {
+    use super::*;
+
+    #[test]
+    fn every_gateway_reads_its_own_events_and_names_its_signature_headers() {
+        for g in GatewayName::ALL {
+            let f = format(*g);
+            assert_eq!(f.name(), *g);
+            assert!(f.event_sources().contains(g), "{g}");
+            assert!(!f.signature_headers().is_empty(), "{g}");
+        }
+        // Where the money lands decides who owes the seller: only the platform's own
+        // collections are the platform's debt.
+        let through_platform: Vec<GatewayName> = GatewayName::ALL
+            .iter()
+            .copied()
+            .filter(|g| format(*g).settles_through_platform())
+            .collect();
+        assert_eq!(
+            through_platform,
+            vec![
+                GatewayName::Razorpay,
+                GatewayName::Internal,
+                GatewayName::Mock
+            ]
+        );
+    }
+
+    #[test]
+    fn a_gateway_is_enabled_by_its_webhook_secret_alone() {
+        let env = [
+            ("RAZORPAY_WEBHOOK_SECRET", "rzp"),
+            (
+                "MOCK_WEBHOOK_SECRET",
+                "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD",
+            ),
+            ("STRIPE_SECRET_KEY", "sk_test_only_the_api"),
+        ];
+        let settings = Settings::from_env(&env, "http://127.0.0.1:8080").unwrap();
+        assert_eq!(
+            settings.signature_checks().enabled(),
+            vec![GatewayName::Razorpay, GatewayName::Mock]
+        );
+        assert_eq!(
+            settings.hosted.targets()[0].url,
+            "http://127.0.0.1:8080/webhooks/mock"
+        );
+    }
+}
+
+#[cfg(test)]
 mod seller_hint_tests {
-    use super::{GatewayName, seller_hint};
+    use super::{GatewayName, format};
+
+    fn seller_hint(g: GatewayName, v: &serde_json::Value) -> Option<String> {
+        format(g).seller_hint(v)
+    }
     use serde_json::json;
 
     #[test]

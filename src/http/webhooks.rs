@@ -54,7 +54,7 @@ async fn receive(
         .parse()
         .map_err(|_| ApiError::NotFound(format!("unknown gateway {gateway:?}")))?;
     let refused = |reason: &'static str| state.counters.refused(gateway, reason);
-    if !state.verifier.secrets().enabled(gateway) {
+    if !state.verifier.enabled(gateway) {
         refused("disabled");
         return Err(ApiError::NotFound(format!(
             "gateway {gateway} is not enabled"

@@ -45,7 +45,7 @@ impl Channel {
 
     fn through_platform(&self) -> bool {
         match self {
-            Self::Gateway(g) => settles_through_platform(*g),
+            Self::Gateway(g) => crate::gateways::format(*g).settles_through_platform(),
             Self::Coins => true,
         }
     }
@@ -68,15 +68,6 @@ pub struct Sale {
     pub net: Money,
     pub paid_at: DateTime<Utc>,
     pub holding_days: i32,
-}
-
-/// Whether the money of a gateway's payments reaches the platform (which then owes the seller),
-/// or goes straight to the seller.
-pub fn settles_through_platform(gateway: GatewayName) -> bool {
-    matches!(
-        gateway,
-        GatewayName::Internal | GatewayName::Mock | GatewayName::Razorpay
-    )
 }
 
 struct Accounts {

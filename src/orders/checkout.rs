@@ -28,7 +28,7 @@ use super::expiry::ExpireOrder;
 use super::pricing::{self, PricingError};
 use super::{OrderView, PaymentLinkView, of_checkout};
 use crate::catalogue::{self, ProductId, ProductKind};
-use crate::gateways::GatewayName;
+use crate::gateways::{self, GatewayName};
 use crate::messaging::rpc::{PaymentLinkReply, PaymentLinkRequest, PaymentLinks, RpcError};
 use payfleet_queue::Job;
 use payfleet_queue::QueueError;
@@ -340,7 +340,7 @@ impl Checkout {
         r: &CheckoutRequest,
     ) -> Result<i64, CheckoutError> {
         let cart = self.cart(r)?;
-        if cart.coupon.is_none() && cart.gateway != GatewayName::Stripe {
+        if cart.coupon.is_none() && !gateways::format(cart.gateway).charges_on_seller_account() {
             match self.writer.write(key, me, &cart).await {
                 Written::Created(checkout) => return Ok(checkout),
                 Written::Refused(e) => return Err(e),
@@ -391,7 +391,7 @@ impl Checkout {
             };
         let now = Utc::now();
         let priced = pricing::price(&items, coupon.as_ref(), self.fee_percent, now)?;
-        if gateway == GatewayName::Stripe {
+        if gateways::format(gateway).charges_on_seller_account() {
             self.check_stripe_accounts(&mut tx, &priced).await?;
         }
         let redemptions = priced.iter().filter(|o| o.uses_coupon()).count() as i32;
@@ -1041,13 +1041,14 @@ async fn ask_link(
     links: &dyn PaymentLinks,
     o: &OrderView,
 ) -> Result<PaymentLinkView, (String, bool)> {
-    // Only Stripe charges on the seller's own account.
-    let seller_account = match o.gateway {
-        GatewayName::Stripe => catalogue::seller(pool, o.seller_id)
+    // Only a gateway that charges on the seller's own account (Stripe's) needs it.
+    let seller_account = if gateways::format(o.gateway).charges_on_seller_account() {
+        catalogue::seller(pool, o.seller_id)
             .await
             .map_err(|e| (e.to_string(), true))?
-            .and_then(|s| s.stripe_account),
-        _ => None,
+            .and_then(|s| s.stripe_account)
+    } else {
+        None
     };
     let money =
         |v: &str| crate::money::Money::parse(v, &o.currency).map_err(|e| (e.to_string(), false));

@@ -966,15 +966,12 @@ async fn record_unmatched(
     Ok(changed.rows_affected() > 0)
 }
 
-/// The gateways whose stored events may hold facts about `gateway`'s payments: its own, and
-/// for the internal gateway Stripe's too (when Stripe is its acquirer, its events arrive
-/// through Stripe's webhook; otherwise no Stripe event waits on an internal payment's key).
-/// Waking an event that turns out to be about another payment only makes it wait again.
-fn event_sources(gateway: GatewayName) -> Vec<GatewayName> {
-    match gateway {
-        GatewayName::Internal => vec![GatewayName::Internal, GatewayName::Stripe],
-        other => vec![other],
-    }
+/// The gateways whose stored events may hold facts about `gateway`'s payments
+/// (`EventFormat::event_sources`: its own, and an acquirer's, whose events arrive through its
+/// own webhook). Waking an event that turns out to be about another payment only makes it wait
+/// again.
+fn event_sources(gateway: GatewayName) -> &'static [GatewayName] {
+    crate::gateways::format(gateway).event_sources()
 }
 
 /// Enqueues, in this transaction, the processing of every event that waited for one of these
@@ -999,7 +996,7 @@ pub(super) async fn wake_waiting_many(
     let (mut sources, mut names) = (Vec::new(), Vec::new());
     for (gateway, key) in keys {
         for source in event_sources(*gateway) {
-            sources.push(source);
+            sources.push(*source);
             names.push(*key);
         }
     }

@@ -185,7 +185,7 @@ async fn batch_loop(
                 .iter()
                 .map(|r| (r.gateway, r.event_id.as_str()))
                 .collect();
-            let done = match process_batch(&pool, processor.internal_on_stripe, &events).await {
+            let done = match process_batch(&pool, processor.internal_acquirer, &events).await {
                 Ok(done) => done,
                 Err(e) => {
                     tracing::warn!(events = events.len(), error = %payfleet_queue::error_chain(&e), "a batch of payment events failed; each is processed alone");
@@ -215,15 +215,15 @@ struct Candidate {
 
 /// Processes the plain cases among `events` in one transaction. Returns, for each event, whether
 /// it was applied here; the others are left exactly as they were, for [`Processor::process`].
-/// `internal_on_stripe`: as [`Processor::internal_on_stripe`].
+/// `internal_acquirer`: as [`Processor::internal_acquirer`].
 pub async fn process_batch(
     pool: &PgPool,
-    internal_on_stripe: bool,
+    internal_acquirer: Option<GatewayName>,
     events: &[(GatewayName, &str)],
 ) -> Result<Vec<bool>, ProcessError> {
     let mut done = vec![false; events.len()];
     let mut tx = pool.begin().await?;
-    let mut candidates = read_candidates(&mut tx, internal_on_stripe, events).await?;
+    let mut candidates = read_candidates(&mut tx, internal_acquirer, events).await?;
     if candidates.is_empty() {
         return Ok(done);
     }
@@ -324,7 +324,7 @@ pub async fn process_batch(
 /// success with its amount, each session and payment once in the batch.
 async fn read_candidates(
     tx: &mut PgConnection,
-    internal_on_stripe: bool,
+    internal_acquirer: Option<GatewayName>,
     events: &[(GatewayName, &str)],
 ) -> Result<Vec<Candidate>, sqlx::Error> {
     let (gateways, ids): (Vec<GatewayName>, Vec<&str>) = events.iter().copied().unzip();
@@ -349,9 +349,9 @@ async fn read_candidates(
     let mut seen = HashSet::new();
     let mut candidates = Vec::with_capacity(rows.len());
     for (event, gateway, event_id, body, source) in rows {
-        // A Stripe event may be about the internal gateway's payment (its acquirer): whose it
-        // is, the one-event path decides.
-        if source != "webhook" || (gateway == GatewayName::Stripe && internal_on_stripe) {
+        // An acquirer's event may be about the internal gateway's payment: whose it is, the
+        // one-event path decides.
+        if source != "webhook" || Some(gateway) == internal_acquirer {
             continue;
         }
         let Some(&place) = at.get(&(gateway, event_id.as_str())) else {

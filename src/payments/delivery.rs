@@ -11,7 +11,6 @@ use sqlx::{PgConnection, PgPool};
 
 use crate::gateways::GatewayName;
 use crate::gateways::hosted::{self, EventSink};
-use crate::secret::StandardSecret;
 use payfleet_queue::{self as queue, Job, JobContext, JobError, NewJob, Worker};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -54,8 +53,8 @@ impl EventSink for QueueSink {
 pub struct Deliverer {
     pub pool: PgPool,
     pub http: reqwest::Client,
-    /// (gateway, its webhook URL, its signing secret).
-    pub targets: Vec<(GatewayName, String, StandardSecret)>,
+    /// Each hosted gateway's webhook URL and signing secret.
+    pub targets: Vec<hosted::Target>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -92,10 +91,7 @@ impl Worker<DeliverHostedEvent> for Deliverer {
 }
 
 impl Deliverer {
-    pub fn new(
-        pool: PgPool,
-        targets: Vec<(GatewayName, String, StandardSecret)>,
-    ) -> Result<Self, reqwest::Error> {
+    pub fn new(pool: PgPool, targets: Vec<hosted::Target>) -> Result<Self, reqwest::Error> {
         crate::tls::install_provider();
         Ok(Self {
             pool,
@@ -110,10 +106,10 @@ impl Deliverer {
         let (gateway, body) = hosted::event(&self.pool, id)
             .await?
             .ok_or_else(|| DeliveryError::NoSuchEvent(id.to_owned()))?;
-        let (_, url, secret) = self
+        let hosted::Target { url, secret, .. } = self
             .targets
             .iter()
-            .find(|(g, _, _)| *g == gateway)
+            .find(|t| t.gateway == gateway)
             .ok_or(DeliveryError::NoTarget(gateway))?;
         let body = body.to_string();
         let ts = chrono::Utc::now().timestamp();

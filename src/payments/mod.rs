@@ -66,7 +66,7 @@ impl ProcessPaymentEvent {
     }
 
     /// The keyed job that processes the event: one unfinished job per event at most. Its
-    /// fairness key is the event's seller (`gateways::seller_hint`), when the body names one.
+    /// fairness key is the event's seller (`EventFormat::seller_hint`), when the body names one.
     pub fn job(
         gateway: GatewayName,
         event_id: &str,
@@ -91,7 +91,7 @@ impl ProcessPaymentEvent {
     ) -> Result<NewJob, QueueError> {
         let seller = serde_json::from_slice(body)
             .ok()
-            .and_then(|v| crate::gateways::seller_hint(gateway, &v));
+            .and_then(|v| crate::gateways::format(gateway).seller_hint(&v));
         Self::job(gateway, event_id, seller.as_deref())
     }
 }
@@ -168,9 +168,10 @@ pub enum Processed {
 #[derive(Clone, Default)]
 pub struct Processor {
     pub mercadopago: Option<MercadoPagoClient>,
-    /// The internal gateway collects through Stripe on the platform's account
-    /// (`PAYFLEET_INTERNAL_ACQUIRER=stripe`): Stripe's events on that account are its facts.
-    pub internal_on_stripe: bool,
+    /// Who collects the internal gateway's payments on the platform's account, if not the
+    /// simulator (`PAYFLEET_INTERNAL_ACQUIRER=stripe`): that gateway's events on that account
+    /// are the internal gateway's facts.
+    pub internal_acquirer: Option<GatewayName>,
     /// Asked for the amount of a success whose event does not carry it.
     pub gateways: gateways::GatewayRegistry,
 }
@@ -229,7 +230,7 @@ impl Processor {
         row: &EventRow,
         payment: &PaymentRef,
     ) -> Result<GatewayName, sqlx::Error> {
-        if gateway != GatewayName::Stripe || !self.internal_on_stripe {
+        if Some(gateway) != self.internal_acquirer {
             return Ok(gateway);
         }
         let internal: bool = sqlx::query_scalar(

@@ -60,9 +60,11 @@ pub fn interpret(gateway: GatewayName, body: &[u8]) -> Result<Interpretation, Ev
         payment_id: r.payment_id,
     };
     if let Some(dispute_id) = r.dispute_id {
-        // A Mercado Pago mediation is its payment's state: the payment is read again whole, so
-        // the refunds that ended it (lost with the same webhook) are recorded with its decision.
-        if let (GatewayName::MercadoPago, Some(resource_id)) = (gateway, payment.payment_id.clone())
+        // Where a dispute is its payment's state (a Mercado Pago mediation), the payment is
+        // read again whole, so the refunds that ended it (lost with the same webhook) are
+        // recorded with its decision.
+        if crate::gateways::format(gateway).disputes_are_payment_state()
+            && let Some(resource_id) = payment.payment_id.clone()
         {
             return Ok(Interpretation::Lookup { resource_id });
         }
@@ -96,6 +98,19 @@ pub struct Settings {
     pub per_run: usize,
     /// Time between two questions to the same gateway.
     pub pace: Duration,
+}
+
+impl Settings {
+    /// `PAYFLEET_RECONCILE_GRACE_SECS` (300), `PAYFLEET_RECONCILE_PER_RUN` (100),
+    /// `PAYFLEET_RECONCILE_PACE_MS` (200).
+    pub fn from_env(env: &dyn crate::env::Env) -> Result<Self, crate::env::Invalid> {
+        use crate::env::parsed;
+        Ok(Self {
+            grace: Duration::from_secs(parsed(env, "PAYFLEET_RECONCILE_GRACE_SECS", 300u64)?),
+            per_run: parsed(env, "PAYFLEET_RECONCILE_PER_RUN", 100usize)?,
+            pace: Duration::from_millis(parsed(env, "PAYFLEET_RECONCILE_PACE_MS", 200u64)?),
+        })
+    }
 }
 
 /// What one run found, per gateway.

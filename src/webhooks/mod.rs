@@ -1,60 +1,22 @@
 //! Webhook ingestion: verify the signature over the raw body ([`Webhook::verify`], the only way
 //! to build a [`Webhook`]), then store the event once per (gateway, event id) together with its
-//! processing job ([`EventWriter`]). Nothing else happens on the way in. The HTTP endpoint is
+//! processing job ([`EventWriter`]). Nothing else happens on the way in. How each gateway signs
+//! and names its deliveries is its own (`gateways::<name>`); this module asks it through
+//! `gateways::SignatureCheck` and `gateways::EventFormat`. The HTTP endpoint is
 //! `http::webhooks`.
 
-pub mod signature;
 mod writer;
 
 pub use writer::{EventWriter, StoreError};
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::http::HeaderMap;
 use tokio::sync::Semaphore;
 
-use crate::gateways::{self, GatewayName};
-use crate::secret::Secret;
-use signature::SignatureError;
-
-use crate::secret::StandardSecret;
-
-/// One secret per integration. A gateway without one is disabled (its endpoint answers 404).
-/// Built by `config`; every field prints redacted.
-#[derive(Debug, Clone, Default)]
-pub struct WebhookSecrets {
-    pub stripe: Option<Secret>,
-    /// The signing secret of a second Stripe endpoint on the same URL: Stripe signs a Connect
-    /// endpoint's events (connected accounts) and an account endpoint's (the platform's own, the
-    /// internal gateway's acquirer) with secrets of their own.
-    pub stripe_platform: Option<Secret>,
-    pub mercadopago: Option<Secret>,
-    pub razorpay: Option<Secret>,
-    pub internal: Option<StandardSecret>,
-    pub mock: Option<StandardSecret>,
-}
-
-impl WebhookSecrets {
-    pub fn enabled(&self, gateway: GatewayName) -> bool {
-        match gateway {
-            GatewayName::Stripe => self.stripe.is_some() || self.stripe_platform.is_some(),
-            GatewayName::MercadoPago => self.mercadopago.is_some(),
-            GatewayName::Razorpay => self.razorpay.is_some(),
-            GatewayName::Internal => self.internal.is_some(),
-            GatewayName::Mock => self.mock.is_some(),
-        }
-    }
-
-    pub fn enabled_gateways(&self) -> Vec<GatewayName> {
-        GatewayName::ALL
-            .iter()
-            .copied()
-            .filter(|g| self.enabled(*g))
-            .collect()
-    }
-}
+pub use crate::gateways::Delivery;
+use crate::gateways::signature::SignatureError;
+use crate::gateways::{self, GatewayName, SignatureChecks};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RejectedWebhook {
@@ -89,169 +51,64 @@ pub struct Webhook {
     event_type: Option<String>,
     body: Bytes,
     headers: serde_json::Value,
-    /// The seller the event is for, if its body says (`gateways::seller_hint`).
+    /// The seller the event is for, if its body says (`gateways::EventFormat::seller_hint`).
     seller: Option<String>,
 }
 
-/// The request headers that carry a delivery's signature and identity, kept with the event.
-const KEPT_HEADERS: &[&str] = &[
-    "stripe-signature",
-    "x-signature",
-    "x-request-id",
-    "x-razorpay-signature",
-    "x-razorpay-event-id",
-    "webhook-id",
-    "webhook-timestamp",
-    "webhook-signature",
-    "content-type",
-    "user-agent",
-];
+/// Headers kept with every event, whatever its gateway, besides its signature's.
+const KEPT_HEADERS: &[&str] = &["content-type", "user-agent"];
 
 /// Longest kept header value: the signature headers are bounded before this, the others are
 /// informational and truncated.
 const MAX_KEPT_HEADER: usize = 512;
-
-/// What a delivery carries, owned, so it can be verified on another thread.
-pub struct Delivery {
-    pub gateway: GatewayName,
-    pub headers: HeaderMap,
-    pub query: HashMap<String, String>,
-    pub body: Bytes,
-}
 
 impl Webhook {
     /// Checks the gateway's signature over the raw bytes, then reads the event's id from what
     /// the signature covers. Every gateway's body must be JSON.
     pub fn verify(
         d: &Delivery,
-        secrets: &WebhookSecrets,
+        checks: &SignatureChecks,
         now: i64,
         tolerance: i64,
     ) -> Result<Self, RejectedWebhook> {
         let gateway = d.gateway;
-        let (headers, query, body) = (&d.headers, &d.query, &d.body);
-        let h = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-        let disabled = || RejectedWebhook::Disabled(gateway);
-        match gateway {
-            GatewayName::Stripe => {
-                // Either endpoint's secret (Connect's, the platform account's): the first that
-                // matches. Only a mismatch tries the next; anything else is refused at once.
-                let header = h("stripe-signature");
-                let mut outcome = Err(disabled());
-                for secret in [&secrets.stripe, &secrets.stripe_platform]
-                    .into_iter()
-                    .flatten()
-                {
-                    outcome = signature::stripe(secret.expose(), header, body, now, tolerance)
-                        .map_err(RejectedWebhook::from);
-                    if !matches!(
-                        outcome,
-                        Err(RejectedWebhook::Signature(SignatureError::Mismatch(_)))
-                    ) {
-                        break;
-                    }
-                }
-                outcome?;
-            }
-            GatewayName::MercadoPago => {
-                let secret = secrets.mercadopago.as_ref().ok_or_else(disabled)?;
-                signature::mercadopago(
-                    secret.expose(),
-                    h("x-signature"),
-                    h("x-request-id"),
-                    query.get("data.id").map(String::as_str),
-                    now,
-                    tolerance,
-                )?;
-            }
-            GatewayName::Razorpay => {
-                let secret = secrets.razorpay.as_ref().ok_or_else(disabled)?;
-                signature::razorpay(secret.expose(), h("x-razorpay-signature"), body)?;
-            }
-            GatewayName::Internal | GatewayName::Mock => {
-                let secret = if gateway == GatewayName::Internal {
-                    &secrets.internal
-                } else {
-                    &secrets.mock
-                };
-                let secret = secret.as_ref().ok_or_else(disabled)?;
-                signature::standard(
-                    secret,
-                    h("webhook-id"),
-                    h("webhook-timestamp"),
-                    h("webhook-signature"),
-                    body,
-                    now,
-                    tolerance,
-                )?;
-            }
-        }
-        let json: serde_json::Value = serde_json::from_slice(body)
+        let check = checks
+            .get(gateway)
+            .ok_or(RejectedWebhook::Disabled(gateway))?;
+        check.verify(d, now, tolerance)?;
+        let format = gateways::format(gateway);
+        let json: serde_json::Value = serde_json::from_slice(&d.body)
             .map_err(|e| RejectedWebhook::Malformed(format!("the body is not JSON: {e}")))?;
         let malformed = |m: &str| RejectedWebhook::Malformed(m.to_owned());
-        let event_id = match gateway {
-            // The id is in the signed body.
-            GatewayName::Stripe => json
-                .get("id")
-                .and_then(serde_json::Value::as_str)
-                .map(str::to_owned)
-                .ok_or_else(|| malformed("the body has no string \"id\""))?,
-            GatewayName::MercadoPago => {
-                // The body is not signed: it must name the resource the signed query names,
-                // since processing reads the resource from it. Its own id changes across
-                // resends; the signed request id names the delivery, and processing
-                // deduplicates on the payment's state fetched from the API.
-                let signed = query
-                    .get("data.id")
-                    .filter(|s| !s.is_empty())
-                    .ok_or_else(|| malformed("missing data.id in the query string"))?;
-                let body_id = match json.get("data").and_then(|d| d.get("id")) {
-                    Some(serde_json::Value::String(s)) => s.clone(),
-                    Some(serde_json::Value::Number(n)) => n.to_string(),
-                    _ => String::new(),
-                };
-                if !body_id.eq_ignore_ascii_case(signed) {
-                    return Err(malformed(
-                        "the body's data.id differs from the signed data.id",
-                    ));
-                }
-                let request_id =
-                    h("x-request-id").ok_or_else(|| malformed("missing x-request-id"))?;
-                format!("{signed}:{request_id}")
-            }
-            // Its event id header is not signed: the identity comes from the signed body.
-            GatewayName::Razorpay => gateways::razorpay_event_identity(&json).ok_or_else(|| {
-                malformed("the body has no event, created_at and entity id to identify it by")
-            })?,
-            // Standard Webhooks sign the id.
-            GatewayName::Internal | GatewayName::Mock => h("webhook-id")
-                .map(str::to_owned)
-                .ok_or_else(|| malformed("missing webhook-id"))?,
-        };
+        let event_id = format.event_id(d, &json).map_err(malformed)?;
         if event_id.is_empty() || event_id.len() > 255 {
             return Err(malformed("the event id must be 1 to 255 characters"));
         }
-        let mut kept: serde_json::Map<String, serde_json::Value> = KEPT_HEADERS
+        let mut kept: serde_json::Map<String, serde_json::Value> = format
+            .signature_headers()
             .iter()
+            .chain(KEPT_HEADERS)
             .filter_map(|name| {
-                h(name).map(|v| {
+                d.header(name).map(|v| {
                     let v: String = v.chars().take(MAX_KEPT_HEADER).collect();
                     ((*name).to_owned(), serde_json::Value::String(v))
                 })
             })
             .collect();
-        if let Some(data_id) = query.get("data.id") {
-            kept.insert(
-                "query:data.id".into(),
-                serde_json::Value::String(data_id.clone()),
-            );
+        for name in format.signed_query() {
+            if let Some(value) = d.query(name) {
+                kept.insert(
+                    format!("query:{name}"),
+                    serde_json::Value::String(value.to_owned()),
+                );
+            }
         }
         Ok(Self {
             gateway,
-            event_type: gateways::event_type(gateway, &json),
-            seller: gateways::seller_hint(gateway, &json),
+            event_type: format.event_type(&json),
+            seller: format.seller_hint(&json),
             event_id,
-            body: body.clone(),
+            body: d.body.clone(),
             headers: serde_json::Value::Object(kept),
         })
     }
@@ -274,29 +131,30 @@ const INLINE_VERIFY_MAX: usize = 64 * 1024;
 /// at once as the machine has cores (the rest wait their turn, asynchronously).
 #[derive(Clone)]
 pub struct Verifier {
-    secrets: Arc<WebhookSecrets>,
+    checks: Arc<SignatureChecks>,
     tolerance_secs: i64,
     permits: Arc<Semaphore>,
 }
 
 impl Verifier {
-    pub fn new(secrets: Arc<WebhookSecrets>, tolerance_secs: i64) -> Self {
+    pub fn new(checks: SignatureChecks, tolerance_secs: i64) -> Self {
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         Self {
-            secrets,
+            checks: Arc::new(checks),
             tolerance_secs,
             permits: Arc::new(Semaphore::new(cores)),
         }
     }
 
-    pub fn secrets(&self) -> &WebhookSecrets {
-        &self.secrets
+    /// Whether `gateway`'s webhooks are taken (its secret is configured).
+    pub fn enabled(&self, gateway: GatewayName) -> bool {
+        self.checks.get(gateway).is_some()
     }
 
     pub async fn verify(&self, delivery: Delivery) -> Result<Webhook, RejectedWebhook> {
         let now = chrono::Utc::now().timestamp();
         if delivery.body.len() <= INLINE_VERIFY_MAX {
-            return Webhook::verify(&delivery, &self.secrets, now, self.tolerance_secs);
+            return Webhook::verify(&delivery, &self.checks, now, self.tolerance_secs);
         }
         // The semaphore is never closed.
         let _permit = self
@@ -304,9 +162,9 @@ impl Verifier {
             .acquire()
             .await
             .map_err(|_| RejectedWebhook::Aborted("the verifier has stopped".into()))?;
-        let secrets = self.secrets.clone();
+        let checks = self.checks.clone();
         let tolerance = self.tolerance_secs;
-        tokio::task::spawn_blocking(move || Webhook::verify(&delivery, &secrets, now, tolerance))
+        tokio::task::spawn_blocking(move || Webhook::verify(&delivery, &checks, now, tolerance))
             .await
             .map_err(|e| RejectedWebhook::Aborted(e.to_string()))?
     }

@@ -522,7 +522,7 @@ async fn a_late_payment_given_back_is_recorded_even_when_its_webhook_is_lost(poo
     .await;
     // The refund job runs where the gateway's events go nowhere: its webhook is lost for good.
     let mut lost = app.config.clone();
-    lost.internal_webhook_url = "http://127.0.0.1:9/webhooks/internal".into();
+    lost.gateways.hosted.internal_webhook_url = "http://127.0.0.1:9/webhooks/internal".into();
     step(&pool, &lost, "payments").await;
     let refunds: i64 = sqlx::query_scalar("SELECT count(*) FROM internal_refunds")
         .fetch_one(&pool)

@@ -293,7 +293,7 @@ async fn a_stripe_checkout_is_paid_on_the_sellers_account_and_confirmed_by_its_e
     let log = Log::default();
     let base = stand_in(stripe_api(), log.clone()).await;
     let mut config = test_config();
-    config.stripe = Some(payfleet::config::StripeApi {
+    config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
         base_url: base,
         secret_key: Secret::new("sk_test_123"),
     });
@@ -359,16 +359,16 @@ async fn the_internal_gateway_collects_through_stripe_on_the_platforms_account(p
     let log = Log::default();
     let base = stand_in(stripe_api(), log.clone()).await;
     let mut config = test_config();
-    config.stripe = Some(payfleet::config::StripeApi {
+    config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
         base_url: base,
         secret_key: Secret::new("sk_test_platform"),
     });
-    config.internal_acquirer = payfleet::config::InternalAcquirer::Stripe;
+    config.gateways.hosted.internal_acquirer = payfleet::gateways::hosted::InternalAcquirer::Stripe;
     // Its facts come from Stripe only: no internal-gateway webhook secret.
-    config.webhooks.internal = None;
+    config.gateways.hosted.internal = None;
     // The platform account's endpoint signs with a secret of its own.
     const PLATFORM_SECRET: &str = "whsec_platform_endpoint_secret";
-    config.webhooks.stripe_platform = Some(Secret::new(PLATFORM_SECRET));
+    config.gateways.stripe.platform_webhook_secret = Some(Secret::new(PLATFORM_SECRET));
     let shop = Shop {
         app: Arc::new(spawn_fleet(pool.clone(), config).await),
     };
@@ -820,7 +820,7 @@ async fn a_refund_whose_outcome_never_arrives_is_asked_of_the_gateway(pool: PgPo
     let log = Log::default();
     let base = stand_in(api, log.clone()).await;
     let mut config = test_config();
-    config.stripe = Some(payfleet::config::StripeApi {
+    config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
         base_url: base,
         secret_key: Secret::new("sk_test_123"),
     });
@@ -1001,7 +1001,7 @@ async fn a_dispute_whose_decision_never_arrives_is_asked_of_the_gateway(pool: Pg
     let log = Log::default();
     let base = stand_in(api, log.clone()).await;
     let mut config = test_config();
-    config.stripe = Some(payfleet::config::StripeApi {
+    config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
         base_url: base,
         secret_key: Secret::new("sk_test_123"),
     });

@@ -83,7 +83,7 @@ async fn readiness_fails_when_the_event_writer_has_ended(pool: PgPool) {
 async fn refused_webhooks_are_counted_by_gateway_and_reason(pool: PgPool) {
     let mut config = test_config();
     // The gateway signs with a secret we do not have: every delivery is a mismatch.
-    config.webhooks.stripe = Some(Secret::new("whsec_rotated_without_telling_us"));
+    config.gateways.stripe.webhook_secret = Some(Secret::new("whsec_rotated_without_telling_us"));
     let app = spawn_app_with(pool, config).await;
     for i in 0..3 {
         let (status, _) = app

@@ -3,12 +3,11 @@ use std::net::SocketAddr;
 use payfleet::auth::{self, Token};
 use payfleet::config::Config;
 use payfleet::gateways::GatewayName;
+use payfleet::gateways::signature::hex_hmac;
 use payfleet::payments::ProcessPaymentEvent;
 use payfleet::secret::Secret;
 use payfleet::secret::StandardSecret;
 use payfleet::startup::{self, Roles, Running};
-use payfleet::webhooks::WebhookSecrets;
-use payfleet::webhooks::signature::hex_hmac;
 use payfleet_queue::{Job, QueueSettings, Registry, work_until_idle};
 use sqlx::PgPool;
 use tokio::net::TcpListener;
@@ -19,15 +18,15 @@ pub const RAZORPAY_SECRET: &str = "rzp-test-secret";
 pub const INTERNAL_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 pub const MOCK_SECRET: &str = "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD";
 
-pub fn all_secrets() -> WebhookSecrets {
-    WebhookSecrets {
-        stripe: Some(Secret::new(STRIPE_SECRET)),
-        stripe_platform: None,
-        mercadopago: Some(Secret::new(MP_SECRET)),
-        razorpay: Some(Secret::new(RAZORPAY_SECRET)),
-        internal: Some(StandardSecret::parse(INTERNAL_SECRET).unwrap()),
-        mock: Some(StandardSecret::parse(MOCK_SECRET).unwrap()),
-    }
+/// Every gateway's webhook secret, and no other.
+pub fn with_all_secrets(config: &mut Config) {
+    let g = &mut config.gateways;
+    g.stripe.webhook_secret = Some(Secret::new(STRIPE_SECRET));
+    g.stripe.platform_webhook_secret = None;
+    g.mercadopago.webhook_secret = Some(Secret::new(MP_SECRET));
+    g.razorpay.webhook_secret = Some(Secret::new(RAZORPAY_SECRET));
+    g.hosted.internal = Some(StandardSecret::parse(INTERNAL_SECRET).unwrap());
+    g.hosted.mock = Some(StandardSecret::parse(MOCK_SECRET).unwrap());
 }
 
 pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789-abcdefghij";
@@ -44,10 +43,10 @@ pub fn test_config() -> Config {
         ("PAYFLEET_RECURRING", "off"),
     ])
     .unwrap();
-    config.webhooks = all_secrets();
+    with_all_secrets(&mut config);
     config.admin_token = Some(Token::parse(ADMIN_TOKEN).unwrap());
     // Tests pay on the simulated gateways' pages.
-    config.payment_simulator = true;
+    config.gateways.hosted.simulator = true;
     // Tests read the gauges right after what changes them.
     config.metrics_refresh = std::time::Duration::ZERO;
     config.amqp_namespace = format!("test-{:016x}", rand::random::<u64>());
@@ -90,8 +89,8 @@ pub async fn spawn_roles(pool: PgPool, mut config: Config, roles: Roles) -> Test
     let addr = listener.local_addr().unwrap();
     // Payment pages and the hosted gateway's deliveries point at this server.
     config.public_url = format!("http://{addr}");
-    config.internal_webhook_url = format!("http://{addr}/webhooks/internal");
-    config.mock_webhook_url = format!("http://{addr}/webhooks/mock");
+    config.gateways.hosted.internal_webhook_url = format!("http://{addr}/webhooks/internal");
+    config.gateways.hosted.mock_webhook_url = format!("http://{addr}/webhooks/mock");
     let running = startup::start(&config, pool.clone(), roles, Some(listener)).unwrap();
     // On the real broker, tests start once this process is on it (a loaded machine may take a
     // moment), so a first checkout does not meet a connection still being made. Tests that cut
@@ -620,14 +619,6 @@ impl TcpProxy {
     }
 }
 
-/// Waits until `done` holds, checking every 10 ms; fails the test after `limit`.
-pub async fn wait_for(what: &str, limit: std::time::Duration, mut done: impl AsyncFnMut() -> bool) {
-    let start = std::time::Instant::now();
-    while !done().await {
-        assert!(
-            start.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-}
+#[path = "../../crates/queue/tests/support/wait.rs"]
+mod wait;
+pub use wait::wait_for;

@@ -2,8 +2,8 @@ use axum::Json;
 use axum::extract::Path;
 use axum::response::IntoResponse;
 use axum::routing::get;
-use payfleet::config::MercadoPagoApi;
 use payfleet::gateways::GatewayName;
+use payfleet::gateways::mercadopago::Api as MercadoPagoApi;
 use payfleet::payments::{Processed, Processor};
 use payfleet::secret::Secret;
 use payfleet_queue::rescue_expired;
@@ -401,7 +401,7 @@ async fn mercadopago_events_are_checked_against_the_api(pool: PgPool) {
         payfleet::payments::events::Replayed::Queued
     );
     let mut config = test_config();
-    config.mercadopago = Some(MercadoPagoApi {
+    config.gateways.mercadopago.api = Some(MercadoPagoApi {
         base_url: base.clone(),
         access_token: Secret::new("TEST-token"),
     });
@@ -686,7 +686,7 @@ async fn mercadopago_mediations_end_won_or_as_a_refund(pool: PgPool) {
     let payments = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
     let base = mercadopago_api(payments.clone()).await;
     let mut config = test_config();
-    config.mercadopago = Some(MercadoPagoApi {
+    config.gateways.mercadopago.api = Some(MercadoPagoApi {
         base_url: base,
         access_token: Secret::new("TEST-token"),
     });
@@ -784,7 +784,7 @@ async fn a_mercadopago_mediation_whose_end_was_never_notified_is_reconciled_with
     let payments = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
     let base = mercadopago_api(payments.clone()).await;
     let mut config = test_config();
-    config.mercadopago = Some(MercadoPagoApi {
+    config.gateways.mercadopago.api = Some(MercadoPagoApi {
         base_url: base,
         access_token: Secret::new("TEST-token"),
     });
@@ -941,7 +941,7 @@ async fn batch(pool: &PgPool, sessions: &[&str]) -> Vec<bool> {
         .iter()
         .map(|id| (GatewayName::Internal, id.as_str()))
         .collect();
-    payfleet::payments::batch::process_batch(pool, false, &events)
+    payfleet::payments::batch::process_batch(pool, None, &events)
         .await
         .unwrap()
 }
@@ -1225,7 +1225,7 @@ async fn an_event_that_fails_its_batch_is_processed_alone_and_holds_up_no_other(
     assert!(
         payfleet::payments::batch::process_batch(
             &pool,
-            false,
+            None,
             &[
                 (GatewayName::Internal, "msg_ok1"),
                 (GatewayName::Internal, "msg_boom"),

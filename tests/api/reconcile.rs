@@ -159,7 +159,7 @@ async fn stripe_stand_in(asked: Arc<AtomicUsize>, undelivered: Vec<Value>) -> St
 
 fn with_stripe(base_url: &str) -> payfleet::config::Config {
     let mut config = test_config();
-    config.stripe = Some(payfleet::config::StripeApi {
+    config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
         base_url: base_url.to_owned(),
         secret_key: payfleet::secret::Secret::new("sk_test_reconcile"),
     });

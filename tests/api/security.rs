@@ -399,7 +399,7 @@ async fn the_payment_page_takes_only_its_own_form_from_its_own_origin(pool: PgPo
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_simulated_gateway_needs_the_simulator_on(pool: PgPool) {
     let mut config = test_config();
-    config.payment_simulator = false;
+    config.gateways.hosted.simulator = false;
     for roles in [
         payfleet::startup::Roles::SERVE,
         payfleet::startup::Roles::WORK,
@@ -412,9 +412,9 @@ async fn a_simulated_gateway_needs_the_simulator_on(pool: PgPool) {
     // Without the simulated gateways (the mock gone, the internal one collecting through
     // Stripe), the simulator is not needed; an internal-gateway webhook secret beside the Stripe
     // acquirer is refused (events signed with it would speak for real-money sessions).
-    config.webhooks.mock = None;
-    config.internal_acquirer = payfleet::config::InternalAcquirer::Stripe;
-    config.stripe = Some(payfleet::config::StripeApi {
+    config.gateways.hosted.mock = None;
+    config.gateways.hosted.internal_acquirer = payfleet::gateways::hosted::InternalAcquirer::Stripe;
+    config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
         base_url: "http://127.0.0.1:9".into(),
         secret_key: payfleet::secret::Secret::new("sk_test_x"),
     });
@@ -422,7 +422,7 @@ async fn a_simulated_gateway_needs_the_simulator_on(pool: PgPool) {
         .err()
         .expect("refused");
     assert!(e.to_string().contains("INTERNAL_WEBHOOK_SECRET"), "{e}");
-    config.webhooks.internal = None;
+    config.gateways.hosted.internal = None;
     let running =
         payfleet::startup::start(&config, pool.clone(), payfleet::startup::Roles::SERVE, None)
             .unwrap();

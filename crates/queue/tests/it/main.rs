@@ -4,17 +4,9 @@
 mod apalis;
 mod queue;
 
-/// Waits until `done` holds, failing the test after `limit`.
-pub async fn wait_for(what: &str, limit: std::time::Duration, mut done: impl AsyncFnMut() -> bool) {
-    let start = std::time::Instant::now();
-    while !done().await {
-        assert!(
-            start.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-}
+#[path = "../support/wait.rs"]
+mod wait;
+pub use wait::wait_for;
 
 /// The constraint a database error is about, if any.
 pub fn constraint_of(e: &sqlx::Error) -> Option<&str> {

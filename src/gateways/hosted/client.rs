@@ -14,11 +14,11 @@ use rust_decimal::Decimal;
 use serde_json::json;
 use sqlx::{PgConnection, PgPool};
 
-use super::api::{
+use crate::gateways::api::{
     GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt, RefundRequest, Session,
     SessionRequest, unknown_status,
 };
-use super::{GatewayName, PaymentStatus};
+use crate::gateways::{GatewayName, PaymentStatus};
 use crate::money::Money;
 
 /// Receives the events the gateway emits, inside the transaction that produced them, to deliver
@@ -362,13 +362,13 @@ impl HostedGateway {
     /// client, which is asked.)
     async fn dispute_state(
         &self,
-        _: &super::api::DisputeQuery,
-    ) -> Result<Option<super::DisputeStatus>, GatewayError> {
+        _: &crate::gateways::api::DisputeQuery,
+    ) -> Result<Option<crate::gateways::DisputeStatus>, GatewayError> {
         Ok(None)
     }
 }
 
-super::api::payment_gateway!(HostedGateway);
+crate::gateways::api::payment_gateway!(HostedGateway);
 
 impl HostedGateway {
     fn gateway(&self) -> GatewayName {

@@ -4,7 +4,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{DisputeStatus, EventError, Fact, Interpretation, PaymentStatus, ref_of};
+use crate::gateways::{DisputeStatus, EventError, Fact, Interpretation, PaymentStatus, ref_of};
 use crate::money::Money;
 
 #[derive(Deserialize)]

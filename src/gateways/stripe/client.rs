@@ -17,11 +17,11 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::api::{
+use crate::gateways::api::{
     DisputeQuery, GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt,
     RefundRequest, Session, SessionRequest, UndeliveredEvent, read_json, unknown_status,
 };
-use super::{DisputeStatus, GatewayName, PaymentStatus};
+use crate::gateways::{DisputeStatus, GatewayName, PaymentStatus};
 use crate::money::Money;
 use crate::secret::Secret;
 
@@ -96,7 +96,7 @@ fn minor(m: &Money) -> Result<i64, GatewayError> {
 impl StripeConnect {
     /// The same client waiting at most `timeout` for an answer (a test's impatient client).
     pub fn with_timeout(mut self, timeout: Duration) -> Result<Self, reqwest::Error> {
-        self.http = super::http_client(timeout)?;
+        self.http = crate::gateways::http_client(timeout)?;
         Ok(self)
     }
 
@@ -128,7 +128,7 @@ impl StripeConnect {
             secret_key,
             success_url: format!("{public}/orders/paid?session_id={{CHECKOUT_SESSION_ID}}"),
             cancel_url: format!("{public}/orders/cancelled"),
-            http: super::http_client(Duration::from_secs(15))?,
+            http: crate::gateways::http_client(Duration::from_secs(15))?,
         })
     }
 
@@ -408,11 +408,11 @@ impl StripeConnect {
         Ok(dispute
             .status
             .as_deref()
-            .and_then(super::stripe::dispute_status))
+            .and_then(super::events::dispute_status))
     }
 }
 
-super::api::payment_gateway!(StripeConnect, undelivered);
+crate::gateways::api::payment_gateway!(StripeConnect, undelivered);
 
 impl StripeConnect {
     fn gateway(&self) -> GatewayName {

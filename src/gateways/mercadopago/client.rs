@@ -1,45 +1,19 @@
-//! Mercado Pago. A notification only names a resource (`data.id`) and its body is not signed,
-//! so the payment's state is fetched from the API before anything is recorded.
+//! Mercado Pago's API: the payment a notification names (its facts), preferences (the
+//! session), refunds, mediations.
 
 use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::api::{
+use super::events::payment_status;
+use crate::gateways::api::{
     DisputeQuery, GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt,
     RefundRequest, Session, SessionRequest, read_json, unknown_status,
 };
-use super::{
-    DisputeStatus, EventError, Fact, GatewayName, Interpretation, PaymentRef, PaymentStatus,
-};
+use crate::gateways::{DisputeStatus, EventError, Fact, GatewayName, PaymentRef, PaymentStatus};
 use crate::money::{Money, MoneyError};
 use crate::secret::Secret;
-
-/// Payment `status`.
-pub fn payment_status(s: &str) -> PaymentStatus {
-    match s {
-        "approved" | "refunded" | "charged_back" | "in_mediation" => PaymentStatus::Succeeded,
-        "rejected" | "cancelled" => PaymentStatus::Failed,
-        _ => PaymentStatus::Pending,
-    }
-}
-
-pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
-    let v: Value = serde_json::from_slice(body)?;
-    let kind = v.get("type").and_then(Value::as_str).unwrap_or("");
-    if kind != "payment" {
-        return Ok(Interpretation::Ignore(format!(
-            "notification type {kind:?} is not acted on"
-        )));
-    }
-    let id = match v.get("data").and_then(|d| d.get("id")) {
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        Some(Value::Number(n)) => n.to_string(),
-        _ => return Err(EventError::Missing("data.id")),
-    };
-    Ok(Interpretation::Lookup { resource_id: id })
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum MercadoPagoError {
@@ -118,7 +92,7 @@ fn id_text(v: &Value) -> String {
 impl MercadoPagoClient {
     /// The same client waiting at most `timeout` for an answer (a test's impatient client).
     pub fn with_timeout(mut self, timeout: Duration) -> Result<Self, reqwest::Error> {
-        self.http = super::http_client(timeout)?;
+        self.http = crate::gateways::http_client(timeout)?;
         Ok(self)
     }
 
@@ -126,7 +100,7 @@ impl MercadoPagoClient {
         Ok(Self {
             base_url: base_url.trim_end_matches('/').to_owned(),
             access_token,
-            http: super::http_client(Duration::from_secs(10))?,
+            http: crate::gateways::http_client(Duration::from_secs(10))?,
         })
     }
 
@@ -406,7 +380,7 @@ struct PaymentStatusOnly {
     status: String,
 }
 
-super::api::payment_gateway!(MercadoPagoClient);
+crate::gateways::api::payment_gateway!(MercadoPagoClient);
 
 impl MercadoPagoClient {
     fn gateway(&self) -> GatewayName {

@@ -3,7 +3,7 @@
 
 use serde::Deserialize;
 
-use super::{DisputeStatus, EventError, Fact, Interpretation, PaymentStatus, ref_of};
+use crate::gateways::{DisputeStatus, EventError, Fact, Interpretation, PaymentStatus, ref_of};
 use crate::money::Money;
 
 #[derive(Deserialize)]

@@ -1,0 +1,90 @@
+//! Where settings come from (the process environment, or a list of pairs in tests) and how one
+//! variable is read and checked. Each context reads its own settings with these
+//! (`gateways::Settings::from_env`, `payments::reconcile::Settings::from_env`, ...); `config`
+//! composes them. A setting that does not read names itself in the error.
+
+use crate::secret::Secret;
+
+/// The source of settings: the process environment, or a list of pairs (tests).
+pub trait Env {
+    fn get(&self, name: &str) -> Option<String>;
+}
+
+/// The process environment.
+pub struct ProcessEnv;
+
+impl Env for ProcessEnv {
+    fn get(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok()
+    }
+}
+
+impl<const N: usize> Env for [(&str, &str); N] {
+    fn get(&self, name: &str) -> Option<String> {
+        self.iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| (*v).to_owned())
+    }
+}
+
+/// A setting that does not read, by its variable's name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{name} is not valid: {problem}")]
+pub struct Invalid {
+    pub name: &'static str,
+    pub problem: String,
+}
+
+pub fn invalid(name: &'static str, problem: impl Into<String>) -> Invalid {
+    Invalid {
+        name,
+        problem: problem.into(),
+    }
+}
+
+/// A variable's value, trimmed; empty is unset.
+pub fn var(env: &dyn Env, name: &str) -> Option<String> {
+    env.get(name)
+        .map(|v| v.trim().to_owned())
+        .filter(|v| !v.is_empty())
+}
+
+/// A secret's value (never printed), if set.
+pub fn secret(env: &dyn Env, name: &str) -> Option<Secret> {
+    var(env, name).map(Secret::new)
+}
+
+/// A variable parsed as `T`, or `default` when unset.
+pub fn parsed<T: std::str::FromStr>(
+    env: &dyn Env,
+    name: &'static str,
+    default: T,
+) -> Result<T, Invalid>
+where
+    T::Err: std::fmt::Display,
+{
+    match var(env, name) {
+        None => Ok(default),
+        Some(v) => v
+            .parse()
+            .map_err(|e: T::Err| invalid(name, format!("{v:?}: {e}"))),
+    }
+}
+
+/// An `on`/`off` switch, off when unset.
+pub fn switch(env: &dyn Env, name: &'static str) -> Result<bool, Invalid> {
+    match var(env, name).as_deref() {
+        None | Some("off") => Ok(false),
+        Some("on") => Ok(true),
+        Some(other) => Err(invalid(name, format!("{other:?}: on or off"))),
+    }
+}
+
+/// An http(s) URL without its trailing slash, or `default` when unset.
+pub fn http_url(env: &dyn Env, name: &'static str, default: &str) -> Result<String, Invalid> {
+    let v = var(env, name).unwrap_or_else(|| default.to_owned());
+    if !v.starts_with("http://") && !v.starts_with("https://") {
+        return Err(invalid(name, "must start with http:// or https://"));
+    }
+    Ok(v.trim_end_matches('/').to_owned())
+}

@@ -1,0 +1,240 @@
+//! Razorpay's API: orders (the session), their payments (status), refunds, disputes.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::events::{dispute_status, payment_status};
+use crate::gateways::api::{
+    DisputeQuery, GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt,
+    RefundRequest, Session, SessionRequest, read_json, unknown_status,
+};
+use crate::gateways::{DisputeStatus, GatewayName, PaymentStatus};
+use crate::money::Money;
+use crate::secret::Secret;
+
+const NAME: GatewayName = GatewayName::Razorpay;
+
+/// Razorpay's Orders API. A Razorpay order is our session: its payments carry its id back in
+/// their events (`order_id`). The buyer pays on a page of ours that opens Razorpay Checkout for
+/// the order.
+#[derive(Debug, Clone)]
+pub struct RazorpayGateway {
+    api: String,
+    key_id: String,
+    key_secret: Secret,
+    public_url: String,
+    http: reqwest::Client,
+}
+
+/// Razorpay's error body: `{"error": {"code", "description"}}`.
+fn rzp_error(body: &Value) -> (Option<String>, Option<String>) {
+    let e = &body["error"];
+    (
+        e["code"].as_str().map(str::to_owned),
+        e["description"].as_str().map(str::to_owned),
+    )
+}
+
+#[derive(Deserialize)]
+struct RzpOrder {
+    id: String,
+}
+
+#[derive(Deserialize)]
+struct RzpPayments {
+    #[serde(default)]
+    items: Vec<RzpPayment>,
+}
+
+#[derive(Deserialize)]
+struct RzpPayment {
+    id: String,
+    status: String,
+    amount: i64,
+    currency: String,
+}
+
+#[derive(Deserialize)]
+struct RzpRefund {
+    id: String,
+    status: Option<String>,
+}
+
+fn minor(m: &Money) -> Result<i64, GatewayError> {
+    m.minor_units()
+        .ok_or_else(|| GatewayError::Refused(format!("{m} does not fit Razorpay's minor units")))
+}
+
+impl RazorpayGateway {
+    /// The same client waiting at most `timeout` for an answer (a test's impatient client).
+    pub fn with_timeout(mut self, timeout: Duration) -> Result<Self, reqwest::Error> {
+        self.http = crate::gateways::http_client(timeout)?;
+        Ok(self)
+    }
+
+    pub fn new(
+        api: &str,
+        key_id: &str,
+        key_secret: Secret,
+        public_url: &str,
+    ) -> Result<Self, reqwest::Error> {
+        Ok(Self {
+            api: api.trim_end_matches('/').to_owned(),
+            key_id: key_id.to_owned(),
+            key_secret,
+            public_url: public_url.trim_end_matches('/').to_owned(),
+            http: crate::gateways::http_client(Duration::from_secs(15))?,
+        })
+    }
+
+    /// The key id buyers' browsers use to open Checkout (public, unlike the secret).
+    pub fn key_id(&self) -> &str {
+        &self.key_id
+    }
+
+    async fn create(&self, r: &SessionRequest) -> Result<Session, GatewayError> {
+        let order: RzpOrder = read_json(
+            NAME,
+            self.http
+                .post(format!("{}/v1/orders", self.api))
+                .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                .json(&serde_json::json!({
+                    "amount": minor(&r.amount)?,
+                    "currency": r.amount.currency(),
+                    "receipt": format!("order-{}", r.order_number),
+                    "notes": r.metadata,
+                }))
+                .send()
+                .await,
+            rzp_error,
+        )
+        .await?;
+        let url = format!("{}/pay/razorpay/{}", self.public_url, order.id);
+        Ok(Session {
+            session_id: order.id,
+            url,
+        })
+    }
+
+    async fn read(
+        &self,
+        session_id: &str,
+        _seller_account: Option<&str>,
+    ) -> Result<PaymentState, GatewayError> {
+        let payments: RzpPayments = read_json(
+            NAME,
+            self.http
+                .get(format!("{}/v1/orders/{session_id}/payments", self.api))
+                .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                .send()
+                .await,
+            rzp_error,
+        )
+        .await?;
+        let chosen = payments
+            .items
+            .iter()
+            .find(|p| payment_status(&p.status) == PaymentStatus::Succeeded)
+            .or_else(|| payments.items.first());
+        Ok(match chosen {
+            Some(p) => PaymentState {
+                status: self.map(&p.status),
+                payment_id: Some(p.id.clone()),
+                amount: Money::from_minor(p.amount, &p.currency).ok(),
+            },
+            None => PaymentState {
+                status: PaymentStatus::Pending,
+                payment_id: None,
+                amount: None,
+            },
+        })
+    }
+
+    async fn refund_payment(&self, r: &RefundRequest) -> Result<RefundReceipt, GatewayError> {
+        let refund: RzpRefund = read_json(
+            NAME,
+            self.http
+                .post(format!("{}/v1/payments/{}/refund", self.api, r.payment_id))
+                .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                // Razorpay deduplicates refunds on this header (`receipt` is a reference
+                // only): a retry after a timeout is the same refund, not a second one.
+                .header("X-Refund-Idempotency", &r.idempotency_key)
+                .json(&serde_json::json!({
+                    "amount": minor(&r.amount)?,
+                    "receipt": r.idempotency_key,
+                }))
+                .send()
+                .await,
+            rzp_error,
+        )
+        .await?;
+        Ok(RefundReceipt {
+            refund_id: refund.id,
+            succeeded: refund.status.as_deref() == Some("processed"),
+        })
+    }
+}
+
+impl RazorpayGateway {
+    async fn refund_state(&self, q: &RefundQuery) -> Result<RefundOutcome, GatewayError> {
+        let refund: RzpRefund = read_json(
+            NAME,
+            self.http
+                .get(format!(
+                    "{}/v1/payments/{}/refunds/{}",
+                    self.api, q.payment_id, q.refund_id
+                ))
+                .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                .send()
+                .await,
+            rzp_error,
+        )
+        .await?;
+        Ok(match refund.status.as_deref() {
+            Some("processed") => RefundOutcome::Succeeded,
+            Some("failed") => RefundOutcome::Failed,
+            _ => RefundOutcome::Pending,
+        })
+    }
+}
+
+impl RazorpayGateway {
+    /// The dispute entity (`GET /v1/disputes/{id}`).
+    async fn dispute_state(&self, q: &DisputeQuery) -> Result<Option<DisputeStatus>, GatewayError> {
+        let dispute: RzpDispute = read_json(
+            NAME,
+            self.http
+                .get(format!("{}/v1/disputes/{}", self.api, q.dispute_id))
+                .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                .send()
+                .await,
+            rzp_error,
+        )
+        .await?;
+        Ok(dispute.status.as_deref().and_then(dispute_status))
+    }
+}
+
+/// A dispute entity, as far as we read it.
+#[derive(Deserialize)]
+struct RzpDispute {
+    status: Option<String>,
+}
+
+crate::gateways::api::payment_gateway!(RazorpayGateway);
+
+impl RazorpayGateway {
+    fn gateway(&self) -> GatewayName {
+        NAME
+    }
+
+    /// The gateway's payment status in our words (unknown: pending, logged).
+    fn map(&self, raw: &str) -> PaymentStatus {
+        match raw {
+            "created" | "authorized" | "captured" | "refunded" | "failed" => payment_status(raw),
+            other => unknown_status(NAME, other),
+        }
+    }
+}
