@@ -424,7 +424,7 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
             // An invoice is made once: a month still running would leave the rest uninvoiced.
             if end
                 > chrono::Utc::now()
-                    .with_timezone(&config.invoice_timezone)
+                    .with_timezone(&config.ledger.invoice_timezone)
                     .date_naive()
             {
                 anyhow::bail!("{m} has not ended yet: only an ended month can be invoiced");
@@ -463,7 +463,7 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
             }
         }
         MoneyAction::Invoices { .. } => {
-            let zone = config.invoice_timezone;
+            let zone = config.ledger.invoice_timezone;
             let (start, end) = period.unwrap_or_else(|| {
                 invoices::previous_month(chrono::Utc::now().with_timezone(&zone).date_naive())
             });
@@ -494,7 +494,7 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
 async fn consistency_command(config: Config, run: bool) -> anyhow::Result<()> {
     let pool = db::connect(&config.database_url, 2).await?;
     if run {
-        let r = payfleet::consistency::run(&pool, config.consistency_grace).await?;
+        let r = payfleet::consistency::run(&pool, config.consistency.grace).await?;
         println!(
             "checked: {} violations ({} new), {} resolved",
             r.open, r.new, r.resolved

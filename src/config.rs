@@ -20,7 +20,6 @@ const BUILT_IN_QUEUES: &str = include_str!("../jobs/queues.toml");
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/payfleet";
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 pub const DEFAULT_BIND: &str = "127.0.0.1:8080";
-pub const DEFAULT_WEBHOOK_BODY_LIMIT: usize = 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -35,9 +34,6 @@ pub enum ConfigError {
 fn invalid(name: &'static str, problem: impl Into<String>) -> ConfigError {
     ConfigError::Invalid(crate::env::invalid(name, problem))
 }
-
-/// The longest a signed webhook's timestamp may be from now: a replay is refused after this.
-pub const MAX_WEBHOOK_TOLERANCE_SECS: i64 = 600;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -54,11 +50,8 @@ pub struct Config {
     pub listen: ListenTo,
     /// Each gateway's secrets, API credentials and switches.
     pub gateways: crate::gateways::Settings,
-    pub webhook_body_limit: usize,
-    /// Webhooks that may wait for the event writer; beyond it a request is refused at once (503).
-    pub webhook_queue_capacity: usize,
-    /// How far a signed timestamp may be from now, either way.
-    pub webhook_tolerance_secs: i64,
+    /// The receiver's limits on webhooks.
+    pub webhooks: crate::webhooks::Settings,
     pub queues: QueuesConfig,
     /// Names this machine in worker ids.
     pub host_name: String,
@@ -71,29 +64,20 @@ pub struct Config {
     pub metrics_refresh: std::time::Duration,
     /// The limits of the HTTP server and who its clients are.
     pub http: HttpSettings,
-    /// The platform's commission, in percent of each order's total.
-    pub platform_fee_percent: rust_decimal::Decimal,
-    /// How long an order waits for its payment.
-    pub order_expiry: std::time::Duration,
+    /// The platform's commission, how long an order waits.
+    pub orders: crate::orders::Settings,
     /// Where buyers reach this receiver (payment pages, the pages gateways send them back to).
     pub public_url: String,
-    /// How long the order side waits for the payment side's answer.
-    pub rpc_timeout: std::time::Duration,
-    /// Prefix of this fleet's RabbitMQ queues.
-    pub amqp_namespace: String,
-    /// Queues unused this long are dropped by RabbitMQ (tests, preview set-ups).
-    pub amqp_queue_ttl_ms: Option<u32>,
-    /// The time zone of invoice periods (`PAYFLEET_INVOICE_TIMEZONE`): a month is invoiced
-    /// once it has ended there.
-    pub invoice_timezone: chrono_tz::Tz,
+    /// The RPC's timeout, the queues' namespace, the order messages' routes.
+    pub messaging: crate::messaging::Settings,
+    /// The invoices' time zone.
+    pub ledger: crate::ledger::Settings,
     /// The recurring jobs worker processes schedule (`jobs/recurring.toml`).
     pub recurring: crate::recurring::Schedules,
     /// How long work in flight may take before the consistency checks report it.
-    pub consistency_grace: std::time::Duration,
+    pub consistency: crate::consistency::Settings,
     /// Missed-webhook reconciliation: grace, sessions per gateway per run, pace.
     pub reconcile: crate::payments::reconcile::Settings,
-    /// Which service's queue takes which order messages (`PAYFLEET_ORDER_ROUTES`).
-    pub order_routes: crate::messaging::orders::Routes,
 }
 
 /// An operator's token: at least 32 visible characters.
@@ -185,28 +169,6 @@ impl Config {
         if db_pool_size < 4 {
             return Err(invalid("PAYFLEET_DB_POOL_SIZE", "must be at least 4"));
         }
-        let webhook_body_limit = parsed(
-            env,
-            "PAYFLEET_WEBHOOK_BODY_LIMIT",
-            DEFAULT_WEBHOOK_BODY_LIMIT,
-        )?;
-        if webhook_body_limit == 0 {
-            return Err(invalid("PAYFLEET_WEBHOOK_BODY_LIMIT", "must be positive"));
-        }
-        let webhook_queue_capacity = parsed(env, "PAYFLEET_WEBHOOK_QUEUE_CAPACITY", 1024usize)?;
-        if webhook_queue_capacity == 0 {
-            return Err(invalid(
-                "PAYFLEET_WEBHOOK_QUEUE_CAPACITY",
-                "must be positive",
-            ));
-        }
-        let webhook_tolerance_secs = parsed(env, "PAYFLEET_WEBHOOK_TOLERANCE_SECS", 300i64)?;
-        if !(1..=MAX_WEBHOOK_TOLERANCE_SECS).contains(&webhook_tolerance_secs) {
-            return Err(invalid(
-                "PAYFLEET_WEBHOOK_TOLERANCE_SECS",
-                format!("must be 1 to {MAX_WEBHOOK_TOLERANCE_SECS} (ten minutes)"),
-            ));
-        }
         let queues = match var(env, "PAYFLEET_QUEUES") {
             Some(path) => QueuesConfig::from_file(&PathBuf::from(path))?,
             None => {
@@ -240,75 +202,8 @@ impl Config {
             ));
         }
         let metrics_refresh = std::time::Duration::from_millis(metrics_refresh_ms);
-        let http = HttpSettings {
-            header_timeout: std::time::Duration::from_secs(10),
-            body_timeout: std::time::Duration::from_secs(30),
-            max_connections: parsed(env, "PAYFLEET_MAX_CONNECTIONS", 4096usize)?,
-            client_address_header: var(env, "PAYFLEET_CLIENT_ADDRESS_HEADER")
-                .map(|v| {
-                    axum::http::HeaderName::try_from(v.to_ascii_lowercase()).map_err(|_| {
-                        invalid(
-                            "PAYFLEET_CLIENT_ADDRESS_HEADER",
-                            format!("{v:?} is not a header name"),
-                        )
-                    })
-                })
-                .transpose()?,
-        };
-        if !(1..=1_000_000).contains(&http.max_connections) {
-            return Err(invalid("PAYFLEET_MAX_CONNECTIONS", "must be 1 to 1000000"));
-        }
-        let platform_fee_percent = parsed(
-            env,
-            "PAYFLEET_PLATFORM_FEE_PERCENT",
-            rust_decimal::Decimal::TEN,
-        )?;
-        if platform_fee_percent.is_sign_negative()
-            || platform_fee_percent > rust_decimal::Decimal::ONE_HUNDRED
-        {
-            return Err(invalid("PAYFLEET_PLATFORM_FEE_PERCENT", "must be 0 to 100"));
-        }
-        let order_expiry_secs = parsed(env, "PAYFLEET_ORDER_EXPIRY_SECS", 1800u64)?;
-        if !(1..=30 * 86_400).contains(&order_expiry_secs) {
-            return Err(invalid(
-                "PAYFLEET_ORDER_EXPIRY_SECS",
-                "must be 1 to 2592000 (30 days)",
-            ));
-        }
         let public_url = http_url(env, "PAYFLEET_PUBLIC_URL", &format!("http://{bind}"))?;
         let gateways = crate::gateways::Settings::from_env(env, &public_url)?;
-        let rpc_timeout_ms = parsed(env, "PAYFLEET_RPC_TIMEOUT_MS", 5000u64)?;
-        if !(1..=120_000).contains(&rpc_timeout_ms) {
-            return Err(invalid("PAYFLEET_RPC_TIMEOUT_MS", "must be 1 to 120000"));
-        }
-        let amqp_namespace =
-            var(env, "PAYFLEET_AMQP_NAMESPACE").unwrap_or_else(|| "payfleet".to_owned());
-        if !amqp_namespace
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-            || amqp_namespace.len() > 100
-        {
-            return Err(invalid(
-                "PAYFLEET_AMQP_NAMESPACE",
-                "letters, digits, - _ . only, at most 100",
-            ));
-        }
-        let amqp_queue_ttl_ms = var(env, "PAYFLEET_AMQP_QUEUE_TTL_MS")
-            .map(|v| {
-                v.parse::<u32>().ok().filter(|n| *n > 0).ok_or_else(|| {
-                    invalid(
-                        "PAYFLEET_AMQP_QUEUE_TTL_MS",
-                        "must be a positive number of milliseconds",
-                    )
-                })
-            })
-            .transpose()?;
-        let order_routes = match var(env, "PAYFLEET_ORDER_ROUTES") {
-            Some(v) => v
-                .parse()
-                .map_err(|problem| invalid("PAYFLEET_ORDER_ROUTES", problem))?,
-            None => crate::messaging::orders::Routes::default(),
-        };
         let host_name = var(env, "HOSTNAME")
             .or_else(|| {
                 std::fs::read_to_string("/etc/hostname")
@@ -325,37 +220,19 @@ impl Config {
             db_pool_size,
             listen,
             gateways,
-            webhook_body_limit,
-            webhook_queue_capacity,
-            webhook_tolerance_secs,
+            webhooks: crate::webhooks::Settings::from_env(env)?,
             queues,
             host_name,
             admin_token,
             metrics_token,
             metrics_refresh,
-            http,
-            platform_fee_percent,
-            order_expiry: std::time::Duration::from_secs(order_expiry_secs),
+            http: HttpSettings::from_env(env)?,
+            orders: crate::orders::Settings::from_env(env)?,
             public_url,
-            rpc_timeout: std::time::Duration::from_millis(rpc_timeout_ms),
-            amqp_namespace,
-            amqp_queue_ttl_ms,
+            messaging: crate::messaging::Settings::from_env(env)?,
             recurring,
-            invoice_timezone: match var(env, "PAYFLEET_INVOICE_TIMEZONE") {
-                None => chrono_tz::UTC,
-                Some(v) => v.parse().map_err(|_| {
-                    invalid(
-                        "PAYFLEET_INVOICE_TIMEZONE",
-                        format!("{v:?} is not an IANA time zone name"),
-                    )
-                })?,
-            },
-            order_routes,
-            consistency_grace: std::time::Duration::from_secs(parsed(
-                env,
-                "PAYFLEET_CONSISTENCY_GRACE_SECS",
-                900u64,
-            )?),
+            ledger: crate::ledger::Settings::from_env(env)?,
+            consistency: crate::consistency::Settings::from_env(env)?,
             reconcile: crate::payments::reconcile::Settings::from_env(env)?,
         })
     }

@@ -53,6 +53,26 @@ pub const CHECKS: &[&str] = &[
     "order_message_dead",
 ];
 
+/// The checks' settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// How long work in flight may take before the checks report it
+    /// (`PAYFLEET_CONSISTENCY_GRACE_SECS`, 900).
+    pub grace: Duration,
+}
+
+impl Settings {
+    pub fn from_env(env: &dyn crate::env::Env) -> Result<Self, crate::env::Invalid> {
+        Ok(Self {
+            grace: Duration::from_secs(crate::env::parsed(
+                env,
+                "PAYFLEET_CONSISTENCY_GRACE_SECS",
+                900u64,
+            )?),
+        })
+    }
+}
+
 /// The gateways whose sales the ledger credits to the seller (the money reached the platform).
 fn through_platform() -> Vec<&'static str> {
     GatewayName::ALL

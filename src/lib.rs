@@ -41,8 +41,10 @@
 //! - `recurring`  schedules from jobs/recurring.toml, each period run once by the fleet
 //! - `http`       the routes of each area, one extractor per kind of caller (`http::callers`),
 //!   the one API error type, the server and its limits, health and metrics
-//! - `config`, `startup`: environment, the one way to assemble a process (each context
-//!   registers its job kinds with their workers; `startup::registry` lists those calls)
+//! - `config`     composes the settings each context reads itself (`<context>::Settings::
+//!   from_env`) with the process's own (addresses, pools, tokens)
+//! - `startup`    the one way to assemble a process (each context registers its job kinds
+//!   with their workers; `startup::registry` lists those calls)
 
 pub mod auth;
 pub mod catalogue;

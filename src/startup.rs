@@ -112,7 +112,7 @@ const CONSUMED_RETENTION: Duration = Duration::from_secs(30 * 24 * 3600);
 /// the consistency checks and the housekeeping.
 pub fn recurring_tasks(config: &Config, gateways: &GatewayRegistry) -> Tasks {
     let fleet = config.queues.fleet.clone();
-    let invoice_zone = config.invoice_timezone;
+    let invoice_zone = config.ledger.invoice_timezone;
     let mut tasks = Tasks::default();
     tasks
         .add("payouts", ledger_jobs::payouts)
@@ -128,7 +128,7 @@ pub fn recurring_tasks(config: &Config, gateways: &GatewayRegistry) -> Tasks {
             )
         });
     payments::reconcile::add_task(&mut tasks, gateways.clone(), config.reconcile.clone());
-    crate::consistency::add_task(&mut tasks, config.consistency_grace);
+    crate::consistency::add_task(&mut tasks, config.consistency.grace);
     tasks
 }
 
@@ -245,8 +245,8 @@ pub fn start(
     }
     let broker = Broker::start(
         config.amqp_url.clone(),
-        &config.amqp_namespace,
-        config.amqp_queue_ttl_ms,
+        &config.messaging.namespace,
+        config.messaging.queue_ttl_ms,
     );
     let (gateways, hosted) = gateways(config, &pool)?;
     let fleet = if roles.work {
@@ -278,7 +278,7 @@ pub fn start(
         tokio::spawn(order_messages::relay(
             broker.clone(),
             pool.clone(),
-            config.order_routes.clone(),
+            config.messaging.order_routes.clone(),
             Duration::from_millis(200),
             orders::outbox::OrderOutbox,
         ));
@@ -315,24 +315,24 @@ pub fn start(
         let events = EventWriter::start(
             (*pool.connect_options()).clone(),
             Some(Notifier::start(pool.clone())),
-            config.webhook_queue_capacity,
+            config.webhooks.queue_capacity,
         );
         let readiness = Readiness {
             events: Some(events.clone()),
             ..readiness
         };
-        let rpc = RpcClient::start(broker.clone(), config.rpc_timeout);
+        let rpc = RpcClient::start(broker.clone(), config.messaging.rpc_timeout);
         let checkout = Checkout {
             pool: pool.clone(),
             links: Arc::new(rpc.clone()),
-            fee_percent: config.platform_fee_percent,
-            expiry: config.order_expiry,
+            fee_percent: config.orders.platform_fee_percent,
+            expiry: config.orders.expiry,
             gateways: gateways.names(),
-            rpc_timeout: config.rpc_timeout,
+            rpc_timeout: config.messaging.rpc_timeout,
             writer: checkout::Writer::start(
                 pool.clone(),
-                config.platform_fee_percent,
-                config.order_expiry,
+                config.orders.platform_fee_percent,
+                config.orders.expiry,
             ),
         };
         let callers = Callers::new(
@@ -345,10 +345,10 @@ pub fn start(
             pool: pool.clone(),
             verifier: Verifier::new(
                 config.gateways.signature_checks(),
-                config.webhook_tolerance_secs,
+                config.webhooks.tolerance_secs,
             ),
             events,
-            webhook_body_limit: config.webhook_body_limit,
+            webhook_body_limit: config.webhooks.body_limit,
             readiness,
             counters: Arc::default(),
             checkout,

@@ -46,6 +46,34 @@ pub struct HttpSettings {
     pub client_address_header: Option<axum::http::HeaderName>,
 }
 
+impl HttpSettings {
+    /// `PAYFLEET_MAX_CONNECTIONS` (4096), `PAYFLEET_CLIENT_ADDRESS_HEADER` (unset); the
+    /// timeouts are fixed: 10 s for a request's head, 30 s for its body.
+    pub fn from_env(env: &dyn crate::env::Env) -> Result<Self, crate::env::Invalid> {
+        use crate::env::{invalid, parsed, var};
+        let max_connections = parsed(env, "PAYFLEET_MAX_CONNECTIONS", 4096usize)?;
+        if !(1..=1_000_000).contains(&max_connections) {
+            return Err(invalid("PAYFLEET_MAX_CONNECTIONS", "must be 1 to 1000000"));
+        }
+        let client_address_header = var(env, "PAYFLEET_CLIENT_ADDRESS_HEADER")
+            .map(|v| {
+                axum::http::HeaderName::try_from(v.to_ascii_lowercase()).map_err(|_| {
+                    invalid(
+                        "PAYFLEET_CLIENT_ADDRESS_HEADER",
+                        format!("{v:?} is not a header name"),
+                    )
+                })
+            })
+            .transpose()?;
+        Ok(Self {
+            header_timeout: std::time::Duration::from_secs(10),
+            body_timeout: std::time::Duration::from_secs(30),
+            max_connections,
+            client_address_header,
+        })
+    }
+}
+
 /// How long a graceful stop waits for requests in flight before it drops their connections.
 const DRAIN: Duration = Duration::from_secs(10);
 

@@ -31,6 +31,30 @@ use serde::Serialize;
 use sqlx::PgConnection;
 
 pub use crate::money::amount_text as decimal_text;
+
+/// The ledger's settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The time zone of invoice periods (`PAYFLEET_INVOICE_TIMEZONE`, UTC): a month is invoiced
+    /// once it has ended there.
+    pub invoice_timezone: chrono_tz::Tz,
+}
+
+impl Settings {
+    pub fn from_env(env: &dyn crate::env::Env) -> Result<Self, crate::env::Invalid> {
+        Ok(Self {
+            invoice_timezone: match crate::env::var(env, "PAYFLEET_INVOICE_TIMEZONE") {
+                None => chrono_tz::UTC,
+                Some(v) => v.parse().map_err(|_| {
+                    crate::env::invalid(
+                        "PAYFLEET_INVOICE_TIMEZONE",
+                        format!("{v:?} is not an IANA time zone name"),
+                    )
+                })?,
+            },
+        })
+    }
+}
 use crate::money::{Currency, Money};
 
 payfleet_queue::text_enum! {

@@ -19,7 +19,66 @@ use futures_util::StreamExt;
 use lapin::{Connection, ConnectionProperties};
 use tokio::sync::watch;
 
+use crate::env::{Env, Invalid, invalid, parsed, var};
 use crate::secret::SecretUrl;
+
+/// How this fleet uses RabbitMQ.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// How long the order side waits for the payment side's answer
+    /// (`PAYFLEET_RPC_TIMEOUT_MS`, 5000).
+    pub rpc_timeout: Duration,
+    /// Prefix of this fleet's queues and exchanges (`PAYFLEET_AMQP_NAMESPACE`, `payfleet`).
+    pub namespace: String,
+    /// Queues unused this long are dropped by RabbitMQ (`PAYFLEET_AMQP_QUEUE_TTL_MS`: tests,
+    /// preview set-ups).
+    pub queue_ttl_ms: Option<u32>,
+    /// Which service's queue takes which order messages (`PAYFLEET_ORDER_ROUTES`).
+    pub order_routes: orders::Routes,
+}
+
+impl Settings {
+    pub fn from_env(env: &dyn Env) -> Result<Self, Invalid> {
+        let rpc_timeout_ms = parsed(env, "PAYFLEET_RPC_TIMEOUT_MS", 5000u64)?;
+        if !(1..=120_000).contains(&rpc_timeout_ms) {
+            return Err(invalid("PAYFLEET_RPC_TIMEOUT_MS", "must be 1 to 120000"));
+        }
+        let namespace =
+            var(env, "PAYFLEET_AMQP_NAMESPACE").unwrap_or_else(|| "payfleet".to_owned());
+        if !namespace
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            || namespace.len() > 100
+        {
+            return Err(invalid(
+                "PAYFLEET_AMQP_NAMESPACE",
+                "letters, digits, - _ . only, at most 100",
+            ));
+        }
+        let queue_ttl_ms = var(env, "PAYFLEET_AMQP_QUEUE_TTL_MS")
+            .map(|v| {
+                v.parse::<u32>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    invalid(
+                        "PAYFLEET_AMQP_QUEUE_TTL_MS",
+                        "must be a positive number of milliseconds",
+                    )
+                })
+            })
+            .transpose()?;
+        let order_routes = match var(env, "PAYFLEET_ORDER_ROUTES") {
+            Some(v) => v
+                .parse()
+                .map_err(|problem| invalid("PAYFLEET_ORDER_ROUTES", problem))?,
+            None => orders::Routes::default(),
+        };
+        Ok(Self {
+            rpc_timeout: Duration::from_millis(rpc_timeout_ms),
+            namespace,
+            queue_ttl_ms,
+            order_routes,
+        })
+    }
+}
 
 /// The shared connection of a process. Cheap to clone.
 #[derive(Clone)]

@@ -19,6 +19,43 @@ use crate::money::{Money, amount_text as amount};
 use crate::payment_status::PaymentOrderStatus;
 use payfleet_queue::{Registry, RegistryError};
 
+/// How orders are priced and how long they wait.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The platform's commission, in percent of each order's total
+    /// (`PAYFLEET_PLATFORM_FEE_PERCENT`, 10).
+    pub platform_fee_percent: rust_decimal::Decimal,
+    /// How long an order waits for its payment (`PAYFLEET_ORDER_EXPIRY_SECS`, 1800).
+    pub expiry: std::time::Duration,
+}
+
+impl Settings {
+    pub fn from_env(env: &dyn crate::env::Env) -> Result<Self, crate::env::Invalid> {
+        use crate::env::{invalid, parsed};
+        let platform_fee_percent = parsed(
+            env,
+            "PAYFLEET_PLATFORM_FEE_PERCENT",
+            rust_decimal::Decimal::TEN,
+        )?;
+        if platform_fee_percent.is_sign_negative()
+            || platform_fee_percent > rust_decimal::Decimal::ONE_HUNDRED
+        {
+            return Err(invalid("PAYFLEET_PLATFORM_FEE_PERCENT", "must be 0 to 100"));
+        }
+        let expiry_secs = parsed(env, "PAYFLEET_ORDER_EXPIRY_SECS", 1800u64)?;
+        if !(1..=30 * 86_400).contains(&expiry_secs) {
+            return Err(invalid(
+                "PAYFLEET_ORDER_EXPIRY_SECS",
+                "must be 1 to 2592000 (30 days)",
+            ));
+        }
+        Ok(Self {
+            platform_fee_percent,
+            expiry: std::time::Duration::from_secs(expiry_secs),
+        })
+    }
+}
+
 payfleet_queue::text_enum! {
     /// `orders.status` (docs/state_machine.md).
     pub enum OrderStatus {

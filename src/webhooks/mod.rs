@@ -14,9 +14,56 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use tokio::sync::Semaphore;
 
+use crate::env::{Env, Invalid, invalid, parsed};
 pub use crate::gateways::Delivery;
 use crate::gateways::signature::SignatureError;
 use crate::gateways::{self, GatewayName, SignatureChecks};
+
+/// The receiver's limits on webhooks.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Largest body taken (`PAYFLEET_WEBHOOK_BODY_LIMIT`, 1 MiB).
+    pub body_limit: usize,
+    /// Webhooks that may wait for the event writer; beyond it a request is refused at once
+    /// with a 503 (`PAYFLEET_WEBHOOK_QUEUE_CAPACITY`, 1024).
+    pub queue_capacity: usize,
+    /// How far a signed timestamp may be from now, either way
+    /// (`PAYFLEET_WEBHOOK_TOLERANCE_SECS`, 300).
+    pub tolerance_secs: i64,
+}
+
+pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
+
+/// The longest a signed webhook's timestamp may be from now: a replay is refused after this.
+pub const MAX_TOLERANCE_SECS: i64 = 600;
+
+impl Settings {
+    pub fn from_env(env: &dyn Env) -> Result<Self, Invalid> {
+        let body_limit = parsed(env, "PAYFLEET_WEBHOOK_BODY_LIMIT", DEFAULT_BODY_LIMIT)?;
+        if body_limit == 0 {
+            return Err(invalid("PAYFLEET_WEBHOOK_BODY_LIMIT", "must be positive"));
+        }
+        let queue_capacity = parsed(env, "PAYFLEET_WEBHOOK_QUEUE_CAPACITY", 1024usize)?;
+        if queue_capacity == 0 {
+            return Err(invalid(
+                "PAYFLEET_WEBHOOK_QUEUE_CAPACITY",
+                "must be positive",
+            ));
+        }
+        let tolerance_secs = parsed(env, "PAYFLEET_WEBHOOK_TOLERANCE_SECS", 300i64)?;
+        if !(1..=MAX_TOLERANCE_SECS).contains(&tolerance_secs) {
+            return Err(invalid(
+                "PAYFLEET_WEBHOOK_TOLERANCE_SECS",
+                format!("must be 1 to {MAX_TOLERANCE_SECS} (ten minutes)"),
+            ));
+        }
+        Ok(Self {
+            body_limit,
+            queue_capacity,
+            tolerance_secs,
+        })
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum RejectedWebhook {

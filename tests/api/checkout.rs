@@ -614,7 +614,7 @@ async fn both_sides_of_the_rpc_survive_losing_the_broker(pool: PgPool) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn an_unpaid_order_expires_once_and_reopening_moves_its_one_expiry_job(pool: PgPool) {
     let mut config = test_config();
-    config.order_expiry = Duration::from_secs(2);
+    config.orders.expiry = Duration::from_secs(2);
     let shop = Shop {
         app: Arc::new(spawn_app_with(pool.clone(), config.clone()).await),
     };
@@ -690,8 +690,8 @@ pub fn payment_side(
 ) -> tokio::task::JoinHandle<()> {
     let broker = payfleet::messaging::Broker::start(
         config.amqp_url.clone(),
-        &config.amqp_namespace,
-        config.amqp_queue_ttl_ms,
+        &config.messaging.namespace,
+        config.messaging.queue_ttl_ms,
     );
     let (gateways, _) = payfleet::startup::gateways(config, pool).unwrap();
     let links = Arc::new(payfleet::payments::links::LinkService {

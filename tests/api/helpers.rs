@@ -49,7 +49,7 @@ pub fn test_config() -> Config {
     config.gateways.hosted.simulator = true;
     // Tests read the gauges right after what changes them.
     config.metrics_refresh = std::time::Duration::ZERO;
-    config.amqp_namespace = format!("test-{:016x}", rand::random::<u64>());
+    config.messaging.namespace = format!("test-{:016x}", rand::random::<u64>());
     config
 }
 

@@ -26,8 +26,8 @@ async fn service(pool: &PgPool, config: &payfleet::config::Config, queue: &str) 
     .unwrap();
     let broker = Broker::start(
         config.amqp_url.clone(),
-        &config.amqp_namespace,
-        config.amqp_queue_ttl_ms,
+        &config.messaging.namespace,
+        config.messaging.queue_ttl_ms,
     );
     let name = queue.to_owned();
     tokio::spawn(orders::consume(
@@ -63,7 +63,7 @@ async fn handled(pool: &PgPool, queue: &str) -> Vec<String> {
 async fn order_messages_go_to_their_services_queue_and_unbound_types_to_legacy(pool: PgPool) {
     // Only the subscriptions service is bound: one-off orders are a type no queue takes.
     let mut config = test_config();
-    config.order_routes = "subscriptions=order.subscription.*".parse().unwrap();
+    config.messaging.order_routes = "subscriptions=order.subscription.*".parse().unwrap();
     let shop = Shop {
         app: Arc::new(spawn_fleet(pool.clone(), config.clone()).await),
     };
@@ -310,8 +310,8 @@ async fn a_message_its_consumer_always_fails_is_kept_dead_and_replayed_after_a_f
     let fixed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let broker = Broker::start(
         config.amqp_url.clone(),
-        &config.amqp_namespace,
-        config.amqp_queue_ttl_ms,
+        &config.messaging.namespace,
+        config.messaging.queue_ttl_ms,
     );
     let (counter, switch) = (attempts.clone(), fixed.clone());
     tokio::spawn(orders::consume(

@@ -118,7 +118,7 @@ async fn with_the_database_gone_every_sender_gets_a_fast_503_and_nothing_is_lost
 async fn a_full_writer_queue_refuses_at_once_instead_of_blocking(pool: PgPool) {
     let proxy = DbProxy::for_database(&pool).await;
     let mut config = test_config();
-    config.webhook_queue_capacity = 8;
+    config.webhooks.queue_capacity = 8;
     let app = Arc::new(spawn_app_with(proxy.pool(&pool), config).await);
     // The writer hangs connecting for its timeout; meanwhile the queue fills.
     proxy.set(Link::Blackhole);

@@ -193,7 +193,7 @@ async fn unknown_and_disabled_gateways_are_404(pool: PgPool) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn an_oversized_body_is_413_and_a_signed_non_json_body_is_400(pool: PgPool) {
     let mut config = test_config();
-    config.webhook_body_limit = 1024;
+    config.webhooks.body_limit = 1024;
     let app = spawn_app_with(pool, config).await;
     let big = format!(
         r#"{{"type":"payment.succeeded","pad":"{}"}}"#,
