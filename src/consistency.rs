@@ -91,7 +91,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
                 format('payment %s since %s, order %s', po.status, po.succeeded_at, o.status)
          FROM payment_orders po
          JOIN payment_sessions s ON s.gateway = po.gateway AND s.session_id = po.session_id
-         JOIN orders o ON o.number = s.order_number
+         JOIN order_money o ON o.number = s.order_number
          WHERE po.succeeded_at < now() - make_interval(secs => $1)
            AND po.status NOT IN ('refunded')
            AND o.paid_at IS NULL
@@ -115,9 +115,9 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
                 format('%s order paid at %s has no sale credit in the ledger%s',
                        CASE WHEN o.paid_with_coins THEN 'coins' ELSE o.gateway END, o.paid_at,
                        COALESCE(' (the ledger refused it: ' || d.failure || ')', ''))
-         FROM orders o LEFT JOIN ledger_sales_due d ON d.order_number = o.number
+         FROM order_money o LEFT JOIN ledger_sales_due d ON d.order_number = o.number
          WHERE o.paid_at < now() - make_interval(secs => $1)
-           AND o.status NOT IN ('expired', 'cancelled')
+           AND o.is_sale
            AND (o.paid_with_coins OR o.gateway = ANY($2))
            AND NOT EXISTS (SELECT 1 FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number)",
     )
@@ -191,20 +191,15 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
         subject,
         detail,
     }));
-    let rows: Vec<(String, String)> = sqlx::query_as(
-        "SELECT format('job %s (%s on %s)', id, kind, queue),
-                format('running on %s, lease expired at %s', locked_by, lease_expires_at)
-         FROM jobs
-         WHERE state = 'running' AND lease_expires_at < now() - make_interval(secs => $1)
-         ORDER BY id LIMIT 1000",
-    )
-    .bind(grace_secs)
-    .fetch_all(pool)
-    .await?;
-    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
+    let stuck = payfleet_queue::admin::stuck(pool, grace).await?;
+    found.extend(stuck.into_iter().map(|j| Violation {
         check: "job_stuck",
-        subject,
-        detail,
+        subject: format!("job {} ({} on {})", j.id, j.kind, j.queue),
+        detail: format!(
+            "running on {}, lease expired at {}",
+            j.locked_by.as_deref().unwrap_or("no one"),
+            j.lease_expires_at.map_or_else(String::new, |t| t.to_string())
+        ),
     }));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('%s dispute %s', gateway, dispute_id),

@@ -177,13 +177,12 @@ impl SaleRow {
     }
 }
 
-/// What makes a confirmed order a sale: it was paid and kept (an expired or cancelled order is
-/// no sale: its late payment is given back).
+/// An order as a sale, read through the orders context's published view (`order_money`,
+/// migration 0046), which also says what makes a confirmed order a sale.
 pub(super) const SALE_COLUMNS: &str = "o.seller_id::text AS seller_id, o.total, o.platform_fee, o.seller_net, o.currency::text AS currency,
     o.paid_at, s.holding_days";
-pub(super) const SALE_JOIN: &str = "orders o JOIN sellers s ON s.id = o.seller_id";
-pub(super) const IS_SALE: &str =
-    "o.status NOT IN ('expired', 'cancelled') AND o.paid_at IS NOT NULL";
+pub(super) const SALE_JOIN: &str = "order_money o JOIN sellers s ON s.id = o.seller_id";
+pub(super) const IS_SALE: &str = "o.is_sale";
 
 impl Sale {
     /// Order `number` as a sale through `channel`, if it was paid and kept.

@@ -161,13 +161,12 @@ pub async fn run(
              SELECT s.gateway, s.session_id, s.order_number, s.metadata ->> 'seller_account' AS seller_account,
                     row_number() OVER (PARTITION BY s.gateway ORDER BY s.checked_at NULLS FIRST, s.created_at) AS n
              FROM payment_sessions s
-             JOIN orders o ON o.number = s.order_number
+             JOIN order_money o ON o.number = s.order_number
              LEFT JOIN payment_orders po ON po.gateway = s.gateway AND po.session_id = s.session_id
              WHERE s.gateway = ANY($1)
                AND s.created_at < now() - make_interval(secs => $2)
                AND o.paid_at IS NULL
-               AND (o.status IN ('awaiting_payment', 'payment_failed')
-                    OR (o.status = 'expired' AND o.expired_at > now() - interval '1 day'))
+               AND (o.payable OR o.expired_at > now() - interval '1 day')
                AND (po.id IS NULL OR (po.succeeded_at IS NULL AND po.failed_at IS NULL))
          ) due WHERE n <= $3",
     )

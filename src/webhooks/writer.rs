@@ -338,7 +338,7 @@ static RECORD_EVENTS: LazyLock<String> = LazyLock::new(|| {
                      SELECT gateway, event_id, event_type, raw_body, headers FROM t
                      ON CONFLICT (gateway, event_id) DO NOTHING
                      RETURNING gateway, event_id),
-                 jobs AS (",
+                 enqueued AS (",
         &payfleet_queue::insert_jobs_from("ev JOIN t USING (gateway, event_id)"),
         ")
                  SELECT gateway, event_id FROM ev",
@@ -354,12 +354,12 @@ static REDRIVE: LazyLock<String> = LazyLock::new(|| {
                                       $6::int[], $7::text[], $8::text[], $9::text[])
                      AS t(job_queue, job_kind, job_key, job_payload, job_run_at, job_max_attempts,
                           job_fairness_key, gateway, event_id)),
-             jobs AS (",
+             enqueued AS (",
         &payfleet_queue::insert_jobs_from("(SELECT t.* FROM t WHERE EXISTS (
                      SELECT 1 FROM payment_events p
                      WHERE p.gateway = t.gateway AND p.event_id = t.event_id AND p.processed_at IS NULL)) AS src"),
         " RETURNING id)
-             SELECT count(*) FROM jobs",
+             SELECT count(*) FROM enqueued",
     ]
     .concat()
 });

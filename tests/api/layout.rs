@@ -116,3 +116,49 @@ fn every_module_uses_only_modules_left_of_it_in_the_map() {
         "against the map's direction (lib.rs): {wrong:?}"
     );
 }
+
+/// The tables whose SQL lives in one context only, and that context: the others read them
+/// through the owner's functions or the view it publishes for them (`order_money`).
+const OWNED_TABLES: &[(&str, &str)] = &[("orders", "orders"), ("jobs", "the queue crate")];
+
+#[test]
+fn a_table_is_written_and_read_by_its_owner_alone() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&root, &mut files);
+    let mut wrong = Vec::new();
+    for file in files {
+        let relative = file
+            .strip_prefix(&root)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        // The binary's tools (bench, demo) read what they measure and show.
+        if ["bench", "demo.rs", "main.rs", "cli.rs"]
+            .iter()
+            .any(|b| relative.starts_with(b))
+        {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).unwrap();
+        let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+        let words: Vec<&str> = code
+            .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .filter(|w| !w.is_empty())
+            .collect();
+        for (table, owner) in OWNED_TABLES {
+            if relative.starts_with(&format!("{owner}/")) {
+                continue;
+            }
+            let named = words
+                .windows(2)
+                .any(|w| ["FROM", "JOIN", "UPDATE", "INTO"].contains(&w[0]) && w[1] == *table);
+            if named {
+                wrong.push(format!(
+                    "{relative} names the {table} table, owned by {owner}"
+                ));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:?}");
+}

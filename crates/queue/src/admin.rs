@@ -97,6 +97,32 @@ pub async fn failed(pool: &PgPool, limit: i64) -> Result<Vec<FailedJob>, sqlx::E
         .await
 }
 
+/// A running job whose lease ran out: its worker stopped without saying so, and no sweep has
+/// taken it back yet.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct StuckJob {
+    pub id: i64,
+    pub queue: String,
+    pub kind: String,
+    pub locked_by: Option<String>,
+    pub lease_expires_at: Option<DateTime<Utc>>,
+}
+
+/// Up to 1,000 running jobs whose lease expired more than `grace` ago, oldest first.
+pub async fn stuck(
+    pool: &PgPool,
+    grace: std::time::Duration,
+) -> Result<Vec<StuckJob>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, queue, kind, locked_by, lease_expires_at FROM jobs
+         WHERE state = 'running' AND lease_expires_at < now() - make_interval(secs => $1)
+         ORDER BY id LIMIT 1000",
+    )
+    .bind(grace.as_secs_f64())
+    .fetch_all(pool)
+    .await
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
     #[error("no job {0}")]
