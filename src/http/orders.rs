@@ -1,7 +1,7 @@
-//! Checkout and orders: `POST /checkout`, `GET /orders/{number}`,
-//! `POST /orders/{number}/payment`, `POST /orders/{number}/coins`. All of them are the
-//! marketplace backend's (an API key): a key bound to a seller reads that seller's orders and
-//! does nothing else here.
+//! Checkout, orders and subscriptions: `POST /checkout`, `GET /orders/{number}`,
+//! `POST /orders/{number}/payment`, `POST /orders/{number}/coins`, `GET /subscriptions/{id}`.
+//! All of them are the marketplace backend's (an API key): a key bound to a seller reads that
+//! seller's orders and subscriptions and does nothing else here.
 
 use axum::Json;
 use axum::extract::{DefaultBodyLimit, Path, State};
@@ -11,6 +11,7 @@ use axum::routing::{get, post};
 use super::callers::Backend;
 use super::{ApiError, JsonBody, Routes};
 use crate::orders::checkout::MAX_BODY_BYTES;
+use crate::orders::subscriptions::{self, SubscriptionId, SubscriptionView};
 use crate::orders::{self, OrderView};
 
 /// What the order API: the pool, the checkout writer and the order side's RPC client (payment links, coins).
@@ -31,6 +32,7 @@ pub(super) fn routes(state: OrdersState) -> Routes {
         .route("/orders/{number}", get(order))
         .route("/orders/{number}/payment", post(reopen))
         .route("/orders/{number}/coins", post(pay_with_coins))
+        .route("/subscriptions/{id}", get(subscription))
         .with_state(state)
 }
 
@@ -111,4 +113,19 @@ async fn pay_with_coins(
     Ok(Json(
         orders::coin_payment::pay(&state.pool, &state.rpc, n).await?,
     ))
+}
+
+/// A subscription. Another seller's, or an id that is none, is "no subscription" alike.
+async fn subscription(
+    caller: Backend,
+    State(state): State<OrdersState>,
+    Path(raw): Path<String>,
+) -> Result<Json<SubscriptionView>, ApiError> {
+    let none = || ApiError::NotFound(format!("no subscription {raw:?}"));
+    let id: SubscriptionId = raw.parse().map_err(|_| none())?;
+    let found = subscriptions::view(&state.pool, id)
+        .await?
+        .ok_or_else(none)?;
+    caller.may_read(found.seller_id).map_err(|_| none())?;
+    Ok(Json(found))
 }

@@ -7,6 +7,7 @@ pub mod coin_payment;
 pub mod expiry;
 pub mod outbox;
 pub mod pricing;
+pub mod subscriptions;
 
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
@@ -495,6 +496,8 @@ pub struct OrderView {
     pub expires_at: DateTime<Utc>,
     pub paid_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
+    /// The subscription its payment started (a paid subscription order).
+    pub subscription_id: Option<subscriptions::SubscriptionId>,
     pub items: Vec<ItemView>,
 }
 
@@ -543,11 +546,13 @@ struct OrderRow {
     expires_at: DateTime<Utc>,
     paid_at: Option<DateTime<Utc>>,
     created_at: DateTime<Utc>,
+    subscription_id: Option<subscriptions::SubscriptionId>,
 }
 
 const ORDER_COLUMNS: &str = "id, number, seller_id, buyer_id, kind, \"interval\", currency::text AS currency,
      subtotal, discount, total, platform_fee, seller_net, amount_refunded, status, payment_status, gateway,
-     payment_attempt, payment_token, session_id, payment_url, expires_at, paid_at, created_at";
+     payment_attempt, payment_token, session_id, payment_url, expires_at, paid_at, created_at,
+     (SELECT s.id FROM subscriptions s WHERE s.order_number = orders.number) AS subscription_id";
 
 async fn items<'c>(db: impl PgExecutor<'c>, order_id: i64) -> Result<Vec<ItemView>, sqlx::Error> {
     sqlx::query_as(
@@ -599,6 +604,7 @@ fn view_of(o: OrderRow, items: Vec<ItemView>) -> OrderView {
         expires_at: o.expires_at,
         paid_at: o.paid_at,
         created_at: o.created_at,
+        subscription_id: o.subscription_id,
         items,
     }
 }

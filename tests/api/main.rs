@@ -22,4 +22,5 @@ mod processing;
 mod reconcile;
 mod recurring;
 mod security;
+mod subscriptions;
 mod webhooks;
