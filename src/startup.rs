@@ -87,7 +87,7 @@ pub fn gateways(
 
 /// Every job kind this fleet runs: each context registers its own kinds with their workers.
 pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
-    let (gateways, _) = gateways(config, pool)?;
+    let (gateways, hosted) = gateways(config, pool)?;
     let processor = Arc::new(processor(config, gateways.clone())?);
     let batcher = Batcher::start(pool.clone(), processor, BatchSettings::default());
     let deliverer = Deliverer::new(pool.clone(), config.gateways.hosted.targets())
@@ -98,11 +98,36 @@ pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
     recurring::register(
         &mut registry,
         recurring::Runner {
-            tasks: recurring_tasks(config, &gateways),
+            tasks: recurring_tasks(config, pool, &gateways, &hosted),
             schedules: config.recurring.clone(),
         },
     )?;
     Ok(registry)
+}
+
+/// The internal gateway's subscription billing: its links made here (a worker is the payment
+/// side), charged by the internal gateway where the simulator runs it.
+pub fn biller(
+    config: &Config,
+    pool: &PgPool,
+    gateways: &GatewayRegistry,
+    hosted: &[HostedGateway],
+) -> payments::renewals::Biller {
+    payments::renewals::Biller {
+        links: LinkService {
+            pool: pool.clone(),
+            gateways: gateways.clone(),
+        },
+        internal: hosted
+            .iter()
+            .find(|g| g.name() == crate::gateways::GatewayName::Internal)
+            .cloned(),
+        billing: crate::orders::subscriptions::Billing {
+            fee_percent: config.orders.platform_fee_percent,
+            period: config.orders.subscription_period,
+            expiry: config.orders.expiry,
+        },
+    }
 }
 
 /// How long a consumer remembers the order messages it handled.
@@ -110,7 +135,12 @@ const CONSUMED_RETENTION: Duration = Duration::from_secs(30 * 24 * 3600);
 
 /// What each recurring job of `jobs/recurring.toml` does: the ledger's runs, reconciliation,
 /// the consistency checks and the housekeeping.
-pub fn recurring_tasks(config: &Config, gateways: &GatewayRegistry) -> Tasks {
+pub fn recurring_tasks(
+    config: &Config,
+    pool: &PgPool,
+    gateways: &GatewayRegistry,
+    hosted: &[HostedGateway],
+) -> Tasks {
     let fleet = config.queues.fleet.clone();
     let invoice_zone = config.ledger.invoice_timezone;
     let mut tasks = Tasks::default();
@@ -129,6 +159,7 @@ pub fn recurring_tasks(config: &Config, gateways: &GatewayRegistry) -> Tasks {
         });
     payments::reconcile::add_task(&mut tasks, gateways.clone(), config.reconcile.clone());
     crate::consistency::add_task(&mut tasks, config.consistency.grace);
+    payments::renewals::add_task(&mut tasks, biller(config, pool, gateways, hosted));
     tasks
 }
 

@@ -38,6 +38,10 @@ pub(super) fn routes(state: AdminState) -> Routes {
         .route("/admin/products", post(create_product))
         .route("/admin/coupons", post(create_coupon))
         .route("/admin/orders/{number}/expire", post(expire_order))
+        .route(
+            "/admin/subscriptions/{id}/simulate",
+            post(simulate_renewals),
+        )
         .route("/admin/unmatched-payments", get(unmatched))
         .route(
             "/admin/orders/{number}/refunds",
@@ -143,6 +147,40 @@ async fn expire_order(
     Ok((
         StatusCode::ACCEPTED,
         Json(serde_json::json!({"number": number, "status": "expiring"})),
+    ))
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Simulate {
+    renewals: String,
+}
+
+/// How the payment simulator answers a subscription's next renewals on the internal gateway:
+/// `{"renewals": "fail|succeed"}`.
+async fn simulate_renewals(
+    _operator: Operator,
+    State(state): State<AdminState>,
+    Path(raw): Path<String>,
+    JsonBody(body): JsonBody<Simulate>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let succeed = match body.renewals.as_str() {
+        "succeed" => true,
+        "fail" => false,
+        other => {
+            return Err(ApiError::Unprocessable {
+                code: "invalid_request",
+                message: format!("renewals must be \"fail\" or \"succeed\", not {other:?}"),
+            });
+        }
+    };
+    let none = || ApiError::NotFound(format!("no subscription {raw:?}"));
+    let id: orders::subscriptions::SubscriptionId = raw.parse().map_err(|_| none())?;
+    if !orders::subscriptions::simulate(&state.pool, id, succeed).await? {
+        return Err(none());
+    }
+    Ok(Json(
+        serde_json::json!({"id": id, "renewals": body.renewals}),
     ))
 }
 

@@ -24,8 +24,8 @@ use subtle::ConstantTimeEq;
 use super::callers::{Anyone, Buyer};
 use super::html::{self, escape};
 use super::{ApiError, Routes};
+use crate::gateways::GatewayName;
 use crate::gateways::hosted::{self, HostedGateway, Outcome};
-use crate::gateways::{GatewayName, PaymentGateway};
 use crate::orders;
 use crate::secret::hmac_sha256;
 

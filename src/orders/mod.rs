@@ -28,6 +28,9 @@ pub struct Settings {
     pub platform_fee_percent: rust_decimal::Decimal,
     /// How long an order waits for its payment (`PAYFLEET_ORDER_EXPIRY_SECS`, 1800).
     pub expiry: std::time::Duration,
+    /// Every internal-gateway subscription period this long instead of its interval
+    /// (`PAYFLEET_SUBSCRIPTION_PERIOD_SECS`: tests and previews only).
+    pub subscription_period: Option<std::time::Duration>,
 }
 
 impl Settings {
@@ -50,9 +53,24 @@ impl Settings {
                 "must be 1 to 2592000 (30 days)",
             ));
         }
+        let subscription_period = crate::env::var(env, "PAYFLEET_SUBSCRIPTION_PERIOD_SECS")
+            .map(|v| {
+                v.parse::<u64>()
+                    .ok()
+                    .filter(|s| (1..=366 * 86_400).contains(s))
+                    .map(std::time::Duration::from_secs)
+                    .ok_or_else(|| {
+                        invalid(
+                            "PAYFLEET_SUBSCRIPTION_PERIOD_SECS",
+                            "must be 1 to 31622400 seconds",
+                        )
+                    })
+            })
+            .transpose()?;
         Ok(Self {
             platform_fee_percent,
             expiry: std::time::Duration::from_secs(expiry_secs),
+            subscription_period,
         })
     }
 }
@@ -628,7 +646,8 @@ pub async fn of_checkout(
     checkout: i64,
 ) -> Result<Vec<OrderView>, sqlx::Error> {
     let rows: Vec<OrderRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {ORDER_COLUMNS} FROM orders WHERE checkout_id = $1 ORDER BY number"
+        // A subscription's renewals belong to its first order's checkout, not to its answer.
+        "SELECT {ORDER_COLUMNS} FROM orders WHERE checkout_id = $1 AND renews IS NULL ORDER BY number"
     )))
     .bind(checkout)
     .fetch_all(pool)

@@ -2,9 +2,16 @@
 //! starts one in the transaction that confirms the order, whichever path confirms it (migration
 //! 0047's trigger), so no confirmation can forget it; this module reads them.
 //!
-//! Not built yet (issue 21 goes on): renewals (the internal gateway's `subscription_billing`,
-//! Stripe's `invoice.paid`, Mercado Pago's and Razorpay's), past due and dunning, cancellation.
-//! Until then a subscription stays in its first period, and nothing charges it again.
+//! Renewals are orders of their own, one per (subscription, period) (`orders.renews`, a unique
+//! index): opened here for the subscriptions the fleet bills itself ([`open_due`]), charged by
+//! the payment side (`payments::renewals`), confirmed by the same event path as any order. The
+//! database moves a subscription between `active` and `past_due` as its current renewal is
+//! paid or fails (migration 0048's trigger).
+//!
+//! Not built yet (issue 21 goes on): renewals reported by the outside gateways (Stripe's
+//! `invoice.paid`, Mercado Pago's and Razorpay's), cancellation by the buyer or the gateway,
+//! the order messages of past due and cancellation, and the internal gateway's renewals
+//! through a real acquirer.
 
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
@@ -65,6 +72,33 @@ pub struct SubscriptionView {
     pub cancel_at_period_end: bool,
     pub canceled_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
+    /// Its renewals, oldest period first: each one order of its own.
+    pub renewals: Vec<RenewalView>,
+}
+
+/// One period's renewal.
+#[derive(Debug, Clone, Serialize)]
+pub struct RenewalView {
+    pub order_number: i64,
+    pub period_start: DateTime<Utc>,
+    pub period_end: DateTime<Utc>,
+    pub amount: String,
+    pub currency: String,
+    /// `paid`, `failed` (its charge failed, or it expired unpaid), `refunded`, or `pending`
+    /// (charged and not answered yet).
+    pub state: String,
+    pub paid_at: Option<DateTime<Utc>>,
+}
+
+#[derive(sqlx::FromRow)]
+struct RenewalRow {
+    number: i64,
+    period_start: DateTime<Utc>,
+    period_end: DateTime<Utc>,
+    total: Decimal,
+    currency: String,
+    state: String,
+    paid_at: Option<DateTime<Utc>>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -104,6 +138,7 @@ impl From<Row> for SubscriptionView {
             cancel_at_period_end: r.cancel_at_period_end,
             canceled_at: r.canceled_at,
             created_at: r.created_at,
+            renewals: Vec::new(),
         }
     }
 }
@@ -123,5 +158,274 @@ pub async fn view(
     .bind(id)
     .fetch_optional(pool)
     .await?;
-    Ok(row.map(SubscriptionView::from))
+    let Some(row) = row else { return Ok(None) };
+    let renewals: Vec<RenewalRow> = sqlx::query_as(
+        "SELECT number, period_start, period_end, total, currency::text AS currency, paid_at,
+                CASE WHEN status = 'refunded' THEN 'refunded'
+                     WHEN paid_at IS NOT NULL THEN 'paid'
+                     WHEN status IN ('payment_failed', 'expired', 'cancelled') THEN 'failed'
+                     ELSE 'pending' END AS state
+         FROM orders WHERE renews = $1 ORDER BY period_start",
+    )
+    .bind(id)
+    .fetch_all(pool)
+    .await?;
+    let mut view = SubscriptionView::from(row);
+    view.renewals = renewals
+        .into_iter()
+        .map(|r| RenewalView {
+            amount: amount_text(r.total, &r.currency),
+            order_number: r.number,
+            period_start: r.period_start,
+            period_end: r.period_end,
+            currency: r.currency,
+            state: r.state,
+            paid_at: r.paid_at,
+        })
+        .collect();
+    Ok(Some(view))
+}
+
+/// How the fleet bills the subscriptions it bills itself (the internal gateway's).
+#[derive(Debug, Clone)]
+pub struct Billing {
+    /// The platform's commission on each renewal, in percent (as at checkout).
+    pub fee_percent: Decimal,
+    /// Every period this long instead of its interval (`PAYFLEET_SUBSCRIPTION_PERIOD_SECS`:
+    /// tests and previews only).
+    pub period: Option<std::time::Duration>,
+    /// How long a renewal may wait for its payment at least (the order expiry): a renewal of a
+    /// period missed while nothing ran is still charged.
+    pub expiry: std::time::Duration,
+}
+
+/// Most attempts at one renewal's charge: the billing run retries a failed one once per run,
+/// and cancels the subscription when the last one fails (or the renewal expires unpaid).
+pub const MAX_RENEWAL_ATTEMPTS: i32 = 4;
+
+/// A renewal order waiting for its charge.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Renewal {
+    pub number: i64,
+    pub subscription_id: SubscriptionId,
+    pub period_start: DateTime<Utc>,
+    pub period_end: DateTime<Utc>,
+    /// How the simulator answers (`succeed` or `fail`).
+    pub simulated: String,
+}
+
+/// What one billing pass did on the order side.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Opened {
+    /// Renewal orders opened (one per subscription and period).
+    pub renewals: usize,
+    /// Subscriptions canceled because their renewal could not be charged.
+    pub canceled: usize,
+}
+
+#[derive(sqlx::FromRow)]
+struct Due {
+    id: SubscriptionId,
+    order_number: i64,
+    amount: Decimal,
+    currency: String,
+    current_period_end: DateTime<Utc>,
+    /// The next period's end: one interval on (calendar months and years, as the first
+    /// period's), or the configured period.
+    next_end: DateTime<Utc>,
+}
+
+/// Cancels the past-due subscriptions that cannot recover (below), then opens the renewal
+/// orders of `gateway`'s active subscriptions whose period ended: one order per
+/// (subscription, period), each in the transaction that moves its subscription to the new
+/// period, with its sale's amounts, its items at their list price and its `created` message.
+/// Concurrent runs skip what another holds; a unique index is the last word. A subscription
+/// whose periods ended while nothing ran (downtime) is renewed one period per pass: each pass
+/// catches up one more.
+pub async fn open_due(
+    pool: &PgPool,
+    gateway: GatewayName,
+    billing: &Billing,
+    limit: i64,
+) -> Result<Opened, payfleet_queue::QueueError> {
+    let mut opened = Opened {
+        canceled: cancel_unpaid(pool, gateway).await?,
+        ..Opened::default()
+    };
+    let mut tx = pool.begin().await?;
+    if let Some(period) = billing.period {
+        // The short period of tests and previews applies to every live subscription here.
+        sqlx::query(
+            "UPDATE subscriptions SET current_period_end = current_period_start + make_interval(secs => $2)
+             WHERE gateway = $1 AND status <> 'canceled'
+               AND current_period_end <> current_period_start + make_interval(secs => $2)",
+        )
+        .bind(gateway)
+        .bind(period.as_secs_f64())
+        .execute(&mut *tx)
+        .await?;
+    }
+    let due: Vec<Due> = sqlx::query_as(
+        "SELECT id, order_number, amount, currency::text AS currency, current_period_end,
+                CASE WHEN $3::float8 IS NULL THEN current_period_end + ('1 ' || \"interval\")::interval
+                     ELSE current_period_end + make_interval(secs => $3) END AS next_end
+         FROM subscriptions
+         WHERE gateway = $1 AND status = 'active' AND current_period_end <= now()
+         ORDER BY current_period_end LIMIT $2
+         FOR UPDATE SKIP LOCKED",
+    )
+    .bind(gateway)
+    .bind(limit)
+    .bind(billing.period.map(|p| p.as_secs_f64()))
+    .fetch_all(&mut *tx)
+    .await?;
+    for s in due {
+        let (start, end) = (s.current_period_end, s.next_end);
+        let total = crate::money::Money::new(s.amount, s.currency.parse().map_err(bad_row)?)
+            .map_err(bad_row)?;
+        let fee = total
+            .percent(billing.fee_percent)
+            .ok_or_else(|| bad_row(format!("the fee of {total} does not fit")))?;
+        let created: Option<(i64, i64, DateTime<Utc>)> = sqlx::query_as(
+            "WITH n AS (UPDATE order_numbers SET last = last + 1 WHERE singleton RETURNING last),
+                  first AS (SELECT * FROM orders WHERE number = $2)
+             INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, \"interval\", currency,
+                                 subtotal, discount, total, platform_fee, seller_net, gateway,
+                                 expires_at, renews, period_start, period_end)
+             SELECT n.last, first.checkout_id, first.seller_id, first.buyer_id, 'subscription',
+                    first.\"interval\", first.currency, $3, 0, $3, $4, $3 - $4, first.gateway,
+                    GREATEST($6, now() + make_interval(secs => $7)), $1, $5, $6
+             FROM n, first
+             ON CONFLICT (renews, period_start) WHERE renews IS NOT NULL DO NOTHING
+             RETURNING id, number, expires_at",
+        )
+        .bind(s.id)
+        .bind(s.order_number)
+        .bind(s.amount)
+        .bind(fee.amount())
+        .bind(start)
+        .bind(end)
+        .bind(billing.expiry.as_secs_f64())
+        .fetch_optional(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE subscriptions SET current_period_start = $2, current_period_end = $3, updated_at = now()
+             WHERE id = $1",
+        )
+        .bind(s.id)
+        .bind(start)
+        .bind(end)
+        .execute(&mut *tx)
+        .await?;
+        let Some((order_id, number, expires_at)) = created else {
+            continue;
+        };
+        sqlx::query(
+            "INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
+             SELECT $1, i.line, i.product_id, i.name, i.unit_price, i.quantity, i.subtotal, 0
+             FROM order_items i JOIN orders o ON o.id = i.order_id WHERE o.number = $2",
+        )
+        .bind(order_id)
+        .bind(s.order_number)
+        .execute(&mut *tx)
+        .await?;
+        super::record_event(
+            &mut tx,
+            order_id,
+            super::OrderEventKind::Created,
+            serde_json::json!({"number": number, "renews": s.id, "period_start": start, "period_end": end}),
+        )
+        .await?;
+        // Unpaid when its period ends (or, for a period missed while nothing ran, an order
+        // expiry from now), it expires: a payment after that is given back.
+        super::expiry::schedule(&mut tx, number, expires_at).await?;
+        opened.renewals += 1;
+    }
+    tx.commit().await?;
+    Ok(opened)
+}
+
+/// Cancels the past-due subscriptions whose current renewal failed its last attempt, or expired
+/// unpaid, and expires that renewal (a payment after it is given back).
+async fn cancel_unpaid(
+    pool: &PgPool,
+    gateway: GatewayName,
+) -> Result<usize, payfleet_queue::QueueError> {
+    let given_up: Vec<(SubscriptionId, i64)> = sqlx::query_as(
+        "UPDATE subscriptions s SET status = 'canceled', canceled_at = now(), updated_at = now()
+         FROM orders o
+         WHERE s.gateway = $1 AND s.status = 'past_due'
+           AND o.renews = s.id AND o.period_start = s.current_period_start AND o.paid_at IS NULL
+           AND ((o.status = 'payment_failed' AND o.payment_attempt >= $2) OR o.status = 'expired')
+         RETURNING s.id, o.number",
+    )
+    .bind(gateway)
+    .bind(MAX_RENEWAL_ATTEMPTS)
+    .fetch_all(pool)
+    .await?;
+    for (id, number) in &given_up {
+        tracing::info!(subscription = %id, renewal = number, "subscription canceled: its renewal could not be charged");
+        match super::expire_now(pool, *number).await {
+            // Paid or expired meanwhile: nothing to expire.
+            Ok(())
+            | Err(super::ReopenError::NotPayable { .. } | super::ReopenError::NotFound(_)) => {}
+            Err(super::ReopenError::Queue(e)) => return Err(e),
+            Err(super::ReopenError::Database(e)) => return Err(e.into()),
+        }
+    }
+    Ok(given_up.len())
+}
+
+/// The renewals of `gateway` waiting for a charge: the new ones, and the failed ones whose
+/// subscription is past due and that have attempts left (each moved to its next attempt here:
+/// a failed attempt's session is spent).
+pub async fn to_charge(
+    pool: &PgPool,
+    gateway: GatewayName,
+    limit: i64,
+) -> Result<Vec<Renewal>, sqlx::Error> {
+    sqlx::query(
+        "UPDATE orders o SET payment_attempt = payment_attempt + 1, session_id = NULL, payment_url = NULL,
+             status = 'awaiting_payment', updated_at = now()
+         FROM subscriptions s
+         WHERE o.renews = s.id AND s.gateway = $1 AND s.status = 'past_due'
+           AND o.period_start = s.current_period_start
+           AND o.status = 'payment_failed' AND o.payment_attempt < $2",
+    )
+    .bind(gateway)
+    .bind(MAX_RENEWAL_ATTEMPTS)
+    .execute(pool)
+    .await?;
+    sqlx::query_as(
+        "SELECT o.number, s.id AS subscription_id, o.period_start, o.period_end,
+                s.simulated_renewals AS simulated
+         FROM orders o JOIN subscriptions s ON s.id = o.renews
+         WHERE s.gateway = $1 AND s.status <> 'canceled' AND o.status = 'awaiting_payment'
+         ORDER BY o.number LIMIT $2",
+    )
+    .bind(gateway)
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
+/// Sets how the simulator answers the subscription's next renewals. `false`: no such
+/// subscription.
+pub async fn simulate(
+    pool: &PgPool,
+    id: SubscriptionId,
+    succeed: bool,
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE subscriptions SET simulated_renewals = $2, updated_at = now() WHERE id = $1",
+    )
+    .bind(id)
+    .bind(if succeed { "succeed" } else { "fail" })
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+fn bad_row(e: impl std::fmt::Display) -> payfleet_queue::QueueError {
+    payfleet_queue::QueueError::Database(sqlx::Error::Decode(e.to_string().into()))
 }

@@ -21,6 +21,7 @@ pub mod links;
 pub mod order_refunds;
 pub mod reconcile;
 mod refunds;
+pub mod renewals;
 
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;

@@ -24,6 +24,7 @@ pub const KNOWN: &[&str] = &[
     "reconcile",
     "consistency",
     "prune",
+    "subscription_billing",
 ];
 
 const DEFAULT_CATCH_UP: Duration = Duration::from_secs(24 * 3600);

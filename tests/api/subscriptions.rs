@@ -187,3 +187,250 @@ async fn a_subscription_is_read_by_its_sellers_keys_and_the_backend_only(pool: P
     // No credential at all: 401.
     assert_eq!(status(shop.app.anon.clone(), path).await, 401);
 }
+
+/// A fleet whose internal-gateway subscriptions renew every `period`, a paid subscription on
+/// it, and that subscription's id. Its first period is moved `back` into the past, as if that
+/// much time had passed.
+async fn renewing(
+    pool: &PgPool,
+    period: Duration,
+    back: Duration,
+) -> (
+    crate::checkout::Shop,
+    payfleet::payments::renewals::Biller,
+    String,
+    String,
+) {
+    let mut config = test_config();
+    config.orders.subscription_period = Some(period);
+    let shop = crate::checkout::Shop {
+        app: std::sync::Arc::new(spawn_fleet(pool.clone(), config.clone()).await),
+    };
+    let seller = shop.seller("Club House").await;
+    let order = subscription_order(&shop, &seller).await;
+    let number = order["number"].as_i64().unwrap();
+    assert_eq!(
+        shop.app
+            .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
+            .await
+            .0,
+        200
+    );
+    wait_for("the subscription", Duration::from_secs(30), async || {
+        shop.order(number).await["subscription_id"].is_string()
+    })
+    .await;
+    let id = shop.order(number).await["subscription_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    sqlx::query(
+        "UPDATE subscriptions SET current_period_start = current_period_start - make_interval(secs => $1),
+             current_period_end = current_period_end - make_interval(secs => $1)",
+    )
+    .bind(back.as_secs_f64())
+    .execute(pool)
+    .await
+    .unwrap();
+    let (gateways, hosted) = payfleet::startup::gateways(&config, pool).unwrap();
+    let biller = payfleet::startup::biller(&config, pool, &gateways, &hosted);
+    (shop, biller, seller, id)
+}
+
+async fn subscription(shop: &crate::checkout::Shop, id: &str) -> Value {
+    let (status, body) = shop.app.get(&format!("/subscriptions/{id}")).await;
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// The sales the ledger posted for the subscription's renewals, by order number.
+async fn renewal_sales(pool: &PgPool) -> Vec<(i64, i64)> {
+    sqlx::query_as(
+        "SELECT o.number, (SELECT count(*) FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number)
+         FROM orders o WHERE o.renews IS NOT NULL ORDER BY o.number",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn each_period_is_billed_once_and_is_one_sale_whatever_runs_it(pool: PgPool) {
+    // Three periods of 30 s missed (the fleet was down): one more each pass.
+    let (shop, biller, seller, id) =
+        renewing(&pool, Duration::from_secs(30), Duration::from_secs(95)).await;
+    let bill = || payfleet::payments::renewals::bill(&pool, &biller);
+    // Three workers' passes at once, then more until nothing is due: each missed period is
+    // opened once (a pass opens one period per subscription; the passes serialise on it).
+    let (a, b, c) = tokio::join!(bill(), bill(), bill());
+    let mut opened: usize = [a, b, c].into_iter().map(|r| r.unwrap().opened).sum();
+    for _ in 0..5 {
+        opened += bill().await.unwrap().opened;
+    }
+    assert_eq!(opened, 3);
+    wait_for("three renewals paid", Duration::from_secs(60), async || {
+        let sub = subscription(&shop, &id).await;
+        sub["renewals"].as_array().unwrap().len() == 3
+            && sub["renewals"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|r| r["state"] == "paid")
+    })
+    .await;
+    let sub = subscription(&shop, &id).await;
+    assert_eq!(sub["status"], "active");
+    let renewals = sub["renewals"].as_array().unwrap();
+    // Consecutive periods of 30 s, the last one the subscription's current period.
+    for pair in renewals.windows(2) {
+        assert_eq!(pair[0]["period_end"], pair[1]["period_start"]);
+    }
+    assert_eq!(renewals[2]["period_start"], sub["current_period_start"]);
+    assert_eq!(renewals[2]["period_end"], sub["current_period_end"]);
+    for r in renewals {
+        // The list price: the first period's coupon does not renew.
+        assert_eq!(
+            (r["amount"].as_str(), r["currency"].as_str()),
+            (Some("19.90"), Some("BRL"))
+        );
+        let order = shop.order(r["order_number"].as_i64().unwrap()).await;
+        assert_eq!(order["status"], "paid");
+        assert_eq!(order["seller_id"], seller);
+        assert_eq!(
+            (order["platform_fee"].as_str(), order["seller_net"].as_str()),
+            (Some("1.99"), Some("17.91"))
+        );
+        assert_eq!(
+            order["subscription_id"],
+            Value::Null,
+            "a renewal starts no subscription"
+        );
+    }
+    // Every renewal's event delivered again (a gateway's resend) moves no more money.
+    let bodies: Vec<Value> = sqlx::query_scalar(
+        "SELECT body FROM internal_events WHERE body->>'type' = 'subscription.renewed'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(bodies.len(), 3);
+    for (i, body) in bodies.iter().enumerate() {
+        assert_eq!(body["data"]["subscription_id"], id.as_str());
+        let (status, _) = shop
+            .app
+            .deliver(&internal(&format!("resend-{i}"), &body.to_string()))
+            .await;
+        assert_eq!(status, 200);
+    }
+    process_events(&pool).await;
+    let sales = renewal_sales(&pool).await;
+    assert_eq!(sales.len(), 3);
+    assert!(
+        sales.iter().all(|(_, n)| *n == 1),
+        "one sale per renewal: {sales:?}"
+    );
+    assert_eq!(subscriptions(&pool).await, 1);
+    // The checkout's answer, asked again with its key, is still its one order.
+    let first = shop.order(sub["order_number"].as_i64().unwrap()).await;
+    let (status, answer) = shop
+        .checkout(
+            Some("sub-1"),
+            json!({"buyer_id": "buyer-9", "gateway": "internal", "coupon": "firstmonth",
+                   "items": [{"product_id": first["items"][0]["product_id"], "quantity": 1}]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{answer}");
+    assert_eq!(answer["orders"].as_array().unwrap().len(), 1, "{answer}");
+    assert_eq!(answer["orders"][0]["number"], sub["order_number"]);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_failed_renewal_is_past_due_and_moves_no_money_until_a_retry_succeeds(pool: PgPool) {
+    let (shop, biller, _seller, id) =
+        renewing(&pool, Duration::from_secs(600), Duration::from_secs(601)).await;
+    let simulate = |renewals: &'static str| {
+        let shop = &shop;
+        let id = id.clone();
+        async move {
+            shop.post(
+                &format!("/admin/subscriptions/{id}/simulate"),
+                Some(ADMIN_TOKEN),
+                json!({"renewals": renewals}),
+            )
+            .await
+        }
+    };
+    assert_eq!(simulate("fail").await.0, 200);
+    assert_eq!(simulate("maybe").await.0, 422);
+    let report = payfleet::payments::renewals::bill(&pool, &biller)
+        .await
+        .unwrap();
+    assert_eq!((report.opened, report.charged), (1, 1));
+    wait_for("past due", Duration::from_secs(30), async || {
+        subscription(&shop, &id).await["status"] == "past_due"
+    })
+    .await;
+    let sub = subscription(&shop, &id).await;
+    assert_eq!(sub["renewals"][0]["state"], "failed");
+    assert!(
+        renewal_sales(&pool).await.iter().all(|(_, n)| *n == 0),
+        "a failed renewal moves no money"
+    );
+    // A past-due subscription is not renewed further; its renewal is retried, on a new session.
+    assert_eq!(simulate("succeed").await.0, 200);
+    let report = payfleet::payments::renewals::bill(&pool, &biller)
+        .await
+        .unwrap();
+    assert_eq!((report.opened, report.charged), (0, 1));
+    wait_for("active again", Duration::from_secs(30), async || {
+        subscription(&shop, &id).await["status"] == "active"
+    })
+    .await;
+    let sub = subscription(&shop, &id).await;
+    assert_eq!(sub["renewals"].as_array().unwrap().len(), 1);
+    assert_eq!(sub["renewals"][0]["state"], "paid");
+    let number = sub["renewals"][0]["order_number"].as_i64().unwrap();
+    assert_eq!(shop.order(number).await["payment_attempt"], 2);
+    assert_eq!(renewal_sales(&pool).await, vec![(number, 1)]);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_renewal_that_keeps_failing_cancels_the_subscription(pool: PgPool) {
+    let (shop, biller, _seller, id) =
+        renewing(&pool, Duration::from_secs(600), Duration::from_secs(601)).await;
+    let (status, _) = shop
+        .post(
+            &format!("/admin/subscriptions/{id}/simulate"),
+            Some(ADMIN_TOKEN),
+            json!({"renewals": "fail"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let attempts = payfleet::orders::subscriptions::MAX_RENEWAL_ATTEMPTS;
+    for attempt in 1..=attempts {
+        payfleet::payments::renewals::bill(&pool, &biller)
+            .await
+            .unwrap();
+        wait_for("the attempt failed", Duration::from_secs(30), async || {
+            let sub = subscription(&shop, &id).await;
+            let renewal = &sub["renewals"][0];
+            renewal["state"] == "failed"
+                && shop.order(renewal["order_number"].as_i64().unwrap()).await["payment_attempt"]
+                    == attempt
+        })
+        .await;
+    }
+    let report = payfleet::payments::renewals::bill(&pool, &biller)
+        .await
+        .unwrap();
+    assert_eq!((report.canceled, report.charged, report.opened), (1, 0, 0));
+    let sub = subscription(&shop, &id).await;
+    assert_eq!(sub["status"], "canceled");
+    assert!(sub["canceled_at"].is_string());
+    // Nothing is charged after it.
+    let report = payfleet::payments::renewals::bill(&pool, &biller)
+        .await
+        .unwrap();
+    assert_eq!(report, Default::default());
+    assert!(renewal_sales(&pool).await.iter().all(|(_, n)| *n == 0));
+}

@@ -39,6 +39,14 @@ pub enum Outcome {
     Failed,
 }
 
+/// The subscription and period a renewal's charge is for, carried in its event.
+#[derive(Debug, Clone)]
+pub struct RenewalCharge {
+    pub subscription_id: String,
+    pub period_start: chrono::DateTime<chrono::Utc>,
+    pub period_end: chrono::DateTime<chrono::Utc>,
+}
+
 /// A session of the hosted gateway, as its payment page shows it.
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct HostedPayment {
@@ -99,6 +107,11 @@ impl HostedGateway {
             sink,
             page_key,
         }
+    }
+
+    /// Which hosted gateway this is (internal or mock).
+    pub fn name(&self) -> GatewayName {
+        self.name
     }
 
     /// The key the payment page's form tokens are signed with.
@@ -175,6 +188,28 @@ impl HostedGateway {
         session_id: &str,
         outcome: Outcome,
     ) -> Result<HostedPayment, GatewayError> {
+        self.settle(session_id, outcome, None).await
+    }
+
+    /// Charges a subscription's renewal on its session, as the gateway's own billing does (the
+    /// simulator: `outcome` is its answer), and reports it as `subscription.renewed` or
+    /// `subscription.renewal_failed`. Charged once: a session already decided is answered as
+    /// it was, and emits nothing more.
+    pub async fn charge_renewal(
+        &self,
+        session_id: &str,
+        outcome: Outcome,
+        renewal: &RenewalCharge,
+    ) -> Result<HostedPayment, GatewayError> {
+        self.settle(session_id, outcome, Some(renewal)).await
+    }
+
+    async fn settle(
+        &self,
+        session_id: &str,
+        outcome: Outcome,
+        renewal: Option<&RenewalCharge>,
+    ) -> Result<HostedPayment, GatewayError> {
         let mut tx = self.pool.begin().await?;
         let (status, payment_id) = match outcome {
             Outcome::Succeeded => ("succeeded", Some(random_id("ipay"))),
@@ -199,16 +234,23 @@ impl HostedGateway {
                     GatewayError::Refused(format!("no {} session {session_id}", self.name))
                 });
         };
-        let kind = match outcome {
-            Outcome::Succeeded => "payment.succeeded",
-            Outcome::Failed => "payment.failed",
+        let kind = match (outcome, renewal) {
+            (Outcome::Succeeded, None) => "payment.succeeded",
+            (Outcome::Failed, None) => "payment.failed",
+            (Outcome::Succeeded, Some(_)) => "subscription.renewed",
+            (Outcome::Failed, Some(_)) => "subscription.renewal_failed",
         };
-        let data = json!({
+        let mut data = json!({
             "session_id": p.session_id,
             "payment_id": p.payment_id,
             "amount": p.money().map(|m| m.amount().to_string()).unwrap_or_default(),
             "currency": p.currency,
         });
+        if let (Some(r), Some(fields)) = (renewal, data.as_object_mut()) {
+            fields.insert("subscription_id".into(), json!(r.subscription_id));
+            fields.insert("period_start".into(), json!(r.period_start));
+            fields.insert("period_end".into(), json!(r.period_end));
+        }
         self.emit(&mut tx, kind, data).await?;
         tx.commit().await?;
         Ok(p)

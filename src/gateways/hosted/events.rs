@@ -23,11 +23,14 @@ struct Data {
     currency: Option<String>,
 }
 
-/// The status mapper: what a `payment.*` type means. Unknown ones are pending.
+/// The renewal charges the gateway's own billing reports (with the subscription and period).
+const RENEWALS: [&str; 2] = ["subscription.renewed", "subscription.renewal_failed"];
+
+/// The status mapper: what a `payment.*` (or renewal) type means. Unknown ones are pending.
 pub fn payment_status(kind: &str) -> PaymentStatus {
     match kind {
-        "payment.succeeded" => PaymentStatus::Succeeded,
-        "payment.failed" => PaymentStatus::Failed,
+        "payment.succeeded" | "subscription.renewed" => PaymentStatus::Succeeded,
+        "payment.failed" | "subscription.renewal_failed" => PaymentStatus::Failed,
         _ => PaymentStatus::Pending,
     }
 }
@@ -65,7 +68,8 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
         Ok(Money::parse(amount, currency)?)
     };
     let fact = match e.kind.as_str() {
-        k if k.starts_with("payment.") => {
+        // A renewal is a payment of its renewal order's session.
+        k if k.starts_with("payment.") || RENEWALS.contains(&k) => {
             let status = payment_status(k);
             let amount = if d.amount.is_some() {
                 Some(money()?)

@@ -14,7 +14,8 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 pub use client::{
-    EventSink, HostedGateway, HostedPayment, Outcome, event, is_session_id, mark_delivered, payment,
+    EventSink, HostedGateway, HostedPayment, Outcome, RenewalCharge, event, is_session_id,
+    mark_delivered, payment,
 };
 
 use super::signature::SignatureError;
