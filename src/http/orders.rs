@@ -33,6 +33,7 @@ pub(super) fn routes(state: OrdersState) -> Routes {
         .route("/orders/{number}/payment", post(reopen))
         .route("/orders/{number}/coins", post(pay_with_coins))
         .route("/subscriptions/{id}", get(subscription))
+        .route("/subscriptions/{id}/cancel", post(cancel_subscription))
         .with_state(state)
 }
 
@@ -128,4 +129,37 @@ async fn subscription(
         .ok_or_else(none)?;
     caller.may_read(found.seller_id).map_err(|_| none())?;
     Ok(Json(found))
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Cancel {
+    #[serde(default)]
+    at_period_end: bool,
+}
+
+/// The buyer cancels a subscription, now or at its period's end: 200 with the subscription
+/// (the same answer when it was canceled already); 409 `cancel_not_supported` for one a gateway
+/// bills (cancelling there is not built yet).
+async fn cancel_subscription(
+    caller: Backend,
+    State(state): State<OrdersState>,
+    Path(raw): Path<String>,
+    JsonBody(body): JsonBody<Cancel>,
+) -> Result<Json<SubscriptionView>, ApiError> {
+    caller.acts_for_buyers()?;
+    let none = || ApiError::NotFound(format!("no subscription {raw:?}"));
+    let id: SubscriptionId = raw.parse().map_err(|_| none())?;
+    // The fleet bills the internal gateway's subscriptions itself.
+    let bills_itself = |g| g == crate::gateways::GatewayName::Internal;
+    match subscriptions::cancel(&state.pool, id, body.at_period_end, bills_itself).await {
+        Ok(view) => Ok(Json(view)),
+        Err(subscriptions::CancelError::NotFound(_)) => Err(none()),
+        Err(e @ subscriptions::CancelError::AtGateway { .. }) => Err(ApiError::Conflict {
+            code: "cancel_not_supported",
+            message: e.to_string(),
+        }),
+        Err(subscriptions::CancelError::Queue(e)) => Err(e.into()),
+        Err(subscriptions::CancelError::Database(e)) => Err(e.into()),
+    }
 }

@@ -108,6 +108,12 @@ payfleet_queue::text_enum! {
         /// Paid again through another session after it was paid: refunded.
         ExtraPayment = "extra_payment",
         Reopened = "reopened",
+        /// Its subscription's renewal failed (written by the database: migration 0049).
+        PastDue = "past_due",
+        /// Its subscription is active again: a retry of its renewal was paid.
+        Reactivated = "reactivated",
+        /// Its subscription ended.
+        Canceled = "canceled",
     }
 }
 

@@ -9,9 +9,8 @@
 //! paid or fails (migration 0048's trigger).
 //!
 //! Not built yet (issue 21 goes on): renewals reported by the outside gateways (Stripe's
-//! `invoice.paid`, Mercado Pago's and Razorpay's), cancellation by the buyer or the gateway,
-//! the order messages of past due and cancellation, and the internal gateway's renewals
-//! through a real acquirer.
+//! `invoice.paid`, Mercado Pago's and Razorpay's) and cancellation at them (and by them), and
+//! the internal gateway's renewals through a real acquirer.
 
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
@@ -227,6 +226,7 @@ pub struct Opened {
 struct Due {
     id: SubscriptionId,
     order_number: i64,
+    cancel_at_period_end: bool,
     amount: Decimal,
     currency: String,
     current_period_end: DateTime<Utc>,
@@ -266,7 +266,7 @@ pub async fn open_due(
         .await?;
     }
     let due: Vec<Due> = sqlx::query_as(
-        "SELECT id, order_number, amount, currency::text AS currency, current_period_end,
+        "SELECT id, order_number, cancel_at_period_end, amount, currency::text AS currency, current_period_end,
                 CASE WHEN $3::float8 IS NULL THEN current_period_end + ('1 ' || \"interval\")::interval
                      ELSE current_period_end + make_interval(secs => $3) END AS next_end
          FROM subscriptions
@@ -280,6 +280,18 @@ pub async fn open_due(
     .fetch_all(&mut *tx)
     .await?;
     for s in due {
+        if s.cancel_at_period_end {
+            // Canceled at its period's end, as asked: nothing is charged after it.
+            sqlx::query(
+                "UPDATE subscriptions SET status = 'canceled', canceled_at = current_period_end, updated_at = now()
+                 WHERE id = $1",
+            )
+            .bind(s.id)
+            .execute(&mut *tx)
+            .await?;
+            opened.canceled += 1;
+            continue;
+        }
         let (start, end) = (s.current_period_end, s.next_end);
         let total = crate::money::Money::new(s.amount, s.currency.parse().map_err(bad_row)?)
             .map_err(bad_row)?;
@@ -407,6 +419,84 @@ pub async fn to_charge(
     .bind(limit)
     .fetch_all(pool)
     .await
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CancelError {
+    #[error("no subscription {0}")]
+    NotFound(SubscriptionId),
+    /// The gateway bills it, and cancelling there is not built yet.
+    #[error("subscription {id} is billed by {gateway}; cancelling it there is not supported yet")]
+    AtGateway {
+        id: SubscriptionId,
+        gateway: GatewayName,
+    },
+    #[error(transparent)]
+    Queue(#[from] payfleet_queue::QueueError),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Cancels a subscription the fleet bills itself: now, or at its current period's end (then
+/// its billing ends it instead of renewing it). Once: a canceled subscription is answered as
+/// it is. Cancelled now, its current renewal, if unpaid, expires (a payment after it is given
+/// back); a paid period is not refunded here (that is a refund of its order).
+pub async fn cancel(
+    pool: &PgPool,
+    id: SubscriptionId,
+    at_period_end: bool,
+    bills_itself: impl Fn(GatewayName) -> bool,
+) -> Result<SubscriptionView, CancelError> {
+    let mut tx = pool.begin().await?;
+    let found: Option<(GatewayName, SubscriptionStatus, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT gateway, status, current_period_start FROM subscriptions WHERE id = $1 FOR UPDATE",
+    )
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let (gateway, status, period_start) = found.ok_or(CancelError::NotFound(id))?;
+    if status != SubscriptionStatus::Canceled {
+        if !bills_itself(gateway) {
+            return Err(CancelError::AtGateway { id, gateway });
+        }
+        if at_period_end {
+            sqlx::query(
+                "UPDATE subscriptions SET cancel_at_period_end = true, updated_at = now() WHERE id = $1",
+            )
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        } else {
+            sqlx::query(
+                "UPDATE subscriptions SET status = 'canceled', canceled_at = now(), updated_at = now() WHERE id = $1",
+            )
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        }
+    }
+    let unpaid: Option<i64> = if at_period_end || status == SubscriptionStatus::Canceled {
+        None
+    } else {
+        sqlx::query_scalar(
+            "SELECT number FROM orders WHERE renews = $1 AND period_start = $2 AND paid_at IS NULL
+               AND status IN ('awaiting_payment', 'payment_failed')",
+        )
+        .bind(id)
+        .bind(period_start)
+        .fetch_optional(&mut *tx)
+        .await?
+    };
+    tx.commit().await?;
+    if let Some(number) = unpaid {
+        match super::expire_now(pool, number).await {
+            Ok(())
+            | Err(super::ReopenError::NotPayable { .. } | super::ReopenError::NotFound(_)) => {}
+            Err(super::ReopenError::Queue(e)) => return Err(e.into()),
+            Err(super::ReopenError::Database(e)) => return Err(e.into()),
+        }
+    }
+    view(pool, id).await?.ok_or(CancelError::NotFound(id))
 }
 
 /// Sets how the simulator answers the subscription's next renewals. `false`: no such

@@ -434,3 +434,145 @@ async fn a_renewal_that_keeps_failing_cancels_the_subscription(pool: PgPool) {
     assert_eq!(report, Default::default());
     assert!(renewal_sales(&pool).await.iter().all(|(_, n)| *n == 0));
 }
+
+async fn cancel(shop: &crate::checkout::Shop, id: &str, body: Value) -> (u16, Value) {
+    let resp = shop
+        .app
+        .http
+        .post(format!(
+            "http://{}/subscriptions/{id}/cancel",
+            shop.app.addr
+        ))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap_or(Value::Null))
+}
+
+/// The order messages of the subscription's first order, by kind, in order.
+async fn steps(pool: &PgPool, order_number: i64) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT e.kind FROM order_events e JOIN orders o ON o.id = e.order_id
+         WHERE o.number = $1 AND e.kind IN ('past_due', 'reactivated', 'canceled') ORDER BY e.id",
+    )
+    .bind(order_number)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn cancelled_at_its_periods_end_a_subscription_is_charged_no_more(pool: PgPool) {
+    // Its period ends in 2 s.
+    let (shop, biller, seller, id) =
+        renewing(&pool, Duration::from_secs(60), Duration::from_secs(58)).await;
+    // A key bound to the seller acts for no buyer.
+    let sellers = backend_client(&api_key(&pool, Some(&seller)).await);
+    let resp = sellers
+        .post(format!(
+            "http://{}/subscriptions/{id}/cancel",
+            shop.app.addr
+        ))
+        .json(&json!({"at_period_end": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 403);
+    let (status, sub) = cancel(&shop, &id, json!({"at_period_end": true})).await;
+    assert_eq!(status, 200, "{sub}");
+    assert_eq!(
+        (
+            sub["status"].as_str(),
+            sub["cancel_at_period_end"].as_bool()
+        ),
+        (Some("active"), Some(true))
+    );
+    // Asked again: the same.
+    assert_eq!(
+        cancel(&shop, &id, json!({"at_period_end": true})).await,
+        (200, sub.clone())
+    );
+    let (status, body) = cancel(&shop, &id, json!({"at_period_end": "yes"})).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (422, Some("invalid_request")),
+        "{body}"
+    );
+    // Until its period ends, nothing happens; then it ends instead of renewing.
+    let report = payfleet::payments::renewals::bill(&pool, &biller)
+        .await
+        .unwrap();
+    assert_eq!(report, Default::default());
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let report = payfleet::payments::renewals::bill(&pool, &biller)
+        .await
+        .unwrap();
+    assert_eq!((report.canceled, report.opened, report.charged), (1, 0, 0));
+    let sub = subscription(&shop, &id).await;
+    assert_eq!(sub["status"], "canceled");
+    assert_eq!(sub["canceled_at"], sub["current_period_end"]);
+    assert_eq!(sub["renewals"], json!([]));
+    let first = sub["order_number"].as_i64().unwrap();
+    assert_eq!(steps(&pool, first).await, ["canceled"]);
+    // Nothing is charged after it, whatever runs.
+    assert_eq!(
+        payfleet::payments::renewals::bill(&pool, &biller)
+            .await
+            .unwrap(),
+        Default::default()
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn cancelled_now_a_past_due_subscription_ends_and_its_unpaid_renewal_expires(pool: PgPool) {
+    let (shop, biller, _seller, id) =
+        renewing(&pool, Duration::from_secs(600), Duration::from_secs(601)).await;
+    let (status, _) = shop
+        .post(
+            &format!("/admin/subscriptions/{id}/simulate"),
+            Some(ADMIN_TOKEN),
+            json!({"renewals": "fail"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    payfleet::payments::renewals::bill(&pool, &biller)
+        .await
+        .unwrap();
+    wait_for("past due", Duration::from_secs(30), async || {
+        subscription(&shop, &id).await["status"] == "past_due"
+    })
+    .await;
+    let (status, sub) = cancel(&shop, &id, json!({})).await;
+    assert_eq!(status, 200, "{sub}");
+    assert_eq!(sub["status"], "canceled");
+    assert!(sub["canceled_at"].is_string());
+    let renewal = sub["renewals"][0]["order_number"].as_i64().unwrap();
+    wait_for("the renewal expired", Duration::from_secs(30), async || {
+        shop.order(renewal).await["status"] == "expired"
+    })
+    .await;
+    // Its steps went out as order messages of its first order, once each.
+    let first = sub["order_number"].as_i64().unwrap();
+    assert_eq!(steps(&pool, first).await, ["past_due", "canceled"]);
+    assert_eq!(
+        payfleet::payments::renewals::bill(&pool, &biller)
+            .await
+            .unwrap(),
+        Default::default()
+    );
+    // A subscription a gateway bills is not cancelled here behind its back.
+    sqlx::query(
+        "UPDATE subscriptions SET gateway = 'stripe', status = 'active', canceled_at = NULL",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (status, body) = cancel(&shop, &id, json!({})).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (409, Some("cancel_not_supported")),
+        "{body}"
+    );
+}
