@@ -185,6 +185,50 @@ impl Client {
         .await
     }
 
+    async fn subscription(&self, id: &str) -> anyhow::Result<Value> {
+        self.send(
+            self.http
+                .get(format!("{}/subscriptions/{id}", self.base))
+                .bearer_auth(&self.api_key),
+            "subscription",
+        )
+        .await
+    }
+
+    /// Waits (up to two billing runs' worth) until the subscription satisfies `done`.
+    async fn until_subscription(
+        &self,
+        id: &str,
+        what: &str,
+        done: impl Fn(&Value) -> bool,
+    ) -> anyhow::Result<Value> {
+        let start = Instant::now();
+        loop {
+            let s = self.subscription(id).await?;
+            if done(&s) {
+                return Ok(s);
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                bail!(
+                    "subscription {id}: not {what} after a minute (is subscription_billing scheduled?): {s}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// As if the subscription's period had ended now: the next billing run renews it.
+    async fn end_period(&self, id: &str) -> anyhow::Result<()> {
+        sqlx::query(
+            "UPDATE subscriptions SET current_period_start = now() - (current_period_end - current_period_start),
+                 current_period_end = now() WHERE id = $1::uuid",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
     /// A buyer on the payment page: opens it, then posts its form with the page's token.
     async fn pay(&self, order: &Value, outcome: &str) -> anyhow::Result<()> {
         let url = order["payment"]["url"]
@@ -300,23 +344,28 @@ pub async fn run(config: &Config, args: DemoArgs) -> anyhow::Result<()> {
     let fourth = c
         .checkout(&format!("demo-{run}-4"), json!({"buyer_id": "davi", "gateway": "internal", "items": [{"product_id": chips.id, "quantity": 1}]}))
         .await?;
+    let fifth = c
+        .checkout(&format!("demo-{run}-5"), json!({"buyer_id": "elena", "gateway": "internal", "items": [{"product_id": coaching.id, "quantity": 1}]}))
+        .await?;
     let all: Vec<Value> = first
         .iter()
         .chain(&second)
         .chain(&third)
         .chain(&fourth)
+        .chain(&fifth)
         .cloned()
         .collect();
     println!(
         "  {} checkouts (one repeated with its Idempotency-Key), {} orders",
-        4,
+        5,
         all.len()
     );
 
     println!("payments");
-    let (paid_a, paid_b, sub, expiring, failing) =
-        (&first[0], &first[1], &second[0], &third[0], &fourth[0]);
-    for o in [paid_a, paid_b, sub] {
+    let (paid_a, paid_b, sub, expiring, failing, sub_b) = (
+        &first[0], &first[1], &second[0], &third[0], &fourth[0], &fifth[0],
+    );
+    for o in [paid_a, paid_b, sub, sub_b] {
         c.pay(o, "succeeded").await?;
     }
     c.pay(failing, "failed").await?;
@@ -361,19 +410,70 @@ pub async fn run(config: &Config, args: DemoArgs) -> anyhow::Result<()> {
     for (o, want) in [
         (paid_b, "paid"),
         (sub, "paid"),
+        (sub_b, "paid"),
         (expiring, "expired"),
         (failing, "payment_failed"),
     ] {
         c.until(number(o), want).await?;
     }
 
+    println!("subscriptions (each month passed at once; subscription_billing renews every 10 s)");
+    let id_of = |o: Value| o["subscription_id"].as_str().map(str::to_owned);
+    let bruno =
+        id_of(c.order(number(sub)).await?).context("order paid without its subscription")?;
+    let elena =
+        id_of(c.order(number(sub_b)).await?).context("order paid without its subscription")?;
+    let renewals = |s: &Value| s["renewals"].as_array().cloned().unwrap_or_default();
+    for month in 1..=2 {
+        c.end_period(&bruno).await?;
+        c.until_subscription(&bruno, "renewed", |s| {
+            renewals(s).len() == month && renewals(s).iter().all(|r| r["state"] == "paid")
+        })
+        .await?;
+    }
+    let s = c.subscription(&bruno).await?;
+    println!(
+        "  bruno's: {} renewals paid ({}), {}",
+        renewals(&s).len(),
+        renewals(&s)
+            .iter()
+            .map(|r| format!("order {}", r["order_number"]))
+            .collect::<Vec<_>>()
+            .join(", "),
+        s["status"].as_str().unwrap_or_default()
+    );
+    orders::subscriptions::simulate(&c.pool, elena.parse()?, false).await?;
+    c.end_period(&elena).await?;
+    c.until_subscription(&elena, "past due", |s| s["status"] == "past_due")
+        .await?;
+    println!("  elena's: renewal failed, past due (no money moved)");
+    orders::subscriptions::simulate(&c.pool, elena.parse()?, true).await?;
+    let s = c
+        .until_subscription(&elena, "active again", |s| s["status"] == "active")
+        .await?;
+    let renewal = &renewals(&s)[0];
+    println!(
+        "  elena's: the retry was paid (order {}, attempt {}): active again",
+        renewal["order_number"],
+        c.order(renewal["order_number"].as_i64().unwrap_or_default())
+            .await?["payment_attempt"]
+    );
+
     println!();
     println!(
         "{:<7} {:<11} {:<12} {:>9} {:>8} {:>8} {:<38} {:<15} PAYMENT",
         "ORDER", "SELLER", "KIND", "TOTAL", "FEE", "NET", "JOURNEY", "STATUS"
     );
-    for o in &all {
-        let n = number(o);
+    let mut numbers: Vec<i64> = all.iter().map(number).collect();
+    let renewal_orders: Vec<i64> = sqlx::query_scalar(
+        "SELECT number FROM orders WHERE renews IN ($1::uuid, $2::uuid) ORDER BY number",
+    )
+    .bind(&bruno)
+    .bind(&elena)
+    .fetch_all(&pool)
+    .await?;
+    numbers.extend(renewal_orders);
+    for n in numbers {
         let view = c.order(n).await?;
         let journey: Vec<String> = sqlx::query_scalar(
             "SELECT e.kind FROM order_events e JOIN orders o ON o.id = e.order_id WHERE o.number = $1 ORDER BY e.id",

@@ -1,6 +1,6 @@
 //! The operator dashboard (`/admin/ui`), served by the receiver: queues, failed jobs with retry
 //! and discard, unprocessed events with replay, recurring jobs with their last and next run,
-//! consistency findings. Plain server-rendered pages and forms; no script.
+//! past-due subscriptions, consistency findings. Plain server-rendered pages and forms; no script.
 //!
 //! Signing in takes the admin token once and gives a session cookie: `HttpOnly` (no script
 //! reads it), `SameSite=Strict` (no other site's page sends it), `Secure` when the public URL is
@@ -678,6 +678,39 @@ async fn dashboard(
         &["name", "schedule", "enabled", "last run", "next run"],
         rows,
         "No recurring jobs are scheduled (PAYFLEET_RECURRING=off).",
+    ));
+
+    // Past-due subscriptions.
+    let past_due = crate::orders::subscriptions::past_due(pool, ROWS).await?;
+    let rows = past_due
+        .iter()
+        .map(|s| {
+            format!(
+                "<tr class=\"bad\"><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} {}</td><td>{} to {}</td></tr>",
+                s.id,
+                s.order_number,
+                s.seller_id,
+                s.gateway,
+                escape(&s.amount),
+                escape(&s.currency),
+                time(Some(s.current_period_start)),
+                time(Some(s.current_period_end)),
+            )
+        })
+        .collect();
+    body.push_str("<h2>Past-due subscriptions</h2><p class=\"muted\">Their current renewal failed: retried by the billing run, canceled after its last attempt.</p>");
+    body.push_str(&table(
+        "past-due",
+        &[
+            "subscription",
+            "first order",
+            "seller",
+            "gateway",
+            "renewal",
+            "period",
+        ],
+        rows,
+        "No subscription is past due.",
     ));
 
     // Consistency findings.

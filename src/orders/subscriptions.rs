@@ -397,12 +397,17 @@ pub async fn to_charge(
     limit: i64,
 ) -> Result<Vec<Renewal>, sqlx::Error> {
     sqlx::query(
-        "UPDATE orders o SET payment_attempt = payment_attempt + 1, session_id = NULL, payment_url = NULL,
-             status = 'awaiting_payment', updated_at = now()
-         FROM subscriptions s
-         WHERE o.renews = s.id AND s.gateway = $1 AND s.status = 'past_due'
-           AND o.period_start = s.current_period_start
-           AND o.status = 'payment_failed' AND o.payment_attempt < $2",
+        "WITH retried AS (
+             UPDATE orders o SET payment_attempt = payment_attempt + 1, session_id = NULL, payment_url = NULL,
+                 status = 'awaiting_payment', updated_at = now()
+             FROM subscriptions s
+             WHERE o.renews = s.id AND s.gateway = $1 AND s.status = 'past_due'
+               AND o.period_start = s.current_period_start
+               AND o.status = 'payment_failed' AND o.payment_attempt < $2
+             RETURNING o.id, o.payment_attempt)
+         INSERT INTO order_events (order_id, kind, payload)
+         SELECT id, 'reopened', jsonb_build_object('attempt', payment_attempt, 'by', 'subscription_billing')
+         FROM retried",
     )
     .bind(gateway)
     .bind(MAX_RENEWAL_ATTEMPTS)
@@ -518,4 +523,16 @@ pub async fn simulate(
 
 fn bad_row(e: impl std::fmt::Display) -> payfleet_queue::QueueError {
     payfleet_queue::QueueError::Database(sqlx::Error::Decode(e.to_string().into()))
+}
+
+/// The past-due subscriptions, the longest past due first, for the operator (at most `limit`).
+pub async fn past_due(pool: &PgPool, limit: i64) -> Result<Vec<SubscriptionView>, sqlx::Error> {
+    let rows: Vec<Row> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM subscriptions WHERE status = 'past_due'
+         ORDER BY current_period_start LIMIT $1"
+    )))
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(SubscriptionView::from).collect())
 }

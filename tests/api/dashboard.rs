@@ -46,6 +46,25 @@ async fn seed(pool: &PgPool) -> Seeded {
     .execute(pool)
     .await
     .unwrap();
+    // A subscription whose renewal failed.
+    sqlx::query(
+        "WITH s AS (INSERT INTO sellers (name, payout_frequency, payout_minimum)
+                    VALUES ('Club House', 'weekly', 0) RETURNING id),
+              p AS (INSERT INTO products (seller_id, name, kind, price, currency, \"interval\")
+                    SELECT id, 'club', 'subscription', 19.90, 'BRL', 'month' FROM s RETURNING id, seller_id),
+              c AS (INSERT INTO checkouts (buyer_id, gateway) VALUES ('b', 'internal') RETURNING id),
+              o AS (INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, \"interval\", currency,
+                                        subtotal, total, platform_fee, seller_net, gateway, expires_at)
+                    SELECT 9001, c.id, p.seller_id, 'b', 'subscription', 'month', 'BRL', 19.90, 19.90,
+                           1.99, 17.91, 'internal', now() FROM c, p RETURNING number, seller_id)
+         INSERT INTO subscriptions (order_number, seller_id, buyer_id, product_id, gateway, \"interval\",
+                                    amount, currency, status, current_period_start, current_period_end)
+         SELECT o.number, o.seller_id, 'b', p.id, 'internal', 'month', 19.90, 'BRL', 'past_due',
+                now() - interval '1 day', now() + interval '29 days' FROM o, p",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
     sqlx::query(
         "INSERT INTO recurring_runs (name, period, state, error, finished_at)
          VALUES ('payouts', now() - interval '1 day', 'failed', 'bank file refused', now())",
@@ -131,6 +150,7 @@ async fn an_operator_signs_in_sees_what_is_stuck_and_re_drives_it(pool: PgPool) 
         ("events", &["evt_refund_1", "larger than the payment"][..]),
         ("recurring", &["payouts", "failed", "invoices"][..]),
         ("findings", &["sale_without_credit"][..]),
+        ("past-due", &["9001", "19.90 BRL"][..]),
     ] {
         let text = browser
             .eval(&format!("document.getElementById('{id}')?.innerText ?? ''"))
