@@ -240,8 +240,8 @@ struct Due {
 /// (subscription, period), each in the transaction that moves its subscription to the new
 /// period, with its sale's amounts, its items at their list price and its `created` message.
 /// Concurrent runs skip what another holds; a unique index is the last word. A subscription
-/// whose periods ended while nothing ran (downtime) is renewed one period per pass: each pass
-/// catches up one more.
+/// whose periods ended while nothing ran (downtime) is renewed once for each of them, in order
+/// (at most `limit` renewals a pass; the next pass goes on).
 pub async fn open_due(
     pool: &PgPool,
     gateway: GatewayName,
@@ -252,7 +252,6 @@ pub async fn open_due(
         canceled: cancel_unpaid(pool, gateway).await?,
         ..Opened::default()
     };
-    let mut tx = pool.begin().await?;
     if let Some(period) = billing.period {
         // The short period of tests and previews applies to every live subscription here.
         sqlx::query(
@@ -262,99 +261,120 @@ pub async fn open_due(
         )
         .bind(gateway)
         .bind(period.as_secs_f64())
-        .execute(&mut *tx)
+        .execute(pool)
         .await?;
     }
-    let due: Vec<Due> = sqlx::query_as(
-        "SELECT id, order_number, cancel_at_period_end, amount, currency::text AS currency, current_period_end,
-                CASE WHEN $3::float8 IS NULL THEN current_period_end + ('1 ' || \"interval\")::interval
-                     ELSE current_period_end + make_interval(secs => $3) END AS next_end
-         FROM subscriptions
-         WHERE gateway = $1 AND status = 'active' AND current_period_end <= now()
-         ORDER BY current_period_end LIMIT $2
-         FOR UPDATE SKIP LOCKED",
-    )
-    .bind(gateway)
-    .bind(limit)
-    .bind(billing.period.map(|p| p.as_secs_f64()))
-    .fetch_all(&mut *tx)
-    .await?;
-    for s in due {
-        if s.cancel_at_period_end {
-            // Canceled at its period's end, as asked: nothing is charged after it.
-            sqlx::query(
-                "UPDATE subscriptions SET status = 'canceled', canceled_at = current_period_end, updated_at = now()
-                 WHERE id = $1",
-            )
-            .bind(s.id)
-            .execute(&mut *tx)
-            .await?;
-            opened.canceled += 1;
-            continue;
-        }
-        let (start, end) = (s.current_period_end, s.next_end);
-        let total = crate::money::Money::new(s.amount, s.currency.parse().map_err(bad_row)?)
-            .map_err(bad_row)?;
-        let fee = total
-            .percent(billing.fee_percent)
-            .ok_or_else(|| bad_row(format!("the fee of {total} does not fit")))?;
-        let created: Option<(i64, i64, DateTime<Utc>)> = sqlx::query_as(
-            "WITH n AS (UPDATE order_numbers SET last = last + 1 WHERE singleton RETURNING last),
-                  first AS (SELECT * FROM orders WHERE number = $2)
-             INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, \"interval\", currency,
-                                 subtotal, discount, total, platform_fee, seller_net, gateway,
-                                 expires_at, renews, period_start, period_end)
-             SELECT n.last, first.checkout_id, first.seller_id, first.buyer_id, 'subscription',
-                    first.\"interval\", first.currency, $3, 0, $3, $4, $3 - $4, first.gateway,
-                    GREATEST($6, now() + make_interval(secs => $7)), $1, $5, $6
-             FROM n, first
-             ON CONFLICT (renews, period_start) WHERE renews IS NOT NULL DO NOTHING
-             RETURNING id, number, expires_at",
+    // One short transaction per renewal: the order-number counter row, which every checkout
+    // needs too, is held only for one renewal's commit.
+    for _ in 0..limit {
+        let mut tx = pool.begin().await?;
+        let due: Option<Due> = sqlx::query_as(
+            "SELECT id, order_number, cancel_at_period_end, amount, currency::text AS currency, current_period_end,
+                    CASE WHEN $2::float8 IS NULL THEN current_period_end + ('1 ' || \"interval\")::interval
+                         ELSE current_period_end + make_interval(secs => $2) END AS next_end
+             FROM subscriptions
+             WHERE gateway = $1 AND status = 'active' AND current_period_end <= now()
+             ORDER BY current_period_end LIMIT 1
+             FOR UPDATE SKIP LOCKED",
         )
-        .bind(s.id)
-        .bind(s.order_number)
-        .bind(s.amount)
-        .bind(fee.amount())
-        .bind(start)
-        .bind(end)
-        .bind(billing.expiry.as_secs_f64())
+        .bind(gateway)
+        .bind(billing.period.map(|p| p.as_secs_f64()))
         .fetch_optional(&mut *tx)
         .await?;
+        let Some(s) = due else { break };
+        match open_one(&mut tx, s, billing).await? {
+            Step::Opened => opened.renewals += 1,
+            Step::Canceled => opened.canceled += 1,
+            Step::Nothing => {}
+        }
+        tx.commit().await?;
+    }
+    Ok(opened)
+}
+
+enum Step {
+    Opened,
+    Canceled,
+    Nothing,
+}
+
+/// Renews (or, as asked, ends) one subscription whose period ended, in the caller's transaction.
+async fn open_one(
+    tx: &mut sqlx::PgConnection,
+    s: Due,
+    billing: &Billing,
+) -> Result<Step, payfleet_queue::QueueError> {
+    if s.cancel_at_period_end {
+        // Canceled at its period's end, as asked: nothing is charged after it.
         sqlx::query(
-            "UPDATE subscriptions SET current_period_start = $2, current_period_end = $3, updated_at = now()
+            "UPDATE subscriptions SET status = 'canceled', canceled_at = current_period_end, updated_at = now()
              WHERE id = $1",
         )
         .bind(s.id)
-        .bind(start)
-        .bind(end)
         .execute(&mut *tx)
         .await?;
-        let Some((order_id, number, expires_at)) = created else {
-            continue;
-        };
-        sqlx::query(
-            "INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
-             SELECT $1, i.line, i.product_id, i.name, i.unit_price, i.quantity, i.subtotal, 0
-             FROM order_items i JOIN orders o ON o.id = i.order_id WHERE o.number = $2",
-        )
-        .bind(order_id)
-        .bind(s.order_number)
-        .execute(&mut *tx)
-        .await?;
-        super::record_event(
-            &mut tx,
-            order_id,
-            super::OrderEventKind::Created,
-            serde_json::json!({"number": number, "renews": s.id, "period_start": start, "period_end": end}),
-        )
-        .await?;
-        // Unpaid when its period ends (or, for a period missed while nothing ran, an order
-        // expiry from now), it expires: a payment after that is given back.
-        super::expiry::schedule(&mut tx, number, expires_at).await?;
-        opened.renewals += 1;
+        return Ok(Step::Canceled);
     }
-    tx.commit().await?;
-    Ok(opened)
+    let (start, end) = (s.current_period_end, s.next_end);
+    let total = crate::money::Money::new(s.amount, s.currency.parse().map_err(bad_row)?)
+        .map_err(bad_row)?;
+    let fee = total
+        .percent(billing.fee_percent)
+        .ok_or_else(|| bad_row(format!("the fee of {total} does not fit")))?;
+    let created: Option<(i64, i64, DateTime<Utc>)> = sqlx::query_as(
+        "WITH n AS (UPDATE order_numbers SET last = last + 1 WHERE singleton RETURNING last),
+              first AS (SELECT * FROM orders WHERE number = $2)
+         INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, \"interval\", currency,
+                             subtotal, discount, total, platform_fee, seller_net, gateway,
+                             expires_at, renews, period_start, period_end)
+         SELECT n.last, first.checkout_id, first.seller_id, first.buyer_id, 'subscription',
+                first.\"interval\", first.currency, $3, 0, $3, $4, $3 - $4, first.gateway,
+                GREATEST($6, now() + make_interval(secs => $7)), $1, $5, $6
+         FROM n, first
+         ON CONFLICT (renews, period_start) WHERE renews IS NOT NULL DO NOTHING
+         RETURNING id, number, expires_at",
+    )
+    .bind(s.id)
+    .bind(s.order_number)
+    .bind(s.amount)
+    .bind(fee.amount())
+    .bind(start)
+    .bind(end)
+    .bind(billing.expiry.as_secs_f64())
+    .fetch_optional(&mut *tx)
+    .await?;
+    sqlx::query(
+        "UPDATE subscriptions SET current_period_start = $2, current_period_end = $3, updated_at = now()
+         WHERE id = $1",
+    )
+    .bind(s.id)
+    .bind(start)
+    .bind(end)
+    .execute(&mut *tx)
+    .await?;
+    let Some((order_id, number, expires_at)) = created else {
+        return Ok(Step::Nothing);
+    };
+    sqlx::query(
+        "INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
+         SELECT $1, i.line, i.product_id, i.name, i.unit_price, i.quantity, i.subtotal, 0
+         FROM order_items i JOIN orders o ON o.id = i.order_id WHERE o.number = $2",
+    )
+    .bind(order_id)
+    .bind(s.order_number)
+    .execute(&mut *tx)
+    .await?;
+    super::record_event(
+        &mut *tx,
+        order_id,
+        super::OrderEventKind::Created,
+        serde_json::json!({"number": number, "renews": s.id, "period_start": start, "period_end": end}),
+    )
+    .await?;
+    // Unpaid when its period ends (or, for a period missed while nothing ran, an order
+    // expiry from now), it expires: a payment after that is given back.
+    super::expiry::schedule(&mut *tx, number, expires_at).await?;
+    Ok(Step::Opened)
 }
 
 /// Cancels the past-due subscriptions whose current renewal failed its last attempt, or expired
