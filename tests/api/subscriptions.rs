@@ -40,6 +40,27 @@ async fn subscription_order(shop: &crate::checkout::Shop, seller: &str) -> Value
     order
 }
 
+/// A subscription order of `seller`'s paid on the internal gateway's page: its subscription's id.
+async fn paid_subscription(shop: &crate::checkout::Shop, seller: &str) -> String {
+    let order = subscription_order(shop, seller).await;
+    let number = order["number"].as_i64().unwrap();
+    assert_eq!(
+        shop.app
+            .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
+            .await
+            .0,
+        200
+    );
+    wait_for("the subscription", Duration::from_secs(30), async || {
+        shop.order(number).await["subscription_id"].is_string()
+    })
+    .await;
+    shop.order(number).await["subscription_id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
 async fn subscriptions(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM subscriptions")
         .fetch_one(pool)
@@ -147,23 +168,7 @@ async fn a_subscription_is_read_by_its_sellers_keys_and_the_backend_only(pool: P
     let shop = shop(pool.clone()).await;
     let seller = shop.seller("Mine").await;
     let other = shop.seller("Theirs").await;
-    let order = subscription_order(&shop, &seller).await;
-    let number = order["number"].as_i64().unwrap();
-    assert_eq!(
-        shop.app
-            .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
-            .await
-            .0,
-        200
-    );
-    wait_for("the subscription", Duration::from_secs(30), async || {
-        shop.order(number).await["subscription_id"].is_string()
-    })
-    .await;
-    let id = shop.order(number).await["subscription_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let id = paid_subscription(&shop, &seller).await;
     let path = format!("http://{}/subscriptions/{id}", shop.app.addr);
     let status = |c: reqwest::Client, path: String| async move {
         c.get(path).send().await.unwrap().status().as_u16()
@@ -207,23 +212,7 @@ async fn renewing(
         app: std::sync::Arc::new(spawn_fleet(pool.clone(), config.clone()).await),
     };
     let seller = shop.seller("Club House").await;
-    let order = subscription_order(&shop, &seller).await;
-    let number = order["number"].as_i64().unwrap();
-    assert_eq!(
-        shop.app
-            .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
-            .await
-            .0,
-        200
-    );
-    wait_for("the subscription", Duration::from_secs(30), async || {
-        shop.order(number).await["subscription_id"].is_string()
-    })
-    .await;
-    let id = shop.order(number).await["subscription_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let id = paid_subscription(&shop, &seller).await;
     sqlx::query(
         "UPDATE subscriptions SET current_period_start = current_period_start - make_interval(secs => $1),
              current_period_end = current_period_end - make_interval(secs => $1)",
