@@ -28,6 +28,9 @@ pub struct AdminState {
     pub gateways: crate::gateways::GatewayRegistry,
     pub recurring: crate::recurring::Schedules,
     pub callers: super::Callers,
+    /// The payment simulator charges the internal gateway's renewals here: where it does not
+    /// (money is real), nothing may set how it answers.
+    pub simulates_renewals: bool,
 }
 
 pub(super) fn routes(state: AdminState) -> Routes {
@@ -157,13 +160,19 @@ struct Simulate {
 }
 
 /// How the payment simulator answers a subscription's next renewals on the internal gateway:
-/// `{"renewals": "fail|succeed"}`.
+/// `{"renewals": "fail|succeed"}`; 409 `simulator_off` where the simulator does not run.
 async fn simulate_renewals(
     _operator: Operator,
     State(state): State<AdminState>,
     Path(raw): Path<String>,
     JsonBody(body): JsonBody<Simulate>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    if !state.simulates_renewals {
+        return Err(ApiError::Conflict {
+            code: "simulator_off",
+            message: "the payment simulator is off here: renewals are charged for real".into(),
+        });
+    }
     let succeed = match body.renewals.as_str() {
         "succeed" => true,
         "fail" => false,

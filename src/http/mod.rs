@@ -150,6 +150,10 @@ pub fn router(state: AppState) -> (Router, Vec<&'static str>) {
     };
     let admin = admin::AdminState {
         pool: state.pool.clone(),
+        simulates_renewals: state
+            .hosted
+            .iter()
+            .any(|g| g.name() == crate::gateways::GatewayName::Internal),
         gateways: state.gateways,
         recurring: state.recurring.clone(),
         callers: state.callers.clone(),

@@ -427,6 +427,23 @@ async fn a_simulated_gateway_needs_the_simulator_on(pool: PgPool) {
         payfleet::startup::start(&config, pool.clone(), payfleet::startup::Roles::SERVE, None)
             .unwrap();
     running.stop().await;
+    // Where money is real, nothing sets how the simulator answers a subscription's renewals.
+    let app = spawn_app_with(pool.clone(), config.clone()).await;
+    let resp = app
+        .http
+        .post(format!(
+            "http://{}/admin/subscriptions/{}/simulate",
+            app.addr,
+            uuid::Uuid::from_u128(rand::random())
+        ))
+        .bearer_auth(ADMIN_TOKEN)
+        .json(&serde_json::json!({"renewals": "succeed"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 409);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "simulator_off", "{body}");
 
     // The command says so and stops.
     let out = payfleet(&pool, &["serve"])
