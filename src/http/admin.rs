@@ -183,10 +183,9 @@ async fn simulate_renewals(
             });
         }
     };
-    let none = || ApiError::NotFound(format!("no subscription {raw:?}"));
-    let id: orders::subscriptions::SubscriptionId = raw.parse().map_err(|_| none())?;
+    let id = super::orders::subscription_id(&raw)?;
     if !orders::subscriptions::simulate(&state.pool, id, succeed).await? {
-        return Err(none());
+        return Err(ApiError::NotFound(format!("no subscription {raw:?}")));
     }
     Ok(Json(
         serde_json::json!({"id": id, "renewals": body.renewals}),

@@ -116,14 +116,23 @@ async fn pay_with_coins(
     ))
 }
 
+fn no_subscription(raw: &str) -> ApiError {
+    ApiError::NotFound(format!("no subscription {raw:?}"))
+}
+
+/// A subscription id from the path; anything else is "no such subscription", as an unknown one.
+pub(super) fn subscription_id(raw: &str) -> Result<SubscriptionId, ApiError> {
+    raw.parse().map_err(|_| no_subscription(raw))
+}
+
 /// A subscription. Another seller's, or an id that is none, is "no subscription" alike.
 async fn subscription(
     caller: Backend,
     State(state): State<OrdersState>,
     Path(raw): Path<String>,
 ) -> Result<Json<SubscriptionView>, ApiError> {
-    let none = || ApiError::NotFound(format!("no subscription {raw:?}"));
-    let id: SubscriptionId = raw.parse().map_err(|_| none())?;
+    let none = || no_subscription(&raw);
+    let id = subscription_id(&raw)?;
     let found = subscriptions::view(&state.pool, id)
         .await?
         .ok_or_else(none)?;
@@ -148,8 +157,8 @@ async fn cancel_subscription(
     JsonBody(body): JsonBody<Cancel>,
 ) -> Result<Json<SubscriptionView>, ApiError> {
     caller.acts_for_buyers()?;
-    let none = || ApiError::NotFound(format!("no subscription {raw:?}"));
-    let id: SubscriptionId = raw.parse().map_err(|_| none())?;
+    let none = || no_subscription(&raw);
+    let id = subscription_id(&raw)?;
     // The fleet bills the internal gateway's subscriptions itself.
     let bills_itself = |g| g == crate::gateways::GatewayName::Internal;
     match subscriptions::cancel(&state.pool, id, body.at_period_end, bills_itself).await {

@@ -209,8 +209,8 @@ pub struct Renewal {
     pub subscription_id: SubscriptionId,
     pub period_start: DateTime<Utc>,
     pub period_end: DateTime<Utc>,
-    /// How the simulator answers (`succeed` or `fail`).
-    pub simulated: String,
+    /// Whether the simulator answers its charge with a success.
+    pub simulated_success: bool,
 }
 
 /// What one billing pass did on the order side.
@@ -435,7 +435,7 @@ pub async fn to_charge(
     .await?;
     sqlx::query_as(
         "SELECT o.number, s.id AS subscription_id, o.period_start, o.period_end,
-                s.simulated_renewals AS simulated
+                s.simulated_renewals = 'succeed' AS simulated_success
          FROM orders o JOIN subscriptions s ON s.id = o.renews
          WHERE s.gateway = $1 AND s.status <> 'canceled' AND o.status = 'awaiting_payment'
          ORDER BY o.number LIMIT $2",

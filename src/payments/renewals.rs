@@ -102,10 +102,10 @@ pub async fn bill(pool: &PgPool, biller: &Biller) -> Result<Report, BillingError
                 }
             },
         };
-        let outcome = if renewal.simulated == "fail" {
-            Outcome::Failed
-        } else {
+        let outcome = if renewal.simulated_success {
             Outcome::Succeeded
+        } else {
+            Outcome::Failed
         };
         let charge = RenewalCharge {
             subscription_id: renewal.subscription_id.to_string(),

@@ -226,6 +226,18 @@ async fn renewing(
     (shop, biller, seller, id)
 }
 
+/// How the simulator answers the subscription's renewals, set as an operator does: the status.
+async fn simulate(shop: &crate::checkout::Shop, id: &str, renewals: &str) -> u16 {
+    let (status, _) = shop
+        .post(
+            &format!("/admin/subscriptions/{id}/simulate"),
+            Some(ADMIN_TOKEN),
+            json!({"renewals": renewals}),
+        )
+        .await;
+    status
+}
+
 async fn subscription(shop: &crate::checkout::Shop, id: &str) -> Value {
     let (status, body) = shop.app.get(&format!("/subscriptions/{id}")).await;
     assert_eq!(status, 200, "{body}");
@@ -337,20 +349,8 @@ async fn each_period_is_billed_once_and_is_one_sale_whatever_runs_it(pool: PgPoo
 async fn a_failed_renewal_is_past_due_and_moves_no_money_until_a_retry_succeeds(pool: PgPool) {
     let (shop, biller, _seller, id) =
         renewing(&pool, Duration::from_secs(600), Duration::from_secs(601)).await;
-    let simulate = |renewals: &'static str| {
-        let shop = &shop;
-        let id = id.clone();
-        async move {
-            shop.post(
-                &format!("/admin/subscriptions/{id}/simulate"),
-                Some(ADMIN_TOKEN),
-                json!({"renewals": renewals}),
-            )
-            .await
-        }
-    };
-    assert_eq!(simulate("fail").await.0, 200);
-    assert_eq!(simulate("maybe").await.0, 422);
+    assert_eq!(simulate(&shop, &id, "fail").await, 200);
+    assert_eq!(simulate(&shop, &id, "maybe").await, 422);
     let report = payfleet::payments::renewals::bill(&pool, &biller)
         .await
         .unwrap();
@@ -366,7 +366,7 @@ async fn a_failed_renewal_is_past_due_and_moves_no_money_until_a_retry_succeeds(
         "a failed renewal moves no money"
     );
     // A past-due subscription is not renewed further; its renewal is retried, on a new session.
-    assert_eq!(simulate("succeed").await.0, 200);
+    assert_eq!(simulate(&shop, &id, "succeed").await, 200);
     let report = payfleet::payments::renewals::bill(&pool, &biller)
         .await
         .unwrap();
@@ -387,14 +387,7 @@ async fn a_failed_renewal_is_past_due_and_moves_no_money_until_a_retry_succeeds(
 async fn a_renewal_that_keeps_failing_cancels_the_subscription(pool: PgPool) {
     let (shop, biller, _seller, id) =
         renewing(&pool, Duration::from_secs(600), Duration::from_secs(601)).await;
-    let (status, _) = shop
-        .post(
-            &format!("/admin/subscriptions/{id}/simulate"),
-            Some(ADMIN_TOKEN),
-            json!({"renewals": "fail"}),
-        )
-        .await;
-    assert_eq!(status, 200);
+    assert_eq!(simulate(&shop, &id, "fail").await, 200);
     let attempts = payfleet::orders::subscriptions::MAX_RENEWAL_ATTEMPTS;
     for attempt in 1..=attempts {
         payfleet::payments::renewals::bill(&pool, &biller)
@@ -518,14 +511,7 @@ async fn cancelled_at_its_periods_end_a_subscription_is_charged_no_more(pool: Pg
 async fn cancelled_now_a_past_due_subscription_ends_and_its_unpaid_renewal_expires(pool: PgPool) {
     let (shop, biller, _seller, id) =
         renewing(&pool, Duration::from_secs(600), Duration::from_secs(601)).await;
-    let (status, _) = shop
-        .post(
-            &format!("/admin/subscriptions/{id}/simulate"),
-            Some(ADMIN_TOKEN),
-            json!({"renewals": "fail"}),
-        )
-        .await;
-    assert_eq!(status, 200);
+    assert_eq!(simulate(&shop, &id, "fail").await, 200);
     payfleet::payments::renewals::bill(&pool, &biller)
         .await
         .unwrap();
