@@ -71,6 +71,7 @@ pub fn processor(config: &Config, gateways: GatewayRegistry) -> anyhow::Result<P
         mercadopago,
         internal_acquirer: config.gateways.internal_acquirer(),
         gateways,
+        fee_percent: config.orders.platform_fee_percent,
     })
 }
 

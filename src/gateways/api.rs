@@ -193,6 +193,21 @@ pub trait PaymentGateway: Send + Sync {
     ) -> GatewayFuture<'a, Option<Vec<UndeliveredEvent>>> {
         Box::pin(async { Ok(None) })
     }
+    /// Cancels a subscription it bills (`subscription`: its id there), now or at the end of
+    /// the period paid, on the seller's account when given. Asking again changes nothing more.
+    fn cancel_subscription<'a>(
+        &'a self,
+        _subscription: &'a str,
+        _seller_account: Option<&'a str>,
+        _at_period_end: bool,
+    ) -> GatewayFuture<'a, ()> {
+        let name = self.name();
+        Box::pin(async move {
+            Err(GatewayError::Refused(format!(
+                "{name} bills no subscription payfleet can cancel"
+            )))
+        })
+    }
     /// The gateway's payment status in our words; anything unknown is pending (moves no money)
     /// and is logged.
     fn map_status(&self, raw: &str) -> PaymentStatus;
@@ -239,7 +254,9 @@ impl GatewayRegistry {
 /// `read`, `refund_payment`, `refund_state`, `dispute_state` and `map`: the trait's boxing in one
 /// place.
 macro_rules! payment_gateway {
-    ($ty:ty, undelivered) => {
+    // With Stripe's list of undelivered events (`undelivered`), and subscriptions it bills and
+    // cancels (`subscriptions`, an inherent `end_subscription`).
+    ($ty:ty, undelivered, subscriptions) => {
         $crate::gateways::api::payment_gateway!(@impl $ty,
             fn undelivered_events<'a>(
                 &'a self,
@@ -249,10 +266,27 @@ macro_rules! payment_gateway {
             ) -> $crate::gateways::api::GatewayFuture<'a, Option<Vec<$crate::gateways::api::UndeliveredEvent>>> {
                 Box::pin(self.undelivered(since, seller_account, pace))
             }
+
+            $crate::gateways::api::payment_gateway!(@cancel);
+        );
+    };
+    ($ty:ty, subscriptions) => {
+        $crate::gateways::api::payment_gateway!(@impl $ty,
+            $crate::gateways::api::payment_gateway!(@cancel);
         );
     };
     ($ty:ty) => {
         $crate::gateways::api::payment_gateway!(@impl $ty,);
+    };
+    (@cancel) => {
+        fn cancel_subscription<'a>(
+            &'a self,
+            subscription: &'a str,
+            seller_account: Option<&'a str>,
+            at_period_end: bool,
+        ) -> $crate::gateways::api::GatewayFuture<'a, ()> {
+            Box::pin(self.end_subscription(subscription, seller_account, at_period_end))
+        }
     };
     (@impl $ty:ty, $($extra:item)*) => {
         impl $crate::gateways::api::PaymentGateway for $ty {

@@ -114,6 +114,58 @@ pub enum Fact {
         dispute_id: String,
         status: DisputeStatus,
     },
+    /// The payment started a subscription the gateway bills from now on (Stripe's Checkout
+    /// Session in subscription mode): the gateway's id of it, which its renewals name.
+    Subscribed {
+        subscription: String,
+    },
+}
+
+/// What a notification that only names a resource names (Mercado Pago's topics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LookupResource {
+    Payment,
+    /// A preapproval's (subscription's) charge for one period.
+    AuthorizedPayment,
+    /// A preapproval (subscription).
+    Preapproval,
+}
+
+/// A gateway-billed subscription's charge, as the gateway reports it. Its payment's facts go
+/// with it (`Interpretation::Renewal`); the renewal order of its period is what they apply to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Renewal {
+    /// The gateway's id of the subscription.
+    pub subscription: String,
+    /// The session of the subscription's first payment, where the event names it (a reference
+    /// only the platform sets); otherwise the subscription is found by its id, recorded from
+    /// its first payment's event ([`Fact::Subscribed`]).
+    pub first_session: Option<String>,
+    /// The period it pays. `None`: the first period, which the checkout's own payment pays (a
+    /// Stripe invoice billed when the subscription was created): the facts are that payment's.
+    pub period: Option<Period>,
+    /// The platform's commission on it, where the gateway took one (Stripe's application fee).
+    pub fee: Option<Money>,
+    /// Where the buyer can see or pay it, if the gateway has such a page.
+    pub url: Option<String>,
+}
+
+/// A subscription period, as a gateway bills it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Period {
+    pub start: chrono::DateTime<chrono::Utc>,
+    /// `None`: one interval of the subscription from `start` (a gateway that reports only the
+    /// charge's date).
+    pub end: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// A change the gateway made to a subscription it bills.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubscriptionChange {
+    /// Ended there (canceled, or its dunning gave up): nothing is charged after it.
+    Canceled,
+    /// It ends at its current period's end (`true`), or no longer does.
+    CancelAtPeriodEnd(bool),
 }
 
 /// Which payment an event is about: the gateway session (our key for it) and/or the gateway's
@@ -134,7 +186,23 @@ pub enum Interpretation {
     Ignore(String),
     /// The event only names a resource; its state must be fetched from the gateway
     /// (Mercado Pago does not sign the body).
-    Lookup { resource_id: String },
+    Lookup {
+        resource: LookupResource,
+        resource_id: String,
+    },
+    /// A subscription's charge: the renewal order of its period, opened once, takes the facts
+    /// of `payment` (the renewal's own session: Stripe's invoice, ...).
+    Renewal {
+        renewal: Renewal,
+        payment: PaymentRef,
+        facts: Vec<Fact>,
+    },
+    /// The gateway changed a subscription it bills (`subscription`: its id there).
+    Subscription {
+        subscription: String,
+        first_session: Option<String>,
+        change: SubscriptionChange,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]

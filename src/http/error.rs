@@ -16,8 +16,10 @@ use crate::ledger::payouts::PayoutError;
 use crate::orders::ReopenError;
 use crate::orders::checkout::CheckoutError;
 use crate::orders::coin_payment::CoinPaymentError;
+use crate::orders::subscriptions::CancelError;
 use crate::payments::events::ReplayError;
 use crate::payments::order_refunds::RefundError;
+use crate::payments::subscriptions::CancelAtGatewayError;
 use crate::webhooks::{RejectedWebhook, StoreError};
 use payfleet_queue::QueueError;
 use payfleet_queue::admin::AdminError;
@@ -358,6 +360,31 @@ impl From<RefundError> for ApiError {
             RefundError::Coins(e) => Self::Internal(Box::new(e)),
             RefundError::Queue(e) => e.into(),
             RefundError::Database(e) => e.into(),
+        }
+    }
+}
+
+impl From<CancelAtGatewayError> for ApiError {
+    fn from(e: CancelAtGatewayError) -> Self {
+        let message = e.to_string();
+        match e {
+            CancelAtGatewayError::Cancel(CancelError::NotFound(_)) => Self::NotFound(message),
+            CancelAtGatewayError::Cancel(CancelError::Queue(e)) => e.into(),
+            CancelAtGatewayError::Cancel(CancelError::Database(e))
+            | CancelAtGatewayError::Database(e) => e.into(),
+            CancelAtGatewayError::NotCancellable { .. } => Self::Conflict {
+                code: "cancel_not_supported",
+                message,
+            },
+            CancelAtGatewayError::Gateway(e) if e.is_transient() => Self::DependencyDown {
+                code: "gateway_unavailable",
+                message: "the gateway could not be asked to cancel the subscription; nothing changed, try again".into(),
+                detail: payfleet_queue::error_chain(&e),
+            },
+            CancelAtGatewayError::Gateway(e) => Self::Conflict {
+                code: "gateway_refused",
+                message: format!("the gateway refused to cancel the subscription: {e}"),
+            },
         }
     }
 }

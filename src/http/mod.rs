@@ -147,6 +147,7 @@ pub fn router(state: AppState) -> (Router, Vec<&'static str>) {
         checkout: state.checkout,
         rpc: state.rpc,
         callers: state.callers.clone(),
+        gateways: state.gateways.clone(),
     };
     let admin = admin::AdminState {
         pool: state.pool.clone(),

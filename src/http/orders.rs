@@ -21,6 +21,8 @@ pub struct OrdersState {
     pub checkout: crate::orders::checkout::Checkout,
     pub rpc: crate::messaging::rpc::RpcClient,
     pub callers: super::Callers,
+    /// Asked to cancel the subscriptions they bill.
+    pub gateways: crate::gateways::GatewayRegistry,
 }
 
 pub(super) fn routes(state: OrdersState) -> Routes {
@@ -147,9 +149,10 @@ struct Cancel {
     at_period_end: bool,
 }
 
-/// The buyer cancels a subscription, now or at its period's end: 200 with the subscription
-/// (the same answer when it was canceled already); 409 `cancel_not_supported` for one a gateway
-/// bills (cancelling there is not built yet).
+/// The buyer cancels a subscription, now or at its period's end: at the gateway that bills it
+/// first, then here; 200 with the subscription (the same answer when it was canceled already).
+/// 503 `gateway_unavailable` when the gateway cannot be asked (nothing changed); 409
+/// `cancel_not_supported` for one whose gateway cannot be asked here.
 async fn cancel_subscription(
     caller: Backend,
     State(state): State<OrdersState>,
@@ -157,18 +160,19 @@ async fn cancel_subscription(
     JsonBody(body): JsonBody<Cancel>,
 ) -> Result<Json<SubscriptionView>, ApiError> {
     caller.acts_for_buyers()?;
-    let none = || no_subscription(&raw);
     let id = subscription_id(&raw)?;
-    // The fleet bills the internal gateway's subscriptions itself.
-    let bills_itself = |g| g == crate::gateways::GatewayName::Internal;
-    match subscriptions::cancel(&state.pool, id, body.at_period_end, bills_itself).await {
+    match crate::payments::subscriptions::cancel(
+        &state.pool,
+        &state.gateways,
+        id,
+        body.at_period_end,
+    )
+    .await
+    {
         Ok(view) => Ok(Json(view)),
-        Err(subscriptions::CancelError::NotFound(_)) => Err(none()),
-        Err(e @ subscriptions::CancelError::AtGateway { .. }) => Err(ApiError::Conflict {
-            code: "cancel_not_supported",
-            message: e.to_string(),
-        }),
-        Err(subscriptions::CancelError::Queue(e)) => Err(e.into()),
-        Err(subscriptions::CancelError::Database(e)) => Err(e.into()),
+        Err(crate::payments::subscriptions::CancelAtGatewayError::Cancel(
+            subscriptions::CancelError::NotFound(_),
+        )) => Err(no_subscription(&raw)),
+        Err(e) => Err(e.into()),
     }
 }

@@ -734,15 +734,21 @@ pub async fn reopen(
 /// and the workers expire it as they would have later.
 pub async fn expire_now(pool: &sqlx::PgPool, number: i64) -> Result<(), ReopenError> {
     let mut tx = pool.begin().await?;
-    let id = lock_payable(&mut tx, number).await?;
+    expire_in(&mut tx, number).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// [`expire_now`] in the caller's transaction.
+pub(crate) async fn expire_in(tx: &mut PgConnection, number: i64) -> Result<(), ReopenError> {
+    let id = lock_payable(tx, number).await?;
     let now = Utc::now();
     sqlx::query("UPDATE orders SET expires_at = $2, updated_at = now() WHERE id = $1")
         .bind(id)
         .bind(now)
         .execute(&mut *tx)
         .await?;
-    expiry::schedule(&mut tx, number, now).await?;
-    tx.commit().await?;
+    expiry::schedule(tx, number, now).await?;
     Ok(())
 }
 

@@ -8,9 +8,10 @@
 //! database moves a subscription between `active` and `past_due` as its current renewal is
 //! paid or fails (migration 0048's trigger).
 //!
-//! Not built yet (issue 21 goes on): renewals reported by the outside gateways (Stripe's
-//! `invoice.paid`, Mercado Pago's and Razorpay's) and cancellation at them (and by them), and
-//! the internal gateway's renewals through a real acquirer.
+//! A gateway that bills a subscription itself (Stripe) reports each period's charge: its
+//! renewal order is opened here when the first event about that period arrives
+//! ([`open_reported`]), and the gateway's changes (an end, a cancellation at the period's end)
+//! are recorded by [`apply_change`].
 
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
@@ -321,27 +322,21 @@ async fn open_one(
     let fee = total
         .percent(billing.fee_percent)
         .ok_or_else(|| bad_row(format!("the fee of {total} does not fit")))?;
-    let created: Option<(i64, i64, DateTime<Utc>)> = sqlx::query_as(
-        "WITH n AS (UPDATE order_numbers SET last = last + 1 WHERE singleton RETURNING last),
-              first AS (SELECT * FROM orders WHERE number = $2)
-         INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, \"interval\", currency,
-                             subtotal, discount, total, platform_fee, seller_net, gateway,
-                             expires_at, renews, period_start, period_end)
-         SELECT n.last, first.checkout_id, first.seller_id, first.buyer_id, 'subscription',
-                first.\"interval\", first.currency, $3, 0, $3, $4, $3 - $4, first.gateway,
-                GREATEST($6, now() + make_interval(secs => $7)), $1, $5, $6
-         FROM n, first
-         ON CONFLICT (renews, period_start) WHERE renews IS NOT NULL DO NOTHING
-         RETURNING id, number, expires_at",
+    let expires_at = end.max(
+        Utc::now() + chrono::Duration::from_std(billing.expiry).unwrap_or(chrono::Duration::zero()),
+    );
+    let created = insert_renewal(
+        tx,
+        NewRenewal {
+            subscription: s.id,
+            first_order: s.order_number,
+            period: (start, end),
+            total,
+            fee,
+            expires_at,
+            cancelled: false,
+        },
     )
-    .bind(s.id)
-    .bind(s.order_number)
-    .bind(s.amount)
-    .bind(fee.amount())
-    .bind(start)
-    .bind(end)
-    .bind(billing.expiry.as_secs_f64())
-    .fetch_optional(&mut *tx)
     .await?;
     sqlx::query(
         "UPDATE subscriptions SET current_period_start = $2, current_period_end = $3, updated_at = now()
@@ -352,8 +347,63 @@ async fn open_one(
     .bind(end)
     .execute(&mut *tx)
     .await?;
-    let Some((order_id, number, expires_at)) = created else {
+    let Some(number) = created else {
         return Ok(Step::Nothing);
+    };
+    // Unpaid when its period ends (or, for a period missed while nothing ran, an order
+    // expiry from now), it expires: a payment after that is given back.
+    super::expiry::schedule(&mut *tx, number, expires_at).await?;
+    Ok(Step::Opened)
+}
+
+/// A renewal order to open.
+struct NewRenewal {
+    subscription: SubscriptionId,
+    first_order: i64,
+    period: (DateTime<Utc>, DateTime<Utc>),
+    total: crate::money::Money,
+    fee: crate::money::Money,
+    expires_at: DateTime<Utc>,
+    /// Opened cancelled: a charge for a period after the subscription ended, whose payment is
+    /// then given back as any payment of a cancelled order is.
+    cancelled: bool,
+}
+
+/// Opens the renewal order of one (subscription, period), as the first order's seller, buyer,
+/// gateway and items (at their list price), with its `created` message: its number, or `None`
+/// when that period's renewal exists already (the unique index decides).
+async fn insert_renewal(
+    tx: &mut sqlx::PgConnection,
+    r: NewRenewal,
+) -> Result<Option<i64>, payfleet_queue::QueueError> {
+    let (start, end) = r.period;
+    let created: Option<(i64, i64)> = sqlx::query_as(
+        "WITH n AS (UPDATE order_numbers SET last = last + 1 WHERE singleton RETURNING last),
+              first AS (SELECT * FROM orders WHERE number = $2)
+         INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, \"interval\", currency,
+                             subtotal, discount, total, platform_fee, seller_net, gateway,
+                             expires_at, renews, period_start, period_end, status)
+         SELECT n.last, first.checkout_id, first.seller_id, first.buyer_id, 'subscription',
+                first.\"interval\", first.currency, $3, 0, $3, $4, $3 - $4, first.gateway,
+                $7, $1, $5, $6, CASE WHEN $8 THEN 'cancelled' ELSE 'awaiting_payment' END
+         FROM n, first
+         WHERE first.currency = $9
+         ON CONFLICT (renews, period_start) WHERE renews IS NOT NULL DO NOTHING
+         RETURNING id, number",
+    )
+    .bind(r.subscription)
+    .bind(r.first_order)
+    .bind(r.total.amount())
+    .bind(r.fee.amount())
+    .bind(start)
+    .bind(end)
+    .bind(r.expires_at)
+    .bind(r.cancelled)
+    .bind(r.total.currency().as_str())
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((order_id, number)) = created else {
+        return Ok(None);
     };
     sqlx::query(
         "INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
@@ -361,20 +411,270 @@ async fn open_one(
          FROM order_items i JOIN orders o ON o.id = i.order_id WHERE o.number = $2",
     )
     .bind(order_id)
-    .bind(s.order_number)
+    .bind(r.first_order)
     .execute(&mut *tx)
     .await?;
     super::record_event(
         &mut *tx,
         order_id,
         super::OrderEventKind::Created,
-        serde_json::json!({"number": number, "renews": s.id, "period_start": start, "period_end": end}),
+        serde_json::json!({"number": number, "renews": r.subscription, "period_start": start, "period_end": end}),
     )
     .await?;
-    // Unpaid when its period ends (or, for a period missed while nothing ran, an order
-    // expiry from now), it expires: a payment after that is given back.
-    super::expiry::schedule(&mut *tx, number, expires_at).await?;
-    Ok(Step::Opened)
+    Ok(Some(number))
+}
+
+/// A renewal a gateway reports for one period of a subscription it bills.
+#[derive(Debug, Clone)]
+pub struct Reported {
+    pub period_start: DateTime<Utc>,
+    /// `None`: one interval of the subscription from its start.
+    pub period_end: Option<DateTime<Utc>>,
+    /// What the gateway charges for it.
+    pub amount: crate::money::Money,
+    /// The platform's commission the gateway took on it; `None`: `fee_percent` of the amount.
+    pub fee: Option<crate::money::Money>,
+    pub fee_percent: Decimal,
+}
+
+/// Where a reported renewal goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReportedRenewal {
+    /// The renewal order of its period (opened now or before): its number, payment attempt,
+    /// total and the platform's fee in it.
+    Order {
+        number: i64,
+        attempt: i32,
+        total: crate::money::Money,
+        fee: Decimal,
+    },
+    /// The order started no subscription (its payment was given back).
+    NoSubscription,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("the renewal's period ends ({end}) before it starts ({start})")]
+    Period {
+        start: DateTime<Utc>,
+        end: DateTime<Utc>,
+    },
+    #[error("a renewal of {amount} for a subscription in {currency}")]
+    Currency {
+        amount: crate::money::Money,
+        currency: String,
+    },
+    #[error("the platform's fee on {0} does not fit")]
+    Fee(crate::money::Money),
+    #[error(transparent)]
+    Queue(#[from] payfleet_queue::QueueError),
+}
+
+impl From<sqlx::Error> for ReportError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Queue(e.into())
+    }
+}
+
+/// The renewal order of a period a gateway billed for the subscription `first_order` started,
+/// opened once per (subscription, period) in the caller's transaction (the subscription row is
+/// locked: its events serialise on it), whatever the duplicates and their order. A period
+/// later than the subscription's current one becomes current. Its order never expires by
+/// itself: the gateway's own retries decide, and report it paid, or end the subscription. A
+/// period that starts after the subscription was canceled opens its order cancelled: what was
+/// charged for it is given back.
+pub async fn open_reported(
+    tx: &mut sqlx::PgConnection,
+    first_order: i64,
+    r: &Reported,
+) -> Result<ReportedRenewal, ReportError> {
+    #[derive(sqlx::FromRow)]
+    struct Billed {
+        id: SubscriptionId,
+        canceled_at: Option<DateTime<Utc>>,
+        /// One interval from the reported start.
+        one_interval: DateTime<Utc>,
+        currency: String,
+    }
+    let found: Option<Billed> = sqlx::query_as(
+        "SELECT id, canceled_at, $2 + ('1 ' || \"interval\")::interval AS one_interval,
+                currency::text AS currency
+         FROM subscriptions WHERE order_number = $1 FOR UPDATE",
+    )
+    .bind(first_order)
+    .bind(r.period_start)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(Billed {
+        id,
+        canceled_at,
+        one_interval,
+        currency,
+    }) = found
+    else {
+        return Ok(ReportedRenewal::NoSubscription);
+    };
+    let (start, end) = (r.period_start, r.period_end.unwrap_or(one_interval));
+    if end <= start {
+        return Err(ReportError::Period { start, end });
+    }
+    if r.amount.currency().as_str() != currency {
+        return Err(ReportError::Currency {
+            amount: r.amount,
+            currency,
+        });
+    }
+    let existing: Option<(i64, i32, Decimal, Decimal)> = sqlx::query_as(
+        "SELECT number, payment_attempt, total, platform_fee FROM orders
+         WHERE renews = $1 AND period_start = $2",
+    )
+    .bind(id)
+    .bind(start)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some((number, attempt, total, fee)) = existing {
+        let total = crate::money::Money::new(total, r.amount.currency()).map_err(|_| {
+            ReportError::Currency {
+                amount: r.amount,
+                currency: currency.clone(),
+            }
+        })?;
+        return Ok(ReportedRenewal::Order {
+            number,
+            attempt,
+            total,
+            fee,
+        });
+    }
+    let fee = match r.fee {
+        Some(fee) => fee,
+        None => r
+            .amount
+            .percent(r.fee_percent)
+            .ok_or(ReportError::Fee(r.amount))?,
+    };
+    if fee.currency() != r.amount.currency() || fee.amount() > r.amount.amount() {
+        return Err(ReportError::Fee(r.amount));
+    }
+    let number = insert_renewal(
+        tx,
+        NewRenewal {
+            subscription: id,
+            first_order,
+            period: (start, end),
+            total: r.amount,
+            fee,
+            // Not scheduled: the gateway's dunning decides, not our clock.
+            expires_at: end,
+            cancelled: canceled_at.is_some_and(|at| at <= start),
+        },
+    )
+    .await?
+    .ok_or_else(|| ReportError::Queue(sqlx::Error::RowNotFound.into()))?;
+    sqlx::query(
+        "UPDATE subscriptions SET current_period_start = $2, current_period_end = $3, updated_at = now()
+         WHERE id = $1 AND current_period_start < $2 AND status <> 'canceled'",
+    )
+    .bind(id)
+    .bind(start)
+    .bind(end)
+    .execute(&mut *tx)
+    .await?;
+    Ok(ReportedRenewal::Order {
+        number,
+        attempt: 1,
+        total: r.amount,
+        fee: fee.amount(),
+    })
+}
+
+/// What each renewal of the subscription `first_order` started charges, if it started one.
+pub async fn charge_of(
+    tx: &mut sqlx::PgConnection,
+    first_order: i64,
+) -> Result<Option<crate::money::Money>, sqlx::Error> {
+    let found: Option<(Decimal, String)> =
+        sqlx::query_as("SELECT amount, currency::text FROM subscriptions WHERE order_number = $1")
+            .bind(first_order)
+            .fetch_optional(&mut *tx)
+            .await?;
+    Ok(found.and_then(|(amount, currency)| {
+        crate::money::Money::new(amount, currency.parse().ok()?).ok()
+    }))
+}
+
+/// A change a gateway made to a subscription it bills, recorded for the subscription
+/// `first_order` started, in the caller's transaction. Ended there, it is canceled here (once)
+/// and its current renewal, if unpaid, expires. `None`: no such subscription; else whether
+/// anything changed.
+pub async fn apply_change(
+    tx: &mut sqlx::PgConnection,
+    first_order: i64,
+    change: crate::gateways::SubscriptionChange,
+) -> Result<Option<bool>, ReportError> {
+    use crate::gateways::SubscriptionChange;
+    let found: Option<(SubscriptionId, SubscriptionStatus, DateTime<Utc>, bool)> = sqlx::query_as(
+        "SELECT id, status, current_period_start, cancel_at_period_end FROM subscriptions
+         WHERE order_number = $1 FOR UPDATE",
+    )
+    .bind(first_order)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((id, status, period_start, at_end)) = found else {
+        return Ok(None);
+    };
+    if status == SubscriptionStatus::Canceled {
+        return Ok(Some(false));
+    }
+    match change {
+        SubscriptionChange::CancelAtPeriodEnd(wanted) => {
+            if wanted == at_end {
+                return Ok(Some(false));
+            }
+            sqlx::query(
+                "UPDATE subscriptions SET cancel_at_period_end = $2, updated_at = now() WHERE id = $1",
+            )
+            .bind(id)
+            .bind(wanted)
+            .execute(&mut *tx)
+            .await?;
+        }
+        SubscriptionChange::Canceled => {
+            sqlx::query(
+                "UPDATE subscriptions SET status = 'canceled', canceled_at = now(), updated_at = now() WHERE id = $1",
+            )
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+            expire_unpaid(tx, id, period_start).await?;
+        }
+    }
+    Ok(Some(true))
+}
+
+/// Expires the unpaid renewal of a canceled subscription's current period, if any (a payment
+/// after it is given back).
+async fn expire_unpaid(
+    tx: &mut sqlx::PgConnection,
+    id: SubscriptionId,
+    period_start: DateTime<Utc>,
+) -> Result<(), payfleet_queue::QueueError> {
+    let unpaid: Option<i64> = sqlx::query_scalar(
+        "SELECT number FROM orders WHERE renews = $1 AND period_start = $2 AND paid_at IS NULL
+           AND status IN ('awaiting_payment', 'payment_failed')",
+    )
+    .bind(id)
+    .bind(period_start)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(number) = unpaid else { return Ok(()) };
+    match super::expire_in(tx, number).await {
+        Ok(()) | Err(super::ReopenError::NotPayable { .. } | super::ReopenError::NotFound(_)) => {
+            Ok(())
+        }
+        Err(super::ReopenError::Queue(e)) => Err(e),
+        Err(super::ReopenError::Database(e)) => Err(e.into()),
+    }
 }
 
 /// Cancels the past-due subscriptions whose current renewal failed its last attempt, or expired
@@ -450,40 +750,31 @@ pub async fn to_charge(
 pub enum CancelError {
     #[error("no subscription {0}")]
     NotFound(SubscriptionId),
-    /// The gateway bills it, and cancelling there is not built yet.
-    #[error("subscription {id} is billed by {gateway}; cancelling it there is not supported yet")]
-    AtGateway {
-        id: SubscriptionId,
-        gateway: GatewayName,
-    },
     #[error(transparent)]
     Queue(#[from] payfleet_queue::QueueError),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
 
-/// Cancels a subscription the fleet bills itself: now, or at its current period's end (then
-/// its billing ends it instead of renewing it). Once: a canceled subscription is answered as
-/// it is. Cancelled now, its current renewal, if unpaid, expires (a payment after it is given
-/// back); a paid period is not refunded here (that is a refund of its order).
+/// Records a subscription's cancellation here: now, or at its current period's end (then the
+/// fleet's billing, or the gateway, ends it instead of renewing it). Once: a canceled
+/// subscription is answered as it is. Cancelled now, its current renewal, if unpaid, expires
+/// (a payment after it is given back); a paid period is not refunded here (that is a refund of
+/// its order). The gateway that bills it was told first (`payments::subscriptions`).
 pub async fn cancel(
     pool: &PgPool,
     id: SubscriptionId,
     at_period_end: bool,
-    bills_itself: impl Fn(GatewayName) -> bool,
 ) -> Result<SubscriptionView, CancelError> {
     let mut tx = pool.begin().await?;
-    let found: Option<(GatewayName, SubscriptionStatus, DateTime<Utc>)> = sqlx::query_as(
-        "SELECT gateway, status, current_period_start FROM subscriptions WHERE id = $1 FOR UPDATE",
+    let found: Option<(SubscriptionStatus, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT status, current_period_start FROM subscriptions WHERE id = $1 FOR UPDATE",
     )
     .bind(id)
     .fetch_optional(&mut *tx)
     .await?;
-    let (gateway, status, period_start) = found.ok_or(CancelError::NotFound(id))?;
+    let (status, period_start) = found.ok_or(CancelError::NotFound(id))?;
     if status != SubscriptionStatus::Canceled {
-        if !bills_itself(gateway) {
-            return Err(CancelError::AtGateway { id, gateway });
-        }
         if at_period_end {
             sqlx::query(
                 "UPDATE subscriptions SET cancel_at_period_end = true, updated_at = now() WHERE id = $1",
@@ -498,29 +789,10 @@ pub async fn cancel(
             .bind(id)
             .execute(&mut *tx)
             .await?;
+            expire_unpaid(&mut tx, id, period_start).await?;
         }
     }
-    let unpaid: Option<i64> = if at_period_end || status == SubscriptionStatus::Canceled {
-        None
-    } else {
-        sqlx::query_scalar(
-            "SELECT number FROM orders WHERE renews = $1 AND period_start = $2 AND paid_at IS NULL
-               AND status IN ('awaiting_payment', 'payment_failed')",
-        )
-        .bind(id)
-        .bind(period_start)
-        .fetch_optional(&mut *tx)
-        .await?
-    };
     tx.commit().await?;
-    if let Some(number) = unpaid {
-        match super::expire_now(pool, number).await {
-            Ok(())
-            | Err(super::ReopenError::NotPayable { .. } | super::ReopenError::NotFound(_)) => {}
-            Err(super::ReopenError::Queue(e)) => return Err(e.into()),
-            Err(super::ReopenError::Database(e)) => return Err(e.into()),
-        }
-    }
     view(pool, id).await?.ok_or(CancelError::NotFound(id))
 }
 

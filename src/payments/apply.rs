@@ -96,6 +96,19 @@ fn payment_key(payment: &str) -> String {
     format!("payment:{payment}")
 }
 
+/// The key a gateway subscription's events wait on until its first payment is known.
+pub(super) fn subscription_key(subscription: &str) -> String {
+    format!("subscription:{subscription}")
+}
+
+/// The gateway subscriptions the facts say the payment started.
+fn subscriptions_started(facts: &[Fact]) -> impl Iterator<Item = String> + '_ {
+    facts.iter().filter_map(|f| match f {
+        Fact::Subscribed { subscription } => Some(subscription_key(subscription)),
+        _ => None,
+    })
+}
+
 /// The keys an event about `payment` waits on and wakes: the gateway's payment id when known
 /// (refunds and disputes often name only that), else the session.
 fn wait_key(payment: &PaymentRef) -> String {
@@ -108,7 +121,7 @@ fn wait_key(payment: &PaymentRef) -> String {
 }
 
 /// Serialises every event of one payment on its keys, for the rest of the transaction.
-async fn lock_keys(
+pub(super) async fn lock_keys(
     tx: &mut PgConnection,
     gateway: GatewayName,
     keys: &[String],
@@ -190,7 +203,10 @@ pub(crate) async fn apply(
     event_id: Option<i64>,
 ) -> Result<Outcome, ProcessError> {
     let g = gateway.as_str();
-    lock_keys(tx, gateway, &keys_of(payment)).await?;
+    let started: Vec<String> = subscriptions_started(facts).collect();
+    let mut locked = keys_of(payment);
+    locked.extend(started.iter().cloned());
+    lock_keys(tx, gateway, &locked).await?;
     let has_payment_fact = facts.iter().any(|f| matches!(f, Fact::Payment { .. }));
     let found = find(tx, gateway, payment).await?;
     // Only an event naming a payment other than the session's own can be about a second one:
@@ -334,6 +350,17 @@ pub(crate) async fn apply(
             } => {
                 changed |= end_refund(tx, gateway, refund_id, *canceled).await?;
             }
+            Fact::Subscribed { subscription } => {
+                let rows = sqlx::query(
+                    "UPDATE payment_orders SET subscription_ref = $2, updated_at = now()
+                     WHERE id = $1 AND subscription_ref IS NULL",
+                )
+                .bind(po.id)
+                .bind(subscription)
+                .execute(&mut *tx)
+                .await?;
+                changed |= rows.rows_affected() > 0;
+            }
             Fact::DisputeDecided { dispute_id, status } => {
                 let rows = sqlx::query(
                     "UPDATE payment_disputes SET status = $3, updated_at = now()
@@ -360,6 +387,8 @@ pub(crate) async fn apply(
     if let Some(p) = &payment.payment_id {
         keys.push(payment_key(p));
     }
+    // A subscription's renewals and changes that came before its first payment's event.
+    keys.extend(started);
     wake_waiting(tx, gateway, &keys, event_id).await?;
     let applied = match waiting {
         Some(key) => Applied::Waiting(key),
@@ -976,7 +1005,7 @@ fn event_sources(gateway: GatewayName) -> &'static [GatewayName] {
 
 /// Enqueues, in this transaction, the processing of every event that waited for one of these
 /// payment keys. An event whose job is still unfinished keeps that job (the key is taken).
-async fn wake_waiting(
+pub(super) async fn wake_waiting(
     tx: &mut PgConnection,
     gateway: GatewayName,
     keys: &[String],

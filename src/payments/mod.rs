@@ -22,6 +22,7 @@ pub mod order_refunds;
 pub mod reconcile;
 mod refunds;
 pub mod renewals;
+pub mod subscriptions;
 
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -125,6 +126,8 @@ pub enum ProcessError {
     NoAmount { session: String, why: String },
     #[error("could not ask the gateway for the payment's amount")]
     Gateway(#[from] gateways::GatewayError),
+    #[error("the renewal cannot be recorded")]
+    Renewal(#[from] crate::orders::subscriptions::ReportError),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
@@ -138,6 +141,9 @@ impl ProcessError {
             Self::MercadoPago(e) => e.is_transient(),
             Self::Gateway(e) => e.is_transient(),
             Self::Ledger(crate::ledger::LedgerError::Database(e)) => crate::db::is_transient(e),
+            Self::Renewal(crate::orders::subscriptions::ReportError::Queue(
+                QueueError::Database(e),
+            )) => crate::db::is_transient(e),
             _ => false,
         }
     }
@@ -175,6 +181,9 @@ pub struct Processor {
     pub internal_acquirer: Option<GatewayName>,
     /// Asked for the amount of a success whose event does not carry it.
     pub gateways: gateways::GatewayRegistry,
+    /// The platform's commission on a gateway-billed renewal whose gateway reports none, in
+    /// percent (as at checkout).
+    pub fee_percent: rust_decimal::Decimal,
 }
 
 #[derive(sqlx::FromRow)]
@@ -245,20 +254,29 @@ impl Processor {
         if internal {
             return Ok(GatewayName::Internal);
         }
+        Ok(self.subscription_gateway(gateway, row))
+    }
+
+    /// Whose subscription an event about a gateway-billed subscription is: its gateway's,
+    /// except, when the internal gateway collects through Stripe, a Stripe event on the
+    /// platform's own account (no `account` field): the internal gateway's subscriptions are
+    /// billed there.
+    fn subscription_gateway(&self, gateway: GatewayName, row: &EventRow) -> GatewayName {
         #[derive(serde::Deserialize)]
         struct Account {
             account: Option<String>,
         }
-        let platform = row.source != "reconciliation"
+        let platform = Some(gateway) == self.internal_acquirer
+            && row.source != "reconciliation"
             && matches!(
                 serde_json::from_slice::<Account>(&row.raw_body),
                 Ok(Account { account: None })
             );
-        Ok(if platform {
+        if platform {
             GatewayName::Internal
         } else {
             gateway
-        })
+        }
     }
 
     /// A success confirms an order only with its amount, checked against the order's: one whose
@@ -359,19 +377,15 @@ impl Processor {
             gateways::interpret(gateway, &row.raw_body)
         };
         let interpretation = match read.map_err(unreadable)? {
-            Interpretation::Lookup { resource_id } => {
+            Interpretation::Lookup {
+                resource,
+                resource_id,
+            } => {
                 let client = self
                     .mercadopago
                     .as_ref()
                     .ok_or(ProcessError::NoMercadoPagoClient)?;
-                let (payment, facts) = client.payment_facts(&resource_id).await?;
-                if payment.session_id.is_none() {
-                    Interpretation::Ignore(format!(
-                        "payment {resource_id} has no external_reference"
-                    ))
-                } else {
-                    Interpretation::Update { payment, facts }
-                }
+                client.look_up(resource, &resource_id).await?
             }
             other => other,
         };
@@ -382,7 +396,15 @@ impl Processor {
                 let facts = self.with_amounts(pool, of, &payment, facts).await?;
                 (of, Interpretation::Update { payment, facts })
             }
+            other @ (Interpretation::Renewal { .. } | Interpretation::Subscription { .. }) => {
+                (self.subscription_gateway(gateway, row), other)
+            }
             other => (gateway, other),
+        };
+        let changed = |applied: apply::Applied| match applied {
+            apply::Applied::Changed => Processed::Applied,
+            apply::Applied::Unchanged => Processed::Ignored("every fact was already known".into()),
+            apply::Applied::Waiting(target) => Processed::Waiting(target),
         };
         let mut tx = pool.begin().await?;
         let processed: Option<Option<chrono::DateTime<chrono::Utc>>> =
@@ -399,14 +421,34 @@ impl Processor {
             Interpretation::Update { payment, facts } => {
                 let outcome = apply::apply(&mut tx, of, &payment, &facts, Some(row.id)).await?;
                 due = outcome.due;
-                match outcome.applied {
-                    apply::Applied::Changed => Processed::Applied,
-                    apply::Applied::Unchanged => {
-                        Processed::Ignored("every fact was already known".into())
-                    }
-                    apply::Applied::Waiting(target) => Processed::Waiting(target),
-                }
+                changed(outcome.applied)
             }
+            Interpretation::Renewal {
+                renewal,
+                payment,
+                facts,
+            } => {
+                let outcome = subscriptions::renewal(
+                    &mut tx,
+                    of,
+                    &renewal,
+                    &payment,
+                    &facts,
+                    Some(row.id),
+                    self.fee_percent,
+                )
+                .await?;
+                due = outcome.due;
+                changed(outcome.applied)
+            }
+            Interpretation::Subscription {
+                subscription,
+                first_session,
+                change,
+            } => changed(
+                subscriptions::change(&mut tx, of, &subscription, first_session.as_deref(), change)
+                    .await?,
+            ),
             Interpretation::Lookup { .. } => Processed::Ignored("nothing to look up".into()),
         };
         events::mark(&mut tx, row.id, &result).await?;

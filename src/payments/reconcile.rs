@@ -66,7 +66,10 @@ pub fn interpret(gateway: GatewayName, body: &[u8]) -> Result<Interpretation, Ev
         if crate::gateways::format(gateway).disputes_are_payment_state()
             && let Some(resource_id) = payment.payment_id.clone()
         {
-            return Ok(Interpretation::Lookup { resource_id });
+            return Ok(Interpretation::Lookup {
+                resource: crate::gateways::LookupResource::Payment,
+                resource_id,
+            });
         }
         return Ok(match r.status.parse::<DisputeStatus>() {
             Ok(status) if status.is_decided() => Interpretation::Update {

@@ -7,9 +7,11 @@
 //! and its sale posted, by the same event path as any order, once.
 //!
 //! Only the simulator charges here (its answer set per subscription by
-//! `POST /admin/subscriptions/{id}/simulate`). Collecting renewals through Stripe on the
-//! platform's account (the internal gateway's real acquirer) needs a saved payment method and
-//! off-session charges: not built yet, so with that acquirer the pass does nothing and says so.
+//! `POST /admin/subscriptions/{id}/simulate`). Where the internal gateway collects through
+//! Stripe on the platform's account (`PAYFLEET_INTERNAL_ACQUIRER=stripe`), its subscription
+//! checkouts start Stripe subscriptions there, and Stripe bills each period: its invoices come
+//! back as the internal gateway's renewals (`payments::subscriptions`), so this pass has
+//! nothing to charge.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -74,8 +76,8 @@ impl From<BillingError> for JobError {
 /// One billing pass.
 pub async fn bill(pool: &PgPool, biller: &Biller) -> Result<Report, BillingError> {
     let Some(internal) = &biller.internal else {
-        tracing::warn!(
-            "subscription billing: the internal gateway's renewals are charged only by the payment simulator; with a real acquirer they are not built yet"
+        tracing::debug!(
+            "subscription billing: the internal gateway's acquirer bills its subscriptions; nothing to charge here"
         );
         return Ok(Report::default());
     };

@@ -23,21 +23,21 @@ use crate::helpers::*;
 
 /// What a stand-in received.
 #[derive(Debug, Clone)]
-struct Seen {
-    method: Method,
-    uri: String,
-    headers: HeaderMap,
-    body: String,
+pub struct Seen {
+    pub method: Method,
+    pub uri: String,
+    pub headers: HeaderMap,
+    pub body: String,
 }
 
-type Log = Arc<Mutex<Vec<Seen>>>;
+pub type Log = Arc<Mutex<Vec<Seen>>>;
 
 impl Seen {
-    fn header(&self, name: &str) -> Option<&str> {
+    pub fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
 
-    fn form(&self) -> HashMap<String, String> {
+    pub fn form(&self) -> HashMap<String, String> {
         url_pairs(&self.body)
     }
 }
@@ -75,7 +75,7 @@ fn decode(s: &str) -> String {
 }
 
 /// Serves `router` on port 0, recording every request; returns its base URL.
-async fn stand_in(router: Router<Log>, log: Log) -> String {
+pub async fn stand_in(router: Router<Log>, log: Log) -> String {
     let recording = log.clone();
     let app = router
         .layer(axum::middleware::from_fn(
@@ -128,7 +128,7 @@ fn session_request(account: Option<&str>, interval: Option<&str>) -> SessionRequ
 }
 
 /// A Stripe stand-in: Checkout Sessions, refunds, and Stripe's error JSON for a bad account.
-fn stripe_api() -> Router<Log> {
+pub fn stripe_api() -> Router<Log> {
     async fn create(headers: HeaderMap, body: Bytes) -> impl IntoResponse {
         if headers.get("stripe-account").and_then(|v| v.to_str().ok()) == Some("acct_gone") {
             return (

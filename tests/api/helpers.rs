@@ -280,10 +280,16 @@ pub fn razorpay(event_id: &str, body: &str) -> Delivery {
 }
 
 pub fn mercadopago(data_id: &str, request_id: &str, ts_ms: i64) -> Delivery {
+    mercadopago_topic("payment", data_id, request_id, ts_ms)
+}
+
+/// A Mercado Pago notification of `kind` (`payment`, `subscription_authorized_payment`,
+/// `subscription_preapproval`) naming `data_id`.
+pub fn mercadopago_topic(kind: &str, data_id: &str, request_id: &str, ts_ms: i64) -> Delivery {
     let manifest = format!("id:{data_id};request-id:{request_id};ts:{ts_ms};");
     let sig = hex_hmac(MP_SECRET.as_bytes(), &[manifest.as_bytes()]);
     let body = format!(
-        r#"{{"action":"payment.updated","api_version":"v1","data":{{"id":"{data_id}"}},"id":987,"type":"payment"}}"#
+        r#"{{"action":"{kind}.updated","api_version":"v1","data":{{"id":"{data_id}"}},"id":987,"type":"{kind}"}}"#
     );
     Delivery {
         gateway: GatewayName::MercadoPago,
@@ -291,7 +297,7 @@ pub fn mercadopago(data_id: &str, request_id: &str, ts_ms: i64) -> Delivery {
             ("x-signature".into(), format!("ts={ts_ms},v1={sig}")),
             ("x-request-id".into(), request_id.into()),
         ],
-        query: format!("?data.id={data_id}&type=payment"),
+        query: format!("?data.id={data_id}&type={kind}"),
         body: body.into_bytes(),
     }
 }

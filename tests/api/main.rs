@@ -7,6 +7,7 @@ mod checkout;
 mod consistency;
 mod dashboard;
 mod edges;
+mod gateway_subscriptions;
 mod gateways;
 mod health;
 mod helpers;

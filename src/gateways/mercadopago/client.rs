@@ -11,7 +11,10 @@ use crate::gateways::api::{
     DisputeQuery, GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt,
     RefundRequest, Session, SessionRequest, read_json, unknown_status,
 };
-use crate::gateways::{DisputeStatus, EventError, Fact, GatewayName, PaymentRef, PaymentStatus};
+use crate::gateways::{
+    DisputeStatus, EventError, Fact, GatewayName, Interpretation, LookupResource, PaymentRef,
+    PaymentStatus, Period, Renewal, SubscriptionChange,
+};
 use crate::money::{Money, MoneyError};
 use crate::secret::Secret;
 
@@ -19,7 +22,7 @@ use crate::secret::Secret;
 pub enum MercadoPagoError {
     #[error("request to Mercado Pago failed")]
     Http(#[from] reqwest::Error),
-    #[error("Mercado Pago answered {0} for payment {1}")]
+    #[error("Mercado Pago answered {0} for {1}")]
     Status(u16, String),
     #[error("Mercado Pago's payment does not read as documented")]
     Event(#[from] EventError),
@@ -61,6 +64,34 @@ struct Payment {
     external_reference: Option<String>,
     #[serde(default)]
     refunds: Vec<Refund>,
+    /// `{"type": "SUBSCRIPTIONS", ...}` on a preapproval's charge.
+    point_of_interaction: Option<Value>,
+}
+
+/// A preapproval's charge for one period (`GET /authorized_payments/{id}`).
+#[derive(Deserialize)]
+struct AuthorizedPayment {
+    id: Value,
+    preapproval_id: String,
+    external_reference: Option<String>,
+    transaction_amount: Option<Value>,
+    currency_id: Option<String>,
+    debit_date: Option<String>,
+    payment: Option<ChargedPayment>,
+}
+
+#[derive(Deserialize)]
+struct ChargedPayment {
+    id: Value,
+    status: String,
+}
+
+/// A preapproval (`GET /preapproval/{id}`).
+#[derive(Deserialize)]
+struct Preapproval {
+    id: String,
+    status: String,
+    external_reference: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -104,77 +135,196 @@ impl MercadoPagoClient {
         })
     }
 
-    /// Fetches a payment and states what it establishes: its status, and each refund and
-    /// dispute it carries, with stable ids so a second look records nothing new.
-    pub async fn payment_facts(
+    async fn get<T: serde::de::DeserializeOwned>(
         &self,
-        payment_id: &str,
-    ) -> Result<(PaymentRef, Vec<Fact>), MercadoPagoError> {
-        let url = format!("{}/v1/payments/{payment_id}", self.base_url);
+        path: &str,
+        what: String,
+    ) -> Result<T, MercadoPagoError> {
         let resp = self
             .http
-            .get(&url)
+            .get(format!("{}{path}", self.base_url))
             .bearer_auth(self.access_token.expose())
             .send()
             .await?;
         if !resp.status().is_success() {
-            return Err(MercadoPagoError::Status(
-                resp.status().as_u16(),
-                payment_id.to_owned(),
-            ));
+            return Err(MercadoPagoError::Status(resp.status().as_u16(), what));
         }
-        let p: Payment = resp.json().await?;
-        let currency = p
-            .currency_id
-            .as_deref()
-            .ok_or(EventError::Missing("currency_id"))?;
-        let amount = match &p.transaction_amount {
-            Some(a) => Some(Money::new(decimal(a)?, currency.parse()?)?),
-            None => None,
-        };
-        let status = payment_status(&p.status);
-        let mut facts = vec![Fact::Payment {
-            status,
-            amount: if status == PaymentStatus::Succeeded {
-                amount
-            } else {
-                None
-            },
-        }];
-        for r in p
-            .refunds
-            .iter()
-            .filter(|r| r.status.as_deref().is_none_or(|s| s == "approved"))
-        {
-            facts.push(Fact::Refund {
-                refund_id: id_text(&r.id),
-                amount: Money::new(decimal(&r.amount)?, currency.parse()?)?,
-            });
-        }
-        // A mediation is a dispute: `in_mediation` opens it; it ends won when the payment is
-        // `approved` again, lost as a chargeback (`charged_back`), or lost as a refund
-        // (`refunded`: the refunds above carry the money, so the dispute takes nothing back).
-        let dispute_id = format!("mp-{}", id_text(&p.id));
-        match (mediation_status(&p.status), amount) {
-            // Opened or lost: the mediation takes its amount.
-            (Some(status @ (DisputeStatus::Open | DisputeStatus::Lost)), Some(amount)) => facts
-                .push(Fact::Dispute {
-                    dispute_id,
-                    amount,
-                    status: Some(status),
-                }),
-            // Won or ended as a refund: it decides a mediation there was, if any.
-            (Some(status @ (DisputeStatus::Won | DisputeStatus::Refunded)), _) => {
-                facts.push(Fact::DisputeDecided { dispute_id, status })
-            }
-            _ => {}
-        }
-        let payment = PaymentRef {
-            session_id: p.external_reference.filter(|s| !s.is_empty()),
-            payment_id: Some(id_text(&p.id)),
-        };
-        Ok((payment, facts))
+        Ok(resp.json().await?)
     }
+
+    /// Fetches what a notification names and states what it establishes: a payment's facts; a
+    /// preapproval's charge as the renewal of its period (the preapproval's `external_reference`
+    /// names the session of the subscription's first payment, as the platform set it); a
+    /// preapproval's end.
+    pub async fn look_up(
+        &self,
+        resource: LookupResource,
+        id: &str,
+    ) -> Result<Interpretation, MercadoPagoError> {
+        match resource {
+            LookupResource::Payment => {
+                let p: Payment = self
+                    .get(&format!("/v1/payments/{id}"), format!("payment {id}"))
+                    .await?;
+                let of_subscription = p
+                    .point_of_interaction
+                    .as_ref()
+                    .and_then(|v| v.get("type"))
+                    .and_then(Value::as_str)
+                    == Some("SUBSCRIPTIONS");
+                if of_subscription {
+                    // Its authorized payment's notification reports it as its period's renewal;
+                    // read here, it would look like a second payment of the first one's session.
+                    return Ok(Interpretation::Ignore(format!(
+                        "payment {id} is a preapproval's charge: its authorized payment reports it"
+                    )));
+                }
+                let (payment, facts) = payment_facts(p)?;
+                Ok(if payment.session_id.is_none() {
+                    Interpretation::Ignore(format!("payment {id} has no external_reference"))
+                } else {
+                    Interpretation::Update { payment, facts }
+                })
+            }
+            LookupResource::AuthorizedPayment => {
+                let a: AuthorizedPayment = self
+                    .get(
+                        &format!("/authorized_payments/{id}"),
+                        format!("authorized payment {id}"),
+                    )
+                    .await?;
+                Ok(authorized_payment(a)?)
+            }
+            LookupResource::Preapproval => {
+                let p: Preapproval = self
+                    .get(&format!("/preapproval/{id}"), format!("preapproval {id}"))
+                    .await?;
+                Ok(if p.status == "cancelled" {
+                    Interpretation::Subscription {
+                        subscription: p.id,
+                        first_session: p.external_reference.filter(|s| !s.is_empty()),
+                        change: SubscriptionChange::Canceled,
+                    }
+                } else {
+                    Interpretation::Ignore(format!("preapproval {} is {}", p.id, p.status))
+                })
+            }
+        }
+    }
+}
+
+/// A preapproval's charge, as the renewal of the period starting on its debit date.
+fn authorized_payment(a: AuthorizedPayment) -> Result<Interpretation, EventError> {
+    let Some(first_session) = a.external_reference.filter(|s| !s.is_empty()) else {
+        return Ok(Interpretation::Ignore(format!(
+            "preapproval {} names no first payment (external_reference)",
+            a.preapproval_id
+        )));
+    };
+    let Some(charged) = a.payment else {
+        return Ok(Interpretation::Ignore(format!(
+            "authorized payment {} is not charged yet",
+            id_text(&a.id)
+        )));
+    };
+    let status = payment_status(&charged.status);
+    let amount = match status {
+        PaymentStatus::Pending => {
+            return Ok(Interpretation::Ignore(format!(
+                "authorized payment {}'s charge is {}",
+                id_text(&a.id),
+                charged.status
+            )));
+        }
+        PaymentStatus::Failed => None,
+        PaymentStatus::Succeeded => {
+            let currency = a
+                .currency_id
+                .as_deref()
+                .ok_or(EventError::Missing("currency_id"))?;
+            let amount = a
+                .transaction_amount
+                .as_ref()
+                .ok_or(EventError::Missing("transaction_amount"))?;
+            Some(Money::new(decimal(amount)?, currency.parse()?)?)
+        }
+    };
+    let start = a
+        .debit_date
+        .as_deref()
+        .and_then(|d| chrono::DateTime::parse_from_rfc3339(d).ok())
+        .ok_or(EventError::Missing("debit_date"))?
+        .with_timezone(&chrono::Utc);
+    Ok(Interpretation::Renewal {
+        renewal: Renewal {
+            subscription: a.preapproval_id,
+            first_session: Some(first_session),
+            period: Some(Period { start, end: None }),
+            fee: None,
+            url: None,
+        },
+        payment: PaymentRef {
+            session_id: Some(format!("authorized_payment:{}", id_text(&a.id))),
+            payment_id: Some(id_text(&charged.id)),
+        },
+        facts: vec![Fact::Payment { status, amount }],
+    })
+}
+
+/// What a payment establishes: its status, and each refund and dispute it carries, with stable
+/// ids so a second look records nothing new.
+fn payment_facts(p: Payment) -> Result<(PaymentRef, Vec<Fact>), EventError> {
+    let currency = p
+        .currency_id
+        .as_deref()
+        .ok_or(EventError::Missing("currency_id"))?;
+    let amount = match &p.transaction_amount {
+        Some(a) => Some(Money::new(decimal(a)?, currency.parse()?)?),
+        None => None,
+    };
+    let status = payment_status(&p.status);
+    let mut facts = vec![Fact::Payment {
+        status,
+        amount: if status == PaymentStatus::Succeeded {
+            amount
+        } else {
+            None
+        },
+    }];
+    for r in p
+        .refunds
+        .iter()
+        .filter(|r| r.status.as_deref().is_none_or(|s| s == "approved"))
+    {
+        facts.push(Fact::Refund {
+            refund_id: id_text(&r.id),
+            amount: Money::new(decimal(&r.amount)?, currency.parse()?)?,
+        });
+    }
+    // A mediation is a dispute: `in_mediation` opens it; it ends won when the payment is
+    // `approved` again, lost as a chargeback (`charged_back`), or lost as a refund
+    // (`refunded`: the refunds above carry the money, so the dispute takes nothing back).
+    let dispute_id = format!("mp-{}", id_text(&p.id));
+    match (mediation_status(&p.status), amount) {
+        // Opened or lost: the mediation takes its amount.
+        (Some(status @ (DisputeStatus::Open | DisputeStatus::Lost)), Some(amount)) => {
+            facts.push(Fact::Dispute {
+                dispute_id,
+                amount,
+                status: Some(status),
+            })
+        }
+        // Won or ended as a refund: it decides a mediation there was, if any.
+        (Some(status @ (DisputeStatus::Won | DisputeStatus::Refunded)), _) => {
+            facts.push(Fact::DisputeDecided { dispute_id, status })
+        }
+        _ => {}
+    }
+    let payment = PaymentRef {
+        session_id: p.external_reference.filter(|s| !s.is_empty()),
+        payment_id: Some(id_text(&p.id)),
+    };
+    Ok((payment, facts))
 }
 
 /// A payment's status as its mediation's: `in_mediation` open, approved (again) won,
@@ -380,7 +530,36 @@ struct PaymentStatusOnly {
     status: String,
 }
 
-crate::gateways::api::payment_gateway!(MercadoPagoClient);
+impl MercadoPagoClient {
+    /// `PUT /preapproval/{id}` `{"status": "cancelled"}`. A preapproval ends at once: Mercado
+    /// Pago keeps no "at the period's end", so that is refused (cancel now instead).
+    async fn end_subscription(
+        &self,
+        subscription: &str,
+        _seller_account: Option<&str>,
+        at_period_end: bool,
+    ) -> Result<(), GatewayError> {
+        if at_period_end {
+            return Err(GatewayError::Refused(
+                "Mercado Pago cannot end a preapproval at its period's end; cancel it now".into(),
+            ));
+        }
+        let _: Value = read_json(
+            NAME,
+            self.http
+                .put(format!("{}/preapproval/{subscription}", self.base_url))
+                .bearer_auth(self.access_token.expose())
+                .json(&serde_json::json!({"status": "cancelled"}))
+                .send()
+                .await,
+            mp_error,
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+crate::gateways::api::payment_gateway!(MercadoPagoClient, subscriptions);
 
 impl MercadoPagoClient {
     fn gateway(&self) -> GatewayName {

@@ -223,7 +223,34 @@ struct RzpDispute {
     status: Option<String>,
 }
 
-crate::gateways::api::payment_gateway!(RazorpayGateway);
+impl RazorpayGateway {
+    /// `POST /v1/subscriptions/{id}/cancel`, now or at the end of the cycle paid
+    /// (`cancel_at_cycle_end`).
+    async fn end_subscription(
+        &self,
+        subscription: &str,
+        _seller_account: Option<&str>,
+        at_period_end: bool,
+    ) -> Result<(), GatewayError> {
+        let _: serde_json::Value = read_json(
+            NAME,
+            self.http
+                .post(format!(
+                    "{}/v1/subscriptions/{subscription}/cancel",
+                    self.api
+                ))
+                .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                .json(&serde_json::json!({"cancel_at_cycle_end": u8::from(at_period_end)}))
+                .send()
+                .await,
+            rzp_error,
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+crate::gateways::api::payment_gateway!(RazorpayGateway, subscriptions);
 
 impl RazorpayGateway {
     fn gateway(&self) -> GatewayName {

@@ -3,7 +3,10 @@
 
 use serde_json::Value;
 
-use crate::gateways::{DisputeStatus, EventError, Fact, Interpretation, PaymentStatus, ref_of};
+use crate::gateways::{
+    DisputeStatus, EventError, Fact, Interpretation, PaymentRef, PaymentStatus, Period, Renewal,
+    SubscriptionChange, ref_of,
+};
 use crate::money::Money;
 
 /// Payment entity `status`. `authorized` is not money yet: only `captured` is.
@@ -80,6 +83,27 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
     let order_id = payment.and_then(|p| str_at(p, "order_id"));
     let payment_id = payment.and_then(|p| str_at(p, "id"));
     let fact = match event {
+        "subscription.charged" | "subscription.pending" => {
+            return subscription_charge(&v, event == "subscription.charged");
+        }
+        "subscription.halted" | "subscription.cancelled" | "subscription.completed" => {
+            let sub = entity(&v, "subscription")
+                .ok_or(EventError::Missing("payload.subscription.entity"))?;
+            return Ok(Interpretation::Subscription {
+                subscription: str_at(sub, "id")
+                    .ok_or(EventError::Missing("subscription id"))?
+                    .to_owned(),
+                first_session: first_session(sub),
+                change: SubscriptionChange::Canceled,
+            });
+        }
+        "payment.captured" | "payment.failed" | "payment.authorized" | "order.paid"
+            if payment.and_then(|p| str_at(p, "invoice_id")).is_some() =>
+        {
+            return Ok(Interpretation::Ignore(
+                "a subscription invoice's payment: its subscription.charged reports it".into(),
+            ));
+        }
         "payment.captured" | "payment.failed" | "payment.authorized" | "order.paid" => {
             let p = payment.ok_or(EventError::Missing("payload.payment.entity"))?;
             let status = payment_status(str_at(p, "status").unwrap_or(""));
@@ -145,9 +169,127 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
     })
 }
 
+/// The session of a subscription's first payment, as the platform noted it on the
+/// subscription (`notes.session_id`: notes only the platform's key can set).
+fn first_session(sub: &Value) -> Option<String> {
+    sub.get("notes")
+        .and_then(|n| str_at(n, "session_id"))
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+}
+
+/// A subscription's charge (`subscription.charged`) or failed charge (`subscription.pending`),
+/// as the renewal of its current cycle. The charge's session is the Razorpay order of the
+/// cycle's invoice, which its retries and refunds name too; the charge of the checkout's own
+/// order is the first period's.
+fn subscription_charge(v: &Value, charged: bool) -> Result<Interpretation, EventError> {
+    let sub =
+        entity(v, "subscription").ok_or(EventError::Missing("payload.subscription.entity"))?;
+    let subscription = str_at(sub, "id")
+        .ok_or(EventError::Missing("subscription id"))?
+        .to_owned();
+    let Some(p) = entity(v, "payment") else {
+        return Ok(Interpretation::Ignore(
+            "the subscription event names no charge".into(),
+        ));
+    };
+    let session = str_at(p, "order_id")
+        .or_else(|| str_at(p, "invoice_id"))
+        .ok_or(EventError::Missing("payment order_id"))?
+        .to_owned();
+    let first = first_session(sub);
+    let at = |key: &'static str| {
+        sub.get(key)
+            .and_then(Value::as_i64)
+            .and_then(|t| chrono::DateTime::from_timestamp(t, 0))
+            .ok_or(EventError::Missing(key))
+    };
+    let period = if first.as_deref() == Some(session.as_str()) {
+        None
+    } else {
+        Some(Period {
+            start: at("current_start")?,
+            end: Some(at("current_end")?),
+        })
+    };
+    let (status, amount) = if charged {
+        (PaymentStatus::Succeeded, Some(money_at(p)?))
+    } else {
+        (PaymentStatus::Failed, None)
+    };
+    Ok(Interpretation::Renewal {
+        renewal: Renewal {
+            subscription,
+            first_session: first,
+            period,
+            fee: None,
+            url: str_at(sub, "short_url").map(str::to_owned),
+        },
+        payment: PaymentRef {
+            session_id: Some(session),
+            payment_id: str_at(p, "id").map(str::to_owned),
+        },
+        facts: vec![Fact::Payment { status, amount }],
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_subscription_charge_is_its_cycles_renewal_and_its_invoice_payment_is_not_a_new_order() {
+        let charged = |order_id: &str| {
+            format!(
+                r#"{{"event":"subscription.charged","created_at":1,"contains":["subscription","payment"],"payload":{{"subscription":{{"entity":{{"id":"sub_R1","current_start":1767225600,"current_end":1769904000,"notes":{{"session_id":"order_first"}}}}}},"payment":{{"entity":{{"id":"pay_2","amount":1990,"currency":"INR","status":"captured","order_id":"{order_id}","invoice_id":"inv_2"}}}}}}}}"#
+            )
+        };
+        let Interpretation::Renewal {
+            renewal,
+            payment,
+            facts,
+        } = interpret(charged("order_2").as_bytes()).unwrap()
+        else {
+            panic!("not a renewal")
+        };
+        assert_eq!(renewal.subscription, "sub_R1");
+        assert_eq!(renewal.first_session.as_deref(), Some("order_first"));
+        assert_eq!(
+            renewal.period.map(|p| p.start.timestamp()),
+            Some(1767225600)
+        );
+        assert_eq!(
+            (payment.session_id.as_deref(), payment.payment_id.as_deref()),
+            (Some("order_2"), Some("pay_2"))
+        );
+        assert_eq!(
+            facts,
+            vec![Fact::Payment {
+                status: PaymentStatus::Succeeded,
+                amount: Some(Money::parse("19.90", "INR").unwrap())
+            }]
+        );
+        // The charge of the checkout's own order is the first period's.
+        let Interpretation::Renewal { renewal, .. } =
+            interpret(charged("order_first").as_bytes()).unwrap()
+        else {
+            panic!("not a renewal")
+        };
+        assert_eq!(renewal.period, None);
+        let captured = r#"{"event":"payment.captured","created_at":1,"contains":["payment"],"payload":{"payment":{"entity":{"id":"pay_2","amount":1990,"currency":"INR","status":"captured","order_id":"order_2","invoice_id":"inv_2"}}}}"#;
+        assert!(matches!(
+            interpret(captured.as_bytes()).unwrap(),
+            Interpretation::Ignore(_)
+        ));
+        let halted = r#"{"event":"subscription.halted","created_at":1,"contains":["subscription"],"payload":{"subscription":{"entity":{"id":"sub_R1","notes":{"session_id":"order_first"}}}}}"#;
+        assert!(matches!(
+            interpret(halted.as_bytes()).unwrap(),
+            Interpretation::Subscription {
+                change: SubscriptionChange::Canceled,
+                ..
+            }
+        ));
+    }
 
     #[test]
     fn a_captured_payment_succeeds_and_an_authorized_one_waits() {

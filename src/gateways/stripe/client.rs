@@ -412,9 +412,42 @@ impl StripeConnect {
     }
 }
 
-crate::gateways::api::payment_gateway!(StripeConnect, undelivered);
+crate::gateways::api::payment_gateway!(StripeConnect, undelivered, subscriptions);
 
 impl StripeConnect {
+    /// Cancels a subscription on the seller's account: `DELETE /v1/subscriptions/{id}` now, or
+    /// `cancel_at_period_end=true` (Stripe then ends it when the period paid ends and sends
+    /// `customer.subscription.deleted`). Both are idempotent at Stripe.
+    async fn end_subscription(
+        &self,
+        subscription: &str,
+        seller_account: Option<&str>,
+        at_period_end: bool,
+    ) -> Result<(), GatewayError> {
+        let account = self.account(seller_account);
+        let path = format!("/v1/subscriptions/{subscription}");
+        let req = if at_period_end {
+            let form = [("cancel_at_period_end".to_owned(), "true".to_owned())];
+            self.post(
+                &path,
+                account,
+                &format!("payfleet-cancel-at-period-end-{subscription}"),
+                &form,
+            )
+        } else {
+            let mut req = self
+                .http
+                .delete(format!("{}{path}", self.api))
+                .bearer_auth(self.secret_key.expose());
+            if let Some(a) = account {
+                req = req.header("Stripe-Account", a);
+            }
+            req
+        };
+        let _: Value = read_json(NAME, req.send().await, stripe_error).await?;
+        Ok(())
+    }
+
     fn gateway(&self) -> GatewayName {
         match self.collects {
             Collects::OnSellersAccount => NAME,

@@ -4,7 +4,10 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::gateways::{DisputeStatus, EventError, Fact, Interpretation, PaymentStatus, ref_of};
+use crate::gateways::{
+    DisputeStatus, EventError, Fact, Interpretation, PaymentRef, PaymentStatus, Period, Renewal,
+    SubscriptionChange, ref_of,
+};
 use crate::money::Money;
 
 #[derive(Deserialize)]
@@ -100,11 +103,43 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
             } else {
                 None
             };
-            update(
-                Some(id),
-                str_at(o, "payment_intent"),
-                Fact::Payment { status, amount },
-            )
+            let mut facts = vec![Fact::Payment { status, amount }];
+            // In subscription mode the session starts a subscription Stripe bills from now on.
+            if str_at(o, "mode") == Some("subscription")
+                && let Some(subscription) = str_at(o, "subscription")
+            {
+                facts.push(Fact::Subscribed {
+                    subscription: subscription.to_owned(),
+                });
+            }
+            Ok(Interpretation::Update {
+                payment: ref_of(Some(id), str_at(o, "payment_intent"))?,
+                facts,
+            })
+        }
+        "invoice.paid" | "invoice.payment_succeeded" | "invoice.payment_failed" => {
+            invoice(o, e.kind == "invoice.payment_failed")
+        }
+        "customer.subscription.updated" | "customer.subscription.deleted" => {
+            let subscription = str_at(o, "id")
+                .ok_or(EventError::Missing("data.object.id"))?
+                .to_owned();
+            let ended = e.kind == "customer.subscription.deleted"
+                || matches!(str_at(o, "status"), Some("canceled" | "incomplete_expired"));
+            let change = if ended {
+                SubscriptionChange::Canceled
+            } else {
+                SubscriptionChange::CancelAtPeriodEnd(
+                    o.get("cancel_at_period_end")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(false),
+                )
+            };
+            Ok(Interpretation::Subscription {
+                subscription,
+                first_session: None,
+                change,
+            })
         }
         "payment_intent.succeeded"
         | "payment_intent.payment_failed"
@@ -207,6 +242,88 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
     }
 }
 
+fn timestamp(
+    v: Option<&Value>,
+    what: &'static str,
+) -> Result<chrono::DateTime<chrono::Utc>, EventError> {
+    v.and_then(Value::as_i64)
+        .and_then(|t| chrono::DateTime::from_timestamp(t, 0))
+        .ok_or(EventError::Missing(what))
+}
+
+/// An Invoice of a subscription: a renewal (its line's period), or the first period's own
+/// charge (`billing_reason` `subscription_create`), whose facts are the checkout's payment's.
+/// Read as both the API versions before 2025-03-31 and after it write it (the subscription
+/// under `parent.subscription_details`, the PaymentIntent under `payments`).
+fn invoice(o: &Value, failed: bool) -> Result<Interpretation, EventError> {
+    let subscription = str_at(o, "subscription")
+        .or_else(|| {
+            o.pointer("/parent/subscription_details/subscription")
+                .and_then(Value::as_str)
+        })
+        .map(str::to_owned);
+    let Some(subscription) = subscription else {
+        return Ok(Interpretation::Ignore(
+            "an invoice of no subscription".into(),
+        ));
+    };
+    let id = str_at(o, "id").ok_or(EventError::Missing("data.object.id"))?;
+    let payment_id = str_at(o, "payment_intent").or_else(|| {
+        o.pointer("/payments/data/0/payment/payment_intent")
+            .and_then(Value::as_str)
+    });
+    let first = str_at(o, "billing_reason") == Some("subscription_create");
+    let status = if failed {
+        if first {
+            return Ok(Interpretation::Ignore(
+                "the first invoice's failure is its checkout's".into(),
+            ));
+        }
+        PaymentStatus::Failed
+    } else {
+        PaymentStatus::Succeeded
+    };
+    let amount = match status {
+        PaymentStatus::Succeeded => {
+            let paid = money_at(o, "amount_paid")?;
+            if paid.amount().is_zero() {
+                return Ok(Interpretation::Ignore("the invoice charged nothing".into()));
+            }
+            Some(paid)
+        }
+        _ => None,
+    };
+    let period = if first {
+        None
+    } else {
+        let line = o
+            .pointer("/lines/data/0/period")
+            .ok_or(EventError::Missing("lines.data[0].period"))?;
+        Some(Period {
+            start: timestamp(line.get("start"), "lines.data[0].period.start")?,
+            end: Some(timestamp(line.get("end"), "lines.data[0].period.end")?),
+        })
+    };
+    let fee = match o.get("application_fee_amount") {
+        Some(v) if v.is_i64() => Some(money_at(o, "application_fee_amount")?),
+        _ => None,
+    };
+    Ok(Interpretation::Renewal {
+        renewal: Renewal {
+            subscription,
+            first_session: None,
+            period,
+            fee,
+            url: str_at(o, "hosted_invoice_url").map(str::to_owned),
+        },
+        payment: PaymentRef {
+            session_id: Some(id.to_owned()),
+            payment_id: payment_id.map(str::to_owned),
+        },
+        facts: vec![Fact::Payment { status, amount }],
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -250,6 +367,129 @@ mod tests {
                     canceled
                 }]
             );
+        }
+    }
+
+    fn renewal_of(body: &str) -> (Renewal, PaymentRef, Vec<Fact>) {
+        match interpret(body.as_bytes()).unwrap() {
+            Interpretation::Renewal {
+                renewal,
+                payment,
+                facts,
+            } => (renewal, payment, facts),
+            other => panic!("not a renewal: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_paid_subscription_invoice_is_its_periods_renewal_with_its_application_fee() {
+        let at = |t| chrono::DateTime::from_timestamp(t, 0).unwrap();
+        // Before API version 2025-03-31, and after it (the subscription under `parent`, the
+        // PaymentIntent under `payments`).
+        for body in [
+            r#"{"id":"evt_2","type":"invoice.paid","account":"acct_1","data":{"object":{"id":"in_2","subscription":"sub_1","billing_reason":"subscription_cycle","payment_intent":"pi_2","amount_paid":1990,"currency":"brl","application_fee_amount":199,"hosted_invoice_url":"https://invoice.stripe.test/in_2","lines":{"data":[{"period":{"start":1767225600,"end":1769904000}}]}}}}"#,
+            r#"{"id":"evt_2","type":"invoice.paid","account":"acct_1","data":{"object":{"id":"in_2","parent":{"type":"subscription_details","subscription_details":{"subscription":"sub_1"}},"billing_reason":"subscription_cycle","payments":{"data":[{"payment":{"type":"payment_intent","payment_intent":"pi_2"}}]},"amount_paid":1990,"currency":"brl","application_fee_amount":199,"hosted_invoice_url":"https://invoice.stripe.test/in_2","lines":{"data":[{"period":{"start":1767225600,"end":1769904000}}]}}}}"#,
+        ] {
+            let (renewal, payment, facts) = renewal_of(body);
+            assert_eq!(
+                renewal,
+                Renewal {
+                    subscription: "sub_1".into(),
+                    first_session: None,
+                    period: Some(Period {
+                        start: at(1767225600),
+                        end: Some(at(1769904000))
+                    }),
+                    fee: Some(Money::parse("1.99", "BRL").unwrap()),
+                    url: Some("https://invoice.stripe.test/in_2".into()),
+                }
+            );
+            assert_eq!(
+                payment,
+                PaymentRef {
+                    session_id: Some("in_2".into()),
+                    payment_id: Some("pi_2".into())
+                }
+            );
+            assert_eq!(
+                facts,
+                vec![Fact::Payment {
+                    status: PaymentStatus::Succeeded,
+                    amount: Some(Money::parse("19.90", "BRL").unwrap())
+                }]
+            );
+        }
+    }
+
+    #[test]
+    fn the_first_invoice_is_the_checkouts_payment_and_a_failed_one_moves_no_money() {
+        let (renewal, payment, _) = renewal_of(
+            r#"{"id":"evt_1","type":"invoice.paid","data":{"object":{"id":"in_1","subscription":"sub_1","billing_reason":"subscription_create","payment_intent":"pi_1","amount_paid":1990,"currency":"brl"}}}"#,
+        );
+        assert_eq!(renewal.period, None);
+        assert_eq!(payment.payment_id.as_deref(), Some("pi_1"));
+        let (renewal, _, facts) = renewal_of(
+            r#"{"id":"evt_3","type":"invoice.payment_failed","data":{"object":{"id":"in_3","subscription":"sub_1","billing_reason":"subscription_cycle","payment_intent":"pi_3","amount_paid":0,"amount_due":1990,"currency":"brl","lines":{"data":[{"period":{"start":1769904000,"end":1772323200}}]}}}}"#,
+        );
+        assert!(renewal.period.is_some());
+        assert_eq!(
+            facts,
+            vec![Fact::Payment {
+                status: PaymentStatus::Failed,
+                amount: None
+            }]
+        );
+        for ignored in [
+            r#"{"id":"e","type":"invoice.payment_failed","data":{"object":{"id":"in_1","subscription":"sub_1","billing_reason":"subscription_create","currency":"brl"}}}"#,
+            r#"{"id":"e","type":"invoice.paid","data":{"object":{"id":"in_9","subscription":"sub_1","billing_reason":"subscription_cycle","amount_paid":0,"currency":"brl","lines":{"data":[{"period":{"start":1,"end":2}}]}}}}"#,
+            r#"{"id":"e","type":"invoice.paid","data":{"object":{"id":"in_8","billing_reason":"manual","amount_paid":500,"currency":"brl"}}}"#,
+        ] {
+            assert!(
+                matches!(
+                    interpret(ignored.as_bytes()).unwrap(),
+                    Interpretation::Ignore(_)
+                ),
+                "{ignored}"
+            );
+        }
+        // A renewal without its period cannot be placed.
+        assert!(interpret(br#"{"id":"e","type":"invoice.paid","data":{"object":{"id":"in_7","subscription":"sub_1","billing_reason":"subscription_cycle","amount_paid":500,"currency":"brl"}}}"#).is_err());
+    }
+
+    #[test]
+    fn a_subscription_mode_session_names_its_subscription_and_its_changes_end_it() {
+        let Interpretation::Update { facts, .. } = interpret(br#"{"id":"evt_1","type":"checkout.session.completed","data":{"object":{"id":"cs_1","mode":"subscription","subscription":"sub_1","payment_intent":null,"invoice":"in_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#).unwrap() else {
+            panic!("not an update")
+        };
+        assert_eq!(
+            facts[1],
+            Fact::Subscribed {
+                subscription: "sub_1".into()
+            }
+        );
+        for (body, want) in [
+            (
+                r#"{"id":"e","type":"customer.subscription.updated","data":{"object":{"id":"sub_1","status":"active","cancel_at_period_end":true}}}"#,
+                SubscriptionChange::CancelAtPeriodEnd(true),
+            ),
+            (
+                r#"{"id":"e","type":"customer.subscription.updated","data":{"object":{"id":"sub_1","status":"past_due","cancel_at_period_end":false}}}"#,
+                SubscriptionChange::CancelAtPeriodEnd(false),
+            ),
+            (
+                r#"{"id":"e","type":"customer.subscription.deleted","data":{"object":{"id":"sub_1","status":"canceled"}}}"#,
+                SubscriptionChange::Canceled,
+            ),
+        ] {
+            let Interpretation::Subscription {
+                subscription,
+                change,
+                ..
+            } = interpret(body.as_bytes()).unwrap()
+            else {
+                panic!("{body}")
+            };
+            assert_eq!((subscription.as_str(), change), ("sub_1", want), "{body}");
         }
     }
 

@@ -1,0 +1,295 @@
+//! Subscriptions a gateway bills itself (Stripe's): the events of their renewals and changes,
+//! and cancelling them there.
+//!
+//! A renewal's event names the gateway's subscription, the period it pays and its own payment
+//! (Stripe's invoice and PaymentIntent). The subscription is found through its first payment,
+//! which recorded the gateway's id from its own event (`Fact::Subscribed`); until that payment
+//! is known the event waits (`subscription:<id>`), and the first payment's event wakes it. The
+//! renewal order of the period is opened once (`orders::subscriptions::open_reported`), the
+//! invoice becomes that order's session, and its facts then apply as any payment's do: one
+//! sale, one fee, refunds and disputes like an order's.
+
+use std::collections::BTreeMap;
+
+use rust_decimal::Decimal;
+use sqlx::{PgConnection, PgPool};
+
+use super::ProcessError;
+use super::apply::{self, Applied, Outcome};
+use crate::gateways::{
+    Fact, GatewayName, GatewayRegistry, PaymentRef, PaymentStatus, Renewal, SubscriptionChange,
+};
+use crate::orders::subscriptions::{
+    self, CancelError, Reported, ReportedRenewal, SubscriptionId, SubscriptionStatus,
+    SubscriptionView,
+};
+
+/// A gateway subscription's first payment, as this side knows it.
+#[derive(sqlx::FromRow)]
+struct FirstPayment {
+    id: i64,
+    session_id: String,
+    subscription_ref: Option<String>,
+    order_number: i64,
+    metadata: serde_json::Value,
+}
+
+/// The succeeded first payment of the gateway's subscription `subscription`, found by the id
+/// its own event recorded or, where the event names it, by its session. Found by its session,
+/// it records the subscription's id for the events that name only that.
+async fn first_payment(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    subscription: &str,
+    first_session: Option<&str>,
+) -> Result<Option<FirstPayment>, sqlx::Error> {
+    let found: Option<FirstPayment> = sqlx::query_as(
+        "SELECT po.id, po.session_id, po.subscription_ref, ps.order_number, ps.metadata
+         FROM payment_orders po
+         JOIN payment_sessions ps ON ps.gateway = po.gateway AND ps.session_id = po.session_id
+         WHERE po.gateway = $1 AND po.succeeded_at IS NOT NULL
+           AND (po.subscription_ref = $2 OR po.session_id = $3)
+         ORDER BY po.subscription_ref IS NOT DISTINCT FROM $2 DESC LIMIT 1",
+    )
+    .bind(gateway)
+    .bind(subscription)
+    .bind(first_session)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some(first) = &found
+        && first.subscription_ref.is_none()
+    {
+        sqlx::query(
+            "UPDATE payment_orders SET subscription_ref = $2, updated_at = now()
+             WHERE id = $1 AND subscription_ref IS NULL",
+        )
+        .bind(first.id)
+        .bind(subscription)
+        .execute(&mut *tx)
+        .await?;
+    }
+    Ok(found)
+}
+
+/// What an event waits on while its subscription's first payment is not known: that payment's
+/// session where the event names it (its event wakes it), else the gateway's subscription.
+fn wait_key(subscription: &str, first_session: Option<&str>) -> String {
+    match first_session {
+        Some(session) => format!("session:{session}"),
+        None => apply::subscription_key(subscription),
+    }
+}
+
+/// Applies a renewal's facts to the renewal order of its period, in the event's transaction.
+pub(super) async fn renewal(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    renewal: &Renewal,
+    payment: &PaymentRef,
+    facts: &[Fact],
+    event_id: Option<i64>,
+    fee_percent: Decimal,
+) -> Result<Outcome, ProcessError> {
+    let key = wait_key(&renewal.subscription, renewal.first_session.as_deref());
+    apply::lock_keys(tx, gateway, std::slice::from_ref(&key)).await?;
+    let Some(first) = first_payment(
+        tx,
+        gateway,
+        &renewal.subscription,
+        renewal.first_session.as_deref(),
+    )
+    .await?
+    else {
+        return Ok(Applied::Waiting(key).into());
+    };
+    let Some(period) = renewal.period else {
+        // The first period's own charge (the invoice billed when the subscription started):
+        // its facts are the first payment's, which learns its payment id from them.
+        let of_first = PaymentRef {
+            session_id: Some(first.session_id.clone()),
+            payment_id: payment.payment_id.clone(),
+        };
+        return apply::apply(tx, gateway, &of_first, facts, event_id).await;
+    };
+    let Some(session) = &payment.session_id else {
+        return Ok(Applied::Waiting(key).into());
+    };
+    // What the period costs: the charge a success reports, else (a failure) what the
+    // subscription charges.
+    let paid = facts.iter().find_map(|f| match f {
+        Fact::Payment {
+            status: PaymentStatus::Succeeded,
+            amount: Some(m),
+        } => Some(*m),
+        _ => None,
+    });
+    if known_renewal(tx, gateway, session).await? {
+        return apply::apply(tx, gateway, payment, facts, event_id).await;
+    }
+    let amount = match paid {
+        Some(m) => m,
+        None => match subscriptions::charge_of(tx, first.order_number).await? {
+            Some(m) => m,
+            None => return Ok(Applied::Waiting(key).into()),
+        },
+    };
+    let reported = Reported {
+        period_start: period.start,
+        period_end: period.end,
+        amount,
+        fee: renewal.fee,
+        fee_percent,
+    };
+    let (number, attempt, total, fee) =
+        match subscriptions::open_reported(tx, first.order_number, &reported).await? {
+            ReportedRenewal::Order {
+                number,
+                attempt,
+                total,
+                fee,
+            } => (number, attempt, total, fee),
+            ReportedRenewal::NoSubscription => {
+                // Its first payment confirmed no order (given back): the renewal is a payment
+                // no order takes, recorded and given back by the usual path.
+                return apply::apply(tx, gateway, payment, facts, event_id).await;
+            }
+        };
+    let mut metadata: BTreeMap<String, serde_json::Value> =
+        serde_json::from_value(first.metadata).unwrap_or_default();
+    metadata.insert("order_number".into(), number.to_string().into());
+    metadata.insert("attempt".into(), attempt.to_string().into());
+    metadata.insert("subscription".into(), renewal.subscription.clone().into());
+    sqlx::query(
+        "INSERT INTO payment_sessions (order_number, attempt, gateway, session_id, url, amount, currency, platform_fee, metadata)
+         VALUES ($1, $2, $3, $4, $5, $7, $8, $9, $6)
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(number)
+    .bind(attempt)
+    .bind(gateway)
+    .bind(session)
+    // Charged off-session, a renewal may have no page to show: its link then names it.
+    .bind(
+        renewal
+            .url
+            .clone()
+            .unwrap_or_else(|| format!("urn:payfleet:{gateway}:renewal:{session}")),
+    )
+    .bind(serde_json::to_value(&metadata).unwrap_or_default())
+    .bind(total.amount())
+    .bind(total.currency().as_str())
+    .bind(fee)
+    .execute(&mut *tx)
+    .await?;
+    apply::apply(tx, gateway, payment, facts, event_id).await
+}
+
+/// Whether a renewal's session (Stripe's invoice, ...) is recorded already: a retried charge
+/// of the same invoice is the same renewal, whatever its period says.
+async fn known_renewal(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    session: &str,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM payment_sessions WHERE gateway = $1 AND session_id = $2)",
+    )
+    .bind(gateway)
+    .bind(session)
+    .fetch_one(&mut *tx)
+    .await
+}
+
+/// Records a change the gateway made to a subscription, in the event's transaction.
+pub(super) async fn change(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    subscription: &str,
+    first_session: Option<&str>,
+    change: SubscriptionChange,
+) -> Result<Applied, ProcessError> {
+    let key = wait_key(subscription, first_session);
+    apply::lock_keys(tx, gateway, std::slice::from_ref(&key)).await?;
+    let Some(first) = first_payment(tx, gateway, subscription, first_session).await? else {
+        return Ok(Applied::Waiting(key));
+    };
+    Ok(
+        match subscriptions::apply_change(tx, first.order_number, change).await? {
+            Some(true) => Applied::Changed,
+            // Already so, or no subscription here (its first payment was given back).
+            Some(false) | None => Applied::Unchanged,
+        },
+    )
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CancelAtGatewayError {
+    #[error(transparent)]
+    Cancel(#[from] CancelError),
+    /// The gateway that bills it is not enabled here, or keeps no id of it.
+    #[error(
+        "subscription {id} is billed by {gateway}, which cannot be asked to cancel it here: {why}"
+    )]
+    NotCancellable {
+        id: SubscriptionId,
+        gateway: GatewayName,
+        why: String,
+    },
+    #[error("the gateway did not cancel the subscription")]
+    Gateway(#[from] crate::gateways::GatewayError),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Cancels a subscription now or at its period's end: at the gateway that bills it first (an
+/// outage there changes nothing here, and the caller may ask again), then here, once. A
+/// subscription the fleet bills itself (the internal gateway's, with the simulator) ends here
+/// only; one its gateway bills is named there by the id its first payment's event recorded
+/// (the internal gateway's, collected through Stripe, is billed on the platform's account). A
+/// canceled subscription is answered as it is, and nothing is asked of the gateway again.
+pub async fn cancel(
+    pool: &PgPool,
+    gateways: &GatewayRegistry,
+    id: SubscriptionId,
+    at_period_end: bool,
+) -> Result<SubscriptionView, CancelAtGatewayError> {
+    let Some(sub) = subscriptions::view(pool, id).await? else {
+        return Err(CancelError::NotFound(id).into());
+    };
+    if sub.status == SubscriptionStatus::Canceled {
+        return Ok(sub);
+    }
+    let found: Option<(String, Option<String>)> = sqlx::query_as(
+        "SELECT po.subscription_ref, ps.metadata->>'seller_account'
+         FROM payment_sessions ps
+         JOIN payment_orders po ON po.gateway = ps.gateway AND po.session_id = ps.session_id
+         WHERE ps.gateway = $1 AND ps.order_number = $2 AND po.subscription_ref IS NOT NULL",
+    )
+    .bind(sub.gateway)
+    .bind(sub.order_number)
+    .fetch_optional(pool)
+    .await?;
+    let not_cancellable = |why: &str| CancelAtGatewayError::NotCancellable {
+        id,
+        gateway: sub.gateway,
+        why: why.to_owned(),
+    };
+    match found {
+        Some((reference, account)) => {
+            let gateway = gateways
+                .get(sub.gateway)
+                .ok_or_else(|| not_cancellable("the gateway is not enabled in this process"))?;
+            gateway
+                .cancel_subscription(&reference, account.as_deref(), at_period_end)
+                .await?;
+        }
+        // The fleet bills it: it ends here.
+        None if sub.gateway == GatewayName::Internal => {}
+        None => {
+            return Err(not_cancellable(
+                "its first payment's event named no subscription of the gateway's",
+            ));
+        }
+    }
+    Ok(subscriptions::cancel(pool, id, at_period_end).await?)
+}

@@ -1,0 +1,820 @@
+//! Subscriptions the gateways bill themselves: each period's charge they report is one renewal
+//! order, one sale with the gateway's fee, once, whatever the duplicates and their order; their
+//! failures make it past due, their ends end it; cancelling asks the gateway first. Driven
+//! through the HTTP API and signed webhooks against stand-ins that speak each gateway's API.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::Path;
+use axum::http::{Method, StatusCode};
+use payfleet::config::Config;
+use payfleet::secret::Secret;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+use crate::checkout::Shop;
+use crate::gateways::{Log, stand_in, stripe_api};
+use crate::helpers::*;
+
+const MONTH: i64 = 30 * 24 * 3600;
+
+/// A fleet with `gateway`'s API at the stand-in `api`, a seller (with a Stripe account) and a
+/// subscription product of theirs at 19.90 `currency` a month, and a paid-for-nothing-yet
+/// subscription order on `gateway`: the shop and the order.
+async fn subscription_order(
+    pool: &PgPool,
+    gateway: &str,
+    currency: &str,
+    configure: impl FnOnce(&mut Config),
+) -> (Shop, Value) {
+    let mut config = test_config();
+    configure(&mut config);
+    let shop = Shop {
+        app: Arc::new(spawn_fleet(pool.clone(), config).await),
+    };
+    let seller = shop
+        .admin(
+            "/admin/sellers",
+            json!({"name": "Club", "payout_frequency": "weekly", "payout_minimum": "0", "stripe_account": "acct_seller1"}),
+        )
+        .await;
+    let club = shop
+        .admin(
+            "/admin/products",
+            json!({"seller_id": seller["id"], "name": "club", "kind": "subscription", "price": "19.90", "currency": currency, "interval": "month"}),
+        )
+        .await;
+    let cart = json!({"buyer_id": "buyer-9", "gateway": gateway, "items": [{"product_id": club["id"], "quantity": 1}]});
+    // The payment side's RPC consumer may still be starting.
+    let mut answer = Value::Null;
+    for _ in 0..50 {
+        let (status, a) = shop.checkout(Some("sub"), cart.clone()).await;
+        answer = a;
+        if status == 201 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let order = answer["orders"][0].clone();
+    assert!(order["payment"]["session_id"].is_string(), "{answer}");
+    (shop, order)
+}
+
+async fn deliver(shop: &Shop, d: &Delivery) {
+    let (status, body) = shop.app.deliver(d).await;
+    assert_eq!(status, 200, "{body}");
+}
+
+/// How the stored event `event_id` (of `gateway`) ended, once processed.
+async fn outcome(pool: &PgPool, gateway: &str, event_id: &str) -> (String, Option<String>) {
+    let mut found = None;
+    wait_for("the event processed", Duration::from_secs(30), async || {
+        found = sqlx::query_as(
+            "SELECT outcome, waiting_for FROM payment_events
+             WHERE gateway = $1 AND event_id = $2 AND outcome IS NOT NULL",
+        )
+        .bind(gateway)
+        .bind(event_id)
+        .fetch_optional(pool)
+        .await
+        .unwrap();
+        found.is_some()
+    })
+    .await;
+    found.unwrap()
+}
+
+async fn subscription_of(shop: &Shop, number: i64) -> Value {
+    wait_for("the subscription", Duration::from_secs(30), async || {
+        shop.order(number).await["subscription_id"].is_string()
+    })
+    .await;
+    let id = shop.order(number).await["subscription_id"].clone();
+    let (status, body) = shop
+        .app
+        .get(&format!("/subscriptions/{}", id.as_str().unwrap()))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+async fn wait_subscription(shop: &Shop, number: i64, what: &str, done: impl Fn(&Value) -> bool) {
+    wait_for(what, Duration::from_secs(30), async || {
+        done(&subscription_of(shop, number).await)
+    })
+    .await;
+}
+
+/// Each renewal order: (number, status, platform fee, seller net, sales posted for it).
+async fn renewals(pool: &PgPool) -> Vec<(i64, String, String, String, i64)> {
+    sqlx::query_as(
+        "SELECT o.number, o.status, o.platform_fee::text, o.seller_net::text,
+                (SELECT count(*) FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number)
+         FROM orders o WHERE o.renews IS NOT NULL ORDER BY o.period_start",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// The order messages of the first order that tell the subscription's steps.
+async fn steps(pool: &PgPool, number: i64) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT e.kind FROM order_events e JOIN orders o ON o.id = e.order_id
+         WHERE o.number = $1 AND e.kind IN ('past_due', 'reactivated', 'canceled') ORDER BY e.id",
+    )
+    .bind(number)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+fn with_stripe(base: String) -> impl FnOnce(&mut Config) {
+    move |config: &mut Config| {
+        config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
+            base_url: base,
+            secret_key: Secret::new("sk_test_123"),
+        });
+    }
+}
+
+/// A Stripe invoice event of subscription `sub_1` (on the seller's connected account).
+fn invoice(event: &str, kind: &str, invoice: &str, pi: &str, reason: &str, start: i64) -> String {
+    json!({"id": event, "type": kind, "account": "acct_seller1", "data": {"object": {
+        "id": invoice, "object": "invoice", "subscription": "sub_1", "billing_reason": reason,
+        "payment_intent": pi, "amount_paid": if kind == "invoice.payment_failed" { 0 } else { 1990 },
+        "amount_due": 1990, "currency": "brl", "application_fee_amount": 199,
+        "lines": {"data": [{"period": {"start": start, "end": start + MONTH}}]}}}})
+    .to_string()
+}
+
+fn session_completed(event: &str, session: &str, subscription: Option<&str>) -> String {
+    json!({"id": event, "type": "checkout.session.completed", "account": "acct_seller1", "data": {"object": {
+        "id": session, "object": "checkout.session", "mode": "subscription", "subscription": subscription,
+        "payment_intent": null, "invoice": "in_1", "amount_total": 1990, "currency": "brl",
+        "payment_status": "paid"}}})
+    .to_string()
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn stripe_renewals_are_one_sale_per_period_whatever_their_order_and_duplicates(pool: PgPool) {
+    let base = stand_in(stripe_api(), Log::default()).await;
+    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    let t0 = chrono::Utc::now().timestamp();
+    let (p2, p3, p4) = (t0 + MONTH, t0 + 2 * MONTH, t0 + 3 * MONTH);
+
+    // The second period's invoice arrives before the checkout's own event: it waits for it.
+    let early = invoice(
+        "evt_p2",
+        "invoice.paid",
+        "in_2",
+        "pi_2",
+        "subscription_cycle",
+        p2,
+    );
+    deliver(&shop, &stripe(&early, now())).await;
+    assert_eq!(
+        outcome(&pool, "stripe", "evt_p2").await,
+        ("waiting".into(), Some("subscription:sub_1".into()))
+    );
+    deliver(
+        &shop,
+        &stripe(&session_completed("evt_1", &session, Some("sub_1")), now()),
+    )
+    .await;
+    wait_subscription(&shop, number, "the early renewal paid", |s| {
+        s["renewals"][0]["state"] == "paid"
+    })
+    .await;
+    let sub = subscription_of(&shop, number).await;
+    assert_eq!(sub["gateway"], "stripe");
+    assert_eq!(sub["status"], "active");
+    assert_eq!(
+        chrono::DateTime::parse_from_rfc3339(sub["current_period_start"].as_str().unwrap())
+            .unwrap()
+            .timestamp(),
+        p2,
+        "the renewed period is current: {sub}"
+    );
+
+    // The invoice of the first period is the checkout's payment: it teaches it its
+    // PaymentIntent (which its refunds name), and is no renewal.
+    let first = invoice(
+        "evt_in1",
+        "invoice.paid",
+        "in_1",
+        "pi_1",
+        "subscription_create",
+        t0,
+    );
+    deliver(&shop, &stripe(&first, now())).await;
+    outcome(&pool, "stripe", "evt_in1").await;
+    let pi: Option<String> = sqlx::query_scalar(
+        "SELECT payment_id FROM payment_orders WHERE gateway = 'stripe' AND session_id = $1",
+    )
+    .bind(&session)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(pi.as_deref(), Some("pi_1"));
+
+    // Duplicates under other event ids, and Stripe's second event type for the same invoice.
+    let again = invoice(
+        "evt_p2b",
+        "invoice.paid",
+        "in_2",
+        "pi_2",
+        "subscription_cycle",
+        p2,
+    );
+    let succeeded = invoice(
+        "evt_p2c",
+        "invoice.payment_succeeded",
+        "in_2",
+        "pi_2",
+        "subscription_cycle",
+        p2,
+    );
+    deliver(&shop, &stripe(&again, now())).await;
+    deliver(&shop, &stripe(&succeeded, now())).await;
+    outcome(&pool, "stripe", "evt_p2b").await;
+    outcome(&pool, "stripe", "evt_p2c").await;
+
+    // The third period's charge fails, then Stripe's retry of the same invoice succeeds.
+    let failed = invoice(
+        "evt_p3f",
+        "invoice.payment_failed",
+        "in_3",
+        "pi_3a",
+        "subscription_cycle",
+        p3,
+    );
+    deliver(&shop, &stripe(&failed, now())).await;
+    wait_subscription(&shop, number, "past due", |s| s["status"] == "past_due").await;
+    let sub = subscription_of(&shop, number).await;
+    assert_eq!(sub["renewals"][1]["state"], "failed", "{sub}");
+    let retried = invoice(
+        "evt_p3",
+        "invoice.paid",
+        "in_3",
+        "pi_3b",
+        "subscription_cycle",
+        p3,
+    );
+    deliver(&shop, &stripe(&retried, now())).await;
+    wait_subscription(&shop, number, "active again", |s| s["status"] == "active").await;
+    assert_eq!(steps(&pool, number).await, ["past_due", "reactivated"]);
+    let paid = renewals(&pool).await;
+    assert_eq!(paid.len(), 2, "{paid:?}");
+    for (renewal, status, fee, net, sales) in &paid {
+        // The platform's commission on each renewal is the invoice's application fee.
+        assert_eq!(
+            (status.as_str(), fee.as_str(), net.as_str(), *sales),
+            ("paid", "1.9900", "17.9100", 1),
+            "renewal {renewal}"
+        );
+    }
+
+    // A renewal is refunded as any order: Stripe's refund names the PaymentIntent.
+    let refunded = json!({"id": "evt_r3", "type": "charge.refunded", "account": "acct_seller1", "data": {"object": {
+        "id": "ch_3", "payment_intent": "pi_3b", "refunds": {"data": [{"id": "re_3", "amount": 1990, "currency": "brl", "status": "succeeded"}]}}}});
+    deliver(&shop, &stripe(&refunded.to_string(), now())).await;
+    wait_subscription(&shop, number, "the renewal refunded", |s| {
+        s["renewals"][1]["state"] == "refunded"
+    })
+    .await;
+
+    // Stripe's changes: cancelled at the period's end, then ended.
+    let updated = json!({"id": "evt_u", "type": "customer.subscription.updated", "account": "acct_seller1",
+        "data": {"object": {"id": "sub_1", "status": "active", "cancel_at_period_end": true}}});
+    deliver(&shop, &stripe(&updated.to_string(), now())).await;
+    wait_subscription(&shop, number, "cancel at period end", |s| {
+        s["cancel_at_period_end"] == true
+    })
+    .await;
+    let deleted = json!({"id": "evt_d", "type": "customer.subscription.deleted", "account": "acct_seller1",
+        "data": {"object": {"id": "sub_1", "status": "canceled"}}});
+    deliver(&shop, &stripe(&deleted.to_string(), now())).await;
+    wait_subscription(&shop, number, "canceled", |s| s["status"] == "canceled").await;
+    assert_eq!(
+        steps(&pool, number).await,
+        ["past_due", "reactivated", "canceled"]
+    );
+
+    // A charge for a period after the end is no sale: its order is cancelled and the money
+    // goes back to the buyer.
+    let late = invoice(
+        "evt_p4",
+        "invoice.paid",
+        "in_4",
+        "pi_4",
+        "subscription_cycle",
+        p4,
+    );
+    deliver(&shop, &stripe(&late, now())).await;
+    outcome(&pool, "stripe", "evt_p4").await;
+    let all = renewals(&pool).await;
+    assert_eq!(all.len(), 3, "{all:?}");
+    assert_eq!((all[2].1.as_str(), all[2].4), ("cancelled", 0), "{all:?}");
+    let given_back: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM order_events e JOIN orders o ON o.id = e.order_id
+         WHERE o.number = $1 AND e.kind = 'late_payment'",
+    )
+    .bind(all[2].0)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(given_back, 1);
+    // Every event ended applied or known; none was rejected.
+    let rejected: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM payment_events WHERE outcome IN ('rejected', 'waiting')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rejected, 0);
+}
+
+/// The Stripe stand-in, with its subscriptions' cancellation (`POST` with
+/// `cancel_at_period_end`, `DELETE`), answering 500 while `down` is set.
+fn stripe_with_subscriptions(down: Arc<AtomicBool>) -> Router<Log> {
+    let answer = move |id: String| {
+        let down = down.clone();
+        async move {
+            if down.load(Ordering::SeqCst) {
+                return (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    axum::Json(json!({"error": {"type": "api_error", "message": "try again"}})),
+                );
+            }
+            (
+                StatusCode::OK,
+                axum::Json(json!({"id": id, "object": "subscription", "status": "active"})),
+            )
+        }
+    };
+    let (post, delete) = (answer.clone(), answer);
+    stripe_api().route(
+        "/v1/subscriptions/{id}",
+        axum::routing::post(move |Path(id): Path<String>| post(id))
+            .delete(move |Path(id): Path<String>| delete(id)),
+    )
+}
+
+async fn cancel(shop: &Shop, id: &str, body: Value) -> (u16, Value) {
+    let resp = shop
+        .app
+        .http
+        .post(format!(
+            "http://{}/subscriptions/{id}/cancel",
+            shop.app.addr
+        ))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap_or(Value::Null))
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_stripe_subscription_is_cancelled_at_stripe_first_then_here_once(pool: PgPool) {
+    let log = Log::default();
+    let down = Arc::new(AtomicBool::new(false));
+    let base = stand_in(stripe_with_subscriptions(down.clone()), log.clone()).await;
+    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap();
+    deliver(
+        &shop,
+        &stripe(&session_completed("evt_1", session, Some("sub_1")), now()),
+    )
+    .await;
+    let id = subscription_of(&shop, number).await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let to_subscriptions = || {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.uri.starts_with("/v1/subscriptions/"))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+
+    // Stripe cannot be asked: 503, and nothing changed here.
+    down.store(true, Ordering::SeqCst);
+    let (status, body) = cancel(&shop, &id, json!({"at_period_end": true})).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (503, Some("gateway_unavailable")),
+        "{body}"
+    );
+    assert_eq!(
+        subscription_of(&shop, number).await["cancel_at_period_end"],
+        false
+    );
+
+    down.store(false, Ordering::SeqCst);
+    let (status, sub) = cancel(&shop, &id, json!({"at_period_end": true})).await;
+    assert_eq!(status, 200, "{sub}");
+    assert_eq!(
+        (
+            sub["status"].as_str(),
+            sub["cancel_at_period_end"].as_bool()
+        ),
+        (Some("active"), Some(true))
+    );
+    let sent = to_subscriptions();
+    let last = sent.last().unwrap();
+    assert_eq!(
+        (&last.method, last.uri.as_str()),
+        (&Method::POST, "/v1/subscriptions/sub_1")
+    );
+    assert_eq!(
+        last.form().get("cancel_at_period_end").map(String::as_str),
+        Some("true")
+    );
+    assert_eq!(last.header("stripe-account"), Some("acct_seller1"));
+    assert!(last.header("idempotency-key").is_some());
+
+    let (status, sub) = cancel(&shop, &id, json!({})).await;
+    assert_eq!(
+        (status, sub["status"].as_str()),
+        (200, Some("canceled")),
+        "{sub}"
+    );
+    let sent = to_subscriptions();
+    assert_eq!(
+        (
+            &sent.last().unwrap().method,
+            sent.last().unwrap().uri.as_str()
+        ),
+        (&Method::DELETE, "/v1/subscriptions/sub_1")
+    );
+    // Once: a canceled subscription is answered as it is, and Stripe is not asked again.
+    let asked = sent.len();
+    let (status, sub) = cancel(&shop, &id, json!({})).await;
+    assert_eq!((status, sub["status"].as_str()), (200, Some("canceled")));
+    assert_eq!(to_subscriptions().len(), asked);
+    // Stripe's own event of the end changes nothing more.
+    let deleted = json!({"id": "evt_d", "type": "customer.subscription.deleted", "account": "acct_seller1",
+        "data": {"object": {"id": "sub_1", "status": "canceled"}}});
+    deliver(&shop, &stripe(&deleted.to_string(), now())).await;
+    outcome(&pool, "stripe", "evt_d").await;
+    assert_eq!(steps(&pool, number).await, ["canceled"]);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_stripe_subscription_whose_id_never_arrived_is_not_cancelled_here_alone(pool: PgPool) {
+    let base = stand_in(stripe_with_subscriptions(Arc::default()), Log::default()).await;
+    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap();
+    deliver(
+        &shop,
+        &stripe(&session_completed("evt_1", session, None), now()),
+    )
+    .await;
+    let id = subscription_of(&shop, number).await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (status, body) = cancel(&shop, &id, json!({})).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (409, Some("cancel_not_supported")),
+        "{body}"
+    );
+    assert_eq!(subscription_of(&shop, number).await["status"], "active");
+}
+
+/// A Razorpay `subscription.*` event of `sub_R1` (created with the first order's session in its
+/// notes), with the charge of Razorpay order `order` when given.
+fn razorpay_subscription(
+    event: &str,
+    created_at: i64,
+    first: &str,
+    charge: Option<(&str, &str, i64)>,
+) -> String {
+    let mut payload = json!({"subscription": {"entity": {"id": "sub_R1", "entity": "subscription",
+        "status": "active", "current_start": charge.map_or(0, |c| c.2), "current_end": charge.map_or(0, |c| c.2 + MONTH),
+        "notes": {"session_id": first}}}});
+    let mut contains = vec!["subscription"];
+    if let Some((order, payment, _)) = charge {
+        payload["payment"] = json!({"entity": {"id": payment, "entity": "payment", "amount": 1990,
+            "currency": "INR", "status": "captured", "order_id": order, "invoice_id": "inv_2"}});
+        contains.push("payment");
+    }
+    json!({"entity": "event", "event": event, "contains": contains, "created_at": created_at, "payload": payload})
+        .to_string()
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_razorpay_subscription_charge_is_one_renewal_and_waits_for_the_first_payment(
+    pool: PgPool,
+) {
+    let api = Router::new().route(
+        "/v1/orders",
+        axum::routing::post(|| async {
+            axum::Json(json!({"id": "order_first", "entity": "order", "amount": 1990, "currency": "INR", "status": "created"}))
+        }),
+    );
+    let base = stand_in(api, Log::default()).await;
+    let (shop, order) = subscription_order(&pool, "razorpay", "INR", |config| {
+        config.gateways.razorpay.api = Some(payfleet::gateways::razorpay::Api {
+            base_url: base,
+            key_id: "rzp_test_key".into(),
+            key_secret: Secret::new("rzp_secret"),
+        });
+    })
+    .await;
+    let number = order["number"].as_i64().unwrap();
+    assert_eq!(order["payment"]["session_id"], "order_first");
+    let next = chrono::Utc::now().timestamp() + MONTH;
+
+    // The next cycle's charge arrives before the first payment's event: it waits for it.
+    let charged = razorpay_subscription(
+        "subscription.charged",
+        100,
+        "order_first",
+        Some(("order_c2", "pay_2", next)),
+    );
+    deliver(&shop, &razorpay("rzp-evt-1", &charged)).await;
+    let (state, waiting) = outcome(&pool, "razorpay", "subscription.charged:sub_R1:100").await;
+    assert_eq!(
+        (state.as_str(), waiting.as_deref()),
+        ("waiting", Some("session:order_first"))
+    );
+    let captured = json!({"entity": "event", "event": "payment.captured", "contains": ["payment"], "created_at": 90,
+        "payload": {"payment": {"entity": {"id": "pay_1", "entity": "payment", "amount": 1990, "currency": "INR",
+            "status": "captured", "order_id": "order_first"}}}})
+    .to_string();
+    deliver(&shop, &razorpay("rzp-evt-0", &captured)).await;
+    wait_subscription(&shop, number, "the renewal paid", |s| {
+        s["renewals"][0]["state"] == "paid"
+    })
+    .await;
+
+    // The invoice's own payment event, and the charge again (Razorpay retries): nothing more.
+    let invoice_payment = json!({"entity": "event", "event": "payment.captured", "contains": ["payment"], "created_at": 101,
+        "payload": {"payment": {"entity": {"id": "pay_2", "entity": "payment", "amount": 1990, "currency": "INR",
+            "status": "captured", "order_id": "order_c2", "invoice_id": "inv_2"}}}})
+    .to_string();
+    deliver(&shop, &razorpay("rzp-evt-2", &invoice_payment)).await;
+    let again = razorpay_subscription(
+        "subscription.charged",
+        102,
+        "order_first",
+        Some(("order_c2", "pay_2", next)),
+    );
+    deliver(&shop, &razorpay("rzp-evt-3", &again)).await;
+    assert_eq!(
+        outcome(&pool, "razorpay", "payment.captured:pay_2:101")
+            .await
+            .0,
+        "ignored"
+    );
+    outcome(&pool, "razorpay", "subscription.charged:sub_R1:102").await;
+    let paid = renewals(&pool).await;
+    assert_eq!(paid.len(), 1, "{paid:?}");
+    // No gateway fee reported: the platform's configured commission (as at checkout).
+    let first_fee: String =
+        sqlx::query_scalar("SELECT platform_fee::text FROM orders WHERE number = $1")
+            .bind(number)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (paid[0].1.as_str(), paid[0].2.as_str(), paid[0].4),
+        ("paid", first_fee.as_str(), 1)
+    );
+    let unmatched: i64 = sqlx::query_scalar("SELECT count(*) FROM unmatched_payments")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(unmatched, 0);
+
+    let halted = razorpay_subscription("subscription.halted", 103, "order_first", None);
+    deliver(&shop, &razorpay("rzp-evt-4", &halted)).await;
+    wait_subscription(&shop, number, "canceled", |s| s["status"] == "canceled").await;
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_mercadopago_preapproval_charge_is_one_renewal_and_its_payment_no_second_one(
+    pool: PgPool,
+) {
+    // The stand-in answers with the first order's session once the checkout made it.
+    let first: Arc<Mutex<String>> = Arc::default();
+    let debit = (chrono::Utc::now() + chrono::Duration::days(30)).to_rfc3339();
+    let api = {
+        let (f1, f2, f3) = (first.clone(), first.clone(), first.clone());
+        Router::new()
+            .route(
+                "/checkout/preferences",
+                axum::routing::post(|| async { axum::Json(json!({"id": "pref-1", "init_point": "https://mp.test/checkout?pref_id=pref-1"})) }),
+            )
+            .route(
+                "/v1/payments/{id}",
+                axum::routing::get(move |Path(id): Path<String>| {
+                    let reference = f1.lock().unwrap().clone();
+                    async move {
+                        // 5002 is the preapproval's charge: Mercado Pago gives it the
+                        // preapproval's external_reference too.
+                        let mut p = json!({"id": id.parse::<i64>().unwrap(), "status": "approved", "transaction_amount": 19.9,
+                            "currency_id": "BRL", "external_reference": reference});
+                        if id == "5002" {
+                            p["point_of_interaction"] = json!({"type": "SUBSCRIPTIONS",
+                                "transaction_data": {"subscription_id": "pre_1", "invoice_id": 7001}});
+                        }
+                        axum::Json(p)
+                    }
+                }),
+            )
+            .route(
+                "/authorized_payments/{id}",
+                axum::routing::get(move |Path(id): Path<String>| {
+                    let reference = f2.lock().unwrap().clone();
+                    let debit = debit.clone();
+                    async move {
+                        axum::Json(json!({"id": id.parse::<i64>().unwrap(), "type": "scheduled", "preapproval_id": "pre_1",
+                            "external_reference": reference, "transaction_amount": 19.9, "currency_id": "BRL",
+                            "debit_date": debit, "status": "processed", "payment": {"id": 5002, "status": "approved"}}))
+                    }
+                }),
+            )
+            .route(
+                "/preapproval/{id}",
+                axum::routing::get(move |Path(id): Path<String>| {
+                    let reference = f3.lock().unwrap().clone();
+                    async move { axum::Json(json!({"id": id, "status": "cancelled", "external_reference": reference})) }
+                }),
+            )
+    };
+    let base = stand_in(api, Log::default()).await;
+    let (shop, order) = subscription_order(&pool, "mercadopago", "BRL", |config| {
+        config.gateways.mercadopago.api = Some(payfleet::gateways::mercadopago::Api {
+            base_url: base,
+            access_token: Secret::new("APP_USR-token"),
+        });
+    })
+    .await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    *first.lock().unwrap() = session.clone();
+    let ts = chrono::Utc::now().timestamp_millis();
+
+    // The preapproval's charge is reported before the first payment: it waits for it.
+    deliver(
+        &shop,
+        &mercadopago_topic("subscription_authorized_payment", "7001", "req-1", ts),
+    )
+    .await;
+    let (state, waiting) = outcome(&pool, "mercadopago", "7001:req-1").await;
+    assert_eq!(
+        (state.as_str(), waiting),
+        ("waiting", Some(format!("session:{session}")))
+    );
+    deliver(&shop, &mercadopago("5001", "req-2", ts)).await;
+    wait_subscription(&shop, number, "the renewal paid", |s| {
+        s["renewals"][0]["state"] == "paid"
+    })
+    .await;
+    // The charge's own payment notification is no second payment of the first order.
+    deliver(&shop, &mercadopago("5002", "req-3", ts)).await;
+    assert_eq!(
+        outcome(&pool, "mercadopago", "5002:req-3").await.0,
+        "ignored"
+    );
+    deliver(
+        &shop,
+        &mercadopago_topic("subscription_authorized_payment", "7001", "req-4", ts),
+    )
+    .await;
+    outcome(&pool, "mercadopago", "7001:req-4").await;
+    let paid = renewals(&pool).await;
+    assert_eq!(
+        (paid.len(), paid[0].1.as_str(), paid[0].4),
+        (1, "paid", 1),
+        "{paid:?}"
+    );
+    let extra: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM order_events WHERE kind IN ('extra_payment', 'late_payment')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(extra, 0);
+
+    deliver(
+        &shop,
+        &mercadopago_topic("subscription_preapproval", "pre_1", "req-5", ts),
+    )
+    .await;
+    wait_subscription(&shop, number, "canceled", |s| s["status"] == "canceled").await;
+}
+
+/// Without the `account` of a connected account: an event on the platform's own Stripe
+/// account.
+fn on_platform(event: &str) -> String {
+    let mut v: Value = serde_json::from_str(event).unwrap();
+    v.as_object_mut().unwrap().remove("account");
+    let object = v["data"]["object"].as_object_mut().unwrap();
+    object.remove("application_fee_amount");
+    v.to_string()
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_internal_gateways_subscriptions_collected_through_stripe_are_billed_by_stripe(
+    pool: PgPool,
+) {
+    const PLATFORM_SECRET: &str = "whsec_platform_endpoint_secret";
+    let log = Log::default();
+    let base = stand_in(stripe_with_subscriptions(Arc::default()), log.clone()).await;
+    let (shop, order) = subscription_order(&pool, "internal", "BRL", |config| {
+        with_stripe(base)(config);
+        config.gateways.hosted.internal_acquirer =
+            payfleet::gateways::hosted::InternalAcquirer::Stripe;
+        config.gateways.hosted.internal = None;
+        config.gateways.stripe.platform_webhook_secret = Some(Secret::new(PLATFORM_SECRET));
+    })
+    .await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap();
+    let checkout = log.lock().unwrap()[0].clone();
+    assert_eq!(
+        checkout.header("stripe-account"),
+        None,
+        "the platform's account"
+    );
+    assert_eq!(
+        checkout.form().get("mode").map(String::as_str),
+        Some("subscription")
+    );
+    let signed = |body: &str| stripe_signed(PLATFORM_SECRET, body, now());
+    deliver(
+        &shop,
+        &signed(&on_platform(&session_completed(
+            "evt_1",
+            session,
+            Some("sub_1"),
+        ))),
+    )
+    .await;
+    let sub = subscription_of(&shop, number).await;
+    assert_eq!(sub["gateway"], "internal");
+
+    // Stripe bills the next period on the platform's account: the internal gateway's renewal,
+    // with the platform's configured commission (no application fee there).
+    let p2 = chrono::Utc::now().timestamp() + MONTH;
+    let paid = on_platform(&invoice(
+        "evt_p2",
+        "invoice.paid",
+        "in_2",
+        "pi_2",
+        "subscription_cycle",
+        p2,
+    ));
+    deliver(&shop, &signed(&paid)).await;
+    wait_subscription(&shop, number, "the renewal paid", |s| {
+        s["renewals"][0]["state"] == "paid"
+    })
+    .await;
+    let fee_of = |n: i64| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT platform_fee::text FROM orders WHERE number = $1",
+            )
+            .bind(n)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let renewal = renewals(&pool).await[0].clone();
+    assert_eq!(renewal.2, fee_of(number).await);
+    assert_eq!(renewal.4, 1, "one sale");
+
+    // Cancelled at the period's end: asked of Stripe on the platform's account.
+    let (status, sub) = cancel(
+        &shop,
+        sub["id"].as_str().unwrap(),
+        json!({"at_period_end": true}),
+    )
+    .await;
+    assert_eq!(
+        (status, sub["cancel_at_period_end"].as_bool()),
+        (200, Some(true)),
+        "{sub}"
+    );
+    let asked = log.lock().unwrap().last().unwrap().clone();
+    assert_eq!(asked.uri, "/v1/subscriptions/sub_1");
+    assert_eq!(asked.header("stripe-account"), None);
+}
