@@ -10,6 +10,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::Path;
 use axum::http::{Method, StatusCode};
+use chrono::Datelike;
 use payfleet::config::Config;
 use payfleet::secret::Secret;
 use serde_json::{Value, json};
@@ -279,6 +280,26 @@ async fn stripe_renewals_are_one_sale_per_period_whatever_their_order_and_duplic
             "renewal {renewal}"
         );
     }
+
+    // This month's commission invoice carries each renewal as a line of its own, at the
+    // invoice's application fee.
+    let today = chrono::Utc::now().date_naive();
+    let month = today.with_day(1).unwrap();
+    let next_month = month.checked_add_months(chrono::Months::new(1)).unwrap();
+    let numbers = payfleet::ledger::invoices::run(&pool, month, next_month, chrono_tz::UTC)
+        .await
+        .unwrap();
+    let lines: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT l.order_number, l.commission::text FROM invoice_lines l
+         JOIN invoices i ON i.id = l.invoice_id WHERE i.number = ANY($1) ORDER BY l.order_number",
+    )
+    .bind(&numbers)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let mut want = vec![(number, "1.9900".to_owned())];
+    want.extend(paid.iter().map(|r| (r.0, "1.9900".to_owned())));
+    assert_eq!(lines, want);
 
     // A renewal is refunded as any order: Stripe's refund names the PaymentIntent.
     let refunded = json!({"id": "evt_r3", "type": "charge.refunded", "account": "acct_seller1", "data": {"object": {

@@ -331,6 +331,29 @@ async fn each_period_is_billed_once_and_is_one_sale_whatever_runs_it(pool: PgPoo
         "one sale per renewal: {sales:?}"
     );
     assert_eq!(subscriptions(&pool).await, 1);
+    // The month's commission invoice has a line per renewal, at its fee.
+    let month = chrono::Datelike::with_day(&chrono::Utc::now().date_naive(), 1).unwrap();
+    let next = month.checked_add_months(chrono::Months::new(1)).unwrap();
+    let numbers = payfleet::ledger::invoices::run(&pool, month, next, chrono_tz::UTC)
+        .await
+        .unwrap();
+    let lines: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT l.order_number, l.commission::text FROM invoice_lines l
+         JOIN invoices i ON i.id = l.invoice_id WHERE i.number = ANY($1) AND l.order_number = ANY($2)
+         ORDER BY l.order_number",
+    )
+    .bind(&numbers)
+    .bind(sales.iter().map(|(n, _)| *n).collect::<Vec<_>>())
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        lines,
+        sales
+            .iter()
+            .map(|(n, _)| (*n, "1.9900".to_owned()))
+            .collect::<Vec<_>>()
+    );
     // The checkout's answer, asked again with its key, is still its one order.
     let first = shop.order(sub["order_number"].as_i64().unwrap()).await;
     let (status, answer) = shop
