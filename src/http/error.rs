@@ -320,6 +320,10 @@ impl From<ReopenError> for ApiError {
                 code: "order_not_payable",
                 message,
             },
+            ReopenError::Renewal(_) => Self::Conflict {
+                code: "renewal_not_reopenable",
+                message,
+            },
             ReopenError::Queue(e) => e.into(),
             ReopenError::Database(e) => e.into(),
         }

@@ -672,6 +672,10 @@ pub enum ReopenError {
     NotFound(i64),
     #[error("order {number} is {status}; only an order awaiting payment can be paid")]
     NotPayable { number: i64, status: OrderStatus },
+    /// A renewal is charged by its subscription's billing (ours, or the gateway's dunning): a
+    /// second way to pay it would pay it twice.
+    #[error("order {0} is a subscription's renewal: its subscription's billing charges it")]
+    Renewal(i64),
     #[error(transparent)]
     Queue(#[from] payfleet_queue::QueueError),
     #[error(transparent)]
@@ -701,6 +705,13 @@ pub async fn reopen(
 ) -> Result<OrderView, ReopenError> {
     let mut tx = pool.begin().await?;
     let id = lock_payable(&mut tx, number).await?;
+    let renewal: bool = sqlx::query_scalar("SELECT renews IS NOT NULL FROM orders WHERE id = $1")
+        .bind(id)
+        .fetch_one(&mut *tx)
+        .await?;
+    if renewal {
+        return Err(ReopenError::Renewal(number));
+    }
     let expires_at =
         Utc::now() + chrono::Duration::from_std(expiry).unwrap_or(chrono::Duration::minutes(30));
     // After a failed payment, its session is spent: the next attempt gets a new one.

@@ -669,9 +669,12 @@ async fn expire_unpaid(
     .await?;
     let Some(number) = unpaid else { return Ok(()) };
     match super::expire_in(tx, number).await {
-        Ok(()) | Err(super::ReopenError::NotPayable { .. } | super::ReopenError::NotFound(_)) => {
-            Ok(())
-        }
+        Ok(())
+        | Err(
+            super::ReopenError::NotPayable { .. }
+            | super::ReopenError::NotFound(_)
+            | super::ReopenError::Renewal(_),
+        ) => Ok(()),
         Err(super::ReopenError::Queue(e)) => Err(e),
         Err(super::ReopenError::Database(e)) => Err(e.into()),
     }
@@ -700,7 +703,11 @@ async fn cancel_unpaid(
         match super::expire_now(pool, *number).await {
             // Paid or expired meanwhile: nothing to expire.
             Ok(())
-            | Err(super::ReopenError::NotPayable { .. } | super::ReopenError::NotFound(_)) => {}
+            | Err(
+                super::ReopenError::NotPayable { .. }
+                | super::ReopenError::NotFound(_)
+                | super::ReopenError::Renewal(_),
+            ) => {}
             Err(super::ReopenError::Queue(e)) => return Err(e),
             Err(super::ReopenError::Database(e)) => return Err(e.into()),
         }

@@ -388,6 +388,16 @@ async fn a_failed_renewal_is_past_due_and_moves_no_money_until_a_retry_succeeds(
         renewal_sales(&pool).await.iter().all(|(_, n)| *n == 0),
         "a failed renewal moves no money"
     );
+    // The buyer cannot open a second way to pay it: the billing's retry is its one payment.
+    let failed = sub["renewals"][0]["order_number"].as_i64().unwrap();
+    let (status, body) = shop
+        .post(&format!("/orders/{failed}/payment"), None, json!({}))
+        .await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (409, Some("renewal_not_reopenable")),
+        "{body}"
+    );
     // A past-due subscription is not renewed further; its renewal is retried, on a new session.
     assert_eq!(simulate(&shop, &id, "succeed").await, 200);
     let report = payfleet::payments::renewals::bill(&pool, &biller)
