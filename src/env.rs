@@ -73,8 +73,14 @@ where
 
 /// An `on`/`off` switch, off when unset.
 pub fn switch(env: &dyn Env, name: &'static str) -> Result<bool, Invalid> {
+    switch_or(env, name, false)
+}
+
+/// An `on`/`off` switch, `default` when unset.
+pub fn switch_or(env: &dyn Env, name: &'static str, default: bool) -> Result<bool, Invalid> {
     match var(env, name).as_deref() {
-        None | Some("off") => Ok(false),
+        None => Ok(default),
+        Some("off") => Ok(false),
         Some("on") => Ok(true),
         Some(other) => Err(invalid(name, format!("{other:?}: on or off"))),
     }

@@ -275,10 +275,11 @@ pub fn start(
             "PAYFLEET_PAYMENT_SIMULATOR is on: these gateways' payments are simulated and move no money; never run this where money is real"
         );
     }
-    let broker = Broker::start(
+    let broker = Broker::start_with(
         config.amqp_url.clone(),
         &config.messaging.namespace,
         config.messaging.queue_ttl_ms,
+        config.messaging.queues,
     );
     let (gateways, hosted) = gateways(config, &pool)?;
     let fleet = if roles.work {

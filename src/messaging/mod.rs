@@ -16,6 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties};
 use tokio::sync::watch;
 
@@ -35,6 +37,40 @@ pub struct Settings {
     pub queue_ttl_ms: Option<u32>,
     /// Which service's queue takes which order messages (`PAYFLEET_ORDER_ROUTES`).
     pub order_routes: orders::Routes,
+    /// How the queues are kept (`PAYFLEET_AMQP_QUORUM`, `PAYFLEET_AMQP_DELIVERY_LIMIT`).
+    pub queues: QueueKind,
+}
+
+/// How this fleet's queues are kept by the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueKind {
+    /// Quorum queues, replicated over the cluster's nodes (`PAYFLEET_AMQP_QUORUM`, on): a
+    /// node's loss loses no message. Off: classic queues, on one node.
+    pub quorum: bool,
+    /// A service's message delivered this many times without an acknowledgement (its consumer
+    /// keeps refusing it, or keeps dying on it) goes to the dead-letter queue `{ns}.dead`
+    /// instead (`PAYFLEET_AMQP_DELIVERY_LIMIT`, 1000; quorum queues only).
+    pub delivery_limit: u32,
+}
+
+impl Default for QueueKind {
+    fn default() -> Self {
+        Self {
+            quorum: true,
+            delivery_limit: 1000,
+        }
+    }
+}
+
+/// What a queue is for, which decides its arguments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum QueueUse {
+    /// A service's order messages: refused ones are dead-lettered.
+    Service,
+    /// RPC requests: each expires with its caller's patience, and an expired one just goes.
+    Rpc,
+    /// The dead-letter queue itself.
+    Dead,
 }
 
 impl Settings {
@@ -71,11 +107,22 @@ impl Settings {
                 .map_err(|problem| invalid("PAYFLEET_ORDER_ROUTES", problem))?,
             None => orders::Routes::default(),
         };
+        let delivery_limit = parsed(env, "PAYFLEET_AMQP_DELIVERY_LIMIT", 1000u32)?;
+        if delivery_limit == 0 {
+            return Err(invalid(
+                "PAYFLEET_AMQP_DELIVERY_LIMIT",
+                "must be a positive number of deliveries",
+            ));
+        }
         Ok(Self {
             rpc_timeout: Duration::from_millis(rpc_timeout_ms),
             namespace,
             queue_ttl_ms,
             order_routes,
+            queues: QueueKind {
+                quorum: crate::env::switch_or(env, "PAYFLEET_AMQP_QUORUM", true)?,
+                delivery_limit,
+            },
         })
     }
 }
@@ -91,6 +138,7 @@ pub struct Broker {
     namespace: Arc<str>,
     /// Queues unused this long are dropped by the broker (test and preview set-ups).
     queue_ttl_ms: Option<u32>,
+    queues: QueueKind,
 }
 
 impl std::fmt::Debug for Broker {
@@ -106,6 +154,16 @@ impl Broker {
     /// Starts the supervisor on the current runtime; the broker may be down now and come up
     /// later.
     pub fn start(url: SecretUrl, namespace: &str, queue_ttl_ms: Option<u32>) -> Self {
+        Self::start_with(url, namespace, queue_ttl_ms, QueueKind::default())
+    }
+
+    /// [`Broker::start`], its queues kept as `queues` says.
+    pub fn start_with(
+        url: SecretUrl,
+        namespace: &str,
+        queue_ttl_ms: Option<u32>,
+        queues: QueueKind,
+    ) -> Self {
         crate::tls::install_provider();
         let (tx, rx) = watch::channel(None);
         let (stop, stopped) = watch::channel(false);
@@ -115,6 +173,7 @@ impl Broker {
             stop: Arc::new(stop),
             namespace: namespace.into(),
             queue_ttl_ms,
+            queues,
         }
     }
 
@@ -164,13 +223,115 @@ impl Broker {
         format!("{}.{name}", self.namespace)
     }
 
-    fn queue_arguments(&self) -> lapin::types::FieldTable {
-        let mut args = lapin::types::FieldTable::default();
+    fn queue_arguments(&self, usage: QueueUse) -> FieldTable {
+        let mut args = FieldTable::default();
         if let Some(ms) = self.queue_ttl_ms {
-            args.insert("x-expires".into(), lapin::types::AMQPValue::LongUInt(ms));
+            args.insert("x-expires".into(), AMQPValue::LongUInt(ms));
+        }
+        if self.queues.quorum {
+            args.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString("quorum".into()),
+            );
+        }
+        if usage == QueueUse::Service {
+            args.insert(
+                "x-dead-letter-exchange".into(),
+                AMQPValue::LongString(self.name("dead").as_str().into()),
+            );
+            if self.queues.quorum {
+                args.insert(
+                    "x-delivery-limit".into(),
+                    AMQPValue::LongUInt(self.queues.delivery_limit),
+                );
+            }
         }
         args
     }
+
+    /// Declares (durable) queue `name` for `usage`, with the dead-letter exchange and queue its
+    /// refused messages go to. A queue that exists with other arguments (a classic queue
+    /// declared before quorum queues were) is used as it is, with a warning: the broker never
+    /// changes a queue's type, so it must be drained and deleted to be declared anew.
+    pub(crate) async fn declare_queue(&self, name: &str, usage: QueueUse) -> lapin::Result<()> {
+        let connection = self.connected().await;
+        if usage == QueueUse::Service {
+            let dead = self.name("dead");
+            let channel = connection.create_channel().await?;
+            channel
+                .exchange_declare(
+                    dead.as_str().into(),
+                    lapin::ExchangeKind::Fanout,
+                    ExchangeDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await?;
+            let _ = channel.close(200, "declared".into()).await;
+            Box::pin(self.declare_queue(&dead, QueueUse::Dead)).await?;
+            let channel = connection.create_channel().await?;
+            channel
+                .queue_bind(
+                    dead.as_str().into(),
+                    dead.as_str().into(),
+                    "".into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            let _ = channel.close(200, "bound".into()).await;
+        }
+        // On a channel of its own: a refusal closes the channel it came on.
+        let channel = connection.create_channel().await?;
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        match channel
+            .queue_declare(name.into(), durable, self.queue_arguments(usage))
+            .await
+        {
+            Ok(_) => {
+                let _ = channel.close(200, "declared".into()).await;
+                Ok(())
+            }
+            Err(e) if precondition_failed(&e) => {
+                tracing::warn!(
+                    queue = name,
+                    quorum = self.queues.quorum,
+                    "the queue exists with other arguments (declared by an earlier release or setting): it is used as it is; drain and delete it to have it declared as configured"
+                );
+                let channel = connection.create_channel().await?;
+                channel
+                    .queue_declare(
+                        name.into(),
+                        QueueDeclareOptions {
+                            passive: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await?;
+                let _ = channel.close(200, "found".into()).await;
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// The broker refused a declaration as inequivalent to what exists.
+fn precondition_failed(e: &lapin::Error) -> bool {
+    matches!(
+        e.kind(),
+        lapin::ErrorKind::ProtocolError(a)
+            if matches!(
+                a.kind(),
+                lapin::protocol::AMQPErrorKind::Soft(lapin::protocol::AMQPSoftError::PRECONDITIONFAILED)
+            )
+    )
 }
 
 async fn supervise(
@@ -240,5 +401,35 @@ fn with_heartbeat(url: &str) -> String {
         format!("{url}&heartbeat=30")
     } else {
         format!("{url}?heartbeat=30")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(pair: Option<(&str, &str)>) -> Result<Settings, Invalid> {
+        match pair {
+            Some(p) => Settings::from_env(&[p]),
+            None => Settings::from_env(&[("PAYFLEET_UNRELATED", "")]),
+        }
+    }
+
+    #[test]
+    fn queues_are_quorum_queues_unless_switched_off_and_a_bad_setting_is_named() {
+        assert_eq!(read(None).unwrap().queues, QueueKind::default());
+        assert!(read(None).unwrap().queues.quorum);
+        let classic = read(Some(("PAYFLEET_AMQP_QUORUM", "off"))).unwrap();
+        assert!(!classic.queues.quorum);
+        let limited = read(Some(("PAYFLEET_AMQP_DELIVERY_LIMIT", "5"))).unwrap();
+        assert_eq!(limited.queues.delivery_limit, 5);
+        for (name, value) in [
+            ("PAYFLEET_AMQP_QUORUM", "yes"),
+            ("PAYFLEET_AMQP_DELIVERY_LIMIT", "0"),
+            ("PAYFLEET_AMQP_DELIVERY_LIMIT", "-1"),
+        ] {
+            let e = read(Some((name, value))).unwrap_err();
+            assert!(e.to_string().contains(name), "{e}");
+        }
     }
 }

@@ -27,7 +27,7 @@ use chrono::{DateTime, Utc};
 use futures_util::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, ExchangeKind};
@@ -190,21 +190,11 @@ async fn declare(channel: &Channel, broker: &Broker, routes: &Routes) -> lapin::
     channel
         .exchange_declare(exchange.as_str().into(), ExchangeKind::Topic, durable, args)
         .await?;
-    let queue = |name: String| {
-        let args = broker.queue_arguments();
-        async move {
-            channel
-                .queue_declare(
-                    name.as_str().into(),
-                    QueueDeclareOptions {
-                        durable: true,
-                        ..Default::default()
-                    },
-                    args,
-                )
-                .await
-                .map(|_| name)
-        }
+    let queue = |name: String| async move {
+        broker
+            .declare_queue(&name, super::QueueUse::Service)
+            .await
+            .map(|_| name)
     };
     let legacy = queue(broker.name("orders.legacy")).await?;
     channel
@@ -536,15 +526,8 @@ async fn consume_until_stopped<H>(
         let setup = async {
             let channel = connection.create_channel().await?;
             channel.basic_qos(32, BasicQosOptions::default()).await?;
-            channel
-                .queue_declare(
-                    name.as_str().into(),
-                    QueueDeclareOptions {
-                        durable: true,
-                        ..Default::default()
-                    },
-                    broker.queue_arguments(),
-                )
+            broker
+                .declare_queue(&name, super::QueueUse::Service)
                 .await?;
             let deliveries = channel
                 .basic_consume(

@@ -24,7 +24,6 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel};
@@ -356,16 +355,7 @@ async fn serve_until_stopped<R: Rpc>(broker: Broker, handler: Arc<dyn Handler<R>
         let queue = broker.name(R::QUEUE);
         let setup = async {
             let channel = connection.create_channel().await?;
-            channel
-                .queue_declare(
-                    queue.as_str().into(),
-                    QueueDeclareOptions {
-                        durable: true,
-                        ..Default::default()
-                    },
-                    broker.queue_arguments(),
-                )
-                .await?;
+            broker.declare_queue(&queue, super::QueueUse::Rpc).await?;
             channel
                 .basic_qos(prefetch, BasicQosOptions::default())
                 .await?;

@@ -4,6 +4,7 @@
 mod barriers;
 mod browser;
 mod checkout;
+mod cluster;
 mod consistency;
 mod dashboard;
 mod edges;

@@ -386,3 +386,112 @@ async fn a_message_its_consumer_always_fails_is_kept_dead_and_replayed_after_a_f
     .await;
     assert!(orders::dead_messages(&pool, 10).await.unwrap().is_empty());
 }
+
+/// The first message waiting in the dead-letter queue `{namespace}.dead`, taken.
+async fn dead_lettered(amqp: &str, namespace: &str) -> Option<lapin::message::Delivery> {
+    let connection = lapin::Connection::connect(amqp, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let got = channel
+        .basic_get(
+            format!("{namespace}.dead").as_str().into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await
+        .unwrap();
+    let _ = connection.close(200, "done".into()).await;
+    got.map(|m| m.delivery)
+}
+
+/// Quorum queues (the default) count each delivery of a message; one its consumer keeps
+/// refusing (here: an outage that never ends, so it is requeued every time) goes to the
+/// dead-letter queue after `PAYFLEET_AMQP_DELIVERY_LIMIT` deliveries instead of looping forever.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_message_its_consumer_keeps_refusing_goes_to_the_dead_letter_queue(pool: PgPool) {
+    let mut config = test_config();
+    assert!(config.messaging.queues.quorum, "quorum queues by default");
+    config.messaging.queues.delivery_limit = 2;
+    let broker = Broker::start_with(
+        config.amqp_url.clone(),
+        &config.messaging.namespace,
+        config.messaging.queue_ttl_ms,
+        config.messaging.queues,
+    );
+    let attempts = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let counter = attempts.clone();
+    tokio::spawn(orders::consume(
+        broker.clone(),
+        pool.clone(),
+        "fulfilment".into(),
+        "test-refusing".into(),
+        move |_m: OrderMessage, _tx: &mut PgConnection| -> Handled<'_> {
+            let counter = counter.clone();
+            Box::pin(async move {
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Err(sqlx::Error::PoolTimedOut)
+            })
+        },
+    ));
+    let _worker = spawn_roles(pool.clone(), config.clone(), Roles::WORK).await;
+    order_events(&pool, 1).await;
+    let amqp = config.amqp_url.expose().to_owned();
+    let ns = config.messaging.namespace.clone();
+    let mut dead = None;
+    wait_for(
+        "the message dead-lettered",
+        Duration::from_secs(30),
+        async || {
+            dead = dead_lettered(&amqp, &ns).await;
+            dead.is_some()
+        },
+    )
+    .await;
+    let dead = dead.unwrap();
+    let message: OrderMessage = serde_json::from_slice(&dead.data).unwrap();
+    assert_eq!(message.routing_key(), "order.one_off.created");
+    // Delivered the limit's times (and once more, which the broker dead-letters), no more.
+    let tried = attempts.load(std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(attempts.load(std::sync::atomic::Ordering::SeqCst), tried);
+    assert!((2..=3).contains(&tried), "{tried} deliveries");
+}
+
+/// A queue an earlier release declared classic (the broker never changes a queue's type) is
+/// used as it is, with a warning, rather than stopping the fleet: its messages still flow.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_classic_queue_from_before_quorum_queues_is_used_as_it_is(pool: PgPool) {
+    let config = test_config();
+    let ns = config.messaging.namespace.clone();
+    let connection = lapin::Connection::connect(
+        config.amqp_url.expose(),
+        lapin::ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let mut args = lapin::types::FieldTable::default();
+    args.insert(
+        "x-expires".into(),
+        lapin::types::AMQPValue::LongUInt(60_000),
+    );
+    channel
+        .queue_declare(
+            format!("{ns}.fulfilment").as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .unwrap();
+    let _fulfilment = service(&pool, &config, "fulfilment").await;
+    let _worker = spawn_roles(pool.clone(), config.clone(), Roles::WORK).await;
+    order_events(&pool, 3).await;
+    wait_for("handled", Duration::from_secs(30), async || {
+        handled(&pool, "fulfilment").await.len() == 3
+    })
+    .await;
+    let _ = connection.close(200, "done".into()).await;
+}

@@ -1,0 +1,172 @@
+//! The broker losing a node: on a real three-node RabbitMQ cluster (`.ci/rabbitmq-cluster`,
+//! which `.ci/run` starts), the fleet's quorum queues keep every order message through the loss
+//! of the node that leads them and that every connection was on.
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::Duration;
+
+use payfleet::messaging::Broker;
+use payfleet::messaging::orders::{self, Handled, OrderMessage};
+use payfleet::secret::SecretUrl;
+use payfleet::startup::Roles;
+use sqlx::{PgConnection, PgPool};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::helpers::*;
+
+const NODES: [(&str, u16); 3] = [
+    ("pf1@localhost", 5681),
+    ("pf2@localhost", 5682),
+    ("pf3@localhost", 5683),
+];
+
+fn rabbitmqctl(node: &str, args: &[&str]) -> String {
+    let out = Command::new("rabbitmqctl")
+        .arg("-n")
+        .arg(node)
+        .args(args)
+        .output()
+        .expect("rabbitmqctl runs");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl -n {node} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// What a load balancer in front of the cluster does: each connection goes to the first node
+/// that takes it.
+async fn balancer() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                for (_, port) in NODES {
+                    if let Ok(server) = TcpStream::connect(("127.0.0.1", port)).await {
+                        let (mut cr, mut cw) = client.into_split();
+                        let (mut sr, mut sw) = server.into_split();
+                        tokio::select! {
+                            _ = tokio::io::copy(&mut cr, &mut sw) => {}
+                            _ = tokio::io::copy(&mut sr, &mut cw) => {}
+                        }
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Restarts a stopped node's broker when the test ends, whatever its outcome.
+struct Restart(&'static str);
+
+impl Drop for Restart {
+    fn drop(&mut self) {
+        let _ = Command::new("rabbitmqctl")
+            .args(["-n", self.0, "start_app"])
+            .output();
+    }
+}
+
+async fn order_events(pool: &PgPool, from: usize, n: usize) {
+    let sessions: Vec<String> = (from..from + n).map(|i| format!("s{i}")).collect();
+    let sessions: Vec<&str> = sessions.iter().map(String::as_str).collect();
+    orders_for(pool, "internal", &sessions, "10.00", "BRL").await;
+    sqlx::query(
+        "INSERT INTO order_events (order_id, kind, payload)
+         SELECT id, 'created', '{}' FROM orders o
+         WHERE NOT EXISTS (SELECT 1 FROM order_events e WHERE e.order_id = o.id)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn order_messages_survive_the_loss_of_the_node_leading_their_queue(pool: PgPool) {
+    for (node, port) in NODES {
+        assert!(
+            TcpStream::connect(("127.0.0.1", port)).await.is_ok(),
+            "the RabbitMQ cluster's node {node} does not answer on {port}: start it with .ci/rabbitmq-cluster (.ci/run does)"
+        );
+    }
+    let lb = balancer().await;
+    let mut config = test_config();
+    config.amqp_url = SecretUrl::new(format!("amqp://guest:guest@{lb}/%2f"));
+    assert!(config.messaging.queues.quorum);
+    // The fleet declares its queues (on pf1, where every connection goes: they are led there)
+    // and publishes ten messages, nobody consuming yet.
+    let _worker = spawn_roles(pool.clone(), config.clone(), Roles::WORK).await;
+    order_events(&pool, 0, 10).await;
+    let queue = format!("{}.fulfilment", config.messaging.namespace);
+    wait_for("ten messages queued", Duration::from_secs(30), async || {
+        rabbitmqctl("pf1@localhost", &["list_queues", "name", "messages"])
+            .lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == [queue.as_str(), "10"])
+    })
+    .await;
+    let queues = rabbitmqctl("pf1@localhost", &["list_queues", "name", "type", "leader"]);
+    let line = queues
+        .lines()
+        .find(|l| l.starts_with(&format!("{queue}\t")))
+        .unwrap_or_default()
+        .to_owned();
+    assert!(line.contains("quorum"), "{line}");
+    let leader = NODES
+        .iter()
+        .map(|(n, _)| *n)
+        .find(|n| line.contains(n))
+        .unwrap_or_else(|| panic!("no leader in {line:?}"));
+
+    // The leading node goes; the fleet reconnects through the balancer and goes on.
+    let _restart = Restart(leader);
+    rabbitmqctl(leader, &["stop_app"]);
+    order_events(&pool, 10, 10).await;
+
+    // A consuming service, connected to what is left of the cluster, gets all twenty, once.
+    sqlx::query("CREATE TABLE handled (message_id text)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let service = Broker::start_with(
+        config.amqp_url.clone(),
+        &config.messaging.namespace,
+        config.messaging.queue_ttl_ms,
+        config.messaging.queues,
+    );
+    tokio::spawn(orders::consume(
+        service.clone(),
+        pool.clone(),
+        "fulfilment".into(),
+        "test-fulfilment".into(),
+        |m: OrderMessage, tx: &mut PgConnection| -> Handled<'_> {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO handled VALUES ($1)")
+                    .bind(&m.message_id)
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(())
+            })
+        },
+    ));
+    let handled = async || -> (i64, i64) {
+        sqlx::query_as("SELECT count(*), count(DISTINCT message_id) FROM handled")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    wait_for("all twenty handled", Duration::from_secs(60), async || {
+        handled().await.0 >= 20
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(handled().await, (20, 20));
+    service.stop();
+}
