@@ -212,7 +212,7 @@ async fn refund_order(
     JsonBody(body): JsonBody<NewRefund>,
 ) -> Result<(StatusCode, Json<RefundView>), ApiError> {
     let number = super::orders::number(&raw)?;
-    let key = idempotency_key(headers.get("idempotency-key").and_then(|v| v.to_str().ok()))?;
+    let key = idempotency_key(super::orders::idempotency_header(&headers)?)?;
     let (view, written) = order_refunds::request(&state.pool, number, key, &body).await?;
     // The same key again while its first request is still asking the gateway: that request's
     // outcome is the answer, once it has one (asking the gateway a second time at once would
@@ -326,7 +326,7 @@ async fn grant_coins(
     Path(buyer): Path<String>,
     JsonBody(body): JsonBody<Grant>,
 ) -> Result<(StatusCode, Json<coins::Wallet>), ApiError> {
-    let key = idempotency_key(headers.get("idempotency-key").and_then(|v| v.to_str().ok()))?;
+    let key = idempotency_key(super::orders::idempotency_header(&headers)?)?;
     if buyer.is_empty() || buyer.chars().count() > 200 || buyer.chars().any(char::is_control) {
         return Err(ApiError::Unprocessable {
             code: "invalid_request",

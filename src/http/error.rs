@@ -40,6 +40,9 @@ pub enum ApiError {
     Conflict { code: &'static str, message: String },
     #[error("{message}")]
     Unprocessable { code: &'static str, message: String },
+    /// A body of another media type than the endpoint reads (it reads JSON).
+    #[error("{0}")]
+    UnsupportedMediaType(String),
     #[error("the body is larger than this endpoint takes{}", .0.map(|n| format!(" ({n} bytes)")).unwrap_or_default())]
     PayloadTooLarge(Option<usize>),
     /// The body did not arrive within the time a request is given.
@@ -88,6 +91,9 @@ impl ApiError {
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             Self::Conflict { code, .. } => (StatusCode::CONFLICT, code),
             Self::Unprocessable { code, .. } => (StatusCode::UNPROCESSABLE_ENTITY, code),
+            Self::UnsupportedMediaType(_) => {
+                (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
+            }
             Self::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
             Self::BodyTimeout => (StatusCode::REQUEST_TIMEOUT, "request_timeout"),
             Self::TooManyRequests(_) => (StatusCode::TOO_MANY_REQUESTS, "too_many_requests"),

@@ -240,8 +240,8 @@ pub fn worker_router(
         .0
 }
 
-/// A JSON body, refused with the one error shape: 400 when it is not JSON, 422 when it is JSON
-/// of the wrong shape.
+/// A JSON body, refused with the one error shape: 415 when it is not sent as JSON, 400 when it
+/// does not read as JSON, 422 when it is JSON of the wrong shape.
 pub struct JsonBody<T>(pub T);
 
 impl<S, T> FromRequest<S> for JsonBody<T>
@@ -259,6 +259,9 @@ where
                 message: e.body_text(),
             }),
             Err(JsonRejection::BytesRejection(r)) => Err(ApiError::from_body(r, None)),
+            Err(e @ JsonRejection::MissingJsonContentType(_)) => {
+                Err(ApiError::UnsupportedMediaType(e.body_text()))
+            }
             Err(other) => Err(ApiError::bad_request(other.body_text())),
         }
     }

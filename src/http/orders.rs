@@ -46,12 +46,28 @@ async fn checkout(
     JsonBody(body): JsonBody<serde_json::Value>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     caller.acts_for_buyers()?;
-    let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
+    let key = idempotency_header(&headers)?;
     let answer = state
         .checkout
         .run(&caller.idempotency_owner(), key, body)
         .await?;
     Ok((StatusCode::CREATED, Json(answer)))
+}
+
+/// The request's `Idempotency-Key` as sent (`None` when absent). Sent twice, or not as text,
+/// it names no one request: 400 `invalid_idempotency_key`, before anything is looked at.
+pub(super) fn idempotency_header(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
+    let mut values = headers.get_all("idempotency-key").iter();
+    let Some(first) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(crate::orders::checkout::CheckoutError::BadKey.into());
+    }
+    first
+        .to_str()
+        .map(Some)
+        .map_err(|_| crate::orders::checkout::CheckoutError::BadKey.into())
 }
 
 /// An order number from the path; anything else is "no such order", in the JSON error shape.

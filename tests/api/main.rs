@@ -1,6 +1,7 @@
 //! The integration tests: each one gets its own database on the real PostgreSQL server
 //! (#[sqlx::test]) and, where it needs HTTP, its own server on port 0.
 
+mod bad_input;
 mod barriers;
 mod browser;
 mod checkout;
