@@ -69,7 +69,16 @@ where
         if catch_unwind(AssertUnwindSafe(|| target(&input))).is_err() {
             panic!("{name} panicked on {input:?}");
         }
-        let took = began.elapsed();
+        let mut took = began.elapsed();
+        // A slow input is timed again: the least of three is its cost (on a shared machine one
+        // run can be preempted).
+        if took > worst && took > limit / 4 {
+            for _ in 0..2 {
+                let again = Instant::now();
+                target(&input);
+                took = took.min(again.elapsed());
+            }
+        }
         if took > worst {
             worst = took;
             worst_input = format!("{input:?}").chars().take(160).collect();
