@@ -182,11 +182,13 @@ async fn gauges(pool: &PgPool, out: &mut String) -> Result<(), sqlx::Error> {
         );
     }
     let (p50, p99, max) = events::processing_lag(pool).await?;
-    out.push_str("# HELP payfleet_payment_events_processing_lag_seconds Receipt to processing of the last 1,000 processed events.\n# TYPE payfleet_payment_events_processing_lag_seconds gauge\n");
-    for (q, v) in [("0.5", p50), ("0.99", p99), ("1", max)] {
+    // A gauge of the window's percentiles (`percentile`, not `quantile`: that label is a
+    // summary's, whose sum and count would have to be cumulative, which a window's are not).
+    out.push_str("# HELP payfleet_payment_events_processing_lag_seconds Receipt to processing of the last 1,000 processed events, by percentile (50, 99, 100).\n# TYPE payfleet_payment_events_processing_lag_seconds gauge\n");
+    for (q, v) in [("50", p50), ("99", p99), ("100", max)] {
         let _ = writeln!(
             out,
-            "payfleet_payment_events_processing_lag_seconds{{quantile=\"{q}\"}} {v:.3}"
+            "payfleet_payment_events_processing_lag_seconds{{percentile=\"{q}\"}} {v:.3}"
         );
     }
     let backlog = events::backlog(pool).await?;
