@@ -335,4 +335,28 @@ async fn metrics_pass_promtool(pool: PgPool) {
     let text = app.metrics().await;
     assert!(text.contains("payfleet_"), "{text}");
     assert_eq!(promtool(&text), "", "promtool on:\n{text}");
+
+    // The alert rules in docs/ops pass promtool too, and alert on metrics that exist.
+    let out = std::process::Command::new("promtool")
+        .args(["check", "rules", "docs/ops/alerts.yml"])
+        .output()
+        .expect("promtool runs");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rules = std::fs::read_to_string("docs/ops/alerts.yml").unwrap();
+    let mut named = 0;
+    for word in rules.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+        if word.starts_with("payfleet_") && word.len() > "payfleet_".len() {
+            named += 1;
+            assert!(
+                text.contains(&format!("# TYPE {word} ")),
+                "the alert rules name {word}, which /metrics does not export"
+            );
+        }
+    }
+    assert!(named >= 9, "{named} metrics named by the rules");
 }
