@@ -19,6 +19,7 @@ use sqlx::PgPool;
 use crate::checkout::Shop;
 use crate::gateways::{Log, stand_in, stripe_api};
 use crate::helpers::*;
+use crate::subscriptions::{cancel, steps};
 
 const MONTH: i64 = 30 * 24 * 3600;
 
@@ -116,18 +117,6 @@ async fn renewals(pool: &PgPool) -> Vec<(i64, String, String, String, i64)> {
                 (SELECT count(*) FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number)
          FROM orders o WHERE o.renews IS NOT NULL ORDER BY o.period_start",
     )
-    .fetch_all(pool)
-    .await
-    .unwrap()
-}
-
-/// The order messages of the first order that tell the subscription's steps.
-async fn steps(pool: &PgPool, number: i64) -> Vec<String> {
-    sqlx::query_scalar(
-        "SELECT e.kind FROM order_events e JOIN orders o ON o.id = e.order_id
-         WHERE o.number = $1 AND e.kind IN ('past_due', 'reactivated', 'canceled') ORDER BY e.id",
-    )
-    .bind(number)
     .fetch_all(pool)
     .await
     .unwrap()
@@ -385,22 +374,6 @@ fn stripe_with_subscriptions(down: Arc<AtomicBool>) -> Router<Log> {
         axum::routing::post(move |Path(id): Path<String>| post(id))
             .delete(move |Path(id): Path<String>| delete(id)),
     )
-}
-
-async fn cancel(shop: &Shop, id: &str, body: Value) -> (u16, Value) {
-    let resp = shop
-        .app
-        .http
-        .post(format!(
-            "http://{}/subscriptions/{id}/cancel",
-            shop.app.addr
-        ))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = resp.status().as_u16();
-    (status, resp.json().await.unwrap_or(Value::Null))
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]

@@ -450,7 +450,7 @@ async fn a_renewal_that_keeps_failing_cancels_the_subscription(pool: PgPool) {
     assert!(renewal_sales(&pool).await.iter().all(|(_, n)| *n == 0));
 }
 
-async fn cancel(shop: &crate::checkout::Shop, id: &str, body: Value) -> (u16, Value) {
+pub async fn cancel(shop: &crate::checkout::Shop, id: &str, body: Value) -> (u16, Value) {
     let resp = shop
         .app
         .http
@@ -467,7 +467,7 @@ async fn cancel(shop: &crate::checkout::Shop, id: &str, body: Value) -> (u16, Va
 }
 
 /// The order messages of the subscription's first order, by kind, in order.
-async fn steps(pool: &PgPool, order_number: i64) -> Vec<String> {
+pub async fn steps(pool: &PgPool, order_number: i64) -> Vec<String> {
     sqlx::query_scalar(
         "SELECT e.kind FROM order_events e JOIN orders o ON o.id = e.order_id
          WHERE o.number = $1 AND e.kind IN ('past_due', 'reactivated', 'canceled') ORDER BY e.id",
