@@ -193,7 +193,8 @@ async fn scratch(config: &Config) -> anyhow::Result<(PgPool, SecretUrl)> {
 }
 
 /// The configuration with the internal gateway under a new secret (returned, to sign with) and
-/// the simulator on: a scratch database of its own, whose payments are the bench's, no money.
+/// the simulator on, and broker queues of its own: a scratch database of its own, whose payments
+/// are the bench's, no money.
 /// (The secret's text too, for a child process's environment.)
 fn simulated(config: &Config) -> (Config, StandardSecret, String) {
     let (secret, text) = StandardSecret::generate();
@@ -206,6 +207,10 @@ fn simulated(config: &Config) -> (Config, StandardSecret, String) {
     gateways.hosted.mock = None;
     gateways.hosted.internal_acquirer = payfleet::gateways::hosted::InternalAcquirer::Simulator;
     gateways.hosted.simulator = true;
+    // Broker queues of its own, as it has a database of its own: the default namespace may be
+    // another fleet's (whose queues, declared otherwise, would be used as they are).
+    app.messaging.namespace = format!("bench-{:08x}", rand::random::<u32>());
+    app.messaging.queue_ttl_ms = Some(600_000);
     (app, secret, text)
 }
 

@@ -234,17 +234,26 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         };
         (addr, Receiver::InProcess(Some(receiver)), fleet)
     } else {
-        // Their own broker queues (the default namespace may be another fleet's), the rest of
-        // the configuration as deployed: each process its default pool.
+        // The bench's own broker queues, the rest of the configuration as deployed: each process
+        // its default pool.
         let env: Vec<(String, String)> = vec![
             ("DATABASE_URL".into(), url.expose().to_owned()),
             ("INTERNAL_WEBHOOK_SECRET".into(), secret_text),
             ("PAYFLEET_PAYMENT_SIMULATOR".into(), "on".into()),
             (
                 "PAYFLEET_AMQP_NAMESPACE".into(),
-                format!("bench-{:08x}", rand::random::<u32>()),
+                app.messaging.namespace.clone(),
             ),
             ("PAYFLEET_AMQP_QUEUE_TTL_MS".into(), "600000".into()),
+            (
+                "PAYFLEET_AMQP_QUORUM".into(),
+                if app.messaging.queues.quorum {
+                    "on"
+                } else {
+                    "off"
+                }
+                .into(),
+            ),
             ("AMQP_URL".into(), app.amqp_url.expose().to_owned()),
         ];
         let port = free_port()?;
