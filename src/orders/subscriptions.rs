@@ -668,7 +668,13 @@ async fn expire_unpaid(
     .fetch_optional(&mut *tx)
     .await?;
     let Some(number) = unpaid else { return Ok(()) };
-    match super::expire_in(tx, number).await {
+    expired(super::expire_in(tx, number).await)
+}
+
+/// The outcome of expiring an unpaid renewal: one paid, expired or gone meanwhile has nothing
+/// to expire; only an outage is an error.
+fn expired(outcome: Result<(), super::ReopenError>) -> Result<(), payfleet_queue::QueueError> {
+    match outcome {
         Ok(())
         | Err(
             super::ReopenError::NotPayable { .. }
@@ -700,17 +706,7 @@ async fn cancel_unpaid(
     .await?;
     for (id, number) in &given_up {
         tracing::info!(subscription = %id, renewal = number, "subscription canceled: its renewal could not be charged");
-        match super::expire_now(pool, *number).await {
-            // Paid or expired meanwhile: nothing to expire.
-            Ok(())
-            | Err(
-                super::ReopenError::NotPayable { .. }
-                | super::ReopenError::NotFound(_)
-                | super::ReopenError::Renewal(_),
-            ) => {}
-            Err(super::ReopenError::Queue(e)) => return Err(e),
-            Err(super::ReopenError::Database(e)) => return Err(e.into()),
-        }
+        expired(super::expire_now(pool, *number).await)?;
     }
     Ok(given_up.len())
 }
