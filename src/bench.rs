@@ -1,9 +1,8 @@
 //! `payfleet bench ingest`, `payfleet bench queue` and `payfleet bench e2e` (its own module):
-//! benchmarks anyone can run against the configured PostgreSQL server. Each works in a scratch database (`<name>_bench`, recreated
-//! every run, so real data is never touched), measures the machine's own limit in the same run,
+//! benchmarks anyone can run against the configured PostgreSQL server. Each works in a scratch
+//! database (`<name>_bench`, `crate::scratch`), measures the machine's own limit in the same run,
 //! and prints its figures last as `name=value` lines.
 
-use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -11,11 +10,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
-use sqlx::postgres::PgConnectOptions;
 use tokio::net::TcpListener;
 
 use payfleet::config::Config;
-use payfleet::secret::SecretUrl;
 use payfleet::secret::StandardSecret;
 use payfleet::startup::Roles;
 use payfleet::{db, startup};
@@ -176,65 +173,6 @@ fn reset_peak_rss() {
 }
 
 /// Drops and recreates `<database>_bench` and migrates it.
-async fn scratch(config: &Config) -> anyhow::Result<(PgPool, SecretUrl)> {
-    let options = PgConnectOptions::from_str(config.database_url.expose())?;
-    let name = format!("{}_bench", options.get_database().unwrap_or("payfleet"));
-    let drop = format!(
-        "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-        db::quote_ident(&name)
-    );
-    db::on_maintenance_database(&options, drop)
-        .await
-        .context("cannot drop the scratch database")?;
-    let url = SecretUrl::new(with_database(config.database_url.expose(), &name)?);
-    let pool = db::connect(&url, config.db_pool_size.max(40)).await?;
-    db::migrate(&pool).await?;
-    Ok((pool, url))
-}
-
-/// The configuration with the internal gateway under a new secret (returned, to sign with) and
-/// the simulator on, and broker queues of its own: a scratch database of its own, whose payments
-/// are the bench's, no money.
-/// (The secret's text too, for a child process's environment.)
-fn simulated(config: &Config) -> (Config, StandardSecret, String) {
-    let (secret, text) = StandardSecret::generate();
-    let mut app = config.clone();
-    let gateways = &mut app.gateways;
-    gateways.stripe = Default::default();
-    gateways.mercadopago = Default::default();
-    gateways.razorpay = Default::default();
-    gateways.hosted.internal = Some(secret.clone());
-    gateways.hosted.mock = None;
-    gateways.hosted.internal_acquirer = payfleet::gateways::hosted::InternalAcquirer::Simulator;
-    gateways.hosted.simulator = true;
-    // Broker queues of its own, as it has a database of its own: the default namespace may be
-    // another fleet's (whose queues, declared otherwise, would be used as they are).
-    app.messaging.namespace = format!("bench-{:08x}", rand::random::<u32>());
-    app.messaging.queue_ttl_ms = Some(600_000);
-    (app, secret, text)
-}
-
-fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
-    let (base, query) = match url.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (url, None),
-    };
-    let scheme_end = base
-        .find("://")
-        .map(|i| i + 3)
-        .context("DATABASE_URL has no scheme")?;
-    let path_start = base[scheme_end..]
-        .find('/')
-        .map(|i| i + scheme_end)
-        .unwrap_or(base.len());
-    let mut out = format!("{}/{name}", &base[..path_start]);
-    if let Some(q) = query {
-        out.push('?');
-        out.push_str(q);
-    }
-    Ok(out)
-}
-
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -254,8 +192,8 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
         bail!("--requests and every --concurrency level must be positive");
     }
     let pgbench = which_pgbench().context("pgbench is needed for the PostgreSQL baseline (Debian: apt-get install postgresql-15 or postgresql-contrib)")?;
-    let (pool, url) = scratch(config).await?;
-    let (app_config, secret, _) = simulated(config);
+    let (pool, url) = crate::scratch::database(config, "bench").await?;
+    let (app_config, secret, _) = crate::scratch::simulated(config, "bench");
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let server = startup::start(&app_config, pool.clone(), Roles::SERVE, Some(listener))?;
@@ -554,7 +492,7 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         .queue(Noop::QUEUE)
         .map(|q| q.concurrency)
         .with_context(|| format!("jobs/queues.toml has no [queues.{}]", Noop::QUEUE))?;
-    let (pool, url) = scratch(config).await?;
+    let (pool, url) = crate::scratch::database(config, "bench").await?;
     let mut lines = vec![format!("queue_drain_concurrency={concurrency}")];
 
     // Enqueue, 1000 jobs a statement.

@@ -4,7 +4,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
 
-use crate::{bench, demo};
+use crate::{bench, demo, soak};
 use payfleet::config::Config;
 use payfleet::db;
 use payfleet::payments::events::{self, Replayed};
@@ -76,6 +76,10 @@ enum Command {
     /// Drive the fleet `up` started: a catalogue, checkouts, payments, an expiry, each order's
     /// journey.
     Demo(demo::DemoArgs),
+    /// The fleet under fire: a seeded scenario with faults (kill -9, PostgreSQL restarts, the
+    /// broker cut, lost and repeated webhooks), checked against a model of its own (in a
+    /// scratch database).
+    Soak(soak::SoakArgs),
     /// Benchmarks against the configured database server (in a scratch database).
     Bench {
         #[command(subcommand)]
@@ -203,6 +207,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Money { action } => money_command(config, action).await,
         Command::Consistency { run } => consistency_command(config, run).await,
         Command::Demo(args) => demo::run(&config, args).await,
+        Command::Soak(args) => soak::run(&config, args).await,
         Command::Bench { which } => match which {
             BenchCommand::Ingest(args) => bench::ingest(&config, args).await,
             BenchCommand::Queue(args) => bench::queue(&config, args).await,

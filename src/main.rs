@@ -4,6 +4,8 @@
 mod bench;
 mod cli;
 mod demo;
+mod scratch;
+mod soak;
 
 use std::io::IsTerminal;
 

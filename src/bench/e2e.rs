@@ -24,7 +24,8 @@ use serde_json::{Value, json};
 use sqlx::PgPool;
 use tokio::net::TcpListener;
 
-use super::{percentile, scratch, send_all, which_pgbench};
+use super::{percentile, send_all, which_pgbench};
+use crate::scratch::{self, free_port, stop, wait_ready};
 use payfleet::config::Config;
 use payfleet::secret::StandardSecret;
 use payfleet::startup::{self, Roles};
@@ -89,7 +90,7 @@ impl Fleet {
                     let port = free_port()?;
                     let mut env = env.clone();
                     env.push(("PAYFLEET_WORKER_BIND".into(), format!("127.0.0.1:{port}")));
-                    children.push(spawn(&env, "work")?);
+                    children.push(scratch::spawn(&env, "work", None)?);
                     health.push(port);
                 }
                 for port in health {
@@ -115,66 +116,6 @@ impl Fleet {
             }
         }
         Ok(())
-    }
-}
-
-/// A free port on the loopback interface, for a child process to listen on.
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
-/// `payfleet <role>` with `env`, its output discarded.
-fn spawn(env: &[(String, String)], role: &str) -> anyhow::Result<tokio::process::Child> {
-    let exe = std::env::current_exe().context("cannot find this binary to run the fleet")?;
-    tokio::process::Command::new(exe)
-        .arg(role)
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .env("RUST_LOG", "warn")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("cannot start payfleet {role}"))
-}
-
-/// Asks a child to stop as an operator would (SIGTERM), and waits for it.
-async fn stop(child: &mut tokio::process::Child) -> anyhow::Result<()> {
-    if let Some(pid) = child.id() {
-        tokio::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .await
-            .context("cannot run kill")?;
-    }
-    match tokio::time::timeout(Duration::from_secs(30), child.wait()).await {
-        Ok(status) => {
-            status?;
-        }
-        Err(_) => child.kill().await?,
-    }
-    Ok(())
-}
-
-/// Waits until the process listening on `port` says it is ready.
-async fn wait_ready(port: u16) -> anyhow::Result<()> {
-    let http = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let ready = http
-            .get(format!("http://127.0.0.1:{port}/readyz"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status().is_success());
-        if ready {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!("the process on port {port} was not ready within 30 s");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -209,8 +150,8 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         bail!("--orders, --clients and --sellers must be positive");
     }
     let pgbench = which_pgbench().context("pgbench is needed for the PostgreSQL baseline (Debian: apt-get install postgresql-15 or postgresql-contrib)")?;
-    let (pool, url) = scratch(config).await?;
-    let (app, secret, secret_text) = super::simulated(config);
+    let (pool, url) = scratch::database(config, "bench").await?;
+    let (app, secret, secret_text) = scratch::simulated(config, "bench");
     let (_, api_key) = auth::api_keys::create(
         &pool,
         auth::NewApiKey {
@@ -259,7 +200,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         let port = free_port()?;
         let mut serve_env = env.clone();
         serve_env.push(("PAYFLEET_BIND".into(), format!("127.0.0.1:{port}")));
-        let child = spawn(&serve_env, "serve")?;
+        let child = scratch::spawn(&serve_env, "serve", None)?;
         wait_ready(port).await?;
         let fleet = Fleet::Processes {
             env,

@@ -330,6 +330,79 @@ async fn a_coin_paid_order_ignores_its_gateway_sessions_failure(pool: PgPool) {
     );
 }
 
+/// Found by `payfleet soak`: a payment the simulator's page never took, reported by events its
+/// secret signed (how a client paying by webhook, or a gateway's second charge, looks), could not
+/// be given back: the simulator refused the refund and the job died. Now the simulator gives
+/// back what its signed events reported: the second payment automatically, and the order's own
+/// payment when the operator refunds it.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn payments_reported_only_by_signed_events_are_given_back_by_the_simulator(pool: PgPool) {
+    let shop = crate::checkout::shop(pool.clone()).await;
+    let seller = shop.seller("S").await;
+    let product = shop.product(&seller, "20.00", "BRL").await;
+    let (status, answer) = shop
+        .checkout(
+            Some("k"),
+            json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{answer}");
+    let session = answer["orders"][0]["payment"]["session_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for (id, payment) in [("paid", "pay_signed"), ("paid_twice", "pay_twice")] {
+        let body = about("payment.succeeded", &session, payment, Some("20.00"));
+        let (status, answer) = shop.app.deliver(&internal(id, &body)).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    wait_for(
+        "the second payment to be given back",
+        std::time::Duration::from_secs(30),
+        async || {
+            sqlx::query_scalar::<_, String>(
+                "SELECT amount_refunded::text FROM second_payments WHERE payment_id = 'pay_twice'",
+            )
+            .fetch_optional(&pool)
+            .await
+            .unwrap()
+            .as_deref()
+                == Some("20.0000")
+        },
+    )
+    .await;
+    assert_eq!(shop.order(1).await["status"], "paid");
+    // The operator refunds part of the order's own payment: the simulator takes it.
+    let refunded = shop
+        .app
+        .anon
+        .post(format!("http://{}/admin/orders/1/refunds", shop.app.addr))
+        .bearer_auth(ADMIN_TOKEN)
+        .header("idempotency-key", "rf-1")
+        .json(&json!({"amount": "5.00"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refunded.status(), 201, "{}", refunded.text().await.unwrap());
+    let given: Vec<(String, String)> =
+        sqlx::query_as("SELECT payment_id, amount::text FROM internal_refunds ORDER BY payment_id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        given,
+        vec![
+            ("pay_signed".to_owned(), "5.0000".to_owned()),
+            ("pay_twice".to_owned(), "20.0000".to_owned())
+        ]
+    );
+    let dead: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'discarded'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(dead, 0, "no refund job died");
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn concurrent_refunds_with_one_key_give_every_caller_the_one_outcome(pool: PgPool) {
     let shop = crate::checkout::shop(pool.clone()).await;
