@@ -19,7 +19,9 @@ use payfleet::{db, startup};
 use payfleet_queue::{self as queue, Fleet, Job, JobContext, NewJob, QueuesConfig, Registry};
 
 mod e2e;
+mod load;
 pub use e2e::{E2eArgs, e2e};
+pub use load::{LoadArgs, load};
 
 #[derive(clap::Args, Debug)]
 pub struct IngestArgs {
@@ -192,7 +194,8 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
         bail!("--requests and every --concurrency level must be positive");
     }
     let pgbench = which_pgbench().context("pgbench is needed for the PostgreSQL baseline (Debian: apt-get install postgresql-15 or postgresql-contrib)")?;
-    let (pool, url) = crate::scratch::database(config, "bench").await?;
+    let (pool, url) =
+        crate::scratch::database(config, "bench", config.db_pool_size.max(40)).await?;
     let (app_config, secret, _) = crate::scratch::simulated(config, "bench");
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
@@ -261,20 +264,7 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
     server.stop().await;
 
     // The baseline: one durable insert per transaction into a table of the same shape.
-    sqlx::query("CREATE TABLE bench_events (LIKE payment_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES)")
-        .execute(&pool)
-        .await?;
-    sqlx::query("CREATE SEQUENCE bench_events_seq")
-        .execute(&pool)
-        .await?;
-    let script = std::env::temp_dir().join(format!("payfleet-pgbench-{}.sql", std::process::id()));
-    let sample = body(0).replace('\'', "''");
-    std::fs::write(
-        &script,
-        format!(
-            "INSERT INTO bench_events (gateway, event_id, event_type, raw_body, headers) VALUES ('internal', 'pgb_' || nextval('bench_events_seq'), 'payment.succeeded', convert_to('{sample}', 'UTF8'), '{{\"webhook-id\":\"x\"}}');\n"
-        ),
-    )?;
+    let script = events_insert_script(&pool).await?;
     for (c, rps) in results {
         let tx_per_client = (args.requests / c).max(1);
         let script_path = script.to_string_lossy();
@@ -307,6 +297,26 @@ pub async fn ingest(config: &Config, args: IngestArgs) -> anyhow::Result<()> {
         println!("{l}");
     }
     Ok(())
+}
+
+/// pgbench's script for the receiver's baseline: one durable insert per transaction of a
+/// webhook's row into a table of `payment_events`' shape (`bench_events`, made here).
+async fn events_insert_script(pool: &PgPool) -> anyhow::Result<std::path::PathBuf> {
+    sqlx::query("CREATE TABLE bench_events (LIKE payment_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES)")
+        .execute(pool)
+        .await?;
+    sqlx::query("CREATE SEQUENCE bench_events_seq")
+        .execute(pool)
+        .await?;
+    let script = std::env::temp_dir().join(format!("payfleet-pgbench-{}.sql", std::process::id()));
+    let sample = body(0).replace('\'', "''");
+    std::fs::write(
+        &script,
+        format!(
+            "INSERT INTO bench_events (gateway, event_id, event_type, raw_body, headers) VALUES ('internal', 'pgb_' || nextval('bench_events_seq'), 'payment.succeeded', convert_to('{sample}', 'UTF8'), '{{\"webhook-id\":\"x\"}}');\n"
+        ),
+    )?;
+    Ok(script)
 }
 
 /// The cost of refusing the worst requests a sender can make, beside the machine's own cost
@@ -492,7 +502,8 @@ pub async fn queue(config: &Config, args: QueueArgs) -> anyhow::Result<()> {
         .queue(Noop::QUEUE)
         .map(|q| q.concurrency)
         .with_context(|| format!("jobs/queues.toml has no [queues.{}]", Noop::QUEUE))?;
-    let (pool, url) = crate::scratch::database(config, "bench").await?;
+    let (pool, url) =
+        crate::scratch::database(config, "bench", config.db_pool_size.max(40)).await?;
     let mut lines = vec![format!("queue_drain_concurrency={concurrency}")];
 
     // Enqueue, 1000 jobs a statement.

@@ -166,6 +166,10 @@ enum BenchCommand {
     /// Checkouts and payment effects per second through the HTTP API (one seller's flash sale,
     /// many sellers) and receipt-to-effect latency, beside pgbench's TPC-B at as many clients.
     E2e(bench::E2eArgs),
+    /// The receiver under a sustained load of signed webhooks (10 % repeats) for minutes, with
+    /// workers processing them: throughput, latency to p99.9, each process's memory, the
+    /// tables' sizes after pruning, beside pgbench's inserts.
+    Load(bench::LoadArgs),
     /// A worker process of `bench queue --workers N` (started by it).
     #[command(hide = true)]
     DrainWorker(bench::DrainWorkerArgs),
@@ -212,6 +216,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             BenchCommand::Ingest(args) => bench::ingest(&config, args).await,
             BenchCommand::Queue(args) => bench::queue(&config, args).await,
             BenchCommand::E2e(args) => bench::e2e(&config, args).await,
+            BenchCommand::Load(args) => bench::load(&config, args).await,
             BenchCommand::DrainWorker(args) => bench::drain_worker(&config, args).await,
         },
     }

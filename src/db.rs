@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use std::collections::HashSet;
 use std::str::FromStr;
 use std::sync::LazyLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use sqlx::migrate::Migrator;
@@ -58,17 +58,41 @@ const MIGRATION_6_BEFORE_THE_MOVE: &str = "a85bc02d0250c7206245d96a2a12c742c4a0a
 pub async fn connect(database_url: &SecretUrl, max_connections: u32) -> anyhow::Result<PgPool> {
     let options = PgConnectOptions::from_str(database_url.expose())
         .context("DATABASE_URL is not a valid PostgreSQL URL")?;
-    create_database_if_absent(&options).await?;
+    // A process started while PostgreSQL is away (restarting, out of connection slots, not up
+    // yet after the machine's start) waits for it a while, as its requests and jobs would,
+    // rather than exiting into its supervisor's restart loop; a wrong password or a database
+    // that cannot be made fails at once.
+    let started = Instant::now();
+    let mut wait = Duration::from_millis(250);
+    loop {
+        match open(&options, max_connections).await {
+            Ok(pool) => return Ok(pool),
+            // No server (yet), one starting or shutting down, one out of connection slots.
+            Err(e) if is_transient(&e) && started.elapsed() < STARTUP_PATIENCE => {
+                tracing::warn!(error = %e, "PostgreSQL cannot be reached yet; trying again");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => return Err(e).context("cannot connect to PostgreSQL (DATABASE_URL)"),
+        }
+    }
+}
+
+/// How long a process starting waits for PostgreSQL to be reachable.
+const STARTUP_PATIENCE: Duration = Duration::from_secs(60);
+
+/// The pool, the database made first if the server does not have it.
+async fn open(options: &PgConnectOptions, max_connections: u32) -> Result<PgPool, sqlx::Error> {
+    create_database_if_absent(options).await?;
     PgPoolOptions::new()
         .max_connections(max_connections)
         // Fail fast when the database is down: requests get a 503, workers back off.
         .acquire_timeout(Duration::from_secs(5))
-        .connect_with(options)
+        .connect_with(options.clone())
         .await
-        .context("cannot connect to PostgreSQL (DATABASE_URL)")
 }
 
-async fn create_database_if_absent(options: &PgConnectOptions) -> anyhow::Result<()> {
+async fn create_database_if_absent(options: &PgConnectOptions) -> Result<(), sqlx::Error> {
     let Some(name) = options.get_database().map(str::to_owned) else {
         return Ok(());
     };
@@ -78,14 +102,14 @@ async fn create_database_if_absent(options: &PgConnectOptions) -> anyhow::Result
             return Ok(());
         }
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("3D000") => {}
-        Err(e) => return Err(e).context("cannot connect to PostgreSQL (DATABASE_URL)"),
+        Err(e) => return Err(e),
     }
     let sql = format!("CREATE DATABASE {}", quote_ident(&name));
     match on_maintenance_database(options, sql).await {
         Ok(()) => tracing::info!(database = %name, "created the database"),
         // Another process created it meanwhile.
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P04") => {}
-        Err(e) => return Err(e).context("cannot create the database"),
+        Err(e) => return Err(e),
     }
     Ok(())
 }

@@ -9,7 +9,7 @@
 //! `secret` -> `env`, `money`, `db`, `tls` -> `gateways` -> `messaging`, `catalogue` -> `auth` ->
 //! `ledger`, `payment_status`, `recurring` -> `orders`, `consistency` -> `payments` ->
 //! `webhooks` -> `http` -> `config` -> `startup`. The binary (`src/main.rs`: `cli`, `demo`,
-//! `bench`) sits on top and uses the library like any other program.
+//! `bench`, `soak`, and `scratch`, the fleet of their own they run) sits on top and uses the library like any other program.
 //! - `secret`     values that never print (secrets, URLs with passwords), and what they sign
 //!   with: HMAC, keys derived per purpose, the Standard Webhooks secret
 //! - `env`        where settings come from, reading and checking one variable (each context

@@ -13,8 +13,13 @@ use payfleet::config::Config;
 use payfleet::db;
 use payfleet::secret::{SecretUrl, StandardSecret};
 
-/// The database `<configured name>_<purpose>`, dropped and made again, migrated.
-pub async fn database(config: &Config, purpose: &str) -> anyhow::Result<(PgPool, SecretUrl)> {
+/// The database `<configured name>_<purpose>`, dropped and made again, migrated; and a pool of
+/// at most `connections` on it.
+pub async fn database(
+    config: &Config,
+    purpose: &str,
+    connections: u32,
+) -> anyhow::Result<(PgPool, SecretUrl)> {
     let options = PgConnectOptions::from_str(config.database_url.expose())?;
     let name = format!("{}_{purpose}", options.get_database().unwrap_or("payfleet"));
     let drop = format!(
@@ -25,7 +30,7 @@ pub async fn database(config: &Config, purpose: &str) -> anyhow::Result<(PgPool,
         .await
         .context("cannot drop the scratch database")?;
     let url = SecretUrl::new(with_database(config.database_url.expose(), &name)?);
-    let pool = db::connect(&url, config.db_pool_size.max(40)).await?;
+    let pool = db::connect(&url, connections).await?;
     db::migrate(&pool).await?;
     Ok((pool, url))
 }

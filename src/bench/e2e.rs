@@ -150,7 +150,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         bail!("--orders, --clients and --sellers must be positive");
     }
     let pgbench = which_pgbench().context("pgbench is needed for the PostgreSQL baseline (Debian: apt-get install postgresql-15 or postgresql-contrib)")?;
-    let (pool, url) = scratch::database(config, "bench").await?;
+    let (pool, url) = scratch::database(config, "bench", config.db_pool_size.max(40)).await?;
     let (app, secret, secret_text) = scratch::simulated(config, "bench");
     let (_, api_key) = auth::api_keys::create(
         &pool,

@@ -39,10 +39,11 @@ impl Row {
     }
 }
 
-/// Per order: paid or not, and its sale credits.
+/// Per order: paid or not, its sale credits and its `paid` order events.
 struct Booked {
     paid: bool,
     sales: i64,
+    confirmations: i64,
     status: String,
 }
 
@@ -83,16 +84,27 @@ pub async fn run(i: Inputs<'_>) -> anyhow::Result<Vec<Row>> {
     ];
 
     // Every order, as the database has it.
-    let booked: HashMap<i64, Booked> = sqlx::query_as::<_, (i64, bool, i64, String)>(
+    let booked: HashMap<i64, Booked> = sqlx::query_as::<_, (i64, bool, i64, i64, String)>(
         "SELECT o.number, o.paid_at IS NOT NULL,
                 (SELECT count(*) FROM ledger_transfers t WHERE t.order_number = o.number AND t.kind = 'sale_credit'),
+                (SELECT count(*) FROM order_events e WHERE e.order_id = o.id AND e.kind = 'paid'),
                 o.status
          FROM orders o",
     )
     .fetch_all(pool)
     .await?
     .into_iter()
-    .map(|(n, paid, sales, status)| (n, Booked { paid, sales, status }))
+    .map(|(n, paid, sales, confirmations, status)| {
+        (
+            n,
+            Booked {
+                paid,
+                sales,
+                confirmations,
+                status,
+            },
+        )
+    })
     .collect();
     let paid = |n: i64| booked.get(&n).is_some_and(|b| b.paid);
 
@@ -122,10 +134,10 @@ pub async fn run(i: Inputs<'_>) -> anyhow::Result<Vec<Row>> {
         }
     }
     for (n, b) in &booked {
-        if b.sales != i64::from(b.paid) {
+        if b.sales != i64::from(b.paid) || b.confirmations != i64::from(b.paid) {
             v.push(format!(
-                "order {n} ({}): {} sale credits",
-                b.status, b.sales
+                "order {n} ({}): {} sale credits, confirmed {} times",
+                b.status, b.sales, b.confirmations
             ));
         }
     }

@@ -163,7 +163,7 @@ pub async fn run(config: &Config, args: SoakArgs) -> anyhow::Result<()> {
     );
 
     // The fleet's world: a database, broker queues, a secret and credentials of its own.
-    let (pool, url) = crate::scratch::database(config, "soak").await?;
+    let (pool, url) = crate::scratch::database(config, "soak", 8).await?;
     let (app, secret, secret_text) = crate::scratch::simulated(config, "soak");
     checks::prepare(&pool).await?;
     let (_, api_key) = auth::api_keys::create(

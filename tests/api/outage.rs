@@ -138,3 +138,50 @@ async fn a_full_writer_queue_refuses_at_once_instead_of_blocking(pool: PgPool) {
         "some senders were refused without waiting for the writer"
     );
 }
+
+/// Found by `payfleet soak`: a process started while PostgreSQL was away (restarting, out of
+/// connection slots) exited at once. It now waits for the server, as its requests and jobs
+/// would; an error waiting cannot cure (an unknown role) still fails at once.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_process_starting_while_the_database_is_away_waits_for_it(pool: PgPool) {
+    let proxy = DbProxy::for_database(&pool).await;
+    proxy.set(Link::Refused);
+    let o = pool.connect_options();
+    let url = payfleet::secret::SecretUrl::new(format!(
+        "postgres://{}@{}/{}",
+        o.get_username(),
+        proxy.addr,
+        o.get_database().unwrap()
+    ));
+    let started = std::time::Instant::now();
+    let connecting = tokio::spawn(async move { payfleet::db::connect(&url, 2).await });
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    assert!(
+        !connecting.is_finished(),
+        "it waits while the server is away"
+    );
+    proxy.set(Link::Up);
+    let pool = connecting
+        .await
+        .unwrap()
+        .expect("connected once the server is back");
+    let one: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(one, 1);
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+
+    let stranger = payfleet::secret::SecretUrl::new(format!(
+        "postgres://no_such_role@{}/{}",
+        proxy.addr,
+        o.get_database().unwrap()
+    ));
+    let started = std::time::Instant::now();
+    let refused = payfleet::db::connect(&stranger, 2).await;
+    assert!(refused.is_err());
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "no waiting for what cannot change"
+    );
+}
