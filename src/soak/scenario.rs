@@ -359,7 +359,8 @@ pub async fn journey(shared: Arc<Shared>, n: usize) {
     let mut rng = StdRng::seed_from_u64(shared.seed.wrapping_mul(1_000_003).wrapping_add(n as u64));
     let roll = rng.random_range(0..100);
     let name = match roll {
-        0..=14 => "pay",
+        0..=11 => "pay",
+        12..=14 => "wrong amount",
         15..=21 => "pay by webhook",
         22..=25 => "late webhook",
         26..=29 => "second payment",
@@ -444,6 +445,33 @@ async fn run_journey(s: &Shared, rng: &mut StdRng, n: usize, name: &str) -> anyh
             if rng.random_bool(0.3) && s.until_paid(o.number, Duration::from_secs(90)).await? {
                 refund_by_operator(s, rng, o.number, &key).await?;
             }
+        }
+        "wrong amount" => {
+            // The gateway reports a payment of another amount (or currency) than the order's:
+            // no order takes it, it is given back whole, and the order still waits (then expires).
+            let Some(o) = s.shop(rng, &key, &buyer, 1).await?.into_iter().next() else {
+                return Ok(());
+            };
+            let session = order_session(s, o.number).await?;
+            let total = s.with_model(|m| m.orders[&o.number].priced.total)?;
+            let (amount, currency) = if rng.random_bool(0.5) {
+                (total + Decimal::ONE, "BRL")
+            } else {
+                (total, "USD")
+            };
+            let mut body = s.event(
+                "payment.succeeded",
+                &session,
+                &format!("soak_pay_{n}"),
+                json!({"amount": amount.to_string()}),
+            );
+            body["data"]["currency"] = json!(currency);
+            s.api.webhook(&format!("soak_ev_wrong_{n}"), &body).await?;
+            s.with_model(|m| {
+                m.orders
+                    .get_mut(&o.number)
+                    .map(|x| x.given_back.push((session.clone(), amount)))
+            })?;
         }
         "late webhook" => {
             // Expired by the operator, then the gateway reports its payment: given back whole.

@@ -403,6 +403,45 @@ async fn payments_reported_only_by_signed_events_are_given_back_by_the_simulator
     assert_eq!(dead, 0, "no refund job died");
 }
 
+/// A payment in another currency than its order's, reported by a signed event: no order takes
+/// it, and the simulator gives it back whole (the refund is in the payment's currency).
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_payment_in_another_currency_is_given_back_whole(pool: PgPool) {
+    let shop = crate::checkout::shop(pool.clone()).await;
+    let seller = shop.seller("S").await;
+    let product = shop.product(&seller, "20.00", "BRL").await;
+    let (status, answer) = shop
+        .checkout(
+            Some("k"),
+            json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{answer}");
+    let session = answer["orders"][0]["payment"]["session_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let body = json!({"type": "payment.succeeded", "data": {"session_id": session, "payment_id": "pay_usd", "amount": "20.00", "currency": "USD"}});
+    let (status, answer) = shop.app.deliver(&internal("usd", &body.to_string())).await;
+    assert_eq!(status, 200, "{answer}");
+    wait_for(
+        "the payment to be given back",
+        std::time::Duration::from_secs(30),
+        async || {
+            sqlx::query_scalar::<_, String>(
+                "SELECT amount::text FROM internal_refunds WHERE payment_id = 'pay_usd'",
+            )
+            .fetch_optional(&pool)
+            .await
+            .unwrap()
+            .as_deref()
+                == Some("20.0000")
+        },
+    )
+    .await;
+    assert_eq!(shop.order(1).await["status"], "awaiting_payment");
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn concurrent_refunds_with_one_key_give_every_caller_the_one_outcome(pool: PgPool) {
     let shop = crate::checkout::shop(pool.clone()).await;

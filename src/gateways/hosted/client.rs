@@ -284,14 +284,14 @@ impl HostedGateway {
             GatewayError::Refused(format!("no session {} to refund", r.session_id))
         })?;
         let own = p.status == "succeeded" && p.payment_id.as_deref() == Some(r.payment_id.as_str());
-        if r.amount.currency().as_str() != p.currency {
-            return Err(GatewayError::Refused(format!(
-                "a refund in {} of a payment in {}",
-                r.amount.currency(),
-                p.currency
-            )));
-        }
         if own {
+            if r.amount.currency().as_str() != p.currency {
+                return Err(GatewayError::Refused(format!(
+                    "a refund in {} of a payment in {}",
+                    r.amount.currency(),
+                    p.currency
+                )));
+            }
             let refunded: Decimal = sqlx::query_scalar(
                 "SELECT COALESCE(sum(amount), 0) FROM internal_refunds
                  WHERE session_id = $1 AND (payment_id IS NULL OR payment_id = $2)",
