@@ -32,6 +32,7 @@ use crate::payments::delivery::{Deliverer, QueueSink};
 use crate::payments::links::LinkService;
 use crate::payments::{self, Processor};
 use crate::recurring::{self, Tasks};
+use crate::telemetry::Telemetry;
 use crate::webhooks::{EventWriter, Verifier};
 use payfleet_queue::{Fleet, FleetHandle, JobError, Listen, Notifier, Registry};
 
@@ -61,7 +62,11 @@ impl Roles {
 
 /// The processor as configured: Mercado Pago events need API access to read the payment, and a
 /// success that carries no amount is asked of its gateway (`gateways`).
-pub fn processor(config: &Config, gateways: GatewayRegistry) -> anyhow::Result<Processor> {
+pub fn processor(
+    config: &Config,
+    gateways: GatewayRegistry,
+    telemetry: Telemetry,
+) -> anyhow::Result<Processor> {
     let mercadopago = config
         .gateways
         .mercadopago
@@ -72,6 +77,7 @@ pub fn processor(config: &Config, gateways: GatewayRegistry) -> anyhow::Result<P
         internal_acquirer: config.gateways.internal_acquirer(),
         gateways,
         fee_percent: config.orders.platform_fee_percent,
+        telemetry,
     })
 }
 
@@ -88,8 +94,17 @@ pub fn gateways(
 
 /// Every job kind this fleet runs: each context registers its own kinds with their workers.
 pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
+    registry_with(config, pool, Telemetry::default())
+}
+
+/// [`registry`], its workers measured in `telemetry`.
+pub fn registry_with(
+    config: &Config,
+    pool: &PgPool,
+    telemetry: Telemetry,
+) -> anyhow::Result<Registry> {
     let (gateways, hosted) = gateways(config, pool)?;
-    let processor = Arc::new(processor(config, gateways.clone())?);
+    let processor = Arc::new(processor(config, gateways.clone(), telemetry)?);
     let batcher = Batcher::start(pool.clone(), processor, BatchSettings::default());
     let deliverer = Deliverer::new(pool.clone(), config.gateways.hosted.targets())
         .context("cannot build the event deliverer")?;
@@ -282,6 +297,7 @@ pub fn start(
         config.messaging.queues,
     );
     let (gateways, hosted) = gateways(config, &pool)?;
+    let telemetry = Telemetry::default();
     let fleet = if roles.work {
         let listen = match &config.listen {
             ListenTo::Database => Listen::Database,
@@ -293,11 +309,12 @@ pub fn start(
         };
         let fleet = Fleet::new(
             pool.clone(),
-            registry(config, &pool)?,
+            registry_with(config, &pool, telemetry.clone())?,
             config.queues.clone(),
             &config.host_name,
         )
         .listen(listen)
+        .observe(Arc::new(telemetry.clone()))
         .start();
         // The payment side of the payment-link RPC lives in the workers.
         let links = Arc::new(LinkService {
@@ -394,6 +411,7 @@ pub fn start(
             rpc,
             recurring: config.recurring.clone(),
             secure_cookies: config.public_url.starts_with("https://"),
+            telemetry,
         }))
     } else {
         listener.as_ref().map(|_| {
@@ -404,7 +422,13 @@ pub fn start(
                 config.http.client_address_header.clone(),
             );
             (
-                http::worker_router(pool.clone(), readiness, callers, config.metrics_refresh),
+                http::worker_router(
+                    pool.clone(),
+                    readiness,
+                    callers,
+                    config.metrics_refresh,
+                    telemetry,
+                ),
                 Vec::new(),
             )
         })

@@ -110,6 +110,7 @@ pub(super) struct MetricsState {
     /// How long a reading of the gauges is served before it is read again.
     refresh: Duration,
     gauges: Arc<tokio::sync::Mutex<Reading>>,
+    telemetry: crate::telemetry::Telemetry,
 }
 
 /// `webhooks`: the receiver's counters, when this process receives webhooks.
@@ -118,6 +119,7 @@ pub(super) fn routes(
     webhooks: Option<Arc<WebhookCounters>>,
     callers: Callers,
     refresh: Duration,
+    telemetry: crate::telemetry::Telemetry,
 ) -> super::Routes {
     super::Routes::default()
         .route("/metrics", get(metrics_text))
@@ -127,6 +129,7 @@ pub(super) fn routes(
             callers,
             refresh,
             gauges: Arc::default(),
+            telemetry,
         })
 }
 
@@ -138,6 +141,8 @@ async fn metrics_text(
     if let Some(w) = &state.webhooks {
         w.render(&mut body);
     }
+    // Formatting into a String cannot fail.
+    let _ = state.telemetry.render(&mut body);
     body.push_str(&cached_gauges(&state).await?);
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body))
 }

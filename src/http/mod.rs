@@ -32,6 +32,7 @@ pub use metrics::WebhookCounters;
 
 use crate::gateways::hosted::HostedGateway;
 use crate::orders::checkout::Checkout;
+use crate::telemetry::Telemetry;
 use crate::webhooks::{EventWriter, Verifier};
 
 /// What the receiver is built from. No handler sees all of it: [`router`] gives each area's
@@ -62,6 +63,8 @@ pub struct AppState {
     pub recurring: crate::recurring::Schedules,
     /// The dashboard's session cookie is `Secure` (the public URL is https).
     pub secure_cookies: bool,
+    /// This process's histograms (each answer's time is one of them).
+    pub telemetry: crate::telemetry::Telemetry,
 }
 
 /// The caller extractors (`callers`: `Operator`, `Backend`, `MetricsReader`) take the
@@ -124,12 +127,15 @@ impl<S: Clone + Send + Sync + 'static> Routes<S> {
 }
 
 impl Routes {
-    /// The router to serve, and the paths it answers.
-    fn finish(self) -> (Router, Vec<&'static str>) {
+    /// The router to serve, and the paths it answers; each answer timed in `telemetry`.
+    fn finish(self, telemetry: Telemetry) -> (Router, Vec<&'static str>) {
         let router = self
             .router
             .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
-            .layer(axum::middleware::from_fn(request_span));
+            .layer(axum::middleware::from_fn_with_state(
+                telemetry,
+                request_span,
+            ));
         (router, self.paths)
     }
 }
@@ -189,16 +195,20 @@ pub fn router(state: AppState) -> (Router, Vec<&'static str>) {
             Some(state.counters.clone()),
             state.callers.clone(),
             state.metrics_refresh,
+            state.telemetry.clone(),
         ))
-        .finish()
+        .finish(state.telemetry)
 }
 
 /// One span per request, with its method, route and id (the caller's `x-request-id` when it
-/// sends a sane one, else a new one), echoed in the answer's `x-request-id`.
+/// sends a sane one, else a new one), echoed in the answer's `x-request-id`; its time observed
+/// by route template and status class.
 async fn request_span(
+    axum::extract::State(telemetry): axum::extract::State<Telemetry>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
+    let started = std::time::Instant::now();
     let id = req
         .headers()
         .get("x-request-id")
@@ -220,6 +230,7 @@ async fn request_span(
         )
         .await;
     span.in_scope(|| tracing::debug!(status = resp.status().as_u16(), "answered"));
+    telemetry.http_answered(&route, resp.status().as_u16(), started.elapsed());
     if let Ok(v) = axum::http::HeaderValue::from_str(&id) {
         resp.headers_mut().insert("x-request-id", v);
     }
@@ -232,11 +243,18 @@ pub fn worker_router(
     readiness: Readiness,
     callers: Callers,
     metrics_refresh: std::time::Duration,
+    telemetry: Telemetry,
 ) -> Router {
     Routes::default()
         .merge(health::routes(readiness))
-        .merge(metrics::routes(pool, None, callers, metrics_refresh))
-        .finish()
+        .merge(metrics::routes(
+            pool,
+            None,
+            callers,
+            metrics_refresh,
+            telemetry.clone(),
+        ))
+        .finish(telemetry)
         .0
 }
 

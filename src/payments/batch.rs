@@ -185,7 +185,14 @@ async fn batch_loop(
                 .iter()
                 .map(|r| (r.gateway, r.event_id.as_str()))
                 .collect();
-            let done = match process_batch(&pool, processor.internal_acquirer, &events).await {
+            let done = match process_batch(
+                &pool,
+                processor.internal_acquirer,
+                &events,
+                Some(&processor.telemetry),
+            )
+            .await
+            {
                 Ok(done) => done,
                 Err(e) => {
                     tracing::warn!(events = events.len(), error = %payfleet_queue::error_chain(&e), "a batch of payment events failed; each is processed alone");
@@ -216,10 +223,12 @@ struct Candidate {
 /// Processes the plain cases among `events` in one transaction. Returns, for each event, whether
 /// it was applied here; the others are left exactly as they were, for [`Processor::process`].
 /// `internal_acquirer`: as [`Processor::internal_acquirer`].
+/// `telemetry`, if given, observes each applied event's time from its receipt.
 pub async fn process_batch(
     pool: &PgPool,
     internal_acquirer: Option<GatewayName>,
     events: &[(GatewayName, &str)],
+    telemetry: Option<&crate::telemetry::Telemetry>,
 ) -> Result<Vec<bool>, ProcessError> {
     let mut done = vec![false; events.len()];
     let mut tx = pool.begin().await?;
@@ -293,13 +302,13 @@ pub async fn process_batch(
     let keys: Vec<(GatewayName, &str)> = keys.iter().map(|(g, k)| (*g, k.as_str())).collect();
     let ids: Vec<i64> = candidates.iter().map(|c| c.event).collect();
     wake_waiting_many(&mut tx, &keys, &ids).await?;
-    sqlx::query(
+    let received: Vec<(i64, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
         "UPDATE payment_events SET outcome = $2, outcome_detail = NULL, waiting_for = NULL, processed_at = now()
-         WHERE id = ANY($1) AND processed_at IS NULL",
+         WHERE id = ANY($1) AND processed_at IS NULL RETURNING id, received_at",
     )
     .bind(&ids)
     .bind(EventOutcome::Applied)
-    .execute(&mut *tx)
+    .fetch_all(&mut *tx)
     .await?;
     // Last: the sellers' turns and accounts, held only for the posting and the commit.
     let sales: Vec<(i64, Channel)> = candidates
@@ -310,6 +319,14 @@ pub async fn process_batch(
     tx.commit().await?;
     for c in &candidates {
         done[c.at] = true;
+    }
+    if let Some(t) = telemetry {
+        let now = chrono::Utc::now();
+        for (id, at) in &received {
+            if let Some(c) = candidates.iter().find(|c| c.event == *id) {
+                t.event_processed(c.gateway, (now - *at).to_std().unwrap_or_default());
+            }
+        }
     }
     tracing::debug!(
         events = events.len(),

@@ -184,6 +184,8 @@ pub struct Processor {
     /// The platform's commission on a gateway-billed renewal whose gateway reports none, in
     /// percent (as at checkout).
     pub fee_percent: rust_decimal::Decimal,
+    /// Each event's time from receipt to its effect is one of its histograms.
+    pub telemetry: crate::telemetry::Telemetry,
 }
 
 #[derive(sqlx::FromRow)]
@@ -193,6 +195,7 @@ struct EventRow {
     source: String,
     event_type: Option<String>,
     processed_at: Option<chrono::DateTime<chrono::Utc>>,
+    received_at: chrono::DateTime<chrono::Utc>,
 }
 
 impl Processor {
@@ -206,7 +209,7 @@ impl Processor {
         event: &str,
     ) -> Result<Processed, ProcessError> {
         let row: EventRow = sqlx::query_as(
-            "SELECT id, raw_body, source, event_type, processed_at FROM payment_events WHERE gateway = $1 AND event_id = $2",
+            "SELECT id, raw_body, source, event_type, processed_at, received_at FROM payment_events WHERE gateway = $1 AND event_id = $2",
         )
         .bind(gateway.as_str())
         .bind(event)
@@ -453,6 +456,11 @@ impl Processor {
         };
         events::mark(&mut tx, row.id, &result).await?;
         tx.commit().await?;
+        if matches!(result, Processed::Applied | Processed::Ignored(_)) {
+            let since = chrono::Utc::now() - row.received_at;
+            self.telemetry
+                .event_processed(gateway, since.to_std().unwrap_or_default());
+        }
         // The effect has committed; its sale is posted with the seller's others due. A failure
         // here loses nothing (the sale stays due, for the next poster or the sweep), so it does
         // not fail the event.

@@ -68,6 +68,7 @@ async fn readiness_fails_when_the_event_writer_has_ended(pool: PgPool) {
         },
         http::Callers::new(None, None, None, None),
         std::time::Duration::ZERO,
+        Default::default(),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -359,4 +360,74 @@ async fn metrics_pass_promtool(pool: PgPool) {
         }
     }
     assert!(named >= 9, "{named} metrics named by the rules");
+}
+
+/// The value of the sample `name{labels}` in a `/metrics` text (0 when absent).
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// After a known workload the histograms count exactly it: each webhook answer by its route
+/// template and status class, each event's processing run by its queue, kind and outcome, each
+/// run's wait for its start, each event's receipt to effect; and the text still passes promtool.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_histograms_count_the_work_done(pool: PgPool) {
+    let app = spawn_fleet(pool.clone(), test_config()).await;
+    for i in 0..5 {
+        let (status, _) = app
+            .deliver(&internal(
+                &format!("h_{i}"),
+                &payment_body("payment.succeeded", &format!("s_{i}"), "1.00"),
+            ))
+            .await;
+        assert_eq!(status, 200);
+    }
+    let mut forged = internal("h_forged", &payment_body("payment.succeeded", "s", "1.00"));
+    forged.headers.retain(|(k, _)| k != "webhook-signature");
+    forged
+        .headers
+        .push(("webhook-signature".into(), "v1,AAAA".into()));
+    assert_eq!(app.deliver(&forged).await.0, 401);
+    wait_for(
+        "the five events to be processed",
+        std::time::Duration::from_secs(20),
+        async || processed_events(&pool).await == 5,
+    )
+    .await;
+    let text = app.metrics().await;
+    let webhooks = "payfleet_http_request_duration_seconds_count{route=\"/webhooks/{gateway}\"";
+    assert_eq!(
+        sample(&text, &format!("{webhooks},status=\"2xx\"}}")),
+        5.0,
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, &format!("{webhooks},status=\"4xx\"}}")),
+        1.0,
+        "{text}"
+    );
+    let runs = "payfleet_job_run_seconds_count{queue=\"events\",kind=\"process_payment_event\",outcome=\"complete\"}";
+    assert_eq!(sample(&text, runs), 5.0, "{text}");
+    assert!(
+        sample(
+            &text,
+            "payfleet_job_start_delay_seconds_count{queue=\"events\"}"
+        ) >= 5.0,
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "payfleet_webhook_to_effect_seconds_count{gateway=\"internal\"}"
+        ),
+        5.0,
+        "{text}"
+    );
+    assert!(
+        text.contains("# TYPE payfleet_job_run_seconds histogram"),
+        "{text}"
+    );
+    assert_eq!(promtool(&text), "", "promtool on:\n{text}");
 }

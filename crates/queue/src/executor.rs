@@ -250,6 +250,9 @@ pub(crate) async fn fetch(
             let queue_name = queue.clone();
             let timeout = settings.timeout();
             let handle = running.spawn(async move {
+                let (kind, due) = (job.kind.clone(), job.run_at);
+                let started = Instant::now();
+                let waited = (chrono::Utc::now() - due).to_std().unwrap_or_default();
                 let end = run_one(
                     &shared_run.pool,
                     &shared_run.registry,
@@ -259,6 +262,15 @@ pub(crate) async fn fetch(
                     Some(lease_lost),
                 )
                 .await;
+                if let Some(observer) = &shared_run.observer {
+                    observer.run_ended(&crate::RunReport {
+                        queue: &queue_name,
+                        kind: &kind,
+                        outcome: end.outcome(),
+                        took: started.elapsed(),
+                        waited,
+                    });
+                }
                 if let RunEnd::Retry { error, .. } | RunEnd::Fail { error } = &end {
                     tracing::warn!(queue = %queue_name, job = %id, %error, "job run failed");
                 }

@@ -30,6 +30,7 @@ pub struct Fleet {
     config: QueuesConfig,
     worker_id: String,
     listen: Listen,
+    observer: Option<Arc<dyn crate::RunObserver>>,
 }
 
 /// Where the fleet LISTENs for new jobs. LISTEN holds state on a server session, which a pooler
@@ -113,7 +114,14 @@ impl Fleet {
                 rand::random::<u16>()
             ),
             listen: Listen::Database,
+            observer: None,
         }
+    }
+
+    /// Tells `observer` of every run's end (its queue, kind, outcome and times).
+    pub fn observe(mut self, observer: Arc<dyn crate::RunObserver>) -> Self {
+        self.observer = Some(observer);
+        self
     }
 
     /// Where to LISTEN for new jobs (by default, the fleet's own database connection).
@@ -152,6 +160,7 @@ impl Fleet {
             config,
             worker_id,
             listen,
+            observer,
         } = self;
         let control = PgPoolOptions::new()
             .max_connections(4)
@@ -164,6 +173,7 @@ impl Fleet {
             config,
             worker_id,
             leases,
+            observer,
         });
         tracing::info!(worker = %shared.worker_id, queues = ?shared.config.queues.keys().collect::<Vec<_>>(), "worker started");
 

@@ -79,6 +79,25 @@ crate::text_enum! {
     }
 }
 
+/// One run's end, as a fleet reports it to its [`RunObserver`].
+#[derive(Debug, Clone, Copy)]
+pub struct RunReport<'a> {
+    pub queue: &'a str,
+    pub kind: &'a str,
+    pub outcome: RunOutcome,
+    /// The handler's run time (decoding included).
+    pub took: std::time::Duration,
+    /// From the time the job was due (`run_at`) to its start: the queue's backlog as this job
+    /// felt it.
+    pub waited: std::time::Duration,
+}
+
+/// Told of every run's end (metrics): called on the run's task, so it must be quick and must
+/// not block.
+pub trait RunObserver: Send + Sync + 'static {
+    fn run_ended(&self, run: &RunReport<'_>);
+}
+
 /// A kind of job: its payload type, the queue it runs on and how often it may be tried.
 pub trait Job: Serialize + DeserializeOwned + Send + 'static {
     const KIND: &'static str;
@@ -464,7 +483,7 @@ pub(crate) enum RunEnd {
 }
 
 impl RunEnd {
-    fn outcome(&self) -> RunOutcome {
+    pub(crate) fn outcome(&self) -> RunOutcome {
         match self {
             Self::Complete => RunOutcome::Complete,
             Self::Retry { .. } => RunOutcome::Retry,

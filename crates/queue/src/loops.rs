@@ -24,6 +24,7 @@ pub(crate) struct Shared {
     pub config: QueuesConfig,
     pub worker_id: String,
     pub leases: Arc<Leases>,
+    pub observer: Option<Arc<dyn crate::RunObserver>>,
 }
 
 /// Resolves once the fleet is told to stop (or its handle is gone).

@@ -133,6 +133,8 @@ pub(crate) struct Claimed {
     pub attempt: i32,
     pub max_attempts: i32,
     pub lease_token: i64,
+    /// When it was due.
+    pub run_at: DateTime<Utc>,
 }
 
 /// Where a worker's claims of one queue are: in the ring of fairness groups (each claim starts
@@ -378,6 +380,7 @@ pub(crate) async fn claim<'c>(
                 attempt: r.attempt?,
                 max_attempts: r.max_attempts?,
                 lease_token: r.lease_token?,
+                run_at: r.run_at?,
             })
         })
         .collect())

@@ -1,0 +1,152 @@
+//! This process's measurements of its own work, on `prometheus-client` (the Prometheus
+//! project's Rust client: no global registry, so each process, and each app a test starts,
+//! holds its own; typed label sets; lean, with no exporter of its own to run, since `/metrics`
+//! serves it beside the fleet-wide gauges read from the database).
+//!
+//! - `payfleet_job_run_seconds{queue,kind,outcome}`: each run's time, by how it ended
+//!   (`complete`, `retry`, `fail`, `snooze`, `cancel`, `release`); its `_count` is the
+//!   outcomes' counter.
+//! - `payfleet_job_start_delay_seconds{queue}`: from a job's due time to its start.
+//! - `payfleet_http_request_duration_seconds{route,status}`: each answer's time, by route
+//!   template (`/orders/{number}`, never the id itself) and status class (`2xx`...).
+//! - `payfleet_webhook_to_effect_seconds{gateway}`: from a payment event's receipt to the end
+//!   of its processing (its effect committed).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct JobLabels {
+    queue: String,
+    kind: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct QueueLabels {
+    queue: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HttpLabels {
+    route: String,
+    status: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GatewayLabels {
+    gateway: &'static str,
+}
+
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// 0.5 ms to about 65 s, doubling: a claim's millisecond and a gateway call's seconds alike.
+fn seconds() -> Histogram {
+    Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+}
+
+struct Inner {
+    registry: Registry,
+    job_runs: Histograms<JobLabels>,
+    job_delay: Histograms<QueueLabels>,
+    http: Histograms<HttpLabels>,
+    webhook_to_effect: Histograms<GatewayLabels>,
+}
+
+/// The process's metrics; cloning shares them.
+#[derive(Clone)]
+pub struct Telemetry(Arc<Inner>);
+
+impl Default for Telemetry {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let job_runs: Histograms<JobLabels> = Family::new_with_constructor(seconds);
+        let job_delay: Histograms<QueueLabels> = Family::new_with_constructor(seconds);
+        let http: Histograms<HttpLabels> = Family::new_with_constructor(seconds);
+        let webhook_to_effect: Histograms<GatewayLabels> = Family::new_with_constructor(seconds);
+        registry.register(
+            "payfleet_job_run_seconds",
+            "Job runs by queue, kind and outcome, and how long each ran",
+            job_runs.clone(),
+        );
+        registry.register(
+            "payfleet_job_start_delay_seconds",
+            "From a job's due time to its start",
+            job_delay.clone(),
+        );
+        registry.register(
+            "payfleet_http_request_duration_seconds",
+            "HTTP answers by route template and status class, and how long each took",
+            http.clone(),
+        );
+        registry.register(
+            "payfleet_webhook_to_effect_seconds",
+            "From a payment event's receipt to the end of its processing",
+            webhook_to_effect.clone(),
+        );
+        Self(Arc::new(Inner {
+            registry,
+            job_runs,
+            job_delay,
+            http,
+            webhook_to_effect,
+        }))
+    }
+}
+
+impl Telemetry {
+    pub fn http_answered(&self, route: &str, status: u16, took: Duration) {
+        let status = match status {
+            100..=199 => "1xx",
+            200..=299 => "2xx",
+            300..=399 => "3xx",
+            400..=499 => "4xx",
+            _ => "5xx",
+        };
+        self.0
+            .http
+            .get_or_create(&HttpLabels {
+                route: route.to_owned(),
+                status,
+            })
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn event_processed(&self, gateway: crate::gateways::GatewayName, since_receipt: Duration) {
+        self.0
+            .webhook_to_effect
+            .get_or_create(&GatewayLabels {
+                gateway: gateway.as_str(),
+            })
+            .observe(since_receipt.as_secs_f64());
+    }
+
+    /// Appends the metrics in the Prometheus text format.
+    pub fn render(&self, out: &mut String) -> std::fmt::Result {
+        prometheus_client::encoding::text::encode_registry(out, &self.0.registry)
+    }
+}
+
+impl payfleet_queue::RunObserver for Telemetry {
+    fn run_ended(&self, run: &payfleet_queue::RunReport<'_>) {
+        self.0
+            .job_runs
+            .get_or_create(&JobLabels {
+                queue: run.queue.to_owned(),
+                kind: run.kind.to_owned(),
+                outcome: run.outcome.as_str(),
+            })
+            .observe(run.took.as_secs_f64());
+        self.0
+            .job_delay
+            .get_or_create(&QueueLabels {
+                queue: run.queue.to_owned(),
+            })
+            .observe(run.waited.as_secs_f64());
+    }
+}
