@@ -6,7 +6,7 @@
 //!
 //! Layout (one module per bounded context; the root only assembles). A module uses only
 //! modules left of it in this chain (`tests/api/layout.rs` keeps it true):
-//! `secret` -> `env`, `money`, `db`, `tls` -> `gateways` -> `messaging`, `catalogue`, `telemetry` -> `auth` ->
+//! `secret` -> `env`, `money`, `db`, `tls` -> `gateways` -> `telemetry` -> `messaging`, `catalogue` -> `auth` ->
 //! `ledger`, `payment_status`, `recurring` -> `orders`, `consistency` -> `payments` ->
 //! `webhooks` -> `http` -> `config` -> `startup`. The binary (`src/main.rs`: `cli`, `demo`,
 //! `bench`, `soak`, and `scratch`, the fleet of their own they run) sits on top and uses the library like any other program.
@@ -25,8 +25,9 @@
 //! - `messaging`  the shared RabbitMQ connection, the RPCs (payment links, coins) and the
 //!   order messages (outbox relay, routing by order type)
 //! - `catalogue`  sellers, products, coupons
-//! - `telemetry`  this process's histograms (job runs, HTTP answers, webhook to effect), on
-//!   `prometheus-client`, served by `/metrics` beside the database's gauges
+//! - `telemetry`  this process's histograms and counters (job runs, HTTP answers, webhook to
+//!   effect, order messages, RPC calls), on `prometheus-client`, served by `/metrics` beside
+//!   the database's gauges
 //! - `auth`       who may call: the admin token (kept as a digest), API keys (kept as hashes,
 //!   bound to a seller or not), the limiter on failed credentials per address
 //! - `ledger`     double entry: sales, refunds, disputes, holding period, payouts, commission

@@ -290,14 +290,15 @@ pub fn start(
             "PAYFLEET_PAYMENT_SIMULATOR is on: these gateways' payments are simulated and move no money; never run this where money is real"
         );
     }
+    let telemetry = Telemetry::default();
     let broker = Broker::start_with(
         config.amqp_url.clone(),
         &config.messaging.namespace,
         config.messaging.queue_ttl_ms,
         config.messaging.queues,
-    );
+    )
+    .observed(telemetry.clone());
     let (gateways, hosted) = gateways(config, &pool)?;
-    let telemetry = Telemetry::default();
     let fleet = if roles.work {
         let listen = match &config.listen {
             ListenTo::Database => Listen::Database,

@@ -11,11 +11,17 @@
 //!   template (`/orders/{number}`, never the id itself) and status class (`2xx`...).
 //! - `payfleet_webhook_to_effect_seconds{gateway}`: from a payment event's receipt to the end
 //!   of its processing (its effect committed).
+//! - `payfleet_amqp_messages_total{event}`: order messages `published`, `confirmed` and
+//!   `nacked` by the broker, `consumed` (handled and acknowledged), `redelivered` (a handler
+//!   failed: delivered again) and `dead` (kept for an operator after every attempt failed).
+//! - `payfleet_rpc_calls_total{rpc,result}`: RPC calls (`payment_links`, `coins`) `answered`,
+//!   `timeout` (no answer in time) or `failed` (not connected, not sent, lost).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
@@ -43,7 +49,50 @@ struct GatewayLabels {
     gateway: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MessageLabels {
+    event: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RpcLabels {
+    rpc: &'static str,
+    result: &'static str,
+}
+
 type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// What happened to an order message.
+#[derive(Debug, Clone, Copy)]
+pub enum MessageEvent {
+    Published,
+    Confirmed,
+    Nacked,
+    Consumed,
+    Redelivered,
+    Dead,
+}
+
+impl MessageEvent {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Published => "published",
+            Self::Confirmed => "confirmed",
+            Self::Nacked => "nacked",
+            Self::Consumed => "consumed",
+            Self::Redelivered => "redelivered",
+            Self::Dead => "dead",
+        }
+    }
+}
+
+/// How an RPC call ended.
+#[derive(Debug, Clone, Copy)]
+pub enum RpcResult {
+    Answered,
+    Timeout,
+    Failed,
+}
 
 /// 0.5 ms to about 65 s, doubling: a claim's millisecond and a gateway call's seconds alike.
 fn seconds() -> Histogram {
@@ -56,6 +105,8 @@ struct Inner {
     job_delay: Histograms<QueueLabels>,
     http: Histograms<HttpLabels>,
     webhook_to_effect: Histograms<GatewayLabels>,
+    messages: Family<MessageLabels, Counter>,
+    rpc: Family<RpcLabels, Counter>,
 }
 
 /// The process's metrics; cloning shares them.
@@ -89,12 +140,26 @@ impl Default for Telemetry {
             "From a payment event's receipt to the end of its processing",
             webhook_to_effect.clone(),
         );
+        let messages: Family<MessageLabels, Counter> = Family::default();
+        let rpc: Family<RpcLabels, Counter> = Family::default();
+        registry.register(
+            "payfleet_amqp_messages",
+            "Order messages published, confirmed and nacked by the broker, consumed, redelivered and dead",
+            messages.clone(),
+        );
+        registry.register(
+            "payfleet_rpc_calls",
+            "RPC calls by RPC and how they ended",
+            rpc.clone(),
+        );
         Self(Arc::new(Inner {
             registry,
             job_runs,
             job_delay,
             http,
             webhook_to_effect,
+            messages,
+            rpc,
         }))
     }
 }
@@ -124,6 +189,24 @@ impl Telemetry {
                 gateway: gateway.as_str(),
             })
             .observe(since_receipt.as_secs_f64());
+    }
+
+    pub fn message(&self, event: MessageEvent, n: u64) {
+        self.0
+            .messages
+            .get_or_create(&MessageLabels {
+                event: event.as_str(),
+            })
+            .inc_by(n);
+    }
+
+    pub fn rpc_call(&self, rpc: &'static str, result: RpcResult) {
+        let result = match result {
+            RpcResult::Answered => "answered",
+            RpcResult::Timeout => "timeout",
+            RpcResult::Failed => "failed",
+        };
+        self.0.rpc.get_or_create(&RpcLabels { rpc, result }).inc();
     }
 
     /// Appends the metrics in the Prometheus text format.

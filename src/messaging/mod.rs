@@ -139,6 +139,8 @@ pub struct Broker {
     /// Queues unused this long are dropped by the broker (test and preview set-ups).
     queue_ttl_ms: Option<u32>,
     queues: QueueKind,
+    /// Where its messages and calls are counted.
+    telemetry: crate::telemetry::Telemetry,
 }
 
 impl std::fmt::Debug for Broker {
@@ -174,7 +176,18 @@ impl Broker {
             namespace: namespace.into(),
             queue_ttl_ms,
             queues,
+            telemetry: Default::default(),
         }
+    }
+
+    /// The broker, its messages and RPC calls counted in `telemetry` (the process's).
+    pub fn observed(mut self, telemetry: crate::telemetry::Telemetry) -> Self {
+        self.telemetry = telemetry;
+        self
+    }
+
+    pub fn telemetry(&self) -> &crate::telemetry::Telemetry {
+        &self.telemetry
     }
 
     /// Stops the supervisor (closing the connection) and every part waiting on

@@ -35,6 +35,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 
 use super::Broker;
+use crate::telemetry::MessageEvent;
 
 /// Which service's queue takes which routing keys: `service=pattern,pattern;service=...`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -272,6 +273,9 @@ async fn relay_batch(
             .await?;
         confirms.push((id, message.message_id, confirm));
     }
+    broker
+        .telemetry()
+        .message(MessageEvent::Published, confirms.len() as u64);
     // What the broker confirmed is marked, whatever happens to the rest: a refused or
     // unconfirmed message stays in the outbox alone, without sending the others again. The
     // wait is bounded, so a stalled broker (a memory alarm) never holds the rows' transaction
@@ -281,8 +285,12 @@ async fn relay_batch(
     let waited = tokio::time::timeout(CONFIRM_TIMEOUT, async {
         for (id, message_id, confirm) in confirms {
             match confirm.await {
-                Ok(c) if c.is_ack() => acked.push(id),
+                Ok(c) if c.is_ack() => {
+                    broker.telemetry().message(MessageEvent::Confirmed, 1);
+                    acked.push(id);
+                }
                 Ok(_) => {
+                    broker.telemetry().message(MessageEvent::Nacked, 1);
                     failure.get_or_insert(RelayError::Nacked(message_id));
                 }
                 Err(e) => {
@@ -597,6 +605,7 @@ async fn consume_until_stopped<H>(
                         tracing::debug!(queue = %name, message = %id, "a message handled before: dropped");
                     }
                     let _ = delivery.ack(BasicAckOptions::default()).await;
+                    broker.telemetry().message(MessageEvent::Consumed, 1);
                 }
                 Err(e) => {
                     let text = payfleet_queue::error_chain(&e);
@@ -612,8 +621,10 @@ async fn consume_until_stopped<H>(
                         tracing::error!(queue = %name, message = %id, error = %text, attempts = MAX_HANDLER_ATTEMPTS,
                             "an order message failed every attempt: kept as dead (payfleet messages dead), not delivered again");
                         let _ = delivery.ack(BasicAckOptions::default()).await;
+                        broker.telemetry().message(MessageEvent::Dead, 1);
                         continue;
                     }
+                    broker.telemetry().message(MessageEvent::Redelivered, 1);
                     tracing::warn!(queue = %name, message = %id, error = %text, "an order message could not be handled; it is delivered again");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                     let _ = delivery

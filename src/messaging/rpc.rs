@@ -34,6 +34,7 @@ use tokio::sync::oneshot;
 use super::Broker;
 use crate::gateways::GatewayName;
 use crate::money::Money;
+use crate::telemetry::RpcResult;
 
 const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to";
 
@@ -266,6 +267,17 @@ impl RpcClient {
 
     /// Asks `R`'s answering side and waits for its reply (at most the client's timeout).
     pub async fn call<R: Rpc>(&self, request: &R::Request) -> Result<R::Reply, RpcError> {
+        let answer = self.ask::<R>(request).await;
+        let result = match &answer {
+            Ok(_) => RpcResult::Answered,
+            Err(RpcError::Timeout(_)) => RpcResult::Timeout,
+            Err(_) => RpcResult::Failed,
+        };
+        self.broker.telemetry().rpc_call(R::QUEUE, result);
+        answer
+    }
+
+    async fn ask<R: Rpc>(&self, request: &R::Request) -> Result<R::Reply, RpcError> {
         let channel = self
             .channel
             .lock()

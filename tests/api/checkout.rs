@@ -849,3 +849,59 @@ async fn a_checkout_that_fails_its_batch_is_written_alone_and_holds_up_no_other(
         .unwrap();
     assert_eq!(numbers, (1..=11).collect::<Vec<_>>(), "no gaps");
 }
+
+/// The broker's side is counted: a checkout's payment link is one RPC call answered, and its
+/// order's messages are published and confirmed, once each.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn rpc_calls_and_order_messages_are_counted(pool: PgPool) {
+    let shop = shop(pool.clone()).await;
+    let seller = shop.seller("S").await;
+    let product = shop.product(&seller, "20.00", "BRL").await;
+    let (status, answer) = shop
+        .checkout(
+            Some("k"),
+            json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{answer}");
+    wait_for(
+        "the order's messages to be published",
+        std::time::Duration::from_secs(20),
+        async || {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM order_events WHERE published_at IS NULL",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                == 0
+        },
+    )
+    .await;
+    let events: i64 = sqlx::query_scalar("SELECT count(*) FROM order_events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(events >= 1);
+    let text = shop.app.metrics().await;
+    let value = |series: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .map_or(0.0, |v| v.trim().parse().unwrap())
+    };
+    assert_eq!(
+        value("payfleet_rpc_calls_total{rpc=\"payment_links\",result=\"answered\"}"),
+        1.0,
+        "{text}"
+    );
+    assert_eq!(
+        value("payfleet_amqp_messages_total{event=\"published\"}"),
+        events as f64,
+        "{text}"
+    );
+    assert_eq!(
+        value("payfleet_amqp_messages_total{event=\"confirmed\"}"),
+        events as f64,
+        "{text}"
+    );
+}
