@@ -62,6 +62,9 @@ struct RpcLabels {
 
 type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
 
+/// The RPCs (their request queues' names), counted from zero.
+const RPCS: [&str; 2] = ["payment_links", "coins"];
+
 /// What happened to an order message.
 #[derive(Debug, Clone, Copy)]
 pub enum MessageEvent {
@@ -152,6 +155,27 @@ impl Default for Telemetry {
             "RPC calls by RPC and how they ended",
             rpc.clone(),
         );
+        // Every counter from zero, so a rate over it is right from the process's start.
+        for event in [
+            MessageEvent::Published,
+            MessageEvent::Confirmed,
+            MessageEvent::Nacked,
+            MessageEvent::Consumed,
+            MessageEvent::Redelivered,
+            MessageEvent::Dead,
+        ] {
+            messages.get_or_create(&MessageLabels {
+                event: event.as_str(),
+            });
+        }
+        for rpc_name in RPCS {
+            for result in ["answered", "timeout", "failed"] {
+                rpc.get_or_create(&RpcLabels {
+                    rpc: rpc_name,
+                    result,
+                });
+            }
+        }
         Self(Arc::new(Inner {
             registry,
             job_runs,
@@ -209,9 +233,32 @@ impl Telemetry {
         self.0.rpc.get_or_create(&RpcLabels { rpc, result }).inc();
     }
 
-    /// Appends the metrics in the Prometheus text format.
+    /// Appends the metrics in the Prometheus text format. The client writes OpenMetrics, whose
+    /// counter families are named without the `_total` their samples carry; the classic text
+    /// format `/metrics` serves (and `promtool check metrics`) names the family as its samples,
+    /// so the `# HELP` and `# TYPE` lines of counters gain the suffix.
     pub fn render(&self, out: &mut String) -> std::fmt::Result {
-        prometheus_client::encoding::text::encode_registry(out, &self.0.registry)
+        let mut open_metrics = String::new();
+        prometheus_client::encoding::text::encode_registry(&mut open_metrics, &self.0.registry)?;
+        let counters: Vec<&str> = open_metrics
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+            .collect();
+        for line in open_metrics.lines() {
+            let renamed = ["# HELP ", "# TYPE "].iter().find_map(|tag| {
+                let rest = line.strip_prefix(tag)?;
+                let (name, tail) = rest.split_once(' ')?;
+                counters
+                    .contains(&name)
+                    .then(|| format!("{tag}{name}_total {tail}"))
+            });
+            match renamed {
+                Some(l) => out.push_str(&l),
+                None => out.push_str(line),
+            }
+            out.push('\n');
+        }
+        Ok(())
     }
 }
 
@@ -231,5 +278,31 @@ impl payfleet_queue::RunObserver for Telemetry {
                 queue: run.queue.to_owned(),
             })
             .observe(run.waited.as_secs_f64());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Counters are rendered as the classic text format names them: the family as its samples.
+    #[test]
+    fn counter_families_carry_their_samples_suffix() {
+        let t = Telemetry::default();
+        t.rpc_call("coins", RpcResult::Timeout);
+        let mut text = String::new();
+        t.render(&mut text).unwrap();
+        assert!(
+            text.contains("# TYPE payfleet_rpc_calls_total counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# HELP payfleet_rpc_calls_total RPC calls"),
+            "{text}"
+        );
+        assert!(
+            text.contains("payfleet_rpc_calls_total{rpc=\"coins\",result=\"timeout\"} 1\n"),
+            "{text}"
+        );
     }
 }

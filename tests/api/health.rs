@@ -430,4 +430,32 @@ async fn the_histograms_count_the_work_done(pool: PgPool) {
         "{text}"
     );
     assert_eq!(promtool(&text), "", "promtool on:\n{text}");
+
+    // The Grafana dashboard in docs/ops reads only metrics that exist.
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string("docs/ops/grafana.json").unwrap()).unwrap();
+    let mut named = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                if !word.starts_with("payfleet_") {
+                    continue;
+                }
+                named += 1;
+                let family = ["_bucket", "_count", "_sum"]
+                    .iter()
+                    .find_map(|s| word.strip_suffix(s))
+                    .unwrap_or(word);
+                let bare = family.strip_suffix("_total").unwrap_or(family);
+                assert!(
+                    text.contains(&format!("# TYPE {family} "))
+                        || text.contains(&format!("# TYPE {bare} ")),
+                    "the dashboard's panel {:?} reads {word}, which /metrics does not export",
+                    panel["title"]
+                );
+            }
+        }
+    }
+    assert!(named >= 20, "{named} series read by the dashboard");
 }
