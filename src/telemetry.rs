@@ -164,13 +164,13 @@ impl Default for Telemetry {
             MessageEvent::Redelivered,
             MessageEvent::Dead,
         ] {
-            messages.get_or_create(&MessageLabels {
+            let _ = messages.get_or_create(&MessageLabels {
                 event: event.as_str(),
             });
         }
         for rpc_name in RPCS {
             for result in ["answered", "timeout", "failed"] {
-                rpc.get_or_create(&RpcLabels {
+                let _ = rpc.get_or_create(&RpcLabels {
                     rpc: rpc_name,
                     result,
                 });
