@@ -4,7 +4,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
 
-use crate::{bench, demo, soak};
+use crate::{bench, demo, progress, soak};
 use payfleet::config::Config;
 use payfleet::db;
 use payfleet::payments::events::{self, Replayed};
@@ -180,7 +180,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Migrate => {
             let (url, locking) = config.migrations_url();
+            let working = progress::spinner("applying migrations");
             db::migrate_at(url, locking).await?;
+            working.finish_and_clear();
             println!("migrations applied");
             Ok(())
         }
@@ -259,7 +261,9 @@ async fn up(config: Config, public: bool) -> anyhow::Result<()> {
         );
     }
     let (url, locking) = config.migrations_url();
+    let working = progress::spinner("applying migrations");
     db::migrate_at(url, locking).await?;
+    working.finish_and_clear();
     let pool = db::connect(&config.database_url, config.db_pool_size).await?;
     let (config, shown) = demo::development_config(&pool, config).await?;
     for (name, value) in &shown {
@@ -368,7 +372,9 @@ async fn events_command(config: Config, action: EventsAction) -> anyhow::Result<
             }
         },
         EventsAction::Replay { id: None, .. } => {
+            let working = progress::spinner("queueing every unprocessed event");
             let n = events::replay_all(&pool).await?;
+            working.finish_and_clear();
             println!("{n} unprocessed events will be processed again");
         }
     }

@@ -4,6 +4,7 @@
 mod bench;
 mod cli;
 mod demo;
+mod progress;
 mod scratch;
 mod soak;
 

@@ -217,6 +217,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
     let mut lines = Vec::new();
 
     // 1. Checkouts.
+    let phase = crate::progress::spinner(format!("{} checkouts", 2 * args.orders));
     let started = Instant::now();
     let (flash_orders, mut lat) =
         checkouts(addr, &api_key, &flash, args.orders, args.clients).await?;
@@ -233,6 +234,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         percentile(&lat, 0.5),
         percentile(&lat, 0.99)
     );
+    phase.finish_and_clear();
     lines.push(format!("e2e_checkouts_per_s={checkouts_per_s:.0}"));
     lines.push(format!("e2e_checkout_p50_ms={:.1}", percentile(&lat, 0.5)));
     lines.push(format!("e2e_checkout_p99_ms={:.1}", percentile(&lat, 0.99)));
@@ -245,6 +247,8 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         ("one_seller", &flash_orders),
         ("many_sellers", &many_orders),
     ] {
+        let phase =
+            crate::progress::spinner(format!("{name}: {} payments to effect", orders.len()));
         pay_all(addr, &secret, orders, args.clients, &mut next_event).await?;
         let started = chrono::Utc::now();
         fleet.start_workers().await?;
@@ -260,6 +264,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
             "e2e: {name}: {} payments to effect in {secs:.2} s: {rate:.0}/s",
             orders.len()
         );
+        phase.finish_and_clear();
         lines.push(format!("e2e_effects_{name}_per_s={rate:.0}"));
         rates.push((name, rate));
         if name == "one_seller" {
@@ -300,11 +305,13 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
     check_ledger(&pool).await?;
 
     // 4. The baseline.
+    let phase = crate::progress::spinner("pgbench's TPC-B baseline");
     let tps = tpc_b(&pgbench, url.expose(), args.clients, args.pgbench_secs).await?;
     eprintln!(
         "pgbench: TPC-B-like at {} clients: {tps:.0} tps",
         args.clients
     );
+    phase.finish_and_clear();
     lines.push(format!("pgbench_tpcb_c{}_tps={tps:.0}", args.clients));
     lines.push(format!(
         "e2e_checkouts_vs_pgbench={:.2}",

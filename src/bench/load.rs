@@ -196,6 +196,10 @@ pub async fn load(config: &Config, args: LoadArgs) -> anyhow::Result<()> {
     };
 
     let addr = format!("127.0.0.1:{port}");
+    let phase = crate::progress::spinner(format!(
+        "{:.0} signed webhooks a second for {} min",
+        args.rate, args.minutes
+    ));
     let started = Instant::now();
     let until = started + Duration::from_secs_f64(args.minutes * 60.0);
     let per_sender = args.rate / args.senders as f64;
@@ -250,6 +254,7 @@ pub async fn load(config: &Config, args: LoadArgs) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let drained = drain.elapsed().as_secs_f64();
+    phase.finish_and_clear();
     tokio::time::sleep(Duration::from_secs(25)).await;
     let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM payment_events")
         .fetch_one(&pool)

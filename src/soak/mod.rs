@@ -296,10 +296,15 @@ pub async fn run(config: &Config, args: SoakArgs) -> anyhow::Result<()> {
     let bank = tokio::spawn(bank(api.clone(), seed, calm.clone()));
     let mut journeys = tokio::task::JoinSet::new();
     let drive = run_for.mul_f64(0.8);
+    let done = crate::progress::bar(orders as u64, "journeys ended");
     for n in 0..orders {
         let at = drive.mul_f64(n as f64 / orders as f64);
         tokio::time::sleep_until((started + at).into()).await;
-        journeys.spawn(scenario::journey(shared.clone(), n));
+        let (shared, done) = (shared.clone(), done.clone());
+        journeys.spawn(async move {
+            scenario::journey(shared, n).await;
+            done.inc(1);
+        });
     }
     tokio::time::sleep_until((started + run_for).into()).await;
     calm_tx.send(true)?;
@@ -309,6 +314,7 @@ pub async fn run(config: &Config, args: SoakArgs) -> anyhow::Result<()> {
         fired.lock().map(|f| f.len()).unwrap_or(0)
     );
     while journeys.join_next().await.is_some() {}
+    done.finish_and_clear();
 
     // Settle: every process up, the relay quiet, the subscriptions ended, the bank answered.
     {
@@ -348,7 +354,9 @@ pub async fn run(config: &Config, args: SoakArgs) -> anyhow::Result<()> {
     }
     resender.await?;
     bank.await??;
+    let working = crate::progress::spinner("the fleet settles");
     let settled = settle(&pool, &api, Duration::from_secs(300)).await?;
+    working.finish_and_clear();
     eprintln!(
         "soak: {} in {:.0} s",
         if settled { "settled" } else { "NOT settled" },

@@ -374,3 +374,27 @@ async fn three_worker_processes_drain_a_backlog_with_every_job_run_once(pool: Pg
     assert_eq!((orders, paid, payments), (N, N, N));
     assert_eq!(processed_events(&pool).await, N);
 }
+
+/// `payfleet migrate` and `events replay --all` show their progress only on a terminal: piped
+/// (a log, CI), their output is their result lines, nothing drawn.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn long_commands_draw_no_progress_when_not_on_a_terminal(pool: PgPool) {
+    for args in [&["migrate"][..], &["events", "replay", "--all"][..]] {
+        let out = run(&pool, args).await;
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !stderr.contains("applying migrations") && !stderr.contains("queueing every"),
+            "{args:?} drew its progress into a pipe: {stderr}"
+        );
+        assert!(
+            !stdout.contains('\u{1b}') && !stderr.contains('\u{1b}'),
+            "{args:?}: {stderr}"
+        );
+        assert!(
+            stdout.contains("migrations applied") || stdout.contains("will be processed again"),
+            "{args:?}: {stdout}"
+        );
+    }
+}
