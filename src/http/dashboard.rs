@@ -1,6 +1,7 @@
 //! The operator dashboard (`/admin/ui`), served by the receiver: queues, failed jobs with retry
 //! and discard, unprocessed events with replay, recurring jobs with their last and next run,
-//! past-due subscriptions, consistency findings. Plain server-rendered pages and forms; no script.
+//! past-due subscriptions, consistency findings; a page per job and per order, and jobs
+//! filtered and paged (`pages`). Plain server-rendered pages and forms; no script.
 //!
 //! Signing in takes the admin token once and gives a session cookie: `HttpOnly` (no script
 //! reads it), `SameSite=Strict` (no other site's page sends it), `Secure` when the public URL is
@@ -32,6 +33,8 @@ use crate::secret::hmac_sha256;
 use payfleet_queue::JobId;
 use payfleet_queue::admin as jobs;
 
+mod pages;
+
 /// What the dashboard: the pool, who may sign in, where buyers reach us, the schedules, and whether its cookie is `Secure`.
 #[derive(Clone)]
 pub struct DashboardState {
@@ -56,7 +59,11 @@ pub(super) fn routes(state: DashboardState) -> Routes {
             post(sign_in).layer(axum::extract::DefaultBodyLimit::max(4096)),
         )
         .route("/admin/ui/sign-out", post(sign_out))
+        .route("/admin/ui/jobs", get(pages::jobs_page))
+        .route("/admin/ui/jobs/{id}", get(pages::job_page))
         .route("/admin/ui/jobs/{id}/{action}", post(job_action))
+        .route("/admin/ui/order", get(pages::order_lookup))
+        .route("/admin/ui/orders/{number}", get(pages::order_page))
         .route("/admin/ui/events/{id}/replay", post(replay_event))
         .route("/admin/ui/events/replay-all", post(replay_all))
         .with_state(state)
@@ -342,6 +349,11 @@ impl FromRequestParts<DashboardState> for OperatorSession {
 }
 
 impl OperatorSession {
+    /// The CSRF token its pages' forms carry.
+    fn csrf(&self) -> String {
+        self.session.csrf(&self.token)
+    }
+
     /// A form post's CSRF token: nothing changes without it.
     fn check(&self, form: Option<&Csrf>) -> Result<(), Page> {
         match form {
@@ -386,6 +398,8 @@ enum JobAction {
     Retry,
     /// A waiting job is given up (kept, and can be retried).
     Discard,
+    /// A waiting job (scheduled for later, or retrying) runs now.
+    Run,
 }
 
 async fn job_action(
@@ -397,7 +411,7 @@ async fn job_action(
     operator.check(form.as_deref().ok())?;
     let Path((raw, action)) = path.map_err(|_| {
         Page::from(ApiError::NotFound(
-            "no such job action: retry or discard".into(),
+            "no such job action: retry, discard or run".into(),
         ))
     })?;
     let id = id_of(&raw)?;
@@ -413,6 +427,12 @@ async fn job_action(
                 .await
                 .map_err(ApiError::from)?;
             format!("job {id} is discarded (kept, and can be retried)")
+        }
+        JobAction::Run => {
+            jobs::run_now(&state.pool, JobId(id))
+                .await
+                .map_err(ApiError::from)?;
+            format!("job {id} is due now")
         }
     };
     tracing::info!(job = id, "{done} (from the dashboard)");
@@ -505,7 +525,10 @@ async fn dashboard(
     let pool = &state.pool;
     let mut body = String::new();
     body.push_str(&format!(
-        "<p>{} {}</p>",
+        "<p>{} {} · <a href=\"/admin/ui/jobs\">All jobs</a></p>\
+         <form id=\"order-lookup\" method=\"get\" action=\"/admin/ui/order\">\
+         <label>Order number <input name=\"number\" inputmode=\"numeric\"></label> \
+         <button type=\"submit\">Open</button></form>",
         button("/admin/ui/sign-out", &csrf, "Sign out"),
         "<a href=\"/admin/ui\">Refresh</a>"
     ));
@@ -583,7 +606,7 @@ async fn dashboard(
                 button(&format!("/admin/ui/jobs/{}/retry", j.id), &csrf, "Retry")
             };
             format!(
-                "<tr id=\"job-{id}\"><td>{id}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"n\">{}/{}</td><td>{}</td><td><pre>{}</pre></td><td>{actions}</td></tr>",
+                "<tr id=\"job-{id}\"><td><a href=\"/admin/ui/jobs/{id}\">{id}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"n\">{}/{}</td><td>{}</td><td><pre>{}</pre></td><td>{actions}</td></tr>",
                 escape(&j.queue),
                 escape(&j.kind),
                 escape(j.key.as_deref().unwrap_or("")),

@@ -489,6 +489,37 @@ pub async fn entries(
     .await
 }
 
+/// One transfer about an order, with the accounts it moved money between.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct OrderTransfer {
+    pub id: i64,
+    pub kind: String,
+    pub source_key: String,
+    #[serde(with = "rust_decimal::serde::str")]
+    pub amount: Decimal,
+    pub currency: String,
+    /// `<kind>:<owner>` of each account.
+    pub from_account: String,
+    pub to_account: String,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// Every transfer about order `number`, in posting order.
+pub async fn of_order(pool: &sqlx::PgPool, number: i64) -> Result<Vec<OrderTransfer>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT t.id, t.kind, t.source_key, t.amount, t.currency::text AS currency,
+                f.kind || ':' || f.owner AS from_account, d.kind || ':' || d.owner AS to_account,
+                t.created_at
+         FROM ledger_transfers t
+         JOIN ledger_accounts f ON f.id = t.from_account
+         JOIN ledger_accounts d ON d.id = t.to_account
+         WHERE t.order_number = $1 ORDER BY t.id",
+    )
+    .bind(number)
+    .fetch_all(pool)
+    .await
+}
+
 /// What the ledger's invariants look like now: accounts whose entries do not sum to their
 /// balance, and currencies whose balances do not sum to zero. Both empty, always.
 pub async fn check(pool: &sqlx::PgPool) -> Result<(Vec<i64>, Vec<String>), sqlx::Error> {

@@ -633,6 +633,27 @@ fn view_of(o: OrderRow, items: Vec<ItemView>) -> OrderView {
     }
 }
 
+/// One step of an order's journey: one of its order events, and when its message left.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct JourneyStep {
+    pub kind: String,
+    pub payload: serde_json::Value,
+    pub created_at: DateTime<Utc>,
+    pub published_at: Option<DateTime<Utc>>,
+}
+
+/// Order `number`'s events, oldest first (empty for an unknown order).
+pub async fn journey(pool: &sqlx::PgPool, number: i64) -> Result<Vec<JourneyStep>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT e.kind, e.payload, e.created_at, e.published_at
+         FROM order_events e JOIN orders o ON o.id = e.order_id
+         WHERE o.number = $1 ORDER BY e.id",
+    )
+    .bind(number)
+    .fetch_all(pool)
+    .await
+}
+
 /// Order `number`, as clients see it.
 pub async fn view(pool: &sqlx::PgPool, number: i64) -> Result<Option<OrderView>, sqlx::Error> {
     let row: Option<OrderRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(

@@ -348,3 +348,149 @@ async fn without_an_admin_token_the_dashboard_is_off(pool: PgPool) {
         .unwrap();
     assert_eq!(answer.status(), 403);
 }
+
+/// As an operator works: from a dead job to its page (its arguments, each attempt's error) and
+/// its retry; from an order number to the order's page (its journey, its payment, its ledger
+/// transfers); jobs filtered by queue and state.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_operator_opens_a_dead_job_and_retries_it_and_follows_an_order_to_its_ledger(
+    pool: PgPool,
+) {
+    let shop = crate::checkout::shop(pool.clone()).await;
+    let seller = shop.seller("S").await;
+    let product = shop.product(&seller, "20.00", "BRL").await;
+    let (status, answer) = shop
+        .checkout(
+            Some("k"),
+            serde_json::json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{answer}");
+    let number = answer["orders"][0]["number"].as_i64().unwrap();
+    let url = answer["orders"][0]["payment"]["url"].as_str().unwrap();
+    assert_eq!(shop.app.pay(url, "succeeded").await.0, 200);
+    wait_for(
+        "the order to be paid and its sale posted",
+        std::time::Duration::from_secs(20),
+        async || {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM ledger_transfers WHERE order_number = $1 AND kind = 'sale_credit'",
+            )
+            .bind(number)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                == 1
+        },
+    )
+    .await;
+    let dead: i64 = sqlx::query_scalar(
+        "INSERT INTO jobs (queue, kind, key, state, attempt, max_attempts, finished_at, payload, errors)
+         VALUES ('payments', 'deliver_hosted_event', 'hosted_event:evt_lost', 'discarded', 3, 3, now(),
+                 '{\"id\": \"evt_lost\"}',
+                 '[{\"attempt\": 1, \"at\": \"2026-12-01T10:00:00Z\", \"worker\": \"w-1\", \"error\": \"receiver answered 502\"},
+                   {\"attempt\": 3, \"at\": \"2026-12-01T10:05:00Z\", \"worker\": \"w-2\", \"error\": \"receiver timed out\"}]')
+         RETURNING id",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+
+    let base = format!("http://{}", shop.app.addr);
+    let mut browser = Browser::start().await;
+    browser.open(&format!("{base}/admin/ui")).await;
+    browser.fill("input[name=token]", ADMIN_TOKEN).await;
+    browser.click("button[type=submit]").await;
+
+    // The dead job, opened from the dashboard's failed jobs.
+    browser.click(&format!("#job-{dead} a")).await;
+    let text = browser.text().await;
+    for wanted in [
+        "evt_lost",
+        "receiver answered 502",
+        "receiver timed out",
+        "w-2",
+        "discarded",
+        "3 of 3",
+    ] {
+        assert!(
+            text.contains(wanted),
+            "the job page lacks {wanted:?}: {text}"
+        );
+    }
+    let shot = browser.screenshot().await;
+    std::fs::write(
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-job.png"),
+        &shot,
+    )
+    .unwrap();
+    browser
+        .click("#job-actions form[action$='/retry'] button")
+        .await;
+    assert!(
+        browser
+            .text()
+            .await
+            .contains(&format!("job {dead} will run again now"))
+    );
+    // The fleet runs it at once: one more attempt (its event is still lost, so it fails again).
+    wait_for(
+        "the retried job to run once more",
+        std::time::Duration::from_secs(20),
+        async || {
+            sqlx::query_scalar::<_, i32>("SELECT attempt FROM jobs WHERE id = $1")
+                .bind(dead)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == 4
+        },
+    )
+    .await;
+
+    // Jobs filtered by queue and key find it.
+    browser
+        .open(&format!(
+            "{base}/admin/ui/jobs?queue=payments&key=hosted_event:evt"
+        ))
+        .await;
+    let text = browser
+        .eval("document.getElementById('jobs')?.innerText ?? ''")
+        .await;
+    assert!(
+        text.as_str().unwrap().contains("deliver_hosted_event"),
+        "{text}"
+    );
+
+    // The order, by its number, down to its ledger transfers.
+    browser.open(&format!("{base}/admin/ui")).await;
+    browser
+        .fill("#order-lookup input[name=number]", &number.to_string())
+        .await;
+    browser.click("#order-lookup button").await;
+    for (id, wanted) in [
+        ("order", &["paid", "20.00", "BRL"][..]),
+        ("journey", &["created", "paid"][..]),
+        ("payments", &["succeeded"][..]),
+        (
+            "ledger",
+            &["sale_credit", "seller_pending", "fee", "platform_revenue"][..],
+        ),
+    ] {
+        let text = browser
+            .eval(&format!("document.getElementById('{id}')?.innerText ?? ''"))
+            .await
+            .as_str()
+            .unwrap()
+            .to_owned();
+        for w in wanted {
+            assert!(text.contains(w), "#{id} lacks {w:?}: {text}");
+        }
+    }
+    let shot = browser.screenshot().await;
+    std::fs::write(
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-order.png"),
+        &shot,
+    )
+    .unwrap();
+}

@@ -175,6 +175,100 @@ pub async fn retry(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
     Ok(())
 }
 
+/// One job as an operator opens it: its arguments, each failed attempt's error, who holds it.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct JobDetail {
+    pub id: JobId,
+    pub queue: String,
+    pub kind: String,
+    pub key: Option<String>,
+    pub fairness_key: Option<String>,
+    pub state: JobState,
+    pub attempt: i32,
+    pub max_attempts: i32,
+    pub payload: serde_json::Value,
+    /// One entry per failed attempt: `{"attempt", "at", "worker", "error"}`.
+    pub errors: serde_json::Value,
+    pub run_at: DateTime<Utc>,
+    pub created_at: DateTime<Utc>,
+    pub attempted_at: Option<DateTime<Utc>>,
+    pub finished_at: Option<DateTime<Utc>>,
+    /// The worker holding its lease while it runs.
+    pub locked_by: Option<String>,
+    pub lease_expires_at: Option<DateTime<Utc>>,
+}
+
+/// Job `id`, if it is still kept (a completed job's row is deleted as it completes).
+pub async fn job(pool: &PgPool, id: JobId) -> Result<Option<JobDetail>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, queue, kind, key, fairness_key, state, attempt, max_attempts, payload, errors,
+                run_at, created_at, attempted_at, finished_at, locked_by, lease_expires_at
+         FROM jobs WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await
+}
+
+/// Jobs by queue, kind, state and key (each optional; the key as a prefix), newest first,
+/// `limit` from after id `before` (paging: the last id of the page before).
+#[derive(Debug, Clone, Default)]
+pub struct JobFilter {
+    pub queue: Option<String>,
+    pub kind: Option<String>,
+    pub state: Option<JobState>,
+    pub key_prefix: Option<String>,
+    pub before: Option<JobId>,
+}
+
+pub async fn list(pool: &PgPool, f: &JobFilter, limit: i64) -> Result<Vec<JobDetail>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, queue, kind, key, fairness_key, state, attempt, max_attempts, payload, errors,
+                run_at, created_at, attempted_at, finished_at, locked_by, lease_expires_at
+         FROM jobs
+         WHERE ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
+           AND ($3::text IS NULL OR state = $3)
+           AND ($4::text IS NULL OR starts_with(key, $4))
+           AND ($5::bigint IS NULL OR id < $5)
+         ORDER BY id DESC LIMIT $6",
+    )
+    .bind(f.queue.as_deref())
+    .bind(f.kind.as_deref())
+    .bind(f.state)
+    .bind(f.key_prefix.as_deref())
+    .bind(f.before)
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
+/// Makes a waiting job (scheduled for later, or retrying) due now.
+pub async fn run_now(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
+    let mut tx = pool.begin().await?;
+    let row: Option<(JobState, Option<String>)> = sqlx::query_as(store::LOCK_STATE_AND_KEY)
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let (state, _) = row.ok_or(AdminError::NotFound(id))?;
+    if !matches!(state, JobState::Available | JobState::Retryable) {
+        return Err(AdminError::WrongState {
+            id,
+            state,
+            allowed: "available or retryable",
+            action: "run now",
+        });
+    }
+    sqlx::query(
+        "WITH j AS (UPDATE jobs SET run_at = now() WHERE id = $1 RETURNING queue)
+         SELECT pg_notify('payfleet_jobs', queue) FROM j",
+    )
+    .bind(id)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
 /// Ends a waiting job as discarded, keeping it for inspection. A running job cannot be
 /// discarded from outside: cancel its key instead, or wait for its run to end.
 pub async fn discard(pool: &PgPool, id: JobId) -> Result<(), AdminError> {

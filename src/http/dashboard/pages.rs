@@ -1,0 +1,415 @@
+//! The dashboard's pages for working in: one job (its arguments, each attempt's error, who
+//! holds it; retry, discard, run now), jobs filtered and paged, and one order (its journey,
+//! payments, refunds and disputes, ledger transfers, messages).
+
+use axum::extract::{Path, Query, State};
+use axum::http::header::LOCATION;
+use axum::http::{HeaderValue, StatusCode};
+use serde::Deserialize;
+
+use super::{DashboardState, OperatorSession, Page, ROWS, button, id_of, table, time};
+use crate::http::ApiError;
+use crate::http::html::escape;
+use payfleet_queue::admin::{self as jobs, JobFilter};
+use payfleet_queue::{JobId, JobState};
+
+/// A payment of an order's sessions: session, payment id, status, amount, refunded.
+type PaymentRow = (String, Option<String>, String, Option<String>, String);
+
+fn link(href: &str, text: &str) -> String {
+    format!("<a href=\"{}\">{}</a>", escape(href), escape(text))
+}
+
+fn pretty(v: &serde_json::Value) -> String {
+    serde_json::to_string_pretty(v).unwrap_or_default()
+}
+
+/// `GET /admin/ui/jobs/{id}`.
+pub(super) async fn job_page(
+    operator: OperatorSession,
+    State(state): State<DashboardState>,
+    Path(raw): Path<String>,
+) -> Result<Page, Page> {
+    let id = id_of(&raw)?;
+    let csrf = operator.csrf();
+    let Some(j) = jobs::job(&state.pool, JobId(id)).await? else {
+        return Err(ApiError::NotFound(format!(
+            "no job {id} (a job that completed is not kept: what it did is in its own records)"
+        ))
+        .into());
+    };
+    let mut actions = Vec::new();
+    if matches!(
+        j.state,
+        JobState::Discarded | JobState::Cancelled | JobState::Retryable
+    ) {
+        actions.push(button(
+            &format!("/admin/ui/jobs/{id}/retry"),
+            &csrf,
+            "Retry",
+        ));
+    }
+    if matches!(j.state, JobState::Available | JobState::Retryable) {
+        actions.push(button(
+            &format!("/admin/ui/jobs/{id}/run"),
+            &csrf,
+            "Run now",
+        ));
+        actions.push(button(
+            &format!("/admin/ui/jobs/{id}/discard"),
+            &csrf,
+            "Discard",
+        ));
+    }
+    let facts = [
+        (
+            "queue",
+            link(&format!("/admin/ui/jobs?queue={}", j.queue), &j.queue),
+        ),
+        ("kind", escape(&j.kind)),
+        ("state", escape(j.state.as_str())),
+        ("attempt", format!("{} of {}", j.attempt, j.max_attempts)),
+        ("key", escape(j.key.as_deref().unwrap_or("none"))),
+        (
+            "fairness key",
+            escape(j.fairness_key.as_deref().unwrap_or("none")),
+        ),
+        ("runs at / ran at", time(Some(j.run_at))),
+        ("enqueued", time(Some(j.created_at))),
+        ("last started", time(j.attempted_at)),
+        ("finished", time(j.finished_at)),
+        (
+            "lease holder",
+            escape(j.locked_by.as_deref().unwrap_or("none (not running)")),
+        ),
+        ("lease ends", time(j.lease_expires_at)),
+    ];
+    let facts: String = facts
+        .iter()
+        .map(|(k, v)| format!("<tr><th>{}</th><td>{v}</td></tr>", escape(k)))
+        .collect();
+    let attempts: Vec<String> = j
+        .errors
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            let field = |k: &str| match &e[k] {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Null => String::new(),
+                other => other.to_string(),
+            };
+            format!(
+                "<tr><td class=\"n\">{}</td><td>{}</td><td>{}</td><td><pre>{}</pre></td></tr>",
+                escape(&field("attempt")),
+                escape(&field("at")),
+                escape(&field("worker")),
+                escape(&field("error"))
+            )
+        })
+        .collect();
+    let body = format!(
+        "<p>{} · {}</p><h2>Job {id}</h2><div id=\"job-actions\">{}</div><table id=\"job\">{facts}</table>\
+         <h2>Arguments</h2><pre id=\"job-args\">{}</pre><h2>Failed attempts</h2>{}",
+        link("/admin/ui", "Dashboard"),
+        link("/admin/ui/jobs", "All jobs"),
+        if actions.is_empty() {
+            "<span class=\"muted\">Nothing to do: it is running, or done.</span>".to_owned()
+        } else {
+            actions.join(" ")
+        },
+        escape(&pretty(&j.payload)),
+        table(
+            "attempts",
+            &["attempt", "at", "worker", "error"],
+            attempts,
+            "No attempt failed.",
+        )
+    );
+    Ok(Page::new(StatusCode::OK, "payfleet job", body))
+}
+
+#[derive(Deserialize, Default)]
+pub(super) struct JobsQuery {
+    queue: Option<String>,
+    kind: Option<String>,
+    state: Option<String>,
+    key: Option<String>,
+    before: Option<i64>,
+}
+
+fn given(v: &Option<String>) -> Option<String> {
+    v.as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+}
+
+/// `GET /admin/ui/jobs?queue=&kind=&state=&key=&before=`: the kept jobs, newest first, 50 a
+/// page.
+pub(super) async fn jobs_page(
+    _operator: OperatorSession,
+    State(state): State<DashboardState>,
+    query: Result<Query<JobsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Page, Page> {
+    let Query(q) = query.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let wanted_state = match given(&q.state) {
+        Some(s) => Some(s.parse::<JobState>().map_err(|_| {
+            ApiError::bad_request(format!(
+                "state {s:?} is not one of available, running, retryable, discarded, cancelled"
+            ))
+        })?),
+        None => None,
+    };
+    let filter = JobFilter {
+        queue: given(&q.queue),
+        kind: given(&q.kind),
+        state: wanted_state,
+        key_prefix: given(&q.key),
+        before: q.before.map(JobId),
+    };
+    let list = jobs::list(&state.pool, &filter, ROWS).await?;
+    let rows: Vec<String> = list
+        .iter()
+        .map(|j| {
+            format!(
+                "<tr id=\"job-{id}\"><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"n\">{}/{}</td><td>{}</td></tr>",
+                link(&format!("/admin/ui/jobs/{}", j.id.0), &j.id.0.to_string()),
+                escape(&j.queue),
+                escape(&j.kind),
+                escape(j.key.as_deref().unwrap_or("")),
+                escape(j.state.as_str()),
+                j.attempt,
+                j.max_attempts,
+                time(Some(j.run_at)),
+                id = j.id.0,
+            )
+        })
+        .collect();
+    let value = |v: &Option<String>| escape(v.as_deref().unwrap_or(""));
+    let form = format!(
+        "<form id=\"job-filter\" method=\"get\" action=\"/admin/ui/jobs\">\
+         <label>queue <input name=\"queue\" value=\"{}\"></label> \
+         <label>kind <input name=\"kind\" value=\"{}\"></label> \
+         <label>state <input name=\"state\" value=\"{}\" placeholder=\"discarded\"></label> \
+         <label>key starts with <input name=\"key\" value=\"{}\"></label> \
+         <button type=\"submit\">Show</button></form>",
+        value(&q.queue),
+        value(&q.kind),
+        value(&q.state),
+        value(&q.key)
+    );
+    let next = if list.len() as i64 == ROWS {
+        list.last().map(|last| {
+            let mut params = vec![format!("before={}", last.id.0)];
+            for (name, v) in [
+                ("queue", &filter.queue),
+                ("kind", &filter.kind),
+                ("key", &filter.key_prefix),
+            ] {
+                if let Some(v) = v {
+                    params.push(format!("{name}={}", super::url_escape(v)));
+                }
+            }
+            if let Some(s) = filter.state {
+                params.push(format!("state={}", s.as_str()));
+            }
+            format!(
+                "<p>{}</p>",
+                link(
+                    &format!("/admin/ui/jobs?{}", params.join("&")),
+                    "Older jobs"
+                )
+            )
+        })
+    } else {
+        None
+    };
+    let body = format!(
+        "<p>{}</p><h2>Jobs</h2><p class=\"muted\">Kept jobs, newest first: waiting, running, retrying, dead and cancelled (a completed job is deleted as it completes).</p>{form}{}{}",
+        link("/admin/ui", "Dashboard"),
+        table(
+            "jobs",
+            &["id", "queue", "kind", "key", "state", "attempt", "runs at"],
+            rows,
+            "No job matches."
+        ),
+        next.unwrap_or_default()
+    );
+    Ok(Page::new(StatusCode::OK, "payfleet jobs", body))
+}
+
+#[derive(Deserialize)]
+pub(super) struct Lookup {
+    number: Option<String>,
+}
+
+/// `GET /admin/ui/order?number=N`: the dashboard's lookup form, sent on to the order's page.
+pub(super) async fn order_lookup(
+    _operator: OperatorSession,
+    Query(q): Query<Lookup>,
+) -> Result<Page, Page> {
+    let raw = q.number.unwrap_or_default();
+    let number = id_of(raw.trim())?;
+    let mut page = Page::new(StatusCode::SEE_OTHER, "Order", String::new());
+    if let Ok(v) = HeaderValue::from_str(&format!("/admin/ui/orders/{number}")) {
+        page.headers.push((LOCATION, v));
+    }
+    Ok(page)
+}
+
+/// `GET /admin/ui/orders/{number}`: the order, its journey, its money.
+pub(super) async fn order_page(
+    _operator: OperatorSession,
+    State(state): State<DashboardState>,
+    Path(raw): Path<String>,
+) -> Result<Page, Page> {
+    let number = id_of(&raw)?;
+    let pool = &state.pool;
+    let Some(o) = crate::orders::view(pool, number).await? else {
+        return Err(ApiError::NotFound(format!("no order {number}")).into());
+    };
+    let facts = [
+        ("status", escape(o.status.as_str())),
+        ("payment status", escape(o.payment_status.as_str())),
+        ("seller", escape(&o.seller_id.to_string())),
+        ("buyer", escape(&o.buyer_id)),
+        ("kind", escape(o.kind.as_str())),
+        (
+            "total",
+            format!("{} {}", escape(&o.total), escape(&o.currency)),
+        ),
+        ("discount", escape(&o.discount)),
+        ("platform fee", escape(&o.platform_fee)),
+        ("seller's net", escape(&o.seller_net)),
+        ("refunded", escape(&o.amount_refunded)),
+        ("gateway", escape(o.gateway.as_str())),
+        (
+            "payment session",
+            escape(o.payment.as_ref().map_or("none", |p| p.session_id.as_str())),
+        ),
+        ("created", time(Some(o.created_at))),
+        ("expires", time(Some(o.expires_at))),
+        ("paid", time(o.paid_at)),
+    ];
+    let facts: String = facts
+        .iter()
+        .map(|(k, v)| format!("<tr><th>{}</th><td>{v}</td></tr>", escape(k)))
+        .collect();
+
+    let journey: Vec<String> = crate::orders::journey(pool, number)
+        .await?
+        .iter()
+        .map(|s| {
+            format!(
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td><pre>{}</pre></td></tr>",
+                escape(&s.kind),
+                time(Some(s.created_at)),
+                time(s.published_at),
+                escape(&pretty(&s.payload))
+            )
+        })
+        .collect();
+
+    let payments: Vec<PaymentRow> = sqlx::query_as(
+        "SELECT po.session_id, po.payment_id, po.status, po.amount::text, po.amount_refunded::text
+         FROM payment_orders po
+         JOIN payment_sessions ps ON ps.gateway = po.gateway AND ps.session_id = po.session_id
+         WHERE ps.order_number = $1 ORDER BY po.id",
+    )
+    .bind(number)
+    .fetch_all(pool)
+    .await?;
+    let payments: Vec<String> = payments
+        .iter()
+        .map(|(session, payment, status, amount, refunded)| {
+            format!(
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr>",
+                escape(session),
+                escape(payment.as_deref().unwrap_or("")),
+                escape(status),
+                escape(amount.as_deref().unwrap_or("")),
+                escape(refunded)
+            )
+        })
+        .collect();
+
+    let taken: Vec<(String, String, String, String)> = sqlx::query_as(
+        "SELECT 'refund', r.refund_id, r.amount::text, 'succeeded'
+         FROM payment_refunds r JOIN payment_orders po ON po.id = r.payment_order_id
+         JOIN payment_sessions ps ON ps.gateway = po.gateway AND ps.session_id = po.session_id
+         WHERE ps.order_number = $1
+         UNION ALL
+         SELECT 'dispute', d.dispute_id, d.amount::text, d.status
+         FROM payment_disputes d JOIN payment_orders po ON po.id = d.payment_order_id
+         JOIN payment_sessions ps ON ps.gateway = po.gateway AND ps.session_id = po.session_id
+         WHERE ps.order_number = $1
+         UNION ALL
+         SELECT 'refund request', r.idempotency_key, r.amount::text, r.state
+         FROM refund_requests r WHERE r.order_number = $1",
+    )
+    .bind(number)
+    .fetch_all(pool)
+    .await?;
+    let taken: Vec<String> = taken
+        .iter()
+        .map(|(what, id, amount, state)| {
+            format!(
+                "<tr><td>{}</td><td>{}</td><td class=\"n\">{}</td><td>{}</td></tr>",
+                escape(what),
+                escape(id),
+                escape(amount),
+                escape(state)
+            )
+        })
+        .collect();
+
+    let transfers: Vec<String> = crate::ledger::of_order(pool, number)
+        .await?
+        .iter()
+        .map(|t| {
+            format!(
+                "<tr><td>{}</td><td>{}</td><td class=\"n\">{} {}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                escape(&t.kind),
+                escape(&t.source_key),
+                t.amount,
+                escape(&t.currency),
+                escape(&t.from_account),
+                escape(&t.to_account),
+                time(Some(t.created_at))
+            )
+        })
+        .collect();
+
+    let body = format!(
+        "<p>{}</p><h2>Order {number}</h2><table id=\"order\">{facts}</table>\
+         <h2>Journey and messages</h2>{}<h2>Payments</h2>{}<h2>Refunds and disputes</h2>{}\
+         <h2>Ledger</h2>{}",
+        link("/admin/ui", "Dashboard"),
+        table(
+            "journey",
+            &["event", "at", "message published", "details"],
+            journey,
+            "No order events."
+        ),
+        table(
+            "payments",
+            &["session", "payment", "status", "amount", "refunded"],
+            payments,
+            "No payment reported yet."
+        ),
+        table(
+            "taken-back",
+            &["what", "id", "amount", "state"],
+            taken,
+            "Nothing refunded or disputed."
+        ),
+        table(
+            "ledger",
+            &["kind", "source", "amount", "from", "to", "posted"],
+            transfers,
+            "Nothing posted for this order."
+        ),
+    );
+    Ok(Page::new(StatusCode::OK, "payfleet order", body))
+}
