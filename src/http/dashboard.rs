@@ -1,7 +1,7 @@
 //! The operator dashboard (`/admin/ui`), served by the receiver: queues, failed jobs with retry
 //! and discard, unprocessed events with replay, recurring jobs with their last and next run,
-//! past-due subscriptions, consistency findings; a page per job and per order, and jobs
-//! filtered and paged (`pages`). Plain server-rendered pages and forms; no script.
+//! past-due subscriptions, consistency findings; a page per job, order, seller and payment
+//! event, and jobs filtered and paged (`pages`). Plain server-rendered pages and forms; no script.
 //!
 //! Signing in takes the admin token once and gives a session cookie: `HttpOnly` (no script
 //! reads it), `SameSite=Strict` (no other site's page sends it), `Secure` when the public URL is
@@ -64,7 +64,9 @@ pub(super) fn routes(state: DashboardState) -> Routes {
         .route("/admin/ui/jobs/{id}/{action}", post(job_action))
         .route("/admin/ui/order", get(pages::order_lookup))
         .route("/admin/ui/orders/{number}", get(pages::order_page))
+        .route("/admin/ui/events/{id}", get(pages::event_page))
         .route("/admin/ui/events/{id}/replay", post(replay_event))
+        .route("/admin/ui/sellers/{id}", get(pages::seller_page))
         .route("/admin/ui/events/replay-all", post(replay_all))
         .with_state(state)
 }
@@ -643,7 +645,7 @@ async fn dashboard(
         .iter()
         .map(|e| {
             format!(
-                "<tr id=\"event-{id}\"><td>{id}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                "<tr id=\"event-{id}\"><td><a href=\"/admin/ui/events/{id}\">{id}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
                 e.gateway,
                 escape(&e.event_id),
                 escape(e.event_type.as_deref().unwrap_or("")),

@@ -493,4 +493,38 @@ async fn an_operator_opens_a_dead_job_and_retries_it_and_follows_an_order_to_its
         &shot,
     )
     .unwrap();
+
+    // On to its seller: balances, the ledger's entries, payouts, invoices.
+    browser.click("#order a[href^='/admin/ui/sellers/']").await;
+    let text = browser.text().await;
+    for wanted in ["Seller S", "18.00", "sale_credit", "No payouts."] {
+        assert!(
+            text.contains(wanted),
+            "the seller page lacks {wanted:?}: {text}"
+        );
+    }
+    let shot = browser.screenshot().await;
+    std::fs::write(
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-seller.png"),
+        &shot,
+    )
+    .unwrap();
+
+    // And the payment event that confirmed it, as the gateway signed it.
+    let event: i64 = sqlx::query_scalar(
+        "SELECT id FROM payment_events WHERE event_type = 'payment.succeeded' ORDER BY id LIMIT 1",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    browser
+        .open(&format!("{base}/admin/ui/events/{event}"))
+        .await;
+    let text = browser.text().await;
+    for wanted in ["payment.succeeded", "applied", "webhook-id", "Processed"] {
+        assert!(
+            text.contains(wanted),
+            "the event page lacks {wanted:?}: {text}"
+        );
+    }
 }

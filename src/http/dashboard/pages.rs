@@ -1,6 +1,7 @@
 //! The dashboard's pages for working in: one job (its arguments, each attempt's error, who
-//! holds it; retry, discard, run now), jobs filtered and paged, and one order (its journey,
-//! payments, refunds and disputes, ledger transfers, messages).
+//! holds it; retry, discard, run now), jobs filtered and paged, one order (its journey,
+//! payments, refunds and disputes, ledger transfers, messages), one seller (balances, ledger
+//! paged, payouts, invoices) and one payment event (its body as signed, its outcome; replay).
 
 use axum::extract::{Path, Query, State};
 use axum::http::header::LOCATION;
@@ -272,7 +273,13 @@ pub(super) async fn order_page(
     let facts = [
         ("status", escape(o.status.as_str())),
         ("payment status", escape(o.payment_status.as_str())),
-        ("seller", escape(&o.seller_id.to_string())),
+        (
+            "seller",
+            link(
+                &format!("/admin/ui/sellers/{}", o.seller_id),
+                &o.seller_id.to_string(),
+            ),
+        ),
         ("buyer", escape(&o.buyer_id)),
         ("kind", escape(o.kind.as_str())),
         (
@@ -412,4 +419,210 @@ pub(super) async fn order_page(
         ),
     );
     Ok(Page::new(StatusCode::OK, "payfleet order", body))
+}
+
+#[derive(Deserialize)]
+pub(super) struct After {
+    after: Option<i64>,
+}
+
+/// `GET /admin/ui/sellers/{id}?after=`: a seller's balances, ledger (50 entries a page),
+/// payouts and invoices.
+pub(super) async fn seller_page(
+    _operator: OperatorSession,
+    State(state): State<DashboardState>,
+    Path(raw): Path<String>,
+    Query(after): Query<After>,
+) -> Result<Page, Page> {
+    let pool = &state.pool;
+    let seller: crate::catalogue::SellerId = raw
+        .parse()
+        .map_err(|_| ApiError::NotFound(format!("no seller {raw:?}")))?;
+    let Some(s) = crate::catalogue::seller(pool, seller).await? else {
+        return Err(ApiError::NotFound(format!("no seller {raw:?}")).into());
+    };
+    let id = seller.to_string();
+    let balances: Vec<String> = crate::ledger::balances(pool, &id)
+        .await?
+        .iter()
+        .map(|b| {
+            format!(
+                "<tr><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr>",
+                escape(&b.currency),
+                escape(&b.pending),
+                escape(&b.available),
+                escape(&b.connected_sales)
+            )
+        })
+        .collect();
+    let after = after.after.unwrap_or(0).max(0);
+    let entries = crate::ledger::entries(pool, &id, after, ROWS).await?;
+    let next = (entries.len() as i64 == ROWS)
+        .then(|| entries.last().map(|e| e.id))
+        .flatten();
+    let entries: Vec<String> = entries
+        .iter()
+        .map(|e| {
+            let order = e.order_number.map_or(String::new(), |n| {
+                link(&format!("/admin/ui/orders/{n}"), &n.to_string())
+            });
+            format!(
+                "<tr><td class=\"n\">{}</td><td>{}</td><td>{}</td><td class=\"n\">{} {}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{}</td><td>{order}</td><td>{}</td></tr>",
+                e.id,
+                escape(&e.bucket),
+                escape(e.kind.as_str()),
+                e.amount,
+                escape(&e.currency),
+                e.balance_before,
+                e.balance_after,
+                escape(&e.source_key),
+                time(Some(e.created_at))
+            )
+        })
+        .collect();
+    let payouts: Vec<String> = crate::ledger::payouts::list(pool, &id)
+        .await?
+        .iter()
+        .map(|p| {
+            format!(
+                "<tr><td class=\"n\">{}</td><td>{}</td><td class=\"n\">{} {}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                p.id,
+                p.period_start,
+                p.amount,
+                escape(&p.currency),
+                escape(p.state.as_str()),
+                escape(p.failure.as_deref().unwrap_or("")),
+                time(Some(p.created_at))
+            )
+        })
+        .collect();
+    let invoices: Vec<String> = crate::ledger::invoices::list(pool, seller)
+        .await?
+        .iter()
+        .map(|i| {
+            let totals: Vec<String> = i
+                .totals
+                .iter()
+                .map(|t| format!("{} {}", t.commission, t.currency))
+                .collect();
+            format!(
+                "<tr><td class=\"n\">{}</td><td>{} to {}</td><td>{}</td><td>{}</td></tr>",
+                i.number,
+                i.period_start,
+                i.period_end,
+                escape(&totals.join(", ")),
+                time(Some(i.created_at))
+            )
+        })
+        .collect();
+    let body = format!(
+        "<p>{}</p><h2>Seller {}</h2><p>{}</p><h2>Balances</h2>{}<h2>Ledger</h2>{}{}<h2>Payouts</h2>{}<h2>Commission invoices</h2>{}",
+        link("/admin/ui", "Dashboard"),
+        escape(&s.name),
+        escape(&id),
+        table(
+            "balances",
+            &["currency", "pending", "available", "paid by the gateway"],
+            balances,
+            "No money yet."
+        ),
+        table(
+            "seller-ledger",
+            &[
+                "entry", "bucket", "kind", "amount", "before", "after", "source", "order", "posted"
+            ],
+            entries,
+            "No entries."
+        ),
+        next.map_or(String::new(), |n| format!(
+            "<p>{}</p>",
+            link(
+                &format!("/admin/ui/sellers/{id}?after={n}"),
+                "Later entries"
+            )
+        )),
+        table(
+            "payouts",
+            &["payout", "period", "amount", "state", "failure", "made"],
+            payouts,
+            "No payouts."
+        ),
+        table(
+            "invoices",
+            &["invoice", "period", "commission", "made"],
+            invoices,
+            "No invoices."
+        ),
+    );
+    Ok(Page::new(StatusCode::OK, "payfleet seller", body))
+}
+
+/// `GET /admin/ui/events/{id}`: a stored payment event: its body, headers and outcome.
+pub(super) async fn event_page(
+    operator: OperatorSession,
+    State(state): State<DashboardState>,
+    Path(raw): Path<String>,
+) -> Result<Page, Page> {
+    let id = id_of(&raw)?;
+    let row: Option<EventRow> = sqlx::query_as(
+        "SELECT gateway, event_id, event_type, raw_body, headers, received_at, processed_at,
+                outcome, outcome_detail
+         FROM payment_events WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_optional(&state.pool)
+    .await?;
+    let Some(e) = row else {
+        return Err(ApiError::NotFound(format!("no event {id}")).into());
+    };
+    let body_text = match serde_json::from_slice::<serde_json::Value>(&e.raw_body) {
+        Ok(v) => pretty(&v),
+        Err(_) => String::from_utf8_lossy(&e.raw_body).into_owned(),
+    };
+    let facts = [
+        ("gateway", escape(&e.gateway)),
+        ("event id", escape(&e.event_id)),
+        ("type", escape(e.event_type.as_deref().unwrap_or(""))),
+        ("received", time(Some(e.received_at))),
+        ("processed", time(e.processed_at)),
+        (
+            "outcome",
+            escape(e.outcome.as_deref().unwrap_or("none yet")),
+        ),
+        ("detail", escape(e.outcome_detail.as_deref().unwrap_or(""))),
+    ];
+    let facts: String = facts
+        .iter()
+        .map(|(k, v)| format!("<tr><th>{}</th><td>{v}</td></tr>", escape(k)))
+        .collect();
+    let replay = if e.processed_at.is_none() {
+        button(
+            &format!("/admin/ui/events/{id}/replay"),
+            &operator.csrf(),
+            "Replay",
+        )
+    } else {
+        "<span class=\"muted\">Processed: replaying it would change nothing.</span>".to_owned()
+    };
+    let body = format!(
+        "<p>{}</p><h2>Payment event {id}</h2><div id=\"event-actions\">{replay}</div><table id=\"event\">{facts}</table>\
+         <h2>Body (as signed)</h2><pre id=\"event-body\">{}</pre><h2>Headers</h2><pre>{}</pre>",
+        link("/admin/ui", "Dashboard"),
+        escape(&body_text),
+        escape(&pretty(&e.headers))
+    );
+    Ok(Page::new(StatusCode::OK, "payfleet event", body))
+}
+
+#[derive(sqlx::FromRow)]
+struct EventRow {
+    gateway: String,
+    event_id: String,
+    event_type: Option<String>,
+    raw_body: Vec<u8>,
+    headers: serde_json::Value,
+    received_at: chrono::DateTime<chrono::Utc>,
+    processed_at: Option<chrono::DateTime<chrono::Utc>>,
+    outcome: Option<String>,
+    outcome_detail: Option<String>,
 }
