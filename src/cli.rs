@@ -102,6 +102,10 @@ enum JobsAction {
     Retry { id: i64 },
     /// Discard a waiting job.
     Discard { id: i64 },
+    /// Pause a queue: no worker claims from it within a second (runs under way end as usual).
+    Pause { queue: String },
+    /// Resume a paused queue.
+    Resume { queue: String },
 }
 
 #[derive(Subcommand)]
@@ -332,6 +336,14 @@ async fn jobs(config: Config, action: JobsAction) -> anyhow::Result<()> {
         JobsAction::Discard { id } => {
             admin::discard(&pool, JobId(id)).await?;
             println!("job {id} discarded");
+        }
+        JobsAction::Pause { queue } => {
+            admin::pause(&pool, &queue).await?;
+            println!("queue {queue} is paused: no worker claims from it within a second");
+        }
+        JobsAction::Resume { queue } => {
+            admin::resume(&pool, &queue).await?;
+            println!("queue {queue} is resumed");
         }
     }
     pool.close().await;

@@ -62,6 +62,7 @@ pub(super) fn routes(state: DashboardState) -> Routes {
         .route("/admin/ui/jobs", get(pages::jobs_page))
         .route("/admin/ui/jobs/{id}", get(pages::job_page))
         .route("/admin/ui/jobs/{id}/{action}", post(job_action))
+        .route("/admin/ui/queues/{queue}/{action}", post(queue_action))
         .route("/admin/ui/order", get(pages::order_lookup))
         .route("/admin/ui/orders/{number}", get(pages::order_page))
         .route("/admin/ui/events/{id}", get(pages::event_page))
@@ -441,6 +442,49 @@ async fn job_action(
     Ok(Page::done(&done))
 }
 
+/// Pausing and resuming a queue from the dashboard.
+#[derive(Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum QueueAction {
+    /// No worker claims from it within a second; runs under way end as usual.
+    Pause,
+    Resume,
+}
+
+async fn queue_action(
+    operator: OperatorSession,
+    State(state): State<DashboardState>,
+    path: Result<Path<(String, QueueAction)>, axum::extract::rejection::PathRejection>,
+    form: Result<Form<Csrf>, FormRejection>,
+) -> Result<Page, Page> {
+    operator.check(form.as_deref().ok())?;
+    let Path((queue, action)) = path.map_err(|_| {
+        Page::from(ApiError::NotFound(
+            "no such queue action: pause or resume".into(),
+        ))
+    })?;
+    if queue.is_empty()
+        || queue.len() > 100
+        || !queue
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    {
+        return Err(ApiError::bad_request(format!("{queue:?} is not a queue name")).into());
+    }
+    let done = match action {
+        QueueAction::Pause => {
+            jobs::pause(&state.pool, &queue).await?;
+            format!("queue {queue} is paused: no worker claims from it within a second")
+        }
+        QueueAction::Resume => {
+            jobs::resume(&state.pool, &queue).await?;
+            format!("queue {queue} is resumed")
+        }
+    };
+    tracing::info!(%queue, "{done} (from the dashboard)");
+    Ok(Page::done(&done))
+}
+
 async fn replay_event(
     operator: OperatorSession,
     State(state): State<DashboardState>,
@@ -544,10 +588,12 @@ async fn dashboard(
     // Queues: live counts and backlog age.
     let counts = jobs::live_counts(pool).await?;
     let due = jobs::due_by_queue(pool).await?;
+    let paused = jobs::paused(pool).await?;
     let mut queues: Vec<&str> = counts
         .iter()
         .map(|c| c.queue.as_str())
         .chain(due.iter().map(|d| d.queue.as_str()))
+        .chain(paused.iter().map(|(q, _)| q.as_str()))
         .collect();
     queues.sort_unstable();
     queues.dedup();
@@ -561,8 +607,18 @@ async fn dashboard(
                     .map_or(0, |c| c.count)
             };
             let d = due.iter().find(|d| d.queue == *q);
+            let pause = match paused.iter().find(|(p, _)| p == q) {
+                Some((_, since)) => format!(
+                    "paused since {} {}",
+                    time(Some(*since)),
+                    button(&format!("/admin/ui/queues/{q}/resume"), &csrf, "Resume")
+                ),
+                None => button(&format!("/admin/ui/queues/{q}/pause"), &csrf, "Pause"),
+            };
             format!(
-                "<tr><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{:.1} s</td></tr>",
+                "<tr id=\"queue-{}\"><td><a href=\"/admin/ui/jobs?queue={}\">{}</a></td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{:.1} s</td><td>{pause}</td></tr>",
+                escape(q),
+                escape(q),
                 escape(q),
                 d.map_or(0, |d| d.due),
                 n("available"),
@@ -585,6 +641,7 @@ async fn dashboard(
             "running",
             "dead",
             "oldest due waits",
+            "",
         ],
         rows,
         "No jobs waiting, running or dead.",

@@ -448,6 +448,27 @@ async fn an_operator_opens_a_dead_job_and_retries_it_and_follows_an_order_to_its
     )
     .await;
 
+    // The queue paused and resumed from the dashboard.
+    browser.open(&format!("{base}/admin/ui")).await;
+    browser
+        .click("#queue-payments form[action$='/pause'] button")
+        .await;
+    assert!(browser.text().await.contains("queue payments is paused"));
+    let paused: Vec<String> = sqlx::query_scalar("SELECT queue FROM queue_pauses")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(paused, ["payments"]);
+    browser
+        .click("#queue-payments form[action$='/resume'] button")
+        .await;
+    assert!(browser.text().await.contains("queue payments is resumed"));
+    let paused: i64 = sqlx::query_scalar("SELECT count(*) FROM queue_pauses")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(paused, 0);
+
     // Jobs filtered by queue and key find it.
     browser
         .open(&format!(

@@ -242,6 +242,35 @@ pub async fn list(pool: &PgPool, f: &JobFilter, limit: i64) -> Result<Vec<JobDet
     .await
 }
 
+/// Pauses `queue`: no worker claims from it within a second (runs already started end as
+/// usual; jobs keep arriving and wait). Pausing a paused queue changes nothing.
+pub async fn pause(pool: &PgPool, queue: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO queue_pauses (queue) VALUES ($1) ON CONFLICT (queue) DO NOTHING")
+        .bind(queue)
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// Resumes `queue`, and wakes its workers.
+pub async fn resume(pool: &PgPool, queue: &str) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "WITH r AS (DELETE FROM queue_pauses WHERE queue = $1 RETURNING queue)
+         SELECT pg_notify('payfleet_jobs', queue) FROM r",
+    )
+    .bind(queue)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The paused queues, with when each was paused.
+pub async fn paused(pool: &PgPool) -> Result<Vec<(String, DateTime<Utc>)>, sqlx::Error> {
+    sqlx::query_as("SELECT queue, paused_at FROM queue_pauses ORDER BY queue")
+        .fetch_all(pool)
+        .await
+}
+
 /// Makes a waiting job (scheduled for later, or retrying) due now.
 pub async fn run_now(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
     let mut tx = pool.begin().await?;

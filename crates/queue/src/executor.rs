@@ -173,6 +173,16 @@ pub(crate) async fn fetch(
                 Err(e) => end_lost_run(&ended, runs.remove(&e.id()), &e).await,
             }
         }
+        // An operator paused the queue: nothing is claimed until it is resumed.
+        if shared.paused.borrow().contains(queue.as_str()) {
+            drop(reserved);
+            let mut paused = shared.paused.clone();
+            tokio::select! {
+                _ = paused.wait_for(|p| !p.contains(queue.as_str())) => {}
+                _ = stop_requested(&mut stopped) => break 'work,
+            }
+            continue;
+        }
         // Let the runs just started take their first step before counting free slots: a claim
         // sent while they start asks for a handful of jobs and pays a whole statement for them
         // (claims averaged half the queue's concurrency before this). With a cooldown, let the

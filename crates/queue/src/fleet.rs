@@ -166,6 +166,8 @@ impl Fleet {
             .max_connections(4)
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with((*pool.connect_options()).clone());
+        let (paused_tx, paused) = watch::channel(Arc::new(std::collections::HashSet::new()));
+        let paused_tx = Arc::new(paused_tx);
         let shared = Arc::new(Shared {
             pool,
             control,
@@ -174,6 +176,7 @@ impl Fleet {
             worker_id,
             leases,
             observer,
+            paused,
         });
         tracing::info!(worker = %shared.worker_id, queues = ?shared.config.queues.keys().collect::<Vec<_>>(), "worker started");
 
@@ -225,6 +228,12 @@ impl Fleet {
             let (s, st) = (shared.clone(), stopped.clone());
             background.spawn(supervise("maintenance", move || {
                 maintenance::maintain(s.clone(), st.clone())
+            }));
+        }
+        {
+            let (pool, tx, st) = (shared.control.clone(), paused_tx, stopped.clone());
+            background.spawn(supervise("pause watcher", move || {
+                crate::loops::watch_pauses(pool.clone(), tx.clone(), st.clone())
             }));
         }
 

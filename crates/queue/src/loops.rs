@@ -25,6 +25,8 @@ pub(crate) struct Shared {
     pub worker_id: String,
     pub leases: Arc<Leases>,
     pub observer: Option<Arc<dyn crate::RunObserver>>,
+    /// The queues an operator paused, as last read (`queue_pauses`, twice a second).
+    pub paused: watch::Receiver<Arc<std::collections::HashSet<String>>>,
 }
 
 /// Resolves once the fleet is told to stop (or its handle is gone).
@@ -49,4 +51,39 @@ pub(crate) async fn pause(stopped: &mut watch::Receiver<bool>, d: Duration) -> b
 
 pub(crate) fn backoff(failures: u32) -> Duration {
     Duration::from_millis((100u64 << failures.min(6)).min(5_000))
+}
+
+/// How often each worker reads the paused queues.
+const PAUSES_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Reads `queue_pauses` twice a second into `paused`, until stopped. A failed read keeps the last
+/// one (a database outage pauses nothing new and resumes nothing).
+pub(crate) async fn watch_pauses(
+    pool: PgPool,
+    paused: Arc<watch::Sender<Arc<std::collections::HashSet<String>>>>,
+    mut stopped: watch::Receiver<bool>,
+) {
+    loop {
+        match sqlx::query_scalar::<_, String>("SELECT queue FROM queue_pauses")
+            .fetch_all(&pool)
+            .await
+        {
+            Ok(queues) => {
+                let now: std::collections::HashSet<String> = queues.into_iter().collect();
+                paused.send_if_modified(|current| {
+                    if **current == now {
+                        return false;
+                    }
+                    *current = Arc::new(now);
+                    true
+                });
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the paused queues; keeping the last reading")
+            }
+        }
+        if !pause(&mut stopped, PAUSES_EVERY).await {
+            return;
+        }
+    }
 }

@@ -1511,3 +1511,40 @@ async fn a_worker_given_at_registration_runs_its_kind_with_what_it_holds(pool: P
             .unwrap();
     assert_eq!((state.as_str(), attempt), ("available", 0));
 }
+
+/// A paused queue is not claimed from by a running fleet (it reads the pauses twice a second);
+/// resumed, its waiting jobs run.
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn a_paused_queue_waits_until_it_is_resumed(pool: PgPool) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handle = start_fleet(&pool, recording(seen.clone()));
+    admin::pause(&pool, "test").await.unwrap();
+    // Within a second every worker knows.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(
+        admin::paused(&pool)
+            .await
+            .unwrap()
+            .iter()
+            .map(|(q, _)| q.as_str())
+            .collect::<Vec<_>>(),
+        ["test"]
+    );
+    let id = queue::enqueue(&pool, NewJob::of(&Echo { n: 7 }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(seen.lock().unwrap().is_empty(), "a paused queue's job ran");
+    assert_eq!(job(&pool, id).await.0, "available");
+
+    admin::resume(&pool, "test").await.unwrap();
+    crate::wait_for(
+        "the job to run once the queue is resumed",
+        Duration::from_secs(3),
+        async || seen.lock().unwrap().contains(&7),
+    )
+    .await;
+    assert!(admin::paused(&pool).await.unwrap().is_empty());
+    handle.shutdown().await;
+}
