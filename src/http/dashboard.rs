@@ -585,6 +585,10 @@ async fn dashboard(
         ));
     }
 
+    // The last hour, a minute a column.
+    body.push_str("<h2>The last hour</h2>");
+    body.push_str(&pages::hour_chart(pool).await?);
+
     // Queues: live counts and backlog age.
     let counts = jobs::live_counts(pool).await?;
     let due = jobs::due_by_queue(pool).await?;

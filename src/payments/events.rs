@@ -54,6 +54,31 @@ pub(crate) async fn mark_rejected(
     mark(&mut conn, event, &Processed::Rejected(reason.to_owned())).await
 }
 
+/// Per minute since `since`: events received, events processed (of those received since an hour
+/// before `since`), and events rejected (by their receipt).
+pub async fn per_minute(
+    pool: &PgPool,
+    since: chrono::DateTime<chrono::Utc>,
+) -> Result<Vec<(chrono::DateTime<chrono::Utc>, i64, i64, i64)>, sqlx::Error> {
+    sqlx::query_as(
+        "WITH recent AS (
+             SELECT received_at, processed_at, outcome FROM payment_events
+             WHERE received_at >= $1 - interval '1 hour'),
+         received AS (
+             SELECT date_trunc('minute', received_at) AS m, count(*) AS n,
+                    count(*) FILTER (WHERE outcome = 'rejected') AS rejected
+             FROM recent WHERE received_at >= $1 GROUP BY 1),
+         processed AS (
+             SELECT date_trunc('minute', processed_at) AS m, count(*) AS n
+             FROM recent WHERE processed_at >= $1 GROUP BY 1)
+         SELECT m, COALESCE(r.n, 0), COALESCE(p.n, 0), COALESCE(r.rejected, 0)
+         FROM received r FULL JOIN processed p USING (m) ORDER BY m",
+    )
+    .bind(since)
+    .fetch_all(pool)
+    .await
+}
+
 /// A stored event that is not processed, with why.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct UnprocessedEvent {

@@ -448,8 +448,31 @@ async fn an_operator_opens_a_dead_job_and_retries_it_and_follows_an_order_to_its
     )
     .await;
 
-    // The queue paused and resumed from the dashboard.
+    // The hour's chart counts the payment event received and the retried job's new failure.
     browser.open(&format!("{base}/admin/ui")).await;
+    assert_eq!(
+        browser.eval("!!document.querySelector('svg#hour')").await,
+        true
+    );
+    let totals = browser
+        .eval("document.getElementById('hour-totals')?.innerText ?? ''")
+        .await
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let count = |what: &str| -> i64 {
+        let before = totals.split(what).next().unwrap_or_default();
+        before
+            .split_whitespace()
+            .last()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(-1)
+    };
+    assert!(count(" events received") >= 1, "{totals}");
+    assert!(count(" processed") >= 1, "{totals}");
+    assert!(count(" failures") >= 1, "{totals}");
+
+    // The queue paused and resumed from the dashboard.
     browser
         .click("#queue-payments form[action$='/pause'] button")
         .await;

@@ -242,6 +242,26 @@ pub async fn list(pool: &PgPool, f: &JobFilter, limit: i64) -> Result<Vec<JobDet
     .await
 }
 
+/// Failed attempts per minute since `since` (each kept job's error entries by their time: a job
+/// that failed and later completed is deleted, and its failures with it).
+pub async fn failures_per_minute(
+    pool: &PgPool,
+    since: DateTime<Utc>,
+) -> Result<Vec<(DateTime<Utc>, i64)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT date_trunc('minute', at) AS minute, count(*)
+         FROM (SELECT (e->>'at')::timestamptz AS at
+               FROM jobs, jsonb_array_elements(errors) AS e
+               WHERE jsonb_array_length(errors) > 0
+                 AND e->>'at' ~ '^[0-9]{4}-[0-9]{2}-[0-9]{2}[T ][0-9:.]+(Z|[+-][0-9:]+)?$') f
+         WHERE at >= $1
+         GROUP BY 1 ORDER BY 1",
+    )
+    .bind(since)
+    .fetch_all(pool)
+    .await
+}
+
 /// Pauses `queue`: no worker claims from it within a second (runs already started end as
 /// usual; jobs keep arriving and wait). Pausing a paused queue changes nothing.
 pub async fn pause(pool: &PgPool, queue: &str) -> Result<(), sqlx::Error> {
