@@ -110,6 +110,46 @@ impl Shared {
         }
     }
 
+    /// Changes the model's order `number`.
+    fn order_mut(&self, number: i64, f: impl FnOnce(&mut Order)) -> anyhow::Result<()> {
+        self.with_model(|m| m.orders.get_mut(&number).map(f))?;
+        Ok(())
+    }
+
+    /// The model's total of order `number`.
+    fn total(&self, number: i64) -> anyhow::Result<Decimal> {
+        self.with_model(|m| m.orders.get(&number).map(|o| o.priced.total))?
+            .with_context(|| format!("order {number} is not in the model"))
+    }
+
+    /// One order of a one-seller cart, if the checkout made one.
+    async fn one(
+        &self,
+        rng: &mut StdRng,
+        key: &str,
+        buyer: &str,
+    ) -> anyhow::Result<Option<Placed>> {
+        Ok(self.shop(rng, key, buyer, 1).await?.into_iter().next())
+    }
+
+    /// The gateway reports payment `payment` of `amount` on `session`, as event `event`.
+    async fn report_payment(
+        &self,
+        event: &str,
+        session: &str,
+        payment: &str,
+        amount: Decimal,
+    ) -> anyhow::Result<Value> {
+        let body = self.event(
+            "payment.succeeded",
+            session,
+            payment,
+            json!({"amount": amount.to_string()}),
+        );
+        self.api.webhook(event, &body).await?;
+        Ok(body)
+    }
+
     fn set_fate(&self, number: i64, fate: Fate) -> anyhow::Result<()> {
         self.with_model(|m| {
             if let Some(o) = m.orders.get_mut(&number) {
@@ -391,7 +431,7 @@ async fn run_journey(s: &Shared, rng: &mut StdRng, n: usize, name: &str) -> anyh
             }
         }
         "pay, refunds" => {
-            let Some(o) = s.shop(rng, &key, &buyer, 1).await?.into_iter().next() else {
+            let Some(o) = s.one(rng, &key, &buyer).await? else {
                 return Ok(());
             };
             if s.pay(&o).await? && s.until_paid(o.number, Duration::from_secs(90)).await? {
@@ -407,10 +447,8 @@ async fn run_journey(s: &Shared, rng: &mut StdRng, n: usize, name: &str) -> anyh
                     s.api
                         .webhook(&format!("soak_ev_dp_{n}_after_refund"), &body)
                         .await?;
-                    s.with_model(|m| {
-                        m.orders
-                            .get_mut(&o.number)
-                            .map(|x| x.disputes.push((total - refunded, DisputeEnd::Lost)))
+                    s.order_mut(o.number, |x| {
+                        x.disputes.push((total - refunded, DisputeEnd::Lost))
                     })?;
                 }
             }
@@ -418,26 +456,24 @@ async fn run_journey(s: &Shared, rng: &mut StdRng, n: usize, name: &str) -> anyh
         "pay by webhook" => {
             // The gateway's own events, as a client integrating by webhook sends them: at once
             // twice (a concurrent duplicate), sometimes again under a new id.
-            let Some(o) = s.shop(rng, &key, &buyer, 1).await?.into_iter().next() else {
+            let Some(o) = s.one(rng, &key, &buyer).await? else {
                 return Ok(());
             };
             let session = order_session(s, o.number).await?;
-            let total = s.with_model(|m| m.orders[&o.number].priced.total)?;
-            let body = s.event(
-                "payment.succeeded",
-                &session,
-                &format!("soak_pay_{n}"),
-                json!({"amount": total.to_string()}),
-            );
+            let total = s.total(o.number)?;
             let fate = s.fate_of_payment_now(o.expires_at);
             let id = format!("soak_ev_pay_{n}");
-            if rng.random_bool(0.3) {
-                let (a, b) = tokio::join!(s.api.webhook(&id, &body), s.api.webhook(&id, &body));
-                a?;
+            let payment = format!("soak_pay_{n}");
+            let body = if rng.random_bool(0.3) {
+                let (a, b) = tokio::join!(
+                    s.report_payment(&id, &session, &payment, total),
+                    s.report_payment(&id, &session, &payment, total)
+                );
                 b?;
+                a?
             } else {
-                s.api.webhook(&id, &body).await?;
-            }
+                s.report_payment(&id, &session, &payment, total).await?
+            };
             s.set_fate(o.number, fate)?;
             if rng.random_bool(0.2) {
                 s.api.webhook(&format!("{id}_again"), &body).await?;
@@ -449,11 +485,11 @@ async fn run_journey(s: &Shared, rng: &mut StdRng, n: usize, name: &str) -> anyh
         "wrong amount" => {
             // The gateway reports a payment of another amount (or currency) than the order's:
             // no order takes it, it is given back whole, and the order still waits (then expires).
-            let Some(o) = s.shop(rng, &key, &buyer, 1).await?.into_iter().next() else {
+            let Some(o) = s.one(rng, &key, &buyer).await? else {
                 return Ok(());
             };
             let session = order_session(s, o.number).await?;
-            let total = s.with_model(|m| m.orders[&o.number].priced.total)?;
+            let total = s.total(o.number)?;
             let (amount, currency) = if rng.random_bool(0.5) {
                 (total + Decimal::ONE, "BRL")
             } else {
@@ -467,15 +503,11 @@ async fn run_journey(s: &Shared, rng: &mut StdRng, n: usize, name: &str) -> anyh
             );
             body["data"]["currency"] = json!(currency);
             s.api.webhook(&format!("soak_ev_wrong_{n}"), &body).await?;
-            s.with_model(|m| {
-                m.orders
-                    .get_mut(&o.number)
-                    .map(|x| x.given_back.push((session.clone(), amount)))
-            })?;
+            s.order_mut(o.number, |x| x.given_back.push((session.clone(), amount)))?;
         }
         "late webhook" => {
             // Expired by the operator, then the gateway reports its payment: given back whole.
-            let Some(o) = s.shop(rng, &key, &buyer, 1).await?.into_iter().next() else {
+            let Some(o) = s.one(rng, &key, &buyer).await? else {
                 return Ok(());
             };
             let a = s
@@ -498,40 +530,36 @@ async fn run_journey(s: &Shared, rng: &mut StdRng, n: usize, name: &str) -> anyh
                 bail!("order {} expired by the operator is {status}", o.number);
             }
             let session = order_session(s, o.number).await?;
-            let total = s.with_model(|m| m.orders[&o.number].priced.total)?;
-            let body = s.event(
-                "payment.succeeded",
+            let total = s.total(o.number)?;
+            s.report_payment(
+                &format!("soak_ev_late_{n}"),
                 &session,
                 &format!("soak_pay_{n}"),
-                json!({"amount": total.to_string()}),
-            );
-            s.api.webhook(&format!("soak_ev_late_{n}"), &body).await?;
-            s.with_model(|m| {
-                m.orders
-                    .get_mut(&o.number)
-                    .map(|x| x.given_back.push((session.clone(), total)))
-            })?;
+                total,
+            )
+            .await?;
+            s.order_mut(o.number, |x| x.given_back.push((session.clone(), total)))?;
         }
         "second payment" => {
             // The gateway reports a second payment of a paid session (a buyer who paid twice):
             // it must be given back, the order keeping its one sale.
-            let Some(o) = s.shop(rng, &key, &buyer, 1).await?.into_iter().next() else {
+            let Some(o) = s.one(rng, &key, &buyer).await? else {
                 return Ok(());
             };
             if s.pay(&o).await? && s.until_paid(o.number, Duration::from_secs(90)).await? {
                 let (session, _) = s.payment_of(o.number).await?;
-                let total = s.with_model(|m| m.orders[&o.number].priced.total)?;
-                let body = s.event(
-                    "payment.succeeded",
+                let total = s.total(o.number)?;
+                s.report_payment(
+                    &format!("soak_ev_pay2_{n}"),
                     &session,
                     &format!("soak_pay2_{n}"),
-                    json!({"amount": total.to_string()}),
-                );
-                s.api.webhook(&format!("soak_ev_pay2_{n}"), &body).await?;
+                    total,
+                )
+                .await?;
             }
         }
         "gateway refund before payment" => {
-            let Some(o) = s.shop(rng, &key, &buyer, 1).await?.into_iter().next() else {
+            let Some(o) = s.one(rng, &key, &buyer).await? else {
                 return Ok(());
             };
             let session = order_session(s, o.number).await?;
@@ -540,12 +568,12 @@ async fn run_journey(s: &Shared, rng: &mut StdRng, n: usize, name: &str) -> anyh
             let sent = async {
                 if paid? {
                     let (session, payment) = s.payment_of(o.number).await?;
-                    let total = s.with_model(|m| m.orders[&o.number].priced.total)?;
+                    let total = s.total(o.number)?;
                     let amount = model::cents(total * Decimal::new(rng.random_range(5..60), 2));
                     if amount > Decimal::ZERO {
                         let body = s.event("refund.succeeded", &session, &payment, json!({"refund_id": format!("soak_rf_{n}"), "amount": amount.to_string()}));
                         s.api.webhook(&format!("soak_ev_rf_{n}"), &body).await?;
-                        s.with_model(|m| m.orders.get_mut(&o.number).map(|x| x.refunds.push(amount)))?;
+                        s.order_mut(o.number, |x| x.refunds.push(amount))?;
                     }
                 }
                 anyhow::Ok(())
@@ -555,7 +583,7 @@ async fn run_journey(s: &Shared, rng: &mut StdRng, n: usize, name: &str) -> anyh
             sent?;
         }
         "dispute" => {
-            let Some(o) = s.shop(rng, &key, &buyer, 1).await?.into_iter().next() else {
+            let Some(o) = s.one(rng, &key, &buyer).await? else {
                 return Ok(());
             };
             if s.pay(&o).await? && s.until_paid(o.number, Duration::from_secs(90)).await? {
@@ -563,7 +591,7 @@ async fn run_journey(s: &Shared, rng: &mut StdRng, n: usize, name: &str) -> anyh
             }
         }
         "fail, reopen, pay" => {
-            let Some(o) = s.shop(rng, &key, &buyer, 1).await?.into_iter().next() else {
+            let Some(o) = s.one(rng, &key, &buyer).await? else {
                 return Ok(());
             };
             if s.api.pay_page(&o.url, "failed").await? != 200 {
@@ -629,7 +657,7 @@ async fn run_journey(s: &Shared, rng: &mut StdRng, n: usize, name: &str) -> anyh
         "paid at expiry" => {
             // Paid a moment before its expiry, its event held back until after it: a late
             // payment, given back, or (if reconciliation got there first) a payment in time.
-            let Some(o) = s.shop(rng, &key, &buyer, 1).await?.into_iter().next() else {
+            let Some(o) = s.one(rng, &key, &buyer).await? else {
                 return Ok(());
             };
             let session = order_session(s, o.number).await?;
@@ -641,12 +669,8 @@ async fn run_journey(s: &Shared, rng: &mut StdRng, n: usize, name: &str) -> anyh
             let paid = s.api.pay_page(&o.url, "succeeded").await;
             if matches!(paid, Ok(200)) {
                 s.set_fate(o.number, Fate::InDoubt)?;
-                let amount = s.with_model(|m| m.orders[&o.number].priced.total)?;
-                s.with_model(|m| {
-                    m.orders
-                        .get_mut(&o.number)
-                        .map(|x| x.given_back.push((session.clone(), amount)))
-                })?;
+                let amount = s.total(o.number)?;
+                s.order_mut(o.number, |x| x.given_back.push((session.clone(), amount)))?;
                 let _ = s.api.until_decided(o.number, Duration::from_secs(20)).await;
             }
             s.relay.release(&session).await?;
@@ -670,7 +694,7 @@ async fn run_journey(s: &Shared, rng: &mut StdRng, n: usize, name: &str) -> anyh
                 }
             }
             s.with_model(|m| *m.granted.entry(buyer.clone()).or_default() += grant)?;
-            let Some(o) = s.shop(rng, &key, &buyer, 1).await?.into_iter().next() else {
+            let Some(o) = s.one(rng, &key, &buyer).await? else {
                 return Ok(());
             };
             s.with_model(|m| m.orders.get_mut(&o.number).map(|x| x.with_coins = true))?;
@@ -760,7 +784,7 @@ async fn refund_by_operator(
     number: i64,
     key: &str,
 ) -> anyhow::Result<()> {
-    let total = s.with_model(|m| m.orders[&number].priced.total)?;
+    let total = s.total(number)?;
     let amount = model::cents(total * Decimal::new(rng.random_range(10..70), 2));
     if amount <= Decimal::ZERO {
         return Ok(());
@@ -810,7 +834,7 @@ async fn refund_by_operator(
 /// A chargeback of the whole payment, its events in the gateway's order or not.
 async fn dispute(s: &Shared, rng: &mut StdRng, number: i64, n: usize) -> anyhow::Result<()> {
     let (session, payment) = s.payment_of(number).await?;
-    let total = s.with_model(|m| m.orders[&number].priced.total)?;
+    let total = s.total(number)?;
     let dispute_id = format!("soak_dp_{n}");
     let ev = |kind: &str| {
         s.event(

@@ -140,26 +140,47 @@ pub enum AdminError {
     Database(#[from] sqlx::Error),
 }
 
-/// Makes a discarded, cancelled or retryable job run again now. A job that used its attempts
-/// gets one more.
-pub async fn retry(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
-    let mut tx = pool.begin().await?;
+/// Locks job `id`'s row in `tx` and checks that its state is one of `allowed` (named `names`)
+/// for `action`; returns its key.
+async fn lock_in_state(
+    tx: &mut sqlx::PgConnection,
+    id: JobId,
+    allowed: &[JobState],
+    names: &'static str,
+    action: &'static str,
+) -> Result<Option<String>, AdminError> {
     let row: Option<(JobState, Option<String>)> = sqlx::query_as(store::LOCK_STATE_AND_KEY)
         .bind(id)
         .fetch_optional(&mut *tx)
         .await?;
     let (state, key) = row.ok_or(AdminError::NotFound(id))?;
-    if !matches!(
-        state,
-        JobState::Discarded | JobState::Cancelled | JobState::Retryable
-    ) {
+    if !allowed.contains(&state) {
         return Err(AdminError::WrongState {
             id,
             state,
-            allowed: "discarded, cancelled or retryable",
-            action: "retried",
+            allowed: names,
+            action,
         });
     }
+    Ok(key)
+}
+
+/// Makes a discarded, cancelled or retryable job run again now. A job that used its attempts
+/// gets one more.
+pub async fn retry(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
+    let mut tx = pool.begin().await?;
+    let key = lock_in_state(
+        &mut tx,
+        id,
+        &[
+            JobState::Discarded,
+            JobState::Cancelled,
+            JobState::Retryable,
+        ],
+        "discarded, cancelled or retryable",
+        "retried",
+    )
+    .await?;
     let updated = sqlx::query(store::RETRY).bind(id).execute(&mut *tx).await;
     match updated {
         Ok(_) => {}
@@ -198,16 +219,22 @@ pub struct JobDetail {
     pub lease_expires_at: Option<DateTime<Utc>>,
 }
 
+/// The columns of a [`JobDetail`], from `jobs`.
+macro_rules! job_detail {
+    () => {
+        "SELECT id, queue, kind, key, fairness_key, state, attempt, max_attempts,
+                payload, errors, run_at, created_at, attempted_at, finished_at, locked_by,
+                lease_expires_at
+         FROM jobs"
+    };
+}
+
 /// Job `id`, if it is still kept (a completed job's row is deleted as it completes).
 pub async fn job(pool: &PgPool, id: JobId) -> Result<Option<JobDetail>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT id, queue, kind, key, fairness_key, state, attempt, max_attempts, payload, errors,
-                run_at, created_at, attempted_at, finished_at, locked_by, lease_expires_at
-         FROM jobs WHERE id = $1",
-    )
-    .bind(id)
-    .fetch_optional(pool)
-    .await
+    sqlx::query_as(concat!(job_detail!(), " WHERE id = $1"))
+        .bind(id)
+        .fetch_optional(pool)
+        .await
 }
 
 /// Jobs by queue, kind, state and key (each optional; the key as a prefix), newest first,
@@ -222,16 +249,14 @@ pub struct JobFilter {
 }
 
 pub async fn list(pool: &PgPool, f: &JobFilter, limit: i64) -> Result<Vec<JobDetail>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT id, queue, kind, key, fairness_key, state, attempt, max_attempts, payload, errors,
-                run_at, created_at, attempted_at, finished_at, locked_by, lease_expires_at
-         FROM jobs
-         WHERE ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
+    sqlx::query_as(concat!(
+        job_detail!(),
+        " WHERE ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
            AND ($3::text IS NULL OR state = $3)
            AND ($4::text IS NULL OR starts_with(key, $4))
            AND ($5::bigint IS NULL OR id < $5)
-         ORDER BY id DESC LIMIT $6",
-    )
+         ORDER BY id DESC LIMIT $6"
+    ))
     .bind(f.queue.as_deref())
     .bind(f.kind.as_deref())
     .bind(f.state)
@@ -294,19 +319,14 @@ pub async fn paused(pool: &PgPool) -> Result<Vec<(String, DateTime<Utc>)>, sqlx:
 /// Makes a waiting job (scheduled for later, or retrying) due now.
 pub async fn run_now(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
     let mut tx = pool.begin().await?;
-    let row: Option<(JobState, Option<String>)> = sqlx::query_as(store::LOCK_STATE_AND_KEY)
-        .bind(id)
-        .fetch_optional(&mut *tx)
-        .await?;
-    let (state, _) = row.ok_or(AdminError::NotFound(id))?;
-    if !matches!(state, JobState::Available | JobState::Retryable) {
-        return Err(AdminError::WrongState {
-            id,
-            state,
-            allowed: "available or retryable",
-            action: "run now",
-        });
-    }
+    lock_in_state(
+        &mut tx,
+        id,
+        &[JobState::Available, JobState::Retryable],
+        "available or retryable",
+        "run now",
+    )
+    .await?;
     sqlx::query(
         "WITH j AS (UPDATE jobs SET run_at = now() WHERE id = $1 RETURNING queue)
          SELECT pg_notify('payfleet_jobs', queue) FROM j",
@@ -322,19 +342,14 @@ pub async fn run_now(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
 /// discarded from outside: cancel its key instead, or wait for its run to end.
 pub async fn discard(pool: &PgPool, id: JobId) -> Result<(), AdminError> {
     let mut tx = pool.begin().await?;
-    let row: Option<(JobState, Option<String>)> = sqlx::query_as(store::LOCK_STATE_AND_KEY)
-        .bind(id)
-        .fetch_optional(&mut *tx)
-        .await?;
-    let (state, _) = row.ok_or(AdminError::NotFound(id))?;
-    if !matches!(state, JobState::Available | JobState::Retryable) {
-        return Err(AdminError::WrongState {
-            id,
-            state,
-            allowed: "available or retryable",
-            action: "discarded",
-        });
-    }
+    lock_in_state(
+        &mut tx,
+        id,
+        &[JobState::Available, JobState::Retryable],
+        "available or retryable",
+        "discarded",
+    )
+    .await?;
     sqlx::query(store::DISCARD)
         .bind(id)
         .execute(&mut *tx)
