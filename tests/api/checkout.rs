@@ -17,6 +17,20 @@ pub struct Shop {
 }
 
 impl Shop {
+    /// One order of `price` BRL from a new seller's product, on the internal gateway: its answer.
+    pub async fn one_order(&self, price: &str) -> Value {
+        let seller = self.seller("S").await;
+        let product = self.product(&seller, price, "BRL").await;
+        let (status, answer) = self
+            .checkout(
+                Some("k"),
+                json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
+            )
+            .await;
+        assert_eq!(status, 201, "{answer}");
+        answer["orders"][0].clone()
+    }
+
     pub async fn post(&self, path: &str, token: Option<&str>, body: Value) -> (u16, Value) {
         let mut req = self
             .app
@@ -855,15 +869,7 @@ async fn a_checkout_that_fails_its_batch_is_written_alone_and_holds_up_no_other(
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn rpc_calls_and_order_messages_are_counted(pool: PgPool) {
     let shop = shop(pool.clone()).await;
-    let seller = shop.seller("S").await;
-    let product = shop.product(&seller, "20.00", "BRL").await;
-    let (status, answer) = shop
-        .checkout(
-            Some("k"),
-            json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
-        )
-        .await;
-    assert_eq!(status, 201, "{answer}");
+    shop.one_order("20.00").await;
     wait_for(
         "the order's messages to be published",
         std::time::Duration::from_secs(20),

@@ -357,17 +357,9 @@ async fn an_operator_opens_a_dead_job_and_retries_it_and_follows_an_order_to_its
     pool: PgPool,
 ) {
     let shop = crate::checkout::shop(pool.clone()).await;
-    let seller = shop.seller("S").await;
-    let product = shop.product(&seller, "20.00", "BRL").await;
-    let (status, answer) = shop
-        .checkout(
-            Some("k"),
-            serde_json::json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
-        )
-        .await;
-    assert_eq!(status, 201, "{answer}");
-    let number = answer["orders"][0]["number"].as_i64().unwrap();
-    let url = answer["orders"][0]["payment"]["url"].as_str().unwrap();
+    let order = shop.one_order("20.00").await;
+    let number = order["number"].as_i64().unwrap();
+    let url = order["payment"]["url"].as_str().unwrap();
     assert_eq!(shop.app.pay(url, "succeeded").await.0, 200);
     wait_for(
         "the order to be paid and its sale posted",

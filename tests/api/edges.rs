@@ -338,19 +338,8 @@ async fn a_coin_paid_order_ignores_its_gateway_sessions_failure(pool: PgPool) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn payments_reported_only_by_signed_events_are_given_back_by_the_simulator(pool: PgPool) {
     let shop = crate::checkout::shop(pool.clone()).await;
-    let seller = shop.seller("S").await;
-    let product = shop.product(&seller, "20.00", "BRL").await;
-    let (status, answer) = shop
-        .checkout(
-            Some("k"),
-            json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
-        )
-        .await;
-    assert_eq!(status, 201, "{answer}");
-    let session = answer["orders"][0]["payment"]["session_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let order = shop.one_order("20.00").await;
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
     for (id, payment) in [("paid", "pay_signed"), ("paid_twice", "pay_twice")] {
         let body = about("payment.succeeded", &session, payment, Some("20.00"));
         let (status, answer) = shop.app.deliver(&internal(id, &body)).await;
@@ -408,19 +397,8 @@ async fn payments_reported_only_by_signed_events_are_given_back_by_the_simulator
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_payment_in_another_currency_is_given_back_whole(pool: PgPool) {
     let shop = crate::checkout::shop(pool.clone()).await;
-    let seller = shop.seller("S").await;
-    let product = shop.product(&seller, "20.00", "BRL").await;
-    let (status, answer) = shop
-        .checkout(
-            Some("k"),
-            json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
-        )
-        .await;
-    assert_eq!(status, 201, "{answer}");
-    let session = answer["orders"][0]["payment"]["session_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let order = shop.one_order("20.00").await;
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
     let body = json!({"type": "payment.succeeded", "data": {"session_id": session, "payment_id": "pay_usd", "amount": "20.00", "currency": "USD"}});
     let (status, answer) = shop.app.deliver(&internal("usd", &body.to_string())).await;
     assert_eq!(status, 200, "{answer}");
@@ -445,16 +423,8 @@ async fn a_payment_in_another_currency_is_given_back_whole(pool: PgPool) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn concurrent_refunds_with_one_key_give_every_caller_the_one_outcome(pool: PgPool) {
     let shop = crate::checkout::shop(pool.clone()).await;
-    let seller = shop.seller("S").await;
-    let product = shop.product(&seller, "20.00", "BRL").await;
-    let (status, answer) = shop
-        .checkout(
-            Some("k"),
-            json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
-        )
-        .await;
-    assert_eq!(status, 201, "{answer}");
-    let url = answer["orders"][0]["payment"]["url"].as_str().unwrap();
+    let order = shop.one_order("20.00").await;
+    let url = order["payment"]["url"].as_str().unwrap();
     assert_eq!(shop.app.pay(url, "succeeded").await.0, 200);
     wait_for(
         "the order to be paid",
