@@ -19,6 +19,9 @@ pub async fn prepare(pool: &PgPool) -> Result<(), sqlx::Error> {
     )
     .execute(pool)
     .await?;
+    sqlx::query("CREATE INDEX soak_received_message ON soak_received (message_id)")
+        .execute(pool)
+        .await?;
     Ok(())
 }
 
@@ -85,11 +88,12 @@ pub async fn run(i: Inputs<'_>) -> anyhow::Result<Vec<Row>> {
 
     // Every order, as the database has it.
     let booked: HashMap<i64, Booked> = sqlx::query_as::<_, (i64, bool, i64, i64, String)>(
-        "SELECT o.number, o.paid_at IS NOT NULL,
-                (SELECT count(*) FROM ledger_transfers t WHERE t.order_number = o.number AND t.kind = 'sale_credit'),
-                (SELECT count(*) FROM order_events e WHERE e.order_id = o.id AND e.kind = 'paid'),
-                o.status
-         FROM orders o",
+        "SELECT o.number, o.paid_at IS NOT NULL, COALESCE(s.n, 0), COALESCE(e.n, 0), o.status
+         FROM orders o
+         LEFT JOIN (SELECT order_number, count(*) AS n FROM ledger_transfers
+                    WHERE kind = 'sale_credit' GROUP BY order_number) s ON s.order_number = o.number
+         LEFT JOIN (SELECT order_id, count(*) AS n FROM order_events
+                    WHERE kind = 'paid' GROUP BY order_id) e ON e.order_id = o.id",
     )
     .fetch_all(pool)
     .await?
@@ -296,12 +300,14 @@ pub async fn run(i: Inputs<'_>) -> anyhow::Result<Vec<Row>> {
     // once; and none was refunded beyond itself.
     let payments: Vec<(String, i64, Decimal, bool, Decimal, i64)> = sqlx::query_as(
         "SELECT p.session_id, p.order_number, p.amount,
-                EXISTS (SELECT 1 FROM orders o WHERE o.number = p.order_number AND o.session_id = p.session_id AND o.paid_at IS NOT NULL),
-                COALESCE((SELECT sum(r.amount) FROM internal_refunds r WHERE r.session_id = p.session_id
-                          AND (r.payment_id IS NULL OR r.payment_id = p.payment_id)), 0),
-                (SELECT count(*) FROM internal_refunds r WHERE r.session_id = p.session_id
-                          AND (r.payment_id IS NULL OR r.payment_id = p.payment_id))
-         FROM internal_payments p WHERE p.status = 'succeeded'",
+                bool_or(o.paid_at IS NOT NULL AND o.session_id = p.session_id) IS TRUE,
+                COALESCE(sum(r.amount), 0), count(r.refund_id)
+         FROM internal_payments p
+         LEFT JOIN orders o ON o.number = p.order_number
+         LEFT JOIN internal_refunds r ON r.session_id = p.session_id
+                                     AND (r.payment_id IS NULL OR r.payment_id = p.payment_id)
+         WHERE p.status = 'succeeded'
+         GROUP BY p.session_id, p.order_number, p.amount",
     )
     .fetch_all(pool)
     .await?;
@@ -475,9 +481,10 @@ pub async fn run(i: Inputs<'_>) -> anyhow::Result<Vec<Row>> {
 
     // 10. Order messages: every one published, and handled once by the soak's consumer.
     let messages: Vec<(String, bool, i64)> = sqlx::query_as(
-        "SELECT 'order-event-' || e.id, e.published_at IS NOT NULL,
-                (SELECT count(*) FROM soak_received r WHERE r.message_id = 'order-event-' || e.id)
-         FROM order_events e",
+        "SELECT 'order-event-' || e.id, e.published_at IS NOT NULL, COALESCE(r.n, 0)
+         FROM order_events e
+         LEFT JOIN (SELECT message_id, count(*) AS n FROM soak_received GROUP BY message_id) r
+                ON r.message_id = 'order-event-' || e.id",
     )
     .fetch_all(pool)
     .await?;
