@@ -41,9 +41,11 @@ pub struct RecurringRun {
 impl Job for RecurringRun {
     const KIND: &'static str = "recurring_run";
     const QUEUE: &'static str = "recurring";
-    // A run that fails is retried with backoff within its period; a run of a later period
-    // starts afresh anyway.
-    const MAX_ATTEMPTS: i32 = 5;
+    // A run that fails is retried with backoff, as any job: an outage's burst of failures (a
+    // database restart, workers killed under it) must not leave a day's payouts dead after a few
+    // minutes (the hour-long soak found five attempts too few). Each task is idempotent for its
+    // period, so a late run of an earlier period is harmless.
+    const MAX_ATTEMPTS: i32 = 25;
 }
 
 type TaskFuture = Pin<Box<dyn Future<Output = Result<(), JobError>> + Send>>;

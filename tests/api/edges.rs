@@ -706,3 +706,56 @@ async fn a_dispute_left_open_past_any_decision_is_shown_to_an_operator(pool: PgP
         .collect();
     assert_eq!(undecided, vec!["internal dispute dp_old"]);
 }
+
+/// Found by the hour-long soak: an order paid in time was expired when its payment's
+/// processing came after its expiry (workers restarting, the database away). Its expiry now
+/// waits while events of its gateway received before its time are unprocessed, so the payment
+/// confirms it; an event stuck for longer than the grace (ten minutes) holds nothing back.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_payment_received_before_expiry_confirms_the_order_even_when_processed_after(
+    pool: PgPool,
+) {
+    use payfleet::orders::expiry::{Expiry, expire};
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_a", "sess_b"], "10.00", "BRL").await;
+    // Order 1's payment is received (stored, not processed yet), then its time passes.
+    let (status, answer) = app
+        .deliver(&internal(
+            "in_time",
+            &about("payment.succeeded", "sess_a", "pay_a", Some("10.00")),
+        ))
+        .await;
+    assert_eq!(status, 200, "{answer}");
+    sqlx::query(
+        "UPDATE orders SET expires_at = (SELECT received_at FROM payment_events WHERE event_id = 'in_time') + interval '1 millisecond'
+         WHERE number IN (1, 2)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for number in [1, 2] {
+        assert!(
+            matches!(expire(&pool, number).await.unwrap(), Expiry::NotYet(_)),
+            "order {number} waits for the events received before its time"
+        );
+    }
+    process_events(&pool).await;
+    assert_eq!(order(&pool).await.0, "paid");
+    // Order 2 had no payment among them: once they are processed it expires.
+    assert_eq!(expire(&pool, 2).await.unwrap(), Expiry::Expired);
+
+    // An event stuck (unprocessed) for longer than the grace holds no expiry back.
+    orders_for(&pool, "internal", &["sess_c"], "10.00", "BRL").await;
+    sqlx::query(
+        "INSERT INTO payment_events (gateway, event_id, event_type, raw_body, received_at)
+         VALUES ('internal', 'stuck', 'payment.succeeded', '\\x7b7d', now() - interval '30 minutes')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE orders SET expires_at = now() - interval '20 minutes' WHERE number = 3")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(expire(&pool, 3).await.unwrap(), Expiry::Expired);
+}
