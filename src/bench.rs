@@ -157,10 +157,15 @@ const UNSERVED_QUEUE: &str = "bench_unserved";
 
 /// Peak resident memory of this process since the last [`reset_peak_rss`], in MiB (Linux).
 fn peak_rss_mib() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status_mib("self", "VmHWM:")
+}
+
+/// A memory field (`VmRSS:`, `VmHWM:`) of process `pid` (or `self`), in MiB (Linux).
+fn status_mib(pid: &str, field: &str) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let kib: f64 = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .find_map(|l| l.strip_prefix(field))?
         .trim()
         .trim_end_matches("kB")
         .trim()

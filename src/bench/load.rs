@@ -53,16 +53,7 @@ struct Sent {
 
 /// The resident memory of process `pid` (VmRSS), MiB.
 fn rss_mib(pid: u32) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib / 1024.0)
+    super::status_mib(&pid.to_string(), "VmRSS:")
 }
 
 fn request(
