@@ -87,6 +87,24 @@ async fn job_state(pool: &PgPool, id: i64) -> String {
         .unwrap()
 }
 
+/// Writes the page's screenshot to `target/tmp/<name>` (docs/ keeps copies).
+async fn save_screenshot(browser: &mut Browser, name: &str) {
+    let shot = browser.screenshot().await;
+    std::fs::write(
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(name),
+        &shot,
+    )
+    .unwrap();
+}
+
+/// The page's text holds each of `wanted`.
+async fn page_shows(browser: &mut Browser, what: &str, wanted: &[&str]) {
+    let text = browser.text().await;
+    for w in wanted {
+        assert!(text.contains(w), "the {what} lacks {w:?}: {text}");
+    }
+}
+
 /// A page on another site that posts a form to the dashboard as soon as it loads.
 async fn forging_site(target: String) -> std::net::SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -396,26 +414,20 @@ async fn an_operator_opens_a_dead_job_and_retries_it_and_follows_an_order_to_its
 
     // The dead job, opened from the dashboard's failed jobs.
     browser.click(&format!("#job-{dead} a")).await;
-    let text = browser.text().await;
-    for wanted in [
-        "evt_lost",
-        "receiver answered 502",
-        "receiver timed out",
-        "w-2",
-        "discarded",
-        "3 of 3",
-    ] {
-        assert!(
-            text.contains(wanted),
-            "the job page lacks {wanted:?}: {text}"
-        );
-    }
-    let shot = browser.screenshot().await;
-    std::fs::write(
-        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-job.png"),
-        &shot,
+    page_shows(
+        &mut browser,
+        "job page",
+        &[
+            "evt_lost",
+            "receiver answered 502",
+            "receiver timed out",
+            "w-2",
+            "discarded",
+            "3 of 3",
+        ],
     )
-    .unwrap();
+    .await;
+    save_screenshot(&mut browser, "dashboard-job.png").await;
     browser
         .click("#job-actions form[action$='/retry'] button")
         .await;
@@ -523,28 +535,17 @@ async fn an_operator_opens_a_dead_job_and_retries_it_and_follows_an_order_to_its
             assert!(text.contains(w), "#{id} lacks {w:?}: {text}");
         }
     }
-    let shot = browser.screenshot().await;
-    std::fs::write(
-        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-order.png"),
-        &shot,
-    )
-    .unwrap();
+    save_screenshot(&mut browser, "dashboard-order.png").await;
 
     // On to its seller: balances, the ledger's entries, payouts, invoices.
     browser.click("#order a[href^='/admin/ui/sellers/']").await;
-    let text = browser.text().await;
-    for wanted in ["Seller S", "18.00", "sale_credit", "No payouts."] {
-        assert!(
-            text.contains(wanted),
-            "the seller page lacks {wanted:?}: {text}"
-        );
-    }
-    let shot = browser.screenshot().await;
-    std::fs::write(
-        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-seller.png"),
-        &shot,
+    page_shows(
+        &mut browser,
+        "seller page",
+        &["Seller S", "18.00", "sale_credit", "No payouts."],
     )
-    .unwrap();
+    .await;
+    save_screenshot(&mut browser, "dashboard-seller.png").await;
 
     // And the payment event that confirmed it, as the gateway signed it.
     let event: i64 = sqlx::query_scalar(
@@ -556,11 +557,10 @@ async fn an_operator_opens_a_dead_job_and_retries_it_and_follows_an_order_to_its
     browser
         .open(&format!("{base}/admin/ui/events/{event}"))
         .await;
-    let text = browser.text().await;
-    for wanted in ["payment.succeeded", "applied", "webhook-id", "Processed"] {
-        assert!(
-            text.contains(wanted),
-            "the event page lacks {wanted:?}: {text}"
-        );
-    }
+    page_shows(
+        &mut browser,
+        "event page",
+        &["payment.succeeded", "applied", "webhook-id", "Processed"],
+    )
+    .await;
 }

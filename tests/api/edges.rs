@@ -22,6 +22,19 @@ fn about_with(kind: &str, session: &str, payment: &str, extra: serde_json::Value
     json!({"type": kind, "data": data}).to_string()
 }
 
+/// Waits (up to 30 s) until `sql`'s one text value is `want`.
+async fn until_text(pool: &PgPool, what: &str, sql: &'static str, want: &str) {
+    wait_for(what, std::time::Duration::from_secs(30), async || {
+        sqlx::query_scalar::<_, String>(sql)
+            .fetch_optional(pool)
+            .await
+            .unwrap()
+            .as_deref()
+            == Some(want)
+    })
+    .await;
+}
+
 async fn deliver(app: &TestApp, id: &str, body: &str) {
     let (status, answer) = app.deliver(&internal(id, body)).await;
     assert_eq!(status, 200, "{answer}");
@@ -345,19 +358,11 @@ async fn payments_reported_only_by_signed_events_are_given_back_by_the_simulator
         let (status, answer) = shop.app.deliver(&internal(id, &body)).await;
         assert_eq!(status, 200, "{answer}");
     }
-    wait_for(
+    until_text(
+        &pool,
         "the second payment to be given back",
-        std::time::Duration::from_secs(30),
-        async || {
-            sqlx::query_scalar::<_, String>(
-                "SELECT amount_refunded::text FROM second_payments WHERE payment_id = 'pay_twice'",
-            )
-            .fetch_optional(&pool)
-            .await
-            .unwrap()
-            .as_deref()
-                == Some("20.0000")
-        },
+        "SELECT amount_refunded::text FROM second_payments WHERE payment_id = 'pay_twice'",
+        "20.0000",
     )
     .await;
     assert_eq!(shop.order(1).await["status"], "paid");
@@ -402,19 +407,11 @@ async fn a_payment_in_another_currency_is_given_back_whole(pool: PgPool) {
     let body = json!({"type": "payment.succeeded", "data": {"session_id": session, "payment_id": "pay_usd", "amount": "20.00", "currency": "USD"}});
     let (status, answer) = shop.app.deliver(&internal("usd", &body.to_string())).await;
     assert_eq!(status, 200, "{answer}");
-    wait_for(
+    until_text(
+        &pool,
         "the payment to be given back",
-        std::time::Duration::from_secs(30),
-        async || {
-            sqlx::query_scalar::<_, String>(
-                "SELECT amount::text FROM internal_refunds WHERE payment_id = 'pay_usd'",
-            )
-            .fetch_optional(&pool)
-            .await
-            .unwrap()
-            .as_deref()
-                == Some("20.0000")
-        },
+        "SELECT amount::text FROM internal_refunds WHERE payment_id = 'pay_usd'",
+        "20.0000",
     )
     .await;
     assert_eq!(shop.order(1).await["status"], "awaiting_payment");
