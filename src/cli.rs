@@ -80,6 +80,9 @@ enum Command {
     /// broker cut, lost and repeated webhooks), checked against a model of its own (in a
     /// scratch database).
     Soak(soak::SoakArgs),
+    /// Print the HTTP API's OpenAPI 3.1 description (what `GET /openapi.json` serves;
+    /// `payfleet openapi > docs/openapi.json` refreshes the committed copy).
+    Openapi,
     /// Benchmarks against the configured database server (in a scratch database).
     Bench {
         #[command(subcommand)]
@@ -180,6 +183,13 @@ enum BenchCommand {
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Command::Openapi = cli.command {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&payfleet::http::openapi::document())?
+        );
+        return Ok(());
+    }
     let config = Config::from_env()?;
     match cli.command {
         Command::Migrate => {
@@ -218,6 +228,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Consistency { run } => consistency_command(config, run).await,
         Command::Demo(args) => demo::run(&config, args).await,
         Command::Soak(args) => soak::run(&config, args).await,
+        Command::Openapi => Ok(()),
         Command::Bench { which } => match which {
             BenchCommand::Ingest(args) => bench::ingest(&config, args).await,
             BenchCommand::Queue(args) => bench::queue(&config, args).await,

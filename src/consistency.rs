@@ -302,7 +302,8 @@ pub async fn run(pool: &PgPool, grace: Duration) -> Result<Report, sqlx::Error> 
     })
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
+#[schema(as = ConsistencyFinding)]
 pub struct Finding {
     pub id: i64,
     pub check_name: String,

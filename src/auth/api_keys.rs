@@ -40,7 +40,7 @@ impl std::fmt::Display for ApiKeyId {
 }
 
 /// A key as an operator sees it: never the key itself.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct ApiKey {
     pub id: ApiKeyId,
     pub name: String,
@@ -51,7 +51,7 @@ pub struct ApiKey {
     pub revoked_at: Option<DateTime<Utc>>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewApiKey {
     pub name: String,

@@ -129,7 +129,7 @@ fn name_field(field: &'static str, name: &str) -> Result<String, CatalogueError>
 
 // ---- sellers -------------------------------------------------------------------------------
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 pub struct NewSeller {
     pub name: String,
     pub payout_frequency: PayoutFrequency,
@@ -143,12 +143,13 @@ pub struct NewSeller {
     pub payout_minimums: std::collections::BTreeMap<String, String>,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct Seller {
     pub id: SellerId,
     pub name: String,
     pub payout_frequency: PayoutFrequency,
     #[serde(with = "rust_decimal::serde::str")]
+    #[schema(value_type = String)]
     pub payout_minimum: Decimal,
     pub holding_days: i32,
     pub stripe_account: Option<String>,
@@ -245,7 +246,7 @@ pub async fn seller<'c>(
 
 // ---- products ------------------------------------------------------------------------------
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 pub struct NewProduct {
     pub seller_id: String,
     pub name: String,
@@ -256,13 +257,14 @@ pub struct NewProduct {
     pub interval: Option<Interval>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct Product {
     pub id: ProductId,
     pub seller_id: SellerId,
     pub name: String,
     pub kind: ProductKind,
     #[serde(with = "rust_decimal::serde::str")]
+    #[schema(value_type = String)]
     pub price: Decimal,
     pub currency: String,
     pub interval: Option<Interval>,
@@ -330,7 +332,7 @@ pub async fn products<'c>(
 
 // ---- coupons -------------------------------------------------------------------------------
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 pub struct NewCoupon {
     pub code: String,
     pub percent_off: Option<String>,
@@ -409,26 +411,69 @@ impl Coupon {
     }
 }
 
+/// A coupon as the API writes it: a percentage off, or an amount off in a currency.
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = Coupon)]
+struct CouponWire<'a> {
+    id: CouponId,
+    code: &'a str,
+    /// A percentage off each line it applies to ("10", "12.5").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    percent_off: Option<String>,
+    /// An amount off one order, in `currency`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    amount_off: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    currency: Option<String>,
+    max_redemptions: Option<i32>,
+    redemptions: i32,
+    valid_from: Option<DateTime<Utc>>,
+    valid_until: Option<DateTime<Utc>>,
+    seller_id: Option<SellerId>,
+    product_id: Option<ProductId>,
+}
+
 impl Serialize for Coupon {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut v = serde_json::json!({
-            "id": self.id,
-            "code": self.code,
-            "max_redemptions": self.max_redemptions,
-            "redemptions": self.redemptions,
-            "valid_from": self.valid_from,
-            "valid_until": self.valid_until,
-            "seller_id": self.seller_id,
-            "product_id": self.product_id,
-        });
-        match self.discount {
-            Discount::Percent(p) => v["percent_off"] = p.normalize().to_string().into(),
-            Discount::Amount(m) => {
-                v["amount_off"] = m.amount().to_string().into();
-                v["currency"] = m.currency().as_str().into();
-            }
+        let (percent_off, amount_off, currency) = match self.discount {
+            Discount::Percent(p) => (Some(p.normalize().to_string()), None, None),
+            Discount::Amount(m) => (
+                None,
+                Some(m.amount().to_string()),
+                Some(m.currency().as_str().to_owned()),
+            ),
+        };
+        CouponWire {
+            id: self.id,
+            code: &self.code,
+            percent_off,
+            amount_off,
+            currency,
+            max_redemptions: self.max_redemptions,
+            redemptions: self.redemptions,
+            valid_from: self.valid_from,
+            valid_until: self.valid_until,
+            seller_id: self.seller_id,
+            product_id: self.product_id,
         }
-        v.serialize(s)
+        .serialize(s)
+    }
+}
+
+impl utoipa::PartialSchema for Coupon {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        <CouponWire<'static> as utoipa::PartialSchema>::schema()
+    }
+}
+
+impl utoipa::ToSchema for Coupon {
+    fn schemas(
+        schemas: &mut Vec<(
+            String,
+            utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>,
+        )>,
+    ) {
+        <CouponWire<'static> as utoipa::ToSchema>::schemas(schemas);
     }
 }
 

@@ -9,13 +9,15 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{delete, get, post};
 
 use super::callers::Operator;
+use super::openapi::ErrorBody;
 use super::{ApiError, JsonBody, Routes};
-use crate::auth::api_keys::{self, ApiKeyError, NewApiKey};
+use crate::auth::api_keys::{self, ApiKeyError, ApiKeyId, NewApiKey};
 use crate::catalogue::{self, NewCoupon, NewProduct, NewSeller};
 use crate::ledger::coins;
 use crate::ledger::payouts::{self, PayoutState};
 use crate::orders;
 use crate::orders::checkout::idempotency_key;
+use crate::orders::subscriptions::SubscriptionId;
 use crate::payments::order_refunds::{
     self, CarriedOut, NewRefund, RefundError, RefundState, RefundView,
 };
@@ -61,6 +63,69 @@ pub(super) fn routes(state: AdminState) -> Routes {
         .with_state(state)
 }
 
+/// A key just made: its record, and the key itself (shown this once).
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct NewKey {
+    #[serde(flatten)]
+    made: api_keys::ApiKey,
+    /// The key to send as `Authorization: Bearer`: kept only as its SHA-256.
+    key: String,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct ApiKeys {
+    api_keys: Vec<api_keys::ApiKey>,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct Expiring {
+    number: i64,
+    /// `expiring`.
+    status: String,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct Simulated {
+    id: orders::subscriptions::SubscriptionId,
+    renewals: String,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct UnmatchedPayments {
+    unmatched_payments: Vec<crate::payments::events::UnmatchedPayment>,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct Refunds {
+    refunds: Vec<RefundView>,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct Payouts {
+    payouts: Vec<payouts::Payout>,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct Recurring {
+    recurring: Vec<recurring::Overview>,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct Runs {
+    name: String,
+    runs: Vec<recurring::RunView>,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct ConsistencyFindings {
+    findings: Vec<crate::consistency::Finding>,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct ReconciliationFindings {
+    findings: Vec<crate::payments::reconcile::Finding>,
+}
+
 impl From<ApiKeyError> for ApiError {
     fn from(e: ApiKeyError) -> Self {
         let message = e.to_string();
@@ -80,28 +145,59 @@ impl From<ApiKeyError> for ApiError {
 }
 
 /// Makes an API key: the key is in this answer only (it is kept as a hash).
+#[utoipa::path(
+    post,
+    path = "/admin/api-keys",
+    tag = "admin",
+    request_body = NewApiKey,
+    responses(
+        (status = 201, description = "The key: its secret is in this answer only.", body = NewKey),
+        (status = 422, description = "`invalid_request`; `unknown_seller`.", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn create_api_key(
     _operator: Operator,
     State(state): State<AdminState>,
     JsonBody(body): JsonBody<NewApiKey>,
-) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+) -> Result<(StatusCode, Json<NewKey>), ApiError> {
     let (made, key) = api_keys::create(&state.pool, body).await?;
     tracing::info!(api_key = %made.id, name = %made.name, seller = ?made.seller_id, "API key made");
-    let mut answer = serde_json::to_value(&made).map_err(|e| ApiError::Internal(Box::new(e)))?;
-    answer["key"] = serde_json::Value::String(key);
-    Ok((StatusCode::CREATED, Json(answer)))
+    Ok((StatusCode::CREATED, Json(NewKey { made, key })))
 }
 
 /// Every API key, without the keys.
+#[utoipa::path(
+    get,
+    path = "/admin/api-keys",
+    tag = "admin",
+    responses(
+        (status = 200, description = "Every key, without its secret.", body = ApiKeys),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn list_api_keys(
     _operator: Operator,
     State(state): State<AdminState>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    let keys = api_keys::list(&state.pool).await?;
-    Ok(Json(serde_json::json!({ "api_keys": keys })))
+) -> Result<Json<ApiKeys>, ApiError> {
+    let api_keys = api_keys::list(&state.pool).await?;
+    Ok(Json(ApiKeys { api_keys }))
 }
 
 /// Revokes a key: refused by every process within a second.
+#[utoipa::path(
+    delete,
+    path = "/admin/api-keys/{id}",
+    tag = "admin",
+    params(
+        ("id" = ApiKeyId, Path, description = "The key's id."),
+    ),
+    responses(
+        (status = 200, description = "The key, revoked: refused by every process within a second.", body = api_keys::ApiKey),
+        (status = 404, description = "`not_found`: no such key.", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn revoke_api_key(
     _operator: Operator,
     State(state): State<AdminState>,
@@ -112,6 +208,17 @@ async fn revoke_api_key(
     Ok(Json(key))
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/sellers",
+    tag = "admin",
+    request_body = NewSeller,
+    responses(
+        (status = 201, description = "The seller.", body = catalogue::Seller),
+        (status = 422, description = "`invalid_request`.", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn create_seller(
     _operator: Operator,
     State(state): State<AdminState>,
@@ -121,6 +228,17 @@ async fn create_seller(
     Ok((StatusCode::CREATED, Json(seller)))
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/products",
+    tag = "admin",
+    request_body = NewProduct,
+    responses(
+        (status = 201, description = "The product.", body = catalogue::Product),
+        (status = 422, description = "`invalid_request`; `unknown_seller`.", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn create_product(
     _operator: Operator,
     State(state): State<AdminState>,
@@ -130,6 +248,18 @@ async fn create_product(
     Ok((StatusCode::CREATED, Json(product)))
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/coupons",
+    tag = "admin",
+    request_body = NewCoupon,
+    responses(
+        (status = 201, description = "The coupon.", body = catalogue::Coupon),
+        (status = 409, description = "`coupon_code_taken`.", body = ErrorBody),
+        (status = 422, description = "`invalid_request`; `unknown_seller`; `unknown_product`.", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn create_coupon(
     _operator: Operator,
     State(state): State<AdminState>,
@@ -140,33 +270,67 @@ async fn create_coupon(
 }
 
 /// Ends the wait of an unpaid order now: the workers expire it (its coupon given back).
+#[utoipa::path(
+    post,
+    path = "/admin/orders/{number}/expire",
+    tag = "admin",
+    params(
+        ("number" = i64, Path, description = "The order's number."),
+    ),
+    responses(
+        (status = 202, description = "The order's expiry job moved to now.", body = Expiring),
+        (status = 404, description = "`not_found`: no such order.", body = ErrorBody),
+        (status = 409, description = "`order_not_payable`: not waiting for its payment.", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn expire_order(
     _operator: Operator,
     State(state): State<AdminState>,
     Path(raw): Path<String>,
-) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+) -> Result<(StatusCode, Json<Expiring>), ApiError> {
     let number = super::orders::number(&raw)?;
     orders::expire_now(&state.pool, number).await?;
     Ok((
         StatusCode::ACCEPTED,
-        Json(serde_json::json!({"number": number, "status": "expiring"})),
+        Json(Expiring {
+            number,
+            status: "expiring".into(),
+        }),
     ))
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct Simulate {
+pub(super) struct Simulate {
+    /// `fail` or `succeed`.
     renewals: String,
 }
 
 /// How the payment simulator answers a subscription's next renewals on the internal gateway:
 /// `{"renewals": "fail|succeed"}`; 409 `simulator_off` where the simulator does not run.
+#[utoipa::path(
+    post,
+    path = "/admin/subscriptions/{id}/simulate",
+    tag = "admin",
+    params(
+        ("id" = SubscriptionId, Path, description = "The subscription's id."),
+    ),
+    request_body = Simulate,
+    responses(
+        (status = 200, description = "How the simulator answers the subscription's next renewals.", body = Simulated),
+        (status = 404, description = "`not_found`: no such subscription.", body = ErrorBody),
+        (status = 409, description = "`simulator_off`: the payment simulator does not run here (money is real).", body = ErrorBody),
+        (status = 422, description = "`invalid_request`.", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn simulate_renewals(
     _operator: Operator,
     State(state): State<AdminState>,
     Path(raw): Path<String>,
     JsonBody(body): JsonBody<Simulate>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<Simulated>, ApiError> {
     if !state.simulates_renewals {
         return Err(ApiError::Conflict {
             code: "simulator_off",
@@ -187,23 +351,52 @@ async fn simulate_renewals(
     if !orders::subscriptions::simulate(&state.pool, id, succeed).await? {
         return Err(ApiError::NotFound(format!("no subscription {raw:?}")));
     }
-    Ok(Json(
-        serde_json::json!({"id": id, "renewals": body.renewals}),
-    ))
+    Ok(Json(Simulated {
+        id,
+        renewals: body.renewals,
+    }))
 }
 
 /// Payments no checkout asked for, for an operator to look into.
+#[utoipa::path(
+    get,
+    path = "/admin/unmatched-payments",
+    tag = "admin",
+    responses(
+        (status = 200, description = "Payments no checkout asked for, newest first (200 at most).", body = UnmatchedPayments),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn unmatched(
     _operator: Operator,
     State(state): State<AdminState>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    let list = crate::payments::events::unmatched(&state.pool, 200).await?;
-    Ok(Json(serde_json::json!({ "unmatched_payments": list })))
+) -> Result<Json<UnmatchedPayments>, ApiError> {
+    let unmatched_payments = crate::payments::events::unmatched(&state.pool, 200).await?;
+    Ok(Json(UnmatchedPayments { unmatched_payments }))
 }
 
 /// Refunds a paid order, wholly or in part: `Idempotency-Key` required; 201 when the gateway
 /// refunded, 202 while it has not answered yet (the refund is carried out by a job), 422 when it
 /// refused.
+#[utoipa::path(
+    post,
+    path = "/admin/orders/{number}/refunds",
+    tag = "admin",
+    params(
+        ("number" = i64, Path, description = "The order's number."),
+        ("Idempotency-Key" = String, Header, description = "Required: the same key does it once."),
+    ),
+    request_body = NewRefund,
+    responses(
+        (status = 201, description = "Refunded (an order paid with coins: in coins, at once).", body = RefundView),
+        (status = 202, description = "Asked; the gateway has not answered yet (a job asks again).", body = RefundView),
+        (status = 400, description = "`missing_idempotency_key`; `invalid_idempotency_key`.", body = ErrorBody),
+        (status = 404, description = "`not_found`: no such order.", body = ErrorBody),
+        (status = 409, description = "`order_not_refundable`; `idempotency_key_in_use` (its first request is still asking the gateway).", body = ErrorBody),
+        (status = 422, description = "`refund_refused` (the gateway's reason); `refund_exceeds_payment`; `idempotency_key_reused`; `gateway_unavailable`; `invalid_request`.", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn refund_order(
     _operator: Operator,
     State(state): State<AdminState>,
@@ -253,23 +446,45 @@ async fn refund_order(
     }
 }
 
+#[utoipa::path(
+    get,
+    path = "/admin/orders/{number}/refunds",
+    tag = "admin",
+    params(
+        ("number" = i64, Path, description = "The order's number."),
+    ),
+    responses(
+        (status = 200, description = "The order's refund requests.", body = Refunds),
+        (status = 404, description = "`not_found`: not an order number.", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn order_refunds(
     _operator: Operator,
     State(state): State<AdminState>,
     Path(raw): Path<String>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<Refunds>, ApiError> {
     let number = super::orders::number(&raw)?;
-    let list = order_refunds::of_order(&state.pool, number).await?;
-    Ok(Json(serde_json::json!({ "refunds": list })))
+    let refunds = order_refunds::of_order(&state.pool, number).await?;
+    Ok(Json(Refunds { refunds }))
 }
 
 /// Payouts waiting for the bank's answer.
+#[utoipa::path(
+    get,
+    path = "/admin/payouts",
+    tag = "admin",
+    responses(
+        (status = 200, description = "Payouts waiting for the bank's answer.", body = Payouts),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn pending_payouts(
     _operator: Operator,
     State(state): State<AdminState>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    let list = payouts::in_state(&state.pool, PayoutState::Pending).await?;
-    Ok(Json(serde_json::json!({ "payouts": list })))
+) -> Result<Json<Payouts>, ApiError> {
+    let payouts = payouts::in_state(&state.pool, PayoutState::Pending).await?;
+    Ok(Json(Payouts { payouts }))
 }
 
 fn payout_id(raw: &str) -> Result<i64, ApiError> {
@@ -280,6 +495,20 @@ fn payout_id(raw: &str) -> Result<i64, ApiError> {
 }
 
 /// The bank paid the payout.
+#[utoipa::path(
+    post,
+    path = "/admin/payouts/{id}/paid",
+    tag = "admin",
+    params(
+        ("id" = i64, Path, description = "The payout's id."),
+    ),
+    responses(
+        (status = 200, description = "The payout, paid (the same answer again is a no-op).", body = payouts::Payout),
+        (status = 404, description = "`not_found`: no such payout.", body = ErrorBody),
+        (status = 409, description = "`payout_decided`: the bank's other answer was recorded.", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn payout_paid(
     _operator: Operator,
     State(state): State<AdminState>,
@@ -289,12 +518,29 @@ async fn payout_paid(
     Ok(Json(payout))
 }
 
-#[derive(serde::Deserialize)]
-struct Failure {
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+pub(super) struct Failure {
+    /// The bank's reason: 1 to 500 printable characters.
     reason: String,
 }
 
 /// The bank refused the payout: the seller's available balance gets it back, once.
+#[utoipa::path(
+    post,
+    path = "/admin/payouts/{id}/failed",
+    tag = "admin",
+    params(
+        ("id" = i64, Path, description = "The payout's id."),
+    ),
+    request_body = Failure,
+    responses(
+        (status = 200, description = "The payout, failed: the seller's available balance has it back, once.", body = payouts::Payout),
+        (status = 404, description = "`not_found`: no such payout.", body = ErrorBody),
+        (status = 409, description = "`payout_decided`: the bank's other answer was recorded.", body = ErrorBody),
+        (status = 422, description = "`invalid_request`: a reason of 1 to 500 printable characters.", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn payout_failed(
     _operator: Operator,
     State(state): State<AdminState>,
@@ -312,13 +558,30 @@ async fn payout_failed(
     Ok(Json(payout))
 }
 
-#[derive(serde::Deserialize)]
-struct Grant {
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+pub(super) struct Grant {
+    /// A positive decimal string.
     amount: String,
     currency: String,
 }
 
 /// Gives a buyer coins; `Idempotency-Key` required (the same key grants once).
+#[utoipa::path(
+    post,
+    path = "/admin/wallets/{buyer}/grants",
+    tag = "admin",
+    params(
+        ("buyer" = String, Path, description = "The buyer's id."),
+        ("Idempotency-Key" = String, Header, description = "Required: the same key does it once."),
+    ),
+    request_body = Grant,
+    responses(
+        (status = 201, description = "The buyer's wallet in the grant's currency.", body = coins::Wallet),
+        (status = 400, description = "`missing_idempotency_key`; `invalid_idempotency_key`.", body = ErrorBody),
+        (status = 422, description = "`invalid_request`; `idempotency_key_reused`.", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn grant_coins(
     _operator: Operator,
     State(state): State<AdminState>,
@@ -350,12 +613,21 @@ async fn grant_coins(
 }
 
 /// The recurring jobs with their last and next run.
+#[utoipa::path(
+    get,
+    path = "/admin/recurring",
+    tag = "admin",
+    responses(
+        (status = 200, description = "The recurring jobs with their last and next run.", body = Recurring),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn recurring_jobs(
     _operator: Operator,
     State(state): State<AdminState>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    let list = recurring::overview(&state.pool, &state.recurring, chrono::Utc::now()).await?;
-    Ok(Json(serde_json::json!({ "recurring": list })))
+) -> Result<Json<Recurring>, ApiError> {
+    let recurring = recurring::overview(&state.pool, &state.recurring, chrono::Utc::now()).await?;
+    Ok(Json(Recurring { recurring }))
 }
 
 #[derive(serde::Deserialize)]
@@ -364,12 +636,27 @@ struct Limit {
 }
 
 /// A recurring job's runs, newest first (`limit` 1 to 500, default 20).
+#[utoipa::path(
+    get,
+    path = "/admin/recurring/{name}/runs",
+    tag = "admin",
+    params(
+        ("name" = String, Path, description = "The recurring job's name."),
+        ("limit" = Option<i64>, Query, description = "1 to 500 (20 by default)."),
+    ),
+    responses(
+        (status = 200, description = "The job's runs, newest first.", body = Runs),
+        (status = 400, description = "`bad_request`: a limit outside 1 to 500.", body = ErrorBody),
+        (status = 404, description = "`not_found`: no recurring job of that name.", body = ErrorBody),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn recurring_runs(
     _operator: Operator,
     State(state): State<AdminState>,
     Path(name): Path<String>,
     limit: Result<Query<Limit>, QueryRejection>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<Runs>, ApiError> {
     let Query(Limit { limit }) = limit.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let limit = limit.unwrap_or(20);
     if !(1..=500).contains(&limit) {
@@ -381,23 +668,41 @@ async fn recurring_runs(
         return Err(ApiError::NotFound(format!("no recurring job {name:?}")));
     }
     let runs = recurring::runs(&state.pool, &name, limit).await?;
-    Ok(Json(serde_json::json!({ "name": name, "runs": runs })))
+    Ok(Json(Runs { name, runs }))
 }
 
 /// The consistency findings still open, oldest first.
+#[utoipa::path(
+    get,
+    path = "/admin/consistency",
+    tag = "admin",
+    responses(
+        (status = 200, description = "The open consistency findings, oldest first.", body = ConsistencyFindings),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn consistency_findings(
     _operator: Operator,
     State(state): State<AdminState>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<ConsistencyFindings>, ApiError> {
     let findings = crate::consistency::open(&state.pool, 1000).await?;
-    Ok(Json(serde_json::json!({ "findings": findings })))
+    Ok(Json(ConsistencyFindings { findings }))
 }
 
 /// What missed-webhook reconciliation found, newest first.
+#[utoipa::path(
+    get,
+    path = "/admin/reconciliation",
+    tag = "admin",
+    responses(
+        (status = 200, description = "What missed-webhook reconciliation found, newest first.", body = ReconciliationFindings),
+    ),
+    security(("admin_token" = [])),
+)]
 async fn reconciliation_findings(
     _operator: Operator,
     State(state): State<AdminState>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<ReconciliationFindings>, ApiError> {
     let findings = crate::payments::reconcile::findings(&state.pool, 500).await?;
-    Ok(Json(serde_json::json!({ "findings": findings })))
+    Ok(Json(ReconciliationFindings { findings }))
 }

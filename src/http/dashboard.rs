@@ -33,7 +33,7 @@ use crate::secret::hmac_sha256;
 use payfleet_queue::JobId;
 use payfleet_queue::admin as jobs;
 
-mod pages;
+pub(super) mod pages;
 
 /// What the dashboard: the pool, who may sign in, where buyers reach us, the schedules, and whether its cookie is `Secure`.
 #[derive(Clone)]
@@ -263,6 +263,20 @@ impl FromRequestParts<DashboardState> for Client {
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/ui/session",
+    tag = "dashboard",
+    request_body(content = String, content_type = "application/x-www-form-urlencoded", description = "`token`: the admin token. Only from the dashboard's own origin."),
+    responses(
+        (status = 303, description = "Signed in: the session cookie is set, on to the dashboard."),
+        (status = 400, description = "No token sent.", content_type = "text/html", body = String),
+        (status = 401, description = "A wrong token (counted against the address).", content_type = "text/html", body = String),
+        (status = 403, description = "A form from another origin, or the dashboard is off.", content_type = "text/html", body = String),
+        (status = 413, description = "A form too large.", content_type = "text/html", body = String),
+        (status = 429, description = "Too many failed credentials from this address (`Retry-After`).", content_type = "text/html", body = String),
+    ),
+)]
 async fn sign_in(
     _caller: Anyone,
     State(state): State<DashboardState>,
@@ -372,6 +386,16 @@ impl OperatorSession {
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/ui/sign-out",
+    tag = "dashboard",
+    request_body(content = String, content_type = "application/x-www-form-urlencoded", description = "The form: its `csrf` token."),
+    responses(
+        (status = 200, description = "Signed out: the sign-in page, the cookie cleared.", content_type = "text/html", body = String),
+    ),
+    security(("dashboard_session" = [])),
+)]
 async fn sign_out(operator: OperatorSession, form: Result<Form<Csrf>, FormRejection>) -> Page {
     if let Err(page) = operator.check(form.as_deref().ok()) {
         return page;
@@ -405,6 +429,22 @@ enum JobAction {
     Run,
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/ui/jobs/{id}/{action}",
+    tag = "dashboard",
+    params(
+        ("id" = i64, Path, description = "The job's id."),
+        ("action" = String, Path, description = "`retry`, `discard` or `run-now`."),
+    ),
+    request_body(content = String, content_type = "application/x-www-form-urlencoded", description = "The form: its `csrf` token."),
+    responses(
+        (status = 303, description = "Done: back to the dashboard, saying what."),
+        (status = 404, description = "No such job or action.", content_type = "text/html", body = String),
+        (status = 409, description = "The job is not in a state the action takes.", content_type = "text/html", body = String),
+    ),
+    security(("dashboard_session" = [])),
+)]
 async fn job_action(
     operator: OperatorSession,
     State(state): State<DashboardState>,
@@ -451,6 +491,21 @@ enum QueueAction {
     Resume,
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/ui/queues/{queue}/{action}",
+    tag = "dashboard",
+    params(
+        ("queue" = String, Path, description = "The queue."),
+        ("action" = String, Path, description = "`pause` or `resume`."),
+    ),
+    request_body(content = String, content_type = "application/x-www-form-urlencoded", description = "The form: its `csrf` token."),
+    responses(
+        (status = 303, description = "Done: the fleet honours it within a second."),
+        (status = 404, description = "No such queue or action.", content_type = "text/html", body = String),
+    ),
+    security(("dashboard_session" = [])),
+)]
 async fn queue_action(
     operator: OperatorSession,
     State(state): State<DashboardState>,
@@ -485,6 +540,21 @@ async fn queue_action(
     Ok(Page::done(&done))
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/ui/events/{id}/replay",
+    tag = "dashboard",
+    params(
+        ("id" = i64, Path, description = "The payment event's id."),
+    ),
+    request_body(content = String, content_type = "application/x-www-form-urlencoded", description = "The form: its `csrf` token."),
+    responses(
+        (status = 303, description = "Done: the event is queued for processing again."),
+        (status = 404, description = "No such event.", content_type = "text/html", body = String),
+        (status = 409, description = "The event was processed.", content_type = "text/html", body = String),
+    ),
+    security(("dashboard_session" = [])),
+)]
 async fn replay_event(
     operator: OperatorSession,
     State(state): State<DashboardState>,
@@ -503,6 +573,16 @@ async fn replay_event(
     }))
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/ui/events/replay-all",
+    tag = "dashboard",
+    request_body(content = String, content_type = "application/x-www-form-urlencoded", description = "The form: its `csrf` token."),
+    responses(
+        (status = 303, description = "Done: every rejected event is queued again."),
+    ),
+    security(("dashboard_session" = [])),
+)]
 async fn replay_all(
     operator: OperatorSession,
     State(state): State<DashboardState>,
@@ -557,6 +637,18 @@ fn table(id: &str, headers: &[&str], rows: Vec<String>, empty: &str) -> String {
 }
 
 /// Anyone gets the sign-in form; a signed-in operator the dashboard.
+#[utoipa::path(
+    get,
+    path = "/admin/ui",
+    tag = "dashboard",
+    params(
+        ("done" = Option<String>, Query, description = "What the last action did (shown once)."),
+    ),
+    responses(
+        (status = 200, description = "The dashboard, or its sign-in page.", content_type = "text/html", body = String),
+        (status = 403, description = "The dashboard is off (no admin token).", content_type = "text/html", body = String),
+    ),
+)]
 async fn dashboard(
     _caller: Anyone,
     State(state): State<DashboardState>,

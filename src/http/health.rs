@@ -10,7 +10,6 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
-use serde_json::{Map, Value, json};
 use sqlx::PgPool;
 
 use super::callers::Anyone;
@@ -65,32 +64,72 @@ pub(super) fn routes(readiness: Readiness) -> super::Routes {
         .with_state(readiness)
 }
 
-async fn healthz(_caller: Anyone) -> impl IntoResponse {
-    axum::Json(json!({"status": "ok"}))
+/// The process is up.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct Alive {
+    /// `ok`.
+    status: String,
 }
 
+/// What a process needs, each `ok` or `unavailable`: a receiver's database and event writer,
+/// a worker's database and fleet.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct Checks {
+    database: Check,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    event_writer: Option<Check>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    workers: Option<Check>,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum Check {
+    Ok,
+    Unavailable,
+}
+
+impl From<bool> for Check {
+    fn from(ok: bool) -> Self {
+        if ok { Check::Ok } else { Check::Unavailable }
+    }
+}
+
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "operations",
+    responses((status = 200, description = "The process runs.", body = Alive)),
+)]
+async fn healthz(_caller: Anyone) -> impl IntoResponse {
+    axum::Json(Alive {
+        status: "ok".into(),
+    })
+}
+
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "operations",
+    responses(
+        (status = 200, description = "The process can do its work.", body = Checks),
+        (status = 503, description = "It cannot: what is missing is `unavailable`.", body = Checks),
+    ),
+)]
 async fn readyz(_caller: Anyone, State(r): State<Readiness>) -> impl IntoResponse {
-    let mut checks = Map::new();
-    let mut ready = true;
-    let mut check = |name: &str, ok: bool| {
-        ready &= ok;
-        checks.insert(
-            name.to_owned(),
-            Value::String(if ok { "ok" } else { "unavailable" }.to_owned()),
-        );
-    };
-    let db = r.database.answers(&r.pool).await;
-    check("database", db);
-    if let Some(events) = &r.events {
-        check("event_writer", events.is_alive());
-    }
-    if let Some(fleet) = &r.fleet {
-        check("workers", fleet.is_running());
-    }
+    let database = r.database.answers(&r.pool).await;
+    let event_writer = r.events.as_ref().map(EventWriter::is_alive);
+    let workers = r.fleet.as_ref().map(FleetProbe::is_running);
+    let ready = database && event_writer != Some(false) && workers != Some(false);
     let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (status, axum::Json(Value::Object(checks)))
+    let checks = Checks {
+        database: database.into(),
+        event_writer: event_writer.map(Check::from),
+        workers: workers.map(Check::from),
+    };
+    (status, axum::Json(checks))
 }

@@ -6,11 +6,11 @@ use axum::Json;
 use axum::extract::{Path, Query, State};
 use axum::response::Html;
 use axum::routing::get;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
 
 use super::callers::Backend;
 use super::html::{escape, page};
+use super::openapi::ErrorBody;
 use super::{ApiError, Routes};
 use crate::catalogue::{self, SellerId};
 use crate::ledger::{self, coins, invoices, payouts};
@@ -51,14 +51,66 @@ async fn seller(
         .ok_or_else(|| ApiError::NotFound(format!("no seller {id}")))
 }
 
+/// A seller's balances, one per currency.
+#[derive(Serialize, utoipa::ToSchema)]
+pub(super) struct Balances {
+    seller_id: SellerId,
+    balances: Vec<ledger::Balance>,
+}
+
+/// A page of a seller's ledger, oldest first.
+#[derive(Serialize, utoipa::ToSchema)]
+pub(super) struct Entries {
+    seller_id: SellerId,
+    entries: Vec<ledger::Entry>,
+    /// The last entry's id when the page is full: `?after=` it for the next page.
+    next_after: Option<i64>,
+}
+
+/// A seller's payouts, newest first.
+#[derive(Serialize, utoipa::ToSchema)]
+pub(super) struct SellerPayouts {
+    seller_id: SellerId,
+    payouts: Vec<payouts::Payout>,
+}
+
+/// A seller's commission invoices.
+#[derive(Serialize, utoipa::ToSchema)]
+pub(super) struct SellerInvoices {
+    seller_id: SellerId,
+    invoices: Vec<invoices::Invoice>,
+}
+
+/// A buyer's coin wallets, one per currency.
+#[derive(Serialize, utoipa::ToSchema)]
+pub(super) struct Wallets {
+    buyer_id: String,
+    wallets: Vec<coins::Wallet>,
+}
+
+#[utoipa::path(
+    get,
+    path = "/sellers/{id}/balances",
+    tag = "money",
+    params(("id" = SellerId, Path, description = "The seller's id.")),
+    responses(
+        (status = 200, description = "Pending, available and connected sales per currency.", body = Balances),
+        (status = 403, description = "`forbidden`: a key bound to another seller.", body = ErrorBody),
+        (status = 404, description = "`not_found`: no such seller.", body = ErrorBody),
+    ),
+    security(("api_key" = [])),
+)]
 async fn balances(
     caller: Backend,
     State(state): State<LedgerState>,
     Path(raw): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Balances>, ApiError> {
     let s = seller(&state, &caller, &raw).await?;
     let list = ledger::balances(&state.pool, &s.id.to_string()).await?;
-    Ok(Json(json!({ "seller_id": s.id, "balances": list })))
+    Ok(Json(Balances {
+        seller_id: s.id,
+        balances: list,
+    }))
 }
 
 #[derive(Deserialize)]
@@ -70,12 +122,29 @@ struct Page {
 const MAX_PAGE: i64 = 500;
 
 /// The seller's entries, oldest first; `next_after` continues the listing.
+#[utoipa::path(
+    get,
+    path = "/sellers/{id}/ledger",
+    tag = "money",
+    params(
+        ("id" = SellerId, Path, description = "The seller's id."),
+        ("after" = Option<i64>, Query, description = "Entries after this id (0 by default)."),
+        ("limit" = Option<i64>, Query, description = "1 to 500 (100 by default)."),
+    ),
+    responses(
+        (status = 200, description = "Entries with each balance before and after.", body = Entries),
+        (status = 400, description = "`bad_request`: a limit outside 1 to 500, or a query that does not read.", body = ErrorBody),
+        (status = 403, description = "`forbidden`: a key bound to another seller.", body = ErrorBody),
+        (status = 404, description = "`not_found`: no such seller.", body = ErrorBody),
+    ),
+    security(("api_key" = [])),
+)]
 async fn entries(
     caller: Backend,
     State(state): State<LedgerState>,
     Path(raw): Path<String>,
     page: Result<Query<Page>, axum::extract::rejection::QueryRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Entries>, ApiError> {
     let Query(page) = page.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let limit = page.limit.unwrap_or(100);
     if !(1..=MAX_PAGE).contains(&limit) {
@@ -94,29 +163,61 @@ async fn entries(
     let next = (list.len() as i64 == limit)
         .then(|| list.last().map(|e| e.id))
         .flatten();
-    Ok(Json(
-        json!({ "seller_id": s.id, "entries": list, "next_after": next }),
-    ))
+    Ok(Json(Entries {
+        seller_id: s.id,
+        entries: list,
+        next_after: next,
+    }))
 }
 
+#[utoipa::path(
+    get,
+    path = "/sellers/{id}/payouts",
+    tag = "money",
+    params(("id" = SellerId, Path, description = "The seller's id.")),
+    responses(
+        (status = 200, description = "The seller's payouts, newest first.", body = SellerPayouts),
+        (status = 403, description = "`forbidden`: a key bound to another seller.", body = ErrorBody),
+        (status = 404, description = "`not_found`: no such seller.", body = ErrorBody),
+    ),
+    security(("api_key" = [])),
+)]
 async fn seller_payouts(
     caller: Backend,
     State(state): State<LedgerState>,
     Path(raw): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<SellerPayouts>, ApiError> {
     let s = seller(&state, &caller, &raw).await?;
     let list = payouts::list(&state.pool, &s.id.to_string()).await?;
-    Ok(Json(json!({ "seller_id": s.id, "payouts": list })))
+    Ok(Json(SellerPayouts {
+        seller_id: s.id,
+        payouts: list,
+    }))
 }
 
+#[utoipa::path(
+    get,
+    path = "/sellers/{id}/invoices",
+    tag = "money",
+    params(("id" = SellerId, Path, description = "The seller's id.")),
+    responses(
+        (status = 200, description = "The seller's commission invoices.", body = SellerInvoices),
+        (status = 403, description = "`forbidden`: a key bound to another seller.", body = ErrorBody),
+        (status = 404, description = "`not_found`: no such seller.", body = ErrorBody),
+    ),
+    security(("api_key" = [])),
+)]
 async fn seller_invoices(
     caller: Backend,
     State(state): State<LedgerState>,
     Path(raw): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<SellerInvoices>, ApiError> {
     let s = seller(&state, &caller, &raw).await?;
     let list = invoices::list(&state.pool, s.id).await?;
-    Ok(Json(json!({ "seller_id": s.id, "invoices": list })))
+    Ok(Json(SellerInvoices {
+        seller_id: s.id,
+        invoices: list,
+    }))
 }
 
 async fn find_invoice(
@@ -134,6 +235,21 @@ async fn find_invoice(
         .ok_or_else(|| ApiError::NotFound(format!("seller {} has no invoice {n}", s.id)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/sellers/{id}/invoices/{number}",
+    tag = "money",
+    params(
+        ("id" = SellerId, Path, description = "The seller's id."),
+        ("number" = i64, Path, description = "The invoice's number."),
+    ),
+    responses(
+        (status = 200, description = "The invoice: a line per order, totals per currency.", body = invoices::Invoice),
+        (status = 403, description = "`forbidden`: a key bound to another seller.", body = ErrorBody),
+        (status = 404, description = "`not_found`: no such seller or invoice.", body = ErrorBody),
+    ),
+    security(("api_key" = [])),
+)]
 async fn invoice(
     caller: Backend,
     State(state): State<LedgerState>,
@@ -147,6 +263,21 @@ const INVOICE_CSS: &str = "body{font-family:sans-serif;max-width:48rem;margin:2r
     td.n{text-align:right}@media print{body{margin:0}}";
 
 /// The invoice as a page to print.
+#[utoipa::path(
+    get,
+    path = "/sellers/{id}/invoices/{number}/print",
+    tag = "money",
+    params(
+        ("id" = SellerId, Path, description = "The seller's id."),
+        ("number" = i64, Path, description = "The invoice's number."),
+    ),
+    responses(
+        (status = 200, description = "The invoice as a page to print.", content_type = "text/html", body = String),
+        (status = 403, description = "`forbidden`: a key bound to another seller.", body = ErrorBody),
+        (status = 404, description = "`not_found`: no such seller or invoice.", body = ErrorBody),
+    ),
+    security(("api_key" = [])),
+)]
 async fn invoice_page(
     caller: Backend,
     State(state): State<LedgerState>,
@@ -188,15 +319,30 @@ async fn invoice_page(
 }
 
 /// A buyer's coins: the backend's (whose own buyers they are), not a seller's key.
+#[utoipa::path(
+    get,
+    path = "/wallets/{buyer}",
+    tag = "money",
+    params(("buyer" = String, Path, description = "The buyer's id, as the checkout named it.")),
+    responses(
+        (status = 200, description = "The buyer's wallets: balance and reserved, per currency.", body = Wallets),
+        (status = 403, description = "`forbidden`: a key bound to a seller.", body = ErrorBody),
+        (status = 404, description = "`not_found`: not a buyer id.", body = ErrorBody),
+    ),
+    security(("api_key" = [])),
+)]
 async fn wallets(
     caller: Backend,
     State(state): State<LedgerState>,
     Path(buyer): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Wallets>, ApiError> {
     caller.acts_for_buyers()?;
     if buyer.is_empty() || buyer.chars().count() > 200 || buyer.chars().any(char::is_control) {
         return Err(ApiError::NotFound(format!("no buyer {buyer:?}")));
     }
     let list = coins::wallets(&state.pool, &buyer).await?;
-    Ok(Json(json!({ "buyer_id": buyer, "wallets": list })))
+    Ok(Json(Wallets {
+        buyer_id: buyer,
+        wallets: list,
+    }))
 }

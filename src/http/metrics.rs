@@ -133,6 +133,13 @@ pub(super) fn routes(
         })
 }
 
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "operations",
+    responses((status = 200, description = "Prometheus' text format: README.md's Metrics.", content_type = "text/plain; version=0.0.4", body = String)),
+    security(("metrics_token" = [])),
+)]
 async fn metrics_text(
     _caller: MetricsReader,
     State(state): State<MetricsState>,

@@ -11,6 +11,7 @@ mod health;
 mod html;
 mod ledger;
 pub mod metrics;
+pub mod openapi;
 mod orders;
 mod pay;
 pub mod server;
@@ -190,6 +191,7 @@ pub fn router(state: AppState) -> (Router, Vec<&'static str>) {
         .merge(pay::routes(pay))
         .merge(ledger::routes(ledger))
         .merge(health::routes(state.readiness))
+        .merge(openapi::routes())
         .merge(metrics::routes(
             state.pool.clone(),
             Some(state.counters.clone()),

@@ -9,6 +9,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 
 use super::callers::Backend;
+use super::openapi::ErrorBody;
 use super::{ApiError, JsonBody, Routes};
 use crate::orders::checkout::MAX_BODY_BYTES;
 use crate::orders::subscriptions::{self, SubscriptionId, SubscriptionView};
@@ -39,6 +40,25 @@ pub(super) fn routes(state: OrdersState) -> Routes {
         .with_state(state)
 }
 
+/// Orders from a cart: one per seller, priced, numbered, each with its payment link (made over
+/// the payment side's RPC). The same `Idempotency-Key` (the calling key's own) answers the same.
+#[utoipa::path(
+    post,
+    path = "/checkout",
+    tag = "orders",
+    params(("Idempotency-Key" = String, Header, description = "1 to 255 visible characters, the calling API key's own: a repeat answers what the first request answered.")),
+    request_body = crate::orders::checkout::CheckoutRequest,
+    responses(
+        (status = 201, description = "The orders, one per seller, each with its payment link (a repeat of the key: the first answer).", body = crate::orders::checkout::CheckoutAnswer),
+        (status = 400, description = "`missing_idempotency_key`; `invalid_idempotency_key` (sent twice, not text, longer than 255 characters); `bad_request` (not JSON: invalid UTF-8, nested deeper than 128).", body = ErrorBody),
+        (status = 403, description = "`forbidden`: a key bound to a seller cannot check out.", body = ErrorBody),
+        (status = 409, description = "`idempotency_key_in_use`: a request with this key is still running.", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`: over 64 KiB.", body = ErrorBody),
+        (status = 422, description = "`unknown_product`, `coupon_unavailable`, `invalid_items` (at most 100 lines), `gateway_unavailable`, `idempotency_key_reused` (with a different request), `payment_link_refused`, `invalid_request`.", body = ErrorBody),
+        (status = 503, description = "`payment_link_unavailable`: the orders are kept, the payment side did not give their links: repeat the request.", body = ErrorBody),
+    ),
+    security(("api_key" = [])),
+)]
 async fn checkout(
     caller: Backend,
     State(state): State<OrdersState>,
@@ -78,6 +98,18 @@ pub(super) fn number(raw: &str) -> Result<i64, ApiError> {
         .ok_or_else(|| ApiError::NotFound(format!("no order {raw:?}")))
 }
 
+/// An order: its own status (the business truth) and its payment's, side by side.
+#[utoipa::path(
+    get,
+    path = "/orders/{number}",
+    tag = "orders",
+    params(("number" = i64, Path, description = "The order's number.")),
+    responses(
+        (status = 200, description = "The order.", body = OrderView),
+        (status = 404, description = "`not_found`: no such order, or another seller's.", body = ErrorBody),
+    ),
+    security(("api_key" = [])),
+)]
 async fn order(
     caller: Backend,
     State(state): State<OrdersState>,
@@ -94,6 +126,20 @@ async fn order(
 
 /// The buyer reopens payment: the expiry moves to a full period from now, and the order gets
 /// its payment link if it had none yet.
+#[utoipa::path(
+    post,
+    path = "/orders/{number}/payment",
+    tag = "orders",
+    params(("number" = i64, Path, description = "The order's number.")),
+    responses(
+        (status = 200, description = "The order, payable again: its expiry a full period from now.", body = OrderView),
+        (status = 403, description = "`forbidden`: a key bound to a seller.", body = ErrorBody),
+        (status = 404, description = "`not_found`: no such order.", body = ErrorBody),
+        (status = 409, description = "`order_not_payable`; `renewal_not_reopenable` (a subscription's renewal).", body = ErrorBody),
+        (status = 503, description = "`payment_link_unavailable`: the order is payable, its link not made yet: ask again.", body = ErrorBody),
+    ),
+    security(("api_key" = [])),
+)]
 async fn reopen(
     caller: Backend,
     State(state): State<OrdersState>,
@@ -122,6 +168,21 @@ async fn reopen(
 /// The buyer pays the order with coins: reserved over the coins RPC, then the order is paid and
 /// the coins spent. 422 `coins_insufficient` changes nothing; 503 `coins_unavailable` spends
 /// nothing (ask again).
+#[utoipa::path(
+    post,
+    path = "/orders/{number}/coins",
+    tag = "orders",
+    params(("number" = i64, Path, description = "The order's number.")),
+    responses(
+        (status = 200, description = "The order, paid with its buyer's coins.", body = OrderView),
+        (status = 403, description = "`forbidden`: a key bound to a seller.", body = ErrorBody),
+        (status = 404, description = "`not_found`: no such order.", body = ErrorBody),
+        (status = 409, description = "`order_not_payable`.", body = ErrorBody),
+        (status = 422, description = "`coins_insufficient`, `invalid_request`: nothing changed.", body = ErrorBody),
+        (status = 503, description = "`coins_unavailable`: nothing spent, ask again.", body = ErrorBody),
+    ),
+    security(("api_key" = [])),
+)]
 async fn pay_with_coins(
     caller: Backend,
     State(state): State<OrdersState>,
@@ -144,6 +205,17 @@ pub(super) fn subscription_id(raw: &str) -> Result<SubscriptionId, ApiError> {
 }
 
 /// A subscription. Another seller's, or an id that is none, is "no subscription" alike.
+#[utoipa::path(
+    get,
+    path = "/subscriptions/{id}",
+    tag = "orders",
+    params(("id" = SubscriptionId, Path, description = "The subscription's id.")),
+    responses(
+        (status = 200, description = "The subscription and its renewals, oldest period first.", body = SubscriptionView),
+        (status = 404, description = "`not_found`: no such subscription, or another seller's.", body = ErrorBody),
+    ),
+    security(("api_key" = [])),
+)]
 async fn subscription(
     caller: Backend,
     State(state): State<OrdersState>,
@@ -158,9 +230,10 @@ async fn subscription(
     Ok(Json(found))
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct Cancel {
+pub(super) struct Cancel {
+    /// At the period's end rather than now.
     #[serde(default)]
     at_period_end: bool,
 }
@@ -169,6 +242,21 @@ struct Cancel {
 /// first, then here; 200 with the subscription (the same answer when it was canceled already).
 /// 503 `gateway_unavailable` when the gateway cannot be asked (nothing changed); 409
 /// `cancel_not_supported` for one whose gateway cannot be asked here.
+#[utoipa::path(
+    post,
+    path = "/subscriptions/{id}/cancel",
+    tag = "orders",
+    params(("id" = SubscriptionId, Path, description = "The subscription's id.")),
+    request_body = Cancel,
+    responses(
+        (status = 200, description = "The subscription, canceled now or at its period's end (the same answer when it was canceled already).", body = SubscriptionView),
+        (status = 403, description = "`forbidden`: a key bound to a seller.", body = ErrorBody),
+        (status = 404, description = "`not_found`: no such subscription.", body = ErrorBody),
+        (status = 409, description = "`gateway_refused` (the gateway refused); `cancel_not_supported` (its gateway cannot be asked here).", body = ErrorBody),
+        (status = 503, description = "`gateway_unavailable`: the gateway could not be asked; nothing changed, ask again.", body = ErrorBody),
+    ),
+    security(("api_key" = [])),
+)]
 async fn cancel_subscription(
     caller: Backend,
     State(state): State<OrdersState>,

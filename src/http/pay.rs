@@ -51,22 +51,34 @@ pub(super) fn routes(state: PayState) -> Routes {
                 .layer(axum::extract::DefaultBodyLimit::max(4096)),
         )
         .route("/pay/razorpay/{order_id}", get(razorpay_page))
-        .route(
-            "/orders/paid",
-            get(|_: Anyone| async {
-                Html(layout(
-                    "Payment received",
-                    "<p>Thank you: your payment is being confirmed.</p>",
-                ))
-            }),
-        )
-        .route(
-            "/orders/cancelled",
-            get(|_: Anyone| async {
-                Html(layout("Payment cancelled", "<p>No payment was taken.</p>"))
-            }),
-        )
+        .route("/orders/paid", get(paid_page))
+        .route("/orders/cancelled", get(cancelled_page))
         .with_state(state)
+}
+
+/// Where a gateway sends the buyer back after paying.
+#[utoipa::path(
+    get,
+    path = "/orders/paid",
+    tag = "payment pages",
+    responses((status = 200, description = "Thanks: the payment is being confirmed.", content_type = "text/html", body = String)),
+)]
+async fn paid_page(_: Anyone) -> Html<String> {
+    Html(layout(
+        "Payment received",
+        "<p>Thank you: your payment is being confirmed.</p>",
+    ))
+}
+
+/// Where a gateway sends the buyer back after cancelling.
+#[utoipa::path(
+    get,
+    path = "/orders/cancelled",
+    tag = "payment pages",
+    responses((status = 200, description = "No payment was taken.", content_type = "text/html", body = String)),
+)]
+async fn cancelled_page(_: Anyone) -> Html<String> {
+    Html(layout("Payment cancelled", "<p>No payment was taken.</p>"))
 }
 
 fn layout(title: &str, body: &str) -> String {
@@ -157,6 +169,18 @@ async fn session_of(
     Ok((p, gateway))
 }
 
+#[utoipa::path(
+    get,
+    path = "/pay/{session}",
+    tag = "payment pages",
+    params(
+        ("session" = String, Path, description = "The payment session, from the order's payment link."),
+    ),
+    responses(
+        (status = 200, description = "The simulator's payment page: the amount, pay and fail (simulated: no money moves).", content_type = "text/html", body = String),
+        (status = 404, description = "`not_found`: no such session, or the simulator is off.", body = super::openapi::ErrorBody),
+    ),
+)]
 async fn page(
     _caller: Buyer,
     State(state): State<PayState>,
@@ -198,6 +222,25 @@ fn refused(message: &str) -> Response {
     )
 }
 
+#[utoipa::path(
+    post,
+    path = "/pay/{session}",
+    tag = "payment pages",
+    params(
+        ("session" = String, Path, description = "The payment session, from the order's payment link."),
+    ),
+    request_body(content = String, content_type = "application/x-www-form-urlencoded", description = "`outcome` (`succeeded` or `failed`) and the page's form `token`. Only from this receiver's origin."),
+    responses(
+        (status = 200, description = "The outcome, recorded; the gateway delivers its signed event.", content_type = "text/html", body = String),
+        (status = 403, description = "A form from another origin, or a wrong or stale token: nothing recorded.", content_type = "text/html", body = String),
+        (status = 400, description = "`invalid_form`: a form that does not read.", body = super::openapi::ErrorBody),
+        (status = 404, description = "`not_found`: no such session, or the simulator is off.", body = super::openapi::ErrorBody),
+        (status = 408, description = "`request_timeout`: the body did not arrive in time.", body = super::openapi::ErrorBody),
+        (status = 409, description = "The order cannot be paid any more.", content_type = "text/html", body = String),
+        (status = 422, description = "`invalid_outcome`: an outcome other than `succeeded` or `failed`.", body = super::openapi::ErrorBody),
+        (status = 413, description = "`payload_too_large`: a form over 4 KiB.", body = super::openapi::ErrorBody),
+    ),
+)]
 async fn decide(
     _caller: Buyer,
     State(state): State<PayState>,
@@ -269,6 +312,18 @@ async fn decide(
     ))
 }
 
+#[utoipa::path(
+    get,
+    path = "/pay/razorpay/{order_id}",
+    tag = "payment pages",
+    params(
+        ("order_id" = String, Path, description = "Razorpay's order id, from the payment link."),
+    ),
+    responses(
+        (status = 200, description = "Razorpay's checkout for the order (Razorpay's own script).", content_type = "text/html", body = String),
+        (status = 404, description = "`not_found`: no such order, or Razorpay is not enabled.", body = super::openapi::ErrorBody),
+    ),
+)]
 async fn razorpay_page(
     _caller: Buyer,
     State(state): State<PayState>,

@@ -26,8 +26,9 @@ pub struct WebhookState {
     pub body_limit: usize,
 }
 
-#[derive(Serialize)]
-struct Receipt {
+/// The delivery is stored (or was before: a gateway's retry).
+#[derive(Serialize, utoipa::ToSchema)]
+pub(super) struct Receipt {
     status: Stored,
 }
 
@@ -41,6 +42,24 @@ pub(super) fn routes(state: WebhookState) -> Routes {
         .with_state(state)
 }
 
+/// A gateway's signed event: verified over the raw body by the gateway's own scheme, stored
+/// once (a delivery seen before answers `duplicate`), processed by the workers.
+#[utoipa::path(
+    post,
+    path = "/webhooks/{gateway}",
+    tag = "webhooks",
+    params(("gateway" = GatewayName, Path, description = "Whose event: the gateway's own signature scheme checks it.")),
+    request_body(content = Object, content_type = "application/json", description = "The event as the gateway signed it (Mercado Pago: its notification)."),
+    responses(
+        (status = 200, description = "Stored, or stored before.", body = Receipt),
+        (status = 400, description = "`bad_request`: malformed (the signed body does not read as the gateway's event).", body = super::openapi::ErrorBody),
+        (status = 401, description = "`unauthenticated`: a missing or wrong signature, or a timestamp out of tolerance.", body = super::openapi::ErrorBody),
+        (status = 404, description = "`not_found`: an unknown gateway, or one not enabled here.", body = super::openapi::ErrorBody),
+        (status = 408, description = "`request_timeout`: the body did not arrive in time.", body = super::openapi::ErrorBody),
+        (status = 413, description = "`payload_too_large`: a body over `PAYFLEET_WEBHOOK_BODY_LIMIT`.", body = super::openapi::ErrorBody),
+        (status = 503, description = "`unavailable`: the event could not be stored; the gateway retries (`Retry-After`).", body = super::openapi::ErrorBody),
+    ),
+)]
 async fn receive(
     _caller: Gateway,
     State(state): State<WebhookState>,

@@ -47,7 +47,7 @@ pub enum CoinError {
     Database(#[from] sqlx::Error),
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Wallet {
     pub buyer_id: String,
     pub currency: String,

@@ -41,7 +41,7 @@ pub fn day_start(day: NaiveDate, zone: Tz) -> DateTime<Utc> {
 }
 
 /// Amounts are decimal strings in the currency's minor unit.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct InvoiceLine {
     pub line: i32,
     pub order_number: i64,
@@ -50,13 +50,13 @@ pub struct InvoiceLine {
     pub description: String,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct InvoiceTotal {
     pub currency: String,
     pub commission: String,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Invoice {
     pub number: i64,
     pub seller_id: SellerId,

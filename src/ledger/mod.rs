@@ -373,7 +373,7 @@ pub async fn post_many(
 }
 
 /// A seller's balances in one currency.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Balance {
     pub currency: String,
     pub pending: String,
@@ -409,15 +409,18 @@ pub async fn balances(pool: &sqlx::PgPool, seller: &str) -> Result<Vec<Balance>,
 }
 
 /// One line of a seller's ledger.
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone, sqlx::FromRow, utoipa::ToSchema)]
 pub struct Entry {
     pub id: i64,
     /// `pending`, `available` or `connected`.
     pub bucket: String,
     pub kind: TransferKind,
     pub currency: String,
+    #[schema(value_type = String)]
     pub amount: Decimal,
+    #[schema(value_type = String)]
     pub balance_before: Decimal,
+    #[schema(value_type = String)]
     pub balance_after: Decimal,
     pub available_at: Option<DateTime<Utc>>,
     pub source_key: String,

@@ -33,12 +33,13 @@ pub fn period_start(frequency: PayoutFrequency, date: NaiveDate) -> NaiveDate {
     }
 }
 
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone, sqlx::FromRow, utoipa::ToSchema)]
 pub struct Payout {
     pub id: i64,
     pub seller_id: crate::catalogue::SellerId,
     pub currency: String,
     pub period_start: NaiveDate,
+    #[schema(value_type = String)]
     pub amount: Decimal,
     pub state: PayoutState,
     pub failure: Option<String>,

@@ -43,7 +43,7 @@ pub const MAX_LINES: usize = 100;
 /// The largest checkout body taken (413 beyond).
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 pub struct CheckoutRequest {
     pub buyer_id: String,
     pub items: Vec<CheckoutItem>,
@@ -52,7 +52,7 @@ pub struct CheckoutRequest {
 }
 
 /// A line of the cart. Anything else the client sends (a price, say) is not read.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 pub struct CheckoutItem {
     pub product_id: String,
     pub quantity: i64,
@@ -133,7 +133,7 @@ pub struct Checkout {
 }
 
 /// The answer: the checkout's orders.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
 pub struct CheckoutAnswer {
     pub orders: Vec<OrderView>,
 }

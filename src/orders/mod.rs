@@ -495,7 +495,7 @@ pub async fn lock_for_refund(
 }
 
 /// An order as clients see it: its own state and its payment's, side by side.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct OrderView {
     pub number: i64,
     pub seller_id: SellerId,
@@ -525,23 +525,26 @@ pub struct OrderView {
     pub items: Vec<ItemView>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct PaymentLinkView {
     pub gateway: GatewayName,
     pub session_id: String,
     pub url: String,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct ItemView {
     pub product_id: crate::catalogue::ProductId,
     pub name: String,
     #[serde(with = "rust_decimal::serde::str")]
+    #[schema(value_type = String)]
     pub unit_price: Decimal,
     pub quantity: i32,
     #[serde(with = "rust_decimal::serde::str")]
+    #[schema(value_type = String)]
     pub subtotal: Decimal,
     #[serde(with = "rust_decimal::serde::str")]
+    #[schema(value_type = String)]
     pub discount: Decimal,
 }
 

@@ -54,7 +54,7 @@ payfleet_queue::text_enum! {
 }
 
 /// A subscription as clients see it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SubscriptionView {
     pub id: SubscriptionId,
     pub order_number: i64,
@@ -77,7 +77,7 @@ pub struct SubscriptionView {
 }
 
 /// One period's renewal.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct RenewalView {
     pub order_number: i64,
     pub period_start: DateTime<Utc>,

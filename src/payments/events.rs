@@ -242,7 +242,7 @@ pub async fn processing_lag(pool: &PgPool) -> Result<(f64, f64, f64), sqlx::Erro
 }
 
 /// A payment no checkout asked for.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct UnmatchedPayment {
     pub id: i64,
     pub gateway: GatewayName,

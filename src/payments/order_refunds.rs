@@ -52,7 +52,7 @@ impl Job for CarryOutRefund {
 /// How long the request itself has before the job takes over.
 pub const JOB_DELAY: chrono::Duration = chrono::Duration::seconds(30);
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct RefundView {
     pub id: i64,
     pub order_number: i64,
@@ -61,6 +61,7 @@ pub struct RefundView {
     /// None for a coin-paid order's refund.
     pub gateway: Option<GatewayName>,
     #[serde(with = "rust_decimal::serde::str")]
+    #[schema(value_type = String)]
     pub amount: Decimal,
     pub currency: String,
     pub reason: String,
@@ -84,7 +85,7 @@ const COLUMNS: &str =
     "id, order_number, paid_with, gateway, amount, currency::text AS currency, reason, state, refund_id,
                        failure, created_at, updated_at";
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 pub struct NewRefund {
     /// A decimal string; the whole amount left to refund when absent.
     pub amount: Option<String>,

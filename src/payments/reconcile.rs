@@ -580,7 +580,8 @@ async fn mark_checked(
     Ok(())
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
+#[schema(as = ReconciliationFinding)]
 pub struct Finding {
     pub id: i64,
     pub gateway: String,

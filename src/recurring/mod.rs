@@ -269,7 +269,7 @@ async fn run(
 }
 
 /// A recurring job as the admin API shows it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Overview {
     pub name: String,
     pub cron: String,
@@ -280,7 +280,7 @@ pub struct Overview {
     pub next_period: Option<DateTime<Utc>>,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct RunView {
     pub period: DateTime<Utc>,
     pub state: String,

@@ -17,6 +17,7 @@ mod layout;
 mod messaging;
 mod migrations;
 mod money;
+mod openapi;
 mod orders;
 mod outage;
 mod pgbouncer;

@@ -22,6 +22,7 @@ const PUBLIC: &[&str] = &[
     "/webhooks/{gateway}",
     "/healthz",
     "/readyz",
+    "/openapi.json",
     "/pay/{session}",
     "/pay/razorpay/{order_id}",
     "/orders/paid",

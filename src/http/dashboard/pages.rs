@@ -27,6 +27,19 @@ fn pretty(v: &serde_json::Value) -> String {
 }
 
 /// `GET /admin/ui/jobs/{id}`.
+#[utoipa::path(
+    get,
+    path = "/admin/ui/jobs/{id}",
+    tag = "dashboard",
+    params(
+        ("id" = i64, Path, description = "The job's id."),
+    ),
+    responses(
+        (status = 200, description = "The job: arguments, attempts and errors, lease, keys, and its actions.", content_type = "text/html", body = String),
+        (status = 404, description = "No such job.", content_type = "text/html", body = String),
+    ),
+    security(("dashboard_session" = [])),
+)]
 pub(super) async fn job_page(
     operator: OperatorSession,
     State(state): State<DashboardState>,
@@ -149,6 +162,23 @@ fn given(v: &Option<String>) -> Option<String> {
 
 /// `GET /admin/ui/jobs?queue=&kind=&state=&key=&before=`: the kept jobs, newest first, 50 a
 /// page.
+#[utoipa::path(
+    get,
+    path = "/admin/ui/jobs",
+    tag = "dashboard",
+    params(
+        ("queue" = Option<String>, Query, description = "Only this queue."),
+        ("kind" = Option<String>, Query, description = "Only this kind."),
+        ("state" = Option<String>, Query, description = "Only this state."),
+        ("key" = Option<String>, Query, description = "Only this key."),
+        ("before" = Option<i64>, Query, description = "Jobs before this id (the next page)."),
+    ),
+    responses(
+        (status = 200, description = "Jobs, newest first, 50 a page.", content_type = "text/html", body = String),
+        (status = 400, description = "A query that does not read, or an unknown state.", content_type = "text/html", body = String),
+    ),
+    security(("dashboard_session" = [])),
+)]
 pub(super) async fn jobs_page(
     _operator: OperatorSession,
     State(state): State<DashboardState>,
@@ -247,6 +277,19 @@ pub(super) struct Lookup {
 }
 
 /// `GET /admin/ui/order?number=N`: the dashboard's lookup form, sent on to the order's page.
+#[utoipa::path(
+    get,
+    path = "/admin/ui/order",
+    tag = "dashboard",
+    params(
+        ("number" = String, Query, description = "The order's number."),
+    ),
+    responses(
+        (status = 303, description = "On to the order's page."),
+        (status = 404, description = "Not an order number.", content_type = "text/html", body = String),
+    ),
+    security(("dashboard_session" = [])),
+)]
 pub(super) async fn order_lookup(
     _operator: OperatorSession,
     Query(q): Query<Lookup>,
@@ -261,6 +304,19 @@ pub(super) async fn order_lookup(
 }
 
 /// `GET /admin/ui/orders/{number}`: the order, its journey, its money.
+#[utoipa::path(
+    get,
+    path = "/admin/ui/orders/{number}",
+    tag = "dashboard",
+    params(
+        ("number" = i64, Path, description = "The order's number."),
+    ),
+    responses(
+        (status = 200, description = "The order: its journey, payment facts, refunds, ledger entries and messages.", content_type = "text/html", body = String),
+        (status = 404, description = "No such order.", content_type = "text/html", body = String),
+    ),
+    security(("dashboard_session" = [])),
+)]
 pub(super) async fn order_page(
     _operator: OperatorSession,
     State(state): State<DashboardState>,
@@ -429,6 +485,20 @@ pub(super) struct After {
 
 /// `GET /admin/ui/sellers/{id}?after=`: a seller's balances, ledger (50 entries a page),
 /// payouts and invoices.
+#[utoipa::path(
+    get,
+    path = "/admin/ui/sellers/{id}",
+    tag = "dashboard",
+    params(
+        ("id" = crate::catalogue::SellerId, Path, description = "The seller's id."),
+        ("after" = Option<i64>, Query, description = "Ledger entries after this id."),
+    ),
+    responses(
+        (status = 200, description = "The seller: balances, ledger (50 entries a page), payouts and invoices.", content_type = "text/html", body = String),
+        (status = 404, description = "No such seller.", content_type = "text/html", body = String),
+    ),
+    security(("dashboard_session" = [])),
+)]
 pub(super) async fn seller_page(
     _operator: OperatorSession,
     State(state): State<DashboardState>,
@@ -559,6 +629,19 @@ pub(super) async fn seller_page(
 }
 
 /// `GET /admin/ui/events/{id}`: a stored payment event: its body, headers and outcome.
+#[utoipa::path(
+    get,
+    path = "/admin/ui/events/{id}",
+    tag = "dashboard",
+    params(
+        ("id" = i64, Path, description = "The event's id."),
+    ),
+    responses(
+        (status = 200, description = "The payment event: its body, outcome and replay.", content_type = "text/html", body = String),
+        (status = 404, description = "No such event.", content_type = "text/html", body = String),
+    ),
+    security(("dashboard_session" = [])),
+)]
 pub(super) async fn event_page(
     operator: OperatorSession,
     State(state): State<DashboardState>,
