@@ -182,6 +182,20 @@ enum BenchCommand {
     DrainWorker(bench::DrainWorkerArgs),
 }
 
+impl Cli {
+    /// The process's role, as its traces name it (`serve`, `work`, `up`, or the command).
+    pub fn role(&self) -> &'static str {
+        match self.command {
+            Command::Serve => "serve",
+            Command::Work { .. } => "work",
+            Command::Up { .. } => "up",
+            Command::Soak(_) => "soak",
+            Command::Bench { .. } => "bench",
+            _ => "command",
+        }
+    }
+}
+
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     if let Command::Openapi = cli.command {
         println!(

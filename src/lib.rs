@@ -6,7 +6,7 @@
 //!
 //! Layout (one module per bounded context; the root only assembles). A module uses only
 //! modules left of it in this chain (`tests/api/layout.rs` keeps it true):
-//! `secret` -> `env`, `money`, `db`, `tls` -> `gateways` -> `telemetry` -> `messaging`, `catalogue` -> `auth` ->
+//! `secret` -> `env`, `money`, `db`, `tls`, `traces` -> `gateways` -> `telemetry` -> `messaging`, `catalogue` -> `auth` ->
 //! `ledger`, `payment_status`, `recurring` -> `orders`, `consistency` -> `payments` ->
 //! `webhooks` -> `http` -> `config` -> `startup`. The binary (`src/main.rs`: `cli`, `demo`,
 //! `bench`, `soak`, and `scratch`, the fleet of their own they run) sits on top and uses the library like any other program.
@@ -18,6 +18,8 @@
 //! - `db`         the pool, the migrations (the queue's, then ours), which errors are about the
 //!   row or a lost connection
 //! - `tls`        the process's one TLS provider
+//! - `traces`     spans over OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, and the W3C
+//!   trace context carried from a webhook to its job and through RabbitMQ's headers
 //! - `gateways`   one folder per gateway (`gateways::stripe`, ...) holding all of it: its
 //!   signature scheme, its events and status mappers (safe defaults), its API client, its
 //!   settings; the rest reaches it through `gateways::EventFormat`, `gateways::SignatureCheck`
@@ -68,4 +70,5 @@ pub mod secret;
 pub mod startup;
 pub mod telemetry;
 pub mod tls;
+pub mod traces;
 pub mod webhooks;

@@ -13,6 +13,7 @@ use std::io::IsTerminal;
 use clap::Parser;
 use payfleet::config::LogFormat;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::Layer as _;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
@@ -24,21 +25,39 @@ async fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
+    let cli = cli::Cli::parse();
     // Colours only for a person at a terminal: a log file or a collector gets plain text (and
     // each job's span costs less to record).
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::new(payfleet::config::log_filter()))
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    let logs = tracing_subscriber::fmt::layer()
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
-    match format {
+    let logs = match format {
         LogFormat::Json => logs
             .json()
             .with_current_span(true)
             .with_span_list(false)
-            .init(),
-        LogFormat::Text => logs.init(),
-    }
-    match cli::run(cli::Cli::parse()).await {
+            .boxed(),
+        LogFormat::Text => logs.boxed(),
+    };
+    // Spans over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set; the exporter flushes when
+    // `_exporter` drops, at the end of main.
+    let (traces, _exporter) = match payfleet::traces::layer(cli.role()) {
+        Ok(Some((layer, exporter))) => (Some(layer), Some(exporter)),
+        Ok(None) => (None, None),
+        Err(e) => {
+            eprintln!("payfleet: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    // The log's level (RUST_LOG) filters the log alone: the traces take every span of INFO and
+    // above whatever is logged.
+    tracing_subscriber::registry()
+        .with(logs.with_filter(EnvFilter::new(payfleet::config::log_filter())))
+        .with(traces.with_filter(tracing_subscriber::filter::LevelFilter::INFO))
+        .init();
+    match cli::run(cli).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("payfleet: {e:#}");

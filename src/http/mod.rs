@@ -223,14 +223,33 @@ async fn request_span(
         .get::<axum::extract::MatchedPath>()
         .map_or("unmatched", |p| p.as_str())
         .to_owned();
-    let span =
-        tracing::info_span!("request", method = %req.method(), route = %route, request_id = %id);
+    // Exported as a server span named by its route template (`traces`), continuing the
+    // caller's trace when it sends a well-formed `traceparent`.
+    let span = tracing::info_span!(
+        "request",
+        method = %req.method(),
+        route = %route,
+        request_id = %id,
+        otel.name = tracing::field::Empty,
+        otel.kind = "server",
+        http.response.status_code = tracing::field::Empty,
+    );
+    if crate::traces::on() {
+        span.record("otel.name", format!("{} {route}", req.method()));
+        let caller = req
+            .headers()
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| crate::traces::is_traceparent(v));
+        crate::traces::continue_trace(&span, caller);
+    }
     let mut resp = error::REQUEST_ID
         .scope(
             id.clone(),
             tracing::Instrument::instrument(next.run(req), span.clone()),
         )
         .await;
+    span.record("http.response.status_code", resp.status().as_u16());
     span.in_scope(|| tracing::debug!(status = resp.status().as_u16(), "answered"));
     telemetry.http_answered(&route, resp.status().as_u16(), started.elapsed());
     if let Ok(v) = axum::http::HeaderValue::from_str(&id) {

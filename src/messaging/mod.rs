@@ -18,6 +18,28 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
+
+/// A message's headers carrying a trace context (`traces`).
+pub(crate) fn trace_headers(traceparent: &str) -> FieldTable {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "traceparent".into(),
+        AMQPValue::LongString(traceparent.into()),
+    );
+    headers
+}
+
+/// The trace context a message carries, if it is one (the sender chose it: only a well-formed
+/// W3C `traceparent` is taken).
+pub(crate) fn traceparent_of(properties: &lapin::BasicProperties) -> Option<String> {
+    let headers = properties.headers().as_ref()?;
+    let value = match headers.inner().get("traceparent")? {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        _ => return None,
+    };
+    crate::traces::is_traceparent(&value).then_some(value)
+}
 use lapin::{Connection, ConnectionProperties};
 use tokio::sync::watch;
 
@@ -420,6 +442,16 @@ fn with_heartbeat(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_carries_a_well_formed_trace_context_only() {
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let carried = lapin::BasicProperties::default().with_headers(trace_headers(tp));
+        assert_eq!(traceparent_of(&carried).as_deref(), Some(tp));
+        let forged = lapin::BasicProperties::default().with_headers(trace_headers("00-x-y-01"));
+        assert_eq!(traceparent_of(&forged), None);
+        assert_eq!(traceparent_of(&lapin::BasicProperties::default()), None);
+    }
 
     fn read(pair: Option<(&str, &str)>) -> Result<Settings, Invalid> {
         match pair {

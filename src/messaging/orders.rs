@@ -120,6 +120,8 @@ pub struct Unpublished {
     pub buyer_id: String,
     pub total: rust_decimal::Decimal,
     pub currency: String,
+    /// The trace the message continues (`traces`): sent as its `traceparent` header.
+    pub traceparent: Option<String>,
 }
 
 /// Where the relay takes the order messages from: the order side's outbox, whose rows only
@@ -254,14 +256,18 @@ async fn relay_batch(
     let mut confirms = Vec::with_capacity(rows.len());
     for row in rows {
         let id = row.id;
+        let traceparent = row.traceparent.clone();
         let message = row.message();
         let body = serde_json::to_vec(&message)?;
-        let properties = BasicProperties::default()
+        let mut properties = BasicProperties::default()
             .with_content_type("application/json".into())
             .with_delivery_mode(2)
             .with_message_id(message.message_id.as_str().into())
             .with_type(message.event.as_str().into())
             .with_timestamp(message.occurred_at.timestamp().max(0) as u64);
+        if let Some(tp) = &traceparent {
+            properties = properties.with_headers(super::trace_headers(tp));
+        }
         let confirm = channel
             .basic_publish(
                 exchange.as_str().into(),
@@ -582,6 +588,12 @@ async fn consume_until_stopped<H>(
             };
             let id = message.message_id.clone();
             let kept = message.clone();
+            // In the trace of the change the message reports (its `traceparent` header).
+            let span = tracing::info_span!("order_message", queue = %name, message = %id, consumer);
+            crate::traces::continue_trace(
+                &span,
+                super::traceparent_of(&delivery.properties).as_deref(),
+            );
             let handled = async {
                 let mut tx = pool.begin().await?;
                 let first = sqlx::query(
@@ -599,7 +611,7 @@ async fn consume_until_stopped<H>(
                 tx.commit().await?;
                 Ok::<_, sqlx::Error>(first)
             };
-            match handled.await {
+            match tracing::Instrument::instrument(handled, span).await {
                 Ok(first) => {
                     if !first {
                         tracing::debug!(queue = %name, message = %id, "a message handled before: dropped");

@@ -297,12 +297,16 @@ impl RpcClient {
             pending: self.pending.clone(),
             id: correlation_id.clone(),
         };
-        let properties = BasicProperties::default()
+        let mut properties = BasicProperties::default()
             .with_content_type("application/json".into())
             .with_correlation_id(correlation_id.as_str().into())
             .with_reply_to(DIRECT_REPLY_TO.into())
             // A request nobody took before its caller gave up is dropped by the broker.
             .with_expiration(self.timeout.as_millis().to_string().into());
+        // The answering side's span continues the caller's trace (`traces`).
+        if let Some(tp) = crate::traces::traceparent() {
+            properties = properties.with_headers(super::trace_headers(&tp));
+        }
         channel
             .basic_publish(
                 "".into(),
@@ -415,7 +419,12 @@ async fn serve_until_stopped<R: Rpc>(broker: Broker, handler: Arc<dyn Handler<R>
                         return;
                     }
                 };
-                let reply = handler.handle(request).await;
+                let span = tracing::info_span!("rpc", rpc = R::QUEUE, otel.kind = "server");
+                crate::traces::continue_trace(
+                    &span,
+                    super::traceparent_of(&delivery.properties).as_deref(),
+                );
+                let reply = tracing::Instrument::instrument(handler.handle(request), span).await;
                 if let (Some(reply_to), Ok(body)) = (reply_to, serde_json::to_vec(&reply)) {
                     let mut properties =
                         BasicProperties::default().with_content_type("application/json".into());

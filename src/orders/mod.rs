@@ -406,6 +406,8 @@ pub struct Confirmation<'a> {
     pub order: &'a Payable,
     pub session_id: &'a str,
     pub url: &'a str,
+    /// The trace its `paid` message continues (`traces`).
+    pub traceparent: Option<&'a str>,
 }
 
 /// Confirms orders locked by [`lock_plainly_payable`] with their succeeded payments, as
@@ -420,23 +422,26 @@ pub async fn confirm_paid(
     let mut statuses = Vec::with_capacity(paid.len());
     let mut sessions = Vec::with_capacity(paid.len());
     let mut urls = Vec::with_capacity(paid.len());
+    let mut traces = Vec::with_capacity(paid.len());
     for p in paid {
         ids.push(p.order.id);
         statuses.push(next_status(p.order.status, payment));
         sessions.push(p.session_id);
         urls.push(p.url);
+        traces.push(p.traceparent);
     }
     sqlx::query(
         "WITH paid AS (
              UPDATE orders o SET status = p.status, payment_status = $5, amount_refunded = 0,
                  paid_at = COALESCE(o.paid_at, now()), session_id = p.session_id,
                  payment_url = p.url, updated_at = now()
-             FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[]) AS p(id, status, session_id, url)
+             FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $7::text[])
+                 AS p(id, status, session_id, url, traceparent)
              -- By the index, whatever the plan thinks of the array's length.
              WHERE o.id = ANY($1) AND o.id = p.id
-             RETURNING o.id, o.number)
-         INSERT INTO order_events (order_id, kind, payload)
-         SELECT id, $6, jsonb_build_object('number', number) FROM paid
+             RETURNING o.id, o.number, p.traceparent)
+         INSERT INTO order_events (order_id, kind, payload, traceparent)
+         SELECT id, $6, jsonb_build_object('number', number), traceparent FROM paid
          ON CONFLICT DO NOTHING",
     )
     .bind(&ids)
@@ -445,6 +450,7 @@ pub async fn confirm_paid(
     .bind(&urls)
     .bind(payment)
     .bind(OrderEventKind::Paid)
+    .bind(&traces)
     .execute(&mut *tx)
     .await?;
     Ok(())

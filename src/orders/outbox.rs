@@ -13,7 +13,7 @@ pub struct OrderOutbox;
 impl Outbox for OrderOutbox {
     async fn take(&self, tx: &mut PgConnection, max: i64) -> Result<Vec<Unpublished>, sqlx::Error> {
         sqlx::query_as(
-            "SELECT e.id, e.kind, e.payload, e.created_at, o.number, o.kind AS order_kind,
+            "SELECT e.id, e.kind, e.payload, e.created_at, e.traceparent, o.number, o.kind AS order_kind,
                     o.seller_id::text AS seller_id, o.buyer_id, o.total, o.currency::text AS currency
              FROM order_events e JOIN orders o ON o.id = e.order_id
              WHERE e.published_at IS NULL

@@ -88,6 +88,8 @@ pub struct Batcher {
 struct Request {
     gateway: GatewayName,
     event_id: String,
+    /// The trace the event's processing continues, for the order message it writes.
+    traceparent: Option<String>,
     reply: oneshot::Sender<Option<Processed>>,
 }
 
@@ -122,6 +124,7 @@ impl Batcher {
         let request = Request {
             gateway,
             event_id: event_id.to_owned(),
+            traceparent: crate::traces::traceparent(),
             reply,
         };
         if self.queue.send(request).await.is_ok()
@@ -142,7 +145,16 @@ impl Batcher {
 /// The batcher runs the event-processing jobs.
 impl Worker<ProcessPaymentEvent> for Batcher {
     async fn work(&self, ctx: JobContext, job: ProcessPaymentEvent) -> Result<(), JobError> {
-        match self.process(&ctx.pool, job.gateway, &job.event_id).await? {
+        // In the trace of the request that stored the event, whichever process runs the job.
+        let span =
+            tracing::info_span!("payment_event", gateway = %job.gateway, event = %job.event_id);
+        crate::traces::continue_trace(&span, job.traceparent.as_deref());
+        let handled = tracing::Instrument::instrument(
+            self.process(&ctx.pool, job.gateway, &job.event_id),
+            span,
+        )
+        .await?;
+        match handled {
             Handled::Processed(result) => {
                 tracing::debug!(gateway = %job.gateway, event = %job.event_id, ?result, "payment event processed");
                 Ok(())
@@ -185,10 +197,12 @@ async fn batch_loop(
                 .iter()
                 .map(|r| (r.gateway, r.event_id.as_str()))
                 .collect();
+            let traces: Vec<Option<String>> = batch.iter().map(|r| r.traceparent.clone()).collect();
             let done = match process_batch(
                 &pool,
                 processor.internal_acquirer,
                 &events,
+                &traces,
                 Some(&processor.telemetry),
             )
             .await
@@ -223,11 +237,13 @@ struct Candidate {
 /// Processes the plain cases among `events` in one transaction. Returns, for each event, whether
 /// it was applied here; the others are left exactly as they were, for [`Processor::process`].
 /// `internal_acquirer`: as [`Processor::internal_acquirer`].
+/// `traces`: the trace each event's processing continues, by its place (none when shorter).
 /// `telemetry`, if given, observes each applied event's time from its receipt.
 pub async fn process_batch(
     pool: &PgPool,
     internal_acquirer: Option<GatewayName>,
     events: &[(GatewayName, &str)],
+    traces: &[Option<String>],
     telemetry: Option<&crate::telemetry::Telemetry>,
 ) -> Result<Vec<bool>, ProcessError> {
     let mut done = vec![false; events.len()];
@@ -287,6 +303,7 @@ pub async fn process_batch(
                 order: payable.get(&(*number, c.gateway))?,
                 session_id: &c.session_id,
                 url,
+                traceparent: traces.get(c.at).and_then(Option::as_deref),
             })
         })
         .collect();

@@ -50,6 +50,10 @@ payfleet_queue::text_enum! {
 pub struct ProcessPaymentEvent {
     pub gateway: GatewayName,
     pub event_id: String,
+    /// The trace of the request that stored (or replayed) the event, when traces are on: the
+    /// processing continues it (`traces`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 impl Job for ProcessPaymentEvent {
@@ -77,6 +81,7 @@ impl ProcessPaymentEvent {
         let job = NewJob::of(&Self {
             gateway,
             event_id: event_id.to_owned(),
+            traceparent: crate::traces::traceparent(),
         })?
         .key(Self::key(gateway, event_id));
         Ok(match seller {
@@ -410,6 +415,14 @@ impl Processor {
             apply::Applied::Waiting(target) => Processed::Waiting(target),
         };
         let mut tx = pool.begin().await?;
+        // The order messages this processing writes continue its trace (their column's
+        // default reads the setting): a round trip only when traces are on.
+        if let Some(tp) = crate::traces::traceparent() {
+            sqlx::query("SELECT set_config('payfleet.traceparent', $1, true)")
+                .bind(tp)
+                .execute(&mut *tx)
+                .await?;
+        }
         let processed: Option<Option<chrono::DateTime<chrono::Utc>>> =
             sqlx::query_scalar("SELECT processed_at FROM payment_events WHERE id = $1 FOR UPDATE")
                 .bind(row.id)

@@ -27,4 +27,5 @@ mod reconcile;
 mod recurring;
 mod security;
 mod subscriptions;
+mod traces;
 mod webhooks;

@@ -941,7 +941,7 @@ async fn batch(pool: &PgPool, sessions: &[&str]) -> Vec<bool> {
         .iter()
         .map(|id| (GatewayName::Internal, id.as_str()))
         .collect();
-    payfleet::payments::batch::process_batch(pool, None, &events, None)
+    payfleet::payments::batch::process_batch(pool, None, &events, &[], None)
         .await
         .unwrap()
 }
@@ -1231,6 +1231,7 @@ async fn an_event_that_fails_its_batch_is_processed_alone_and_holds_up_no_other(
                 (GatewayName::Internal, "msg_boom"),
                 (GatewayName::Internal, "msg_ok2"),
             ],
+            &[],
             None,
         )
         .await
