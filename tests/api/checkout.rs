@@ -41,8 +41,8 @@ impl Shop {
             req = req.bearer_auth(t);
         }
         let resp = req.send().await.unwrap();
-        let status = resp.status().as_u16();
-        (status, resp.json().await.unwrap_or(Value::Null))
+        let (status, text) = checked(reqwest::Method::POST, path, resp).await;
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
     }
 
     pub async fn admin(&self, path: &str, body: Value) -> Value {
@@ -81,8 +81,8 @@ impl Shop {
             req = req.header("Idempotency-Key", k);
         }
         let resp = req.send().await.unwrap();
-        let status = resp.status().as_u16();
-        (status, resp.json().await.unwrap_or(Value::Null))
+        let (status, text) = checked(reqwest::Method::POST, "/checkout", resp).await;
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
     }
 
     pub async fn order(&self, number: i64) -> Value {

@@ -158,6 +158,25 @@ pub fn backend_client(key: &str) -> reqwest::Client {
         .unwrap()
 }
 
+/// An answer's status and text, checked against the API's description
+/// (`openapi::check_answer`).
+pub async fn checked(
+    method: reqwest::Method,
+    path: &str,
+    resp: reqwest::Response,
+) -> (u16, String) {
+    let status = resp.status().as_u16();
+    let content_type = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let text = resp.text().await.unwrap();
+    crate::openapi::check_answer(&method, path, status, &content_type, &text);
+    (status, text)
+}
+
 /// The form token a payment page renders.
 pub fn form_token(page: &str) -> String {
     let start = page
@@ -328,9 +347,12 @@ impl TestApp {
             req = req.header(k, v);
         }
         let resp = req.send().await.unwrap();
-        let status = resp.status().as_u16();
-        let body = resp.json().await.unwrap_or(serde_json::Value::Null);
-        (status, body)
+        let path = format!("/webhooks/{}", d.gateway);
+        let (status, text) = checked(reqwest::Method::POST, &path, resp).await;
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(serde_json::Value::Null),
+        )
     }
 
     pub async fn get(&self, path: &str) -> (u16, String) {
@@ -340,8 +362,7 @@ impl TestApp {
             .send()
             .await
             .unwrap();
-        let status = resp.status().as_u16();
-        (status, resp.text().await.unwrap())
+        checked(reqwest::Method::GET, path, resp).await
     }
 
     pub async fn events(&self) -> i64 {

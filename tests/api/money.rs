@@ -52,8 +52,8 @@ impl Shop {
             .send()
             .await
             .unwrap();
-        let status = resp.status().as_u16();
-        (status, resp.json().await.unwrap_or(Value::Null))
+        let (status, text) = checked(reqwest::Method::POST, path, resp).await;
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
     }
 
     async fn json(&self, path: &str) -> (u16, Value) {

@@ -240,6 +240,71 @@ fn the_checker_refuses_what_the_description_does_not_say() {
     }
 }
 
+impl Checker {
+    /// The described route a concrete path takes (`/orders/12` is `/orders/{number}`), with
+    /// `method`: of those that match, the one with the most fixed segments, as the router
+    /// picks. None for a path the description has no route for (the fallback's 404).
+    fn route_of(&self, method: &Method, path: &str) -> Option<String> {
+        let path = path.split('?').next().unwrap_or_default();
+        let segments: Vec<&str> = path.split('/').collect();
+        let method = method.as_str().to_ascii_lowercase();
+        self.doc["paths"]
+            .as_object()?
+            .iter()
+            .filter(|(_, item)| item.get(&method).is_some())
+            .filter_map(|(template, _)| {
+                let parts: Vec<&str> = template.split('/').collect();
+                let fits = parts.len() == segments.len()
+                    && parts
+                        .iter()
+                        .zip(&segments)
+                        .all(|(p, s)| p.starts_with('{') || p == s);
+                fits.then(|| {
+                    let fixed = parts.iter().filter(|p| !p.starts_with('{')).count();
+                    (fixed, template.clone())
+                })
+            })
+            .max()
+            .map(|(_, t)| t)
+    }
+}
+
+/// The suite's helpers check every answer they read against the description too (a path the
+/// description has no route for, the fallback's, is left to its test).
+pub fn check_answer(method: &Method, path: &str, status: u16, content_type: &str, body: &str) {
+    static CHECKER: std::sync::LazyLock<std::sync::Mutex<Checker>> =
+        std::sync::LazyLock::new(|| std::sync::Mutex::new(Checker::new()));
+    let mut checker = CHECKER
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some(route) = checker.route_of(method, path) else {
+        return;
+    };
+    if let Err(e) = checker.check(method, &route, status, content_type, body) {
+        panic!("{e}");
+    }
+}
+
+#[test]
+fn concrete_paths_take_their_routes() {
+    let c = Checker::new();
+    let route = |m: Method, p: &str| c.route_of(&m, p);
+    assert_eq!(
+        route(Method::GET, "/orders/12").as_deref(),
+        Some("/orders/{number}")
+    );
+    assert_eq!(
+        route(Method::GET, "/orders/paid").as_deref(),
+        Some("/orders/paid")
+    );
+    assert_eq!(
+        route(Method::GET, "/sellers/x/ledger?limit=2").as_deref(),
+        Some("/sellers/{id}/ledger")
+    );
+    assert_eq!(route(Method::DELETE, "/orders/12"), None);
+    assert_eq!(route(Method::GET, "/nowhere"), None);
+}
+
 /// A caller of the running fleet whose every answer is checked.
 struct Tour {
     app: Arc<TestApp>,
