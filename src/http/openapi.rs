@@ -227,8 +227,14 @@ impl utoipa::Modify for Credentials {
     tag = "operations",
     responses((status = 200, description = "This description (OpenAPI 3.1).", body = Object)),
 )]
-async fn description(_caller: super::callers::Anyone) -> axum::Json<Value> {
-    axum::Json(document())
+async fn description(_caller: super::callers::Anyone) -> impl axum::response::IntoResponse {
+    // Anyone may ask, as often as they like: the answer is built once per process.
+    static SERVED: std::sync::LazyLock<axum::body::Bytes> =
+        std::sync::LazyLock::new(|| serde_json::to_vec(&document()).unwrap_or_default().into());
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        SERVED.clone(),
+    )
 }
 
 pub(super) fn routes() -> super::Routes {
