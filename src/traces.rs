@@ -119,6 +119,13 @@ pub fn continue_trace(span: &tracing::Span, traceparent: Option<&str>) {
     }
 }
 
+/// A span that exists only for the traces: `make`'s when they are on, else none (a span
+/// no subscriber records costs nothing to enter), so a hop's own span adds no work to a process
+/// that exports nothing.
+pub fn hop_span(make: impl FnOnce() -> tracing::Span) -> tracing::Span {
+    if on() { make() } else { tracing::Span::none() }
+}
+
 /// Whether `s` reads as a W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`): what a sender
 /// chose is continued only when it is one, and kept no longer than that.
 pub fn is_traceparent(s: &str) -> bool {

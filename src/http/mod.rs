@@ -231,11 +231,13 @@ async fn request_span(
         route = %route,
         request_id = %id,
         otel.name = tracing::field::Empty,
-        otel.kind = "server",
+        otel.kind = tracing::field::Empty,
         http.response.status_code = tracing::field::Empty,
     );
-    if crate::traces::on() {
+    let traced = crate::traces::on();
+    if traced {
         span.record("otel.name", format!("{} {route}", req.method()));
+        span.record("otel.kind", "server");
         let caller = req
             .headers()
             .get("traceparent")
@@ -249,7 +251,9 @@ async fn request_span(
             tracing::Instrument::instrument(next.run(req), span.clone()),
         )
         .await;
-    span.record("http.response.status_code", resp.status().as_u16());
+    if traced {
+        span.record("http.response.status_code", resp.status().as_u16());
+    }
     span.in_scope(|| tracing::debug!(status = resp.status().as_u16(), "answered"));
     telemetry.http_answered(&route, resp.status().as_u16(), started.elapsed());
     if let Ok(v) = axum::http::HeaderValue::from_str(&id) {

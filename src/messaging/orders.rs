@@ -589,7 +589,9 @@ async fn consume_until_stopped<H>(
             let id = message.message_id.clone();
             let kept = message.clone();
             // In the trace of the change the message reports (its `traceparent` header).
-            let span = tracing::info_span!("order_message", queue = %name, message = %id, consumer);
+            let span = crate::traces::hop_span(
+                || tracing::info_span!("order_message", queue = %name, message = %id, consumer),
+            );
             crate::traces::continue_trace(
                 &span,
                 super::traceparent_of(&delivery.properties).as_deref(),

@@ -419,7 +419,9 @@ async fn serve_until_stopped<R: Rpc>(broker: Broker, handler: Arc<dyn Handler<R>
                         return;
                     }
                 };
-                let span = tracing::info_span!("rpc", rpc = R::QUEUE, otel.kind = "server");
+                let span = crate::traces::hop_span(|| {
+                    tracing::info_span!("rpc", rpc = R::QUEUE, otel.kind = "server")
+                });
                 crate::traces::continue_trace(
                     &span,
                     super::traceparent_of(&delivery.properties).as_deref(),

@@ -146,8 +146,9 @@ impl Batcher {
 impl Worker<ProcessPaymentEvent> for Batcher {
     async fn work(&self, ctx: JobContext, job: ProcessPaymentEvent) -> Result<(), JobError> {
         // In the trace of the request that stored the event, whichever process runs the job.
-        let span =
-            tracing::info_span!("payment_event", gateway = %job.gateway, event = %job.event_id);
+        let span = crate::traces::hop_span(
+            || tracing::info_span!("payment_event", gateway = %job.gateway, event = %job.event_id),
+        );
         crate::traces::continue_trace(&span, job.traceparent.as_deref());
         let handled = tracing::Instrument::instrument(
             self.process(&ctx.pool, job.gateway, &job.event_id),
