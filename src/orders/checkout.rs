@@ -420,13 +420,14 @@ impl Checkout {
             .bind(key.owner)
             .execute(&mut *tx)
             .await?;
+        let trace = crate::traces::traceparent();
         let mut orders = NewOrders::default();
         for o in &priced {
             let coupon = o
                 .uses_coupon()
                 .then(|| coupon.as_ref().map(|c| c.id))
                 .flatten();
-            orders.push(o, coupon, checkout, buyer, gateway);
+            orders.push(o, coupon, checkout, buyer, gateway, trace.as_deref());
         }
         // Numbers last: the counter row stays locked until commit, so everything numbered is
         // written by the one statement that takes the row, and only the commit follows it.
@@ -660,6 +661,8 @@ struct Pending {
     buyer: String,
     gateway: GatewayName,
     wanted: Vec<(ProductId, u32)>,
+    /// The checkout request's trace, for its orders' `created` messages.
+    traceparent: Option<String>,
     reply: oneshot::Sender<Written>,
 }
 
@@ -697,6 +700,7 @@ impl Writer {
             buyer: cart.buyer.clone(),
             gateway: cart.gateway,
             wanted: cart.wanted.clone(),
+            traceparent: crate::traces::traceparent(),
             reply,
         };
         if self.queue.send(pending).await.is_err() {
@@ -842,7 +846,14 @@ async fn write_batch(
         for ((i, priced), checkout) in writing.iter().zip(&checkouts) {
             let p = &batch[*i];
             for o in priced {
-                orders.push(o, None, *checkout, &p.buyer, p.gateway);
+                orders.push(
+                    o,
+                    None,
+                    *checkout,
+                    &p.buyer,
+                    p.gateway,
+                    p.traceparent.as_deref(),
+                );
                 count += 1;
             }
         }
@@ -868,6 +879,8 @@ async fn write_batch(
 /// writes them.
 #[derive(Default)]
 struct NewOrders {
+    /// The trace each order's `created` message continues: its checkout request's (`traces`).
+    traceparent: Vec<Option<String>>,
     checkout_id: Vec<i64>,
     buyer_id: Vec<String>,
     gateway: Vec<GatewayName>,
@@ -921,8 +934,10 @@ static WRITE_ORDERS: LazyLock<String> = LazyLock::new(|| {
              ), redemptions AS (
                  INSERT INTO coupon_redemptions (order_id, coupon_id) SELECT id, coupon_id FROM o WHERE coupon_id IS NOT NULL
              ), events AS (
-                 INSERT INTO order_events (order_id, kind, payload)
-                 SELECT id, 'created', jsonb_build_object('number', number) FROM o
+                 INSERT INTO order_events (order_id, kind, payload, traceparent)
+                 SELECT o.id, 'created', jsonb_build_object('number', o.number), tp.traceparent
+                 FROM o LEFT JOIN unnest($27::text[]) WITH ORDINALITY AS tp(traceparent, place)
+                     ON tp.place = o.place
              ), expiries AS (",
         &payfleet_queue::insert_jobs_from("(SELECT $23::text AS job_queue, $24::text AS job_kind, $25 || number AS job_key,
                          jsonb_build_object('number', number) AS job_payload, $14::timestamptz AS job_run_at,
@@ -941,7 +956,9 @@ impl NewOrders {
         checkout: i64,
         buyer: &str,
         gateway: GatewayName,
+        traceparent: Option<&str>,
     ) {
+        self.traceparent.push(traceparent.map(str::to_owned));
         self.checkout_id.push(checkout);
         self.buyer_id.push(buyer.to_owned());
         self.gateway.push(gateway);
@@ -1006,6 +1023,7 @@ impl NewOrders {
             .bind(ExpireOrder::KIND)
             .bind(ExpireOrder::KEY_PREFIX)
             .bind(ExpireOrder::MAX_ATTEMPTS)
+            .bind(&self.traceparent)
             .fetch_all(&mut *tx)
             .await
     }

@@ -230,35 +230,42 @@ async fn one_payment_is_one_trace_across_processes_and_rabbitmq(pool: PgPool) {
     }
     assert_eq!(req.send().await.unwrap().status(), 200);
 
-    // The order's `paid` message carries the payment's trace to whoever consumes it.
-    let mut carried = None;
-    wait_for("the paid message", Duration::from_secs(60), async || {
-        while let Some(m) = channel
-            .basic_get(
-                queue.as_str().into(),
-                lapin::options::BasicGetOptions { no_ack: true },
-            )
-            .await
-            .unwrap()
-        {
-            if m.delivery.properties.kind().as_ref().map(|k| k.as_str()) == Some("paid") {
+    // The order's messages carry their traces to whoever consumes them: `created` the
+    // checkout's, `paid` the payment's.
+    let mut carried = std::collections::HashMap::new();
+    wait_for(
+        "the order's two messages",
+        Duration::from_secs(60),
+        async || {
+            while let Some(m) = channel
+                .basic_get(
+                    queue.as_str().into(),
+                    lapin::options::BasicGetOptions { no_ack: true },
+                )
+                .await
+                .unwrap()
+            {
+                let kind = m.delivery.properties.kind().as_ref().map(|k| k.to_string());
                 let headers = m.delivery.properties.headers().clone().unwrap_or_default();
-                carried = match headers.inner().get("traceparent") {
+                let header = match headers.inner().get("traceparent") {
                     Some(lapin::types::AMQPValue::LongString(v)) => {
-                        Some(String::from_utf8_lossy(v.as_bytes()).into_owned())
+                        String::from_utf8_lossy(v.as_bytes()).into_owned()
                     }
-                    other => Some(format!("{other:?}")),
+                    other => format!("{other:?}"),
                 };
-                return true;
+                carried.insert(kind.unwrap_or_default(), header);
             }
-        }
-        false
-    })
+            carried.contains_key("created") && carried.contains_key("paid")
+        },
+    )
     .await;
-    let carried = carried.expect("the paid message has a traceparent header");
     assert!(
-        carried.contains(&payment_trace),
-        "the message continues the payment's trace: {carried}"
+        carried["paid"].contains(&payment_trace),
+        "the paid message continues the payment's trace: {carried:?}"
+    );
+    assert!(
+        carried["created"].contains(&checkout_trace),
+        "the created message continues the checkout's trace: {carried:?}"
     );
 
     // Each process exported its part of each trace.
