@@ -165,6 +165,13 @@ pub async fn checked(
     path: &str,
     resp: reqwest::Response,
 ) -> (u16, String) {
+    let (status, content_type, text) = read_answer(resp).await;
+    crate::openapi::check_answer(&method, path, status, &content_type, &text);
+    (status, text)
+}
+
+/// An answer's status, media type and text.
+pub async fn read_answer(resp: reqwest::Response) -> (u16, String, String) {
     let status = resp.status().as_u16();
     let content_type = resp
         .headers()
@@ -172,9 +179,7 @@ pub async fn checked(
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_owned();
-    let text = resp.text().await.unwrap();
-    crate::openapi::check_answer(&method, path, status, &content_type, &text);
-    (status, text)
+    (status, content_type, resp.text().await.unwrap())
 }
 
 /// The form token a payment page renders.

@@ -382,14 +382,7 @@ impl Tour {
             req = req.header("x-forwarded-for", from);
         }
         let resp = req.send().await.unwrap();
-        let status = resp.status().as_u16();
-        let content_type = resp
-            .headers()
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_owned();
-        let text = resp.text().await.unwrap();
+        let (status, content_type, text) = read_answer(resp).await;
         if let Err(e) =
             self.checker
                 .lock()
