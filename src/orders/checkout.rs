@@ -504,45 +504,22 @@ impl Checkout {
                 o.payment = Some(view.clone());
             }
         }
-        // The links and the answer in one statement (one commit): the answer is stored only if
-        // every link was, else another request stored one of them meanwhile, and the answer
-        // says what the orders hold.
+        // The links and the answer in one statement (one commit), with those of the checkouts
+        // completing beside it: the answer is stored only if every link was, else another
+        // request stored one of them meanwhile, and the answer says what the orders hold.
         let answer = serde_json::to_value(CheckoutAnswer { orders }).unwrap_or_default();
-        let (numbers, attempts, sessions, urls) = asked.iter().fold(
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new()),
-            |mut cols, (n, attempt, view)| {
-                cols.0.push(*n);
-                cols.1.push(*attempt);
-                cols.2.push(view.session_id.as_str());
-                cols.3.push(view.url.as_str());
-                cols
-            },
-        );
-        let answered: bool = sqlx::query_scalar(
-            "WITH l AS (
-                 UPDATE orders o SET session_id = x.session_id, payment_url = x.url, updated_at = now()
-                 FROM unnest($1::bigint[], $2::int[], $3::text[], $4::text[]) AS x(number, attempt, session_id, url)
-                 WHERE o.number = ANY($1) AND o.number = x.number AND o.session_id IS NULL
-                   AND o.payment_attempt = x.attempt
-                 RETURNING o.number
-             ), k AS (
-                 UPDATE idempotency_keys SET response = $5, locked_until = NULL, locked_by = NULL
-                 WHERE owner = $8 AND key = $6 AND locked_by = $7
-                   AND (SELECT count(*) FROM l) = cardinality($1::bigint[])
-                 RETURNING 1
-             )
-             SELECT EXISTS (SELECT 1 FROM k) OR (SELECT count(*) FROM l) = cardinality($1::bigint[])",
-        )
-        .bind(&numbers)
-        .bind(&attempts)
-        .bind(&sessions)
-        .bind(&urls)
-        .bind(&answer)
-        .bind(key.key)
-        .bind(me)
-        .bind(key.owner)
-        .fetch_one(&self.pool)
-        .await?;
+        let completion = Completion {
+            owner: key.owner.to_owned(),
+            key: key.key.to_owned(),
+            me: me.to_owned(),
+            answer,
+            links: asked
+                .into_iter()
+                .map(|(number, attempt, view)| (number, attempt, view.session_id, view.url))
+                .collect(),
+        };
+        let (answered, completion) = self.writer.complete(&self.pool, completion).await?;
+        let answer = completion.answer;
         if answered {
             return Ok(answer);
         }
@@ -678,6 +655,7 @@ struct Pending {
 #[derive(Clone)]
 pub struct Writer {
     queue: mpsc::Sender<Pending>,
+    completions: mpsc::Sender<(Completion, oneshot::Sender<Completed>)>,
 }
 
 /// Most checkouts in one transaction.
@@ -687,8 +665,36 @@ impl Writer {
     /// Starts the writer's task on the current runtime; it ends when every handle is dropped.
     pub fn start(pool: PgPool, fee_percent: Decimal, expiry: Duration) -> Self {
         let (queue, pending) = mpsc::channel(4 * WRITER_BATCH);
-        tokio::spawn(write_loop(pool, fee_percent, expiry, pending));
-        Self { queue }
+        tokio::spawn(write_loop(pool.clone(), fee_percent, expiry, pending));
+        let (completions, completing) = mpsc::channel(4 * WRITER_BATCH);
+        tokio::spawn(complete_loop(pool, completing));
+        Self { queue, completions }
+    }
+
+    /// Stores a checkout's links and, once every one of them is stored, its answer, with those
+    /// of the checkouts completing beside it. Returns whether every link was stored (the answer
+    /// then stands), and the completion back. A batch that failed as a whole is written again
+    /// alone, where its own error shows.
+    async fn complete(
+        &self,
+        pool: &PgPool,
+        completion: Completion,
+    ) -> Result<(bool, Completion), CheckoutError> {
+        let (reply, answer) = oneshot::channel();
+        let completion = match self.completions.send((completion, reply)).await {
+            Ok(()) => match answer.await {
+                Ok(Completed::Done(answered, completion)) => return Ok((answered, completion)),
+                Ok(Completed::Alone(completion)) => completion,
+                // The batch's task panicked: its completions are lost with it. Nothing was
+                // committed for them, and the key lets go (the client sends again).
+                Err(_) => {
+                    return Err(CheckoutError::Database(sqlx::Error::WorkerCrashed));
+                }
+            },
+            Err(mpsc::error::SendError((completion, _))) => completion,
+        };
+        let answered = store_completions(pool, std::slice::from_ref(&completion)).await?;
+        Ok((answered.first().copied().unwrap_or(false), completion))
     }
 
     async fn write(&self, key: IdempotencyKey<'_>, me: &str, cart: &Cart) -> Written {
@@ -708,6 +714,143 @@ impl Writer {
         }
         answer.await.unwrap_or(Written::Alone)
     }
+}
+
+/// A checkout's links, as the payment side gave them, and its answer, to store together.
+struct Completion {
+    owner: String,
+    key: String,
+    me: String,
+    answer: serde_json::Value,
+    /// Each link asked for: order number, payment attempt, session id, URL.
+    links: Vec<(i64, i32, String, String)>,
+}
+
+enum Completed {
+    /// Stored in a batch: whether every link was.
+    Done(bool, Completion),
+    /// The batch failed as a whole: to store alone.
+    Alone(Completion),
+}
+
+/// Completes the checkouts that finish while others are stored, many to one statement and one
+/// commit: at sixteen clients each checkout's own synchronous commit of its links and answer
+/// was most of what its backends waited for (`WALWrite`, `WALSync`).
+async fn complete_loop(
+    pool: PgPool,
+    mut pending: mpsc::Receiver<(Completion, oneshot::Sender<Completed>)>,
+) {
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(WRITERS_IN_FLIGHT));
+    loop {
+        let Ok(permit) = in_flight.clone().acquire_owned().await else {
+            return;
+        };
+        let mut batch = Vec::with_capacity(WRITER_BATCH);
+        if pending.recv_many(&mut batch, WRITER_BATCH).await == 0 {
+            return;
+        }
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            let (completions, replies): (Vec<Completion>, Vec<_>) = batch.into_iter().unzip();
+            let stored = store_completions(&pool, &completions).await;
+            if let Err(e) = &stored {
+                tracing::warn!(checkouts = completions.len(), error = %e, "a batch of checkout answers failed; each is stored alone");
+            }
+            for (i, (completion, reply)) in completions.into_iter().zip(replies).enumerate() {
+                let _ = reply.send(match &stored {
+                    Ok(answered) => Completed::Done(answered[i], completion),
+                    Err(_) => Completed::Alone(completion),
+                });
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// The links of a batch of completions, as columns: each by its completion's place.
+#[derive(Default)]
+struct LinkColumns<'a> {
+    checkout: Vec<i32>,
+    number: Vec<i64>,
+    attempt: Vec<i32>,
+    session: Vec<&'a str>,
+    url: Vec<&'a str>,
+}
+
+/// The keys and answers of a batch of completions, as columns, with how many links each asked.
+#[derive(Default)]
+struct AnswerColumns<'a> {
+    checkout: Vec<i32>,
+    owner: Vec<&'a str>,
+    key: Vec<&'a str>,
+    me: Vec<&'a str>,
+    answer: Vec<&'a serde_json::Value>,
+    links: Vec<i32>,
+}
+
+/// Stores each completion's links (only on orders still without one, at the attempt asked
+/// for) and, where every one of its links was stored, its answer with its key (only while its
+/// request holds the key): one statement, one commit. Returns, for each, whether every link
+/// was stored.
+async fn store_completions(
+    pool: &PgPool,
+    completions: &[Completion],
+) -> Result<Vec<bool>, sqlx::Error> {
+    let mut links = LinkColumns::default();
+    let mut keys = AnswerColumns::default();
+    for (c, completion) in completions.iter().enumerate() {
+        let c = c as i32;
+        for (number, attempt, session, url) in &completion.links {
+            links.checkout.push(c);
+            links.number.push(*number);
+            links.attempt.push(*attempt);
+            links.session.push(session);
+            links.url.push(url);
+        }
+        keys.checkout.push(c);
+        keys.owner.push(&completion.owner);
+        keys.key.push(&completion.key);
+        keys.me.push(&completion.me);
+        keys.answer.push(&completion.answer);
+        keys.links.push(completion.links.len() as i32);
+    }
+    let whole: Vec<i32> = sqlx::query_scalar(
+        "WITH l AS (
+             UPDATE orders o SET session_id = x.session_id, payment_url = x.url, updated_at = now()
+             FROM unnest($1::int[], $2::bigint[], $3::int[], $4::text[], $5::text[])
+                  AS x(c, number, attempt, session_id, url)
+             WHERE o.number = ANY($2) AND o.number = x.number AND o.session_id IS NULL
+               AND o.payment_attempt = x.attempt
+             RETURNING x.c
+         ), whole AS (
+             SELECT a.c, a.owner, a.key, a.me, a.answer
+             FROM unnest($6::int[], $7::text[], $8::text[], $9::text[], $10::jsonb[], $11::int[])
+                  AS a(c, owner, key, me, answer, links)
+             WHERE (SELECT count(*) FROM l WHERE l.c = a.c) = a.links
+         ), k AS (
+             UPDATE idempotency_keys ik SET response = w.answer, locked_until = NULL, locked_by = NULL
+             FROM whole w
+             WHERE ik.owner = ANY($7) AND ik.key = ANY($8)
+               AND ik.owner = w.owner AND ik.key = w.key AND ik.locked_by = w.me
+         )
+         SELECT c FROM whole",
+    )
+    .bind(&links.checkout)
+    .bind(&links.number)
+    .bind(&links.attempt)
+    .bind(&links.session)
+    .bind(&links.url)
+    .bind(&keys.checkout)
+    .bind(&keys.owner)
+    .bind(&keys.key)
+    .bind(&keys.me)
+    .bind(&keys.answer)
+    .bind(&keys.links)
+    .fetch_all(pool)
+    .await?;
+    Ok((0..completions.len() as i32)
+        .map(|c| whole.contains(&c))
+        .collect())
 }
 
 /// Batches in flight at once: while one holds the counter for its last statement and commit,

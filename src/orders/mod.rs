@@ -681,19 +681,64 @@ pub async fn of_checkout(
     pool: &sqlx::PgPool,
     checkout: i64,
 ) -> Result<Vec<OrderView>, sqlx::Error> {
-    let rows: Vec<OrderRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+    // One round trip for the orders and their lines (a checkout's answer is read with every
+    // checkout): each order's lines come as arrays, in line order.
+    let rows: Vec<OrderWithLines> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         // A subscription's renewals belong to its first order's checkout, not to its answer.
-        "SELECT {ORDER_COLUMNS} FROM orders WHERE checkout_id = $1 AND renews IS NULL ORDER BY number"
+        "SELECT {ORDER_COLUMNS}, l.product_ids, l.names, l.unit_prices, l.quantities, l.subtotals, l.discounts
+         FROM orders, LATERAL (
+             SELECT COALESCE(array_agg(product_id ORDER BY line), '{{}}') AS product_ids,
+                    COALESCE(array_agg(name ORDER BY line), '{{}}') AS names,
+                    COALESCE(array_agg(unit_price ORDER BY line), '{{}}') AS unit_prices,
+                    COALESCE(array_agg(quantity ORDER BY line), '{{}}') AS quantities,
+                    COALESCE(array_agg(subtotal ORDER BY line), '{{}}') AS subtotals,
+                    COALESCE(array_agg(discount ORDER BY line), '{{}}') AS discounts
+             FROM order_items WHERE order_id = orders.id) l
+         WHERE checkout_id = $1 AND renews IS NULL ORDER BY number"
     )))
     .bind(checkout)
     .fetch_all(pool)
     .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for row in rows {
-        let items = items(pool, row.id).await?;
-        out.push(view_of(row, items));
-    }
-    Ok(out)
+    Ok(rows
+        .into_iter()
+        .map(|r| {
+            let items = r
+                .product_ids
+                .into_iter()
+                .zip(r.names)
+                .zip(r.unit_prices)
+                .zip(r.quantities)
+                .zip(r.subtotals)
+                .zip(r.discounts)
+                .map(
+                    |(((((product_id, name), unit_price), quantity), subtotal), discount)| {
+                        ItemView {
+                            product_id: crate::catalogue::ProductId(product_id),
+                            name,
+                            unit_price,
+                            quantity,
+                            subtotal,
+                            discount,
+                        }
+                    },
+                )
+                .collect();
+            view_of(r.order, items)
+        })
+        .collect())
+}
+
+/// An order with its lines, as columns of arrays in line order ([`of_checkout`]).
+#[derive(sqlx::FromRow)]
+struct OrderWithLines {
+    #[sqlx(flatten)]
+    order: OrderRow,
+    product_ids: Vec<uuid::Uuid>,
+    names: Vec<String>,
+    unit_prices: Vec<Decimal>,
+    quantities: Vec<i32>,
+    subtotals: Vec<Decimal>,
+    discounts: Vec<Decimal>,
 }
 
 #[derive(Debug, thiserror::Error)]

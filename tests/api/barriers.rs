@@ -131,6 +131,60 @@ async fn a_transfer_is_two_entries_summing_to_zero_in_its_currency(pool: PgPool)
     .await;
 }
 
+/// The ledger's rows point only at rows that exist, and none of its tables is ever emptied: what
+/// its foreign keys refused, now checked once per statement (migration 0054).
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_ledger_points_only_at_rows_that_exist(pool: PgPool) {
+    sqlx::query(ACCOUNTS).execute(&pool).await.unwrap();
+    // A transfer to an account that does not exist, its entries on it.
+    refused(
+        &pool,
+        &[&with_entries(900, 999, "(101, -5, 0, -5), (999, 5, 0, 5)")],
+        "does not exist",
+    )
+    .await;
+    // A transfer to an account that does not exist, its entries on accounts that do.
+    refused(
+        &pool,
+        &[&with_entries(900, 999, "(101, -5, 0, -5), (102, 5, 0, 5)")],
+        "ledger_transfers_accounts_exist",
+    )
+    .await;
+    // Entries of a transfer that does not exist.
+    refused(
+        &pool,
+        &["INSERT INTO ledger_entries (transfer_id, account_id, amount, balance_before, balance_after)
+           VALUES (777, 101, -5, 0, -5), (777, 102, 5, 0, 5)"],
+        "no such transfer",
+    )
+    .await;
+    // An entry on an account that does not exist, of a transfer that does.
+    one_posting(&pool).await;
+    refused(
+        &pool,
+        &["INSERT INTO ledger_entries (transfer_id, account_id, amount, balance_before, balance_after)
+           SELECT t.id, 999, 1, 0, 1 FROM ledger_transfers t WHERE t.source_key = 't1'"],
+        "ledger_entries_account_exists",
+    )
+    .await;
+    for table in ["ledger_entries", "ledger_transfers", "ledger_accounts"] {
+        refused(
+            &pool,
+            &[&format!("TRUNCATE {table} CASCADE")],
+            "never truncated",
+        )
+        .await;
+    }
+    // Nothing of the above was kept: the one posting stands, whole.
+    let (transfers, entries): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM ledger_transfers), (SELECT count(*) FROM ledger_entries)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((transfers, entries), (1, 2));
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_balance_moves_only_with_its_entries(pool: PgPool) {
     one_posting(&pool).await;

@@ -107,10 +107,16 @@ fn cart(items: &[(&str, i64)]) -> Value {
 }
 
 async fn count(pool: &PgPool, table: &str) -> i64 {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
-        .fetch_one(pool)
-        .await
-        .unwrap()
+    count_where(pool, table, "true").await
+}
+
+async fn count_where(pool: &PgPool, table: &str, condition: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {table} WHERE {condition}"
+    )))
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -811,6 +817,85 @@ async fn checkouts_written_together_each_keep_their_own_orders_refusals_and_keys
         .await
         .unwrap();
     assert_eq!(expiries, orders_answered, "one expiry job per order");
+    // Their links and answers were stored together too: every order has its link, every key
+    // its answer, unlocked, the very answer its request was given.
+    assert_eq!(
+        count_where(&pool, "orders", "session_id IS NULL OR payment_url IS NULL").await,
+        0
+    );
+    for (n, status, answer) in &answers {
+        if *status != 201 {
+            continue;
+        }
+        let (stored, locked): (Option<Value>, Option<String>) =
+            sqlx::query_as("SELECT response, locked_by FROM idempotency_keys WHERE key = $1")
+                .bind(format!("key-{n}"))
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(stored.as_ref(), Some(answer), "key-{n}");
+        assert_eq!(locked, None, "key-{n}");
+    }
+}
+
+/// Answers are stored many to a statement: one that fails its batch (a rule of the schema the
+/// code cannot see coming) is stored alone, where only it fails, and lets its key go.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_answer_that_fails_its_batch_is_stored_alone_and_holds_up_no_other(pool: PgPool) {
+    let shop = Arc::new(shop(pool.clone()).await);
+    let s = shop.seller("A").await;
+    let p = shop.product(&s, "5.00", "BRL").await;
+    sqlx::query(
+        "CREATE FUNCTION refuse_answer() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.key = 'key-5' AND NEW.response IS NOT NULL THEN
+                 RAISE EXCEPTION 'no' USING ERRCODE = 'check_violation';
+             END IF;
+             RETURN NEW;
+         END $$",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("CREATE TRIGGER refuse_answer BEFORE UPDATE ON idempotency_keys FOR EACH ROW EXECUTE FUNCTION refuse_answer()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let tasks: Vec<_> = (0..12)
+        .map(|i| {
+            let (shop, p) = (shop.clone(), p.clone());
+            tokio::spawn(async move {
+                shop.checkout(Some(&format!("key-{i}")), cart(&[(&p, 1)]))
+                    .await
+                    .0
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    assert_eq!(statuses[5], 500, "{statuses:?}");
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 201).count(),
+        11,
+        "{statuses:?}"
+    );
+    // Its order is kept without its link (the failed statement stored nothing), its key free
+    // for the same request again.
+    let (response, locked, link): (Option<Value>, Option<String>, Option<String>) = sqlx::query_as(
+        "SELECT k.response, k.locked_by, o.session_id FROM idempotency_keys k
+             JOIN orders o ON o.checkout_id = k.checkout_id WHERE k.key = 'key-5'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((response, locked, link), (None, None, None));
+    assert_eq!(
+        count_where(&pool, "orders", "session_id IS NULL").await,
+        1,
+        "the other eleven have their links"
+    );
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
