@@ -1,10 +1,12 @@
 //! `POST /checkout`: from a cart to orders with payment links, idempotent by `Idempotency-Key`.
 //!
-//! 1. The key is claimed (a row in `idempotency_keys`, committed at once): a repeat with the
-//!    same body gets the first answer; with another body, 422; while the first request still
-//!    runs, 409. The request that holds the key is named in it, so only it can store the answer
-//!    or let go; one that crashed lets go by itself after its lock (twice the payment side's
-//!    timeout and then some: the links are asked for all at once, under one timeout).
+//! 1. The key is claimed (a row in `idempotency_keys`): a repeat with the same body gets the
+//!    first answer; with another body, 422; while the first request still runs, 409. The
+//!    request that holds the key is named in it, so only it can store the answer or let go; one
+//!    that crashed lets go by itself after its lock (twice the payment side's timeout and then
+//!    some: the links are asked for all at once, under one timeout). A plain cart's key is
+//!    claimed in the transaction that writes its orders ([`Writer`]); any other's, or a key that
+//!    exists already, in a statement of its own, committed at once.
 //! 2. One transaction prices the cart from the server's own catalogue, takes the coupon's
 //!    redemptions under its row lock, numbers the orders from the counter row (sequential, no
 //!    gaps), writes orders, items, redemptions and their `created` events, schedules each
@@ -182,7 +184,13 @@ impl Checkout {
         }
         let key = IdempotencyKey { owner, key };
         let me = format!("{:032x}", rand::random::<u128>());
-        let checkout = match self.claim(key, &request_hash(&body), &me).await? {
+        // A plain cart claims its key in its orders' batch (no statement nor commit of its own);
+        // any other goes through the key's claim first, as a repeat does.
+        let plain = self.cart(&request).ok().filter(|c| self.writes_together(c));
+        let checkout = match self
+            .claim(key, &request_hash(&body), &me, plain.as_ref())
+            .await?
+        {
             Claim::Answered(answer) => return Ok(answer),
             Claim::Owned(existing) => existing,
         };
@@ -214,13 +222,32 @@ impl Checkout {
         self.rpc_timeout * 2 + KEY_LOCK_MARGIN
     }
 
+    /// Claims the key: a new key is ours (and, for a `plain` cart, written with its orders in
+    /// the writer's batch, whose synchronous commit stores both); a known one gives its stored
+    /// answer, 422 for another body, 409 while its request runs, or ours to take over when
+    /// that request ended without an answer.
     async fn claim(
         &self,
         key: IdempotencyKey<'_>,
         hash: &[u8],
         me: &str,
+        plain: Option<&Cart>,
     ) -> Result<Claim, CheckoutError> {
         let lock_secs = self.key_lock().as_secs_f64();
+        if let Some(cart) = plain {
+            let claiming = Claiming {
+                hash: hash.to_vec(),
+                lock_secs,
+            };
+            match self.writer.write(key, me, cart, Some(claiming)).await {
+                Written::Created(checkout) => return Ok(Claim::Owned(Some(checkout))),
+                // Refused before anything was stored: the key was never claimed.
+                Written::Refused(e) => return Err(e),
+                // The key exists (a repeat, or another request holds it), or the batch failed:
+                // the claim on its own below says which, and what to do.
+                Written::Taken | Written::Alone => {}
+            }
+        }
         // Committed without waiting for its flush: no order is written, nor any answer stored,
         // on the strength of the claim alone, and the checkout's own transaction and the stored
         // answer are synchronous commits after it, which flush it too (the log is one
@@ -330,6 +357,13 @@ impl Checkout {
         })
     }
 
+    /// Whether the writer writes this cart with others: not with a coupon (its row lock and
+    /// redemptions), nor through a gateway that charges on the sellers' accounts (each seller's
+    /// account is checked).
+    fn writes_together(&self, cart: &Cart) -> bool {
+        cart.coupon.is_none() && !gateways::format(cart.gateway).charges_on_seller_account()
+    }
+
     /// The checkout's orders, written with those of the checkouts running beside it in one
     /// transaction ([`Writer`]), or alone when its cart needs more than the writer does (a
     /// coupon's redemptions, a Stripe seller's account) or the writer could not write it.
@@ -340,11 +374,11 @@ impl Checkout {
         r: &CheckoutRequest,
     ) -> Result<i64, CheckoutError> {
         let cart = self.cart(r)?;
-        if cart.coupon.is_none() && !gateways::format(cart.gateway).charges_on_seller_account() {
-            match self.writer.write(key, me, &cart).await {
+        if self.writes_together(&cart) {
+            match self.writer.write(key, me, &cart, None).await {
                 Written::Created(checkout) => return Ok(checkout),
                 Written::Refused(e) => return Err(e),
-                Written::Alone => {}
+                Written::Taken | Written::Alone => {}
             }
         }
         self.create_alone(key, me, &cart).await
@@ -629,6 +663,15 @@ enum Written {
     Refused(CheckoutError),
     /// Not written (the batch failed as a whole): to write alone, where its own error shows.
     Alone,
+    /// Not written: the key it was to claim exists already.
+    Taken,
+}
+
+/// A key the writer claims in its batch, for a request that has not claimed it yet.
+struct Claiming {
+    hash: Vec<u8>,
+    /// How long the request holds the key.
+    lock_secs: f64,
 }
 
 struct Pending {
@@ -640,6 +683,8 @@ struct Pending {
     wanted: Vec<(ProductId, u32)>,
     /// The checkout request's trace, for its orders' `created` messages.
     traceparent: Option<String>,
+    /// Its key, if the batch is to claim it.
+    claim: Option<Claiming>,
     reply: oneshot::Sender<Written>,
 }
 
@@ -697,7 +742,13 @@ impl Writer {
         Ok((answered.first().copied().unwrap_or(false), completion))
     }
 
-    async fn write(&self, key: IdempotencyKey<'_>, me: &str, cart: &Cart) -> Written {
+    async fn write(
+        &self,
+        key: IdempotencyKey<'_>,
+        me: &str,
+        cart: &Cart,
+        claim: Option<Claiming>,
+    ) -> Written {
         let (reply, answer) = oneshot::channel();
         let pending = Pending {
             owner: key.owner.to_owned(),
@@ -707,6 +758,7 @@ impl Writer {
             gateway: cart.gateway,
             wanted: cart.wanted.clone(),
             traceparent: crate::traces::traceparent(),
+            claim,
             reply,
         };
         if self.queue.send(pending).await.is_err() {
@@ -902,9 +954,54 @@ async fn write_batch(
 ) -> Result<Vec<Written>, CheckoutError> {
     let mut out: Vec<Option<Written>> = batch.iter().map(|_| None).collect();
     let mut tx = pool.begin().await?;
+    // The keys to claim, claimed first (committed with the orders, by the batch's synchronous
+    // commit): one already there is another request's, or this one's repeat, and the request
+    // goes to its claim on its own. A key twice in one batch is claimed once.
+    let claiming: Vec<usize> = (0..batch.len())
+        .filter(|i| batch[*i].claim.is_some())
+        .collect();
+    if !claiming.is_empty() {
+        let mut cols = ClaimColumns::default();
+        for i in &claiming {
+            let p = &batch[*i];
+            if let Some(c) = &p.claim {
+                cols.owner.push(p.owner.as_str());
+                cols.key.push(p.key.as_str());
+                cols.hash.push(c.hash.as_slice());
+                cols.lock_secs.push(c.lock_secs);
+                cols.me.push(p.me.as_str());
+            }
+        }
+        let claimed: Vec<(String, String, String)> = sqlx::query_as(
+            "INSERT INTO idempotency_keys (owner, key, request_hash, locked_until, locked_by)
+             SELECT x.owner, x.key, x.hash, now() + x.secs * interval '1 second', x.me
+             FROM unnest($1::text[], $2::text[], $3::bytea[], $4::float8[], $5::text[])
+                  AS x(owner, key, hash, secs, me)
+             ON CONFLICT (owner, key) DO NOTHING
+             RETURNING owner, key, locked_by",
+        )
+        .bind(&cols.owner)
+        .bind(&cols.key)
+        .bind(&cols.hash)
+        .bind(&cols.lock_secs)
+        .bind(&cols.me)
+        .fetch_all(&mut *tx)
+        .await?;
+        for i in claiming {
+            let p = &batch[i];
+            if !claimed
+                .iter()
+                .any(|(o, k, by)| *o == p.owner && *k == p.key && *by == p.me)
+            {
+                out[i] = Some(Written::Taken);
+            }
+        }
+    }
     let (owners, keys): (Vec<&str>, Vec<&str>) = batch
         .iter()
-        .map(|p| (p.owner.as_str(), p.key.as_str()))
+        .zip(&out)
+        .filter(|(_, w)| w.is_none())
+        .map(|(p, _)| (p.owner.as_str(), p.key.as_str()))
         .unzip();
     // Only the request holding its key writes (a crashed one may have been taken over), and
     // the row lock makes the tie between key and checkout exact. In one order, so that two
@@ -931,6 +1028,9 @@ async fn write_batch(
         now + chrono::Duration::from_std(expiry).unwrap_or(chrono::Duration::minutes(30));
     let mut writing = Vec::new();
     for (i, p) in batch.iter().enumerate() {
+        if out[i].is_some() {
+            continue;
+        }
         let row = held
             .iter()
             .find(|(o, k, _, _)| *o == p.owner && *k == p.key);
@@ -984,6 +1084,32 @@ async fn write_batch(
         .bind(&keys)
         .fetch_all(&mut *tx)
         .await?;
+        // A refused cart whose key this batch claimed leaves no key behind (nothing is stored
+        // for a refusal): the client may fix the request and send it with the same key.
+        let (owners, keys, mes): (Vec<&str>, Vec<&str>, Vec<&str>) = batch
+            .iter()
+            .zip(&out)
+            .filter(|(p, w)| p.claim.is_some() && matches!(w, Some(Written::Refused(_))))
+            .fold(Default::default(), |mut cols, (p, _)| {
+                cols.0.push(p.owner.as_str());
+                cols.1.push(p.key.as_str());
+                cols.2.push(p.me.as_str());
+                cols
+            });
+        if !owners.is_empty() {
+            sqlx::query(
+                "DELETE FROM idempotency_keys k
+                 USING unnest($1::text[], $2::text[], $3::text[]) AS x(owner, key, me)
+                 WHERE k.owner = ANY($1) AND k.key = ANY($2)
+                   AND k.owner = x.owner AND k.key = x.key AND k.locked_by = x.me
+                   AND k.checkout_id IS NULL",
+            )
+            .bind(&owners)
+            .bind(&keys)
+            .bind(&mes)
+            .execute(&mut *tx)
+            .await?;
+        }
         let mut orders = NewOrders::default();
         let mut count = 0;
         for ((i, priced), checkout) in writing.iter().zip(&checkouts) {
@@ -1017,7 +1143,16 @@ async fn write_batch(
         .collect())
 }
 
-/// A checkout's order lines, written in one statement.
+/// The keys a batch claims, as columns.
+#[derive(Default)]
+struct ClaimColumns<'a> {
+    owner: Vec<&'a str>,
+    key: Vec<&'a str>,
+    hash: Vec<&'a [u8]>,
+    lock_secs: Vec<f64>,
+    me: Vec<&'a str>,
+}
+
 /// A checkout's orders and their lines, as columns, for the one statement that numbers and
 /// writes them.
 #[derive(Default)]
