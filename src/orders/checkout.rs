@@ -145,6 +145,8 @@ enum Claim {
     Answered(serde_json::Value),
     /// Ours to work on; the checkout, if its orders exist already.
     Owned(Option<i64>),
+    /// Ours, claimed with the orders just written: the checkout and its orders as written.
+    Written(i64, Vec<OrderView>),
 }
 
 fn request_hash(body: &serde_json::Value) -> Vec<u8> {
@@ -192,7 +194,8 @@ impl Checkout {
             .await?
         {
             Claim::Answered(answer) => return Ok(answer),
-            Claim::Owned(existing) => existing,
+            Claim::Owned(existing) => existing.map(|c| (c, None)),
+            Claim::Written(checkout, orders) => Some((checkout, Some(orders))),
         };
         // If this request is dropped half-way (the client went away), the key is let go at once
         // rather than when its lock runs out.
@@ -204,11 +207,11 @@ impl Checkout {
             armed: true,
         };
         let result = async {
-            let checkout = match checkout {
+            let (checkout, written) = match checkout {
                 Some(c) => c,
                 None => self.create(key, &me, &request).await?,
             };
-            self.complete(key, &me, checkout).await
+            self.complete(key, &me, checkout, written).await
         }
         .await;
         guard.armed = false;
@@ -240,7 +243,10 @@ impl Checkout {
                 lock_secs,
             };
             match self.writer.write(key, me, cart, Some(claiming)).await {
-                Written::Created(checkout) => return Ok(Claim::Owned(Some(checkout))),
+                Written::Created(checkout, Some(orders)) => {
+                    return Ok(Claim::Written(checkout, orders));
+                }
+                Written::Created(checkout, None) => return Ok(Claim::Owned(Some(checkout))),
                 // Refused before anything was stored: the key was never claimed.
                 Written::Refused(e) => return Err(e),
                 // The key exists (a repeat, or another request holds it), or the batch failed:
@@ -372,11 +378,11 @@ impl Checkout {
         key: IdempotencyKey<'_>,
         me: &str,
         r: &CheckoutRequest,
-    ) -> Result<i64, CheckoutError> {
+    ) -> Result<(i64, Option<Vec<OrderView>>), CheckoutError> {
         let cart = self.cart(r)?;
         if self.writes_together(&cart) {
             match self.writer.write(key, me, &cart, None).await {
-                Written::Created(checkout) => return Ok(checkout),
+                Written::Created(checkout, orders) => return Ok((checkout, orders)),
                 Written::Refused(e) => return Err(e),
                 Written::Taken | Written::Alone => {}
             }
@@ -385,12 +391,13 @@ impl Checkout {
     }
 
     /// The checkout's transaction: orders, items, redemptions, numbers, expiry jobs, key.
+    /// Returns the checkout, and its orders as written (none if they existed already).
     async fn create_alone(
         &self,
         key: IdempotencyKey<'_>,
         me: &str,
         cart: &Cart,
-    ) -> Result<i64, CheckoutError> {
+    ) -> Result<(i64, Option<Vec<OrderView>>), CheckoutError> {
         let Cart {
             buyer,
             gateway,
@@ -409,7 +416,7 @@ impl Checkout {
         .fetch_optional(&mut *tx)
         .await?;
         match row {
-            Some((Some(checkout), _)) => return Ok(checkout),
+            Some((Some(checkout), _)) => return Ok((checkout, None)),
             Some((None, Some(owner))) if owner == me => {}
             _ => return Err(CheckoutError::KeyInUse),
         }
@@ -471,7 +478,7 @@ impl Checkout {
             return Err(CheckoutError::Database(sqlx::Error::RowNotFound));
         }
         tx.commit().await?;
-        Ok(checkout)
+        Ok((checkout, Some(numbered)))
     }
 
     /// Direct charges need each seller's Stripe account.
@@ -499,8 +506,13 @@ impl Checkout {
         key: IdempotencyKey<'_>,
         me: &str,
         checkout: i64,
+        written: Option<Vec<OrderView>>,
     ) -> Result<serde_json::Value, CheckoutError> {
-        let mut orders = of_checkout(&self.pool, checkout).await?;
+        // The orders as this request wrote them, else as they are.
+        let mut orders = match written {
+            Some(orders) => orders,
+            None => of_checkout(&self.pool, checkout).await?,
+        };
         let missing: Vec<&OrderView> = orders
             .iter()
             .filter(|o| o.payment.is_none() && o.status.is_payable())
@@ -657,7 +669,8 @@ fn cart_items(
 
 /// What the writer did with one checkout.
 enum Written {
-    Created(i64),
+    /// Its checkout, and its orders as written (none: they existed already).
+    Created(i64, Option<Vec<OrderView>>),
     /// Refused for what it asks (an unknown product, a cart that cannot be priced), or its key
     /// is no longer this request's: nothing was written for it.
     Refused(CheckoutError),
@@ -1036,7 +1049,7 @@ async fn write_batch(
             .find(|(o, k, _, _)| *o == p.owner && *k == p.key);
         match row {
             Some((_, _, Some(checkout), _)) => {
-                out[i] = Some(Written::Created(*checkout));
+                out[i] = Some(Written::Created(*checkout, None));
                 continue;
             }
             Some((_, _, None, Some(by))) if *by == p.me => {}
@@ -1133,8 +1146,11 @@ async fn write_batch(
             return Err(CheckoutError::Database(sqlx::Error::RowNotFound));
         }
         tx.commit().await?;
-        for ((i, _), checkout) in writing.iter().zip(checkouts) {
-            out[*i] = Some(Written::Created(checkout));
+        // Each checkout's orders were pushed together, in the batch's order.
+        let mut numbered = numbered.into_iter();
+        for ((i, priced), checkout) in writing.iter().zip(checkouts) {
+            let orders = numbered.by_ref().take(priced.len()).collect();
+            out[*i] = Some(Written::Created(checkout, Some(orders)));
         }
     }
     Ok(out
@@ -1201,7 +1217,10 @@ static WRITE_ORDERS: LazyLock<String> = LazyLock::new(|| {
                       WITH ORDINALITY AS t(seller_id, kind, interval, currency, subtotal, discount, total,
                                            platform_fee, seller_net, coupon_id, checkout_id, buyer_id, gateway,
                                            place)
-                 RETURNING id, number, coupon_id, number - (SELECT last FROM n) + cardinality($1::uuid[]) AS place
+                 RETURNING id, number, coupon_id, number - (SELECT last FROM n) + cardinality($1::uuid[]) AS place,
+                           seller_id, buyer_id, kind, \"interval\", currency::text AS currency, subtotal, discount,
+                           total, platform_fee, seller_net, amount_refunded, status, payment_status, gateway,
+                           payment_attempt, payment_token, session_id, payment_url, expires_at, paid_at, created_at
              ), items AS (
                  INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
                  SELECT o.id, l.line, l.product_id, l.name, l.unit_price, l.quantity, l.subtotal, l.discount
@@ -1221,7 +1240,13 @@ static WRITE_ORDERS: LazyLock<String> = LazyLock::new(|| {
                          jsonb_build_object('number', number) AS job_payload, $14::timestamptz AS job_run_at,
                          $26::int AS job_max_attempts, NULL::text AS job_fairness_key FROM o) AS t"),
         ")
-             SELECT number FROM o ORDER BY number",
+             -- The orders as written, for the checkouts' answers (a new order starts no
+             -- subscription yet).
+             SELECT id, number, seller_id, buyer_id, kind, \"interval\", currency, subtotal, discount, total,
+                    platform_fee, seller_net, amount_refunded, status, payment_status, gateway, payment_attempt,
+                    payment_token, session_id, payment_url, expires_at, paid_at, created_at,
+                    NULL::uuid AS subscription_id
+             FROM o ORDER BY number",
     ]
     .concat()
 });
@@ -1267,14 +1292,14 @@ impl NewOrders {
     /// gives them back) and writes the orders (of one checkout or of many), their lines, their
     /// coupon redemptions, their `created` events and their expiry jobs (`expiry::ExpireOrder`,
     /// its payload and key made here from each number, which a test of that module pins), in
-    /// one statement. Returns the numbers, in the orders' order.
+    /// one statement. Returns the orders as written, with their lines, in the orders' order.
     async fn insert(
         &self,
         tx: &mut PgConnection,
         expires_at: chrono::DateTime<Utc>,
-    ) -> Result<Vec<i64>, sqlx::Error> {
+    ) -> Result<Vec<OrderView>, sqlx::Error> {
         let kinds: Vec<&str> = self.kind.iter().map(|k| k.as_str()).collect();
-        sqlx::query_scalar(WRITE_ORDERS.as_str())
+        let rows: Vec<super::OrderRow> = sqlx::query_as(WRITE_ORDERS.as_str())
             .bind(&self.seller_id)
             .bind(&kinds)
             .bind(&self.interval)
@@ -1303,7 +1328,27 @@ impl NewOrders {
             .bind(ExpireOrder::MAX_ATTEMPTS)
             .bind(&self.traceparent)
             .fetch_all(&mut *tx)
-            .await
+            .await?;
+        // Numbered in the order pushed: the k-th row is the order at place k + 1.
+        Ok(rows
+            .into_iter()
+            .enumerate()
+            .map(|(k, row)| {
+                let place = k as i64 + 1;
+                let items = (0..self.line_order.len())
+                    .filter(|l| self.line_order[*l] == place)
+                    .map(|l| super::ItemView {
+                        product_id: ProductId(self.product_id[l]),
+                        name: self.name[l].clone(),
+                        unit_price: self.unit_price[l],
+                        quantity: self.quantity[l],
+                        subtotal: self.line_subtotal[l],
+                        discount: self.line_discount[l],
+                    })
+                    .collect();
+                super::view_of(row, items)
+            })
+            .collect())
     }
 }
 

@@ -827,14 +827,23 @@ async fn checkouts_written_together_each_keep_their_own_orders_refusals_and_keys
         if *status != 201 {
             continue;
         }
-        let (stored, locked): (Option<Value>, Option<String>) =
-            sqlx::query_as("SELECT response, locked_by FROM idempotency_keys WHERE key = $1")
-                .bind(format!("key-{n}"))
-                .fetch_one(&pool)
-                .await
-                .unwrap();
+        let (stored, locked, checkout): (Option<Value>, Option<String>, i64) = sqlx::query_as(
+            "SELECT response, locked_by, checkout_id FROM idempotency_keys WHERE key = $1",
+        )
+        .bind(format!("key-{n}"))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
         assert_eq!(stored.as_ref(), Some(answer), "key-{n}");
         assert_eq!(locked, None, "key-{n}");
+        // The answer, built from the orders as the batch wrote them, is what reading them back
+        // gives.
+        let read = payfleet::orders::checkout::CheckoutAnswer {
+            orders: payfleet::orders::of_checkout(&pool, checkout)
+                .await
+                .unwrap(),
+        };
+        assert_eq!(&serde_json::to_value(read).unwrap(), answer, "key-{n}");
     }
 }
 
