@@ -1010,25 +1010,32 @@ async fn write_batch(
             }
         }
     }
+    // The keys claimed above are this transaction's own rows. Any other (a request that
+    // claimed its key on its own: taking over a key whose request ended without an answer, or
+    // after a batch that failed) is locked and checked: only
+    // the request holding its key writes (a crashed one may have been taken over), and the row
+    // lock makes the tie between key and checkout exact. In one order, so that two batches
+    // never deadlock on them.
     let (owners, keys): (Vec<&str>, Vec<&str>) = batch
         .iter()
         .zip(&out)
-        .filter(|(_, w)| w.is_none())
+        .filter(|(p, w)| w.is_none() && p.claim.is_none())
         .map(|(p, _)| (p.owner.as_str(), p.key.as_str()))
         .unzip();
-    // Only the request holding its key writes (a crashed one may have been taken over), and
-    // the row lock makes the tie between key and checkout exact. In one order, so that two
-    // batches never deadlock on them.
-    let held: Vec<(String, String, Option<i64>, Option<String>)> = sqlx::query_as(
-        "SELECT owner, key, checkout_id, locked_by FROM idempotency_keys
-         WHERE owner = ANY($1) AND key = ANY($2)
-           AND (owner, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))
-         ORDER BY owner, key FOR UPDATE",
-    )
-    .bind(&owners)
-    .bind(&keys)
-    .fetch_all(&mut *tx)
-    .await?;
+    let held: Vec<(String, String, Option<i64>, Option<String>)> = if owners.is_empty() {
+        Vec::new()
+    } else {
+        sqlx::query_as(
+            "SELECT owner, key, checkout_id, locked_by FROM idempotency_keys
+             WHERE owner = ANY($1) AND key = ANY($2)
+               AND (owner, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))
+             ORDER BY owner, key FOR UPDATE",
+        )
+        .bind(&owners)
+        .bind(&keys)
+        .fetch_all(&mut *tx)
+        .await?
+    };
     let mut ids: Vec<ProductId> = batch
         .iter()
         .flat_map(|p| p.wanted.iter().map(|(id, _)| *id))
@@ -1048,6 +1055,8 @@ async fn write_batch(
             .iter()
             .find(|(o, k, _, _)| *o == p.owner && *k == p.key);
         match row {
+            // Claimed by this batch: ours, with no checkout yet.
+            _ if p.claim.is_some() => {}
             Some((_, _, Some(checkout), _)) => {
                 out[i] = Some(Written::Created(*checkout, None));
                 continue;
