@@ -723,9 +723,14 @@ impl Writer {
     /// Starts the writer's task on the current runtime; it ends when every handle is dropped.
     pub fn start(pool: PgPool, fee_percent: Decimal, expiry: Duration) -> Self {
         let (queue, pending) = mpsc::channel(4 * WRITER_BATCH);
-        tokio::spawn(write_loop(pool.clone(), fee_percent, expiry, pending));
+        let writing = pool.clone();
+        tokio::spawn(in_batches(pending, move |batch| {
+            write_checkouts(writing.clone(), fee_percent, expiry, batch)
+        }));
         let (completions, completing) = mpsc::channel(4 * WRITER_BATCH);
-        tokio::spawn(complete_loop(pool, completing));
+        tokio::spawn(in_batches(completing, move |batch| {
+            complete_batch(pool.clone(), batch)
+        }));
         Self { queue, completions }
     }
 
@@ -801,33 +806,16 @@ enum Completed {
 /// Completes the checkouts that finish while others are stored, many to one statement and one
 /// commit: at sixteen clients each checkout's own synchronous commit of its links and answer
 /// was most of what its backends waited for (`WALWrite`, `WALSync`).
-async fn complete_loop(
-    pool: PgPool,
-    mut pending: mpsc::Receiver<(Completion, oneshot::Sender<Completed>)>,
-) {
-    let in_flight = Arc::new(tokio::sync::Semaphore::new(WRITERS_IN_FLIGHT));
-    loop {
-        let Ok(permit) = in_flight.clone().acquire_owned().await else {
-            return;
-        };
-        let mut batch = Vec::with_capacity(WRITER_BATCH);
-        if pending.recv_many(&mut batch, WRITER_BATCH).await == 0 {
-            return;
-        }
-        let pool = pool.clone();
-        tokio::spawn(async move {
-            let (completions, replies): (Vec<Completion>, Vec<_>) = batch.into_iter().unzip();
-            let stored = store_completions(&pool, &completions).await;
-            if let Err(e) = &stored {
-                tracing::warn!(checkouts = completions.len(), error = %e, "a batch of checkout answers failed; each is stored alone");
-            }
-            for (i, (completion, reply)) in completions.into_iter().zip(replies).enumerate() {
-                let _ = reply.send(match &stored {
-                    Ok(answered) => Completed::Done(answered[i], completion),
-                    Err(_) => Completed::Alone(completion),
-                });
-            }
-            drop(permit);
+async fn complete_batch(pool: PgPool, batch: Vec<(Completion, oneshot::Sender<Completed>)>) {
+    let (completions, replies): (Vec<Completion>, Vec<_>) = batch.into_iter().unzip();
+    let stored = store_completions(&pool, &completions).await;
+    if let Err(e) = &stored {
+        tracing::warn!(checkouts = completions.len(), error = %e, "a batch of checkout answers failed; each is stored alone");
+    }
+    for (i, (completion, reply)) in completions.into_iter().zip(replies).enumerate() {
+        let _ = reply.send(match &stored {
+            Ok(answered) => Completed::Done(answered[i], completion),
+            Err(_) => Completed::Alone(completion),
         });
     }
 }
@@ -922,14 +910,16 @@ async fn store_completions(
 /// the next checks its keys and carts and writes its checkouts.
 const WRITERS_IN_FLIGHT: usize = 2;
 
-/// Each batch takes what arrived while the others were written (a lone checkout waits for
-/// nothing); the counter serialises their numbering statements and commits.
-async fn write_loop(
-    pool: PgPool,
-    fee_percent: Decimal,
-    expiry: Duration,
-    mut pending: mpsc::Receiver<Pending>,
-) {
+/// Runs `run` on what arrives, [`WRITERS_IN_FLIGHT`] batches at once: each batch takes what
+/// arrived while the others ran (at most [`WRITER_BATCH`]; a lone request waits for nothing).
+/// Ends when every sender is dropped. A batch that panics drops its replies: their requests
+/// then do their work alone.
+async fn in_batches<T, F, Fut>(mut pending: mpsc::Receiver<T>, run: F)
+where
+    T: Send + 'static,
+    F: Fn(Vec<T>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let in_flight = Arc::new(tokio::sync::Semaphore::new(WRITERS_IN_FLIGHT));
     loop {
         let Ok(permit) = in_flight.clone().acquire_owned().await else {
@@ -939,21 +929,31 @@ async fn write_loop(
         if pending.recv_many(&mut batch, WRITER_BATCH).await == 0 {
             return;
         }
-        let pool = pool.clone();
-        // A panic drops the replies: each checkout is then written alone.
+        let batch = run(batch);
         tokio::spawn(async move {
-            let written = match write_batch(&pool, fee_percent, expiry, &batch).await {
-                Ok(w) => w,
-                Err(e) => {
-                    tracing::warn!(checkouts = batch.len(), error = %e, "a batch of checkouts failed; each is written alone");
-                    batch.iter().map(|_| Written::Alone).collect()
-                }
-            };
-            for (p, w) in batch.into_iter().zip(written) {
-                let _ = p.reply.send(w);
-            }
+            batch.await;
             drop(permit);
         });
+    }
+}
+
+/// Writes a batch of checkouts and answers each; the counter serialises the batches'
+/// numbering statements and commits.
+async fn write_checkouts(
+    pool: PgPool,
+    fee_percent: Decimal,
+    expiry: Duration,
+    batch: Vec<Pending>,
+) {
+    let written = match write_batch(&pool, fee_percent, expiry, &batch).await {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::warn!(checkouts = batch.len(), error = %e, "a batch of checkouts failed; each is written alone");
+            batch.iter().map(|_| Written::Alone).collect()
+        }
+    };
+    for (p, w) in batch.into_iter().zip(written) {
+        let _ = p.reply.send(w);
     }
 }
 

@@ -847,36 +847,41 @@ async fn checkouts_written_together_each_keep_their_own_orders_refusals_and_keys
     }
 }
 
-/// Answers are stored many to a statement: one that fails its batch (a rule of the schema the
-/// code cannot see coming) is stored alone, where only it fails, and lets its key go.
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn an_answer_that_fails_its_batch_is_stored_alone_and_holds_up_no_other(pool: PgPool) {
+/// Twelve checkouts at once of one 5.00 BRL product (keys `key-0` to `key-11`, buyer `boom` for
+/// `key-5`), with a rule of the schema the code cannot see coming: a trigger `when` (`BEFORE
+/// INSERT ON checkouts`, say) refuses the row for which `refuses` holds. Only `key-5` fails
+/// (500); the eleven others are answered.
+async fn twelve_at_once_one_refused(pool: &PgPool, when: &str, refuses: &str) {
     let shop = Arc::new(shop(pool.clone()).await);
     let s = shop.seller("A").await;
     let p = shop.product(&s, "5.00", "BRL").await;
-    sqlx::query(
-        "CREATE FUNCTION refuse_answer() RETURNS trigger LANGUAGE plpgsql AS $$
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION refuse_one() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN
-             IF NEW.key = 'key-5' AND NEW.response IS NOT NULL THEN
+             IF {refuses} THEN
                  RAISE EXCEPTION 'no' USING ERRCODE = 'check_violation';
              END IF;
              RETURN NEW;
-         END $$",
-    )
-    .execute(&pool)
+         END $$"
+    )))
+    .execute(pool)
     .await
     .unwrap();
-    sqlx::query("CREATE TRIGGER refuse_answer BEFORE UPDATE ON idempotency_keys FOR EACH ROW EXECUTE FUNCTION refuse_answer()")
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TRIGGER refuse_one {when} FOR EACH ROW EXECUTE FUNCTION refuse_one()"
+    )))
+    .execute(pool)
+    .await
+    .unwrap();
     let tasks: Vec<_> = (0..12)
         .map(|i| {
             let (shop, p) = (shop.clone(), p.clone());
             tokio::spawn(async move {
-                shop.checkout(Some(&format!("key-{i}")), cart(&[(&p, 1)]))
-                    .await
-                    .0
+                let mut body = cart(&[(&p, 1)]);
+                if i == 5 {
+                    body["buyer_id"] = json!("boom");
+                }
+                shop.checkout(Some(&format!("key-{i}")), body).await.0
             })
         })
         .collect();
@@ -890,6 +895,18 @@ async fn an_answer_that_fails_its_batch_is_stored_alone_and_holds_up_no_other(po
         11,
         "{statuses:?}"
     );
+}
+
+/// Answers are stored many to a statement: one that fails its batch (a rule of the schema the
+/// code cannot see coming) is stored alone, where only it fails, and lets its key go.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_answer_that_fails_its_batch_is_stored_alone_and_holds_up_no_other(pool: PgPool) {
+    twelve_at_once_one_refused(
+        &pool,
+        "BEFORE UPDATE ON idempotency_keys",
+        "NEW.key = 'key-5' AND NEW.response IS NOT NULL",
+    )
+    .await;
     // Its order is kept without its link (the failed statement stored nothing), its key free
     // for the same request again.
     let (response, locked, link): (Option<Value>, Option<String>, Option<String>) = sqlx::query_as(
@@ -909,48 +926,7 @@ async fn an_answer_that_fails_its_batch_is_stored_alone_and_holds_up_no_other(po
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_checkout_that_fails_its_batch_is_written_alone_and_holds_up_no_other(pool: PgPool) {
-    let shop = Arc::new(shop(pool.clone()).await);
-    let s = shop.seller("A").await;
-    let p = shop.product(&s, "5.00", "BRL").await;
-    // A refusal the writer cannot see coming (a rule of the schema, say) for one buyer.
-    sqlx::query(
-        "CREATE FUNCTION refuse_boom() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-             IF NEW.buyer_id = 'boom' THEN
-                 RAISE EXCEPTION 'no' USING ERRCODE = 'check_violation';
-             END IF;
-             RETURN NEW;
-         END $$",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query("CREATE TRIGGER refuse_boom BEFORE INSERT ON checkouts FOR EACH ROW EXECUTE FUNCTION refuse_boom()")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let tasks: Vec<_> = (0..12)
-        .map(|i| {
-            let (shop, p) = (shop.clone(), p.clone());
-            tokio::spawn(async move {
-                let mut body = cart(&[(&p, 1)]);
-                if i == 5 {
-                    body["buyer_id"] = json!("boom");
-                }
-                shop.checkout(Some(&format!("key-{i}")), body).await.0
-            })
-        })
-        .collect();
-    let mut statuses = Vec::new();
-    for t in tasks {
-        statuses.push(t.await.unwrap());
-    }
-    assert_eq!(
-        statuses.iter().filter(|s| **s == 201).count(),
-        11,
-        "{statuses:?}"
-    );
-    assert_eq!(statuses[5], 500, "{statuses:?}");
+    twelve_at_once_one_refused(&pool, "BEFORE INSERT ON checkouts", "NEW.buyer_id = 'boom'").await;
     let numbers: Vec<i64> = sqlx::query_scalar("SELECT number FROM orders ORDER BY number")
         .fetch_all(&pool)
         .await
