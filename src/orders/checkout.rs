@@ -748,8 +748,9 @@ impl Writer {
             Ok(()) => match answer.await {
                 Ok(Completed::Done(answered, completion)) => return Ok((answered, completion)),
                 Ok(Completed::Alone(completion)) => completion,
-                // The batch's task panicked: its completions are lost with it. Nothing was
-                // committed for them, and the key lets go (the client sends again).
+                // The batch's task panicked: its completions are lost with it. The request
+                // fails and lets its key go; whether or not the statement had committed, the
+                // same request again gets the stored answer or asks for the links again.
                 Err(_) => {
                     return Err(CheckoutError::Database(sqlx::Error::WorkerCrashed));
                 }
