@@ -437,17 +437,19 @@ async fn an_operator_opens_a_dead_job_and_retries_it_and_follows_an_order_to_its
             .await
             .contains(&format!("job {dead} will run again now"))
     );
-    // The fleet runs it at once: one more attempt (its event is still lost, so it fails again).
+    // The fleet runs it at once: one more attempt (its event is still lost, so it fails again),
+    // whose failure is written when the run ends (after the attempt is counted, at its claim).
     wait_for(
-        "the retried job to run once more",
+        "the retried job to run once more and its failure to be written",
         std::time::Duration::from_secs(20),
         async || {
-            sqlx::query_scalar::<_, i32>("SELECT attempt FROM jobs WHERE id = $1")
-                .bind(dead)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-                == 4
+            sqlx::query_scalar::<_, bool>(
+                "SELECT attempt = 4 AND jsonb_array_length(errors) = 3 FROM jobs WHERE id = $1",
+            )
+            .bind(dead)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
         },
     )
     .await;
