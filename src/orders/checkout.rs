@@ -902,9 +902,13 @@ async fn store_completions(
     .bind(&keys.links)
     .fetch_all(pool)
     .await?;
-    Ok((0..completions.len() as i32)
-        .map(|c| whole.contains(&c))
-        .collect())
+    let mut answered = vec![false; completions.len()];
+    for c in whole {
+        if let Some(a) = usize::try_from(c).ok().and_then(|c| answered.get_mut(c)) {
+            *a = true;
+        }
+    }
+    Ok(answered)
 }
 
 /// Batches in flight at once: while one holds the counter for its last statement and commit,
