@@ -873,7 +873,11 @@ async fn store_completions(
              UPDATE orders o SET session_id = x.session_id, payment_url = x.url, updated_at = now()
              FROM unnest($1::int[], $2::bigint[], $3::int[], $4::text[], $5::text[])
                   AS x(c, number, attempt, session_id, url)
-             WHERE o.number = ANY($2) AND o.number = x.number AND o.session_id IS NULL
+             -- Each order through its number's index (`number = ANY($2)` was planned as a
+             -- scan of every order while the table had no statistics).
+             WHERE o.id = ANY(ARRAY(SELECT (SELECT y.id FROM orders y WHERE y.number = n)
+                                    FROM unnest($2::bigint[]) AS n))
+               AND o.number = x.number AND o.session_id IS NULL
                AND o.payment_attempt = x.attempt
              RETURNING x.c
          ), whole AS (

@@ -321,8 +321,11 @@ pub async fn process_batch(
     let ids: Vec<i64> = candidates.iter().map(|c| c.event).collect();
     wake_waiting_many(&mut tx, &keys, &ids).await?;
     let received: Vec<(i64, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        // Locked unprocessed since `read_candidates`: by their ids alone. Asked also for
+        // `processed_at IS NULL`, the plan read the whole partial index of unprocessed events,
+        // which keeps every processed one until a vacuum.
         "UPDATE payment_events SET outcome = $2, outcome_detail = NULL, waiting_for = NULL, processed_at = now()
-         WHERE id = ANY($1) AND processed_at IS NULL RETURNING id, received_at",
+         WHERE id = ANY(ARRAY(SELECT unnest($1::bigint[]))) RETURNING id, received_at",
     )
     .bind(&ids)
     .bind(EventOutcome::Applied)

@@ -1320,3 +1320,51 @@ async fn an_event_with_no_turn_to_run_alone_is_given_back_busy(pool: PgPool) {
         Handled::Processed(Processed::Waiting("payment:pay_s2".into()))
     );
 }
+
+/// Rows read from `table` so far (sequential and through indexes), this connection's reads
+/// included: its counts are flushed to the shared ones first.
+async fn rows_read(one: &PgPool, table: &str) -> i64 {
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(one)
+        .await
+        .unwrap();
+    sqlx::query_scalar(
+        "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables WHERE relname = $1",
+    )
+    .bind(table)
+    .fetch_one(one)
+    .await
+    .unwrap()
+}
+
+/// However many orders there are, and whatever the planner knows of them (a new database, or
+/// a server without autovacuum: no statistics at all), a batch reads its own orders through
+/// their keys: what it reads grows with the batch, not with the table. Asked as
+/// `number = ANY($1)`, a planner without statistics read every order through the index of the
+/// few orders paid with coins, at every batch.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_batch_reads_its_own_orders_not_every_order(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    let others: Vec<String> = (0..3000).map(|i| format!("other{i}")).collect();
+    let others: Vec<&str> = others.iter().map(String::as_str).collect();
+    orders_for(&pool, "internal", &others, "10.00", "BRL").await;
+    let mine: Vec<String> = (0..20).map(|i| format!("mine{i}")).collect();
+    let mine: Vec<&str> = mine.iter().map(String::as_str).collect();
+    first_payments(&app, &mine, "10.00").await;
+    // One connection, so that its reads are the ones flushed.
+    let one = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let before = rows_read(&one, "orders").await;
+    assert!(batch(&one, &mine).await.into_iter().all(|applied| applied));
+    let read = rows_read(&one, "orders").await - before;
+    assert!(
+        read <= 10 * mine.len() as i64,
+        "{read} order rows read to apply a batch of {} payments beside 3,000 other orders",
+        mine.len()
+    );
+    let (accounts, currencies) = payfleet::ledger::check(&pool).await.unwrap();
+    assert!(accounts.is_empty() && currencies.is_empty());
+}
