@@ -22,7 +22,7 @@ use rust_decimal::Decimal;
 use sqlx::{PgConnection, PgPool};
 
 use super::{
-    AccountKind, AccountRef, LedgerError, Transfer, TransferKind, accounts, lock, post, post_many,
+    AccountKind, AccountRef, LedgerError, Transfer, TransferKind, accounts, lock, post_many,
 };
 use crate::gateways::{DisputeStatus, GatewayName};
 use crate::money::{Currency, Money};
@@ -469,19 +469,27 @@ async fn taken_so_far(
     .await
 }
 
+/// Sales one release transaction takes at most: a flash sale's thousands mature together, and
+/// one transaction per sale held the seller's accounts once per sale, beside the payments still
+/// posting to them.
+const RELEASE_BATCH: i64 = 500;
+
 /// Moves the sales whose holding period has passed from pending to available: what is left of
 /// each sale in pending (its credit less the refunds and disputes taken from pending meanwhile),
 /// once per sale, however many workers run it at once. Returns how many sales it dealt with.
 ///
-/// One transaction per sale: a run never holds many sellers' accounts at once (postings of
-/// other sellers do not wait for it, and two runs cannot deadlock on each other's sellers).
+/// One transaction per seller and currency, for up to [`RELEASE_BATCH`] of its sales: a run
+/// holds one seller's accounts at a time (postings of other sellers do not wait for it, and two
+/// runs cannot deadlock on each other's sellers), and a seller's matured sales are released
+/// together, in a fixed number of statements.
 pub async fn release_matured(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, LedgerError> {
     let mut done = 0;
     loop {
         let mut tx = pool.begin().await?;
-        // Several runs may go at once: each takes a different sale.
-        let due: Option<(i64, String, String, Decimal)> = sqlx::query_as(
-            "SELECT t.order_number, a.owner, t.currency::text, t.amount
+        // Several runs may go at once: each takes a different seller's sales, or the sales
+        // another run left (SKIP LOCKED).
+        let next: Option<(i64, String, String)> = sqlx::query_as(
+            "SELECT t.to_account, a.owner, t.currency::text
              FROM ledger_transfers t JOIN ledger_accounts a ON a.id = t.to_account
              WHERE t.kind = 'sale_credit' AND t.available_at <= $1
                AND NOT EXISTS (SELECT 1 FROM ledger_releases r WHERE r.order_number = t.order_number)
@@ -491,72 +499,96 @@ pub async fn release_matured(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, L
         .bind(now)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((order, seller, currency, credit)) = due else {
+        let Some((pending, seller, currency)) = next else {
             return Ok(done);
         };
-        // A run whose snapshot predates another's commit can take a sale that one has just
-        // released: the release's own key finds it done, and it is not counted twice.
-        let released = release_one(&mut tx, order, &seller, &currency, credit).await?;
+        let due: Vec<(i64, Decimal)> = sqlx::query_as(
+            "SELECT t.order_number, t.amount FROM ledger_transfers t
+             WHERE t.kind = 'sale_credit' AND t.to_account = $1 AND t.available_at <= $2
+               AND NOT EXISTS (SELECT 1 FROM ledger_releases r WHERE r.order_number = t.order_number)
+             ORDER BY t.available_at LIMIT $3
+             FOR UPDATE OF t SKIP LOCKED",
+        )
+        .bind(pending)
+        .bind(now)
+        .bind(RELEASE_BATCH)
+        .fetch_all(&mut *tx)
+        .await?;
+        // A run whose snapshot predates another's commit can take sales that one has just
+        // released: the releases' own keys find them done, and they are not counted twice.
+        let released = release_seller(&mut tx, &seller, &currency, &due).await?;
         tx.commit().await?;
-        done += u64::from(released);
+        done += released;
     }
 }
 
-/// Releases one sale; false when another run had released it.
-async fn release_one(
+/// Releases a seller's matured sales (`due`: order and sale credit); returns how many this
+/// call released (the others another run had).
+async fn release_seller(
     tx: &mut PgConnection,
-    order: i64,
     seller: &str,
     currency: &str,
-    credit: Decimal,
-) -> Result<bool, LedgerError> {
+    due: &[(i64, Decimal)],
+) -> Result<u64, LedgerError> {
+    if due.is_empty() {
+        return Ok(0);
+    }
     let c: Currency = currency
         .parse()
-        .map_err(|_| LedgerError::Mismatch(format!("order {order}")))?;
+        .map_err(|_| LedgerError::Mismatch(format!("seller {seller}")))?;
     let pending = AccountRef::new(AccountKind::SellerPending, seller, c);
     let available = AccountRef::new(AccountKind::SellerAvailable, seller, c);
     let mut ids = accounts(tx, &[pending.clone(), available.clone()]).await?;
     ids.sort_unstable();
     lock(tx, &ids).await?;
-    let claimed = sqlx::query(
-        "INSERT INTO ledger_releases (order_number, amount) VALUES ($1, 0) ON CONFLICT DO NOTHING",
+    let orders: Vec<i64> = due.iter().map(|(n, _)| *n).collect();
+    let claimed: Vec<i64> = sqlx::query_scalar(
+        "INSERT INTO ledger_releases (order_number, amount) SELECT n, 0 FROM unnest($1::bigint[]) AS n
+         ON CONFLICT DO NOTHING RETURNING order_number",
     )
-    .bind(order)
-    .execute(&mut *tx)
+    .bind(&orders)
+    .fetch_all(&mut *tx)
     .await?;
-    if claimed.rows_affected() == 0 {
-        return Ok(false);
+    if claimed.is_empty() {
+        return Ok(0);
     }
-    // What left pending for this order since its credit, and what came back to it.
-    let moved: Decimal = sqlx::query_scalar(
-        "SELECT COALESCE(sum(CASE WHEN t.to_account = a.id THEN t.amount ELSE -t.amount END), 0)
+    // What left pending for each order since its credit, and what came back to it.
+    let moved: std::collections::HashMap<i64, Decimal> = sqlx::query_as(
+        "SELECT t.order_number, sum(CASE WHEN t.to_account = a.id THEN t.amount ELSE -t.amount END)
          FROM ledger_transfers t JOIN ledger_accounts a
            ON a.kind = 'seller_pending' AND a.owner = $2 AND a.currency = $3
-         WHERE t.order_number = $1 AND t.kind <> 'sale_credit'
-           AND (t.from_account = a.id OR t.to_account = a.id)",
+         WHERE t.order_number = ANY(ARRAY(SELECT unnest($1::bigint[]))) AND t.kind <> 'sale_credit'
+           AND (t.from_account = a.id OR t.to_account = a.id)
+         GROUP BY t.order_number",
     )
-    .bind(order)
+    .bind(&claimed)
     .bind(seller)
     .bind(currency)
-    .fetch_one(&mut *tx)
-    .await?;
-    let left = credit + moved;
-    if left.is_zero() {
-        return Ok(true);
-    }
-    // More taken back than the sale left (a dispute on a partly refunded sale): the shortfall
-    // moves to pending from available, so that pending holds nothing of a released sale and
-    // available shows what the seller really has.
-    let (from, to) = if left > Decimal::ZERO {
-        (pending, available)
-    } else {
-        (available, pending)
-    };
-    let amount =
-        Money::new(left.abs(), c).map_err(|_| LedgerError::Mismatch(format!("order {order}")))?;
-    post(
-        tx,
-        &Transfer {
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .collect();
+    let credits: std::collections::HashMap<i64, Decimal> = due.iter().copied().collect();
+    let mut left = Vec::with_capacity(claimed.len());
+    let mut transfers = Vec::with_capacity(claimed.len());
+    for &order in &claimed {
+        let credit = credits.get(&order).copied().unwrap_or_default();
+        let rest = credit + moved.get(&order).copied().unwrap_or_default();
+        left.push(rest);
+        if rest.is_zero() {
+            continue;
+        }
+        // More taken back than the sale left (a dispute on a partly refunded sale): the
+        // shortfall moves to pending from available, so that pending holds nothing of a
+        // released sale and available shows what the seller really has.
+        let (from, to) = if rest > Decimal::ZERO {
+            (pending.clone(), available.clone())
+        } else {
+            (available.clone(), pending.clone())
+        };
+        let amount = Money::new(rest.abs(), c)
+            .map_err(|_| LedgerError::Mismatch(format!("order {order}")))?;
+        transfers.push(Transfer {
             source_key: format!("release:{order}"),
             kind: TransferKind::Release,
             from,
@@ -565,13 +597,19 @@ async fn release_one(
             available_at: None,
             order_number: Some(order),
             reference: None,
-        },
+        });
+    }
+    // What moves to available first, then any shortfall taken from it.
+    transfers.sort_by_key(|t| t.from.kind != AccountKind::SellerPending);
+    post_many(tx, &transfers).await?;
+    sqlx::query(
+        "UPDATE ledger_releases r SET amount = x.amount
+         FROM unnest($1::bigint[], $2::numeric[]) AS x(order_number, amount)
+         WHERE r.order_number = x.order_number",
     )
+    .bind(&claimed)
+    .bind(&left)
+    .execute(&mut *tx)
     .await?;
-    sqlx::query("UPDATE ledger_releases SET amount = $2 WHERE order_number = $1")
-        .bind(order)
-        .bind(left)
-        .execute(&mut *tx)
-        .await?;
-    Ok(true)
+    Ok(claimed.len() as u64)
 }

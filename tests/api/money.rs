@@ -425,6 +425,72 @@ async fn the_holding_period_releases_once_however_many_run_it_and_later_refunds_
     invariants_hold(&pool).await;
 }
 
+/// `n` paid orders of 100.00 BRL (fee 10.00, net 90.00) of `seller`, processed; their sessions.
+async fn paid_sales(pool: &PgPool, shop: &Shop, seller: &str, n: usize) -> Vec<String> {
+    let product = shop.product(seller, "100.00", "BRL").await;
+    let mut sessions = Vec::new();
+    for i in 0..n {
+        let order = shop
+            .checkout_one(&format!("{seller}-{i}"), "buyer", &product, 1)
+            .await;
+        let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+        send_paid(shop, &format!("msg_{seller}_{i}"), &session, "100.00").await;
+        sessions.push(session);
+    }
+    process_all(pool, shop).await;
+    sessions
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn matured_sales_are_released_many_to_a_transaction_one_seller_at_a_time(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let a = shop.seller_with("A", "weekly", "1.00", 14).await;
+    let b = shop.seller_with("B", "weekly", "1.00", 14).await;
+    let sessions = paid_sales(&pool, &shop, &a, 12).await;
+    paid_sales(&pool, &shop, &b, 5).await;
+    // One of A's sales partly refunded while pending: 30.00, the seller bearing 27.00.
+    send_refund(&shop, "msg_refund", &sessions[0], "rf_1", "30.00").await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&a).await, (d("1053.00"), d("0")));
+    assert_eq!(shop.balance(&b).await, (d("450.00"), d("0")));
+    let later = Utc::now() + chrono::Duration::days(15);
+    // Runs at once: every sale released once.
+    let runs: Vec<_> = (0..3)
+        .map(|_| {
+            let pool = pool.clone();
+            tokio::spawn(async move { sales::release_matured(&pool, later).await.unwrap() })
+        })
+        .collect();
+    let mut released = 0;
+    for r in runs {
+        released += r.await.unwrap();
+    }
+    assert_eq!(released, 17, "each sale released once");
+    assert_eq!(shop.balance(&a).await, (d("0.00"), d("1053.00")));
+    assert_eq!(shop.balance(&b).await, (d("0.00"), d("450.00")));
+    // A transaction per seller (rows of one transaction share xmin), never one per sale, and
+    // never two sellers' accounts in one.
+    let (releases, transactions, widest): (i64, i64, i64) = sqlx::query_as(
+        "SELECT sum(n)::int8, count(*), max(sellers) FROM (
+             SELECT count(*) AS n, count(DISTINCT a.owner) AS sellers
+             FROM ledger_transfers t JOIN ledger_accounts a ON a.id = t.to_account
+             WHERE t.kind = 'release' GROUP BY t.xmin::text) x",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(releases, 17);
+    // At most a transaction per run and seller (a run that starts while another holds part
+    // of a seller's sales takes the rest), where one per sale would be 17.
+    assert!(
+        (2..=6).contains(&transactions),
+        "{transactions} transactions for two sellers' releases by three runs"
+    );
+    assert_eq!(widest, 1, "one seller per release transaction");
+    assert_eq!(sales::release_matured(&pool, later).await.unwrap(), 0);
+    invariants_hold(&pool).await;
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn payouts_are_made_once_per_period_and_a_failure_credits_back_once(pool: PgPool) {
     let (shop, seller, _, session) = one_sale(&pool).await;
