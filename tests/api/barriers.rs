@@ -240,6 +240,20 @@ async fn a_balance_moves_only_with_its_entries(pool: PgPool) {
         "ledger_entries_follow",
     )
     .await;
+    // Two transfers to one account in one statement, the second not starting where the first
+    // ended (each checked against the account's last entry alone would pass).
+    refused(
+        &pool,
+        &["WITH t AS (INSERT INTO ledger_transfers (id, source_key, kind, from_account, to_account, amount, currency)
+                      SELECT 903 + g, 'twice' || g, 'adjustment', a.id, b.id, 1, 'BRL'
+                      FROM ledger_accounts a, ledger_accounts b, generate_series(1, 2) g
+                      WHERE a.kind = 'gateway_clearing' AND b.kind = 'seller_pending' RETURNING *)
+           INSERT INTO ledger_entries (transfer_id, account_id, amount, balance_before, balance_after)
+           SELECT id, from_account, -1, CASE id WHEN 904 THEN -5 ELSE -6 END, CASE id WHEN 904 THEN -6 ELSE -7 END FROM t
+           UNION ALL SELECT id, to_account, 1, 5, 6 FROM t ORDER BY 1, 3"],
+        "ledger_entries_follow",
+    )
+    .await;
     // Written as the code writes it, the same posting holds.
     let (clearing, pending): (i64, i64) = sqlx::query_as(
         "SELECT (SELECT id FROM ledger_accounts WHERE kind = 'gateway_clearing'),
