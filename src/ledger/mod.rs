@@ -169,47 +169,23 @@ pub async fn account(tx: &mut PgConnection, a: &AccountRef) -> Result<i64, sqlx:
     ids.first().copied().ok_or(sqlx::Error::RowNotFound)
 }
 
-/// The ids of accounts, in the order asked, each created at zero if new. Nearly always they all
-/// exist: one read, and an insert (with its speculative index entry and a sequence value spent)
-/// only for the new ones.
+/// The ids of accounts, in the order asked, each created at zero if new: one call of the
+/// database's `ledger_accounts_of` (migration 0057), which reads them and, only for new ones,
+/// creates them in one order whoever does (so two transactions creating the same accounts
+/// cannot deadlock) and reads them again in a statement of its own (which sees the accounts
+/// another transaction committed meanwhile).
 pub async fn accounts(tx: &mut PgConnection, refs: &[AccountRef]) -> Result<Vec<i64>, sqlx::Error> {
-    let mut ids = find_accounts(tx, refs).await?;
-    let missing: Vec<&AccountRef> = refs
-        .iter()
-        .zip(&ids)
-        .filter(|(_, id)| id.is_none())
-        .map(|(r, _)| r)
-        .collect();
-    if !missing.is_empty() {
-        // In one order whoever inserts them, so two transactions creating the same accounts
-        // cannot deadlock on the unique index.
-        let mut missing = missing;
-        missing.sort_by(|a, b| {
-            (a.kind.as_str(), &a.owner, a.currency.as_str()).cmp(&(
-                b.kind.as_str(),
-                &b.owner,
-                b.currency.as_str(),
-            ))
-        });
-        missing.dedup();
-        let (kinds, owners, currencies) = columns(missing.iter().copied());
-        sqlx::query(
-            "INSERT INTO ledger_accounts (kind, owner, currency)
-             SELECT * FROM unnest($1::text[], $2::text[], $3::bpchar[])
-             ON CONFLICT (kind, owner, currency) DO NOTHING",
-        )
+    let (kinds, owners, currencies) = columns(refs.iter());
+    let ids: Vec<i64> = sqlx::query_scalar("SELECT ledger_accounts_of($1, $2, $3::bpchar[])")
         .bind(&kinds)
         .bind(&owners)
         .bind(&currencies)
-        .execute(&mut *tx)
+        .fetch_one(&mut *tx)
         .await?;
-        // A separate statement: it sees the rows another transaction committed meanwhile, which
-        // the insert's own snapshot may not.
-        ids = find_accounts(tx, refs).await?;
+    if ids.len() != refs.len() {
+        return Err(sqlx::Error::RowNotFound);
     }
-    ids.into_iter()
-        .map(|id| id.ok_or(sqlx::Error::RowNotFound))
-        .collect()
+    Ok(ids)
 }
 
 fn columns<'a>(
@@ -222,29 +198,6 @@ fn columns<'a>(
         columns.2.push(r.currency.as_str());
     }
     columns
-}
-
-async fn find_accounts(
-    tx: &mut PgConnection,
-    refs: &[AccountRef],
-) -> Result<Vec<Option<i64>>, sqlx::Error> {
-    let (kinds, owners, currencies) = columns(refs.iter());
-    let found: Vec<(i64, i32)> = sqlx::query_as(
-        "SELECT a.id, r.i::int4 FROM unnest($1::text[], $2::text[], $3::bpchar[]) WITH ORDINALITY AS r(kind, owner, currency, i)
-         JOIN ledger_accounts a ON a.kind = r.kind AND a.owner = r.owner AND a.currency = r.currency",
-    )
-    .bind(&kinds)
-    .bind(&owners)
-    .bind(&currencies)
-    .fetch_all(&mut *tx)
-    .await?;
-    let mut ids = vec![None; refs.len()];
-    for (id, i) in found {
-        if let Some(slot) = usize::try_from(i - 1).ok().and_then(|i| ids.get_mut(i)) {
-            *slot = Some(id);
-        }
-    }
-    Ok(ids)
 }
 
 /// Locks accounts for the rest of the transaction, in id order. Returns their balances by id.
@@ -264,9 +217,9 @@ pub async fn post(tx: &mut PgConnection, t: &Transfer) -> Result<Posted, LedgerE
 }
 
 /// Posts transfers in the caller's transaction, each once per source key, in the order given
-/// (a key given twice posts once), in two round trips however many there are: the accounts are
-/// found (created if new) before any lock, then one call of the database's `ledger_post`
-/// (migration 0045) locks them in id order (so two postings cannot deadlock on them), writes
+/// (a key given twice posts once), in one round trip however many there are: one call of the
+/// database's `ledger_post` (migrations 0045 and 0057) finds the accounts (created if new)
+/// before any lock, locks them in id order (so two postings cannot deadlock on them), writes
 /// the new transfers and their entries with each account's running balance, and moves the
 /// balances. What each transfer did comes back in the same order.
 pub async fn post_many(
@@ -293,19 +246,19 @@ pub async fn post_many(
     if live.is_empty() {
         return Ok(posted);
     }
-    let ids = accounts(tx, &refs).await?;
-    let id_of = |a: &AccountRef| {
+    // Accounts by their 1-based place in `refs`, as the database's function takes them.
+    let place = |a: &AccountRef| {
         refs.iter()
             .position(|r| r == a)
-            .map(|i| ids[i])
+            .and_then(|i| i32::try_from(i + 1).ok())
             .unwrap_or_default()
     };
-    let floored: Vec<i64> = refs
+    let floored: Vec<i32> = refs
         .iter()
-        .zip(&ids)
-        .filter(|(r, _)| r.kind.has_floor())
-        .map(|(_, id)| *id)
+        .filter(|r| r.kind.has_floor())
+        .map(place)
         .collect();
+    let (account_kinds, account_owners, account_currencies) = columns(refs.iter());
 
     let mut keys = Vec::with_capacity(live.len());
     let mut kinds = Vec::with_capacity(live.len());
@@ -320,8 +273,8 @@ pub async fn post_many(
         let t = &transfers[i];
         keys.push(t.source_key.as_str());
         kinds.push(t.kind.as_str());
-        froms.push(id_of(&t.from));
-        tos.push(id_of(&t.to));
+        froms.push(place(&t.from));
+        tos.push(place(&t.to));
         amounts.push(t.amount.amount());
         currencies.push(t.from.currency.as_str());
         available.push(t.available_at);
@@ -329,8 +282,13 @@ pub async fn post_many(
         references.push(t.reference.as_deref());
     }
     let written: Vec<(i64, String)> = sqlx::query_as(
-        "SELECT posted_id, posted_key FROM ledger_post($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+        "SELECT posted_id, posted_key
+         FROM ledger_post($1, $2, $3::bpchar[], $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
     )
+    .bind(&account_kinds)
+    .bind(&account_owners)
+    .bind(&account_currencies)
+    .bind(&floored)
     .bind(&keys)
     .bind(&kinds)
     .bind(&froms)
@@ -340,23 +298,24 @@ pub async fn post_many(
     .bind(&available)
     .bind(&orders)
     .bind(&references)
-    .bind(&floored)
     .fetch_all(&mut *tx)
     .await
     .map_err(|e| {
         if crate::db::constraint(&e) == Some("ledger_accounts_wallet_not_negative") {
-            // The account named by the error's detail: one money leaves.
+            // The account named by the error's detail (its place in `refs`): one money leaves.
             let account = match &e {
                 sqlx::Error::Database(d) => d
                     .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
                     .and_then(|d| d.detail())
-                    .and_then(|id| id.parse::<i64>().ok()),
+                    .and_then(|at| at.parse::<usize>().ok())
+                    .and_then(|at| at.checked_sub(1))
+                    .and_then(|i| refs.get(i)),
                 _ => None,
             };
-            if let Some(a) = refs.iter().zip(&ids).find(|(_, id)| Some(**id) == account) {
+            if let Some(a) = account {
                 return LedgerError::Insufficient {
-                    kind: a.0.kind,
-                    owner: a.0.owner.clone(),
+                    kind: a.kind,
+                    owner: a.owner.clone(),
                 };
             }
         }

@@ -2179,6 +2179,75 @@ async fn a_sale_the_ledger_refuses_is_kept_with_its_reason_and_holds_up_no_other
     invariants_hold(&pool).await;
 }
 
+/// Postings find (and create) their accounts in the database's posting call: transactions that
+/// create the same new accounts at once, naming them in opposite orders, each find all of them
+/// (created once, in one order whoever creates them, so none deadlocks on the unique index) and
+/// each moves its money.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn postings_that_create_the_same_accounts_at_once_each_find_them(pool: PgPool) {
+    let c = brl();
+    let clearing = AccountRef::new(AccountKind::GatewayClearing, "internal:shared", c);
+    let sellers: Vec<AccountRef> = (0..6)
+        .map(|i| AccountRef::new(AccountKind::SellerPending, format!("seller-{i}"), c))
+        .collect();
+    let postings = 4; // below the test pool's five connections: each holds one at the barrier
+    let start = Arc::new(tokio::sync::Barrier::new(postings));
+    let mut tasks = Vec::new();
+    for p in 0..postings {
+        let (pool, start, clearing) = (pool.clone(), start.clone(), clearing.clone());
+        let mut targets = sellers.clone();
+        if p % 2 == 1 {
+            targets.reverse();
+        }
+        tasks.push(tokio::spawn(async move {
+            let transfers: Vec<Transfer> = targets
+                .iter()
+                .map(|to| Transfer {
+                    source_key: format!("posting-{p}:{}", to.owner),
+                    kind: TransferKind::Adjustment,
+                    from: clearing.clone(),
+                    to: to.clone(),
+                    amount: Money::new(d("2.50"), c).unwrap(),
+                    available_at: None,
+                    order_number: None,
+                    reference: None,
+                })
+                .collect();
+            let mut tx = pool.begin().await.unwrap();
+            start.wait().await;
+            let posted = ledger::post_many(&mut tx, &transfers).await?;
+            tx.commit().await?;
+            Ok::<_, ledger::LedgerError>(posted)
+        }));
+    }
+    for task in tasks {
+        let posted = task.await.unwrap().unwrap();
+        assert!(
+            posted.iter().all(|p| matches!(p, Posted::Posted(_))),
+            "{posted:?}"
+        );
+    }
+    let accounts: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger_accounts")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        accounts, 7,
+        "one clearing account and six sellers', each once"
+    );
+    for seller in &sellers {
+        let balance: Decimal = sqlx::query_scalar(
+            "SELECT balance FROM ledger_accounts WHERE kind = 'seller_pending' AND owner = $1",
+        )
+        .bind(&seller.owner)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(balance, d("10.00"), "{}", seller.owner);
+    }
+    invariants_hold(&pool).await;
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_batch_never_takes_a_wallet_below_zero_even_if_it_ends_above(pool: PgPool) {
     let c = brl();
