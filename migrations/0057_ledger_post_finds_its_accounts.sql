@@ -8,13 +8,13 @@
 --   transactions creating the same accounts cannot deadlock on the unique index). Its last read
 --   is a statement of its own, which sees accounts another transaction committed meanwhile
 --   (the insert's snapshot may not). ledger::accounts calls it too: one copy of the rule.
--- - ledger_post with the accounts by name: the transfers name their accounts by position in
---   those arrays, and a posting refused for taking an account below zero names the account's
---   position (1-based) as its detail, so the caller can say whose it was.
---
--- The posting itself is 0045's, word for word after the accounts are found. The ten-argument
--- ledger_post of 0045 stays for processes of the previous release while they are replaced
--- (README, "Upgrading"); no code of this release calls it.
+-- - ledger_post_ids: 0045's posting, the one copy of it from now on, its floor refusal naming
+--   the account by its place in `places` when given (else by its id, as before).
+-- - ledger_post with the accounts by name (what this release calls): finds them, then posts with
+--   `places` = their ids, so a refusal names the account's place (1-based) and the caller can
+--   say whose it was.
+-- - ledger_post with ids (0045's signature, for processes of the previous release while they are
+--   replaced: README, "Upgrading"): now the same posting, refusals named by id as before.
 CREATE FUNCTION ledger_accounts_of(account_kinds text[], account_owners text[], account_currencies bpchar[])
 RETURNS bigint[]
 LANGUAGE plpgsql AS $$
@@ -46,17 +46,12 @@ BEGIN
 END;
 $$;
 
-CREATE FUNCTION ledger_post(
-    account_kinds text[], account_owners text[], account_currencies bpchar[], floored int[],
-    keys text[], kinds text[], froms int[], tos int[], amounts numeric[], currencies text[],
-    available timestamptz[], orders bigint[], refs text[])
+CREATE FUNCTION ledger_post_ids(
+    keys text[], kinds text[], from_ids bigint[], to_ids bigint[], amounts numeric[], currencies text[],
+    available timestamptz[], orders bigint[], refs text[], floored_ids bigint[], places bigint[])
 RETURNS TABLE (posted_id bigint, posted_key text)
 LANGUAGE plpgsql AS $$
 DECLARE
-    ids bigint[];
-    from_ids bigint[];
-    to_ids bigint[];
-    floored_ids bigint[];
     stamp timestamptz;
     new_ids bigint[];
     new_keys text[];
@@ -64,11 +59,6 @@ DECLARE
     moved_to numeric[];
     below bigint;
 BEGIN
-    ids := ledger_accounts_of(account_kinds, account_owners, account_currencies);
-    from_ids := ARRAY(SELECT ids[f.at] FROM unnest(froms) WITH ORDINALITY AS f(at, i) ORDER BY f.i);
-    to_ids := ARRAY(SELECT ids[t.at] FROM unnest(tos) WITH ORDINALITY AS t(at, i) ORDER BY t.i);
-    floored_ids := ARRAY(SELECT ids[f.at] FROM unnest(floored) AS f(at));
-
     PERFORM 1 FROM ledger_accounts a WHERE a.id = ANY(from_ids || to_ids) ORDER BY a.id FOR UPDATE;
     -- Stamped when written, after the wait for the accounts.
     stamp := clock_timestamp();
@@ -115,7 +105,7 @@ BEGIN
     IF below IS NOT NULL THEN
         RAISE EXCEPTION 'the balance of account % would go below zero', below
             USING ERRCODE = 'check_violation', CONSTRAINT = 'ledger_accounts_wallet_not_negative',
-                  DETAIL = array_position(ids, below)::text;
+                  DETAIL = COALESCE(array_position(places, below), below)::text;
     END IF;
 
     UPDATE ledger_accounts a SET balance = m.balance, updated_at = now()
@@ -123,4 +113,32 @@ BEGIN
      WHERE a.id = ANY(moved_ids) AND a.id = m.id;
     RETURN QUERY SELECT * FROM unnest(new_ids, new_keys);
 END;
+$$;
+
+CREATE FUNCTION ledger_post(
+    account_kinds text[], account_owners text[], account_currencies bpchar[], floored int[],
+    keys text[], kinds text[], froms int[], tos int[], amounts numeric[], currencies text[],
+    available timestamptz[], orders bigint[], refs text[])
+RETURNS TABLE (posted_id bigint, posted_key text)
+LANGUAGE plpgsql AS $$
+DECLARE
+    ids bigint[];
+BEGIN
+    ids := ledger_accounts_of(account_kinds, account_owners, account_currencies);
+    RETURN QUERY SELECT * FROM ledger_post_ids(
+        keys, kinds,
+        ARRAY(SELECT ids[f.at] FROM unnest(froms) WITH ORDINALITY AS f(at, i) ORDER BY f.i),
+        ARRAY(SELECT ids[t.at] FROM unnest(tos) WITH ORDINALITY AS t(at, i) ORDER BY t.i),
+        amounts, currencies, available, orders, refs,
+        ARRAY(SELECT ids[f.at] FROM unnest(floored) AS f(at)),
+        ids);
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION ledger_post(
+    keys text[], kinds text[], froms bigint[], tos bigint[], amounts numeric[], currencies text[],
+    available timestamptz[], orders bigint[], refs text[], floored bigint[])
+RETURNS TABLE (posted_id bigint, posted_key text)
+LANGUAGE sql AS $$
+    SELECT * FROM ledger_post_ids(keys, kinds, froms, tos, amounts, currencies, available, orders, refs, floored, NULL)
 $$;

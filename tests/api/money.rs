@@ -2248,6 +2248,61 @@ async fn postings_that_create_the_same_accounts_at_once_each_find_them(pool: PgP
     invariants_hold(&pool).await;
 }
 
+/// A process of the previous release, still running while the fleet is replaced, posts through
+/// 0045's call with account ids, and its refusals name the account by id, as it reads them.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_previous_releases_posting_call_still_posts_and_refuses_by_id(pool: PgPool) {
+    let c = brl();
+    let clearing = AccountRef::new(AccountKind::GatewayClearing, "internal:old", c);
+    let wallet = AccountRef::new(AccountKind::BuyerWallet, "buyer-old", c);
+    let mut tx = pool.begin().await.unwrap();
+    let ids = ledger::accounts(&mut tx, &[clearing, wallet])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let old_call = |key: &str, from: i64, to: i64, amount: &str| {
+        sqlx::query_as::<_, (i64, String)>(
+            "SELECT posted_id, posted_key FROM ledger_post($1::text[], $2::text[], $3::bigint[],
+                 $4::bigint[], $5::numeric[], $6::text[], $7::timestamptz[], $8::bigint[], $9::text[], $10::bigint[])",
+        )
+        .bind(vec![key.to_owned()])
+        .bind(vec!["adjustment"])
+        .bind(vec![from])
+        .bind(vec![to])
+        .bind(vec![d(amount)])
+        .bind(vec!["BRL"])
+        .bind(vec![None::<chrono::DateTime<Utc>>])
+        .bind(vec![None::<i64>])
+        .bind(vec![None::<String>])
+        .bind(vec![ids[1]])
+    };
+    let posted = old_call("old:grant", ids[0], ids[1], "5.00")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(posted.len(), 1);
+    assert_eq!(posted[0].1, "old:grant");
+    let refused = old_call("old:spend", ids[1], ids[0], "9.00")
+        .fetch_all(&pool)
+        .await
+        .unwrap_err();
+    let detail = match &refused {
+        sqlx::Error::Database(e) => e
+            .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+            .and_then(|e| e.detail())
+            .map(str::to_owned),
+        _ => None,
+    };
+    assert_eq!(detail, Some(ids[1].to_string()), "{refused:?}");
+    let balance: Decimal = sqlx::query_scalar("SELECT balance FROM ledger_accounts WHERE id = $1")
+        .bind(ids[1])
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(balance, d("5.00"));
+    invariants_hold(&pool).await;
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_batch_never_takes_a_wallet_below_zero_even_if_it_ends_above(pool: PgPool) {
     let c = brl();
