@@ -6,7 +6,7 @@
 //!
 //! Layout (one module per bounded context; the root only assembles). A module uses only
 //! modules left of it in this chain (`tests/api/layout.rs` keeps it true):
-//! `secret` -> `env`, `money`, `db`, `tls`, `traces` -> `gateways` -> `telemetry` -> `messaging`, `catalogue` -> `auth` ->
+//! `secret` -> `env`, `money`, `db`, `tls`, `traces`, `batches` -> `gateways` -> `telemetry` -> `messaging`, `catalogue` -> `auth` ->
 //! `ledger`, `payment_status`, `recurring` -> `orders`, `consistency` -> `payments` ->
 //! `webhooks` -> `http` -> `config` -> `startup`. The binary (`src/main.rs`: `cli`, `demo`,
 //! `bench`, `soak`, and `scratch`, the fleet of their own they run) sits on top and uses the library like any other program.
@@ -18,6 +18,8 @@
 //! - `db`         the pool, the migrations (the queue's, then ours), which errors are about the
 //!   row or a lost connection
 //! - `tls`        the process's one TLS provider
+//! - `batches`    requests that arrive while others are served, served together (one
+//!   statement or one message for many callers)
 //! - `traces`     spans over OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, and the W3C
 //!   trace context carried from a webhook to its job and through RabbitMQ's headers
 //! - `gateways`   one folder per gateway (`gateways::stripe`, ...) holding all of it: its
@@ -52,6 +54,7 @@
 //!   with their workers; `startup::registry` lists those calls)
 
 pub mod auth;
+pub mod batches;
 pub mod catalogue;
 pub mod config;
 pub mod consistency;

@@ -322,7 +322,7 @@ pub fn start(
             pool: pool.clone(),
             gateways: gateways.clone(),
         });
-        tokio::spawn(rpc::serve::<rpc::PaymentLink>(broker.clone(), links, 16));
+        payments::links::serve(&broker, links, 16);
         let coins = Arc::new(CoinService { pool: pool.clone() });
         tokio::spawn(rpc::serve::<rpc::Coins>(broker.clone(), coins, 16));
         // Order messages leave through the outbox; every worker relays (they share the rows).
@@ -375,7 +375,7 @@ pub fn start(
         let rpc = RpcClient::start(broker.clone(), config.messaging.rpc_timeout);
         let checkout = Checkout {
             pool: pool.clone(),
-            links: Arc::new(rpc.clone()),
+            links: Arc::new(rpc::BatchedLinks::start(rpc.clone())),
             fee_percent: config.orders.platform_fee_percent,
             expiry: config.orders.expiry,
             gateways: gateways.names(),

@@ -13,6 +13,10 @@ use crate::money::Money;
 
 pub type GatewayFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, GatewayError>> + Send + 'a>>;
 
+/// Many sessions' creation: each its own outcome, in the order asked.
+pub type SessionsFuture<'a> =
+    Pin<Box<dyn Future<Output = Vec<Result<Session, GatewayError>>> + Send + 'a>>;
+
 /// A payment session to create for one order.
 #[derive(Debug, Clone)]
 pub struct SessionRequest {
@@ -165,6 +169,14 @@ pub trait PaymentGateway: Send + Sync {
     fn name(&self) -> GatewayName;
     /// Creates (or, for the same idempotency key, finds) the session an order is paid through.
     fn create_session<'a>(&'a self, request: &'a SessionRequest) -> GatewayFuture<'a, Session>;
+    /// Creates the sessions of many orders: each as [`Self::create_session`] would, answered in
+    /// the order asked. An outside gateway is asked about each at once; one that keeps its
+    /// sessions in our database (the internal gateway) writes them in one statement.
+    fn create_sessions<'a>(&'a self, requests: &'a [SessionRequest]) -> SessionsFuture<'a> {
+        Box::pin(futures_util::future::join_all(
+            requests.iter().map(|r| self.create_session(r)),
+        ))
+    }
     /// The state of a session's payment, asked of the gateway now.
     fn status<'a>(
         &'a self,
@@ -277,6 +289,17 @@ macro_rules! payment_gateway {
     };
     ($ty:ty) => {
         $crate::gateways::api::payment_gateway!(@impl $ty,);
+    };
+    // Sessions kept in our database, many written at once (an inherent `create_many`).
+    ($ty:ty, many_sessions) => {
+        $crate::gateways::api::payment_gateway!(@impl $ty,
+            fn create_sessions<'a>(
+                &'a self,
+                requests: &'a [$crate::gateways::api::SessionRequest],
+            ) -> $crate::gateways::api::SessionsFuture<'a> {
+                Box::pin(self.create_many(requests))
+            }
+        );
     };
     (@cancel) => {
         fn cancel_subscription<'a>(

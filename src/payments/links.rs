@@ -7,12 +7,18 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use sqlx::PgPool;
 
-use crate::gateways::GatewayRegistry;
-use crate::gateways::api::SessionRequest;
-use crate::messaging::rpc::{Handler, PaymentLink, PaymentLinkReply, PaymentLinkRequest};
+use rust_decimal::Decimal;
+
+use crate::gateways::api::{Session, SessionRequest};
+use crate::gateways::{GatewayName, GatewayRegistry};
+use crate::messaging::Broker;
+use crate::messaging::rpc::{
+    self, Handler, PaymentLink, PaymentLinkBatch, PaymentLinkReply, PaymentLinkRequest,
+};
 
 pub struct LinkService {
     pub pool: PgPool,
@@ -29,110 +35,245 @@ fn failed(code: &str, message: impl Into<String>, retryable: bool) -> PaymentLin
 
 impl LinkService {
     pub async fn link(&self, r: PaymentLinkRequest) -> PaymentLinkReply {
-        match self.stored(r.order_number, r.attempt).await {
-            Ok(Some((session_id, url))) => return PaymentLinkReply::Created { session_id, url },
-            Ok(None) => {}
-            Err(e) => return failed("unavailable", e.to_string(), true),
-        }
-        let Some(gateway) = self.gateways.get(r.gateway) else {
-            return failed(
-                "gateway_unavailable",
-                format!("gateway {} is not enabled on the payment side", r.gateway),
-                false,
-            );
-        };
-        let mut metadata = BTreeMap::new();
-        metadata.insert("order_number".to_owned(), r.order_number.to_string());
-        metadata.insert("attempt".to_owned(), r.attempt.to_string());
-        metadata.insert("seller_id".to_owned(), r.seller_id.clone());
-        metadata.insert(
-            "platform_fee".to_owned(),
-            r.platform_fee.amount().to_string(),
-        );
-        if let Some(net) = r.amount.checked_sub(&r.platform_fee) {
-            metadata.insert("seller_net".to_owned(), net.amount().to_string());
-        }
-        if let Some(account) = &r.seller_account {
-            metadata.insert("seller_account".to_owned(), account.clone());
-        }
-        let request = SessionRequest {
-            order_number: r.order_number,
-            attempt: r.attempt,
-            amount: r.amount,
-            platform_fee: r.platform_fee,
-            seller_account: r.seller_account.clone(),
-            description: r.description.clone(),
-            recurring_interval: r.recurring_interval.clone(),
-            metadata: metadata.clone(),
-            idempotency_key: format!("payfleet-{}", r.link_key),
-            reference: format!("pf-{}", r.link_key),
-            expires_at: r.expires_at,
-        };
-        let session = match gateway.create_session(&request).await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(order = r.order_number, gateway = %r.gateway, error = %e, "the gateway did not create a session");
-                return failed(e.code(), e.to_string(), e.is_transient());
-            }
-        };
-        let stored = self.store(&r, &session, &metadata).await;
-        match stored {
-            Ok((session_id, url)) => PaymentLinkReply::Created { session_id, url },
-            Err(e) => failed("unavailable", e.to_string(), true),
-        }
+        self.links(vec![r])
+            .await
+            .pop()
+            .unwrap_or_else(|| failed("unavailable", "no answer", true))
     }
 
-    /// Keeps the session; the first stored wins when two requests raced (the gateway was asked
-    /// with the same idempotency key, so it is normally the same session anyway).
+    /// Each request's link, in the order asked: the sessions stored already read in one
+    /// statement, the missing ones made by their gateways (each gateway asked about all of its
+    /// own at once), and those made stored in one statement.
+    pub async fn links(&self, requests: Vec<PaymentLinkRequest>) -> Vec<PaymentLinkReply> {
+        let mut replies: Vec<Option<PaymentLinkReply>> = vec![None; requests.len()];
+        match self.stored(&requests).await {
+            Ok(found) => {
+                for (i, session_id, url) in found {
+                    replies[i] = Some(PaymentLinkReply::Created { session_id, url });
+                }
+            }
+            Err(e) => {
+                let reply = failed("unavailable", e.to_string(), true);
+                return vec![reply; requests.len()];
+            }
+        }
+        // The missing ones, by gateway.
+        let mut asking: Vec<(GatewayName, Vec<usize>)> = Vec::new();
+        for (i, r) in requests.iter().enumerate() {
+            if replies[i].is_some() {
+                continue;
+            }
+            if self.gateways.get(r.gateway).is_none() {
+                replies[i] = Some(failed(
+                    "gateway_unavailable",
+                    format!("gateway {} is not enabled on the payment side", r.gateway),
+                    false,
+                ));
+            } else if let Some((_, of)) = asking.iter_mut().find(|(g, _)| *g == r.gateway) {
+                of.push(i);
+            } else {
+                asking.push((r.gateway, vec![i]));
+            }
+        }
+        let made = futures_util::future::join_all(asking.into_iter().filter_map(|(g, of)| {
+            let gateway = self.gateways.get(g)?;
+            let sessions: Vec<SessionRequest> =
+                of.iter().map(|i| session_request(&requests[*i])).collect();
+            Some(async move {
+                let made = gateway.create_sessions(&sessions).await;
+                (of, sessions, made)
+            })
+        }))
+        .await;
+        let mut to_store: Vec<(usize, SessionRequest, Session)> = Vec::new();
+        for (of, sessions, made) in made {
+            for ((i, request), made) in of.into_iter().zip(sessions).zip(made) {
+                match made {
+                    Ok(session) => to_store.push((i, request, session)),
+                    Err(e) => {
+                        let r = &requests[i];
+                        tracing::warn!(order = r.order_number, gateway = %r.gateway, error = %e, "the gateway did not create a session");
+                        replies[i] = Some(failed(e.code(), e.to_string(), e.is_transient()));
+                    }
+                }
+            }
+        }
+        let stored: Vec<Result<Option<(String, String)>, sqlx::Error>> = match self
+            .store(&requests, &to_store)
+            .await
+        {
+            Ok(stored) => stored.into_iter().map(Ok).collect(),
+            Err(e) if to_store.len() == 1 => vec![Err(e)],
+            // A batch that fails as a whole is stored again one by one, where each session's
+            // own error shows and holds up no other.
+            Err(e) => {
+                tracing::warn!(sessions = to_store.len(), error = %e, "a batch of sessions could not be stored; each is stored alone");
+                let mut each = Vec::with_capacity(to_store.len());
+                for one in to_store.chunks(1) {
+                    each.push(match self.store(&requests, one).await {
+                        Ok(mut stored) => Ok(stored.pop().flatten()),
+                        Err(e) => Err(e),
+                    });
+                }
+                each
+            }
+        };
+        for ((i, _, _), stored) in to_store.iter().zip(stored) {
+            replies[*i] = Some(match stored {
+                Ok(Some((session_id, url))) => PaymentLinkReply::Created { session_id, url },
+                Ok(None) => failed("unavailable", "the session was not stored", true),
+                Err(e) => failed("unavailable", e.to_string(), true),
+            });
+        }
+        replies
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| failed("unavailable", "no answer", true)))
+            .collect()
+    }
+
+    /// Keeps the sessions made, each (in `made`'s order) the one stored: the first stored wins
+    /// when two requests raced (the gateway was asked with the same idempotency key, so it is
+    /// normally the same session anyway).
     async fn store(
         &self,
-        r: &PaymentLinkRequest,
-        session: &crate::gateways::api::Session,
-        metadata: &BTreeMap<String, String>,
-    ) -> Result<(String, String), sqlx::Error> {
+        requests: &[PaymentLinkRequest],
+        made: &[(usize, SessionRequest, Session)],
+    ) -> Result<Vec<Option<(String, String)>>, sqlx::Error> {
+        if made.is_empty() {
+            return Ok(Vec::new());
+        }
+        let of = |i: &usize| &requests[*i];
+        let numbers: Vec<i64> = made.iter().map(|(i, _, _)| of(i).order_number).collect();
+        let attempts: Vec<i32> = made.iter().map(|(i, _, _)| of(i).attempt).collect();
+        let gateways: Vec<String> = made
+            .iter()
+            .map(|(i, _, _)| of(i).gateway.to_string())
+            .collect();
+        let sessions: Vec<&str> = made.iter().map(|(_, _, s)| s.session_id.as_str()).collect();
+        let urls: Vec<&str> = made.iter().map(|(_, _, s)| s.url.as_str()).collect();
+        let amounts: Vec<Decimal> = made.iter().map(|(i, _, _)| of(i).amount.amount()).collect();
+        let currencies: Vec<String> = made
+            .iter()
+            .map(|(i, _, _)| of(i).amount.currency().as_str().to_owned())
+            .collect();
+        let fees: Vec<Decimal> = made
+            .iter()
+            .map(|(i, _, _)| of(i).platform_fee.amount())
+            .collect();
+        let metadata: Vec<serde_json::Value> = made
+            .iter()
+            .map(|(_, r, _)| serde_json::to_value(&r.metadata).unwrap_or_default())
+            .collect();
         // Committed without waiting for its flush: the link reaches a buyer only once the order
         // side has stored it with a synchronous commit, which flushes this one too (the log is
         // one sequence). Lost in a crash before that, the link is asked again, and the gateway,
         // asked with the same idempotency key, gives the same session.
-        let stored: Option<(String, String)> = sqlx::query_as(
+        let inserted: Vec<(i64, i32, String, String)> = sqlx::query_as(
             "INSERT INTO payment_sessions (order_number, attempt, gateway, session_id, url, amount, currency, platform_fee, metadata)
-             SELECT $1, $9, $2, $3, $4, $5, $6, $7, $8
-             FROM (SELECT set_config('synchronous_commit', 'off', true)) c
+             SELECT x.order_number, x.attempt, x.gateway, x.session_id, x.url, x.amount, x.currency, x.platform_fee, x.metadata
+             FROM (SELECT set_config('synchronous_commit', 'off', true)) c,
+                  unnest($1::bigint[], $2::int[], $3::text[], $4::text[], $5::text[], $6::numeric[], $7::text[], $8::numeric[], $9::jsonb[])
+                    AS x(order_number, attempt, gateway, session_id, url, amount, currency, platform_fee, metadata)
              ON CONFLICT (order_number, attempt) DO NOTHING
-             RETURNING session_id, url",
+             RETURNING order_number, attempt, session_id, url",
         )
-        .bind(r.order_number)
-        .bind(r.gateway)
-        .bind(&session.session_id)
-        .bind(&session.url)
-        .bind(r.amount.amount())
-        .bind(r.amount.currency().as_str())
-        .bind(r.platform_fee.amount())
-        .bind(serde_json::to_value(metadata).unwrap_or_default())
-        .bind(r.attempt)
-        .fetch_optional(&self.pool)
+        .bind(&numbers)
+        .bind(&attempts)
+        .bind(&gateways)
+        .bind(&sessions)
+        .bind(&urls)
+        .bind(&amounts)
+        .bind(&currencies)
+        .bind(&fees)
+        .bind(&metadata)
+        .fetch_all(&self.pool)
         .await?;
-        if let Some(stored) = stored {
+        let mut stored: Vec<Option<(String, String)>> = made
+            .iter()
+            .map(|(i, _, _)| {
+                let r = of(i);
+                inserted
+                    .iter()
+                    .find(|(n, a, _, _)| *n == r.order_number && *a == r.attempt)
+                    .map(|(_, _, s, u)| (s.clone(), u.clone()))
+            })
+            .collect();
+        if stored.iter().all(Option::is_some) {
             return Ok(stored);
         }
-        // Another request stored one first: a separate statement sees its row.
-        self.stored(r.order_number, r.attempt)
-            .await?
-            .ok_or(sqlx::Error::RowNotFound)
+        // Another request stored some first: a statement of its own sees their rows.
+        let lost: Vec<PaymentLinkRequest> = made
+            .iter()
+            .zip(&stored)
+            .filter(|(_, s)| s.is_none())
+            .map(|((i, _, _), _)| of(i).clone())
+            .collect();
+        let places: Vec<usize> = (0..stored.len()).filter(|k| stored[*k].is_none()).collect();
+        let found = self.stored(&lost).await?;
+        for (j, session_id, url) in found {
+            if let Some(k) = places.get(j) {
+                stored[*k] = Some((session_id, url));
+            }
+        }
+        Ok(stored)
     }
 
+    /// The sessions stored for `requests`' orders and attempts: each with its request's place.
     async fn stored(
         &self,
-        order: i64,
-        attempt: i32,
-    ) -> Result<Option<(String, String)>, sqlx::Error> {
-        sqlx::query_as(
-            "SELECT session_id, url FROM payment_sessions WHERE order_number = $1 AND attempt = $2",
+        requests: &[PaymentLinkRequest],
+    ) -> Result<Vec<(usize, String, String)>, sqlx::Error> {
+        let numbers: Vec<i64> = requests.iter().map(|r| r.order_number).collect();
+        let attempts: Vec<i32> = requests.iter().map(|r| r.attempt).collect();
+        // Each key through the primary key's index, whatever the planner knows of the table.
+        let found: Vec<(i64, String, String)> = sqlx::query_as(
+            "SELECT k.i, s.session_id, s.url
+             FROM unnest($1::bigint[], $2::int[]) WITH ORDINALITY AS k(order_number, attempt, i)
+             CROSS JOIN LATERAL (
+                 SELECT session_id, url FROM payment_sessions s
+                 WHERE s.order_number = k.order_number AND s.attempt = k.attempt
+             ) s",
         )
-        .bind(order)
-        .bind(attempt)
-        .fetch_optional(&self.pool)
-        .await
+        .bind(&numbers)
+        .bind(&attempts)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(found
+            .into_iter()
+            .filter_map(|(i, s, u)| Some((usize::try_from(i - 1).ok()?, s, u)))
+            .collect())
+    }
+}
+
+/// What the gateway is asked for an order's link: its amount, the split in its metadata, and
+/// keys made of the link's key (the same for the same order and attempt).
+fn session_request(r: &PaymentLinkRequest) -> SessionRequest {
+    let mut metadata = BTreeMap::new();
+    metadata.insert("order_number".to_owned(), r.order_number.to_string());
+    metadata.insert("attempt".to_owned(), r.attempt.to_string());
+    metadata.insert("seller_id".to_owned(), r.seller_id.clone());
+    metadata.insert(
+        "platform_fee".to_owned(),
+        r.platform_fee.amount().to_string(),
+    );
+    if let Some(net) = r.amount.checked_sub(&r.platform_fee) {
+        metadata.insert("seller_net".to_owned(), net.amount().to_string());
+    }
+    if let Some(account) = &r.seller_account {
+        metadata.insert("seller_account".to_owned(), account.clone());
+    }
+    SessionRequest {
+        order_number: r.order_number,
+        attempt: r.attempt,
+        amount: r.amount,
+        platform_fee: r.platform_fee,
+        seller_account: r.seller_account.clone(),
+        description: r.description.clone(),
+        recurring_interval: r.recurring_interval.clone(),
+        metadata,
+        idempotency_key: format!("payfleet-{}", r.link_key),
+        reference: format!("pf-{}", r.link_key),
+        expires_at: r.expires_at,
     }
 }
 
@@ -143,4 +284,27 @@ impl Handler<PaymentLink> for LinkService {
     ) -> Pin<Box<dyn Future<Output = PaymentLinkReply> + Send + '_>> {
         Box::pin(self.link(request))
     }
+}
+
+impl Handler<PaymentLinkBatch> for LinkService {
+    fn handle(
+        &self,
+        requests: Vec<PaymentLinkRequest>,
+    ) -> Pin<Box<dyn Future<Output = Vec<PaymentLinkReply>> + Send + '_>> {
+        Box::pin(self.links(requests))
+    }
+}
+
+/// Answers the payment-link RPCs (one link a request, and many) until the process stops.
+pub fn serve(broker: &Broker, service: Arc<LinkService>, prefetch: u16) {
+    tokio::spawn(rpc::serve::<PaymentLink>(
+        broker.clone(),
+        service.clone(),
+        prefetch,
+    ));
+    tokio::spawn(rpc::serve::<PaymentLinkBatch>(
+        broker.clone(),
+        service,
+        prefetch,
+    ));
 }

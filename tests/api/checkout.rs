@@ -718,9 +718,12 @@ pub fn payment_side(
         pool: pool.clone(),
         gateways,
     });
-    tokio::spawn(payfleet::messaging::rpc::serve::<
-        payfleet::messaging::rpc::PaymentLink,
-    >(broker, links, 4))
+    payfleet::payments::links::serve(&broker, links, 4);
+    // Kept (with the broker) until the test ends.
+    tokio::spawn(async move {
+        let _broker = broker;
+        std::future::pending::<()>().await
+    })
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -980,4 +983,213 @@ async fn rpc_calls_and_order_messages_are_counted(pool: PgPool) {
         events as f64,
         "{text}"
     );
+}
+
+/// Payment links asked while others are on their way travel together (one request message
+/// each way, the payment side's statements once for many), and each checkout still gets its
+/// own order's link.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn payment_links_asked_at_once_are_made_together_each_for_its_own_order(pool: PgPool) {
+    let shop = Arc::new(shop(pool.clone()).await);
+    let s = shop.seller("A").await;
+    let p = shop.product(&s, "5.00", "BRL").await;
+    let tasks: Vec<_> = (1..=30)
+        .map(|i| {
+            let (shop, p) = (shop.clone(), p.clone());
+            tokio::spawn(async move {
+                let (status, answer) = shop
+                    .checkout(Some(&format!("key-{i}")), cart(&[(&p, i)]))
+                    .await;
+                (i, status, answer)
+            })
+        })
+        .collect();
+    for t in tasks {
+        let (i, status, answer) = t.await.unwrap();
+        assert_eq!(status, 201, "{answer}");
+        let order = &answer["orders"][0];
+        assert_eq!(order["total"], format!("{}.00", 5 * i), "{answer}");
+        // The link answered is the one the payment side keeps for this order, at its amount.
+        let (session, url, amount): (String, String, String) = sqlx::query_as(
+            "SELECT session_id, url, amount::text FROM payment_sessions WHERE order_number = $1",
+        )
+        .bind(order["number"].as_i64().unwrap())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(order["payment"]["session_id"], session.as_str(), "{answer}");
+        assert_eq!(order["payment"]["url"], url.as_str(), "{answer}");
+        assert_eq!(amount, format!("{}.0000", 5 * i));
+    }
+    assert_eq!(count(&pool, "payment_sessions").await, 30);
+    assert_eq!(count(&pool, "internal_payments").await, 30);
+    // Made together: the sessions were written by fewer statements (transactions) than links.
+    let writes: i64 = sqlx::query_scalar("SELECT count(DISTINCT xmin::text) FROM payment_sessions")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(writes < 30, "{writes} transactions wrote 30 sessions");
+    // Each link is still counted as a call answered.
+    let text = shop.app.metrics().await;
+    assert!(
+        text.contains("payfleet_rpc_calls_total{rpc=\"payment_links\",result=\"answered\"} 30"),
+        "{text}"
+    );
+}
+
+/// One session the database refuses fails only its own checkout (its order kept without a
+/// link): the batch it was made in (by the gateway) is made again one by one.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_session_that_fails_its_batch_is_made_alone_and_holds_up_no_other(pool: PgPool) {
+    // The gateway's refusal is not one that asking again mends: 422.
+    twelve_links_one_refused(&pool, "internal_payments", (422, "payment_link_refused")).await;
+    assert_eq!(count(&pool, "internal_payments").await, 11);
+    assert_eq!(count(&pool, "payment_sessions").await, 11);
+}
+
+/// The same when the payment side's own record of the sessions refuses one: stored again one
+/// by one, and that checkout told to ask again (503).
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_session_that_fails_its_batch_is_stored_alone_and_holds_up_no_other(pool: PgPool) {
+    twelve_links_one_refused(&pool, "payment_sessions", (503, "payment_link_unavailable")).await;
+    assert_eq!(count(&pool, "internal_payments").await, 12);
+    assert_eq!(count(&pool, "payment_sessions").await, 11);
+}
+
+/// Twelve checkouts at once, the one of 35.00 refused by `table`'s trigger and answered
+/// `refused` (status and code).
+async fn twelve_links_one_refused(pool: &PgPool, table: &str, refused: (u16, &str)) {
+    let shop = Arc::new(shop(pool.clone()).await);
+    let s = shop.seller("A").await;
+    let p = shop.product(&s, "5.00", "BRL").await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION refuse_one() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.amount = 35 THEN
+                 RAISE EXCEPTION 'no' USING ERRCODE = 'check_violation';
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER refuse_one BEFORE INSERT ON {table}
+             FOR EACH ROW EXECUTE FUNCTION refuse_one();"
+    )))
+    .execute(pool)
+    .await
+    .unwrap();
+    let tasks: Vec<_> = (1..=12)
+        .map(|i| {
+            let (shop, p) = (shop.clone(), p.clone());
+            tokio::spawn(async move {
+                let (status, answer) = shop
+                    .checkout(Some(&format!("key-{i}")), cart(&[(&p, i)]))
+                    .await;
+                (i, status, answer)
+            })
+        })
+        .collect();
+    for t in tasks {
+        let (i, status, answer) = t.await.unwrap();
+        if i == 7 {
+            assert_eq!(
+                (status, answer["error"]["code"].as_str()),
+                (refused.0, Some(refused.1)),
+                "{answer}"
+            );
+        } else {
+            assert_eq!(status, 201, "{answer}");
+            assert!(
+                answer["orders"][0]["payment"]["url"].is_string(),
+                "{answer}"
+            );
+        }
+    }
+    assert_eq!(count_where(pool, "orders", "session_id IS NULL").await, 1);
+}
+
+/// The payment side answers a batch of links each in its place: a session stored before is
+/// given again (not made twice), one order asked twice in a batch is one session, and a gateway
+/// not enabled refuses only its own.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_payment_side_answers_a_batch_of_links_each_in_its_place(pool: PgPool) {
+    use payfleet::gateways::GatewayName;
+    use payfleet::messaging::rpc::{PaymentLinkReply, PaymentLinkRequest};
+    let config = test_config();
+    let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
+    let enabled = gateways.names();
+    let disabled = [
+        GatewayName::Stripe,
+        GatewayName::MercadoPago,
+        GatewayName::Razorpay,
+        GatewayName::Mock,
+    ]
+    .into_iter()
+    .find(|g| !enabled.contains(g))
+    .expect("a gateway the tests do not enable");
+    let service = payfleet::payments::links::LinkService {
+        pool: pool.clone(),
+        gateways,
+    };
+    let request = |number: i64, amount: &str, gateway: GatewayName| PaymentLinkRequest {
+        order_number: number,
+        gateway,
+        amount: payfleet::money::Money::parse(amount, "BRL").unwrap(),
+        platform_fee: payfleet::money::Money::parse("1.00", "BRL").unwrap(),
+        seller_id: "seller".into(),
+        seller_account: None,
+        buyer_id: "buyer".into(),
+        description: format!("Order {number}"),
+        recurring_interval: None,
+        attempt: 1,
+        link_key: format!("key-{number}"),
+        expires_at: chrono::Utc::now() + chrono::Duration::minutes(30),
+    };
+    let created = |reply: &PaymentLinkReply| match reply {
+        PaymentLinkReply::Created { session_id, .. } => session_id.clone(),
+        other => panic!("{other:?}"),
+    };
+    let first = created(
+        &service
+            .link(request(1, "10.00", GatewayName::Internal))
+            .await,
+    );
+    let replies = service
+        .links(vec![
+            request(2, "20.00", GatewayName::Internal),
+            request(1, "10.00", GatewayName::Internal),
+            request(3, "30.00", disabled),
+            request(4, "40.00", GatewayName::Internal),
+            request(4, "40.00", GatewayName::Internal),
+        ])
+        .await;
+    assert_eq!(replies.len(), 5);
+    let two = created(&replies[0]);
+    assert_eq!(created(&replies[1]), first, "the stored session, again");
+    assert!(
+        matches!(&replies[2], PaymentLinkReply::Failed { code, retryable: false, .. } if code == "gateway_unavailable"),
+        "{:?}",
+        replies[2]
+    );
+    let four = created(&replies[3]);
+    assert_eq!(
+        created(&replies[4]),
+        four,
+        "one order asked twice: one session"
+    );
+    assert!(two != first && two != four && four != first);
+    let kept: Vec<(i64, String, String)> = sqlx::query_as(
+        "SELECT s.order_number, s.session_id, s.amount::text FROM payment_sessions s
+         JOIN internal_payments p USING (session_id) ORDER BY s.order_number",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        kept,
+        vec![
+            (1, first, "10.0000".into()),
+            (2, two, "20.0000".into()),
+            (4, four, "40.0000".into()),
+        ]
+    );
+    assert_eq!(count(&pool, "internal_payments").await, 3);
 }

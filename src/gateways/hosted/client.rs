@@ -120,47 +120,114 @@ impl HostedGateway {
     }
 
     async fn create(&self, r: &SessionRequest) -> Result<Session, GatewayError> {
+        let mut made = self.create_many(std::slice::from_ref(r)).await;
+        made.pop()
+            .unwrap_or(Err(GatewayError::Database(sqlx::Error::RowNotFound)))
+    }
+
+    /// The sessions of many orders: those not made yet in one statement, those made before (by
+    /// an earlier request, or a concurrent one) read in one more. A batch that fails as a whole
+    /// is made again one by one, where each request's own error shows.
+    async fn create_many(&self, requests: &[SessionRequest]) -> Vec<Result<Session, GatewayError>> {
+        let session = |id: Option<String>| {
+            id.map(|id| self.session(id))
+                .ok_or(GatewayError::Database(sqlx::Error::RowNotFound))
+        };
+        match self.write_sessions(requests).await {
+            Ok(made) => made.into_iter().map(session).collect(),
+            Err(e) if requests.len() == 1 => vec![Err(e.into())],
+            Err(e) => {
+                tracing::warn!(sessions = requests.len(), error = %e, "a batch of sessions failed; each is made alone");
+                let mut made = Vec::with_capacity(requests.len());
+                for r in requests {
+                    made.push(match self.write_sessions(std::slice::from_ref(r)).await {
+                        Ok(one) => session(one.into_iter().next().flatten()),
+                        Err(e) => Err(e.into()),
+                    });
+                }
+                made
+            }
+        }
+    }
+
+    /// Each request's session id, in the order asked (none: neither made nor found).
+    async fn write_sessions(
+        &self,
+        requests: &[SessionRequest],
+    ) -> Result<Vec<Option<String>>, sqlx::Error> {
         let prefix = if self.name == GatewayName::Mock {
             "mps"
         } else {
             "ips"
         };
-        let metadata = serde_json::to_value(&r.metadata).unwrap_or_default();
-        // Idempotent by order: a second request finds the first session (read in a statement
-        // of its own, which sees a concurrent request's committed row). Committed without
-        // waiting for its flush: its link reaches a buyer only once the order side has stored
-        // it with a synchronous commit, which flushes this one too (the log is one sequence);
-        // lost in a crash before that, the session is made again when the link is asked again.
-        let made: Option<String> = sqlx::query_scalar(
+        let ids: Vec<String> = requests.iter().map(|_| random_id(prefix)).collect();
+        let numbers: Vec<i64> = requests.iter().map(|r| r.order_number).collect();
+        let attempts: Vec<i32> = requests.iter().map(|r| r.attempt).collect();
+        let amounts: Vec<Decimal> = requests.iter().map(|r| r.amount.amount()).collect();
+        let currencies: Vec<String> = requests
+            .iter()
+            .map(|r| r.amount.currency().as_str().to_owned())
+            .collect();
+        let metadata: Vec<serde_json::Value> = requests
+            .iter()
+            .map(|r| serde_json::to_value(&r.metadata).unwrap_or_default())
+            .collect();
+        // Idempotent by order and attempt: a request made before keeps its first session.
+        // Committed without waiting for its flush: a link reaches a buyer only once the order
+        // side has stored it with a synchronous commit, which flushes this one too (the log is
+        // one sequence); lost in a crash before that, the session is made again when the link
+        // is asked again.
+        let inserted: Vec<String> = sqlx::query_scalar(
             "INSERT INTO internal_payments (session_id, gateway, order_number, attempt, amount, currency, metadata)
-             SELECT $1, $2, $3, $4, $5, $6, $7 FROM (SELECT set_config('synchronous_commit', 'off', true)) c
+             SELECT x.session_id, $2, x.order_number, x.attempt, x.amount, x.currency, x.metadata
+             FROM (SELECT set_config('synchronous_commit', 'off', true)) c,
+                  unnest($1::text[], $3::bigint[], $4::int[], $5::numeric[], $6::text[], $7::jsonb[])
+                    AS x(session_id, order_number, attempt, amount, currency, metadata)
              ON CONFLICT (gateway, order_number, attempt) DO NOTHING
              RETURNING session_id",
         )
-        .bind(random_id(prefix))
+        .bind(&ids)
         .bind(self.name)
-        .bind(r.order_number)
-        .bind(r.attempt)
-        .bind(r.amount.amount())
-        .bind(r.amount.currency().as_str())
-        .bind(metadata)
-        .fetch_optional(&self.pool)
+        .bind(&numbers)
+        .bind(&attempts)
+        .bind(&amounts)
+        .bind(&currencies)
+        .bind(&metadata)
+        .fetch_all(&self.pool)
         .await?;
-        let session_id: String = match made {
-            Some(id) => id,
-            None => {
-                sqlx::query_scalar(
-                    "SELECT session_id FROM internal_payments WHERE gateway = $1 AND order_number = $2 AND attempt = $3",
-                )
-                .bind(self.name)
-                .bind(r.order_number)
-                .bind(r.attempt)
-                .fetch_one(&self.pool)
-                .await?
+        let mut made: Vec<Option<String>> = ids
+            .into_iter()
+            .map(|id| inserted.contains(&id).then_some(id))
+            .collect();
+        let missing: Vec<usize> = (0..made.len()).filter(|i| made[*i].is_none()).collect();
+        if missing.is_empty() {
+            return Ok(made);
+        }
+        // Made before: a statement of its own sees a concurrent request's committed row.
+        let found: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT k.i, p.session_id
+             FROM unnest($2::bigint[], $3::int[]) WITH ORDINALITY AS k(order_number, attempt, i)
+             CROSS JOIN LATERAL (
+                 SELECT session_id FROM internal_payments p
+                 WHERE p.gateway = $1 AND p.order_number = k.order_number AND p.attempt = k.attempt
+             ) p",
+        )
+        .bind(self.name)
+        .bind(missing.iter().map(|i| numbers[*i]).collect::<Vec<_>>())
+        .bind(missing.iter().map(|i| attempts[*i]).collect::<Vec<_>>())
+        .fetch_all(&self.pool)
+        .await?;
+        for (k, session_id) in found {
+            if let Some(i) = usize::try_from(k - 1).ok().and_then(|k| missing.get(k)) {
+                made[*i] = Some(session_id);
             }
-        };
+        }
+        Ok(made)
+    }
+
+    fn session(&self, session_id: String) -> Session {
         let url = format!("{}/pay/{session_id}", self.public_url);
-        Ok(Session { session_id, url })
+        Session { session_id, url }
     }
 
     async fn read(
@@ -426,7 +493,7 @@ impl HostedGateway {
     }
 }
 
-crate::gateways::api::payment_gateway!(HostedGateway);
+crate::gateways::api::payment_gateway!(HostedGateway, many_sessions);
 
 impl HostedGateway {
     fn gateway(&self) -> GatewayName {
