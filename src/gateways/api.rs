@@ -137,6 +137,9 @@ pub enum GatewayError {
     Refused(String),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
+    /// The database error of a statement that wrote many sessions, which each shares.
+    #[error(transparent)]
+    SharedDatabase(Arc<sqlx::Error>),
 }
 
 impl GatewayError {
@@ -148,6 +151,7 @@ impl GatewayError {
             Self::Api { status, .. } => *status == 409 || *status == 429 || *status >= 500,
             Self::Decode { .. } | Self::Refused(_) => false,
             Self::Database(e) => crate::db::is_transient(e),
+            Self::SharedDatabase(e) => crate::db::is_transient(e),
         }
     }
 
@@ -159,7 +163,7 @@ impl GatewayError {
             Self::Api { .. } => "gateway_error",
             Self::Decode { .. } => "gateway_answer_unreadable",
             Self::Refused(_) => "gateway_refused",
-            Self::Database(_) => "unavailable",
+            Self::Database(_) | Self::SharedDatabase(_) => "unavailable",
         }
     }
 }

@@ -172,8 +172,14 @@ impl RpcError {
     /// (An answer that does not read, or a request that cannot be written, never will.)
     pub fn is_transient(&self) -> bool {
         match self {
-            Self::NotConnected | Self::Timeout(_) | Self::Lost | Self::Publish(_) => true,
-            Self::Decode(_) | Self::Encode(_) | Self::Mismatch { .. } => false,
+            // A reply of another length is a payment side of another release: asking again
+            // (once it is replaced) works.
+            Self::NotConnected
+            | Self::Timeout(_)
+            | Self::Lost
+            | Self::Publish(_)
+            | Self::Mismatch { .. } => true,
+            Self::Decode(_) | Self::Encode(_) => false,
             Self::Shared(e) => e.is_transient(),
         }
     }
@@ -393,50 +399,99 @@ const LINK_BATCH: usize = 64;
 /// for the next (as the checkouts' writer's batches do, for the same reason).
 const LINK_BATCHES_IN_FLIGHT: usize = 1;
 
-type LinkCall = (
-    PaymentLinkRequest,
-    oneshot::Sender<Result<PaymentLinkReply, RpcError>>,
-);
+/// A link asked: the request, the caller's trace, where its answer goes.
+struct LinkCall {
+    request: PaymentLinkRequest,
+    traceparent: Option<String>,
+    reply: oneshot::Sender<Result<PaymentLinkReply, RpcError>>,
+}
 
 /// The order side's payment links over [`PaymentLinkBatch`]: the links asked while others are
 /// on their way go together in one request message, answered in one reply. At sixteen
 /// concurrent checkouts each link was a request and a reply through the broker, and three
 /// statements on the payment side; together they are one message each way and three
 /// statements per batch. Each link still gets its own answer (or its own refusal), and each
-/// is counted as a `payment_links` call. Cheap to clone.
+/// is counted as a `payment_links` call. Only the hosted gateways' links (internal, mock: their
+/// sessions are rows in our database) travel together; an outside gateway's link is still
+/// one request of its own ([`PaymentLink`]), so a slow gateway holds up no other link. Cheap
+/// to clone.
 #[derive(Clone)]
 pub struct BatchedLinks {
+    client: RpcClient,
     queue: mpsc::Sender<LinkCall>,
 }
 
 impl BatchedLinks {
     /// Starts the batches' task on the current runtime; it ends when every handle is dropped.
     pub fn start(client: RpcClient) -> Self {
+        // Declared by the asking side too: a request sent before any payment side has declared
+        // the queue (a fleet starting, an upgrade whose workers are not replaced yet) waits in
+        // it, until it expires with its caller's patience, instead of being dropped.
+        let broker = client.broker.clone();
+        tokio::spawn(async move {
+            let queue = broker.name(PaymentLinkBatch::QUEUE);
+            if let Err(e) = broker.declare_queue(&queue, super::QueueUse::Rpc).await {
+                tracing::warn!(%queue, error = %e, "cannot declare the payment links' queue; the payment side will");
+            }
+        });
         let (queue, pending) = mpsc::channel(4 * LINK_BATCH);
+        let asking = client.clone();
         tokio::spawn(in_batches(
             pending,
             LINK_BATCH,
             LINK_BATCHES_IN_FLIGHT,
-            move |batch| ask_links(client.clone(), batch),
+            move |batch| ask_links(asking.clone(), batch),
         ));
-        Self { queue }
+        Self { client, queue }
     }
 
-    async fn ask(&self, request: PaymentLinkRequest) -> Result<PaymentLinkReply, RpcError> {
+    async fn ask(&self, request: &PaymentLinkRequest) -> Result<PaymentLinkReply, RpcError> {
+        if !matches!(request.gateway, GatewayName::Internal | GatewayName::Mock) {
+            return self.client.call::<PaymentLink>(request).await;
+        }
         let (reply, answer) = oneshot::channel();
-        self.queue
-            .send((request, reply))
+        let call = LinkCall {
+            request: request.clone(),
+            traceparent: crate::traces::traceparent(),
+            reply,
+        };
+        // One timeout for the whole wait, as for a link asked alone: the batch on its way
+        // before this one's does not lengthen it.
+        let asked = async {
+            self.queue
+                .send(call)
+                .await
+                .map_err(|_| RpcError::NotConnected)?;
+            // The batch's task gone (the process stopping, or a panic): no answer will come.
+            answer.await.unwrap_or(Err(RpcError::Lost))
+        };
+        let answer = tokio::time::timeout(self.client.timeout, asked)
             .await
-            .map_err(|_| RpcError::NotConnected)?;
-        // The batch's task gone (the process stopping, or a panic): no answer will come.
-        answer.await.unwrap_or(Err(RpcError::Lost))
+            .unwrap_or(Err(RpcError::Timeout(self.client.timeout)));
+        if let Err(e @ (RpcError::NotConnected | RpcError::Lost | RpcError::Timeout(_))) = &answer {
+            // Not counted by a batch.
+            self.client.count(PaymentLink::QUEUE, Some(e));
+        }
+        answer
     }
 }
 
-/// Asks one batch of links in one message and hands each caller its own answer.
+/// Asks one batch of links in one message and hands each caller its own answer. The message
+/// continues the first link's trace (a message carries one): the payment side's span for the
+/// batch sits in that checkout's trace.
 async fn ask_links(client: RpcClient, batch: Vec<LinkCall>) {
-    let (requests, callers): (Vec<PaymentLinkRequest>, Vec<_>) = batch.into_iter().unzip();
-    let answer = match client.ask::<PaymentLinkBatch>(&requests).await {
+    let span = crate::traces::hop_span(|| {
+        tracing::info_span!(
+            "payment_link_batch",
+            links = batch.len(),
+            otel.kind = "client"
+        )
+    });
+    crate::traces::continue_trace(&span, batch.first().and_then(|c| c.traceparent.as_deref()));
+    let (requests, callers): (Vec<PaymentLinkRequest>, Vec<_>) =
+        batch.into_iter().map(|c| (c.request, c.reply)).unzip();
+    let asked = tracing::Instrument::instrument(client.ask::<PaymentLinkBatch>(&requests), span);
+    let answer = match asked.await {
         Ok(links) if links.len() == requests.len() => Ok(links),
         Ok(links) => Err(RpcError::Mismatch {
             asked: requests.len(),
@@ -447,14 +502,18 @@ async fn ask_links(client: RpcClient, batch: Vec<LinkCall>) {
     match answer {
         Ok(links) => {
             for (caller, link) in callers.into_iter().zip(links) {
-                client.count(PaymentLink::QUEUE, None);
-                let _ = caller.send(Ok(link));
+                if caller.send(Ok(link)).is_ok() {
+                    client.count(PaymentLink::QUEUE, None);
+                }
             }
         }
         Err(e) => {
             let e = Arc::new(e);
             for caller in callers {
                 let e = RpcError::Shared(e.clone());
+                if caller.is_closed() {
+                    continue;
+                }
                 client.count(PaymentLink::QUEUE, Some(&e));
                 let _ = caller.send(Err(e));
             }
@@ -467,7 +526,7 @@ impl PaymentLinks for BatchedLinks {
         &'a self,
         request: &'a PaymentLinkRequest,
     ) -> Pin<Box<dyn Future<Output = Result<PaymentLinkReply, RpcError>> + Send + 'a>> {
-        Box::pin(self.ask(request.clone()))
+        Box::pin(self.ask(request))
     }
 }
 

@@ -98,21 +98,25 @@ impl LinkService {
                 }
             }
         }
-        let stored: Vec<Result<Option<(String, String)>, sqlx::Error>> = match self
+        // Each session stored, or why not (the reply's message).
+        let stored: Vec<Result<Option<(String, String)>, String>> = match self
             .store(&requests, &to_store)
             .await
         {
             Ok(stored) => stored.into_iter().map(Ok).collect(),
-            Err(e) if to_store.len() == 1 => vec![Err(e)],
-            // A batch that fails as a whole is stored again one by one, where each session's
-            // own error shows and holds up no other.
+            // Only a refusal of some row is worth storing the rest alone; an outage fails all.
+            Err(e) if to_store.len() == 1 || !crate::db::is_about_the_row(&e) => {
+                vec![Err(e.to_string()); to_store.len()]
+            }
+            // A batch refused as a whole is stored again one by one, where each session's own
+            // error shows and holds up no other.
             Err(e) => {
                 tracing::warn!(sessions = to_store.len(), error = %e, "a batch of sessions could not be stored; each is stored alone");
                 let mut each = Vec::with_capacity(to_store.len());
                 for one in to_store.chunks(1) {
                     each.push(match self.store(&requests, one).await {
                         Ok(mut stored) => Ok(stored.pop().flatten()),
-                        Err(e) => Err(e),
+                        Err(e) => Err(e.to_string()),
                     });
                 }
                 each
@@ -122,7 +126,7 @@ impl LinkService {
             replies[*i] = Some(match stored {
                 Ok(Some((session_id, url))) => PaymentLinkReply::Created { session_id, url },
                 Ok(None) => failed("unavailable", "the session was not stored", true),
-                Err(e) => failed("unavailable", e.to_string(), true),
+                Err(e) => failed("unavailable", e, true),
             });
         }
         replies

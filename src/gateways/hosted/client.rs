@@ -135,7 +135,14 @@ impl HostedGateway {
         };
         match self.write_sessions(requests).await {
             Ok(made) => made.into_iter().map(session).collect(),
-            Err(e) if requests.len() == 1 => vec![Err(e.into())],
+            // Only a refusal of some row is worth making the rest alone; an outage fails all.
+            Err(e) if requests.len() == 1 || !crate::db::is_about_the_row(&e) => {
+                let e = Arc::new(e);
+                requests
+                    .iter()
+                    .map(|_| Err(GatewayError::SharedDatabase(e.clone())))
+                    .collect()
+            }
             Err(e) => {
                 tracing::warn!(sessions = requests.len(), error = %e, "a batch of sessions failed; each is made alone");
                 let mut made = Vec::with_capacity(requests.len());
