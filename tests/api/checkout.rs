@@ -993,19 +993,7 @@ async fn payment_links_asked_at_once_are_made_together_each_for_its_own_order(po
     let shop = Arc::new(shop(pool.clone()).await);
     let s = shop.seller("A").await;
     let p = shop.product(&s, "5.00", "BRL").await;
-    let tasks: Vec<_> = (1..=30)
-        .map(|i| {
-            let (shop, p) = (shop.clone(), p.clone());
-            tokio::spawn(async move {
-                let (status, answer) = shop
-                    .checkout(Some(&format!("key-{i}")), cart(&[(&p, i)]))
-                    .await;
-                (i, status, answer)
-            })
-        })
-        .collect();
-    for t in tasks {
-        let (i, status, answer) = t.await.unwrap();
+    for (i, status, answer) in checkouts_at_once(&shop, &p, 30).await {
         assert_eq!(status, 201, "{answer}");
         let order = &answer["orders"][0];
         assert_eq!(order["total"], format!("{}.00", 5 * i), "{answer}");
@@ -1076,19 +1064,7 @@ async fn twelve_links_one_refused(pool: &PgPool, table: &str, refused: (u16, &st
     .execute(pool)
     .await
     .unwrap();
-    let tasks: Vec<_> = (1..=12)
-        .map(|i| {
-            let (shop, p) = (shop.clone(), p.clone());
-            tokio::spawn(async move {
-                let (status, answer) = shop
-                    .checkout(Some(&format!("key-{i}")), cart(&[(&p, i)]))
-                    .await;
-                (i, status, answer)
-            })
-        })
-        .collect();
-    for t in tasks {
-        let (i, status, answer) = t.await.unwrap();
+    for (i, status, answer) in checkouts_at_once(&shop, &p, 12).await {
         if i == 7 {
             assert_eq!(
                 (status, answer["error"]["code"].as_str()),
@@ -1192,4 +1168,25 @@ async fn the_payment_side_answers_a_batch_of_links_each_in_its_place(pool: PgPoo
         ]
     );
     assert_eq!(count(&pool, "internal_payments").await, 3);
+}
+
+/// `n` checkouts sent at once, the i-th (from 1) for `i` of `product` under key `key-i`: each
+/// with its status and answer, in order.
+async fn checkouts_at_once(shop: &Arc<Shop>, product: &str, n: i64) -> Vec<(i64, u16, Value)> {
+    let tasks: Vec<_> = (1..=n)
+        .map(|i| {
+            let (shop, p) = (shop.clone(), product.to_owned());
+            tokio::spawn(async move {
+                let (status, answer) = shop
+                    .checkout(Some(&format!("key-{i}")), cart(&[(&p, i)]))
+                    .await;
+                (i, status, answer)
+            })
+        })
+        .collect();
+    let mut answers = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    answers
 }
