@@ -96,12 +96,17 @@ impl Shop {
     }
 
     async fn checkout_one(&self, key: &str, buyer: &str, product: &str, quantity: i64) -> Value {
-        let (status, answer) = self
-            .checkout(
-                Some(key),
-                json!({"buyer_id": buyer, "gateway": "internal", "items": [{"product_id": product, "quantity": quantity}]}),
-            )
-            .await;
+        let body = json!({"buyer_id": buyer, "gateway": "internal", "items": [{"product_id": product, "quantity": quantity}]});
+        let (mut status, mut answer) = self.checkout(Some(key), body.clone()).await;
+        // A payment side just started may not answer yet: the same request again, as the 503
+        // says (and as a client does); the order is kept and gets its link.
+        for _ in 0..50 {
+            if status != 503 || answer["error"]["code"] != "payment_link_unavailable" {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            (status, answer) = self.checkout(Some(key), body.clone()).await;
+        }
         assert_eq!(status, 201, "{answer}");
         answer["orders"][0].clone()
     }
