@@ -18,6 +18,7 @@ use rand::{Rng, SeedableRng};
 use rust_decimal::Decimal;
 use serde_json::{Value, json};
 use sqlx::PgPool;
+use tokio::time::Instant;
 
 use super::api::{Api, Who};
 use super::model::{self, Coupon, DisputeEnd, Fate, Model, Order};
@@ -372,13 +373,28 @@ impl Shared {
     }
 
     /// The internal gateway's payment id of the order's paid session (the gateway's own record).
+    /// The soak's own read rides out the faults it injects (a terminated connection, the
+    /// restart): they are the fleet's to survive, not a finding about the journey.
     async fn payment_of(&self, number: i64) -> anyhow::Result<(String, String)> {
-        let row: Option<(String, Option<String>)> = sqlx::query_as(
-            "SELECT session_id, payment_id FROM internal_payments WHERE order_number = $1 AND status = 'succeeded' ORDER BY attempt DESC LIMIT 1",
-        )
-        .bind(number)
-        .fetch_optional(&self.pool)
-        .await?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let row: Option<(String, Option<String>)> = loop {
+            let read = sqlx::query_as(
+                "SELECT session_id, payment_id FROM internal_payments WHERE order_number = $1 AND status = 'succeeded' ORDER BY attempt DESC LIMIT 1",
+            )
+            .bind(number)
+            .fetch_optional(&self.pool)
+            .await;
+            match read {
+                Err(e)
+                    if (payfleet::db::is_connection_lost(&e)
+                        || matches!(e, sqlx::Error::PoolTimedOut))
+                        && Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                other => break other?,
+            }
+        };
         match row {
             Some((session, Some(payment))) => Ok((session, payment)),
             _ => bail!("order {number} has no succeeded payment at the internal gateway"),
