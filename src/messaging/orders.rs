@@ -323,6 +323,9 @@ async fn relay_batch(
 /// How long a batch waits for the broker's confirms.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The longest pause of the relay after failed batches.
+const RELAY_PAUSE_MAX: Duration = Duration::from_secs(5);
+
 /// The outbox relay of one process: runs until the broker is stopped.
 pub async fn relay(
     broker: Broker,
@@ -345,7 +348,9 @@ async fn relay_until_stopped(
     outbox: &impl Outbox,
 ) {
     // Consecutive failed batches: the pause before the next grows, so a broker that keeps
-    // refusing a message is not asked five times a second.
+    // refusing a message is not asked five times a second; it stops growing at a few seconds,
+    // as the connection's does, so messages held back by a broker's blip (a quorum queue
+    // electing its new leader) go out soon after it ends.
     let mut failures = 0u32;
     loop {
         let connection = broker.connected().await;
@@ -389,7 +394,7 @@ async fn relay_until_stopped(
                     failures = failures.saturating_add(1);
                     let pause = Duration::from_millis(500)
                         .saturating_mul(1 << failures.min(6))
-                        .min(Duration::from_secs(30));
+                        .min(RELAY_PAUSE_MAX);
                     tracing::warn!(error = %e, retry_in = ?pause, "order messages not published; they stay in the outbox and go again");
                     tokio::time::sleep(pause).await;
                     if matches!(e, RelayError::Nacked(_)) {
