@@ -106,11 +106,18 @@ async fn order_messages_survive_the_loss_of_the_node_leading_their_queue(pool: P
     let _worker = spawn_roles(pool.clone(), config.clone(), Roles::WORK).await;
     order_events(&pool, 0, 10).await;
     let queue = format!("{}.fulfilment", config.messaging.namespace);
-    wait_for("ten messages queued", Duration::from_secs(60), async || {
-        rabbitmqctl("pf1@localhost", &["list_queues", "name", "messages"])
-            .lines()
-            .any(|l| l.split_whitespace().collect::<Vec<_>>() == [queue.as_str(), "10"])
-    })
+    // Each rabbitmqctl starts an Erlang VM (about a CPU-second): asked every 10 ms, it would
+    // take a core of the two from the fleet and the broker it waits for.
+    wait_for(
+        "ten messages queued",
+        Duration::from_secs(120),
+        async || {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            rabbitmqctl("pf1@localhost", &["list_queues", "name", "messages"])
+                .lines()
+                .any(|l| l.split_whitespace().collect::<Vec<_>>() == [queue.as_str(), "10"])
+        },
+    )
     .await;
     let queues = rabbitmqctl("pf1@localhost", &["list_queues", "name", "type", "leader"]);
     let line = queues
