@@ -150,6 +150,9 @@ enum Claim {
     Written(i64, Vec<OrderView>),
 }
 
+/// How many times a claim looks again at a key that changed hands while it looked.
+const CLAIM_TURNS: usize = 3;
+
 fn request_hash(body: &serde_json::Value) -> Vec<u8> {
     // serde_json keeps object keys sorted: the same request hashes the same however it was
     // spaced or ordered.
@@ -260,56 +263,64 @@ impl Checkout {
         // answer are synchronous commits after it, which flush it too (the log is one
         // sequence). A claim lost in a crash before them is a claim never made (at most, a
         // concurrent repeat was told 409 or 422 on its strength meanwhile: it sends again).
-        let inserted: Option<String> = sqlx::query_scalar(
-            "INSERT INTO idempotency_keys (owner, key, request_hash, locked_until, locked_by)
-             SELECT $5, $1, $2, now() + $3 * interval '1 second', $4
-             FROM (SELECT set_config('synchronous_commit', 'off', true)) c
-             ON CONFLICT (owner, key) DO NOTHING RETURNING key",
-        )
-        .bind(key.key)
-        .bind(hash)
-        .bind(lock_secs)
-        .bind(me)
-        .bind(key.owner)
-        .fetch_optional(&self.pool)
-        .await?;
-        if inserted.is_some() {
-            return Ok(Claim::Owned(None));
-        }
-        let (stored_hash, response, locked): (Vec<u8>, Option<serde_json::Value>, bool) =
-            sqlx::query_as(
+        //
+        // A refused request deletes its key at once, so the key found taken may be gone by the
+        // time it is read, and one found free to take over may be taken or gone again: each
+        // turn starts over, and a key that keeps changing hands is "in use" (send again).
+        for _ in 0..CLAIM_TURNS {
+            let inserted: Option<String> = sqlx::query_scalar(
+                "INSERT INTO idempotency_keys (owner, key, request_hash, locked_until, locked_by)
+                 SELECT $5, $1, $2, now() + $3 * interval '1 second', $4
+                 FROM (SELECT set_config('synchronous_commit', 'off', true)) c
+                 ON CONFLICT (owner, key) DO NOTHING RETURNING key",
+            )
+            .bind(key.key)
+            .bind(hash)
+            .bind(lock_secs)
+            .bind(me)
+            .bind(key.owner)
+            .fetch_optional(&self.pool)
+            .await?;
+            if inserted.is_some() {
+                return Ok(Claim::Owned(None));
+            }
+            let stored: Option<(Vec<u8>, Option<serde_json::Value>, bool)> = sqlx::query_as(
                 "SELECT request_hash, response, COALESCE(locked_until > now(), false)
-             FROM idempotency_keys WHERE owner = $2 AND key = $1",
+                 FROM idempotency_keys WHERE owner = $2 AND key = $1",
             )
             .bind(key.key)
             .bind(key.owner)
-            .fetch_one(&self.pool)
+            .fetch_optional(&self.pool)
             .await?;
-        if stored_hash != hash {
-            return Err(CheckoutError::KeyReused);
+            let Some((stored_hash, response, locked)) = stored else {
+                continue;
+            };
+            if stored_hash != hash {
+                return Err(CheckoutError::KeyReused);
+            }
+            if let Some(answer) = response {
+                return Ok(Claim::Answered(answer));
+            }
+            if locked {
+                return Err(CheckoutError::KeyInUse);
+            }
+            // The first request ended without a complete answer (503, or it crashed): take over.
+            let taken: Option<Option<i64>> = sqlx::query_scalar(
+                "UPDATE idempotency_keys SET locked_until = now() + $2 * interval '1 second', locked_by = $3
+                 WHERE owner = $4 AND key = $1 AND response IS NULL AND (locked_until IS NULL OR locked_until <= now())
+                 RETURNING checkout_id",
+            )
+            .bind(key.key)
+            .bind(lock_secs)
+            .bind(me)
+            .bind(key.owner)
+            .fetch_optional(&self.pool)
+            .await?;
+            if let Some(checkout) = taken {
+                return Ok(Claim::Owned(checkout));
+            }
         }
-        if let Some(answer) = response {
-            return Ok(Claim::Answered(answer));
-        }
-        if locked {
-            return Err(CheckoutError::KeyInUse);
-        }
-        // The first request ended without a complete answer (503, or it crashed): take over.
-        let taken: Option<Option<i64>> = sqlx::query_scalar(
-            "UPDATE idempotency_keys SET locked_until = now() + $2 * interval '1 second', locked_by = $3
-             WHERE owner = $4 AND key = $1 AND response IS NULL AND (locked_until IS NULL OR locked_until <= now())
-             RETURNING checkout_id",
-        )
-        .bind(key.key)
-        .bind(lock_secs)
-        .bind(me)
-        .bind(key.owner)
-        .fetch_optional(&self.pool)
-        .await?;
-        match taken {
-            Some(checkout) => Ok(Claim::Owned(checkout)),
-            None => Err(CheckoutError::KeyInUse),
-        }
+        Err(CheckoutError::KeyInUse)
     }
 
     /// The cart, checked before anything is locked: who buys, through which gateway, which

@@ -455,7 +455,31 @@ pub async fn run(config: &Config, args: SoakArgs) -> anyhow::Result<()> {
         println!("  {:>6.1}  {}", f.at, f.detail);
     }
     println!("the fleet's log: {}", log.display());
+    // A 5xx tells its caller only a request id: the log's lines under it say what happened,
+    // printed here because a CI machine's log is gone with it.
+    let ids: Vec<&str> = rows
+        .iter()
+        .flat_map(|r| r.violations.iter())
+        .filter_map(|v| request_id(v))
+        .collect();
+    if !ids.is_empty()
+        && let Ok(text) = std::fs::read_to_string(&log)
+    {
+        for id in ids.iter().take(5) {
+            println!("\nthe log under request {id}:");
+            for line in text.lines().filter(|l| l.contains(id)).take(20) {
+                println!("  {line}");
+            }
+        }
+    }
     bail!("{violated} violations; replay with: {replay}")
+}
+
+/// The request id an error answer quoted in a violation's text, if any.
+fn request_id(violation: &str) -> Option<&str> {
+    const MARK: &str = "\"request_id\":\"";
+    let rest = &violation[violation.find(MARK)? + MARK.len()..];
+    rest.split('"').next().filter(|id| !id.is_empty())
 }
 
 /// The soak's consumer's handler: a row per handling, so a message handled twice shows.
@@ -727,4 +751,17 @@ fn summary(fired: &[Fired]) -> String {
         .map(|(k, v)| format!("{k} x{v}"))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::request_id;
+
+    #[test]
+    fn a_violation_quoting_an_error_answer_gives_its_request_id() {
+        let v = r#"checkout k: 500 {"error":{"code":"internal","message":"m","request_id":"1a556d4204518639"}}"#;
+        assert_eq!(request_id(v), Some("1a556d4204518639"));
+        assert_eq!(request_id("order 7 confirmed twice"), None);
+        assert_eq!(request_id(r#"{"request_id":""}"#), None);
+    }
 }

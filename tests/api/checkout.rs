@@ -487,6 +487,58 @@ async fn bad_carts_get_their_422_and_store_nothing(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn retries_racing_a_refused_checkout_on_its_key_are_each_refused_never_a_500(pool: PgPool) {
+    // A refusal lets its key go (deletes it) at once: a retry that found the key taken must
+    // not then trip over its absence. The cart is one a coupon makes free, refused after the
+    // key is claimed and the catalogue read, as a backend's retries race their first request.
+    let shop = Arc::new(shop(pool.clone()).await);
+    let s = shop.seller("A").await;
+    let p = shop.product(&s, "5.00", "BRL").await;
+    shop.admin(
+        "/admin/coupons",
+        json!({"code": "FREE", "amount_off": "5.00", "currency": "BRL"}),
+    )
+    .await;
+    let mut body = cart(&[(&p, 1)]);
+    body["coupon"] = json!("FREE");
+    // Eight backends each retrying the one key, so that some request is always between its
+    // attempt to claim the key and its read of it when another's refusal lets the key go.
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (shop, body) = (shop.clone(), body.clone());
+            tokio::spawn(async move {
+                let mut answers = Vec::new();
+                for _ in 0..40 {
+                    answers.push(shop.checkout(Some("k"), body.clone()).await);
+                }
+                answers
+            })
+        })
+        .collect();
+    let mut refused = 0;
+    for t in tasks {
+        for (status, answer) in t.await.unwrap() {
+            let code = answer["error"]["code"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            match (status, code.as_str()) {
+                (422, "invalid_items") => refused += 1,
+                (409, "idempotency_key_in_use") => {}
+                _ => panic!("{status} {answer}"),
+            }
+        }
+    }
+    assert!(refused > 0);
+    assert_eq!(count(&pool, "orders").await, 0);
+    assert_eq!(
+        count(&pool, "idempotency_keys").await,
+        0,
+        "every refusal let its key go"
+    );
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn concurrent_checkouts_number_orders_without_gaps_and_never_pass_a_coupon_limit(
     pool: PgPool,
 ) {
