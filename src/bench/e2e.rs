@@ -304,7 +304,8 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
                 checkouts(addr, &api_key, &many, args.latency_samples, args.clients).await?;
             o
         };
-        let (lat, written) = paced(&pool, addr, &secret, &orders, pace, &mut next_event).await?;
+        let (lat, written, stages) =
+            paced(&pool, addr, &secret, &orders, pace, &mut next_event).await?;
         eprintln!(
             "e2e: receipt to effect at {pace:.0} payments/s: p50 {:.1} ms, p99 {:.1} ms (to the sale credit's writing, before its commit: p50 {:.1} ms, p99 {:.1} ms)",
             percentile(&lat, 0.5),
@@ -312,6 +313,30 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
             percentile(&written, 0.5),
             percentile(&written, 0.99)
         );
+        for (stage, times) in [
+            (
+                "sent to stored (the request, the receiver's writer)",
+                &stages.to_stored,
+            ),
+            (
+                "stored to its batch's start (commit, notification, claim, a free batch)",
+                &stages.to_batch,
+            ),
+            (
+                "batch's start to the sale credit's writing (reads, writes, the wait for the accounts)",
+                &stages.to_accounts,
+            ),
+            (
+                "writing to seen committed (the posting, the commit, the watcher)",
+                &stages.to_visible,
+            ),
+        ] {
+            eprintln!(
+                "e2e:   {stage}: p50 {:.1} ms, p99 {:.1} ms",
+                percentile(times, 0.5),
+                percentile(times, 0.99)
+            );
+        }
         lines.push(format!("e2e_paced_per_s={pace:.0}"));
         lines.push(format!(
             "e2e_receipt_to_effect_p50_ms={:.1}",
@@ -454,6 +479,11 @@ async fn checkouts(
 }
 
 /// A signed `payment.succeeded` of the internal gateway for `order`, as delivery `n`.
+/// The webhook id of the bench's `n`th payment.
+fn event_id(n: usize) -> String {
+    format!("msg_e2e_{n}")
+}
+
 fn payment(
     addr: SocketAddr,
     secret: &StandardSecret,
@@ -464,7 +494,7 @@ fn payment(
         r#"{{"type":"payment.succeeded","data":{{"session_id":"{}","payment_id":"pay_{}","amount":"19.90","currency":"BRL"}}}}"#,
         order.session, order.session
     );
-    let id = format!("msg_e2e_{n}");
+    let id = event_id(n);
     let ts = chrono::Utc::now().timestamp();
     let sig = secret.sign(&id, ts, body.as_bytes());
     Ok(hyper::Request::post("/webhooks/internal")
@@ -499,6 +529,9 @@ async fn pay_all(
     Ok(())
 }
 
+/// An order's payment seen taking effect: its number and its time from sending.
+type Seen = (i64, Duration);
+
 /// The payments on their way: each order number with the instant its webhook was sent.
 type OnTheWay = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<i64, Instant>>>;
 
@@ -506,11 +539,26 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Where a paced payment's time went, stage by stage, each stage's times sorted.
+struct Stages {
+    /// Sent until the receiver's transaction storing it began (`received_at`): the request and
+    /// the receiver's writer.
+    to_stored: Vec<Duration>,
+    /// Stored until the transaction that applied it began (`processed_at`): the receiver's
+    /// commit, the job's notification and claim, a free batch.
+    to_batch: Vec<Duration>,
+    /// That transaction's start until its sale credit's writing (stamped once the accounts are
+    /// held): the batch's reads and writes before the posting, and its wait for the accounts.
+    to_accounts: Vec<Duration>,
+    /// The sale credit's writing until it was seen committed: the posting, the commit, and the
+    /// watcher's poll.
+    to_visible: Vec<Duration>,
+}
+
 /// Sends a payment for each order at `per_s` and times each from its sending until its effect
-/// is visible from outside: its sale credit committed. Returns those times, and each payment's
+/// is visible from outside: its sale credit committed. Returns those times, each payment's
 /// time to its sale credit's writing (the posting's clock, in the batch's transaction before its
-/// commit): the difference is the commit, the wait for the other batch's locks it shares, and
-/// the watcher's granularity.
+/// commit), and the stages in between, read from the rows' own timestamps.
 async fn paced(
     pool: &PgPool,
     addr: SocketAddr,
@@ -518,7 +566,7 @@ async fn paced(
     orders: &[Awaiting],
     per_s: f64,
     next: &mut usize,
-) -> anyhow::Result<(Vec<Duration>, Vec<Duration>)> {
+) -> anyhow::Result<(Vec<Duration>, Vec<Duration>, Stages)> {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     let gap = Duration::from_secs_f64(1.0 / per_s);
@@ -528,9 +576,11 @@ async fn paced(
     let mut tick = tokio::time::interval(gap);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tasks = Vec::with_capacity(orders.len());
+    let mut events = Vec::with_capacity(orders.len());
     for o in orders {
         tick.tick().await;
         let req = payment(addr, secret, o, *next)?;
+        events.push((event_id(*next), o.number));
         *next += 1;
         let number = o.number;
         let on_the_way = on_the_way.clone();
@@ -547,23 +597,63 @@ async fn paced(
         sent_at.insert(number, sent);
     }
     sending.store(false, Ordering::Release);
-    let mut visible = tokio::task::spawn_blocking(move || watcher.join())
+    let visible = tokio::task::spawn_blocking(move || watcher.join())
         .await?
         .map_err(|_| anyhow::anyhow!("the effects' watcher panicked"))??;
-    visible.sort();
-    let numbers: Vec<i64> = sent_at.keys().copied().collect();
-    let written: Vec<(i64, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
-        "SELECT order_number, created_at FROM ledger_transfers WHERE order_number = ANY($1) AND kind = 'sale_credit'",
+    let (ids, numbers): (Vec<String>, Vec<i64>) = events.into_iter().unzip();
+    type Stamps = (
+        i64,
+        chrono::DateTime<chrono::Utc>,
+        chrono::DateTime<chrono::Utc>,
+        chrono::DateTime<chrono::Utc>,
+    );
+    let stamps: Vec<Stamps> = sqlx::query_as(
+        "SELECT x.number, e.received_at, e.processed_at, t.created_at
+         FROM unnest($1::text[], $2::bigint[]) AS x(event_id, number)
+         JOIN payment_events e ON e.gateway = 'internal' AND e.event_id = x.event_id
+         JOIN ledger_transfers t ON t.order_number = x.number AND t.kind = 'sale_credit'
+         WHERE e.processed_at IS NOT NULL",
     )
+    .bind(&ids)
     .bind(&numbers)
     .fetch_all(pool)
     .await?;
-    let mut written: Vec<Duration> = written
-        .into_iter()
-        .filter_map(|(n, at)| Some((at - *sent_at.get(&n)?).to_std().unwrap_or_default()))
-        .collect();
-    written.sort();
-    Ok((visible, written))
+    let span = |from: chrono::DateTime<chrono::Utc>, to: chrono::DateTime<chrono::Utc>| {
+        (to - from).to_std().unwrap_or_default()
+    };
+    let seen: std::collections::HashMap<i64, Duration> = visible.iter().copied().collect();
+    let mut written = Vec::with_capacity(stamps.len());
+    let mut stages = Stages {
+        to_stored: Vec::with_capacity(stamps.len()),
+        to_batch: Vec::with_capacity(stamps.len()),
+        to_accounts: Vec::with_capacity(stamps.len()),
+        to_visible: Vec::with_capacity(stamps.len()),
+    };
+    for (number, received, processed, credited) in stamps {
+        let Some(&sent) = sent_at.get(&number) else {
+            continue;
+        };
+        let to_credit = span(sent, credited);
+        written.push(to_credit);
+        stages.to_stored.push(span(sent, received));
+        stages.to_batch.push(span(received, processed));
+        stages.to_accounts.push(span(processed, credited));
+        if let Some(&visible) = seen.get(&number) {
+            stages.to_visible.push(visible.saturating_sub(to_credit));
+        }
+    }
+    for v in [
+        &mut written,
+        &mut stages.to_stored,
+        &mut stages.to_batch,
+        &mut stages.to_accounts,
+        &mut stages.to_visible,
+    ] {
+        v.sort();
+    }
+    let mut visible: Vec<Duration> = visible.into_iter().map(|(_, d)| d).collect();
+    visible.sort();
+    Ok((visible, written, stages))
 }
 
 /// Watches for the effects of the payments on their way and returns each one's time from its
@@ -576,7 +666,7 @@ fn watch_effects(
     pool: &PgPool,
     on_the_way: OnTheWay,
     sending: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) -> anyhow::Result<std::thread::JoinHandle<anyhow::Result<Vec<Duration>>>> {
+) -> anyhow::Result<std::thread::JoinHandle<anyhow::Result<Vec<Seen>>>> {
     const EVERY: Duration = Duration::from_millis(4);
     const GIVE_UP: Duration = Duration::from_secs(120);
     let options = pool.connect_options();
@@ -619,7 +709,7 @@ fn watch_effects(
                 let mut waiting = lock(&on_the_way);
                 for number in found {
                     if let Some(sent) = waiting.remove(&number) {
-                        lat.push(seen - sent);
+                        lat.push((number, seen - sent));
                     }
                 }
             }
