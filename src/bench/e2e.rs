@@ -478,12 +478,12 @@ async fn checkouts(
     Ok((orders, lat))
 }
 
-/// A signed `payment.succeeded` of the internal gateway for `order`, as delivery `n`.
 /// The webhook id of the bench's `n`th payment.
 fn event_id(n: usize) -> String {
     format!("msg_e2e_{n}")
 }
 
+/// A signed `payment.succeeded` of the internal gateway for `order`, as delivery `n`.
 fn payment(
     addr: SocketAddr,
     secret: &StandardSecret,
