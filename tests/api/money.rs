@@ -2092,7 +2092,7 @@ async fn the_sweep_posts_what_a_stopped_job_left_due(pool: PgPool) {
         Duration::from_millis(50),
         Duration::ZERO,
     ));
-    wait_for("the sweep to post", Duration::from_secs(10), async || {
+    wait_for("the sweep to post", Duration::from_secs(30), async || {
         still_due(&pool).await == 0
     })
     .await;
