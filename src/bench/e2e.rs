@@ -684,6 +684,16 @@ fn watch_effects(
         runtime.block_on(async move {
             use sqlx::Connection;
             let mut conn = sqlx::PgConnection::connect_with(&options).await?;
+            // The credits' times are the database server's clock, the sending times this
+            // process's: where the server is another machine, its clock may be off. Read once,
+            // at the least it can be (the server's time against this clock's after the answer
+            // came), less a margin, so no credit written after its payment was sent falls
+            // before the range asked.
+            let server_now: chrono::DateTime<chrono::Utc> =
+                sqlx::query_scalar("SELECT clock_timestamp()")
+                    .fetch_one(&mut conn)
+                    .await?;
+            let offset = server_now - chrono::Utc::now() - chrono::Duration::milliseconds(50);
             let mut lat = Vec::new();
             let mut tick = tokio::time::interval(EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -692,7 +702,8 @@ fn watch_effects(
                 tick.tick().await;
                 // The oldest payment on its way: every credit the watcher waits for was
                 // written after it was sent.
-                let Some(since) = lock(&on_the_way).values().map(|(_, at)| *at).min() else {
+                let Some(since) = lock(&on_the_way).values().map(|(_, at)| *at + offset).min()
+                else {
                     if !sending.load(std::sync::atomic::Ordering::Acquire) {
                         return Ok(lat);
                     }
