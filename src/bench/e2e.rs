@@ -666,9 +666,10 @@ async fn paced(
 /// Watches for the effects of the payments on their way and returns each one's time from its
 /// sending to its sale credit being seen, once nothing is being sent and every one was seen.
 /// It asks every few milliseconds on one connection of its own, for the credits written since
-/// the oldest of those payments was sent (a few hundred at a paced rate), by index. It runs on a thread and runtime of its own: on the fleet's
-/// runtime (the bench runs the fleet in its process) it would see an effect when a busy runtime
-/// let it, not when the effect became visible.
+/// the oldest of those payments was sent (a few hundred at a paced rate), by index. It runs on
+/// a thread and runtime of its own: on the fleet's runtime (the bench runs the fleet in its
+/// process) it would see an effect when a busy runtime let it, not when the effect became
+/// visible.
 fn watch_effects(
     pool: &PgPool,
     on_the_way: OnTheWay,
