@@ -18,6 +18,7 @@ use payfleet::startup::Roles;
 use payfleet::{db, startup};
 use payfleet_queue::{self as queue, Fleet, Job, JobContext, NewJob, QueuesConfig, Registry};
 
+mod cpu;
 mod e2e;
 mod load;
 pub use e2e::{E2eArgs, e2e};

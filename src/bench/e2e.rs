@@ -26,6 +26,7 @@ use serde_json::{Value, json};
 use sqlx::PgPool;
 use tokio::net::TcpListener;
 
+use super::cpu::{self, Usage};
 use super::{percentile, send_all, which_pgbench};
 use crate::scratch::{self, free_port, stop, wait_ready};
 
@@ -174,15 +175,23 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
     // the target is a ratio to it. Its tables are dropped after it (the phases below do not
     // share the buffers with them).
     let phase = crate::progress::spinner("pgbench's TPC-B baseline");
-    let tps = tpc_b(&pgbench, url.expose(), args.clients, args.pgbench_secs).await?;
+    let (tps, baseline_cpu) =
+        tpc_b(&pgbench, url.expose(), args.clients, args.pgbench_secs).await?;
     sqlx::raw_sql(
         "DROP TABLE IF EXISTS pgbench_accounts, pgbench_branches, pgbench_history, pgbench_tellers",
     )
     .execute(&pool)
     .await?;
     eprintln!(
-        "pgbench: TPC-B-like at {} clients: {tps:.0} tps",
-        args.clients
+        "pgbench: TPC-B-like at {} clients: {tps:.0} tps{}",
+        args.clients,
+        baseline_cpu
+            .map(|u| format!(
+                " (the cores {:.0} % busy, PostgreSQL {:.0} %)",
+                u.busy * 100.0,
+                u.postgres * 100.0
+            ))
+            .unwrap_or_default()
     );
     phase.finish_and_clear();
 
@@ -238,10 +247,14 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
     };
     fleet.start_workers().await?;
     let mut lines = vec![format!("pgbench_tpcb_c{}_tps={tps:.0}", args.clients)];
+    if let Some(u) = baseline_cpu {
+        lines.push(format!("pgbench_cpu_busy={:.2}", u.busy));
+    }
 
     // 1. Checkouts.
     let phase = crate::progress::spinner(format!("{} checkouts", 2 * args.orders));
     let started = Instant::now();
+    let cpu_before = cpu::sample();
     let (flash_orders, mut lat) =
         checkouts(addr, &api_key, &flash, args.orders, args.clients).await?;
     let (many_orders, lat_many) =
@@ -257,6 +270,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         percentile(&lat, 0.5),
         percentile(&lat, 0.99)
     );
+    report_cpu("checkouts", cpu_before, &mut lines);
     phase.finish_and_clear();
     lines.push(format!("e2e_checkouts_per_s={checkouts_per_s:.0}"));
     lines.push(format!("e2e_checkout_p50_ms={:.1}", percentile(&lat, 0.5)));
@@ -274,9 +288,11 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
             crate::progress::spinner(format!("{name}: {} payments to effect", orders.len()));
         pay_all(addr, &secret, orders, args.clients, &mut next_event).await?;
         let started = chrono::Utc::now();
+        let cpu_before = cpu::sample();
         fleet.start_workers().await?;
         let numbers: Vec<i64> = orders.iter().map(|o| o.number).collect();
         let (first, last) = effected(&pool, &numbers).await?;
+        let cpu_after = cpu::sample();
         let since = |at: chrono::DateTime<chrono::Utc>| {
             (at - started)
                 .to_std()
@@ -290,6 +306,11 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
             "e2e: {name}: {} payments to effect in {secs:.2} s: {rate:.0}/s (the first at {:.0} ms)",
             orders.len(),
             since(first) * 1000.0
+        );
+        report_usage(
+            &format!("effects_{name}"),
+            cpu_before.zip(cpu_after).map(|(b, a)| a.since(&b)),
+            &mut lines,
         );
         phase.finish_and_clear();
         lines.push(format!("e2e_effects_{name}_per_s={rate:.0}"));
@@ -308,8 +329,10 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
                 checkouts(addr, &api_key, &many, args.latency_samples, args.clients).await?;
             o
         };
+        let cpu_before = cpu::sample();
         let (lat, written, stages) =
             paced(&pool, addr, &secret, &orders, pace, &mut next_event).await?;
+        let cpu_after = cpu::sample();
         eprintln!(
             "e2e: receipt to effect at {pace:.0} payments/s: p50 {:.1} ms, p99 {:.1} ms (to the sale credit's writing, before its commit: p50 {:.1} ms, p99 {:.1} ms)",
             percentile(&lat, 0.5),
@@ -341,6 +364,11 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
                 percentile(times, 0.99)
             );
         }
+        report_usage(
+            "paced",
+            cpu_before.zip(cpu_after).map(|(b, a)| a.since(&b)),
+            &mut lines,
+        );
         lines.push(format!("e2e_paced_per_s={pace:.0}"));
         lines.push(format!(
             "e2e_receipt_to_effect_p50_ms={:.1}",
@@ -805,13 +833,13 @@ async fn check_ledger(pool: &PgPool) -> anyhow::Result<()> {
 }
 
 /// pgbench's TPC-B-like transactions at `clients` clients for `secs`, at scale `clients` (one
-/// branch row per client: its own hot rows, as pgbench intends).
+/// branch row per client: its own hot rows, as pgbench intends), and the CPU its run used.
 async fn tpc_b(
     pgbench: &std::path::Path,
     url: &str,
     clients: usize,
     secs: u64,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<(f64, Option<Usage>)> {
     let init = tokio::process::Command::new(pgbench)
         .env("PGSSLMODE", "disable")
         .args(["-i", "-q", "-s", &clients.to_string()])
@@ -825,7 +853,8 @@ async fn tpc_b(
             String::from_utf8_lossy(&init.stderr)
         );
     }
-    super::pgbench_tps(
+    let before = cpu::sample();
+    let tps = super::pgbench_tps(
         pgbench,
         &[
             "-c",
@@ -837,5 +866,21 @@ async fn tpc_b(
         ],
         url,
     )
-    .await
+    .await?;
+    let usage = before.zip(cpu::sample()).map(|(b, a)| a.since(&b));
+    Ok((tps, usage))
+}
+
+/// Prints where the machine's CPU went in `phase` since `before`, and adds its busy share to
+/// the result lines.
+fn report_cpu(phase: &str, before: Option<cpu::Sample>, lines: &mut Vec<String>) {
+    let usage = before.zip(cpu::sample()).map(|(b, a)| a.since(&b));
+    report_usage(phase, usage, lines);
+}
+
+fn report_usage(phase: &str, usage: Option<Usage>, lines: &mut Vec<String>) {
+    if let Some(u) = usage {
+        eprintln!("e2e:   CPU: {u}");
+        lines.push(format!("e2e_cpu_busy_{phase}={:.2}", u.busy));
+    }
 }

@@ -1,0 +1,246 @@
+//! Where the machine's CPU went during a phase of a benchmark (Linux): how busy the cores were
+//! (`/proc/stat`) and the shares of PostgreSQL, of the fleet's processes, of the bench's own
+//! process and of RabbitMQ (each process's `/proc/<pid>/stat`). A figure is worth little
+//! without knowing whether the machine had room left: a phase that kept the cores busy is
+//! bounded by CPU, and the shares say whose.
+//!
+//! A process that ends during the phase is still counted: its time goes to its parent's
+//! children's time when the parent reaps it (PostgreSQL's backends to the postmaster, the
+//! fleet's stopped processes and pgbench to the bench), and parents are counted with it.
+
+use std::fmt;
+
+/// Clock ticks (`USER_HZ`) used so far, machine-wide and by each group of processes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sample {
+    /// Every core's ticks, whatever they did.
+    total: u64,
+    /// Idle or waiting for I/O.
+    idle: u64,
+    /// Taken by the hypervisor for other machines.
+    steal: u64,
+    groups: Groups,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Groups {
+    postgres: u64,
+    /// Other `payfleet` processes (the fleet's `serve` and `work`), and this one's children.
+    fleet: u64,
+    /// This process: the bench's clients and watchers (and, run in process, the fleet).
+    bench: u64,
+    rabbitmq: u64,
+}
+
+/// The machine's CPU over an interval, each a share of all its cores (0 to 1).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Usage {
+    pub busy: f64,
+    pub steal: f64,
+    pub postgres: f64,
+    pub fleet: f64,
+    pub bench: f64,
+    pub rabbitmq: f64,
+}
+
+/// Reads the counters now; none where `/proc` cannot be read (not Linux).
+pub fn sample() -> Option<Sample> {
+    let (total, idle, steal) = machine(&std::fs::read_to_string("/proc/stat").ok()?)?;
+    let me = std::process::id();
+    let mut groups = Groups::default();
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // A process may end between the listing and the read.
+        let Ok(text) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some(p) = process(&text) else {
+            continue;
+        };
+        match p.comm {
+            "postgres" => groups.postgres += p.own + p.children,
+            "beam.smp" => groups.rabbitmq += p.own + p.children,
+            _ if pid == me => {
+                groups.bench += p.own;
+                groups.fleet += p.children;
+            }
+            "payfleet" => groups.fleet += p.own + p.children,
+            _ => {}
+        }
+    }
+    Some(Sample {
+        total,
+        idle,
+        steal,
+        groups,
+    })
+}
+
+impl Sample {
+    /// The CPU used between `earlier` and this sample.
+    pub fn since(&self, earlier: &Sample) -> Usage {
+        let total = self.total.saturating_sub(earlier.total).max(1) as f64;
+        let share = |now: u64, then: u64| now.saturating_sub(then) as f64 / total;
+        let idle = share(self.idle, earlier.idle);
+        let steal = share(self.steal, earlier.steal);
+        Usage {
+            busy: (1.0 - idle - steal).max(0.0),
+            steal,
+            postgres: share(self.groups.postgres, earlier.groups.postgres),
+            fleet: share(self.groups.fleet, earlier.groups.fleet),
+            bench: share(self.groups.bench, earlier.groups.bench),
+            rabbitmq: share(self.groups.rabbitmq, earlier.groups.rabbitmq),
+        }
+    }
+}
+
+impl Usage {
+    /// Busy, but not in any of the groups: interrupts, the kernel's own threads, other
+    /// processes.
+    pub fn rest(&self) -> f64 {
+        (self.busy - self.postgres - self.fleet - self.bench - self.rabbitmq).max(0.0)
+    }
+}
+
+impl fmt::Display for Usage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let pc = |x: f64| (x * 100.0).round();
+        write!(f, "the cores {:.0} % busy", pc(self.busy))?;
+        if self.steal >= 0.005 {
+            write!(f, " ({:.0} % stolen by the hypervisor)", pc(self.steal))?;
+        }
+        write!(
+            f,
+            ": PostgreSQL {:.0} %, the fleet's processes {:.0} %, the bench's process {:.0} %, \
+             RabbitMQ {:.0} %, the rest {:.0} %",
+            pc(self.postgres),
+            pc(self.fleet),
+            pc(self.bench),
+            pc(self.rabbitmq),
+            pc(self.rest())
+        )
+    }
+}
+
+/// All cores' ticks, those idle (or waiting for I/O) and those stolen, from `/proc/stat`.
+fn machine(stat: &str) -> Option<(u64, u64, u64)> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    // user nice system idle iowait irq softirq steal (guest time is inside user already).
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let [_, _, _, idle, iowait, _, _, steal] = ticks.as_slice() else {
+        return None;
+    };
+    Some((ticks.iter().sum(), idle + iowait, *steal))
+}
+
+/// A process's name and ticks, from its `/proc/<pid>/stat`.
+struct Process<'a> {
+    comm: &'a str,
+    /// Its own user and system time.
+    own: u64,
+    /// Its reaped children's.
+    children: u64,
+}
+
+fn process(stat: &str) -> Option<Process<'_>> {
+    // The name is in parentheses and may hold spaces or parentheses of its own.
+    let (head, rest) = stat.rsplit_once(')')?;
+    let comm = head.split_once('(')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // After the name: state (0), ..., utime (11), stime (12), cutime (13), cstime (14).
+    let tick = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+    Some(Process {
+        comm,
+        own: tick(11)? + tick(12)?,
+        children: tick(13)? + tick(14)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_machines_ticks_are_read_from_proc_stat() {
+        let stat = "cpu  100 5 50 800 20 3 2 10 0 0\ncpu0 50 2 25 400 10 1 1 5 0 0\nintr 1\n";
+        assert_eq!(machine(stat), Some((990, 820, 10)));
+        assert_eq!(machine("intr 1\n"), None);
+        assert_eq!(machine("cpu  1 2 x 4 5 6 7 8\n"), None);
+    }
+
+    #[test]
+    fn a_processs_name_and_ticks_are_read_even_with_parentheses_in_its_name() {
+        let stat = "4242 (postgres: wal (writer)) S 1 4242 4242 0 -1 4194368 1 0 0 0 \
+                    17 4 30 6 20 0 1 0 100 0 0";
+        let p = process(stat).unwrap();
+        assert_eq!(p.comm, "postgres: wal (writer)");
+        assert_eq!((p.own, p.children), (21, 36));
+        assert!(process("4242 (postgres) S 1").is_none());
+    }
+
+    #[test]
+    fn usage_is_each_groups_share_of_every_core() {
+        let earlier = Sample {
+            total: 1000,
+            idle: 400,
+            steal: 0,
+            groups: Groups {
+                postgres: 100,
+                fleet: 0,
+                bench: 50,
+                rabbitmq: 10,
+            },
+        };
+        let now = Sample {
+            total: 1200,
+            idle: 420,
+            steal: 20,
+            groups: Groups {
+                postgres: 200,
+                fleet: 30,
+                bench: 70,
+                rabbitmq: 20,
+            },
+        };
+        let u = now.since(&earlier);
+        assert!((u.busy - 0.8).abs() < 1e-9);
+        assert!((u.steal - 0.1).abs() < 1e-9);
+        assert!((u.postgres - 0.5).abs() < 1e-9);
+        assert!((u.fleet - 0.15).abs() < 1e-9);
+        assert!((u.bench - 0.1).abs() < 1e-9);
+        assert!((u.rabbitmq - 0.05).abs() < 1e-9);
+        assert_eq!(
+            u.to_string(),
+            "the cores 80 % busy (10 % stolen by the hypervisor): PostgreSQL 50 %, the fleet's \
+             processes 15 %, the bench's process 10 %, RabbitMQ 5 %, the rest 0 %"
+        );
+    }
+
+    #[test]
+    fn this_processs_own_work_is_counted_as_the_benchs() {
+        let Some(before) = sample() else {
+            return; // not Linux
+        };
+        let started = std::time::Instant::now();
+        let mut x = 0u64;
+        while started.elapsed() < std::time::Duration::from_millis(300) {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+        let after = sample().unwrap();
+        let u = after.since(&before);
+        assert!(u.bench > 0.0, "{u}");
+        assert!(u.busy >= u.bench * 0.9, "{u}");
+    }
+}
