@@ -65,7 +65,8 @@ pub fn sample() -> Option<Sample> {
         };
         match p.comm {
             "postgres" => groups.postgres += p.own + p.children,
-            "beam.smp" => groups.rabbitmq += p.own + p.children,
+            // The broker's runtime and its port helper (which runs its disk checks).
+            "beam.smp" | "erl_child_setup" => groups.rabbitmq += p.own + p.children,
             _ if pid == me => {
                 groups.bench += p.own;
                 groups.fleet += p.children;
@@ -101,7 +102,8 @@ impl Sample {
 }
 
 impl Usage {
-    /// Busy, but not in any of the groups: interrupts, the kernel's own threads, other
+    /// Busy, but not in any of the groups: the kernel's own threads (the file system's
+    /// writeback of what PostgreSQL wrote) and interrupts (the loopback network's), other
     /// processes.
     pub fn rest(&self) -> f64 {
         (self.busy - self.postgres - self.fleet - self.bench - self.rabbitmq).max(0.0)

@@ -291,8 +291,12 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         let cpu_before = cpu::sample();
         fleet.start_workers().await?;
         let numbers: Vec<i64> = orders.iter().map(|o| o.number).collect();
-        let (first, last) = effected(&pool, &numbers).await?;
-        let cpu_after = cpu::sample();
+        let Drained {
+            first,
+            last,
+            cpu_unfinished,
+        } = effected(&pool, &numbers).await?;
+        let cpu_after = cpu_unfinished.or_else(cpu::sample);
         let since = |at: chrono::DateTime<chrono::Utc>| {
             (at - started)
                 .to_std()
@@ -772,17 +776,26 @@ fn watch_effects(
     }))
 }
 
+/// What [`effected`] saw: when the first and the last effects were written, and the machine's
+/// CPU counters at the last poll that found the drain unfinished (none if the first poll found
+/// it done), so the drain's CPU is read over a window it kept busy throughout, not one that
+/// ends up to a poll's interval after its last effect.
+struct Drained {
+    first: chrono::DateTime<chrono::Utc>,
+    last: chrono::DateTime<chrono::Utc>,
+    cpu_unfinished: Option<cpu::Sample>,
+}
+
 /// Waits until every order's effect is whole (its sale credit is posted, which only a paid
-/// order has) and returns when the last one was written (its statement's time, the clock the
-/// bench reads too). The polls run beside the work they measure: rare, each asking only for the
-/// orders not seen yet, and the time they notice it is not the time measured.
-async fn effected(
-    pool: &PgPool,
-    numbers: &[i64],
-) -> anyhow::Result<(chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)> {
+/// order has) and returns when the first and last ones were written (their statements' time,
+/// the clock the bench reads too). The polls run beside the work they measure: rare, each
+/// asking only for the orders not seen yet, and the time they notice it is not the time
+/// measured.
+async fn effected(pool: &PgPool, numbers: &[i64]) -> anyhow::Result<Drained> {
     let mut pending: std::collections::HashSet<i64> = numbers.iter().copied().collect();
     let (mut earliest, mut last) = (chrono::Utc::now(), chrono::Utc::now());
     let mut first = true;
+    let mut cpu_unfinished = None;
     loop {
         let asked: Vec<i64> = pending.iter().copied().collect();
         let found: Vec<(i64, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
@@ -805,8 +818,13 @@ async fn effected(
             first = false;
         }
         if pending.is_empty() {
-            return Ok((earliest, last));
+            return Ok(Drained {
+                first: earliest,
+                last,
+                cpu_unfinished,
+            });
         }
+        cpu_unfinished = cpu::sample();
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
