@@ -592,7 +592,9 @@ async fn concurrent_checkouts_number_orders_without_gaps_and_never_pass_a_coupon
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn without_the_payment_side_the_buyer_gets_a_503_and_the_order_waits(pool: PgPool) {
-    let config = test_config();
+    let mut config = test_config();
+    // The buyer waits this long, then hears 503.
+    config.messaging.rpc_timeout = Duration::from_secs(3);
     // Only the order side runs: nobody answers payment-link requests.
     let receiver = Shop {
         app: Arc::new(spawn_app_with(pool.clone(), config.clone()).await),

@@ -37,7 +37,10 @@ pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789-abcdefghij";
 pub fn test_config() -> Config {
     let mut config = Config::from(&[
         ("PAYFLEET_QUEUES", "jobs/queues.toml"),
-        ("PAYFLEET_RPC_TIMEOUT_MS", "3000"),
+        // Patient: the whole suite runs in parallel on two cores, each test with a fleet and
+        // quorum queues of its own, and a payment link took more than 3 s there at times (the
+        // buyer's 503 failed tests that expect the link). A test that times the 503 sets its own.
+        ("PAYFLEET_RPC_TIMEOUT_MS", "10000"),
         ("PAYFLEET_AMQP_QUEUE_TTL_MS", "60000"),
         // Tests step the recurring runs themselves.
         ("PAYFLEET_RECURRING", "off"),
