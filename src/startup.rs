@@ -206,6 +206,8 @@ pub struct Running {
     fleet: Option<FleetHandle>,
     scheduler: Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>,
     broker: Broker,
+    /// The receiver's RPC client (none for a worker).
+    rpc: Option<RpcClient>,
 }
 
 impl Running {
@@ -226,6 +228,12 @@ impl Running {
 
     pub fn broker(&self) -> &Broker {
         &self.broker
+    }
+
+    /// Whether this process's RPC calls could be sent now (a worker has none to send): its
+    /// channel to the broker is set up, with the consumer its answers come back to.
+    pub fn rpc_ready(&self) -> bool {
+        self.rpc.as_ref().is_none_or(RpcClient::is_ready)
     }
 
     /// Runs until `shutdown` resolves (or the server fails), then stops.
@@ -362,6 +370,7 @@ pub fn start(
         fleet: fleet.as_ref().map(FleetHandle::probe),
         database: Default::default(),
     };
+    let mut rpc_client = None;
     let router = if roles.serve {
         let events = EventWriter::start(
             (*pool.connect_options()).clone(),
@@ -373,6 +382,7 @@ pub fn start(
             ..readiness
         };
         let rpc = RpcClient::start(broker.clone(), config.messaging.rpc_timeout);
+        rpc_client = Some(rpc.clone());
         let checkout = Checkout {
             pool: pool.clone(),
             links: Arc::new(rpc::BatchedLinks::start(rpc.clone())),
@@ -460,6 +470,7 @@ pub fn start(
         fleet,
         scheduler,
         broker,
+        rpc: rpc_client,
     })
 }
 

@@ -71,7 +71,7 @@ enum Fleet {
     InProcess {
         app: Box<Config>,
         pool: PgPool,
-        running: Option<startup::Running>,
+        running: Option<Box<startup::Running>>,
     },
     Processes {
         env: Vec<(String, String)>,
@@ -86,7 +86,12 @@ impl Fleet {
     async fn start_workers(&mut self) -> anyhow::Result<()> {
         match self {
             Self::InProcess { app, pool, running } => {
-                *running = Some(startup::start(app, pool.clone(), Roles::WORK, None)?);
+                *running = Some(Box::new(startup::start(
+                    app,
+                    pool.clone(),
+                    Roles::WORK,
+                    None,
+                )?));
             }
             Self::Processes {
                 env,
