@@ -78,6 +78,9 @@ pub struct Config {
     pub consistency: crate::consistency::Settings,
     /// Missed-webhook reconciliation: grace, sessions per gateway per run, pace.
     pub reconcile: crate::payments::reconcile::Settings,
+    /// Batch transactions of payment events a worker process runs at once, when set
+    /// (`PAYFLEET_EVENT_BATCHES`; `payments::batch::BatchSettings::for_process`).
+    pub event_batches: Option<usize>,
 }
 
 /// An operator's token: at least 32 visible characters.
@@ -234,6 +237,7 @@ impl Config {
             ledger: crate::ledger::Settings::from_env(env)?,
             consistency: crate::consistency::Settings::from_env(env)?,
             reconcile: crate::payments::reconcile::Settings::from_env(env)?,
+            event_batches: crate::payments::batch::in_flight_from_env(env)?,
         })
     }
 }
@@ -323,6 +327,31 @@ mod tests {
             config.database_url.expose(),
             "postgres://app:db-password-123@db:5432/payfleet"
         );
+    }
+
+    #[test]
+    fn the_event_batches_in_flight_are_one_to_eight_or_left_to_the_processs_role() {
+        let with = |v: &'static str| {
+            Config::from(&[
+                ("PAYFLEET_EVENT_BATCHES", v),
+                ("PAYFLEET_QUEUES", "jobs/queues.toml"),
+            ])
+        };
+        assert_eq!(with("").unwrap().event_batches, None);
+        assert_eq!(with("1").unwrap().event_batches, Some(1));
+        assert_eq!(with("8").unwrap().event_batches, Some(8));
+        for bad in ["0", "9", "two", "-1"] {
+            let e = with(bad).unwrap_err().to_string();
+            assert!(
+                e.starts_with("PAYFLEET_EVENT_BATCHES is not valid"),
+                "{bad}: {e}"
+            );
+        }
+        use crate::payments::batch::BatchSettings;
+        assert_eq!(BatchSettings::for_process(None, false).in_flight, 1);
+        assert_eq!(BatchSettings::for_process(None, true).in_flight, 2);
+        assert_eq!(BatchSettings::for_process(Some(3), false).in_flight, 3);
+        assert_eq!(BatchSettings::for_process(Some(1), true).in_flight, 1);
     }
 
     #[test]

@@ -205,8 +205,12 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let receiver = startup::start(&app, pool.clone(), Roles::SERVE, Some(listener))?;
+        // The workers in the bench's process are the whole fleet, as `up` runs it: two
+        // batches in flight unless set (`payments::batch::BatchSettings::for_process`).
+        let mut workers = app.clone();
+        workers.event_batches.get_or_insert(2);
         let fleet = Fleet::InProcess {
-            app: Box::new(app.clone()),
+            app: Box::new(workers),
             pool: pool.clone(),
             running: None,
         };
@@ -318,7 +322,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         );
         report_usage(
             &format!("effects_{name}"),
-            cpu_before.zip(cpu_after).map(|(b, a)| a.since(&b)),
+            cpu::between(cpu_before, cpu_after),
             &mut lines,
         );
         phase.finish_and_clear();
@@ -373,11 +377,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
                 percentile(times, 0.99)
             );
         }
-        report_usage(
-            "paced",
-            cpu_before.zip(cpu_after).map(|(b, a)| a.since(&b)),
-            &mut lines,
-        );
+        report_usage("paced", cpu::between(cpu_before, cpu_after), &mut lines);
         lines.push(format!("e2e_paced_per_s={pace:.0}"));
         lines.push(format!(
             "e2e_receipt_to_effect_p50_ms={:.1}",
@@ -890,14 +890,14 @@ async fn tpc_b(
         url,
     )
     .await?;
-    let usage = before.zip(cpu::sample()).map(|(b, a)| a.since(&b));
+    let usage = cpu::between(before, cpu::sample());
     Ok((tps, usage))
 }
 
 /// Prints where the machine's CPU went in `phase` since `before`, and adds its busy share to
 /// the result lines.
 fn report_cpu(phase: &str, before: Option<cpu::Sample>, lines: &mut Vec<String>) {
-    let usage = before.zip(cpu::sample()).map(|(b, a)| a.since(&b));
+    let usage = cpu::between(before, cpu::sample());
     report_usage(phase, usage, lines);
 }
 

@@ -66,6 +66,35 @@ impl Default for BatchSettings {
     }
 }
 
+impl BatchSettings {
+    /// The settings of a process: `in_flight` as set (`PAYFLEET_EVENT_BATCHES`), else one when
+    /// the process is a worker among others and two when it is the whole fleet (`up`). The
+    /// batches of a fleet meet on the same sellers' accounts, so what counts is how many the
+    /// fleet runs at once: two let one batch read and write while the other posts and commits;
+    /// more wait on each other's postings with their events held (README, "Batches in flight
+    /// across the fleet").
+    pub fn for_process(set: Option<usize>, whole_fleet: bool) -> Self {
+        Self {
+            in_flight: set.unwrap_or(if whole_fleet { 2 } else { 1 }),
+            ..Self::default()
+        }
+    }
+}
+
+/// `PAYFLEET_EVENT_BATCHES`: batch transactions of payment events one worker process runs at
+/// once (1 to 8; unset: [`BatchSettings::for_process`] decides).
+pub fn in_flight_from_env(env: &dyn crate::env::Env) -> Result<Option<usize>, crate::env::Invalid> {
+    const NAME: &str = "PAYFLEET_EVENT_BATCHES";
+    if crate::env::var(env, NAME).is_none() {
+        return Ok(None);
+    }
+    let n = crate::env::parsed(env, NAME, 0usize)?;
+    if !(1..=8).contains(&n) {
+        return Err(crate::env::invalid(NAME, "must be 1 to 8"));
+    }
+    Ok(Some(n))
+}
+
 /// What became of an event handed to the batcher.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Handled {
