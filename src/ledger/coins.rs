@@ -47,6 +47,18 @@ pub enum CoinError {
     Database(#[from] sqlx::Error),
 }
 
+impl CoinError {
+    /// An outage, in the coins' own statements or in their ledger postings: the same step may
+    /// succeed later. Everything else is a property of the request.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Database(e) => crate::db::is_transient(e),
+            Self::Ledger(e) => e.is_transient(),
+            _ => false,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Wallet {
     pub buyer_id: String,

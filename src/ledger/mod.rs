@@ -163,6 +163,14 @@ pub enum LedgerError {
     Database(#[from] sqlx::Error),
 }
 
+impl LedgerError {
+    /// An outage (a lost connection, a deadlock, a restart): the same posting may succeed
+    /// later. A refusal of the ledger's rules is not one.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::Database(e) if crate::db::is_transient(e))
+    }
+}
+
 /// The id of an account, created at zero if new.
 pub async fn account(tx: &mut PgConnection, a: &AccountRef) -> Result<i64, sqlx::Error> {
     let ids = accounts(tx, std::slice::from_ref(a)).await?;

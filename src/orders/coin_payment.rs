@@ -114,10 +114,19 @@ impl Worker<SettleCoins> for CoinSettler {
                 tracing::info!(reservation = %job.reservation_id, %state, "coin reservation settled");
                 Ok(())
             }
-            Err(coins::CoinError::Database(e)) => Err(e.into()),
-            // Approving what was released (or the reverse) is a bug to look at, never retried.
-            Err(e) => Err(JobError::fail(e)),
+            Err(e) => Err(settle_error(e)),
         }
+    }
+}
+
+/// An outage, in the reservation's statements or in the ledger's posting (a connection ended
+/// under the job once discarded it: the soak, seed 16305071602730530984), is retried; approving
+/// what was released (or the reverse) is a bug to look at, never retried.
+fn settle_error(e: coins::CoinError) -> JobError {
+    if e.is_transient() {
+        JobError::retry(e)
+    } else {
+        JobError::fail(e)
     }
 }
 
@@ -270,4 +279,37 @@ pub async fn give_back(tx: &mut PgConnection, order_id: i64) -> Result<(), Queue
         SettleCoins::enqueue(tx, reservation_id, false).await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::AccountKind;
+
+    #[test]
+    fn a_settlement_is_retried_after_an_outage_even_inside_its_ledger_posting() {
+        let outage = || sqlx::Error::PoolTimedOut;
+        for e in [
+            coins::CoinError::Database(outage()),
+            coins::CoinError::Ledger(LedgerError::Database(outage())),
+        ] {
+            assert!(
+                matches!(settle_error(e), JobError::Retry { .. }),
+                "an outage must be retried"
+            );
+        }
+        for e in [
+            coins::CoinError::UnknownReservation("r-1".into()),
+            coins::CoinError::Ledger(LedgerError::Insufficient {
+                kind: AccountKind::CoinsReserved,
+                owner: "buyer-1".into(),
+            }),
+            coins::CoinError::Ledger(LedgerError::Database(sqlx::Error::RowNotFound)),
+        ] {
+            assert!(
+                matches!(settle_error(e), JobError::Fail(_)),
+                "a refusal is failed for good"
+            );
+        }
+    }
 }

@@ -145,7 +145,7 @@ impl ProcessError {
             Self::Database(e) | Self::Queue(QueueError::Database(e)) => crate::db::is_transient(e),
             Self::MercadoPago(e) => e.is_transient(),
             Self::Gateway(e) => e.is_transient(),
-            Self::Ledger(crate::ledger::LedgerError::Database(e)) => crate::db::is_transient(e),
+            Self::Ledger(e) => e.is_transient(),
             Self::Renewal(crate::orders::subscriptions::ReportError::Queue(
                 QueueError::Database(e),
             )) => crate::db::is_transient(e),

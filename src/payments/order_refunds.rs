@@ -533,9 +533,60 @@ impl CarryOutRefund {
             Err(RefundError::GatewayDisabled(g)) => Err(JobError::retry(format!(
                 "gateway {g} is not enabled in this worker; the refund waits for one that has it"
             ))),
-            Err(RefundError::Database(e)) => Err(e.into()),
-            Err(RefundError::Record(e)) if e.is_transient() => Err(JobError::retry(e)),
-            Err(e) => Err(JobError::fail(e)),
+            Err(e) => Err(carry_out_error(e)),
+        }
+    }
+}
+
+/// An outage (the database's, in the refund's own statements, its coins, its ledger posting or
+/// its queue's) is retried; anything else is a property of the refund and fails it for good.
+fn carry_out_error(e: RefundError) -> JobError {
+    let transient = match &e {
+        RefundError::Database(e) | RefundError::Queue(QueueError::Database(e)) => {
+            crate::db::is_transient(e)
+        }
+        RefundError::Record(e) => e.is_transient(),
+        RefundError::Coins(e) => e.is_transient(),
+        _ => false,
+    };
+    if transient {
+        JobError::retry(e)
+    } else {
+        JobError::fail(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::LedgerError;
+
+    #[test]
+    fn a_refund_is_retried_after_an_outage_wherever_it_met_it() {
+        let outage = || sqlx::Error::PoolTimedOut;
+        for e in [
+            RefundError::Database(outage()),
+            RefundError::Queue(QueueError::Database(outage())),
+            RefundError::Record(ProcessError::Database(outage())),
+            RefundError::Coins(CoinError::Database(outage())),
+            RefundError::Coins(CoinError::Ledger(LedgerError::Database(outage()))),
+        ] {
+            let shown = e.to_string();
+            assert!(
+                matches!(carry_out_error(e), JobError::Retry { .. }),
+                "{shown}: an outage must be retried"
+            );
+        }
+        for e in [
+            RefundError::KeyReused,
+            RefundError::Coins(CoinError::UnknownReservation("r-1".into())),
+            RefundError::Database(sqlx::Error::RowNotFound),
+        ] {
+            let shown = e.to_string();
+            assert!(
+                matches!(carry_out_error(e), JobError::Fail(_)),
+                "{shown}: a refusal is failed for good"
+            );
         }
     }
 }
