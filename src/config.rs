@@ -330,7 +330,7 @@ mod tests {
     }
 
     #[test]
-    fn the_event_batches_in_flight_are_one_to_eight_or_left_to_the_processs_role() {
+    fn the_event_batches_in_flight_are_one_to_eight_or_two() {
         let with = |v: &'static str| {
             Config::from(&[
                 ("PAYFLEET_EVENT_BATCHES", v),
@@ -348,10 +348,9 @@ mod tests {
             );
         }
         use crate::payments::batch::BatchSettings;
-        assert_eq!(BatchSettings::for_process(None, false).in_flight, 1);
-        assert_eq!(BatchSettings::for_process(None, true).in_flight, 2);
-        assert_eq!(BatchSettings::for_process(Some(3), false).in_flight, 3);
-        assert_eq!(BatchSettings::for_process(Some(1), true).in_flight, 1);
+        assert_eq!(BatchSettings::for_process(None).in_flight, 2);
+        assert_eq!(BatchSettings::for_process(Some(1)).in_flight, 1);
+        assert_eq!(BatchSettings::for_process(Some(3)).in_flight, 3);
     }
 
     #[test]

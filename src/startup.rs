@@ -92,22 +92,20 @@ pub fn gateways(
         .clients(pool, &config.public_url, Arc::new(QueueSink))?)
 }
 
-/// Every job kind this fleet runs: each context registers its own kinds with their workers
-/// (those of a worker among others: [`BatchSettings::for_process`]).
+/// Every job kind this fleet runs: each context registers its own kinds with their workers.
 pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
-    registry_with(config, pool, Telemetry::default(), Roles::WORK)
+    registry_with(config, pool, Telemetry::default())
 }
 
-/// [`registry`] for a process of `roles`, its workers measured in `telemetry`.
+/// [`registry`], its workers measured in `telemetry`.
 pub fn registry_with(
     config: &Config,
     pool: &PgPool,
     telemetry: Telemetry,
-    roles: Roles,
 ) -> anyhow::Result<Registry> {
     let (gateways, hosted) = gateways(config, pool)?;
     let processor = Arc::new(processor(config, gateways.clone(), telemetry)?);
-    let batches = BatchSettings::for_process(config.event_batches, roles.serve && roles.work);
+    let batches = BatchSettings::for_process(config.event_batches);
     let batcher = Batcher::start(pool.clone(), processor, batches);
     let deliverer = Deliverer::new(pool.clone(), config.gateways.hosted.targets())
         .context("cannot build the event deliverer")?;
@@ -321,7 +319,7 @@ pub fn start(
         };
         let fleet = Fleet::new(
             pool.clone(),
-            registry_with(config, &pool, telemetry.clone(), roles)?,
+            registry_with(config, &pool, telemetry.clone())?,
             config.queues.clone(),
             &config.host_name,
         )

@@ -205,12 +205,8 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let receiver = startup::start(&app, pool.clone(), Roles::SERVE, Some(listener))?;
-        // The workers in the bench's process are the whole fleet, as `up` runs it: two
-        // batches in flight unless set (`payments::batch::BatchSettings::for_process`).
-        let mut workers = app.clone();
-        workers.event_batches.get_or_insert(2);
         let fleet = Fleet::InProcess {
-            app: Box::new(workers),
+            app: Box::new(app.clone()),
             pool: pool.clone(),
             running: None,
         };

@@ -67,22 +67,23 @@ impl Default for BatchSettings {
 }
 
 impl BatchSettings {
-    /// The settings of a process: `in_flight` as set (`PAYFLEET_EVENT_BATCHES`), else one when
-    /// the process is a worker among others and two when it is the whole fleet (`up`). The
-    /// batches of a fleet meet on the same sellers' accounts, so what counts is how many the
-    /// fleet runs at once: two let one batch read and write while the other posts and commits;
-    /// more wait on each other's postings with their events held (README, "Batches in flight
-    /// across the fleet").
-    pub fn for_process(set: Option<usize>, whole_fleet: bool) -> Self {
+    /// The settings of a worker process: `in_flight` as set (`PAYFLEET_EVENT_BATCHES`), else
+    /// two. The batches of every worker post to the same sellers' accounts one after the
+    /// other: two in a process let one read and write while the other posts and commits. A
+    /// fleet of several workers may run one each, which in the measurements shortened receipt
+    /// to effect at half the target rate and cost some of a backlog's drain (README, "Batches in
+    /// flight across the fleet").
+    pub fn for_process(set: Option<usize>) -> Self {
+        let default = Self::default();
         Self {
-            in_flight: set.unwrap_or(if whole_fleet { 2 } else { 1 }),
-            ..Self::default()
+            in_flight: set.unwrap_or(default.in_flight),
+            ..default
         }
     }
 }
 
 /// `PAYFLEET_EVENT_BATCHES`: batch transactions of payment events one worker process runs at
-/// once (1 to 8; unset: [`BatchSettings::for_process`] decides).
+/// once (1 to 8; unset: two, [`BatchSettings::for_process`]).
 pub fn in_flight_from_env(env: &dyn crate::env::Env) -> Result<Option<usize>, crate::env::Invalid> {
     const NAME: &str = "PAYFLEET_EVENT_BATCHES";
     if crate::env::var(env, NAME).is_none() {
