@@ -59,6 +59,14 @@ impl CoinError {
     }
 }
 
+/// A coin step in a job: an outage is retried; approving what was released (or the reverse),
+/// or any other refusal, is a bug to look at, never retried.
+impl From<CoinError> for payfleet_queue::JobError {
+    fn from(e: CoinError) -> Self {
+        Self::retry_if(e.is_transient(), e)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Wallet {
     pub buyer_id: String,

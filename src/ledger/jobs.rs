@@ -7,21 +7,12 @@ use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 use sqlx::PgPool;
 
-use super::{LedgerError, invoices, payouts, sales};
+use super::{invoices, payouts, sales};
 use payfleet_queue::JobError;
-
-fn job_error(e: LedgerError) -> JobError {
-    match e {
-        LedgerError::Database(e) => e.into(),
-        other => JobError::fail(other),
-    }
-}
 
 /// Moves matured sales from pending to available.
 pub async fn release(pool: PgPool, _period: DateTime<Tz>) -> Result<(), JobError> {
-    let released = sales::release_matured(&pool, Utc::now())
-        .await
-        .map_err(job_error)?;
+    let released = sales::release_matured(&pool, Utc::now()).await?;
     if released > 0 {
         tracing::info!(released, "matured sales released to available");
     }
@@ -34,7 +25,7 @@ pub async fn payouts(pool: PgPool, period: DateTime<Tz>) -> Result<(), JobError>
         .await
         .map_err(|e| match e {
             payouts::PayoutError::Database(e) => e.into(),
-            payouts::PayoutError::Ledger(e) => job_error(e),
+            payouts::PayoutError::Ledger(e) => e.into(),
             other => JobError::fail(other),
         })?;
     tracing::info!(payouts = made.len(), "payout run done");

@@ -171,6 +171,12 @@ impl LedgerError {
     }
 }
 
+impl From<LedgerError> for payfleet_queue::JobError {
+    fn from(e: LedgerError) -> Self {
+        Self::retry_if(e.is_transient(), e)
+    }
+}
+
 /// The id of an account, created at zero if new.
 pub async fn account(tx: &mut PgConnection, a: &AccountRef) -> Result<i64, sqlx::Error> {
     let ids = accounts(tx, std::slice::from_ref(a)).await?;

@@ -114,19 +114,10 @@ impl Worker<SettleCoins> for CoinSettler {
                 tracing::info!(reservation = %job.reservation_id, %state, "coin reservation settled");
                 Ok(())
             }
-            Err(e) => Err(settle_error(e)),
+            // An outage, even inside the ledger's posting, is retried (a connection ended
+            // under the job once discarded it: the soak, seed 16305071602730530984).
+            Err(e) => Err(e.into()),
         }
-    }
-}
-
-/// An outage, in the reservation's statements or in the ledger's posting (a connection ended
-/// under the job once discarded it: the soak, seed 16305071602730530984), is retried; approving
-/// what was released (or the reverse) is a bug to look at, never retried.
-fn settle_error(e: coins::CoinError) -> JobError {
-    if e.is_transient() {
-        JobError::retry(e)
-    } else {
-        JobError::fail(e)
     }
 }
 
@@ -294,7 +285,7 @@ mod tests {
             coins::CoinError::Ledger(LedgerError::Database(outage())),
         ] {
             assert!(
-                matches!(settle_error(e), JobError::Retry { .. }),
+                matches!(JobError::from(e), JobError::Retry { .. }),
                 "an outage must be retried"
             );
         }
@@ -307,7 +298,7 @@ mod tests {
             coins::CoinError::Ledger(LedgerError::Database(sqlx::Error::RowNotFound)),
         ] {
             assert!(
-                matches!(settle_error(e), JobError::Fail(_)),
+                matches!(JobError::from(e), JobError::Fail(_)),
                 "a refusal is failed for good"
             );
         }

@@ -156,11 +156,7 @@ impl ProcessError {
 
 impl From<ProcessError> for JobError {
     fn from(e: ProcessError) -> Self {
-        if e.is_transient() {
-            JobError::retry(e)
-        } else {
-            JobError::fail(e)
-        }
+        JobError::retry_if(e.is_transient(), e)
     }
 }
 

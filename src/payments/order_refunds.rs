@@ -549,11 +549,7 @@ fn carry_out_error(e: RefundError) -> JobError {
         RefundError::Coins(e) => e.is_transient(),
         _ => false,
     };
-    if transient {
-        JobError::retry(e)
-    } else {
-        JobError::fail(e)
-    }
+    JobError::retry_if(transient, e)
 }
 
 #[cfg(test)]

@@ -449,6 +449,16 @@ impl JobError {
     pub fn fail(source: impl Into<BoxError>) -> Self {
         Self::Fail(source.into())
     }
+
+    /// Retried when `transient` (an outage: the same run may succeed later), failed for good
+    /// otherwise: the one rule for an error type that knows which of its cases are outages.
+    pub fn retry_if(transient: bool, source: impl Into<BoxError>) -> Self {
+        if transient {
+            Self::retry(source)
+        } else {
+            Self::fail(source)
+        }
+    }
 }
 
 /// A database error inside a job is retried with backoff when it is an outage
@@ -456,11 +466,7 @@ impl JobError {
 /// again, so the job fails at once, keeping the error for an operator.
 impl From<sqlx::Error> for JobError {
     fn from(e: sqlx::Error) -> Self {
-        if crate::pg::is_transient(&e) {
-            Self::retry(e)
-        } else {
-            Self::fail(e)
-        }
+        Self::retry_if(crate::pg::is_transient(&e), e)
     }
 }
 
