@@ -941,9 +941,15 @@ async fn batch(pool: &PgPool, sessions: &[&str]) -> Vec<bool> {
         .iter()
         .map(|id| (GatewayName::Internal, id.as_str()))
         .collect();
-    payfleet::payments::batch::process_batch(pool, None, &events, &[], None)
-        .await
-        .unwrap()
+    payfleet::payments::batch::process_batch(
+        &mut pool.acquire().await.unwrap(),
+        None,
+        &events,
+        &[],
+        None,
+    )
+    .await
+    .unwrap()
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -1224,7 +1230,7 @@ async fn an_event_that_fails_its_batch_is_processed_alone_and_holds_up_no_other(
         .unwrap();
     assert!(
         payfleet::payments::batch::process_batch(
-            &pool,
+            &mut pool.acquire().await.unwrap(),
             None,
             &[
                 (GatewayName::Internal, "msg_ok1"),
