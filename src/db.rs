@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use sqlx::migrate::Migrator;
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, PgPool};
+use sqlx::{ConnectOptions, Connection, PgPool, Postgres};
 
 pub use payfleet_queue::pg::{UnknownValue, is_transient};
 
@@ -53,6 +54,47 @@ const MOVED_TO_QUEUE: [i64; 15] = [1, 5, 9, 20, 21, 22, 23, 24, 25, 26, 27, 28, 
 /// Migration 0006 held a part of the queue's schema, which moved with it: a database migrated
 /// before records the file's checksum from before the move, which is its current one's equal.
 const MIGRATION_6_BEFORE_THE_MOVE: &str = "a85bc02d0250c7206245d96a2a12c742c4a0a6d281e1e3fb2e3e6440cfd5ca3e216c6b0c3a90cf02a3e0cedba9d84bd5";
+
+/// Connections a busy loop keeps from one of its transactions to the next, the last one given
+/// back being the next one taken. The pool hands out its oldest idle connection, so a loop that
+/// takes one per transaction goes round every connection its process opened, and each new
+/// backend pays once for what a backend that ran those statements before does not: the
+/// catalogue read for their tables, the statements and PL/pgSQL parsed and planned, the shared
+/// buffers mapped page by page (a worker started on a backlog ran its first 25 batches of
+/// payment events on 16 backends). A loop keeps at most what it would hold at once anyway
+/// (one per transaction in flight), and gives them back ([`Kept::release`]) once idle; a
+/// connection whose transaction failed is not put back, and the pool checks it before handing
+/// it out again.
+#[derive(Clone, Default)]
+pub struct Kept(std::sync::Arc<std::sync::Mutex<Vec<PoolConnection<Postgres>>>>);
+
+impl Kept {
+    /// The connection put back last, else one of the pool's.
+    pub async fn take(&self, pool: &PgPool) -> Result<PoolConnection<Postgres>, sqlx::Error> {
+        let kept = self.lock().pop();
+        match kept {
+            Some(conn) => Ok(conn),
+            None => pool.acquire().await,
+        }
+    }
+
+    /// Keeps `conn` for the next [`Kept::take`].
+    pub fn put(&self, conn: PoolConnection<Postgres>) {
+        self.lock().push(conn);
+    }
+
+    /// Gives every kept connection back to the pool.
+    pub fn release(&self) {
+        self.lock().clear();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<PoolConnection<Postgres>>> {
+        // A panic while holding the lock leaves a plain Vec behind: still usable.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
 
 /// Opens the pool, creating the database first if the server does not have it.
 pub async fn connect(database_url: &SecretUrl, max_connections: u32) -> anyhow::Result<PgPool> {
@@ -257,5 +299,55 @@ pub fn constraint(e: &sqlx::Error) -> Option<&str> {
     match e {
         sqlx::Error::Database(db) => db.constraint(),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sqlx::PgConnection;
+
+    async fn backend(conn: &mut PgConnection) -> i32 {
+        sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(conn)
+            .await
+            .unwrap()
+    }
+
+    #[sqlx::test]
+    async fn the_next_take_gets_the_connection_given_back_last(pool: PgPool) {
+        let kept = Kept::default();
+        let (mut first, mut second) = (
+            kept.take(&pool).await.unwrap(),
+            kept.take(&pool).await.unwrap(),
+        );
+        let (a, b) = (backend(&mut first).await, backend(&mut second).await);
+        assert_ne!(a, b, "two transactions at once, two connections");
+        kept.put(first);
+        kept.put(second);
+        // The pool would hand out its oldest idle connection; `Kept`, the last given back.
+        let mut next = kept.take(&pool).await.unwrap();
+        assert_eq!(backend(&mut next).await, b);
+        let mut after = kept.take(&pool).await.unwrap();
+        assert_eq!(backend(&mut after).await, a);
+        assert_eq!(pool.size(), 2, "no connection opened for them");
+    }
+
+    #[sqlx::test]
+    async fn released_connections_go_back_to_the_pool(pool: PgPool) {
+        let kept = Kept::default();
+        let conn = kept.take(&pool).await.unwrap();
+        kept.put(conn);
+        assert_eq!(pool.num_idle(), 0, "kept out of the pool while kept");
+        kept.release();
+        // The pool takes it back on its own task.
+        for _ in 0..100 {
+            if pool.num_idle() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(pool.num_idle(), 1);
+        assert!(kept.lock().is_empty());
     }
 }

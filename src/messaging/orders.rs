@@ -35,6 +35,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 
 use super::Broker;
+use crate::db::Kept;
 use crate::telemetry::MessageEvent;
 
 /// Which service's queue takes which routing keys: `service=pattern,pattern;service=...`.
@@ -244,10 +245,10 @@ enum RelayError {
 async fn relay_batch(
     channel: &Channel,
     broker: &Broker,
-    pool: &PgPool,
+    conn: &mut PgConnection,
     outbox: &impl Outbox,
 ) -> Result<usize, RelayError> {
-    let mut tx = pool.begin().await?;
+    let mut tx = sqlx::Connection::begin(conn).await?;
     let rows = outbox.take(&mut tx, BATCH).await?;
     if rows.is_empty() {
         return Ok(0);
@@ -370,10 +371,21 @@ async fn relay_until_stopped(
                 continue;
             }
         };
+        // While messages keep coming, each batch on the connection the last one used.
+        let kept = Kept::default();
         loop {
-            match relay_batch(&channel, &broker, &pool, outbox).await {
+            let batch = async {
+                let mut conn = kept.take(&pool).await?;
+                let published = relay_batch(&channel, &broker, &mut conn, outbox).await?;
+                if published > 0 {
+                    kept.put(conn);
+                }
+                Ok::<_, RelayError>(published)
+            };
+            match batch.await {
                 Ok(0) => {
                     failures = 0;
+                    kept.release();
                     tokio::time::sleep(idle).await;
                 }
                 Ok(n) => {

@@ -26,12 +26,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::pool::PoolConnection;
-use sqlx::{PgConnection, PgPool, Postgres};
+use sqlx::{PgConnection, PgPool};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::apply::{key_name, keys_of, lock_key_names, wake_waiting_many};
 use super::{EventOutcome, ProcessError, Processed, Processor};
+use crate::db::Kept;
 use crate::gateways::{self, Fact, GatewayName, Interpretation, PaymentStatus};
 use crate::ledger::sales::Channel;
 use crate::money::Money;
@@ -202,7 +202,8 @@ impl Worker<ProcessPaymentEvent> for Batcher {
 /// waits for nothing.
 ///
 /// While events keep coming, each batch runs on a connection a batch used before
-/// ([`Spare`]), not on the pool's next one: the pool hands its idle connections out in turn,
+/// ([`Kept`]: at most one per batch in flight, given back to the pool after [`KEPT_IDLE`]
+/// without events), not on the pool's next one: the pool hands its idle connections out in turn,
 /// and a worker started on a backlog ran its first 25 batches on 16 backends, each paying for
 /// its first statements (the catalogue read, the statements parsed and planned, PostgreSQL's
 /// shared memory mapped page by page) what a backend that ran them before does not.
@@ -213,7 +214,7 @@ async fn batch_loop(
     max: usize,
     in_flight: Arc<Semaphore>,
 ) {
-    let spare = Spare::default();
+    let kept = Kept::default();
     loop {
         let Ok(permit) = in_flight.clone().acquire_owned().await else {
             return;
@@ -221,11 +222,11 @@ async fn batch_loop(
         let mut batch = Vec::with_capacity(max);
         // `recv_many` is cancel safe: nothing is lost when the wait times out.
         let received =
-            match tokio::time::timeout(SPARE_IDLE, requests.recv_many(&mut batch, max)).await {
+            match tokio::time::timeout(KEPT_IDLE, requests.recv_many(&mut batch, max)).await {
                 Ok(n) => n,
                 Err(_) => {
                     // No events for a while: the connections go back to the pool.
-                    spare.release();
+                    kept.release();
                     requests.recv_many(&mut batch, max).await
                 }
             };
@@ -239,7 +240,7 @@ async fn batch_loop(
         if room > 0 && !requests.is_empty() {
             requests.recv_many(&mut batch, room).await;
         }
-        let (pool, processor, spare) = (pool.clone(), processor.clone(), spare.clone());
+        let (pool, processor, kept) = (pool.clone(), processor.clone(), kept.clone());
         // A panic in the batch drops its replies: each job then processes its event alone.
         tokio::spawn(async move {
             let events: Vec<(GatewayName, &str)> = batch
@@ -247,7 +248,7 @@ async fn batch_loop(
                 .map(|r| (r.gateway, r.event_id.as_str()))
                 .collect();
             let traces: Vec<Option<String>> = batch.iter().map(|r| r.traceparent.clone()).collect();
-            let outcome = match spare.take(&pool).await {
+            let outcome = match kept.take(&pool).await {
                 Ok(mut conn) => {
                     let outcome = process_batch(
                         &mut conn,
@@ -260,7 +261,7 @@ async fn batch_loop(
                     // A connection that failed its batch goes back to the pool, which
                     // checks it before handing it out again.
                     if outcome.is_ok() {
-                        spare.put(conn);
+                        kept.put(conn);
                     }
                     outcome
                 }
@@ -282,39 +283,7 @@ async fn batch_loop(
 }
 
 /// How long the batcher keeps its connections without events to process.
-const SPARE_IDLE: Duration = Duration::from_secs(1);
-
-/// The connections batches ran on, kept for the next batches while events keep coming (the
-/// last one put back is the next one taken). At most one per batch in flight: a batch takes
-/// one before it starts and puts it back after, so the batcher never holds more connections
-/// than its batches in flight did, and holds none after [`SPARE_IDLE`] without events.
-#[derive(Clone, Default)]
-struct Spare(Arc<std::sync::Mutex<Vec<PoolConnection<Postgres>>>>);
-
-impl Spare {
-    async fn take(&self, pool: &PgPool) -> Result<PoolConnection<Postgres>, sqlx::Error> {
-        let kept = self.lock().pop();
-        match kept {
-            Some(conn) => Ok(conn),
-            None => pool.acquire().await,
-        }
-    }
-
-    fn put(&self, conn: PoolConnection<Postgres>) {
-        self.lock().push(conn);
-    }
-
-    fn release(&self) {
-        self.lock().clear();
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<PoolConnection<Postgres>>> {
-        // A panic while holding the lock leaves a plain Vec behind: still usable.
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
+const KEPT_IDLE: Duration = Duration::from_secs(1);
 
 /// A webhook the batch can apply: the first success of a session, with its amount.
 struct Candidate {
@@ -603,53 +572,4 @@ async fn record_applied(
     .bind(EventOutcome::Applied)
     .fetch_all(&mut *tx)
     .await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    async fn backend(conn: &mut PgConnection) -> i32 {
-        sqlx::query_scalar("SELECT pg_backend_pid()")
-            .fetch_one(conn)
-            .await
-            .unwrap()
-    }
-
-    #[sqlx::test]
-    async fn the_next_batch_runs_on_the_connection_the_last_one_gave_back(pool: PgPool) {
-        let spare = Spare::default();
-        let (mut first, mut second) = (
-            spare.take(&pool).await.unwrap(),
-            spare.take(&pool).await.unwrap(),
-        );
-        let (a, b) = (backend(&mut first).await, backend(&mut second).await);
-        assert_ne!(a, b, "two batches at once, two connections");
-        spare.put(first);
-        spare.put(second);
-        // The pool would hand out its oldest idle connection; the spare, the last given back.
-        let mut next = spare.take(&pool).await.unwrap();
-        assert_eq!(backend(&mut next).await, b);
-        let mut after = spare.take(&pool).await.unwrap();
-        assert_eq!(backend(&mut after).await, a);
-        assert_eq!(pool.size(), 2, "no connection opened for them");
-    }
-
-    #[sqlx::test]
-    async fn released_connections_go_back_to_the_pool(pool: PgPool) {
-        let spare = Spare::default();
-        let conn = spare.take(&pool).await.unwrap();
-        spare.put(conn);
-        assert_eq!(pool.num_idle(), 0, "kept out of the pool while kept");
-        spare.release();
-        // The pool takes it back on its own task.
-        for _ in 0..100 {
-            if pool.num_idle() == 1 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(pool.num_idle(), 1);
-        assert!(spare.lock().is_empty());
-    }
 }

@@ -209,7 +209,7 @@ pub(crate) async fn fetch(
         let claim_sent = Instant::now();
         last_claim = Some(claim_sent);
         let result = store::claim(
-            &shared.pool,
+            &shared.claims,
             queue,
             want as i64,
             fleet.lease(),
@@ -307,7 +307,7 @@ pub(crate) async fn fetch(
             }
             continue;
         }
-        let nap = match store::next_due_in(&shared.pool, queue).await {
+        let nap = match store::next_due_in(&shared.claims, queue).await {
             Ok(Some(due)) => due.min(fleet.poll_interval()),
             Ok(None) => fleet.poll_interval(),
             Err(e) => {

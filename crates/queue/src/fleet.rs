@@ -166,10 +166,17 @@ impl Fleet {
             .max_connections(4)
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with((*pool.connect_options()).clone());
+        // A queue's claimers take turns (one claim of a queue at a time): one connection per
+        // queue, so no claim ever waits for one.
+        let claims = PgPoolOptions::new()
+            .max_connections(u32::try_from(config.queues.len().max(1)).unwrap_or(u32::MAX))
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with((*pool.connect_options()).clone());
         let (paused_tx, paused) = watch::channel(Arc::new(std::collections::HashSet::new()));
         let paused_tx = Arc::new(paused_tx);
         let shared = Arc::new(Shared {
             pool,
+            claims,
             control,
             registry,
             config,

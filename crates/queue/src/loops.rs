@@ -14,8 +14,12 @@ use super::registry::Registry;
 
 /// What the fleet's loops share.
 pub(crate) struct Shared {
-    /// Claims and the jobs themselves.
+    /// The jobs themselves.
     pub pool: PgPool,
+    /// Claims (and the next due time of an empty queue), at most one per queue at once: on
+    /// connections of their own, a few that stay warm, rather than whichever of the jobs' pool
+    /// comes next (each new backend parses and plans the claim, and compiles its walk, anew).
+    pub claims: PgPool,
     /// The fleet's own bookkeeping (listener, completions, lease renewals, rescue, pruning), on
     /// connections of its own: busy handlers must never starve the renewals, or leases would
     /// expire under running jobs and another worker would run them a second time.

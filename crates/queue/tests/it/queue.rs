@@ -1548,3 +1548,63 @@ async fn a_paused_queue_waits_until_it_is_resumed(pool: PgPool) {
     assert!(admin::paused(&pool).await.unwrap().is_empty());
     handle.shutdown().await;
 }
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct HoldConnection {
+    ms: u64,
+}
+
+impl Job for HoldConnection {
+    const KIND: &'static str = "hold_connection";
+    const QUEUE: &'static str = "slow";
+    const MAX_ATTEMPTS: i32 = 1;
+}
+
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn a_queue_claims_while_another_queues_jobs_hold_every_connection_of_the_pool(pool: PgPool) {
+    // The fleet's pool: two connections, both taken by the slow queue's jobs for 3 s.
+    let jobs_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut registry = recording(seen.clone());
+    registry
+        .register::<HoldConnection, _, _>(|ctx: JobContext, job: HoldConnection| async move {
+            let mut conn = ctx.pool.acquire().await.map_err(JobError::retry)?;
+            sqlx::query("SELECT 1")
+                .execute(&mut *conn)
+                .await
+                .map_err(JobError::retry)?;
+            tokio::time::sleep(Duration::from_millis(job.ms)).await;
+            Ok(())
+        })
+        .unwrap();
+    let config = QueuesConfig::parse(
+        "[fleet]\npoll_interval_ms = 100\n[queues.slow]\nconcurrency = 2\ntimeout_ms = 10000\n[queues.test]\nconcurrency = 2\ntimeout_ms = 10000\n",
+        "t",
+    )
+    .unwrap();
+    for _ in 0..2 {
+        queue::enqueue(&pool, NewJob::of(&HoldConnection { ms: 3_000 }).unwrap())
+            .await
+            .unwrap();
+    }
+    let fleet = Fleet::new(jobs_pool.clone(), registry, config, "test").start();
+    wait_running(&pool, 2).await;
+    // Both connections are held (a job has taken its own once it runs its statement).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(jobs_pool.num_idle(), 0, "the slow jobs hold the whole pool");
+    queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap())
+        .await
+        .unwrap();
+    // Claimed on the claims' own connections: it runs long before the slow jobs end.
+    crate::wait_for(
+        "the other queue's job",
+        Duration::from_secs(1),
+        async || seen.lock().unwrap().contains(&1),
+    )
+    .await;
+    fleet.shutdown().await;
+}
