@@ -132,6 +132,7 @@ impl Batcher {
             pool,
             processor.clone(),
             requests,
+            queue.downgrade(),
             settings.max_events.max(1),
             Arc::new(Semaphore::new(settings.in_flight.max(1))),
         ));
@@ -202,8 +203,8 @@ impl Worker<ProcessPaymentEvent> for Batcher {
 /// waits for nothing.
 ///
 /// While events keep coming, each batch runs on a connection a batch used before
-/// ([`Kept`]: at most one per batch in flight, given back to the pool after [`KEPT_IDLE`]
-/// without events), not on the pool's next one: the pool hands its idle connections out in turn,
+/// ([`Kept`]: at most one per batch in flight, kept only while more events wait), not on the
+/// pool's next one: the pool hands its idle connections out in turn,
 /// and a worker started on a backlog ran its first 25 batches on 16 backends, each paying for
 /// its first statements (the catalogue read, the statements parsed and planned, PostgreSQL's
 /// shared memory mapped page by page) what a backend that ran them before does not.
@@ -211,6 +212,7 @@ async fn batch_loop(
     pool: PgPool,
     processor: Arc<Processor>,
     mut requests: mpsc::Receiver<Request>,
+    waiting: mpsc::WeakSender<Request>,
     max: usize,
     in_flight: Arc<Semaphore>,
 ) {
@@ -225,7 +227,7 @@ async fn batch_loop(
             match tokio::time::timeout(KEPT_IDLE, requests.recv_many(&mut batch, max)).await {
                 Ok(n) => n,
                 Err(_) => {
-                    // No events for a while: the connections go back to the pool.
+                    // No events: what a batch kept as the last ones came in goes back too.
                     kept.release();
                     requests.recv_many(&mut batch, max).await
                 }
@@ -240,7 +242,12 @@ async fn batch_loop(
         if room > 0 && !requests.is_empty() {
             requests.recv_many(&mut batch, room).await;
         }
-        let (pool, processor, kept) = (pool.clone(), processor.clone(), kept.clone());
+        let (pool, processor, kept, waiting) = (
+            pool.clone(),
+            processor.clone(),
+            kept.clone(),
+            waiting.clone(),
+        );
         // A panic in the batch drops its replies: each job then processes its event alone.
         tokio::spawn(async move {
             let events: Vec<(GatewayName, &str)> = batch
@@ -258,9 +265,11 @@ async fn batch_loop(
                         Some(&processor.telemetry),
                     )
                     .await;
-                    // A connection that failed its batch goes back to the pool, which
-                    // checks it before handing it out again.
-                    if outcome.is_ok() {
+                    // Kept for the next batch only while events wait for one: an idle
+                    // batcher holds no connection another part of the process may need. A
+                    // connection that failed its batch goes back to the pool, which checks
+                    // it before handing it out again.
+                    if outcome.is_ok() && events_waiting(&waiting) {
                         kept.put(conn);
                     }
                     outcome
@@ -282,8 +291,16 @@ async fn batch_loop(
     }
 }
 
-/// How long the batcher keeps its connections without events to process.
-const KEPT_IDLE: Duration = Duration::from_secs(1);
+/// How soon a batcher without events gives back a connection a batch kept as the last events
+/// came in (the batch saw events waiting; they went in another batch).
+const KEPT_IDLE: Duration = Duration::from_millis(500);
+
+/// Whether events wait in the batcher's queue.
+fn events_waiting(queue: &mpsc::WeakSender<Request>) -> bool {
+    queue
+        .upgrade()
+        .is_some_and(|q| q.capacity() < q.max_capacity())
+}
 
 /// A webhook the batch can apply: the first success of a session, with its amount.
 struct Candidate {

@@ -1374,3 +1374,57 @@ async fn a_batch_reads_its_own_orders_not_every_order(pool: PgPool) {
     let (accounts, currencies) = payfleet::ledger::check(&pool).await.unwrap();
     assert!(accounts.is_empty() && currencies.is_empty());
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_batcher_holds_no_connection_once_no_event_waits(pool: PgPool) {
+    use payfleet::payments::batch::{BatchSettings, Batcher, Handled};
+    let app = spawn_app(pool.clone()).await;
+    let sessions: Vec<String> = (0..40).map(|i| format!("k{i}")).collect();
+    let refs: Vec<&str> = sessions.iter().map(String::as_str).collect();
+    orders_for(&pool, "internal", &refs, "10.00", "BRL").await;
+    for s in &sessions {
+        app.deliver(&internal(
+            &format!("msg_{s}"),
+            &payment_body("payment.succeeded", s, "10.00"),
+        ))
+        .await;
+    }
+    // The batcher's own pool, whose connections can be counted.
+    let batches = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let batcher = Batcher::start(
+        batches.clone(),
+        std::sync::Arc::new(Processor::default()),
+        BatchSettings {
+            max_events: 4,
+            ..BatchSettings::default()
+        },
+    );
+    // Forty events at once: ten batches or more, one after the other on kept connections.
+    let runs: Vec<_> = sessions
+        .iter()
+        .map(|s| {
+            let (batcher, pool) = (batcher.clone(), batches.clone());
+            let id = format!("msg_{s}");
+            tokio::spawn(async move { batcher.process(&pool, GatewayName::Internal, &id).await })
+        })
+        .collect();
+    for run in runs {
+        assert_eq!(
+            run.await.unwrap().unwrap(),
+            Handled::Processed(Processed::Applied)
+        );
+    }
+    // Idle: every connection the batches used is the pool's again, at once (well before the
+    // batcher's idle wait would give back one it kept).
+    assert!(batches.size() >= 1);
+    crate::helpers::wait_for(
+        "every connection idle in the pool",
+        std::time::Duration::from_millis(200),
+        async || batches.num_idle() == batches.size() as usize,
+    )
+    .await;
+}
