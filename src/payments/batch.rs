@@ -202,12 +202,12 @@ impl Worker<ProcessPaymentEvent> for Batcher {
 /// batch transaction may start: under load the batches grow by themselves, and a lone event
 /// waits for nothing.
 ///
-/// While events keep coming, each batch runs on a connection a batch used before
-/// ([`Kept`]: at most one per batch in flight, kept only while more events wait), not on the
-/// pool's next one: the pool hands its idle connections out in turn,
-/// and a worker started on a backlog ran its first 25 batches on 16 backends, each paying for
-/// its first statements (the catalogue read, the statements parsed and planned, PostgreSQL's
-/// shared memory mapped page by page) what a backend that ran them before does not.
+/// While events keep coming, each batch runs on a connection a batch used before ([`Kept`]:
+/// at most one per batch in flight, kept only while more events wait), not on the pool's next
+/// one: the pool hands its idle connections out in turn, and a worker started on a backlog ran
+/// its first 25 batches on 16 backends, each paying for its first statements (the catalogue
+/// read, the statements parsed and planned, PostgreSQL's shared memory mapped page by page)
+/// what a backend that ran them before does not.
 async fn batch_loop(
     pool: PgPool,
     processor: Arc<Processor>,

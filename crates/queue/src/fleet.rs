@@ -167,7 +167,7 @@ impl Fleet {
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with((*pool.connect_options()).clone());
         // A queue's claimers take turns (one claim of a queue at a time): one connection per
-        // queue, so no claim ever waits for one.
+        // queue, so a claim waits for one at most while a sibling asks the next due time.
         let claims = PgPoolOptions::new()
             .max_connections(u32::try_from(config.queues.len().max(1)).unwrap_or(u32::MAX))
             .acquire_timeout(Duration::from_secs(5))

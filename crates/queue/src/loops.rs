@@ -16,9 +16,10 @@ use super::registry::Registry;
 pub(crate) struct Shared {
     /// The jobs themselves.
     pub pool: PgPool,
-    /// Claims (and the next due time of an empty queue), at most one per queue at once: on
-    /// connections of their own, a few that stay warm, rather than whichever of the jobs' pool
-    /// comes next (each new backend parses and plans the claim, and compiles its walk, anew).
+    /// Claims (one per queue at once: a queue's claimers take turns) and the next due time of
+    /// an empty queue, on connections of their own, one per queue: a few that stay warm,
+    /// rather than whichever of the jobs' pool comes next (each new backend parses and plans
+    /// the claim, and compiles its walk, anew), and never held up by jobs that hold that pool.
     pub claims: PgPool,
     /// The fleet's own bookkeeping (listener, completions, lease renewals, rescue, pruning), on
     /// connections of its own: busy handlers must never starve the renewals, or leases would
