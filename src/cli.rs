@@ -109,6 +109,9 @@ enum JobsAction {
     Pause { queue: String },
     /// Resume a paused queue.
     Resume { queue: String },
+    /// The worker processes of the fleet's census and the queues each works (a row not renewed
+    /// for ten seconds is a worker that died without stopping).
+    Workers,
 }
 
 #[derive(Subcommand)]
@@ -326,6 +329,22 @@ fn names(gateways: &[payfleet::gateways::GatewayName]) -> String {
 async fn jobs(config: Config, action: JobsAction) -> anyhow::Result<()> {
     let pool = db::connect(&config.database_url, 2).await?;
     match action {
+        JobsAction::Workers => {
+            let workers = payfleet_queue::census::workers(&pool).await?;
+            if workers.is_empty() {
+                println!("no workers");
+            }
+            for w in workers {
+                println!(
+                    "{}\t{}\tstarted {}\tseen {}\t{}",
+                    w.id,
+                    if w.live { "live" } else { "gone" },
+                    w.started_at.to_rfc3339(),
+                    w.seen_at.to_rfc3339(),
+                    w.queues.join(",")
+                );
+            }
+        }
         JobsAction::Counts => {
             let counts = admin::counts(&pool).await?;
             if counts.is_empty() {

@@ -348,9 +348,12 @@ mod tests {
             );
         }
         use crate::payments::batch::BatchSettings;
-        assert_eq!(BatchSettings::for_process(None).in_flight, 2);
-        assert_eq!(BatchSettings::for_process(Some(1)).in_flight, 1);
-        assert_eq!(BatchSettings::for_process(Some(3)).in_flight, 3);
+        let unset = BatchSettings::for_process(None);
+        assert_eq!((unset.in_flight, unset.in_flight_in_fleet), (2, 1));
+        for n in [1, 3] {
+            let set = BatchSettings::for_process(Some(n));
+            assert_eq!((set.in_flight, set.in_flight_in_fleet), (n, n));
+        }
     }
 
     #[test]

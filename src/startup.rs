@@ -34,7 +34,7 @@ use crate::payments::{self, Processor};
 use crate::recurring::{self, Tasks};
 use crate::telemetry::Telemetry;
 use crate::webhooks::{EventWriter, Verifier};
-use payfleet_queue::{Fleet, FleetHandle, JobError, Listen, Notifier, Registry};
+use payfleet_queue::{Census, Fleet, FleetHandle, JobError, Listen, Notifier, Registry};
 
 /// What a process runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,19 +94,21 @@ pub fn gateways(
 
 /// Every job kind this fleet runs: each context registers its own kinds with their workers.
 pub fn registry(config: &Config, pool: &PgPool) -> anyhow::Result<Registry> {
-    registry_with(config, pool, Telemetry::default())
+    registry_with(config, pool, Telemetry::default(), None)
 }
 
-/// [`registry`], its workers measured in `telemetry`.
+/// [`registry`], its workers measured in `telemetry`, and sized by `census` where they share
+/// with the fleet's other workers (the fleet that runs them keeps it: [`Fleet::census`]).
 pub fn registry_with(
     config: &Config,
     pool: &PgPool,
     telemetry: Telemetry,
+    census: Option<&Census>,
 ) -> anyhow::Result<Registry> {
     let (gateways, hosted) = gateways(config, pool)?;
     let processor = Arc::new(processor(config, gateways.clone(), telemetry)?);
     let batches = BatchSettings::for_process(config.event_batches);
-    let batcher = Batcher::start(pool.clone(), processor, batches);
+    let batcher = Batcher::start(pool.clone(), processor, batches, census);
     let deliverer = Deliverer::new(pool.clone(), config.gateways.hosted.targets())
         .context("cannot build the event deliverer")?;
     let mut registry = Registry::new();
@@ -317,12 +319,14 @@ pub fn start(
             )),
             ListenTo::Off => Listen::Off,
         };
+        let census = Census::default();
         let fleet = Fleet::new(
             pool.clone(),
-            registry_with(config, &pool, telemetry.clone())?,
+            registry_with(config, &pool, telemetry.clone(), Some(&census))?,
             config.queues.clone(),
             &config.host_name,
         )
+        .census(census)
         .listen(listen)
         .observe(Arc::new(telemetry.clone()))
         .start();

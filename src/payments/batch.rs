@@ -37,7 +37,7 @@ use crate::ledger::sales::Channel;
 use crate::money::Money;
 use crate::orders::{self, Confirmation};
 use crate::payment_status::{Facts, derive_status};
-use payfleet_queue::{JobContext, JobError, Worker};
+use payfleet_queue::{Census, Job, JobContext, JobError, Worker};
 
 use super::ProcessPaymentEvent;
 
@@ -46,8 +46,13 @@ use super::ProcessPaymentEvent;
 pub struct BatchSettings {
     /// Most events in one transaction.
     pub max_events: usize,
-    /// Batch transactions in flight at once (each holds one database connection).
+    /// Batch transactions in flight at once (each holds one database connection) while this
+    /// worker process is the only one working the events queue, or before it has counted the
+    /// others.
     pub in_flight: usize,
+    /// Batch transactions in flight at once while other worker processes work the events queue
+    /// too (their batches post to the same accounts), as the fleet's census counts them.
+    pub in_flight_in_fleet: usize,
     /// Events processed alone at once (each holds one database connection while it runs).
     pub alone: usize,
     /// How long an event waits for a turn to be processed alone before its job gives its slot
@@ -61,6 +66,7 @@ impl Default for BatchSettings {
         Self {
             max_events: 128,
             in_flight: 2,
+            in_flight_in_fleet: 1,
             alone: 16,
             alone_wait: Duration::from_secs(10),
         }
@@ -68,18 +74,32 @@ impl Default for BatchSettings {
 }
 
 impl BatchSettings {
-    /// The settings of a worker process: `in_flight` as set (`PAYFLEET_EVENT_BATCHES`), else
-    /// two. The batches of every worker post to the same sellers' accounts one after the
-    /// other: two in a process let one read and write while the other posts and commits. A
-    /// fleet of several workers may run one each, which in the measurements shortened receipt
-    /// to effect at half the target rate and cost some of a backlog's drain (README, "Batches in
-    /// flight across the fleet").
+    /// The settings of a worker process: `in_flight` as set (`PAYFLEET_EVENT_BATCHES`) whatever
+    /// the fleet, else two in a lone worker and one in each of a fleet's. The batches of every
+    /// worker post to the same sellers' accounts one after the other: two in a lone process let
+    /// one read and write while the other posts and commits; in a fleet the other processes'
+    /// batches do that, and a second batch per process only waits on the others' postings with
+    /// its events held (README, "Batches in flight across the fleet").
     pub fn for_process(set: Option<usize>) -> Self {
         let default = Self::default();
-        Self {
-            in_flight: set.unwrap_or(default.in_flight),
-            ..default
+        match set {
+            Some(n) => Self {
+                in_flight: n,
+                in_flight_in_fleet: n,
+                ..default
+            },
+            None => default,
         }
+    }
+
+    /// Batches in flight for a count of the events queue's worker processes (`None`: not
+    /// counted yet, or no census kept).
+    fn in_flight_for(&self, workers: Option<usize>) -> usize {
+        match workers {
+            Some(n) if n >= 2 => self.in_flight_in_fleet,
+            _ => self.in_flight,
+        }
+        .max(1)
     }
 }
 
@@ -126,15 +146,37 @@ struct Request {
 
 impl Batcher {
     /// Starts the batcher's task on the current runtime; it ends when every handle is dropped.
-    pub fn start(pool: PgPool, processor: Arc<Processor>, settings: BatchSettings) -> Self {
-        let (queue, requests) = mpsc::channel(settings.max_events * settings.in_flight * 4);
+    /// With a `census` (the fleet's, kept by this process's [`payfleet_queue::Fleet`]), the
+    /// batches in flight follow the number of worker processes on the events queue
+    /// ([`BatchSettings::in_flight_in_fleet`]); without one, they stay at `in_flight`.
+    pub fn start(
+        pool: PgPool,
+        processor: Arc<Processor>,
+        settings: BatchSettings,
+        census: Option<&Census>,
+    ) -> Self {
+        let most = settings.in_flight.max(settings.in_flight_in_fleet).max(1);
+        let (queue, requests) = mpsc::channel(settings.max_events * most * 4);
+        let workers = census.and_then(|c| c.workers_on(ProcessPaymentEvent::QUEUE));
+        let now = settings.in_flight_for(workers);
+        let gate = Arc::new(Semaphore::new(now));
+        if let Some(census) = census
+            && settings.in_flight != settings.in_flight_in_fleet
+        {
+            tokio::spawn(follow_census(
+                gate.clone(),
+                census.subscribe(),
+                settings,
+                now,
+            ));
+        }
         tokio::spawn(batch_loop(
             pool,
             processor.clone(),
             requests,
             queue.downgrade(),
             settings.max_events.max(1),
-            Arc::new(Semaphore::new(settings.in_flight.max(1))),
+            gate,
         ));
         Self {
             queue,
@@ -216,6 +258,14 @@ async fn batch_loop(
     max: usize,
     in_flight: Arc<Semaphore>,
 ) {
+    // Closed on the way out: the census follower ends with the loop.
+    struct Closing(Arc<Semaphore>);
+    impl Drop for Closing {
+        fn drop(&mut self) {
+            self.0.close();
+        }
+    }
+    let _closing = Closing(in_flight.clone());
     let kept = Kept::default();
     loop {
         let Ok(permit) = in_flight.clone().acquire_owned().await else {
@@ -288,6 +338,44 @@ async fn batch_loop(
             }
             drop(permit);
         });
+    }
+}
+
+/// Keeps the permits of `gate` (the batches in flight, `now` at the start) at what the census
+/// asks for the number of worker processes on the events queue. A permit taken away waits for a
+/// batch in flight to end (the gate is fair: before the batch loop's next one). Ends when the
+/// census or the batch loop (which closes the gate) is gone.
+async fn follow_census(
+    gate: Arc<Semaphore>,
+    mut counts: tokio::sync::watch::Receiver<Option<Arc<payfleet_queue::census::Counts>>>,
+    settings: BatchSettings,
+    mut now: usize,
+) {
+    loop {
+        let workers = counts.borrow_and_update().as_ref().map(|c| {
+            c.get(ProcessPaymentEvent::QUEUE)
+                .copied()
+                .unwrap_or_default()
+        });
+        let want = settings.in_flight_for(workers);
+        if want > now {
+            gate.add_permits(want - now);
+        } else if want < now {
+            let Ok(taken) = gate
+                .acquire_many(u32::try_from(now - want).unwrap_or(u32::MAX))
+                .await
+            else {
+                return;
+            };
+            taken.forget();
+        }
+        if want != now {
+            tracing::info!(batches_in_flight = want, workers = ?workers, "payment-event batches in flight follow the fleet's census");
+            now = want;
+        }
+        if gate.is_closed() || counts.changed().await.is_err() {
+            return;
+        }
     }
 }
 
@@ -589,4 +677,69 @@ async fn record_applied(
     .bind(EventOutcome::Applied)
     .fetch_all(&mut *tx)
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn on_events(workers: usize) -> payfleet_queue::census::Counts {
+        [(ProcessPaymentEvent::QUEUE.to_owned(), workers)].into()
+    }
+
+    #[test]
+    fn a_lone_worker_runs_two_batches_a_fleets_workers_one_each_unless_set() {
+        let unset = BatchSettings::for_process(None);
+        assert_eq!(unset.in_flight_for(None), 2, "not counted yet");
+        assert_eq!(unset.in_flight_for(Some(1)), 2);
+        assert_eq!(unset.in_flight_for(Some(2)), 1);
+        assert_eq!(unset.in_flight_for(Some(5)), 1);
+        let set = BatchSettings::for_process(Some(3));
+        assert_eq!(set.in_flight_for(Some(1)), 3);
+        assert_eq!(set.in_flight_for(Some(4)), 3);
+    }
+
+    #[tokio::test]
+    async fn batches_in_flight_follow_the_census_and_a_batch_under_way_keeps_its_turn() {
+        let census = Census::default();
+        let gate = Arc::new(Semaphore::new(2));
+        tokio::spawn(follow_census(
+            gate.clone(),
+            census.subscribe(),
+            BatchSettings::default(),
+            2,
+        ));
+        let under_way = gate.clone().acquire_owned().await.unwrap();
+        let settle = || tokio::time::sleep(Duration::from_millis(50));
+
+        // A second worker joins: the free turn is taken away at once, the busy one when its
+        // batch ends.
+        census.record(on_events(2));
+        settle().await;
+        assert_eq!(gate.available_permits(), 0);
+        drop(under_way);
+        settle().await;
+        assert_eq!(
+            gate.available_permits(),
+            1,
+            "one batch in flight beside another worker"
+        );
+
+        // A worker on other queues only is not a worker of the events queue.
+        census.record(
+            [
+                ("orders".to_owned(), 3),
+                (ProcessPaymentEvent::QUEUE.to_owned(), 1),
+            ]
+            .into(),
+        );
+        settle().await;
+        assert_eq!(gate.available_permits(), 2, "alone again: two");
+
+        // The batch loop ended (it closes the gate): the follower ends too.
+        gate.close();
+        census.record(on_events(2));
+        settle().await;
+        assert_eq!(gate.available_permits(), 2);
+    }
 }

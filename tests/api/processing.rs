@@ -1285,6 +1285,7 @@ async fn an_event_with_no_turn_to_run_alone_is_given_back_busy(pool: PgPool) {
             alone_wait: std::time::Duration::from_millis(300),
             ..BatchSettings::default()
         },
+        None,
     );
     // The first holds the one turn, stuck behind its payment's key (a long transaction holds it).
     let mut held = pool.begin().await.unwrap();
@@ -1402,6 +1403,7 @@ async fn a_batcher_holds_no_connection_once_no_event_waits(pool: PgPool) {
             max_events: 4,
             ..BatchSettings::default()
         },
+        None,
     );
     // Forty events at once: ten batches or more, one after the other on kept connections.
     let runs: Vec<_> = sessions

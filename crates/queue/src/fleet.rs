@@ -12,6 +12,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::sync::{Mutex, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 
+use super::census::{self, Census};
 use super::executor::{QueueShare, fetch, run_one};
 use super::lease::Leases;
 use super::listener::QueueWaker;
@@ -31,6 +32,7 @@ pub struct Fleet {
     worker_id: String,
     listen: Listen,
     observer: Option<Arc<dyn crate::RunObserver>>,
+    census: Census,
 }
 
 /// Where the fleet LISTENs for new jobs. LISTEN holds state on a server session, which a pooler
@@ -115,7 +117,16 @@ impl Fleet {
             ),
             listen: Listen::Database,
             observer: None,
+            census: Census::default(),
         }
+    }
+
+    /// Keeps `census` (the fleet's worker processes per queue) while the fleet runs, for
+    /// whatever else in the process sizes its work by it. Without this, the fleet keeps a census
+    /// of its own: it is counted all the same.
+    pub fn census(mut self, census: Census) -> Self {
+        self.census = census;
+        self
     }
 
     /// Tells `observer` of every run's end (its queue, kind, outcome and times).
@@ -161,6 +172,7 @@ impl Fleet {
             worker_id,
             listen,
             observer,
+            census,
         } = self;
         let control = PgPoolOptions::new()
             .max_connections(4)
@@ -213,10 +225,32 @@ impl Fleet {
                 None
             }
         };
+        let recount = Arc::new(tokio::sync::Notify::new());
+        let census_task;
         if let Some(on) = listen_on {
-            let (w, st) = (wakers.clone(), stopped.clone());
+            let (w, r, st) = (wakers.clone(), recount.clone(), stopped.clone());
             background.spawn(supervise("listener", move || {
-                listener::listen(on.clone(), w.clone(), st.clone())
+                listener::listen(on.clone(), w.clone(), r.clone(), st.clone())
+            }));
+        }
+        {
+            let (pool, worker, st) = (
+                shared.control.clone(),
+                shared.worker_id.clone(),
+                stopped.clone(),
+            );
+            let queues: Vec<String> = shared.config.queues.keys().cloned().collect();
+            // Not in `background`: it ends by itself when stopped, once its row is deleted,
+            // which the fleet waits for (bounded) before it returns.
+            census_task = tokio::spawn(supervise("census", move || {
+                census::keep(
+                    pool.clone(),
+                    worker.clone(),
+                    queues.clone(),
+                    census.clone(),
+                    recount.clone(),
+                    st.clone(),
+                )
             }));
         }
         {
@@ -276,11 +310,23 @@ impl Fleet {
         if let Err(e) = completer.await {
             tracing::error!(error = %e, "completer ended abnormally");
         }
+        // Its row deleted, the others take this worker's share now, not ten seconds later.
+        if tokio::time::timeout(CENSUS_LEAVE, census_task)
+            .await
+            .is_err()
+        {
+            tracing::debug!(
+                "the census row was not deleted in time; it stops being counted in ten seconds"
+            );
+        }
         background.abort_all();
         while background.join_next().await.is_some() {}
         tracing::info!(worker = %shared.worker_id, "worker stopped");
     }
 }
+
+/// How long a stopping fleet waits for its census row to be deleted.
+const CENSUS_LEAVE: Duration = Duration::from_secs(2);
 
 /// Runs a background loop, starting it again if it panics: a bug in one loop must not leave a
 /// worker claiming jobs whose leases nobody renews.

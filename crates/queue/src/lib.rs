@@ -9,7 +9,8 @@
 //!   task under a timeout), `completer` (batched run ends), `lease` (renewals, and cancelling a
 //!   run whose lease is lost), `listener` (LISTEN/NOTIFY wake-ups; polling is the fallback) and
 //!   `maintenance` (rescue of expired leases, pruning); what those loops share (stopping,
-//!   pausing, backing off) is `loops`, below them all.
+//!   pausing, backing off) is `loops`, below them all. [`census`] counts the fleet's worker
+//!   processes per queue (`queue_workers`), for what a process sizes by it and for operators.
 //! - `store` holds every statement; the rules of a run's end are SQL (`jobs_end_runs`).
 //! - [`pg`]: the schema's migrations (their own table, `pg::migrate`), which database errors
 //!   are outages, and enums stored as text. [`admin`]: the operator's view and repairs.
@@ -18,6 +19,7 @@
 pub mod admin;
 #[cfg(feature = "apalis")]
 pub mod apalis;
+pub mod census;
 mod completer;
 mod config;
 mod executor;
@@ -37,6 +39,7 @@ use chrono::{DateTime, Utc};
 use serde::{Serialize, de::DeserializeOwned};
 use sqlx::PgExecutor;
 
+pub use census::Census;
 pub use config::{
     BookkeepingCommit, FleetSettings, QueueSettings, QueuesConfig, QueuesConfigError,
 };

@@ -1,6 +1,7 @@
-//! The listener: wakes the fetcher of a queue when a job of it becomes claimable. Reconnects by
-//! itself; after a reconnection every queue is woken, since notifications sent meanwhile are
-//! lost. Polling covers the time it is down.
+//! The listener: wakes the fetcher of a queue when a job of it becomes claimable, and the census
+//! when a worker joins or leaves. Reconnects by itself; after a reconnection every queue and the
+//! census are woken, since notifications sent meanwhile are lost. Polling covers the time it is
+//! down.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio::sync::{Notify, watch};
 
+use super::census;
 use super::loops::{backoff, pause, stop_requested};
 use super::store::CHANNEL;
 
@@ -44,12 +46,18 @@ impl QueueWaker {
     }
 }
 
+/// Wakes each queue's claimers as its jobs arrive, and `recount` (the census) as workers join or
+/// leave; after a reconnection, all of them.
 pub(crate) async fn listen(
     on: PgPool,
     wakers: HashMap<String, Arc<QueueWaker>>,
+    recount: Arc<Notify>,
     mut stopped: watch::Receiver<bool>,
 ) {
-    let wake_all = || wakers.values().for_each(|w| w.job_arrived());
+    let wake_all = || {
+        wakers.values().for_each(|w| w.job_arrived());
+        recount.notify_one();
+    };
     let mut failures = 0;
     loop {
         let mut listener = match PgListener::connect_with(&on).await {
@@ -63,7 +71,7 @@ pub(crate) async fn listen(
                 continue;
             }
         };
-        if let Err(e) = listener.listen(CHANNEL).await {
+        if let Err(e) = listener.listen_all([CHANNEL, census::CHANNEL]).await {
             failures += 1;
             tracing::warn!(error = %e, "cannot LISTEN for jobs; polling meanwhile");
             if !pause(&mut stopped, backoff(failures)).await {
@@ -79,6 +87,7 @@ pub(crate) async fn listen(
                 _ = stop_requested(&mut stopped) => return,
             };
             match got {
+                Ok(Some(n)) if n.channel() == census::CHANNEL => recount.notify_one(),
                 Ok(Some(n)) => {
                     if let Some(w) = wakers.get(n.payload()) {
                         w.job_arrived();

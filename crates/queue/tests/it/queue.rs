@@ -1608,3 +1608,73 @@ async fn a_queue_claims_while_another_queues_jobs_hold_every_connection_of_the_p
     .await;
     fleet.shutdown().await;
 }
+
+/// The census: fleets on one database count each other per queue as soon as one joins or leaves
+/// (renewals are a second apart: within half a second only the notification can have told the
+/// other), and the row of a worker that died without stopping is neither counted nor kept.
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn fleets_count_each_other_per_queue_and_stop_counting_one_that_stopped_or_died(
+    pool: PgPool,
+) {
+    use payfleet_queue::census::{self, Census};
+    let two_queues = "[fleet]\npoll_interval_ms = 100\n[queues.test]\nconcurrency = 1\ntimeout_ms = 10000\n[queues.slow]\nconcurrency = 1\ntimeout_ms = 10000\n";
+    let one_queue =
+        "[fleet]\npoll_interval_ms = 100\n[queues.test]\nconcurrency = 1\ntimeout_ms = 10000\n";
+    // A worker that died half a minute ago without stopping.
+    sqlx::query(
+        "INSERT INTO queue_workers (id, queues, started_at, seen_at)
+         VALUES ('dead-1', '{test}', now() - interval '1 hour', now() - interval '30 seconds')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (census_a, census_b) = (Census::default(), Census::default());
+    assert_eq!(census_a.workers_on("test"), None, "not counted yet");
+    let a = Fleet::new(
+        pool.clone(),
+        Registry::new(),
+        QueuesConfig::parse(two_queues, "t").unwrap(),
+        "a",
+    )
+    .census(census_a.clone())
+    .start();
+    crate::wait_for(
+        "the first fleet to count itself alone",
+        Duration::from_secs(2),
+        async || census_a.workers_on("test") == Some(1),
+    )
+    .await;
+    let b = Fleet::new(
+        pool.clone(),
+        Registry::new(),
+        QueuesConfig::parse(one_queue, "t").unwrap(),
+        "b",
+    )
+    .census(census_b.clone())
+    .start();
+    crate::wait_for(
+        "each fleet to count both",
+        Duration::from_millis(500),
+        async || census_a.workers_on("test") == Some(2) && census_b.workers_on("test") == Some(2),
+    )
+    .await;
+    // Only the first works `slow`: one worker on it, as either counts.
+    assert_eq!(census_a.workers_on("slow"), Some(1));
+    assert_eq!(census_b.workers_on("slow"), Some(1));
+    let rows = census::workers(&pool).await.unwrap();
+    assert_eq!(rows.len(), 2, "the dead worker's row is deleted: {rows:?}");
+    assert!(rows.iter().all(|w| w.live && w.id != "dead-1"), "{rows:?}");
+
+    b.shutdown().await;
+    crate::wait_for(
+        "the first fleet to count itself alone again",
+        Duration::from_millis(500),
+        async || census_a.workers_on("test") == Some(1),
+    )
+    .await;
+    a.shutdown().await;
+    assert!(
+        census::workers(&pool).await.unwrap().is_empty(),
+        "a stopped fleet deletes its row"
+    );
+}
