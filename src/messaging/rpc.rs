@@ -29,7 +29,7 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use super::Broker;
 use crate::batches::in_batches;
@@ -424,14 +424,27 @@ pub struct BatchedLinks {
 impl BatchedLinks {
     /// Starts the batches' task on the current runtime; it ends when every handle is dropped.
     pub fn start(client: RpcClient) -> Self {
-        // Declared by the asking side too: a request sent before any payment side has declared
-        // the queue (a fleet starting, an upgrade whose workers are not replaced yet) waits in
-        // it, until it expires with its caller's patience, instead of being dropped.
+        // Declared by the asking side too, before its first request: a request sent before any
+        // payment side has declared the queue (a fleet starting, an upgrade whose workers are
+        // not replaced yet) waits in it, until it expires with its caller's patience, instead
+        // of being dropped by the broker as unroutable. Declaring a quorum queue on a loaded
+        // broker can take longer than a first checkout takes to come: the batches wait for it
+        // (within their callers' timeout), and a failed declaration is tried again.
         let broker = client.broker.clone();
+        let (declared_tx, declared) = watch::channel(false);
         tokio::spawn(async move {
             let queue = broker.name(PaymentLinkBatch::QUEUE);
-            if let Err(e) = broker.declare_queue(&queue, super::QueueUse::Rpc).await {
-                tracing::warn!(%queue, error = %e, "cannot declare the payment links' queue; the payment side will");
+            loop {
+                match broker.declare_queue(&queue, super::QueueUse::Rpc).await {
+                    Ok(()) => {
+                        let _ = declared_tx.send(true);
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(%queue, error = %e, "cannot declare the payment links' queue; trying again");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                }
             }
         });
         let (queue, pending) = mpsc::channel(4 * LINK_BATCH);
@@ -440,7 +453,7 @@ impl BatchedLinks {
             pending,
             LINK_BATCH,
             LINK_BATCHES_IN_FLIGHT,
-            move |batch| ask_links(asking.clone(), batch),
+            move |batch| ask_links(asking.clone(), declared.clone(), batch),
         ));
         Self { client, queue }
     }
@@ -479,7 +492,12 @@ impl BatchedLinks {
 /// Asks one batch of links in one message and hands each caller its own answer. The message
 /// continues the first link's trace (a message carries one): the payment side's span for the
 /// batch sits in that checkout's trace.
-async fn ask_links(client: RpcClient, batch: Vec<LinkCall>) {
+async fn ask_links(client: RpcClient, mut declared: watch::Receiver<bool>, batch: Vec<LinkCall>) {
+    // Sent only to a queue that exists (see [`BatchedLinks::start`]); the callers' timeout
+    // bounds the wait. A declaring task gone (the process stopping) leaves the callers to it.
+    if declared.wait_for(|d| *d).await.is_err() {
+        return;
+    }
     let span = crate::traces::hop_span(|| {
         tracing::info_span!(
             "payment_link_batch",
