@@ -33,7 +33,7 @@ pub struct Sample {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Groups {
     postgres: u64,
-    /// Other `payfleet` processes (the fleet's `serve` and `work`), and this one's children.
+    /// Other processes of this binary (the fleet's `serve` and `work`), and this one's children.
     fleet: u64,
     /// This process: the bench's clients and watchers (and, run in process, the fleet).
     bench: u64,
@@ -64,6 +64,11 @@ const TICK_NS: u64 = 10_000_000;
 pub fn sample() -> Option<Sample> {
     let (total, idle, steal) = machine(&std::fs::read_to_string("/proc/stat").ok()?)?;
     let me = std::process::id();
+    // The fleet's processes run this binary, whatever it is called (a copy kept to compare two
+    // builds, say): its name as the kernel keeps it.
+    let this_binary = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|text| process(&text).map(|p| p.comm.to_owned()));
     let mut groups = Groups::default();
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
         let Some(pid) = entry
@@ -89,7 +94,9 @@ pub fn sample() -> Option<Sample> {
                 groups.bench += p.own;
                 groups.fleet += p.children;
             }
-            "payfleet" => groups.fleet += p.own + p.children,
+            name if name == "payfleet" || Some(name) == this_binary.as_deref() => {
+                groups.fleet += p.own + p.children
+            }
             _ => {}
         }
     }
