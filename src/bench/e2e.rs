@@ -260,6 +260,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
     let phase = crate::progress::spinner(format!("{} checkouts", 2 * args.orders));
     let started = Instant::now();
     let cpu_before = cpu::sample();
+    let wal_before = wal_position(&pool).await?;
     let (flash_orders, mut lat) =
         checkouts(addr, &api_key, &flash, args.orders, args.clients).await?;
     let (many_orders, lat_many) =
@@ -276,6 +277,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         percentile(&lat, 0.99)
     );
     report_cpu("checkouts", cpu_before, &mut lines);
+    report_wal("checkouts", &pool, &wal_before, 2 * args.orders, &mut lines).await?;
     phase.finish_and_clear();
     lines.push(format!("e2e_checkouts_per_s={checkouts_per_s:.0}"));
     lines.push(format!("e2e_checkout_p50_ms={:.1}", percentile(&lat, 0.5)));
@@ -294,6 +296,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         pay_all(addr, &secret, orders, args.clients, &mut next_event).await?;
         let started = chrono::Utc::now();
         let cpu_before = cpu::sample();
+        let wal_before = wal_position(&pool).await?;
         fleet.start_workers().await?;
         let numbers: Vec<i64> = orders.iter().map(|o| o.number).collect();
         let Drained {
@@ -321,6 +324,14 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
             cpu::between(cpu_before, cpu_after),
             &mut lines,
         );
+        report_wal(
+            &format!("effects_{name}"),
+            &pool,
+            &wal_before,
+            orders.len(),
+            &mut lines,
+        )
+        .await?;
         phase.finish_and_clear();
         lines.push(format!("e2e_effects_{name}_per_s={rate:.0}"));
         rates.push((name, rate));
@@ -895,6 +906,34 @@ async fn tpc_b(
 fn report_cpu(phase: &str, before: Option<cpu::Sample>, lines: &mut Vec<String>) {
     let usage = cpu::between(before, cpu::sample());
     report_usage(phase, usage, lines);
+}
+
+/// PostgreSQL's write-ahead log position now: the work a phase made the database write is the
+/// log it wrote, a figure the machine's pace does not move (what its CPU shares cannot say).
+async fn wal_position(pool: &PgPool) -> anyhow::Result<String> {
+    Ok(sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(pool)
+        .await?)
+}
+
+/// Prints the log written since `from`, per payment (or checkout) of the phase: everything the
+/// database wrote meanwhile, the workers' start-up and the outbox relay's marks included.
+async fn report_wal(
+    phase: &str,
+    pool: &PgPool,
+    from: &str,
+    count: usize,
+    lines: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    let bytes: f64 =
+        sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::float8")
+            .bind(from)
+            .fetch_one(pool)
+            .await?;
+    let per = bytes / count.max(1) as f64;
+    eprintln!("e2e:   WAL: {per:.0} bytes each");
+    lines.push(format!("e2e_wal_bytes_{phase}={per:.0}"));
+    Ok(())
 }
 
 fn report_usage(phase: &str, usage: Option<Usage>, lines: &mut Vec<String>) {

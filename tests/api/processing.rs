@@ -1376,6 +1376,59 @@ async fn a_batch_reads_its_own_orders_not_every_order(pool: PgPool) {
     assert!(accounts.is_empty() && currencies.is_empty());
 }
 
+/// An order's updates, and how many of them stayed on the order's page (HOT: no entry written
+/// in any of its indexes), as counted for this database once `one` has flushed its counts.
+async fn order_updates(one: &PgPool) -> (i64, i64) {
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(one)
+        .await
+        .unwrap();
+    sqlx::query_as(
+        "SELECT coalesce(n_tup_upd, 0), coalesce(n_tup_hot_upd, 0) FROM pg_stat_user_tables WHERE relname = 'orders'",
+    )
+    .fetch_one(one)
+    .await
+    .unwrap()
+}
+
+/// Confirming a paid order changes none of the order's indexed columns, and the order's page
+/// keeps room for the new version (`0058_room_for_updates_in_place`): the update stays on the
+/// page, with no entry in any of the order's seven indexes, even for orders written as densely
+/// as a single statement packs them. On full pages (the default fillfactor) every one of these
+/// updates wrote its new version on another page, and an entry in each index.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_batch_confirms_its_orders_on_their_own_pages(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    let sessions: Vec<String> = (0..200).map(|i| format!("dense{i}")).collect();
+    let sessions: Vec<&str> = sessions.iter().map(String::as_str).collect();
+    orders_for(&pool, "internal", &sessions, "10.00", "BRL").await;
+    // Three orders from the first pages, the ones a later order could not have left room on.
+    let paid = ["dense0", "dense40", "dense80"];
+    for s in paid {
+        app.deliver(&internal(
+            &format!("msg_{s}"),
+            &payment_body("payment.succeeded", s, "10.00"),
+        ))
+        .await;
+    }
+    let one = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let (updated, in_place) = order_updates(&one).await;
+    assert_eq!(batch(&one, &paid).await, [true, true, true]);
+    let (updated_after, in_place_after) = order_updates(&one).await;
+    assert_eq!(updated_after - updated, 3, "one update per confirmed order");
+    assert_eq!(
+        in_place_after - in_place,
+        3,
+        "every confirmation stayed on its order's page"
+    );
+    let (accounts, currencies) = payfleet::ledger::check(&pool).await.unwrap();
+    assert!(accounts.is_empty() && currencies.is_empty());
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_batcher_holds_no_connection_once_no_event_waits(pool: PgPool) {
     use payfleet::payments::batch::{BatchSettings, Batcher, Handled};

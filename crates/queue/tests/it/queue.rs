@@ -1609,6 +1609,57 @@ async fn a_queue_claims_while_another_queues_jobs_hold_every_connection_of_the_p
     fleet.shutdown().await;
 }
 
+/// A worker's claims share two connections however many queues it works: at its start every
+/// queue claims at once, and a backend of its own per queue (five with the built-in queues) each
+/// parsed and planned the claim afresh while the first claim that found jobs waited for the
+/// same cores. Every queue is still claimed: a job on the last of them runs.
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn a_workers_queues_claim_on_two_connections_however_many_queues_it_works(pool: PgPool) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut queues = String::from("[fleet]\npoll_interval_ms = 50\n");
+    for q in ["a", "b", "c", "d", "test"] {
+        queues.push_str(&format!(
+            "[queues.{q}]\nconcurrency = 2\ntimeout_ms = 10000\n"
+        ));
+    }
+    let fleet = Fleet::new(
+        pool.clone(),
+        recording(seen.clone()),
+        QueuesConfig::parse(&queues, "t").unwrap(),
+        "test",
+    )
+    .start();
+    // Every queue claims (nothing is due) and asks for its next due time, again and again.
+    let mut claimers = std::collections::HashSet::new();
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let pids: Vec<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity
+             WHERE datname = current_database() AND pid <> pg_backend_pid()
+               AND (query LIKE 'WITH walk AS MATERIALIZED%' OR query LIKE 'SELECT (extract(epoch FROM least(%')",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        claimers.extend(pids);
+    }
+    assert!(
+        !claimers.is_empty() && claimers.len() <= 2,
+        "{} backends ran the claims of five queues",
+        claimers.len()
+    );
+    queue::enqueue(&pool, NewJob::of(&Echo { n: 7 }).unwrap())
+        .await
+        .unwrap();
+    crate::wait_for(
+        "the job of the last queue",
+        Duration::from_secs(2),
+        async || seen.lock().unwrap().contains(&7),
+    )
+    .await;
+    fleet.shutdown().await;
+}
+
 /// The census: fleets on one database count each other per queue as soon as one joins or leaves
 /// (renewals are a second apart: within half a second only the notification can have told the
 /// other), and the row of a worker that died without stopping is neither counted nor kept.
