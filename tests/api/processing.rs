@@ -1328,20 +1328,36 @@ async fn an_event_with_no_turn_to_run_alone_is_given_back_busy(pool: PgPool) {
     );
 }
 
-/// Rows read from `table` so far (sequential and through indexes), this connection's reads
-/// included: its counts are flushed to the shared ones first.
-async fn rows_read(one: &PgPool, table: &str) -> i64 {
+/// PostgreSQL's counts for `table` so far, this connection's included: its counts are flushed
+/// to the shared ones first.
+struct TableCounts {
+    /// Rows read, sequentially and through indexes.
+    read: i64,
+    /// Rows updated.
+    updated: i64,
+    /// Of those, the updates that stayed on the row's page (HOT: no entry in any index).
+    in_place: i64,
+}
+
+async fn table_counts(one: &PgPool, table: &str) -> TableCounts {
     sqlx::query("SELECT pg_stat_force_next_flush()")
         .execute(one)
         .await
         .unwrap();
-    sqlx::query_scalar(
-        "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables WHERE relname = $1",
+    let (read, updated, in_place) = sqlx::query_as(
+        "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0), coalesce(n_tup_upd, 0),
+                coalesce(n_tup_hot_upd, 0)
+         FROM pg_stat_user_tables WHERE relname = $1",
     )
     .bind(table)
     .fetch_one(one)
     .await
-    .unwrap()
+    .unwrap();
+    TableCounts {
+        read,
+        updated,
+        in_place,
+    }
 }
 
 /// However many orders there are, and whatever the planner knows of them (a new database, or
@@ -1364,9 +1380,9 @@ async fn a_batch_reads_its_own_orders_not_every_order(pool: PgPool) {
         .connect_with((*pool.connect_options()).clone())
         .await
         .unwrap();
-    let before = rows_read(&one, "orders").await;
+    let before = table_counts(&one, "orders").await.read;
     assert!(batch(&one, &mine).await.into_iter().all(|applied| applied));
-    let read = rows_read(&one, "orders").await - before;
+    let read = table_counts(&one, "orders").await.read - before;
     assert!(
         read <= 10 * mine.len() as i64,
         "{read} order rows read to apply a batch of {} payments beside 3,000 other orders",
@@ -1374,21 +1390,6 @@ async fn a_batch_reads_its_own_orders_not_every_order(pool: PgPool) {
     );
     let (accounts, currencies) = payfleet::ledger::check(&pool).await.unwrap();
     assert!(accounts.is_empty() && currencies.is_empty());
-}
-
-/// An order's updates, and how many of them stayed on the order's page (HOT: no entry written
-/// in any of its indexes), as counted for this database once `one` has flushed its counts.
-async fn order_updates(one: &PgPool) -> (i64, i64) {
-    sqlx::query("SELECT pg_stat_force_next_flush()")
-        .execute(one)
-        .await
-        .unwrap();
-    sqlx::query_as(
-        "SELECT coalesce(n_tup_upd, 0), coalesce(n_tup_hot_upd, 0) FROM pg_stat_user_tables WHERE relname = 'orders'",
-    )
-    .fetch_one(one)
-    .await
-    .unwrap()
 }
 
 /// Confirming a paid order changes none of the order's indexed columns, and the order's page
@@ -1416,12 +1417,16 @@ async fn a_batch_confirms_its_orders_on_their_own_pages(pool: PgPool) {
         .connect_with((*pool.connect_options()).clone())
         .await
         .unwrap();
-    let (updated, in_place) = order_updates(&one).await;
+    let before = table_counts(&one, "orders").await;
     assert_eq!(batch(&one, &paid).await, [true, true, true]);
-    let (updated_after, in_place_after) = order_updates(&one).await;
-    assert_eq!(updated_after - updated, 3, "one update per confirmed order");
+    let after = table_counts(&one, "orders").await;
     assert_eq!(
-        in_place_after - in_place,
+        after.updated - before.updated,
+        3,
+        "one update per confirmed order"
+    );
+    assert_eq!(
+        after.in_place - before.in_place,
         3,
         "every confirmation stayed on its order's page"
     );
