@@ -55,6 +55,7 @@ pub(super) fn routes(state: AdminState) -> Routes {
         .route("/admin/consistency", get(consistency_findings))
         .route("/admin/reconciliation", get(reconciliation_findings))
         .route("/admin/recurring", get(recurring_jobs))
+        .route("/admin/workers", get(workers))
         .route("/admin/recurring/{name}/runs", get(recurring_runs))
         .route("/admin/payouts", get(pending_payouts))
         .route("/admin/payouts/{id}/paid", post(payout_paid))
@@ -114,6 +115,38 @@ pub(super) struct Recurring {
 pub(super) struct Runs {
     name: String,
     runs: Vec<recurring::RunView>,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct Workers {
+    workers: Vec<WorkerView>,
+}
+
+/// A worker process of the fleet's census.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(super) struct WorkerView {
+    /// `<host>-<pid>-<random>`, as its claims and its jobs' errors name it.
+    id: String,
+    /// The queues it works.
+    queues: Vec<String>,
+    started_at: chrono::DateTime<chrono::Utc>,
+    /// Its row's last renewal (every second while it runs).
+    seen_at: chrono::DateTime<chrono::Utc>,
+    /// Renewed within the last ten seconds. A worker not live died without stopping: its jobs
+    /// are rescued when their leases expire, and a live worker's next renewal deletes its row.
+    live: bool,
+}
+
+impl From<payfleet_queue::census::WorkerRow> for WorkerView {
+    fn from(w: payfleet_queue::census::WorkerRow) -> Self {
+        Self {
+            id: w.id,
+            queues: w.queues,
+            started_at: w.started_at,
+            seen_at: w.seen_at,
+            live: w.live,
+        }
+    }
 }
 
 #[derive(serde::Serialize, utoipa::ToSchema)]
@@ -669,6 +702,29 @@ async fn recurring_runs(
     }
     let runs = recurring::runs(&state.pool, &name, limit).await?;
     Ok(Json(Runs { name, runs }))
+}
+
+/// The fleet's worker processes as their census holds them (`payfleet jobs workers`): the live
+/// ones first, then those gone without stopping, each by its start.
+#[utoipa::path(
+    get,
+    path = "/admin/workers",
+    tag = "admin",
+    responses(
+        (status = 200, description = "The worker processes, live ones first.", body = Workers),
+    ),
+    security(("admin_token" = [])),
+)]
+async fn workers(
+    _operator: Operator,
+    State(state): State<AdminState>,
+) -> Result<Json<Workers>, ApiError> {
+    let workers = payfleet_queue::census::workers(&state.pool)
+        .await?
+        .into_iter()
+        .map(WorkerView::from)
+        .collect();
+    Ok(Json(Workers { workers }))
 }
 
 /// The consistency findings still open, oldest first.

@@ -136,6 +136,7 @@ uuid_schemas!(ApiKeyId, CouponId, ProductId, SellerId, SubscriptionId);
         admin::consistency_findings,
         admin::reconciliation_findings,
         admin::recurring_jobs,
+        admin::workers,
         admin::recurring_runs,
         admin::pending_payouts,
         admin::payout_paid,

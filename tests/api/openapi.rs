@@ -1095,6 +1095,7 @@ async fn live_answers_hold_to_the_description(pool: PgPool) {
         "/admin/consistency",
         "/admin/reconciliation",
         "/admin/recurring",
+        "/admin/workers",
     ] {
         t.expect(200, Call::get(route, route)).await;
     }

@@ -267,3 +267,39 @@ async fn a_worker_flag_naming_no_queue_stops_start_up_saying_so(pool: PgPool) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--queues names \"nope\""), "{stderr}");
 }
+
+/// An operator sees the fleet's worker processes over the admin API as `payfleet jobs workers`
+/// shows them: each with the queues it works, and whether it is live. Anonymous callers get 401.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_admin_api_lists_the_fleets_worker_processes(pool: PgPool) {
+    let app = spawn_fleet(pool.clone(), test_config()).await;
+    let (status, body) = admin_get(&app, "/admin/workers", None).await;
+    assert_eq!(status, 401, "{body}");
+    let mut listed = Value::Null;
+    for _ in 0..100 {
+        let (status, body) = admin_get(&app, "/admin/workers", Some(ADMIN_TOKEN)).await;
+        assert_eq!(status, 200, "{body}");
+        if body["workers"].as_array().is_some_and(|w| !w.is_empty()) {
+            listed = body;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let workers = listed["workers"]
+        .as_array()
+        .expect("the fleet's worker is listed");
+    assert_eq!(workers.len(), 1, "{listed}");
+    let me = &workers[0];
+    assert_eq!(me["live"], true);
+    let queues: Vec<&str> = me["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        queues.contains(&"events") && queues.contains(&"orders"),
+        "{me}"
+    );
+    assert!(me["id"].as_str().is_some_and(|id| !id.is_empty()));
+}
