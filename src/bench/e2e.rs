@@ -258,9 +258,9 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
 
     // 1. Checkouts.
     let phase = crate::progress::spinner(format!("{} checkouts", 2 * args.orders));
+    let wal_before = wal_position(&pool).await?;
     let started = Instant::now();
     let cpu_before = cpu::sample();
-    let wal_before = wal_position(&pool).await?;
     let (flash_orders, mut lat) =
         checkouts(addr, &api_key, &flash, args.orders, args.clients).await?;
     let (many_orders, lat_many) =
@@ -294,9 +294,9 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         let phase =
             crate::progress::spinner(format!("{name}: {} payments to effect", orders.len()));
         pay_all(addr, &secret, orders, args.clients, &mut next_event).await?;
+        let wal_before = wal_position(&pool).await?;
         let started = chrono::Utc::now();
         let cpu_before = cpu::sample();
-        let wal_before = wal_position(&pool).await?;
         fleet.start_workers().await?;
         let numbers: Vec<i64> = orders.iter().map(|o| o.number).collect();
         let Drained {
@@ -908,8 +908,9 @@ fn report_cpu(phase: &str, before: Option<cpu::Sample>, lines: &mut Vec<String>)
     report_usage(phase, usage, lines);
 }
 
-/// PostgreSQL's write-ahead log position now: the work a phase made the database write is the
-/// log it wrote, a figure the machine's pace does not move (what its CPU shares cannot say).
+/// PostgreSQL's write-ahead log position now: what a phase made the database write is the log
+/// it wrote, a figure the machine's pace does not move as it moves the rates (a checkpoint in
+/// the window does: the pages written first after it go to the log whole).
 async fn wal_position(pool: &PgPool) -> anyhow::Result<String> {
     Ok(sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
         .fetch_one(pool)

@@ -188,7 +188,8 @@ impl Fleet {
         // of PostgreSQL each) while the first claim that had jobs waited for the same cores.
         let claims = PgPoolOptions::new()
             .max_connections(
-                CLAIM_CONNECTIONS.min(u32::try_from(config.queues.len().max(1)).unwrap_or(1)),
+                CLAIM_CONNECTIONS
+                    .min(u32::try_from(config.queues.len().max(1)).unwrap_or(CLAIM_CONNECTIONS)),
             )
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with((*pool.connect_options()).clone());
