@@ -36,6 +36,10 @@ pub enum ApiError {
     Forbidden(String),
     #[error("{0}")]
     NotFound(String),
+    /// The endpoint exists but does not take the request's method (its `Allow` header says
+    /// which it takes).
+    #[error("this endpoint does not take that method; its Allow header lists those it takes")]
+    MethodNotAllowed,
     #[error("{message}")]
     Conflict { code: &'static str, message: String },
     #[error("{message}")]
@@ -89,6 +93,7 @@ impl ApiError {
             Self::Unauthenticated(_) => (StatusCode::UNAUTHORIZED, "unauthenticated"),
             Self::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            Self::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             Self::Conflict { code, .. } => (StatusCode::CONFLICT, code),
             Self::Unprocessable { code, .. } => (StatusCode::UNPROCESSABLE_ENTITY, code),
             Self::UnsupportedMediaType(_) => {

@@ -133,6 +133,9 @@ impl Routes {
         let router = self
             .router
             .fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
+            // After every route: it applies to the routes registered so far. Axum adds the
+            // `Allow` header.
+            .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
             .layer(axum::middleware::from_fn_with_state(
                 telemetry,
                 request_span,

@@ -266,3 +266,42 @@ async fn every_bad_request_gets_its_stated_4xx_stores_nothing_and_costs_no_memor
     );
     assert_eq!(stored(&pool).await, before);
 }
+
+/// A method an endpoint does not take is answered like any other refusal: 405 with the JSON
+/// error (`method_not_allowed`), and the `Allow` header naming the methods it takes. Axum's own
+/// answer was an empty body.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_method_an_endpoint_does_not_take_gets_405_with_the_json_error_and_allow(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    for (method, path, allowed) in [
+        (reqwest::Method::GET, "/checkout", "POST"),
+        (reqwest::Method::DELETE, "/webhooks/internal", "POST"),
+        (reqwest::Method::POST, "/admin/workers", "GET"),
+    ] {
+        let resp = app
+            .anon
+            .request(method.clone(), format!("http://{}{path}", app.addr))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 405, "{method} {path}");
+        let allow = resp
+            .headers()
+            .get("allow")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        assert!(allow.contains(allowed), "{method} {path}: Allow {allow:?}");
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(
+            body["error"]["code"], "method_not_allowed",
+            "{method} {path}: {body}"
+        );
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    }
+    assert_eq!(stored(&pool).await, (0, 0, 0, 0, 0), "nothing stored");
+}
