@@ -193,6 +193,18 @@ async fn gauges(pool: &PgPool, out: &mut String) -> Result<(), sqlx::Error> {
             q.queue, q.oldest_due_secs
         );
     }
+    out.push_str("# HELP payfleet_queue_workers Live worker processes working each queue, from the fleet's census (GET /admin/workers); a queue no live worker works has no series.\n# TYPE payfleet_queue_workers gauge\n");
+    let mut working = std::collections::BTreeMap::<String, usize>::new();
+    for worker in payfleet_queue::census::workers(pool).await? {
+        if worker.live {
+            for queue in worker.queues {
+                *working.entry(queue).or_default() += 1;
+            }
+        }
+    }
+    for (queue, workers) in working {
+        let _ = writeln!(out, "payfleet_queue_workers{{queue=\"{queue}\"}} {workers}");
+    }
     let (p50, p99, max) = events::processing_lag(pool).await?;
     // A gauge of the window's percentiles (`percentile`, not `quantile`: that label is a
     // summary's, whose sum and count would have to be cumulative, which a window's are not).

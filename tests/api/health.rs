@@ -342,6 +342,13 @@ async fn metrics_pass_promtool(pool: PgPool) {
     let text = app.metrics().await;
     assert!(text.contains("payfleet_"), "{text}");
     assert_eq!(promtool(&text), "", "promtool on:\n{text}");
+    // The fleet's one worker process, from the census: the rules alert when the events queue
+    // has none.
+    assert_eq!(
+        sample(&text, "payfleet_queue_workers{queue=\"events\"}"),
+        1.0,
+        "{text}"
+    );
 
     // The alert rules in docs/ops pass promtool too, and alert on metrics that exist.
     let out = std::process::Command::new("promtool")
