@@ -21,7 +21,7 @@ use super::callers::{Callers, MetricsReader};
 use crate::gateways::GatewayName;
 use crate::payments::events;
 use crate::webhooks::Stored;
-use payfleet_queue::admin;
+use payfleet_queue::{admin, census};
 
 const GATEWAYS: usize = GatewayName::ALL.len();
 
@@ -194,14 +194,7 @@ async fn gauges(pool: &PgPool, out: &mut String) -> Result<(), sqlx::Error> {
         );
     }
     out.push_str("# HELP payfleet_queue_workers Live worker processes working each queue, from the fleet's census (GET /admin/workers); a queue no live worker works has no series.\n# TYPE payfleet_queue_workers gauge\n");
-    let mut working = std::collections::BTreeMap::<String, usize>::new();
-    for worker in payfleet_queue::census::workers(pool).await? {
-        if worker.live {
-            for queue in worker.queues {
-                *working.entry(queue).or_default() += 1;
-            }
-        }
-    }
+    let working = census::live_counts(&census::workers(pool).await?);
     for (queue, workers) in working {
         let _ = writeln!(out, "payfleet_queue_workers{{queue=\"{queue}\"}} {workers}");
     }

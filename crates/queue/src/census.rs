@@ -121,6 +121,16 @@ fn count(mine: &[String], others: &[Vec<String>]) -> Counts {
     counts
 }
 
+/// The live workers of `workers` per queue, counted as a worker's census counts them.
+pub fn live_counts(workers: &[WorkerRow]) -> Counts {
+    let live: Vec<Vec<String>> = workers
+        .iter()
+        .filter(|w| w.live)
+        .map(|w| w.queues.clone())
+        .collect();
+    count(&[], &live)
+}
+
 /// Writes or renews this worker's row, deletes rows of workers gone, and returns the queues of
 /// every other live worker. A worker whose row was new (it is starting, or its row was deleted
 /// while it could not renew it) tells the others, in the same statement.
@@ -211,6 +221,25 @@ mod tests {
         assert_eq!(counts.get("orders"), Some(&1));
         assert_eq!(counts.get("payments"), Some(&1));
         assert_eq!(counts.len(), 3);
+    }
+
+    #[test]
+    fn live_counts_leave_out_the_workers_gone_without_stopping() {
+        let row = |id: &str, queues: &[&str], live: bool| WorkerRow {
+            id: id.to_owned(),
+            queues: queues.iter().map(|q| (*q).to_owned()).collect(),
+            started_at: Utc::now(),
+            seen_at: Utc::now(),
+            live,
+        };
+        let counts = live_counts(&[
+            row("a", &["events", "orders"], true),
+            row("b", &["events"], true),
+            row("dead", &["events", "payments"], false),
+        ]);
+        assert_eq!(counts.get("events"), Some(&2));
+        assert_eq!(counts.get("orders"), Some(&1));
+        assert_eq!(counts.get("payments"), None, "only a dead worker works it");
     }
 
     #[test]
