@@ -302,6 +302,33 @@ pub fn constraint(e: &sqlx::Error) -> Option<&str> {
     }
 }
 
+/// For tests: a pool of one connection to `pool`'s database, so that every statement it runs is
+/// prepared on that connection and [`plan_counts`] sees it.
+#[cfg(test)]
+pub(crate) async fn one_connection(pool: &PgPool) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(pool.connect_options().as_ref().clone())
+        .await
+        .expect("a pool of one connection")
+}
+
+/// For tests: how often the statements prepared on `pool`'s one connection whose text contains
+/// `fragment` were planned on their generic plan, and how often again for their parameters'
+/// values (PostgreSQL plans the first five executions for their values, then keeps the generic
+/// plan unless it looks dearer than those did: README, "Plans made once").
+#[cfg(test)]
+pub(crate) async fn plan_counts(pool: &PgPool, fragment: &str) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT coalesce(sum(generic_plans), 0)::int8, coalesce(sum(custom_plans), 0)::int8
+         FROM pg_prepared_statements WHERE strpos(statement, $1) > 0 AND from_sql = false",
+    )
+    .bind(fragment)
+    .fetch_one(pool)
+    .await
+    .expect("pg_prepared_statements")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -886,27 +886,33 @@ async fn store_completions(
         keys.answer.push(&completion.answer);
         keys.links.push(completion.links.len() as i32);
     }
+    // Every array reaches the planner as a sub-select's value, whose size it cannot see
+    // (README, "Plans made once"): seeing the sizes, it planned the statement again at every call, 0.6
+    // ms of planning beside 0.8 ms of work.
     let whole: Vec<i32> = sqlx::query_scalar(
         "WITH l AS (
              UPDATE orders o SET session_id = x.session_id, payment_url = x.url, updated_at = now()
-             FROM unnest($1::int[], $2::bigint[], $3::int[], $4::text[], $5::text[])
+             FROM unnest((SELECT $1::int[]), (SELECT $2::bigint[]), (SELECT $3::int[]),
+                         (SELECT $4::text[]), (SELECT $5::text[]))
                   AS x(c, number, attempt, session_id, url)
              -- Each order through its number's index (`number = ANY($2)` was planned as a
              -- scan of every order while the table had no statistics).
              WHERE o.id = ANY(ARRAY(SELECT (SELECT y.id FROM orders y WHERE y.number = n)
-                                    FROM unnest($2::bigint[]) AS n))
+                                    FROM unnest((SELECT $2::bigint[])) AS n))
                AND o.number = x.number AND o.session_id IS NULL
                AND o.payment_attempt = x.attempt
              RETURNING x.c
          ), whole AS (
              SELECT a.c, a.owner, a.key, a.me, a.answer
-             FROM unnest($6::int[], $7::text[], $8::text[], $9::text[], $10::jsonb[], $11::int[])
+             FROM unnest((SELECT $6::int[]), (SELECT $7::text[]), (SELECT $8::text[]),
+                         (SELECT $9::text[]), (SELECT $10::jsonb[]), (SELECT $11::int[]))
                   AS a(c, owner, key, me, answer, links)
              WHERE (SELECT count(*) FROM l WHERE l.c = a.c) = a.links
          ), k AS (
              UPDATE idempotency_keys ik SET response = w.answer, locked_until = NULL, locked_by = NULL
              FROM whole w
-             WHERE ik.owner = ANY($7) AND ik.key = ANY($8)
+             WHERE ik.owner = ANY(ARRAY(SELECT unnest($7::text[])))
+               AND ik.key = ANY(ARRAY(SELECT unnest($8::text[])))
                AND ik.owner = w.owner AND ik.key = w.key AND ik.locked_by = w.me
          )
          SELECT c FROM whole",
@@ -1088,15 +1094,19 @@ async fn write_batch(
                 cols.3.push(p.key.as_str());
                 cols
             });
+        // Its arrays as sub-selects' values, as `store_completions` has them (planned again at
+        // every other call before).
         let checkouts: Vec<i64> = sqlx::query_scalar(
             "WITH x AS MATERIALIZED (
                  SELECT nextval(pg_get_serial_sequence('checkouts', 'id')) AS id, t.*
-                 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS t(buyer, gateway, owner, key, i)
+                 FROM unnest((SELECT $1::text[]), (SELECT $2::text[]), (SELECT $3::text[]),
+                             (SELECT $4::text[])) WITH ORDINALITY AS t(buyer, gateway, owner, key, i)
              ), c AS (
                  INSERT INTO checkouts (id, buyer_id, gateway) SELECT id, buyer, gateway FROM x
              ), k AS (
                  UPDATE idempotency_keys SET checkout_id = x.id FROM x
-                 WHERE idempotency_keys.owner = ANY($3) AND idempotency_keys.key = ANY($4)
+                 WHERE idempotency_keys.owner = ANY(ARRAY(SELECT unnest($3::text[])))
+                   AND idempotency_keys.key = ANY(ARRAY(SELECT unnest($4::text[])))
                    AND idempotency_keys.owner = x.owner AND idempotency_keys.key = x.key
              )
              -- The numbering statement that follows, whose shape never changes, runs on its
@@ -1447,5 +1457,41 @@ async fn ask_link(
             Err((e.to_string(), true))
         }
         Err(e) => Err((e.to_string(), false)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::db::{one_connection, plan_counts};
+
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn storing_links_and_answers_keeps_its_plan(pool: PgPool) {
+        let pool = one_connection(&pool).await;
+        for call in 0..8_i64 {
+            // Batches of one to four checkouts, as sixteen clients send them.
+            let completions: Vec<Completion> = (0..=call % 4)
+                .map(|i| Completion {
+                    owner: "seller".to_owned(),
+                    key: format!("key-{call}-{i}"),
+                    me: "me".to_owned(),
+                    answer: serde_json::json!({"orders": []}),
+                    links: vec![(
+                        1000 * call + i,
+                        1,
+                        format!("cs_{call}_{i}"),
+                        "https://pay".to_owned(),
+                    )],
+                })
+                .collect();
+            let answered = store_completions(&pool, &completions).await.unwrap();
+            assert_eq!(answered, vec![false; completions.len()], "no such orders");
+        }
+        let (generic, custom) = plan_counts(&pool, "SET session_id = x.session_id").await;
+        assert_eq!(
+            (generic, custom),
+            (3, 5),
+            "planned for its values five times, then once for all"
+        );
     }
 }

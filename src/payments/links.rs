@@ -229,10 +229,12 @@ impl LinkService {
     ) -> Result<Vec<(usize, String, String)>, sqlx::Error> {
         let numbers: Vec<i64> = requests.iter().map(|r| r.order_number).collect();
         let attempts: Vec<i32> = requests.iter().map(|r| r.attempt).collect();
-        // Each key through the primary key's index, whatever the planner knows of the table.
+        // Each key through the primary key's index, whatever the planner knows of the table;
+        // the arrays as sub-selects' values, so it is not planned again at every call
+        // (README, "Plans made once").
         let found: Vec<(i64, String, String)> = sqlx::query_as(
             "SELECT k.i, s.session_id, s.url
-             FROM unnest($1::bigint[], $2::int[]) WITH ORDINALITY AS k(order_number, attempt, i)
+             FROM unnest((SELECT $1::bigint[]), (SELECT $2::int[])) WITH ORDINALITY AS k(order_number, attempt, i)
              CROSS JOIN LATERAL (
                  SELECT session_id, url FROM payment_sessions s
                  WHERE s.order_number = k.order_number AND s.attempt = k.attempt
@@ -311,4 +313,73 @@ pub fn serve(broker: &Broker, service: Arc<LinkService>, prefetch: u16) {
         service,
         prefetch,
     ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::db::{one_connection, plan_counts};
+    use crate::money::Money;
+
+    fn request(order_number: i64) -> PaymentLinkRequest {
+        let amount = Money::parse("10.00", "BRL").unwrap();
+        PaymentLinkRequest {
+            order_number,
+            gateway: GatewayName::Internal,
+            platform_fee: Money::parse("1.00", "BRL").unwrap(),
+            amount,
+            seller_id: "seller".to_owned(),
+            seller_account: None,
+            buyer_id: "buyer".to_owned(),
+            description: "an order".to_owned(),
+            recurring_interval: None,
+            attempt: 1,
+            link_key: format!("link-{order_number}"),
+            expires_at: chrono::Utc::now(),
+        }
+    }
+
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn reading_the_stored_sessions_keeps_its_plan(pool: PgPool) {
+        // A table of some size: over an empty one every plan costs next to nothing.
+        sqlx::query(
+            "INSERT INTO payment_sessions (order_number, attempt, gateway, session_id, url, amount,
+                                           currency, platform_fee)
+             SELECT n, 1, 'internal', 'cs_' || n, 'https://pay/' || n, 10, 'BRL', 1
+             FROM generate_series(1, 20000) AS n",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query("ANALYZE payment_sessions")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let service = LinkService {
+            pool: one_connection(&pool).await,
+            gateways: GatewayRegistry::default(),
+        };
+        for n in [1, 3, 1, 2, 5, 1, 4, 2] {
+            // Each found in its place: order 1000·i + n's session.
+            let requests: Vec<PaymentLinkRequest> = (0..n).map(|i| request(1000 * i + n)).collect();
+            let found = service.stored(&requests).await.unwrap();
+            let expected: Vec<(usize, String, String)> = (0..n)
+                .map(|i| {
+                    let number = 1000 * i + n;
+                    (
+                        i as usize,
+                        format!("cs_{number}"),
+                        format!("https://pay/{number}"),
+                    )
+                })
+                .collect();
+            assert_eq!(found, expected);
+        }
+        let (generic, custom) = plan_counts(&service.pool, "s.session_id, s.url").await;
+        assert_eq!(
+            (generic, custom),
+            (3, 5),
+            "planned for its values five times, then once for all"
+        );
+    }
 }

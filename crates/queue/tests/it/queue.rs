@@ -1729,3 +1729,56 @@ async fn fleets_count_each_other_per_queue_and_stop_counting_one_that_stopped_or
         "a stopped fleet deletes its row"
     );
 }
+
+/// The end of a batch of runs takes arrays whose sizes PL/pgSQL's planner saw in every call's
+/// values, so it planned the end's statements again at every call (twice the time of their
+/// work): the function is planned once per connection for every call.
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn a_runs_end_is_planned_once_not_at_every_call(pool: PgPool) {
+    let config: Vec<String> =
+        sqlx::query_scalar("SELECT unnest(proconfig) FROM pg_proc WHERE proname = 'jobs_end_runs'")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        config,
+        vec!["plan_cache_mode=force_generic_plan".to_owned()]
+    );
+    // And the ends still end: one completed (its row gone), one retried (kept, retryable).
+    let mut ids = Vec::new();
+    for n in 0..2 {
+        ids.push(
+            queue::enqueue(&pool, NewJob::of(&Echo { n }).unwrap())
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    let claimed: Vec<(i64, i64)> = sqlx::query_as(
+        "UPDATE jobs SET state = 'running', attempt = 1, lease_token = nextval('jobs_lease_token_seq'),
+                lease_expires_at = now() + interval '1 minute', locked_by = 'test'
+         WHERE id = ANY($1) RETURNING id, lease_token",
+    )
+    .bind(ids.iter().map(|id: &JobId| id.0).collect::<Vec<_>>())
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let (by_id, tokens): (Vec<i64>, Vec<i64>) = claimed.into_iter().unzip();
+    let mut ended: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT job_id, new_state FROM jobs_end_runs($1, $2, ARRAY['complete', 'retry'],
+                                                     ARRAY[NULL::bigint, NULL], ARRAY[NULL::text, 'boom'])",
+    )
+    .bind(&by_id)
+    .bind(&tokens)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    ended.sort();
+    let mut expected = vec![
+        (by_id[0], "completed".to_owned()),
+        (by_id[1], "retryable".to_owned()),
+    ];
+    expected.sort();
+    assert_eq!(ended, expected);
+    assert!(completed(&pool, JobId(by_id[0])).await);
+}
