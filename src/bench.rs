@@ -140,7 +140,7 @@ impl NoopRuns {
 /// `payfleet bench drain-worker`: a worker process for `bench queue --workers N`, draining the
 /// no-op jobs of the scratch database (`DATABASE_URL`) until SIGTERM.
 pub async fn drain_worker(config: &Config, args: DrainWorkerArgs) -> anyhow::Result<()> {
-    let pool = db::connect(&config.database_url, config.db_pool_size).await?;
+    let pool = db::connect(&config.database_url, config.db_pool_size, "bench").await?;
     let fleet = Fleet::new(
         pool,
         NoopRuns::default().registry()?,

@@ -258,7 +258,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
 
 /// `serve` and `work`: connect, start the roles, run until SIGTERM.
 async fn serve(config: Config, roles: Roles) -> anyhow::Result<()> {
-    let pool = db::connect(&config.database_url, config.db_pool_size).await?;
+    let pool = db::connect(&config.database_url, config.db_pool_size, roles.name()).await?;
     let bind = if roles.serve {
         Some(config.bind)
     } else {
@@ -296,7 +296,7 @@ async fn up(config: Config, public: bool) -> anyhow::Result<()> {
     let working = progress::spinner("applying migrations");
     db::migrate_at(url, locking).await?;
     working.finish_and_clear();
-    let pool = db::connect(&config.database_url, config.db_pool_size).await?;
+    let pool = db::connect(&config.database_url, config.db_pool_size, Roles::UP.name()).await?;
     let (config, shown) = demo::development_config(&pool, config).await?;
     for (name, value) in &shown {
         println!("development setting: {name}={value}");
@@ -327,7 +327,7 @@ fn names(gateways: &[payfleet::gateways::GatewayName]) -> String {
 }
 
 async fn jobs(config: Config, action: JobsAction) -> anyhow::Result<()> {
-    let pool = db::connect(&config.database_url, 2).await?;
+    let pool = db::connect(&config.database_url, 2, "jobs").await?;
     match action {
         JobsAction::Workers => {
             let workers = payfleet_queue::census::workers(&pool).await?;
@@ -395,7 +395,7 @@ async fn jobs(config: Config, action: JobsAction) -> anyhow::Result<()> {
 }
 
 async fn events_command(config: Config, action: EventsAction) -> anyhow::Result<()> {
-    let pool = db::connect(&config.database_url, 2).await?;
+    let pool = db::connect(&config.database_url, 2, "events").await?;
     match action {
         EventsAction::Unprocessed { limit } => {
             let list = events::unprocessed(&pool, limit).await?;
@@ -440,7 +440,7 @@ async fn events_command(config: Config, action: EventsAction) -> anyhow::Result<
 
 async fn messages_command(config: Config, action: MessagesAction) -> anyhow::Result<()> {
     use payfleet::messaging::orders as messages;
-    let pool = db::connect(&config.database_url, 2).await?;
+    let pool = db::connect(&config.database_url, 2, "messages").await?;
     match action {
         MessagesAction::Dead { limit } => {
             let dead = messages::dead_messages(&pool, limit).await?;
@@ -505,7 +505,7 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
         }
         _ => None,
     };
-    let pool = db::connect(&config.database_url, 2).await?;
+    let pool = db::connect(&config.database_url, 2, "money").await?;
     match action {
         MoneyAction::Release => {
             let n = sales::release_matured(&pool, chrono::Utc::now()).await?;
@@ -564,7 +564,7 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
 }
 
 async fn consistency_command(config: Config, run: bool) -> anyhow::Result<()> {
-    let pool = db::connect(&config.database_url, 2).await?;
+    let pool = db::connect(&config.database_url, 2, "consistency").await?;
     if run {
         let r = payfleet::consistency::run(&pool, config.consistency.grace).await?;
         println!(

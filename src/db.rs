@@ -96,10 +96,21 @@ impl Kept {
     }
 }
 
-/// Opens the pool, creating the database first if the server does not have it.
-pub async fn connect(database_url: &SecretUrl, max_connections: u32) -> anyhow::Result<PgPool> {
-    let options = PgConnectOptions::from_str(database_url.expose())
+/// Opens the pool of a `payfleet <role>` process, creating the database first if the server does
+/// not have it. Its connections carry the application name `payfleet <role>` (what
+/// `pg_stat_activity` shows an operator), unless `DATABASE_URL` names one; the parts of a
+/// process with connections of their own add theirs (`payfleet work: claims`,
+/// [`payfleet_queue::pg::part_of`]).
+pub async fn connect(
+    database_url: &SecretUrl,
+    max_connections: u32,
+    role: &str,
+) -> anyhow::Result<PgPool> {
+    let mut options = PgConnectOptions::from_str(database_url.expose())
         .context("DATABASE_URL is not a valid PostgreSQL URL")?;
+    if options.get_application_name().is_none() {
+        options = options.application_name(&format!("payfleet {role}"));
+    }
     // A process started while PostgreSQL is away (restarting, out of connection slots, not up
     // yet after the machine's start) waits for it a while, as its requests and jobs would,
     // rather than exiting into its supervisor's restart loop; a wrong password or a database
@@ -184,7 +195,7 @@ pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
 /// migrators' session lock when `locking` is off (a pooler in transaction mode has no session
 /// to hold it: `PAYFLEET_LISTEN_URL=off`).
 pub async fn migrate_at(url: &SecretUrl, locking: bool) -> anyhow::Result<()> {
-    let pool = connect(url, 2).await?;
+    let pool = connect(url, 2, "migrate").await?;
     let done = run_migrations(&pool, locking).await;
     pool.close().await;
     done
@@ -339,6 +350,31 @@ mod tests {
             .fetch_one(conn)
             .await
             .unwrap()
+    }
+
+    async fn application_name(pool: &PgPool) -> String {
+        sqlx::query_scalar(
+            "SELECT application_name FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_process_names_its_connections_unless_the_url_does() {
+        let url = std::env::var("DATABASE_URL").expect("DATABASE_URL names the test server");
+        let pool = connect(&SecretUrl::new(url.clone()), 1, "work")
+            .await
+            .unwrap();
+        assert_eq!(application_name(&pool).await, "payfleet work");
+        let named = if url.contains('?') {
+            format!("{url}&application_name=mine")
+        } else {
+            format!("{url}?application_name=mine")
+        };
+        let pool = connect(&SecretUrl::new(named), 1, "work").await.unwrap();
+        assert_eq!(application_name(&pool).await, "mine");
     }
 
     #[sqlx::test]

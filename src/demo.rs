@@ -273,7 +273,7 @@ fn number(o: &Value) -> i64 {
 
 pub async fn run(config: &Config, args: DemoArgs) -> anyhow::Result<()> {
     payfleet::tls::install_provider();
-    let pool = payfleet::db::connect(&config.database_url, 2).await?;
+    let pool = payfleet::db::connect(&config.database_url, 2, "demo").await?;
     let (config, _) = development_config(&pool, config.clone()).await?;
     let base = args
         .url

@@ -30,7 +30,7 @@ pub async fn database(
         .await
         .context("cannot drop the scratch database")?;
     let url = SecretUrl::new(with_database(config.database_url.expose(), &name)?);
-    let pool = db::connect(&url, connections).await?;
+    let pool = db::connect(&url, connections, purpose).await?;
     db::migrate(&pool).await?;
     Ok((pool, url))
 }

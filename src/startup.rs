@@ -58,6 +58,15 @@ impl Roles {
         serve: true,
         work: true,
     };
+
+    /// The subcommand that runs these roles, as its connections are named (`payfleet work`).
+    pub fn name(self) -> &'static str {
+        match (self.serve, self.work) {
+            (true, true) => "up",
+            (false, true) => "work",
+            _ => "serve",
+        }
+    }
 }
 
 /// The processor as configured: Mercado Pago events need API access to read the payment, and a
@@ -378,7 +387,7 @@ pub fn start(
     let mut rpc_client = None;
     let router = if roles.serve {
         let events = EventWriter::start(
-            (*pool.connect_options()).clone(),
+            payfleet_queue::pg::part_of(&pool.connect_options(), "webhook writer"),
             Some(Notifier::start(pool.clone())),
             config.webhooks.queue_capacity,
         );

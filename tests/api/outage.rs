@@ -154,7 +154,7 @@ async fn a_process_starting_while_the_database_is_away_waits_for_it(pool: PgPool
         o.get_database().unwrap()
     ));
     let started = std::time::Instant::now();
-    let connecting = tokio::spawn(async move { payfleet::db::connect(&url, 2).await });
+    let connecting = tokio::spawn(async move { payfleet::db::connect(&url, 2, "work").await });
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     assert!(
         !connecting.is_finished(),
@@ -178,7 +178,7 @@ async fn a_process_starting_while_the_database_is_away_waits_for_it(pool: PgPool
         o.get_database().unwrap()
     ));
     let started = std::time::Instant::now();
-    let refused = payfleet::db::connect(&stranger, 2).await;
+    let refused = payfleet::db::connect(&stranger, 2, "work").await;
     assert!(refused.is_err());
     assert!(
         started.elapsed() < std::time::Duration::from_secs(5),

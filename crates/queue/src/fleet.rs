@@ -180,7 +180,7 @@ impl Fleet {
         let control = PgPoolOptions::new()
             .max_connections(4)
             .acquire_timeout(Duration::from_secs(5))
-            .connect_lazy_with((*pool.connect_options()).clone());
+            .connect_lazy_with(crate::pg::part_of(&pool.connect_options(), "bookkeeping"));
         // A queue's claimers take turns (one claim of a queue at a time), and a claim of a
         // queue with nothing due is a fraction of a millisecond: two connections carry every
         // queue's claims. One per queue, a worker started on a backlog opened five backends at
@@ -192,7 +192,7 @@ impl Fleet {
                     .min(u32::try_from(config.queues.len().max(1)).unwrap_or(CLAIM_CONNECTIONS)),
             )
             .acquire_timeout(Duration::from_secs(5))
-            .connect_lazy_with((*pool.connect_options()).clone());
+            .connect_lazy_with(crate::pg::part_of(&pool.connect_options(), "claims"));
         let (paused_tx, paused) = watch::channel(Arc::new(std::collections::HashSet::new()));
         let paused_tx = Arc::new(paused_tx);
         let shared = Arc::new(Shared {
@@ -224,7 +224,7 @@ impl Fleet {
                 PgPoolOptions::new()
                     .max_connections(1)
                     .acquire_timeout(Duration::from_secs(5))
-                    .connect_lazy_with(*options),
+                    .connect_lazy_with(crate::pg::part_of(&options, "listener")),
             ),
             Listen::Off => {
                 tracing::info!(
@@ -267,7 +267,7 @@ impl Fleet {
             let pool = PgPoolOptions::new()
                 .max_connections(2)
                 .acquire_timeout(Duration::from_secs(5))
-                .connect_lazy_with((*shared.pool.connect_options()).clone());
+                .connect_lazy_with(crate::pg::part_of(&shared.pool.connect_options(), "leases"));
             let leases = shared.leases.clone();
             let lease = shared.config.fleet.lease();
             background.spawn(supervise("lease keeper", move || {

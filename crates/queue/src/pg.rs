@@ -7,6 +7,7 @@ use std::sync::LazyLock;
 
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
+use sqlx::postgres::PgConnectOptions;
 
 /// The table that records which of the queue's migrations a database has.
 pub const MIGRATIONS_TABLE: &str = "_payfleet_queue_migrations";
@@ -23,6 +24,17 @@ pub static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
 /// Applies the queue's migrations that `pool`'s database does not have yet.
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     MIGRATOR.run(pool).await
+}
+
+/// `options` for the connections of one part of a process: their application name, which
+/// `pg_stat_activity` shows an operator beside each backend's query, its waits and its locks,
+/// is the process's followed by `: part` (`payfleet work: claims`), or `payfleet-queue: part`
+/// where the process named none.
+pub fn part_of(options: &PgConnectOptions, part: &str) -> PgConnectOptions {
+    let process = options.get_application_name().unwrap_or("payfleet-queue");
+    options
+        .clone()
+        .application_name(&format!("{process}: {part}"))
 }
 
 /// Connection trouble, pool exhaustion, a restarting server, a deadlock or serialization

@@ -1648,6 +1648,24 @@ async fn a_workers_queues_claim_on_two_connections_however_many_queues_it_works(
         "{} backends ran the claims of five queues",
         claimers.len()
     );
+    // And an operator reading pg_stat_activity sees whose they are (the pool names no process:
+    // the queue's own name stands in for it).
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT application_name FROM pg_stat_activity WHERE pid = ANY($1)",
+    )
+    .bind(claimers.iter().copied().collect::<Vec<i32>>())
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(names, vec!["payfleet-queue: claims".to_owned()]);
+    let listening: Vec<String> = sqlx::query_scalar(
+        "SELECT application_name FROM pg_stat_activity
+         WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(listening, vec!["payfleet-queue: bookkeeping".to_owned()]);
     queue::enqueue(&pool, NewJob::of(&Echo { n: 7 }).unwrap())
         .await
         .unwrap();
