@@ -181,6 +181,12 @@ pub trait PaymentGateway: Send + Sync {
             requests.iter().map(|r| self.create_session(r)),
         ))
     }
+    /// Whether its sessions are rows in our database, made by an insert that gives the session
+    /// made before for the same order and attempt: asking it again costs what looking for the
+    /// session first would, so the payment side does not look first.
+    fn sessions_are_ours(&self) -> bool {
+        false
+    }
     /// The state of a session's payment, asked of the gateway now.
     fn status<'a>(
         &'a self,
@@ -302,6 +308,10 @@ macro_rules! payment_gateway {
                 requests: &'a [$crate::gateways::api::SessionRequest],
             ) -> $crate::gateways::api::SessionsFuture<'a> {
                 Box::pin(self.create_many(requests))
+            }
+
+            fn sessions_are_ours(&self) -> bool {
+                true
             }
         );
     };

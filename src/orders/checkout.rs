@@ -4,8 +4,8 @@
 //!    first answer; with another body, 422; while the first request still runs, 409. The
 //!    request that holds the key is named in it, so only it can store the answer or let go; one
 //!    that crashed lets go by itself after its lock (twice the payment side's timeout and then
-//!    some: the links are asked for all at once, under one timeout). A plain cart's key is
-//!    claimed in the transaction that writes its orders ([`Writer`]); any other's, or a key that
+//!    some: the links are asked for all at once, under one timeout). A new plain cart's key is
+//!    claimed by the statement that writes its orders ([`Writer`]); any other's, or a key that
 //!    exists already, in a statement of its own, committed at once.
 //! 2. One transaction prices the cart from the server's own catalogue, takes the coupon's
 //!    redemptions under its row lock, numbers the orders from the counter row (sequential, no
@@ -246,11 +246,8 @@ impl Checkout {
                 hash: hash.to_vec(),
                 lock_secs,
             };
-            match self.writer.write(key, me, cart, Some(claiming)).await {
-                Written::Created(checkout, Some(orders)) => {
-                    return Ok(Claim::Written(checkout, orders));
-                }
-                Written::Created(checkout, None) => return Ok(Claim::Owned(Some(checkout))),
+            match self.writer.write(key, me, cart, claiming).await {
+                Written::Created(checkout, orders) => return Ok(Claim::Written(checkout, orders)),
                 // Refused before anything was stored: the key was never claimed.
                 Written::Refused(e) => return Err(e),
                 // The key exists (a repeat, or another request holds it), or the batch failed:
@@ -382,9 +379,11 @@ impl Checkout {
         cart.coupon.is_none() && !gateways::format(cart.gateway).charges_on_seller_account()
     }
 
-    /// The checkout's orders, written with those of the checkouts running beside it in one
-    /// transaction ([`Writer`]), or alone when its cart needs more than the writer does (a
-    /// coupon's redemptions, a Stripe seller's account) or the writer could not write it.
+    /// The checkout's orders, for a request that holds its key but has no checkout yet: one that
+    /// took over a key whose request ended without orders, a repeat whose first request was
+    /// refused, a cart the writer does not write (a coupon's redemptions, a Stripe seller's
+    /// account), or one whose writer's batch failed. New plain carts are written by the
+    /// [`Writer`] as their keys are claimed.
     async fn create(
         &self,
         key: IdempotencyKey<'_>,
@@ -392,13 +391,6 @@ impl Checkout {
         r: &CheckoutRequest,
     ) -> Result<(i64, Option<Vec<OrderView>>), CheckoutError> {
         let cart = self.cart(r)?;
-        if self.writes_together(&cart) {
-            match self.writer.write(key, me, &cart, None).await {
-                Written::Created(checkout, orders) => return Ok((checkout, orders)),
-                Written::Refused(e) => return Err(e),
-                Written::Taken | Written::Alone => {}
-            }
-        }
         self.create_alone(key, me, &cart).await
     }
 
@@ -681,10 +673,10 @@ fn cart_items(
 
 /// What the writer did with one checkout.
 enum Written {
-    /// Its checkout, and its orders as written (none: they existed already).
-    Created(i64, Option<Vec<OrderView>>),
-    /// Refused for what it asks (an unknown product, a cart that cannot be priced), or its key
-    /// is no longer this request's: nothing was written for it.
+    /// Its key claimed, its checkout and its orders written (as written).
+    Created(i64, Vec<OrderView>),
+    /// Refused for what it asks (an unknown product, a cart that cannot be priced): nothing was
+    /// written for it, its key not claimed.
     Refused(CheckoutError),
     /// Not written (the batch failed as a whole): to write alone, where its own error shows.
     Alone,
@@ -692,7 +684,7 @@ enum Written {
     Taken,
 }
 
-/// A key the writer claims in its batch, for a request that has not claimed it yet.
+/// The key the writer claims in its batch, for a request that has not claimed it yet.
 struct Claiming {
     hash: Vec<u8>,
     /// How long the request holds the key.
@@ -708,20 +700,22 @@ struct Pending {
     wanted: Vec<(ProductId, u32)>,
     /// The checkout request's trace, for its orders' `created` messages.
     traceparent: Option<String>,
-    /// Its key, if the batch is to claim it.
-    claim: Option<Claiming>,
+    /// Its key, to claim.
+    claim: Claiming,
     reply: oneshot::Sender<Written>,
 }
 
-/// Writes the orders of the checkouts that arrive while it writes others, many to one
-/// transaction: the order-number counter is held, for the numbering statement and the commit,
-/// once per batch instead of once per checkout, which under sixteen concurrent clients was the
-/// checkouts' pace (each holding it through its own commit's flush). A batch checks every
-/// checkout as [`Checkout::create_alone`] does (its key still its request's, its products known,
-/// its cart priced), writes the checkouts and their keys in one statement and every order with
-/// the one numbering statement, and answers each. A cart with a coupon, or paid through Stripe,
-/// is written alone (a coupon's row lock and redemptions, the sellers' accounts). Cheap to
-/// clone.
+/// Writes the new checkouts that arrive while it writes others, many to one statement: the
+/// order-number counter is held, for the numbering and the commit, once per batch instead of
+/// once per checkout, which under sixteen concurrent clients was the checkouts' pace (each
+/// holding it through its own commit's flush). A batch reads the products of its carts and
+/// prices each cart (a refused one is answered at once, its key never claimed), then one
+/// statement, its own transaction, claims the keys, writes the checkouts of the keys it
+/// claimed, numbers and writes their orders, and commits; each checkout is answered. A key
+/// that exists already (a repeat, or a request running) is answered [`Written::Taken`]. Only
+/// new plain carts come here: a cart with a coupon, or paid through Stripe, and a request that
+/// holds its key already, are written alone ([`Checkout::create_alone`]: a coupon's row lock and
+/// redemptions, the sellers' accounts, the key's row lock). Cheap to clone.
 #[derive(Clone)]
 pub struct Writer {
     queue: mpsc::Sender<Pending>,
@@ -784,7 +778,7 @@ impl Writer {
         key: IdempotencyKey<'_>,
         me: &str,
         cart: &Cart,
-        claim: Option<Claiming>,
+        claim: Claiming,
     ) -> Written {
         let (reply, answer) = oneshot::channel();
         let pending = Pending {
@@ -948,7 +942,7 @@ async fn store_completions(
 const WRITERS_IN_FLIGHT: usize = 1;
 
 /// Writes a batch of checkouts and answers each; the counter serialises the batches'
-/// numbering statements and commits.
+/// statements and commits.
 async fn write_checkouts(
     pool: PgPool,
     fee_percent: Decimal,
@@ -967,8 +961,10 @@ async fn write_checkouts(
     }
 }
 
-/// One transaction for `batch`: the keys locked, the products read, each cart priced, the
-/// checkouts and their keys written, every order numbered and written, then the commit.
+/// The products of `batch`'s carts read, each cart priced, then one statement: the keys
+/// claimed, the checkouts of those claimed written, their orders numbered and written, and the
+/// commit. Two round trips, where a transaction of its own took six or seven (README,
+/// "Checkouts in one statement").
 async fn write_batch(
     pool: &PgPool,
     fee_percent: Decimal,
@@ -976,213 +972,69 @@ async fn write_batch(
     batch: &[Pending],
 ) -> Result<Vec<Written>, CheckoutError> {
     let mut out: Vec<Option<Written>> = batch.iter().map(|_| None).collect();
-    let mut tx = pool.begin().await?;
-    // The keys to claim, claimed first (committed with the orders, by the batch's synchronous
-    // commit): one already there is another request's, or this one's repeat, and the request
-    // goes to its claim on its own. A key twice in one batch is claimed once.
-    let claiming: Vec<usize> = (0..batch.len())
-        .filter(|i| batch[*i].claim.is_some())
-        .collect();
-    if !claiming.is_empty() {
-        let mut cols = ClaimColumns::default();
-        for i in &claiming {
-            let p = &batch[*i];
-            if let Some(c) = &p.claim {
-                cols.owner.push(p.owner.as_str());
-                cols.key.push(p.key.as_str());
-                cols.hash.push(c.hash.as_slice());
-                cols.lock_secs.push(c.lock_secs);
-                cols.me.push(p.me.as_str());
-            }
-        }
-        let claimed: Vec<(String, String, String)> = sqlx::query_as(
-            "INSERT INTO idempotency_keys (owner, key, request_hash, locked_until, locked_by)
-             SELECT x.owner, x.key, x.hash, now() + x.secs * interval '1 second', x.me
-             FROM unnest($1::text[], $2::text[], $3::bytea[], $4::float8[], $5::text[])
-                  AS x(owner, key, hash, secs, me)
-             ON CONFLICT (owner, key) DO NOTHING
-             RETURNING owner, key, locked_by",
-        )
-        .bind(&cols.owner)
-        .bind(&cols.key)
-        .bind(&cols.hash)
-        .bind(&cols.lock_secs)
-        .bind(&cols.me)
-        .fetch_all(&mut *tx)
-        .await?;
-        for i in claiming {
-            let p = &batch[i];
-            if !claimed
-                .iter()
-                .any(|(o, k, by)| *o == p.owner && *k == p.key && *by == p.me)
-            {
-                out[i] = Some(Written::Taken);
-            }
-        }
-    }
-    // The keys claimed above are this transaction's own rows. Any other (a request that
-    // claimed its key on its own: taking over a key whose request ended without an answer, or
-    // after a batch that failed) is locked and checked: only
-    // the request holding its key writes (a crashed one may have been taken over), and the row
-    // lock makes the tie between key and checkout exact. In one order, so that two batches
-    // never deadlock on them.
-    let (owners, keys): (Vec<&str>, Vec<&str>) = batch
-        .iter()
-        .zip(&out)
-        .filter(|(p, w)| w.is_none() && p.claim.is_none())
-        .map(|(p, _)| (p.owner.as_str(), p.key.as_str()))
-        .unzip();
-    let held: Vec<(String, String, Option<i64>, Option<String>)> = if owners.is_empty() {
-        Vec::new()
-    } else {
-        sqlx::query_as(
-            "SELECT owner, key, checkout_id, locked_by FROM idempotency_keys
-             WHERE owner = ANY($1) AND key = ANY($2)
-               AND (owner, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))
-             ORDER BY owner, key FOR UPDATE",
-        )
-        .bind(&owners)
-        .bind(&keys)
-        .fetch_all(&mut *tx)
-        .await?
-    };
+    // Read before the statement, outside any transaction: inside one, at READ COMMITTED, the
+    // read would see the same committed rows (the products are not locked either way).
     let mut ids: Vec<ProductId> = batch
         .iter()
         .flat_map(|p| p.wanted.iter().map(|(id, _)| *id))
         .collect();
     ids.sort_unstable_by_key(|id| id.0);
     ids.dedup();
-    let products = catalogue::products(&mut *tx, &ids).await?;
+    let products = catalogue::products(pool, &ids).await?;
     let now = Utc::now();
     let expires_at =
         now + chrono::Duration::from_std(expiry).unwrap_or(chrono::Duration::minutes(30));
-    let mut writing = Vec::new();
+    let mut claims = ClaimColumns::default();
+    let mut orders = NewOrders::default();
+    // Each order's checkout, by its place among the orders pushed.
+    let mut checkout_of: Vec<usize> = Vec::new();
     for (i, p) in batch.iter().enumerate() {
-        if out[i].is_some() {
-            continue;
-        }
-        let row = held
-            .iter()
-            .find(|(o, k, _, _)| *o == p.owner && *k == p.key);
-        match row {
-            // Claimed by this batch: ours, with no checkout yet.
-            _ if p.claim.is_some() => {}
-            Some((_, _, Some(checkout), _)) => {
-                out[i] = Some(Written::Created(*checkout, None));
-                continue;
-            }
-            Some((_, _, None, Some(by))) if *by == p.me => {}
-            _ => {
-                out[i] = Some(Written::Refused(CheckoutError::KeyInUse));
-                continue;
-            }
-        }
         let priced = cart_items(&p.wanted, &products)
             .and_then(|items| Ok(pricing::price(&items, None, fee_percent, now)?));
-        match priced {
-            Ok(priced) => writing.push((i, priced)),
-            Err(e) => out[i] = Some(Written::Refused(e)),
+        let priced = match priced {
+            Ok(priced) => priced,
+            Err(e) => {
+                out[i] = Some(Written::Refused(e));
+                continue;
+            }
+        };
+        claims.push(p);
+        // The checkout's place among those claimed, which the statement maps to its id.
+        let place = claims.owner.len() as i64;
+        for o in &priced {
+            orders.push(
+                o,
+                None,
+                place,
+                &p.buyer,
+                p.gateway,
+                p.traceparent.as_deref(),
+            );
+            checkout_of.push(i);
         }
     }
-    if !writing.is_empty() {
-        let (buyers, gateways, owners, keys): (Vec<&str>, Vec<GatewayName>, Vec<&str>, Vec<&str>) =
-            writing.iter().fold(Default::default(), |mut cols, (i, _)| {
-                let p = &batch[*i];
-                cols.0.push(p.buyer.as_str());
-                cols.1.push(p.gateway);
-                cols.2.push(p.owner.as_str());
-                cols.3.push(p.key.as_str());
-                cols
-            });
-        // Its arrays as sub-selects' values, as `store_completions` has them (planned again at
-        // every other call before).
-        let checkouts: Vec<i64> = sqlx::query_scalar(
-            "WITH x AS MATERIALIZED (
-                 SELECT nextval(pg_get_serial_sequence('checkouts', 'id')) AS id, t.*
-                 FROM unnest((SELECT $1::text[]), (SELECT $2::text[]), (SELECT $3::text[]),
-                             (SELECT $4::text[])) WITH ORDINALITY AS t(buyer, gateway, owner, key, i)
-             ), c AS (
-                 INSERT INTO checkouts (id, buyer_id, gateway) SELECT id, buyer, gateway FROM x
-             ), k AS (
-                 UPDATE idempotency_keys SET checkout_id = x.id FROM x
-                 WHERE idempotency_keys.owner = ANY(ARRAY(SELECT unnest($3::text[])))
-                   AND idempotency_keys.key = ANY(ARRAY(SELECT unnest($4::text[])))
-                   AND idempotency_keys.owner = x.owner AND idempotency_keys.key = x.key
-             )
-             -- The numbering statement that follows, whose shape never changes, runs on its
-             -- generic plan: planned again at every call it cost half a millisecond each time.
-             SELECT id FROM x, (SELECT set_config('plan_cache_mode', 'force_generic_plan', true)) g
-             ORDER BY i",
-        )
-        .bind(&buyers)
-        .bind(&gateways)
-        .bind(&owners)
-        .bind(&keys)
-        .fetch_all(&mut *tx)
-        .await?;
-        // A refused cart whose key this batch claimed leaves no key behind (nothing is stored
-        // for a refusal): the client may fix the request and send it with the same key.
-        let (owners, keys, mes): (Vec<&str>, Vec<&str>, Vec<&str>) = batch
-            .iter()
-            .zip(&out)
-            .filter(|(p, w)| p.claim.is_some() && matches!(w, Some(Written::Refused(_))))
-            .fold(Default::default(), |mut cols, (p, _)| {
-                cols.0.push(p.owner.as_str());
-                cols.1.push(p.key.as_str());
-                cols.2.push(p.me.as_str());
-                cols
-            });
-        if !owners.is_empty() {
-            sqlx::query(
-                "DELETE FROM idempotency_keys k
-                 USING unnest($1::text[], $2::text[], $3::text[]) AS x(owner, key, me)
-                 WHERE k.owner = ANY($1) AND k.key = ANY($2)
-                   AND k.owner = x.owner AND k.key = x.key AND k.locked_by = x.me
-                   AND k.checkout_id IS NULL",
-            )
-            .bind(&owners)
-            .bind(&keys)
-            .bind(&mes)
-            .execute(&mut *tx)
-            .await?;
-        }
-        let mut orders = NewOrders::default();
-        let mut count = 0;
-        for ((i, priced), checkout) in writing.iter().zip(&checkouts) {
-            let p = &batch[*i];
-            for o in priced {
-                orders.push(
-                    o,
-                    None,
-                    *checkout,
-                    &p.buyer,
-                    p.gateway,
-                    p.traceparent.as_deref(),
-                );
-                count += 1;
+    if !claims.owner.is_empty() {
+        for (place, checkout, order) in orders.claim_and_insert(pool, &claims, expires_at).await? {
+            let Some(i) = usize::try_from(place - 1)
+                .ok()
+                .and_then(|k| checkout_of.get(k))
+            else {
+                continue;
+            };
+            match &mut out[*i] {
+                Some(Written::Created(_, orders)) => orders.push(order),
+                slot => *slot = Some(Written::Created(checkout, vec![order])),
             }
         }
-        // Numbers last: only the commit follows the counter.
-        let numbered = orders.insert(&mut tx, expires_at).await?;
-        if numbered.len() != count || checkouts.len() != writing.len() {
-            // Only a missing counter row does this (migration 0011 writes it): nothing is kept.
-            return Err(CheckoutError::Database(sqlx::Error::RowNotFound));
-        }
-        tx.commit().await?;
-        // Each checkout's orders were pushed together, in the batch's order.
-        let mut numbered = numbered.into_iter();
-        for ((i, priced), checkout) in writing.iter().zip(checkouts) {
-            let orders = numbered.by_ref().take(priced.len()).collect();
-            out[*i] = Some(Written::Created(checkout, Some(orders)));
-        }
     }
+    // A cart priced whose checkout was not written: its key was there already.
     Ok(out
         .into_iter()
-        .map(|w| w.unwrap_or(Written::Alone))
+        .map(|w| w.unwrap_or(Written::Taken))
         .collect())
 }
 
-/// The keys a batch claims, as columns.
+/// The keys a batch claims and their checkouts, as columns.
 #[derive(Default)]
 struct ClaimColumns<'a> {
     owner: Vec<&'a str>,
@@ -1190,6 +1042,20 @@ struct ClaimColumns<'a> {
     hash: Vec<&'a [u8]>,
     lock_secs: Vec<f64>,
     me: Vec<&'a str>,
+    buyer: Vec<&'a str>,
+    gateway: Vec<GatewayName>,
+}
+
+impl<'a> ClaimColumns<'a> {
+    fn push(&mut self, p: &'a Pending) {
+        self.owner.push(&p.owner);
+        self.key.push(&p.key);
+        self.hash.push(&p.claim.hash);
+        self.lock_secs.push(p.claim.lock_secs);
+        self.me.push(&p.me);
+        self.buyer.push(&p.buyer);
+        self.gateway.push(p.gateway);
+    }
 }
 
 /// A checkout's orders and their lines, as columns, for the one statement that numbers and
@@ -1198,7 +1064,9 @@ struct ClaimColumns<'a> {
 struct NewOrders {
     /// The trace each order's `created` message continues: its checkout request's (`traces`).
     traceparent: Vec<Option<String>>,
-    checkout_id: Vec<i64>,
+    /// Each order's checkout: its id ([`NewOrders::insert`]), or its place among the checkouts
+    /// the statement claims keys for ([`NewOrders::claim_and_insert`]).
+    checkout: Vec<i64>,
     buyer_id: Vec<String>,
     gateway: Vec<GatewayName>,
     seller_id: Vec<uuid::Uuid>,
@@ -1222,57 +1090,120 @@ struct NewOrders {
     line_discount: Vec<Decimal>,
 }
 
-/// The orders of a batch of checkouts, with their items, redemptions, first messages and
-/// expiry jobs, in one statement.
-static WRITE_ORDERS: LazyLock<String> = LazyLock::new(|| {
+/// The statement that numbers and writes orders (`$1` to `$27`, [`NewOrders::bind`]) with their
+/// items, redemptions, first messages and expiry jobs, after `checkouts`: CTEs ending in one
+/// named `w` with a row `(place, checkout_id)` for each order to write (its place among the
+/// orders pushed, 1-based, and its checkout's id). The orders not in `w` are not written, nor
+/// numbered. Every array reaches the planner as a sub-select's value (README, "Plans made
+/// once").
+fn write_orders_sql(checkouts: &str) -> String {
     [
-        "WITH n AS (
-                 UPDATE order_numbers SET last = last + cardinality($1::uuid[]) WHERE singleton RETURNING last
+        "WITH ",
+        checkouts,
+        ", t AS MATERIALIZED (
+                 SELECT w.place, w.checkout_id, row_number() OVER (ORDER BY w.place) AS wplace FROM w
+             ), n AS (
+                 -- Its condition reads the orders to write, so the keys are claimed (and a key
+                 -- that another transaction is claiming waited for) before the counter is held.
+                 UPDATE order_numbers SET last = last + (SELECT count(*) FROM t)
+                 WHERE singleton AND EXISTS (SELECT FROM t) RETURNING last
              ), o AS (
+                 -- No counter row: no number, and the orders' NOT NULL refuses the statement.
                  INSERT INTO orders (number, checkout_id, seller_id, buyer_id, kind, \"interval\", currency,
                                      subtotal, discount, total, platform_fee, seller_net, gateway, coupon_id, expires_at)
-                 SELECT n.last - cardinality($1::uuid[]) + t.place, t.checkout_id, t.seller_id, t.buyer_id, t.kind,
-                        t.interval, t.currency, t.subtotal, t.discount, t.total, t.platform_fee, t.seller_net,
-                        t.gateway, t.coupon_id, $14
-                 FROM n, unnest($1::uuid[], $2::text[], $3::text[], $4::bpchar[], $5::numeric[], $6::numeric[],
-                                $7::numeric[], $8::numeric[], $9::numeric[], $10::uuid[], $11::bigint[],
-                                $12::text[], $13::text[])
-                      WITH ORDINALITY AS t(seller_id, kind, interval, currency, subtotal, discount, total,
-                                           platform_fee, seller_net, coupon_id, checkout_id, buyer_id, gateway,
-                                           place)
-                 RETURNING id, number, coupon_id, number - (SELECT last FROM n) + cardinality($1::uuid[]) AS place,
+                 SELECT (SELECT last FROM n) - (SELECT count(*) FROM t) + t.wplace, t.checkout_id, u.seller_id,
+                        u.buyer_id, u.kind, u.interval, u.currency, u.subtotal, u.discount, u.total,
+                        u.platform_fee, u.seller_net, u.gateway, u.coupon_id, $14
+                 FROM t JOIN unnest((SELECT $1::uuid[]), (SELECT $2::text[]), (SELECT $3::text[]),
+                                    (SELECT $4::bpchar[]), (SELECT $5::numeric[]), (SELECT $6::numeric[]),
+                                    (SELECT $7::numeric[]), (SELECT $8::numeric[]), (SELECT $9::numeric[]),
+                                    (SELECT $10::uuid[]), (SELECT $12::text[]), (SELECT $13::text[]))
+                      WITH ORDINALITY AS u(seller_id, kind, interval, currency, subtotal, discount, total,
+                                           platform_fee, seller_net, coupon_id, buyer_id, gateway, place)
+                      ON u.place = t.place
+                 RETURNING id, number, checkout_id, coupon_id,
+                           number - (SELECT last FROM n) + (SELECT count(*) FROM t) AS wplace,
                            seller_id, buyer_id, kind, \"interval\", currency::text AS currency, subtotal, discount,
                            total, platform_fee, seller_net, amount_refunded, status, payment_status, gateway,
                            payment_attempt, payment_token, session_id, payment_url, expires_at, paid_at, created_at
+             ), placed AS MATERIALIZED (
+                 SELECT o.*, t.place FROM o JOIN t ON t.wplace = o.wplace
              ), items AS (
                  INSERT INTO order_items (order_id, line, product_id, name, unit_price, quantity, subtotal, discount)
-                 SELECT o.id, l.line, l.product_id, l.name, l.unit_price, l.quantity, l.subtotal, l.discount
-                 FROM unnest($15::bigint[], $16::int[], $17::uuid[], $18::text[], $19::numeric[], $20::int[],
-                             $21::numeric[], $22::numeric[])
+                 SELECT p.id, l.line, l.product_id, l.name, l.unit_price, l.quantity, l.subtotal, l.discount
+                 FROM unnest((SELECT $15::bigint[]), (SELECT $16::int[]), (SELECT $17::uuid[]),
+                             (SELECT $18::text[]), (SELECT $19::numeric[]), (SELECT $20::int[]),
+                             (SELECT $21::numeric[]), (SELECT $22::numeric[]))
                       AS l(place, line, product_id, name, unit_price, quantity, subtotal, discount)
-                 JOIN o ON o.place = l.place
+                 JOIN placed p ON p.place = l.place
              ), redemptions AS (
                  INSERT INTO coupon_redemptions (order_id, coupon_id) SELECT id, coupon_id FROM o WHERE coupon_id IS NOT NULL
              ), events AS (
                  INSERT INTO order_events (order_id, kind, payload, traceparent)
-                 SELECT o.id, 'created', jsonb_build_object('number', o.number), tp.traceparent
-                 FROM o LEFT JOIN unnest($27::text[]) WITH ORDINALITY AS tp(traceparent, place)
-                     ON tp.place = o.place
+                 SELECT p.id, 'created', jsonb_build_object('number', p.number), tp.traceparent
+                 FROM placed p LEFT JOIN unnest((SELECT $27::text[])) WITH ORDINALITY AS tp(traceparent, place)
+                     ON tp.place = p.place
              ), expiries AS (",
         &payfleet_queue::insert_jobs_from("(SELECT $23::text AS job_queue, $24::text AS job_kind, $25 || number AS job_key,
                          jsonb_build_object('number', number) AS job_payload, $14::timestamptz AS job_run_at,
                          $26::int AS job_max_attempts, NULL::text AS job_fairness_key FROM o) AS t"),
         ")
              -- The orders as written, for the checkouts' answers (a new order starts no
-             -- subscription yet).
-             SELECT id, number, seller_id, buyer_id, kind, \"interval\", currency, subtotal, discount, total,
-                    platform_fee, seller_net, amount_refunded, status, payment_status, gateway, payment_attempt,
-                    payment_token, session_id, payment_url, expires_at, paid_at, created_at,
+             -- subscription yet), with their places and checkouts.
+             SELECT place, checkout_id, id, number, seller_id, buyer_id, kind, \"interval\", currency, subtotal,
+                    discount, total, platform_fee, seller_net, amount_refunded, status, payment_status, gateway,
+                    payment_attempt, payment_token, session_id, payment_url, expires_at, paid_at, created_at,
                     NULL::uuid AS subscription_id
-             FROM o ORDER BY number",
+             FROM placed ORDER BY number",
     ]
     .concat()
+}
+
+/// The orders of one checkout whose id `$11` gives for each order.
+static WRITE_ORDERS: LazyLock<String> = LazyLock::new(|| {
+    write_orders_sql(
+        "w AS (SELECT u.place, u.checkout_id
+               FROM unnest((SELECT $11::bigint[])) WITH ORDINALITY AS u(checkout_id, place))",
+    )
 });
+
+/// The keys of a batch of new checkouts (`$28` to `$34`, [`ClaimColumns`]) claimed, the
+/// checkouts of those claimed written, and their orders (`$11`: each order's checkout by its
+/// place among the keys) numbered and written. A key that exists already (a repeat, another
+/// request's, or twice in the batch) claims nothing: its checkout and orders are not written.
+static CLAIM_AND_WRITE_ORDERS: LazyLock<String> = LazyLock::new(|| {
+    write_orders_sql(
+        "x AS MATERIALIZED (
+             SELECT nextval('checkouts_id_seq'::regclass) AS id, c.*
+             FROM unnest((SELECT $28::text[]), (SELECT $29::text[]), (SELECT $30::bytea[]),
+                         (SELECT $31::float8[]), (SELECT $32::text[]), (SELECT $33::text[]),
+                         (SELECT $34::text[]))
+                  WITH ORDINALITY AS c(owner, key, hash, secs, me, buyer, gateway, place)
+         ), k AS (
+             INSERT INTO idempotency_keys (owner, key, request_hash, locked_until, locked_by, checkout_id)
+             SELECT owner, key, hash, now() + secs * interval '1 second', me, id FROM x
+             ON CONFLICT (owner, key) DO NOTHING
+             RETURNING checkout_id
+         ), claimed AS MATERIALIZED (
+             SELECT x.id, x.place, x.buyer, x.gateway FROM x JOIN k ON k.checkout_id = x.id
+         ), c AS (
+             INSERT INTO checkouts (id, buyer_id, gateway) SELECT id, buyer, gateway FROM claimed
+         ), w AS (
+             SELECT u.place, claimed.id AS checkout_id
+             FROM unnest((SELECT $11::bigint[])) WITH ORDINALITY AS u(checkout, place)
+             JOIN claimed ON claimed.place = u.checkout
+         )",
+    )
+});
+
+/// An order as the statement wrote it, with its place among the orders pushed and its checkout.
+#[derive(sqlx::FromRow)]
+struct PlacedRow {
+    place: i64,
+    checkout_id: i64,
+    #[sqlx(flatten)]
+    order: super::OrderRow,
+}
 
 impl NewOrders {
     fn push(
@@ -1285,7 +1216,7 @@ impl NewOrders {
         traceparent: Option<&str>,
     ) {
         self.traceparent.push(traceparent.map(str::to_owned));
-        self.checkout_id.push(checkout);
+        self.checkout.push(checkout);
         self.buyer_id.push(buyer.to_owned());
         self.gateway.push(gateway);
         self.seller_id.push(o.seller_id.0);
@@ -1312,19 +1243,56 @@ impl NewOrders {
     }
 
     /// Takes the next numbers from the counter row (sequential, no gaps: a rolled-back checkout
-    /// gives them back) and writes the orders (of one checkout or of many), their lines, their
-    /// coupon redemptions, their `created` events and their expiry jobs (`expiry::ExpireOrder`,
-    /// its payload and key made here from each number, which a test of that module pins), in
-    /// one statement. Returns the orders as written, with their lines, in the orders' order.
+    /// gives them back) and writes the orders of one checkout, their lines, their coupon
+    /// redemptions, their `created` events and their expiry jobs (`expiry::ExpireOrder`, its
+    /// payload and key made here from each number, which a test of that module pins), in one
+    /// statement of `tx`. Returns the orders as written, with their lines, in the orders' order.
     async fn insert(
         &self,
         tx: &mut PgConnection,
         expires_at: chrono::DateTime<Utc>,
     ) -> Result<Vec<OrderView>, sqlx::Error> {
+        let rows = self
+            .bind(sqlx::query_as(WRITE_ORDERS.as_str()), expires_at)
+            .fetch_all(&mut *tx)
+            .await?;
+        Ok(self.views(rows).into_iter().map(|(_, _, o)| o).collect())
+    }
+
+    /// As [`Self::insert`], for a batch of new checkouts whose keys `claims` claims, in one
+    /// statement that is its own transaction. Returns the orders written, each with its place
+    /// among those pushed and its checkout's id; a checkout whose key was there already has
+    /// none.
+    async fn claim_and_insert(
+        &self,
+        pool: &PgPool,
+        claims: &ClaimColumns<'_>,
+        expires_at: chrono::DateTime<Utc>,
+    ) -> Result<Vec<(i64, i64, OrderView)>, sqlx::Error> {
+        let rows = self
+            .bind(sqlx::query_as(CLAIM_AND_WRITE_ORDERS.as_str()), expires_at)
+            .bind(&claims.owner)
+            .bind(&claims.key)
+            .bind(&claims.hash)
+            .bind(&claims.lock_secs)
+            .bind(&claims.me)
+            .bind(&claims.buyer)
+            .bind(&claims.gateway)
+            .fetch_all(pool)
+            .await?;
+        Ok(self.views(rows))
+    }
+
+    /// Binds `$1` to `$27`.
+    fn bind<'q>(
+        &'q self,
+        query: sqlx::query::QueryAs<'q, sqlx::Postgres, PlacedRow, sqlx::postgres::PgArguments>,
+        expires_at: chrono::DateTime<Utc>,
+    ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, PlacedRow, sqlx::postgres::PgArguments> {
         let kinds: Vec<&str> = self.kind.iter().map(|k| k.as_str()).collect();
-        let rows: Vec<super::OrderRow> = sqlx::query_as(WRITE_ORDERS.as_str())
+        query
             .bind(&self.seller_id)
-            .bind(&kinds)
+            .bind(kinds)
             .bind(&self.interval)
             .bind(&self.currency)
             .bind(&self.subtotal)
@@ -1333,7 +1301,7 @@ impl NewOrders {
             .bind(&self.platform_fee)
             .bind(&self.seller_net)
             .bind(&self.coupon_id)
-            .bind(&self.checkout_id)
+            .bind(&self.checkout)
             .bind(&self.buyer_id)
             .bind(&self.gateway)
             .bind(expires_at)
@@ -1350,16 +1318,14 @@ impl NewOrders {
             .bind(ExpireOrder::KEY_PREFIX)
             .bind(ExpireOrder::MAX_ATTEMPTS)
             .bind(&self.traceparent)
-            .fetch_all(&mut *tx)
-            .await?;
-        // Numbered in the order pushed: the k-th row is the order at place k + 1.
-        Ok(rows
-            .into_iter()
-            .enumerate()
-            .map(|(k, row)| {
-                let place = k as i64 + 1;
+    }
+
+    /// The orders written, with the lines pushed for each: (place, checkout, order).
+    fn views(&self, rows: Vec<PlacedRow>) -> Vec<(i64, i64, OrderView)> {
+        rows.into_iter()
+            .map(|row| {
                 let items = (0..self.line_order.len())
-                    .filter(|l| self.line_order[*l] == place)
+                    .filter(|l| self.line_order[*l] == row.place)
                     .map(|l| super::ItemView {
                         product_id: ProductId(self.product_id[l]),
                         name: self.name[l].clone(),
@@ -1369,9 +1335,9 @@ impl NewOrders {
                         discount: self.line_discount[l],
                     })
                     .collect();
-                super::view_of(row, items)
+                (row.place, row.checkout_id, super::view_of(row.order, items))
             })
-            .collect())
+            .collect()
     }
 }
 
@@ -1464,6 +1430,162 @@ async fn ask_link(
 mod tests {
     use super::*;
     use crate::db::{one_connection, plan_counts};
+
+    async fn product(pool: &PgPool) -> ProductId {
+        let seller = catalogue::create_seller(
+            pool,
+            catalogue::NewSeller {
+                name: "A".into(),
+                payout_frequency: "weekly".parse().unwrap(),
+                payout_minimum: "0".into(),
+                holding_days: Some(0),
+                stripe_account: None,
+                payout_minimums: Default::default(),
+            },
+        )
+        .await
+        .unwrap();
+        catalogue::create_product(
+            pool,
+            catalogue::NewProduct {
+                seller_id: seller.id.to_string(),
+                name: "P".into(),
+                kind: ProductKind::OneOff,
+                price: "5.00".into(),
+                currency: "BRL".into(),
+                interval: None,
+            },
+        )
+        .await
+        .unwrap()
+        .id
+    }
+
+    /// A new plain checkout of one unit of `product`, for the writer to claim `key` for.
+    fn new_checkout(key: &str, product: ProductId) -> (Pending, oneshot::Receiver<Written>) {
+        let (reply, answer) = oneshot::channel();
+        let pending = Pending {
+            owner: "api-key".into(),
+            key: key.into(),
+            me: format!("me-{key}"),
+            buyer: format!("buyer-{key}"),
+            gateway: GatewayName::Internal,
+            wanted: vec![(product, 1)],
+            traceparent: None,
+            claim: Claiming {
+                hash: vec![1],
+                lock_secs: 30.0,
+            },
+            reply,
+        };
+        (pending, answer)
+    }
+
+    async fn write(pool: &PgPool, batch: &[Pending]) -> Vec<Written> {
+        write_batch(pool, Decimal::TEN, Duration::from_secs(600), batch)
+            .await
+            .unwrap()
+    }
+
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn a_batch_of_new_checkouts_is_claimed_and_written_on_one_plan(pool: PgPool) {
+        let product = product(&pool).await;
+        let pool = one_connection(&pool).await;
+        let mut number = 0;
+        for call in 0..8 {
+            // Batches of one to four checkouts, as sixteen clients send them.
+            let batch: Vec<Pending> = (0..=call % 4)
+                .map(|i| new_checkout(&format!("key-{call}-{i}"), product).0)
+                .collect();
+            for written in write(&pool, &batch).await {
+                let Written::Created(_, orders) = written else {
+                    panic!("not written")
+                };
+                number += 1;
+                assert_eq!(orders[0].number, number, "numbered in the batch's order");
+            }
+        }
+        let (generic, custom) =
+            plan_counts(&pool, "INSERT INTO idempotency_keys (owner, key").await;
+        assert_eq!(
+            (generic, custom),
+            (3, 5),
+            "planned for its values five times, then once for all"
+        );
+    }
+
+    /// The keys are claimed before the counter is held: a key another transaction is claiming
+    /// holds up its batch, but not the numbering of other checkouts meanwhile (nor could two
+    /// batches deadlock, each holding what the other waits for), and once that transaction
+    /// commits, the key is answered as taken and the rest of the batch is written.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn a_key_claimed_elsewhere_holds_up_its_batch_not_the_counter(pool: PgPool) {
+        let product = product(&pool).await;
+        let mut elsewhere = pool.begin().await.unwrap();
+        sqlx::query(
+            "INSERT INTO idempotency_keys (owner, key, request_hash, locked_until, locked_by)
+             VALUES ('api-key', 'key-1', '\\x01', now() + interval '30 seconds', 'another')",
+        )
+        .execute(&mut *elsewhere)
+        .await
+        .unwrap();
+        let batch = pool.clone();
+        let writing = tokio::spawn(async move {
+            let batch_of = [
+                new_checkout("key-1", product).0,
+                new_checkout("key-2", product).0,
+            ];
+            write(&batch, &batch_of).await
+        });
+        // The batch waits for the key's transaction...
+        let mut waited = false;
+        for _ in 0..100 {
+            waited = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT FROM pg_stat_activity
+                                WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO idempotency_keys (owner, key%')",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            if waited {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(waited, "the batch waits for the key being claimed");
+        // ... without holding the counter.
+        let mut other = pool.begin().await.unwrap();
+        let counter: Option<i64> =
+            sqlx::query_scalar("SELECT last FROM order_numbers WHERE singleton FOR UPDATE NOWAIT")
+                .fetch_optional(&mut *other)
+                .await
+                .expect("the counter is free while the batch waits for a key");
+        assert_eq!(counter, Some(0));
+        other.rollback().await.unwrap();
+        elsewhere.commit().await.unwrap();
+        let written = writing.await.unwrap();
+        assert!(matches!(written[0], Written::Taken), "key-1 is the other's");
+        let Written::Created(checkout, orders) = &written[1] else {
+            panic!("key-2 is written")
+        };
+        assert_eq!(orders.iter().map(|o| o.number).collect::<Vec<_>>(), [1]);
+        let keys: Vec<(String, Option<i64>, Option<String>)> =
+            sqlx::query_as("SELECT key, checkout_id, locked_by FROM idempotency_keys ORDER BY key")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(
+            keys,
+            [
+                ("key-1".to_owned(), None, Some("another".to_owned())),
+                (
+                    "key-2".to_owned(),
+                    Some(*checkout),
+                    Some("me-key-2".to_owned())
+                ),
+            ]
+        );
+    }
 
     #[sqlx::test(migrator = "crate::db::MIGRATOR")]
     async fn storing_links_and_answers_keeps_its_plan(pool: PgPool) {

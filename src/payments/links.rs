@@ -43,18 +43,34 @@ impl LinkService {
 
     /// Each request's link, in the order asked: the sessions stored already read in one
     /// statement, the missing ones made by their gateways (each gateway asked about all of its
-    /// own at once), and those made stored in one statement.
+    /// own at once), and those made stored in one statement. A gateway whose sessions are ours
+    /// ([`crate::gateways::api::PaymentGateway::sessions_are_ours`]: the internal and mock
+    /// gateways) is asked without looking first: it gives the session it made before, and a
+    /// link asked twice is stored once either way.
     pub async fn links(&self, requests: Vec<PaymentLinkRequest>) -> Vec<PaymentLinkReply> {
         let mut replies: Vec<Option<PaymentLinkReply>> = vec![None; requests.len()];
-        match self.stored(&requests).await {
-            Ok(found) => {
-                for (i, session_id, url) in found {
-                    replies[i] = Some(PaymentLinkReply::Created { session_id, url });
+        let looked_for: Vec<usize> = (0..requests.len())
+            .filter(|i| {
+                self.gateways
+                    .get(requests[*i].gateway)
+                    .is_some_and(|g| !g.sessions_are_ours())
+            })
+            .collect();
+        if !looked_for.is_empty() {
+            let asked: Vec<PaymentLinkRequest> =
+                looked_for.iter().map(|i| requests[*i].clone()).collect();
+            match self.stored(&asked).await {
+                Ok(found) => {
+                    for (k, session_id, url) in found {
+                        if let Some(i) = looked_for.get(k) {
+                            replies[*i] = Some(PaymentLinkReply::Created { session_id, url });
+                        }
+                    }
                 }
-            }
-            Err(e) => {
-                let reply = failed("unavailable", e.to_string(), true);
-                return vec![reply; requests.len()];
+                Err(e) => {
+                    let reply = failed("unavailable", e.to_string(), true);
+                    return vec![reply; requests.len()];
+                }
             }
         }
         // The missing ones, by gateway.
