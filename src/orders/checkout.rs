@@ -1013,6 +1013,31 @@ async fn write_batch(
             checkout_of.push(i);
         }
     }
+    // A refused cart whose key exists already is its key's business first (the first answer, a
+    // reused key's 422, a running request's 409), as when keys were claimed before pricing: it
+    // goes to the claim on its own. Looked up only when a cart is refused.
+    let (owners, keys): (Vec<&str>, Vec<&str>) = batch
+        .iter()
+        .zip(&out)
+        .filter(|(_, w)| w.is_some())
+        .map(|(p, _)| (p.owner.as_str(), p.key.as_str()))
+        .unzip();
+    if !owners.is_empty() {
+        let existing: Vec<(String, String)> = sqlx::query_as(
+            "SELECT owner, key FROM idempotency_keys
+             WHERE owner = ANY($1) AND key = ANY($2)
+               AND (owner, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))",
+        )
+        .bind(&owners)
+        .bind(&keys)
+        .fetch_all(pool)
+        .await?;
+        for (p, w) in batch.iter().zip(out.iter_mut()) {
+            if w.is_some() && existing.iter().any(|(o, k)| *o == p.owner && *k == p.key) {
+                *w = Some(Written::Taken);
+            }
+        }
+    }
     if !claims.owner.is_empty() {
         for (place, checkout, order) in orders.claim_and_insert(pool, &claims, expires_at).await? {
             let Some(i) = usize::try_from(place - 1)

@@ -389,6 +389,14 @@ async fn an_idempotency_key_gives_the_first_answer_and_refuses_other_bodies(pool
         (status, answer["error"]["code"].as_str()),
         (422, Some("idempotency_key_reused"))
     );
+    // Another body that would be refused on its own: the key's refusal comes first, as it
+    // does for any other body.
+    let missing = "00000000-0000-4000-8000-000000000000";
+    let (status, answer) = shop.checkout(Some("same-key"), cart(&[(missing, 1)])).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (422, Some("idempotency_key_reused"))
+    );
     let (status, answer) = shop.checkout(None, cart(&[(&p, 1)])).await;
     assert_eq!(
         (status, answer["error"]["code"].as_str()),
