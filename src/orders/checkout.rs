@@ -1539,6 +1539,53 @@ mod tests {
         );
     }
 
+    /// Storing a checkout's link changes no indexed column of its order (migration 0059): the
+    /// update stays on the order's page, with no new index entry.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn storing_a_link_updates_its_order_in_place(pool: PgPool) {
+        let product = product(&pool).await;
+        let one = one_connection(&pool).await;
+        let written = write(&one, &[new_checkout("key-1", product).0]).await;
+        let Written::Created(_, orders) = &written[0] else {
+            panic!("written")
+        };
+        let counts = || async {
+            sqlx::query("SELECT pg_stat_force_next_flush()")
+                .execute(&one)
+                .await
+                .unwrap();
+            sqlx::query_as::<_, (i64, i64)>(
+                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'orders'",
+            )
+            .fetch_one(&one)
+            .await
+            .unwrap()
+        };
+        let before = counts().await;
+        let completion = Completion {
+            owner: "api-key".into(),
+            key: "key-1".into(),
+            me: "me-key-1".into(),
+            answer: serde_json::json!({"orders": []}),
+            links: vec![(
+                orders[0].number,
+                1,
+                "ips_1".into(),
+                "https://pay/ips_1".into(),
+            )],
+        };
+        assert_eq!(
+            store_completions(&one, &[completion]).await.unwrap(),
+            [true]
+        );
+        let after = counts().await;
+        assert_eq!(
+            (after.0 - before.0, after.1 - before.1),
+            (1, 1),
+            "one update of the order, on its own page"
+        );
+    }
+
     /// The keys are claimed before the counter is held: a key another transaction is claiming
     /// holds up its batch, but not the numbering of other checkouts meanwhile (nor could two
     /// batches deadlock, each holding what the other waits for), and once that transaction
