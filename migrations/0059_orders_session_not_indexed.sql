@@ -10,4 +10,9 @@
 -- (`payment_sessions_session_key`). The order's copy is written only from that table's answer
 -- for that very order and attempt. The constraint guarded a copy; the rule stays where the
 -- money path reads it.
+--
+-- Dropping a constraint takes the table's strongest lock for a moment, and every statement on
+-- orders that comes after it waits behind it: the release phase gives up after two seconds
+-- rather than hold the fleet's checkouts and payments for longer (run `payfleet migrate` again).
+SET LOCAL lock_timeout = '2s';
 ALTER TABLE orders DROP CONSTRAINT orders_session_key;
