@@ -2371,3 +2371,104 @@ async fn a_batch_never_takes_a_wallet_below_zero_even_if_it_ends_above(pool: PgP
     assert_eq!(balance, d("5.00"));
     invariants_hold(&pool).await;
 }
+
+/// The posting runs on the plan made once per connection (migration 0060), whatever the
+/// number of transfers: eight calls of 1 to 30 transfers on one connection (the first five
+/// would have been planned for their values, the rest on the generic plan) each post every
+/// transfer with entries starting where the account's last one ended, a floor still refuses,
+/// and a repeat posts nothing.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_posting_is_planned_once_and_posts_the_same_whatever_its_size(pool: PgPool) {
+    let settings: Vec<(String, String)> = sqlx::query_as(
+        "SELECT proname::text, array_to_string(proconfig, ',') FROM pg_proc
+         WHERE proname IN ('ledger_post', 'ledger_post_ids', 'ledger_accounts_of') AND prolang <> 14
+         ORDER BY proname",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let generic = "plan_cache_mode=force_generic_plan".to_owned();
+    assert_eq!(
+        settings,
+        vec![
+            ("ledger_accounts_of".to_owned(), generic.clone()),
+            ("ledger_post".to_owned(), generic.clone()),
+            ("ledger_post_ids".to_owned(), generic),
+        ],
+        "the PL/pgSQL posting functions (the previous release's SQL one is left inlinable)"
+    );
+    let c = brl();
+    let clearing = AccountRef::new(AccountKind::GatewayClearing, "internal:plans", c);
+    let one = sqlx::pool::PoolOptions::<sqlx::Postgres>::new()
+        .max_connections(1)
+        .connect_with(pool.connect_options().as_ref().clone())
+        .await
+        .unwrap();
+    let mut expected: HashMap<String, Decimal> = HashMap::new();
+    for (call, size) in [1_usize, 2, 30, 1, 7, 30, 3, 1].into_iter().enumerate() {
+        let transfers: Vec<Transfer> = (0..size)
+            .map(|i| {
+                let seller = format!("plans-{}", i % 7);
+                *expected.entry(seller.clone()).or_default() += d("1.25");
+                Transfer {
+                    source_key: format!("plans:{call}:{i}"),
+                    kind: TransferKind::Adjustment,
+                    from: clearing.clone(),
+                    to: AccountRef::new(AccountKind::SellerPending, seller, c),
+                    amount: Money::new(d("1.25"), c).unwrap(),
+                    available_at: None,
+                    order_number: None,
+                    reference: None,
+                }
+            })
+            .collect();
+        let mut tx = one.begin().await.unwrap();
+        let posted = ledger::post_many(&mut tx, &transfers).await.unwrap();
+        tx.commit().await.unwrap();
+        assert!(
+            posted.iter().all(|p| matches!(p, Posted::Posted(_))),
+            "call {call}: {posted:?}"
+        );
+        let mut tx = one.begin().await.unwrap();
+        let again = ledger::post_many(&mut tx, &transfers).await.unwrap();
+        tx.commit().await.unwrap();
+        assert!(
+            again.iter().all(|p| *p == Posted::AlreadyPosted),
+            "call {call} again: {again:?}"
+        );
+    }
+    for (seller, balance) in &expected {
+        let stored: Decimal = sqlx::query_scalar(
+            "SELECT balance FROM ledger_accounts WHERE kind = 'seller_pending' AND owner = $1",
+        )
+        .bind(seller)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(&stored, balance, "{seller}");
+    }
+    // A wallet's floor, on the same connection's plans: refused, named, nothing written.
+    let wallet = AccountRef::new(AccountKind::BuyerWallet, "plans-buyer", c);
+    let mut tx = one.begin().await.unwrap();
+    let refused = ledger::post_many(
+        &mut tx,
+        &[Transfer {
+            source_key: "plans:overdraw".to_owned(),
+            kind: TransferKind::Adjustment,
+            from: wallet,
+            to: clearing.clone(),
+            amount: Money::new(d("0.01"), c).unwrap(),
+            available_at: None,
+            order_number: None,
+            reference: None,
+        }],
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&refused, ledger::LedgerError::Insufficient { owner, .. } if owner == "plans-buyer"),
+        "{refused:?}"
+    );
+    drop(tx);
+    invariants_hold(&pool).await;
+}

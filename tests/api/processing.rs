@@ -952,6 +952,79 @@ async fn batch(pool: &PgPool, sessions: &[&str]) -> Vec<bool> {
     .unwrap()
 }
 
+/// A batch's statements are planned once per connection, not for each batch's values: a
+/// worker started on a backlog runs its first batches on new connections, where PostgreSQL
+/// would plan each statement for its values five times before it considers the generic plan.
+/// Three batches (two payments, one, then the two again, already processed) on one new
+/// connection: every statement of theirs prepared there ran on its generic plan, and the
+/// payments took effect as they do in any batch.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_batch_runs_on_plans_made_once_per_connection(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    first_payments(&app, &["g1", "g2", "g3"], "19.90").await;
+    let mut conn =
+        <sqlx::PgConnection as sqlx::Connection>::connect_with(pool.connect_options().as_ref())
+            .await
+            .unwrap();
+    let mut run = async |sessions: &[&str]| {
+        let ids: Vec<String> = sessions.iter().map(|s| format!("msg_{s}")).collect();
+        let events: Vec<(GatewayName, &str)> = ids
+            .iter()
+            .map(|id| (GatewayName::Internal, id.as_str()))
+            .collect();
+        payfleet::payments::batch::process_batch(&mut conn, None, &events, &[], None)
+            .await
+            .unwrap()
+    };
+    assert_eq!(run(&["g1", "g2"]).await, [true, true]);
+    assert_eq!(run(&["g3"]).await, [true]);
+    assert_eq!(
+        run(&["g1", "g2"]).await,
+        [false, false],
+        "processed already"
+    );
+    let plans: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements
+         WHERE from_sql = false ORDER BY statement",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert!(
+        plans.len() >= 6,
+        "the batch's statements were prepared on this connection: {plans:?}"
+    );
+    assert!(
+        plans.iter().all(|(_, _, custom)| *custom == 0),
+        "none planned for its values: {plans:?}"
+    );
+    let statement = |fragment: &str| {
+        plans
+            .iter()
+            .find(|(s, _, _)| s.contains(fragment))
+            .map(|(_, generic, _)| *generic)
+    };
+    assert_eq!(
+        statement("e.raw_body, e.source FROM payment_events e"),
+        Some(3),
+        "the events' read, in every batch: {plans:?}"
+    );
+    assert_eq!(
+        statement("INSERT INTO payment_orders"),
+        Some(2),
+        "the payments' record, in the batches that applied some: {plans:?}"
+    );
+    for s in ["g1", "g2", "g3"] {
+        assert!(
+            effect_of(&pool, s).await.contains("sale_credit"),
+            "{s}: {}",
+            effect_of(&pool, s).await
+        );
+    }
+    let (accounts, currencies) = payfleet::ledger::check(&pool).await.unwrap();
+    assert!(accounts.is_empty() && currencies.is_empty());
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn first_payments_applied_in_a_batch_end_as_one_event_at_a_time_would(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
