@@ -528,6 +528,14 @@ pub async fn process_batch(
     Ok(done)
 }
 
+/// The batch's events, by gateway and event id: each with whether it is still unprocessed.
+const READ_EVENTS: &str = "SELECT e.id, e.gateway, e.event_id, e.raw_body, e.source, e.processed_at IS NULL
+     FROM payment_events e
+     WHERE e.id = ANY(ARRAY(
+               SELECT (SELECT x.id FROM payment_events x WHERE x.gateway = k.gateway AND x.event_id = k.event_id)
+               FROM unnest($1::text[], $2::text[]) AS k(gateway, event_id)))
+     ORDER BY e.id FOR UPDATE";
+
 /// Locks the unprocessed events among `events` (in id order, as the one-event path locks its
 /// one) and keeps the plain cases: webhooks (not reconciliation's answers) whose one fact is a
 /// success with its amount, each session and payment once in the batch.
@@ -537,14 +545,13 @@ async fn read_candidates(
     events: &[(GatewayName, &str)],
 ) -> Result<Vec<Candidate>, sqlx::Error> {
     let (gateways, ids): (Vec<GatewayName>, Vec<&str>) = events.iter().copied().unzip();
-    let rows: Vec<(i64, GatewayName, String, Vec<u8>, String)> = sqlx::query_as(
-        // Each event found by its key, then all locked in id order.
-        "SELECT e.id, e.gateway, e.event_id, e.raw_body, e.source FROM payment_events e
-         WHERE e.id = ANY(ARRAY(
-                   SELECT (SELECT x.id FROM payment_events x WHERE x.gateway = k.gateway AND x.event_id = k.event_id)
-                   FROM unnest($1::text[], $2::text[]) AS k(gateway, event_id)))
-           AND e.processed_at IS NULL
-         ORDER BY e.id FOR UPDATE",
+    let rows: Vec<(i64, GatewayName, String, Vec<u8>, String, bool)> = sqlx::query_as(
+        // Each event found by its key, then all locked in id order, through the primary key
+        // alone. Whether it is still unprocessed is read from the row as locked (its latest
+        // version) and kept out here, not asked in the WHERE: there, the planner may read the
+        // whole partial index of unprocessed events instead (as `record_applied` found), which
+        // during a backlog holds every event of it, and the plan is made once per connection.
+        READ_EVENTS,
     )
     .bind(&gateways)
     .bind(&ids)
@@ -557,7 +564,10 @@ async fn read_candidates(
         .collect();
     let mut seen = HashSet::new();
     let mut candidates = Vec::with_capacity(rows.len());
-    for (event, gateway, event_id, body, source) in rows {
+    for (event, gateway, event_id, body, source, unprocessed) in rows {
+        if !unprocessed {
+            continue;
+        }
         // An acquirer's event may be about the internal gateway's payment: whose it is, the
         // one-event path decides.
         if source != "webhook" || Some(gateway) == internal_acquirer {
@@ -699,6 +709,46 @@ mod tests {
 
     fn on_events(workers: usize) -> payfleet_queue::census::Counts {
         [(ProcessPaymentEvent::QUEUE.to_owned(), workers)].into()
+    }
+
+    /// The batch's read of its events goes through the primary key even where the statistics
+    /// say there are no unprocessed events (as after a quiet spell, before a backlog arrives):
+    /// the plan is made once per connection, and a plan through the partial index of
+    /// unprocessed events would read every event of a backlog at every batch.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn reading_a_batchs_events_goes_by_their_keys_whatever_the_statistics(pool: PgPool) {
+        sqlx::query(
+            "INSERT INTO payment_events (gateway, event_id, raw_body, processed_at, outcome)
+             SELECT 'internal', 'quiet-' || g, '\\x7b7d', now(), 'ignored' FROM generate_series(1, 3000) g",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query("ANALYZE payment_events")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let mut conn = pool.acquire().await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "SET plan_cache_mode = force_generic_plan; PREPARE read_events(text[], text[]) AS {READ_EVENTS}"
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        let plan: Vec<String> =
+            sqlx::query_scalar("EXPLAIN EXECUTE read_events('{internal}', '{quiet-1}')")
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap();
+        let plan = plan.join("\n");
+        assert!(
+            plan.contains("payment_events_pkey") && !plan.contains("payment_events_unprocessed"),
+            "{plan}"
+        );
+        sqlx::raw_sql("DEALLOCATE read_events; RESET plan_cache_mode")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
     }
 
     #[test]
