@@ -536,9 +536,9 @@ const READ_EVENTS: &str = "SELECT e.id, e.gateway, e.event_id, e.raw_body, e.sou
                FROM unnest($1::text[], $2::text[]) AS k(gateway, event_id)))
      ORDER BY e.id FOR UPDATE";
 
-/// Locks the unprocessed events among `events` (in id order, as the one-event path locks its
-/// one) and keeps the plain cases: webhooks (not reconciliation's answers) whose one fact is a
-/// success with its amount, each session and payment once in the batch.
+/// Locks the events among `events` (in id order, as the one-event path locks its one) and
+/// keeps the unprocessed plain cases: webhooks (not reconciliation's answers) whose one fact is
+/// a success with its amount, each session and payment once in the batch.
 async fn read_candidates(
     tx: &mut PgConnection,
     internal_acquirer: Option<GatewayName>,
