@@ -421,7 +421,9 @@ async fn post_one_by_one(pool: &PgPool, seller: &str) -> Result<u64, LedgerError
 /// payment's transaction and its posting), every `every`, for as long as the process runs. Each
 /// worker runs one; they share the rows.
 pub async fn sweep(pool: PgPool, every: Duration, after: Duration) {
-    let mut tick = tokio::time::interval(every);
+    // The first look one period after the start: a sale is left due for `after` before it is
+    // this sweep's, and a worker started on a backlog gives its first moments to the backlog.
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;

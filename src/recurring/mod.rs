@@ -154,7 +154,14 @@ pub async fn schedule(pool: PgPool, schedules: Schedules, stopped: impl Future<O
         return;
     }
     let mut seen: HashMap<String, DateTime<Utc>> = HashMap::new();
-    let mut every = tokio::time::interval(Duration::from_secs(1));
+    // The first tick a second after the start, as every later one: a worker started on a
+    // backlog gives its first moments to the backlog (a new backend and statements planned
+    // afresh for each schedule otherwise), and a period is ticked by whichever worker comes
+    // first.
+    let mut every = tokio::time::interval_at(
+        tokio::time::Instant::now() + Duration::from_secs(1),
+        Duration::from_secs(1),
+    );
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(stopped);
     loop {

@@ -398,6 +398,7 @@ pub async fn step(pool: &PgPool, config: &Config, queue: &str) -> usize {
         timeout_ms: 30_000,
         claimers: 1,
         fetch_cooldown_ms: 0,
+        claim_batch: None,
     };
     let registry: Registry = startup::registry(config, pool).unwrap();
     work_until_idle(pool, &registry, queue, &settings)

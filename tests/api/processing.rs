@@ -532,6 +532,7 @@ async fn a_handler_error_that_is_not_an_outage_is_not_retried(pool: PgPool) {
         timeout_ms: 5000,
         claimers: 1,
         fetch_cooldown_ms: 0,
+        claim_batch: None,
     };
     queue::work_until_idle(&pool, &registry, "test", &settings)
         .await

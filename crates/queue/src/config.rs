@@ -145,6 +145,11 @@ pub struct QueueSettings {
     /// freed since the last, and the claims' own cost grows to rival the jobs'. 0: none.
     #[serde(default)]
     pub fetch_cooldown_ms: u64,
+    /// Most jobs one claim of this queue takes (unset: the fleet's `claim_batch`). A claim's
+    /// jobs start when its statement returns, so its size is the wait for the first of them: a
+    /// queue whose jobs are worked in batches of their own claims about two batches' worth.
+    #[serde(default)]
+    pub claim_batch: Option<u32>,
 }
 
 fn one_claimer() -> u32 {
@@ -158,6 +163,11 @@ impl QueueSettings {
 
     pub fn fetch_cooldown(&self) -> Duration {
         Duration::from_millis(self.fetch_cooldown_ms)
+    }
+
+    /// Most jobs one claim of this queue takes in a fleet claiming at most `fleet` at once.
+    pub fn claim_batch(&self, fleet: u32) -> u32 {
+        self.claim_batch.unwrap_or(fleet)
     }
 }
 
@@ -192,6 +202,11 @@ impl QueuesConfig {
             if q.claimers == 0 {
                 return Err(invalid(format!(
                     "queue {name}: claimers must be at least 1"
+                )));
+            }
+            if q.claim_batch == Some(0) {
+                return Err(invalid(format!(
+                    "queue {name}: claim_batch must be at least 1"
                 )));
             }
             if q.timeout_ms == 0 {

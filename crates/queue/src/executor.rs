@@ -199,7 +199,7 @@ pub(crate) async fn fetch(
         // Counted once this loop's turn has come: the sibling's claim just took what it could.
         let more = slots
             .available_permits()
-            .min((fleet.claim_batch as usize).saturating_sub(1));
+            .min((settings.claim_batch(fleet.claim_batch) as usize).saturating_sub(1));
         if more > 0
             && let Ok(permits) = slots.clone().try_acquire_many_owned(more as u32)
         {

@@ -372,7 +372,11 @@ pub async fn work_until_idle(
         let claimed = store::claim(
             pool,
             queue,
-            settings.concurrency as i64,
+            i64::from(
+                settings
+                    .claim_batch(settings.concurrency)
+                    .min(settings.concurrency),
+            ),
             lease,
             &worker,
             &mut cursor,

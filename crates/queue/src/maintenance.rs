@@ -17,7 +17,14 @@ const VACUUM_GAP: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub(crate) async fn maintain(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
     let fleet = &shared.config.fleet;
-    let mut rescue_every = tokio::time::interval(fleet.rescue_interval());
+    // The first pass one interval after the start, not at it: a worker started on a backlog
+    // gives its first moments to its first claims, where this pass costs a backend of its own
+    // and a statement planned afresh. A lease expires only one lease after its last renewal,
+    // so a dead worker's runs wait for that anyway.
+    let mut rescue_every = tokio::time::interval_at(
+        tokio::time::Instant::now() + fleet.rescue_interval(),
+        fleet.rescue_interval(),
+    );
     rescue_every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_vacuum: Option<std::time::Instant> = None;
     loop {

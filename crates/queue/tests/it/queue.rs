@@ -28,6 +28,7 @@ fn settings() -> QueueSettings {
         timeout_ms: 2_000,
         claimers: 1,
         fetch_cooldown_ms: 0,
+        claim_batch: None,
     }
 }
 
@@ -289,6 +290,7 @@ async fn concurrent_claims_never_share_a_job(pool: PgPool) {
                         timeout_ms: 1000,
                         claimers: 1,
                         fetch_cooldown_ms: 0,
+                        claim_batch: None,
                     },
                 )
                 .await
@@ -371,6 +373,7 @@ async fn typed_outcomes_are_stored_with_backoff_errors_and_attempts(pool: PgPool
         timeout_ms: 300,
         claimers: 1,
         fetch_cooldown_ms: 0,
+        claim_batch: None,
     };
     assert_eq!(
         work_until_idle(&pool, &outcomes(), "test", &short)
@@ -853,6 +856,71 @@ async fn a_queue_never_runs_more_than_its_concurrency(pool: PgPool) {
         );
         assert_eq!(peak.load(Ordering::SeqCst), 3, "{claimers} claimers");
     }
+}
+
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn a_queue_claims_at_most_its_own_claim_batch_and_still_fills_its_slots(pool: PgPool) {
+    // Every run waits until released, so the jobs stay claimed, each with its claim's time.
+    let release = Arc::new(tokio::sync::Notify::new());
+    let mut registry = Registry::new();
+    let r = release.clone();
+    registry
+        .register::<Echo, _, _>(move |_ctx: JobContext, _job: Echo| {
+            let r = r.clone();
+            async move {
+                r.notified().await;
+                Ok(())
+            }
+        })
+        .unwrap();
+    let jobs: Vec<NewJob> = (0..10).map(|n| NewJob::of(&Echo { n }).unwrap()).collect();
+    queue::enqueue_many(&pool, &jobs).await.unwrap();
+    let config = QueuesConfig::parse(
+        "[fleet]\npoll_interval_ms = 50\nclaim_batch = 500\n[queues.test]\nconcurrency = 10\ntimeout_ms = 5000\nclaim_batch = 3\n",
+        "t",
+    )
+    .unwrap();
+    let fleet = Fleet::new(pool.clone(), registry, config, "test").start();
+    let mut claims: Vec<i64> = Vec::new();
+    for _ in 0..100 {
+        // One claim is one statement: its jobs share `attempted_at`, its transaction's time.
+        claims = sqlx::query_scalar(
+            "SELECT count(*) FROM jobs WHERE state = 'running' GROUP BY attempted_at ORDER BY 1",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        if claims.iter().sum::<i64>() == 10 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    release.notify_waiters();
+    fleet.shutdown().await;
+    assert_eq!(
+        claims.iter().sum::<i64>(),
+        10,
+        "every slot filled: {claims:?}"
+    );
+    assert!(
+        claims.iter().all(|&n| n <= 3),
+        "no claim took more than the queue's 3 (the fleet's cap is 500): {claims:?}"
+    );
+    assert_eq!(claims.len(), 4, "3 + 3 + 3 + 1: {claims:?}");
+}
+
+#[test]
+fn a_queue_claim_batch_of_zero_is_refused() {
+    let e = QueuesConfig::parse(
+        "[queues.test]\nconcurrency = 10\ntimeout_ms = 5000\nclaim_batch = 0\n",
+        "t",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("queue test: claim_batch must be at least 1"),
+        "{e}"
+    );
 }
 
 #[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
@@ -1353,6 +1421,7 @@ async fn sellers_whose_jobs_all_wait_for_later_do_not_hide_a_due_one(pool: PgPoo
         timeout_ms: 2_000,
         claimers: 1,
         fetch_cooldown_ms: 0,
+        claim_batch: None,
     };
     let ran = tokio::time::timeout(
         Duration::from_secs(20),
