@@ -220,6 +220,8 @@ pub struct Running {
     broker: Broker,
     /// The receiver's RPC client (none for a worker).
     rpc: Option<RpcClient>,
+    /// The RPC consumers a worker starts (none for a receiver).
+    rpc_servers: usize,
 }
 
 impl Running {
@@ -243,9 +245,11 @@ impl Running {
     }
 
     /// Whether this process's RPC calls could be sent now (a worker has none to send): its
-    /// channel to the broker is set up, with the consumer its answers come back to.
+    /// channel to the broker is set up, with the consumer its answers come back to; and
+    /// whether a worker's RPC consumers take requests (a request sent before would be lost).
     pub fn rpc_ready(&self) -> bool {
         self.rpc.as_ref().is_none_or(RpcClient::is_ready)
+            && self.broker.answering() >= self.rpc_servers
     }
 
     /// Runs until `shutdown` resolves (or the server fails), then stops.
@@ -319,6 +323,7 @@ pub fn start(
     )
     .observed(telemetry.clone());
     let (gateways, hosted) = gateways(config, &pool)?;
+    let mut rpc_servers = 0;
     let fleet = if roles.work {
         let listen = match &config.listen {
             ListenTo::Database => Listen::Database,
@@ -344,9 +349,10 @@ pub fn start(
             pool: pool.clone(),
             gateways: gateways.clone(),
         });
-        payments::links::serve(&broker, links, 16);
+        rpc_servers = payments::links::serve(&broker, links, 16);
         let coins = Arc::new(CoinService { pool: pool.clone() });
         tokio::spawn(rpc::serve::<rpc::Coins>(broker.clone(), coins, 16));
+        rpc_servers += 1;
         // Order messages leave through the outbox; every worker relays (they share the rows).
         tokio::spawn(order_messages::relay(
             broker.clone(),
@@ -485,6 +491,7 @@ pub fn start(
         scheduler,
         broker,
         rpc: rpc_client,
+        rpc_servers,
     })
 }
 

@@ -163,6 +163,18 @@ pub struct Broker {
     queues: QueueKind,
     /// Where its messages and calls are counted.
     telemetry: crate::telemetry::Telemetry,
+    /// This process's RPC consumers set up and taking requests ([`rpc::serve`]): a request
+    /// sent before its queue has a consumer or even exists is lost, and its caller times out.
+    answering: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// An RPC consumer counted by [`Broker::answering`] while it lives.
+pub(crate) struct Answering(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl std::fmt::Debug for Broker {
@@ -199,7 +211,20 @@ impl Broker {
             queue_ttl_ms,
             queues,
             telemetry: Default::default(),
+            answering: Default::default(),
         }
+    }
+
+    /// How many of this process's RPC consumers take requests now.
+    pub fn answering(&self) -> usize {
+        self.answering.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Counts an RPC consumer as taking requests until the guard is dropped.
+    pub(crate) fn answering_while(&self) -> Answering {
+        self.answering
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Answering(self.answering.clone())
     }
 
     /// The broker, its messages and RPC calls counted in `telemetry` (the process's).

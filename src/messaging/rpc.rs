@@ -593,6 +593,7 @@ async fn serve_until_stopped<R: Rpc>(broker: Broker, handler: Arc<dyn Handler<R>
             }
         };
         tracing::info!(%queue, "answering requests");
+        let _answering = broker.answering_while();
         while let Some(delivery) = requests.next().await {
             let delivery = match delivery {
                 Ok(d) => d,

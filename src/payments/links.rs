@@ -318,7 +318,8 @@ impl Handler<PaymentLinkBatch> for LinkService {
 }
 
 /// Answers the payment-link RPCs (one link a request, and many) until the process stops.
-pub fn serve(broker: &Broker, service: Arc<LinkService>, prefetch: u16) {
+/// Starts the payment side's consumers of both link RPCs; returns how many it started.
+pub fn serve(broker: &Broker, service: Arc<LinkService>, prefetch: u16) -> usize {
     tokio::spawn(rpc::serve::<PaymentLink>(
         broker.clone(),
         service.clone(),
@@ -329,6 +330,7 @@ pub fn serve(broker: &Broker, service: Arc<LinkService>, prefetch: u16) {
         service,
         prefetch,
     ));
+    2
 }
 
 #[cfg(test)]

@@ -95,11 +95,12 @@ pub async fn spawn_roles(pool: PgPool, mut config: Config, roles: Roles) -> Test
     config.gateways.hosted.internal_webhook_url = format!("http://{addr}/webhooks/internal");
     config.gateways.hosted.mock_webhook_url = format!("http://{addr}/webhooks/mock");
     let running = startup::start(&config, pool.clone(), roles, Some(listener)).unwrap();
-    // On the real broker, tests start once this process is on it and its RPC client's channel
-    // is set up (a loaded machine may take a while: a first checkout met a client not set up
-    // yet 300 ms after the connection and got a 503), so a first checkout does not meet a
-    // connection or a channel still being made. Tests that cut the broker on purpose use a
-    // proxy and are not held up.
+    // On the real broker, tests start once this process is on it, its RPC client's channel is
+    // set up and its RPC consumers take requests (a loaded machine may take a while: a first
+    // checkout met a client not set up yet 300 ms after the connection, and a first payment
+    // with coins a consumer whose queue was not declared yet; each got a 503), so a first call
+    // does not meet a connection, a channel or a consumer still being made. Tests that cut the
+    // broker on purpose use a proxy and are not held up.
     if config.amqp_url.expose() == payfleet::config::DEFAULT_AMQP_URL {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while !(running.broker().is_connected() && running.rpc_ready())
@@ -107,8 +108,8 @@ pub async fn spawn_roles(pool: PgPool, mut config: Config, roles: Roles) -> Test
         {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
-        // The other channels and consumers (the payment side's, the queues' declarations) are
-        // set up right after the connection.
+        // The other channels and consumers (the order messages' relay and queues) are set up
+        // right after the connection.
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     }
     // An outage test may start the app with its database already cut off: its backend then

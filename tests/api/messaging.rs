@@ -497,3 +497,33 @@ async fn a_classic_queue_from_before_quorum_queues_is_used_as_it_is(pool: PgPool
     .await;
     let _ = connection.close(200, "done".into()).await;
 }
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_worker_is_ready_for_calls_once_its_rpc_consumers_take_requests(pool: PgPool) {
+    // A request sent before its consumer is set up (its queue maybe not even declared) is lost
+    // and its caller answered 503 at the timeout: readiness counts the consumers, not the
+    // connection.
+    let config = test_config();
+    let running = payfleet::startup::start(&config, pool.clone(), Roles::WORK, None).unwrap();
+    let broker = running.broker().clone();
+    wait_for(
+        "the worker's RPC consumers (payment links, their batches, coins)",
+        Duration::from_secs(20),
+        async || running.rpc_ready(),
+    )
+    .await;
+    assert_eq!(broker.answering(), 3);
+    // A receiver's first checkout then finds the payment side answering: 201 at once.
+    let shop = Shop {
+        app: Arc::new(spawn_roles(pool.clone(), config, Roles::SERVE).await),
+    };
+    let order = shop.one_order("10.00").await;
+    assert!(order["payment"]["url"].is_string(), "{order}");
+    running.stop().await;
+    wait_for(
+        "no consumer counted once the worker stopped",
+        Duration::from_secs(10),
+        async || broker.answering() == 0,
+    )
+    .await;
+}
