@@ -13,10 +13,11 @@ use sqlx::PgPool;
 use tokio::sync::{Mutex, Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+
 use tracing::Instrument;
 
 use super::listener::QueueWaker;
-use super::loops::{Shared, backoff, pause, stop_requested};
+use super::loops::{Shared, backoff, holds_back, pause, stop_requested};
 use super::registry::{JobContext, Registry};
 use super::store::{self, Claimed};
 use super::{Ended, JobId, QueueSettings, RunEnd};
@@ -173,12 +174,13 @@ pub(crate) async fn fetch(
                 Err(e) => end_lost_run(&ended, runs.remove(&e.id()), &e).await,
             }
         }
-        // An operator paused the queue: nothing is claimed until it is resumed.
-        if shared.paused.borrow().contains(queue.as_str()) {
+        // An operator paused the queue, or this worker has not read the pauses yet: nothing is
+        // claimed until it is resumed (or found not paused).
+        if holds_back(&shared.paused.borrow(), queue) {
             drop(reserved);
             let mut paused = shared.paused.clone();
             tokio::select! {
-                _ = paused.wait_for(|p| !p.contains(queue.as_str())) => {}
+                _ = paused.wait_for(|p| !holds_back(p, queue)) => {}
                 _ = stop_requested(&mut stopped) => break 'work,
             }
             continue;

@@ -193,7 +193,7 @@ impl Fleet {
             )
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with(crate::pg::part_of(&pool.connect_options(), "claims"));
-        let (paused_tx, paused) = watch::channel(Arc::new(std::collections::HashSet::new()));
+        let (paused_tx, paused) = watch::channel(None);
         let paused_tx = Arc::new(paused_tx);
         let shared = Arc::new(Shared {
             pool,

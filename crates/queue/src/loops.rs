@@ -31,7 +31,17 @@ pub(crate) struct Shared {
     pub leases: Arc<Leases>,
     pub observer: Option<Arc<dyn crate::RunObserver>>,
     /// The queues an operator paused, as last read (`queue_pauses`, twice a second).
-    pub paused: watch::Receiver<Arc<std::collections::HashSet<String>>>,
+    pub paused: watch::Receiver<Pauses>,
+}
+
+/// The paused queues as last read; `None` until this worker has read them once, and a worker
+/// that has not claims nothing: one started while an operator holds a queue paused (a deploy
+/// during an incident) must not run that queue's jobs before it knows.
+pub type Pauses = Option<Arc<std::collections::HashSet<String>>>;
+
+/// Whether `pauses` hold `queue` back: it is paused, or the pauses were not read yet.
+pub(crate) fn holds_back(pauses: &Pauses, queue: &str) -> bool {
+    pauses.as_ref().is_none_or(|p| p.contains(queue))
 }
 
 /// Resolves once the fleet is told to stop (or its handle is gone).
@@ -65,7 +75,7 @@ const PAUSES_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
 /// one (a database outage pauses nothing new and resumes nothing).
 pub(crate) async fn watch_pauses(
     pool: PgPool,
-    paused: Arc<watch::Sender<Arc<std::collections::HashSet<String>>>>,
+    paused: Arc<watch::Sender<Pauses>>,
     mut stopped: watch::Receiver<bool>,
 ) {
     loop {
@@ -76,10 +86,10 @@ pub(crate) async fn watch_pauses(
             Ok(queues) => {
                 let now: std::collections::HashSet<String> = queues.into_iter().collect();
                 paused.send_if_modified(|current| {
-                    if **current == now {
+                    if current.as_deref() == Some(&now) {
                         return false;
                     }
-                    *current = Arc::new(now);
+                    *current = Some(Arc::new(now));
                     true
                 });
             }

@@ -1618,6 +1618,30 @@ async fn a_paused_queue_waits_until_it_is_resumed(pool: PgPool) {
     handle.shutdown().await;
 }
 
+/// A worker started while its queue is paused (a deploy during an incident) claims nothing from
+/// it: it reads the pauses before its first claim, not after.
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn a_worker_started_while_its_queue_is_paused_claims_nothing(pool: PgPool) {
+    admin::pause(&pool, "test").await.unwrap();
+    let id = queue::enqueue(&pool, NewJob::of(&Echo { n: 7 }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handle = start_fleet(&pool, recording(seen.clone()));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(seen.lock().unwrap().is_empty(), "a paused queue's job ran");
+    assert_eq!(job(&pool, id).await.0, "available");
+    admin::resume(&pool, "test").await.unwrap();
+    crate::wait_for(
+        "the job to run once the queue is resumed",
+        Duration::from_secs(3),
+        async || seen.lock().unwrap().contains(&7),
+    )
+    .await;
+    handle.shutdown().await;
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct HoldConnection {
     ms: u64,
