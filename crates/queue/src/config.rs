@@ -145,9 +145,11 @@ pub struct QueueSettings {
     /// freed since the last, and the claims' own cost grows to rival the jobs'. 0: none.
     #[serde(default)]
     pub fetch_cooldown_ms: u64,
-    /// Most jobs one claim of this queue takes (unset: the fleet's `claim_batch`). A claim's
-    /// jobs start when its statement returns, so its size is the wait for the first of them: a
-    /// queue whose jobs are worked in batches of their own claims about two batches' worth.
+    /// Most jobs one claim of this queue takes (unset: the fleet's `claim_batch`). None of a
+    /// claim's jobs starts before its statement returns, and a bigger claim takes longer, so a
+    /// worker started on a backlog waits for its whole first claim. A queue whose jobs are
+    /// worked in batches (payfleet's `events` queue) needs only about two batches'
+    /// worth a claim; its slots still fill, since the next claim follows at once.
     #[serde(default)]
     pub claim_batch: Option<u32>,
 }

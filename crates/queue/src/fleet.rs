@@ -368,15 +368,15 @@ pub async fn work_until_idle(
     let lease = Duration::from_millis(settings.timeout_ms.saturating_mul(2).max(1_000));
     let mut total = 0;
     let mut cursor = store::FairCursor::default();
+    // A step takes what one worker's slots could run, and no more than the queue's own cap.
+    let batch = settings
+        .claim_batch
+        .map_or(settings.concurrency, |cap| cap.min(settings.concurrency));
     loop {
         let claimed = store::claim(
             pool,
             queue,
-            i64::from(
-                settings
-                    .claim_batch(settings.concurrency)
-                    .min(settings.concurrency),
-            ),
+            i64::from(batch),
             lease,
             &worker,
             &mut cursor,
