@@ -148,11 +148,19 @@ async fn open(options: &PgConnectOptions, max_connections: u32) -> Result<PgPool
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(options.clone())
     };
+    let missing = |e: &sqlx::Error| matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some(NO_SUCH_DATABASE));
     match pool().await {
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(NO_SUCH_DATABASE) => {
-            create_database(options).await?;
-            pool().await
-        }
+        Err(e) if missing(&e) => match create_database(options).await {
+            Ok(()) => pool().await,
+            // Processes started together on an empty server each make it, and all but one
+            // fail: with 42P04, or with 23505 on `pg_database`'s name index when the first had
+            // not committed yet (PostgreSQL checks the name before it inserts). Whatever the
+            // error, the database may be there now: the creation's error stands only if not.
+            Err(creating) => match pool().await {
+                Err(e) if missing(&e) => Err(creating),
+                opened => opened,
+            },
+        },
         opened => opened,
     }
 }
@@ -388,6 +396,34 @@ mod tests {
         on_maintenance_database(&options, format!("DROP DATABASE {}", quote_ident(&name)))
             .await
             .unwrap();
+    }
+
+    /// Processes started together on a server without their database (a fleet's first start)
+    /// each try to make it; every one of them opens it, whichever made it.
+    #[tokio::test]
+    async fn processes_started_together_all_open_the_database_one_of_them_made() {
+        let url = std::env::var("DATABASE_URL").expect("DATABASE_URL names the test server");
+        for _ in 0..3 {
+            let name = format!("payfleet_made_{:08x}", rand::random::<u32>());
+            let options = PgConnectOptions::from_str(&url).unwrap().database(&name);
+            let opening: Vec<_> = (0..6)
+                .map(|_| {
+                    let options = options.clone();
+                    tokio::spawn(async move { open(&options, 1).await })
+                })
+                .collect();
+            let mut errors = Vec::new();
+            for o in opening {
+                match o.await.unwrap() {
+                    Ok(pool) => pool.close().await,
+                    Err(e) => errors.push(e.to_string()),
+                }
+            }
+            on_maintenance_database(&options, format!("DROP DATABASE {}", quote_ident(&name)))
+                .await
+                .unwrap();
+            assert!(errors.is_empty(), "{errors:?}");
+        }
     }
 
     #[tokio::test]

@@ -22,7 +22,8 @@ pub struct Readiness {
     pub pool: PgPool,
     /// Serving webhooks: the writer must be alive.
     pub events: Option<EventWriter>,
-    /// Running workers: the fleet must be running.
+    /// Running workers: the fleet must be running and have read the paused queues (until then
+    /// it claims nothing).
     pub fleet: Option<FleetProbe>,
     /// The database's last answer: anyone may probe, so the database is asked at most once a
     /// second whatever the pace of the probes.
@@ -119,7 +120,7 @@ async fn healthz(_caller: Anyone) -> impl IntoResponse {
 async fn readyz(_caller: Anyone, State(r): State<Readiness>) -> impl IntoResponse {
     let database = r.database.answers(&r.pool).await;
     let event_writer = r.events.as_ref().map(EventWriter::is_alive);
-    let workers = r.fleet.as_ref().map(FleetProbe::is_running);
+    let workers = r.fleet.as_ref().map(FleetProbe::is_claiming);
     let ready = database && event_writer != Some(false) && workers != Some(false);
     let status = if ready {
         StatusCode::OK

@@ -253,11 +253,14 @@ async fn a_worker_reports_its_own_readiness_and_never_logs_a_password(pool: PgPo
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    // Ready once it serves and its fleet has read the paused queues (a moment after its start).
     let mut ready = None;
     for _ in 0..100 {
         if let Ok(resp) = reqwest::get(format!("http://127.0.0.1:{port}/readyz")).await {
             ready = Some((resp.status().as_u16(), resp.text().await.unwrap()));
-            break;
+            if ready.as_ref().is_some_and(|(status, _)| *status == 200) {
+                break;
+            }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

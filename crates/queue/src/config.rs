@@ -48,7 +48,8 @@ pub struct FleetSettings {
     pub discarded_retention_secs: u64,
     /// How long a stopping worker waits for running jobs before releasing them.
     pub shutdown_timeout_ms: u64,
-    /// Most jobs claimed in one statement.
+    /// Most jobs claimed in one statement, in every queue that does not set its own
+    /// (`QueueSettings::claim_batch`, which may be larger or smaller).
     pub claim_batch: u32,
     /// Most run endings written in one statement.
     pub complete_batch: u32,

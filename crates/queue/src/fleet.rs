@@ -16,7 +16,7 @@ use super::census::{self, Census};
 use super::executor::{QueueShare, fetch, run_one};
 use super::lease::Leases;
 use super::listener::QueueWaker;
-use super::loops::Shared;
+use super::loops::{Pauses, Shared};
 use super::registry::Registry;
 use super::store::FairCursor;
 use super::{
@@ -59,15 +59,26 @@ pub struct FleetHandle {
     task: tokio::task::JoinHandle<()>,
     leases: Arc<Leases>,
     running: Arc<AtomicBool>,
+    pauses: watch::Receiver<Pauses>,
 }
 
-/// Tells whether a fleet is running, for a worker's readiness.
+/// Tells whether a fleet is running and claiming, for a worker's readiness.
 #[derive(Clone)]
-pub struct FleetProbe(Arc<AtomicBool>);
+pub struct FleetProbe {
+    running: Arc<AtomicBool>,
+    pauses: watch::Receiver<Pauses>,
+}
 
 impl FleetProbe {
     pub fn is_running(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+        self.running.load(Ordering::Relaxed)
+    }
+
+    /// Running, and it has read the paused queues: until then it claims nothing
+    /// ([`Pauses`]), and a worker that cannot read them (its bookkeeping connections refused,
+    /// the table missing or not granted) must not look ready while it does no work.
+    pub fn is_claiming(&self) -> bool {
+        self.is_running() && self.pauses.borrow().is_some()
     }
 }
 
@@ -96,7 +107,10 @@ impl FleetHandle {
     }
 
     pub fn probe(&self) -> FleetProbe {
-        FleetProbe(self.running.clone())
+        FleetProbe {
+            running: self.running.clone(),
+            pauses: self.pauses.clone(),
+        }
     }
 
     /// Runs of this process that hold a lease right now.
@@ -155,19 +169,27 @@ impl Fleet {
         let running = Arc::new(AtomicBool::new(true));
         let flag = RunningFlag(running.clone());
         let for_run = leases.clone();
+        let (paused_tx, paused) = watch::channel(None);
+        let pauses = paused.clone();
         let task = tokio::spawn(async move {
             let _flag = flag;
-            self.run(stopped, for_run).await
+            self.run(stopped, for_run, (paused_tx, paused)).await
         });
         FleetHandle {
             stop,
             task,
             leases,
             running,
+            pauses,
         }
     }
 
-    async fn run(self, stopped: watch::Receiver<bool>, leases: Arc<Leases>) {
+    async fn run(
+        self,
+        stopped: watch::Receiver<bool>,
+        leases: Arc<Leases>,
+        (paused_tx, paused): (watch::Sender<Pauses>, watch::Receiver<Pauses>),
+    ) {
         let Fleet {
             pool,
             registry,
@@ -193,7 +215,6 @@ impl Fleet {
             )
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with(crate::pg::part_of(&pool.connect_options(), "claims"));
-        let (paused_tx, paused) = watch::channel(None);
         let paused_tx = Arc::new(paused_tx);
         let shared = Arc::new(Shared {
             pool,

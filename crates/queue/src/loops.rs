@@ -70,14 +70,25 @@ pub(crate) fn backoff(failures: u32) -> Duration {
 
 /// How often each worker reads the paused queues.
 const PAUSES_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
+/// How long failed reads may leave a worker's last reading before it warns.
+const PAUSES_STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
+/// How often failed reads are warned about while they last.
+const PAUSES_WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Reads `queue_pauses` twice a second into `paused`, until stopped. A failed read keeps the last
-/// one (a database outage pauses nothing new and resumes nothing).
+/// one (a database outage pauses nothing new and resumes nothing). Failures are warned about
+/// while they hold a worker back (no reading yet: it claims nothing) or leave its reading stale
+/// for [`PAUSES_STALE_AFTER`] (a pause set meanwhile is not seen), once when they begin and then
+/// every [`PAUSES_WARN_EVERY`]: a worker that does no work, or ignores an operator's pause, says
+/// so in its log and not only at `debug`.
 pub(crate) async fn watch_pauses(
     pool: PgPool,
     paused: Arc<watch::Sender<Pauses>>,
     mut stopped: watch::Receiver<bool>,
 ) {
+    // The last good reading, and the last warning of the failures since.
+    let mut last_read = tokio::time::Instant::now();
+    let mut warned: Option<tokio::time::Instant> = None;
     loop {
         match sqlx::query_scalar::<_, String>("SELECT queue FROM queue_pauses")
             .fetch_all(&pool)
@@ -92,9 +103,25 @@ pub(crate) async fn watch_pauses(
                     *current = Some(Arc::new(now));
                     true
                 });
+                if warned.take().is_some() {
+                    tracing::info!("the paused queues are read again");
+                }
+                last_read = tokio::time::Instant::now();
             }
             Err(e) => {
-                tracing::debug!(error = %e, "cannot read the paused queues; keeping the last reading")
+                let never_read = paused.borrow().is_none();
+                let stale = last_read.elapsed() >= PAUSES_STALE_AFTER;
+                let due = warned.is_none_or(|at| at.elapsed() >= PAUSES_WARN_EVERY);
+                if (never_read || stale) && due {
+                    warned = Some(tokio::time::Instant::now());
+                    if never_read {
+                        tracing::warn!(error = %e, "cannot read the paused queues: this worker claims nothing until it has read them");
+                    } else {
+                        tracing::warn!(error = %e, unread_for = ?last_read.elapsed(), "cannot read the paused queues: a queue paused since is not seen by this worker");
+                    }
+                } else {
+                    tracing::debug!(error = %e, "cannot read the paused queues; keeping the last reading");
+                }
             }
         }
         if !pause(&mut stopped, PAUSES_EVERY).await {

@@ -1642,6 +1642,45 @@ async fn a_worker_started_while_its_queue_is_paused_claims_nothing(pool: PgPool)
     handle.shutdown().await;
 }
 
+/// A worker that cannot read the paused queues (here the table is out of its way; in life its
+/// bookkeeping connections refused, or the table not granted) claims nothing and does not say
+/// it is ready; once it can read them, it claims and is.
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn a_worker_that_cannot_read_the_pauses_claims_nothing_and_is_not_ready(pool: PgPool) {
+    sqlx::query("ALTER TABLE queue_pauses RENAME TO queue_pauses_away")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let id = queue::enqueue(&pool, NewJob::of(&Echo { n: 8 }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handle = start_fleet(&pool, recording(seen.clone()));
+    let probe = handle.probe();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(probe.is_running());
+    assert!(!probe.is_claiming(), "ready without knowing the pauses");
+    assert!(
+        seen.lock().unwrap().is_empty(),
+        "a job ran before the pauses were read"
+    );
+    assert_eq!(job(&pool, id).await.0, "available");
+    sqlx::query("ALTER TABLE queue_pauses_away RENAME TO queue_pauses")
+        .execute(&pool)
+        .await
+        .unwrap();
+    crate::wait_for(
+        "the job to run once the pauses can be read",
+        Duration::from_secs(3),
+        async || seen.lock().unwrap().contains(&8),
+    )
+    .await;
+    assert!(probe.is_claiming());
+    handle.shutdown().await;
+    assert!(!probe.is_claiming(), "a stopped fleet is not ready");
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct HoldConnection {
     ms: u64,
