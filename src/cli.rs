@@ -197,6 +197,17 @@ impl Cli {
             _ => "command",
         }
     }
+
+    /// The role whose runtime the process gets (`config::runtime_threads`): its own, except
+    /// that `bench queue`'s drain workers stand for `work` processes and run as they would.
+    pub fn runtime_role(&self) -> &'static str {
+        match &self.command {
+            Command::Bench {
+                which: BenchCommand::DrainWorker(_),
+            } => "work",
+            _ => self.role(),
+        }
+    }
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {

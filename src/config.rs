@@ -266,9 +266,50 @@ pub fn log_format() -> Result<LogFormat, ConfigError> {
     }
 }
 
+/// Threads of a process's async runtime (`PAYFLEET_RUNTIME_THREADS`, 1 to 256), for its role
+/// as [`crate::traces`] names it (`serve`, `work`, `up`, or the command). `None`: the runtime's
+/// default, one per core.
+///
+/// A worker process (`work`) runs on one thread unless told otherwise. Its jobs wait on
+/// PostgreSQL, the broker and the gateways, not on its own CPU (a fleet's workers used 14 to 16 %
+/// of the machine while PostgreSQL used about 60 % in `bench e2e`'s drains), and with a second
+/// thread each of the many small hand-offs of a batch (a claim's jobs to the batcher, the
+/// batch's replies back, the completer's batch) could wake a thread parked on the other core:
+/// a futex and a context switch, which on the machine measured cost more than the hand-off
+/// itself. A fleet grows by worker processes (docs/scaling.md), each with its own pools.
+pub fn runtime_threads(env: &dyn Env, role: &str) -> Result<Option<usize>, ConfigError> {
+    const NAME: &str = "PAYFLEET_RUNTIME_THREADS";
+    match var(env, NAME) {
+        None => Ok((role == "work").then_some(1)),
+        Some(_) => {
+            let n: usize = parsed(env, NAME, 0)?;
+            if !(1..=256).contains(&n) {
+                return Err(invalid(NAME, format!("{n}: must be 1 to 256")));
+            }
+            Ok(Some(n))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_worker_runs_on_one_thread_unless_told_and_others_on_the_default() {
+        let unset: [(&str, &str); 0] = [];
+        assert_eq!(runtime_threads(&unset, "work").ok(), Some(Some(1)));
+        assert_eq!(runtime_threads(&unset, "serve").ok(), Some(None));
+        assert_eq!(runtime_threads(&unset, "up").ok(), Some(None));
+        let four = [("PAYFLEET_RUNTIME_THREADS", "4")];
+        assert_eq!(runtime_threads(&four, "work").ok(), Some(Some(4)));
+        assert_eq!(runtime_threads(&four, "serve").ok(), Some(Some(4)));
+        for bad in ["0", "257", "two", "-1"] {
+            let env = [("PAYFLEET_RUNTIME_THREADS", bad)];
+            let err = runtime_threads(&env, "work").expect_err(bad).to_string();
+            assert!(err.contains("PAYFLEET_RUNTIME_THREADS"), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn the_built_in_queues_parse() {

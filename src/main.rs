@@ -15,8 +15,31 @@ use payfleet::config::LogFormat;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::Layer as _;
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
+    let cli = cli::Cli::parse();
+    // The runtime is built for the process's role (`config::runtime_threads`), so after the
+    // command line is read.
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    match payfleet::config::runtime_threads(&payfleet::config::ProcessEnv, cli.runtime_role()) {
+        Ok(Some(threads)) => {
+            runtime.worker_threads(threads);
+        }
+        Ok(None) => {}
+        Err(e) => {
+            eprintln!("payfleet: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    }
+    match runtime.enable_all().build() {
+        Ok(runtime) => runtime.block_on(run(cli)),
+        Err(e) => {
+            eprintln!("payfleet: cannot start the async runtime: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: cli::Cli) -> std::process::ExitCode {
     payfleet::tls::install_provider();
     let format = match payfleet::config::log_format() {
         Ok(f) => f,
@@ -25,7 +48,6 @@ async fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    let cli = cli::Cli::parse();
     // Colours only for a person at a terminal: a log file or a collector gets plain text (and
     // each job's span costs less to record).
     use tracing_subscriber::layer::SubscriberExt as _;
