@@ -165,6 +165,16 @@ impl<Args: DeserializeOwned + Send + 'static> PayfleetBackend<Args> {
                     tracing::warn!(rescued, "jobs whose lease expired were made claimable again");
                 }
             }
+            // An operator's pause (`payfleet jobs pause`) holds this queue here as it holds the
+            // fleet's workers: nothing is claimed while it lasts, and the next poll asks again.
+            let paused: bool =
+                sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM queue_pauses WHERE queue = $1)")
+                    .bind(&settings.queue)
+                    .fetch_one(&pool)
+                    .await?;
+            if paused {
+                return Ok(Vec::new());
+            }
             loop {
                 // One claim at a time per backend (apalis polls the stream), so the cursor is
                 // copied out and back rather than locked across the await.

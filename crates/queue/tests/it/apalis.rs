@@ -115,6 +115,31 @@ async fn an_apalis_handler_runs_payfleet_jobs_under_leases_each_once(pool: PgPoo
     assert_eq!((runs, distinct, leased), (30, 30, 30));
 }
 
+/// An operator's pause holds an apalis worker's queue as it holds the fleet's: nothing runs
+/// until the queue is resumed.
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn an_apalis_worker_claims_nothing_from_a_paused_queue(pool: PgPool) {
+    let backend = setup(&pool).await;
+    let mut sink = backend.clone();
+    payfleet_queue::admin::pause(&pool, "charges")
+        .await
+        .unwrap();
+    sink.push(Charge { n: 1, fail: None }).await.unwrap();
+    let worker = run_worker(&pool, backend);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(states(&pool).await, vec![("available".to_owned(), 1)]);
+    payfleet_queue::admin::resume(&pool, "charges")
+        .await
+        .unwrap();
+    wait_for(
+        "the job to run once resumed",
+        Duration::from_secs(10),
+        async || states(&pool).await.is_empty(),
+    )
+    .await;
+    worker.abort();
+}
+
 #[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_failed_run_waits_for_the_stored_backoff_and_a_failure_for_good_is_kept(pool: PgPool) {
     let backend = setup(&pool).await;
