@@ -169,11 +169,10 @@ impl Fleet {
         let running = Arc::new(AtomicBool::new(true));
         let flag = RunningFlag(running.clone());
         let for_run = leases.clone();
-        let (paused_tx, paused) = watch::channel(None);
-        let pauses = paused.clone();
+        let (paused_tx, pauses) = watch::channel(None);
         let task = tokio::spawn(async move {
             let _flag = flag;
-            self.run(stopped, for_run, (paused_tx, paused)).await
+            self.run(stopped, for_run, paused_tx).await
         });
         FleetHandle {
             stop,
@@ -188,7 +187,7 @@ impl Fleet {
         self,
         stopped: watch::Receiver<bool>,
         leases: Arc<Leases>,
-        (paused_tx, paused): (watch::Sender<Pauses>, watch::Receiver<Pauses>),
+        paused_tx: watch::Sender<Pauses>,
     ) {
         let Fleet {
             pool,
@@ -215,6 +214,7 @@ impl Fleet {
             )
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with(crate::pg::part_of(&pool.connect_options(), "claims"));
+        let paused = paused_tx.subscribe();
         let paused_tx = Arc::new(paused_tx);
         let shared = Arc::new(Shared {
             pool,
@@ -391,8 +391,8 @@ pub async fn work_until_idle(
     let mut cursor = store::FairCursor::default();
     // A step takes what one worker's slots could run, and no more than the queue's own cap.
     let batch = settings
-        .claim_batch
-        .map_or(settings.concurrency, |cap| cap.min(settings.concurrency));
+        .claim_batch(settings.concurrency)
+        .min(settings.concurrency);
     loop {
         let claimed = store::claim(
             pool,
