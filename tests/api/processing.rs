@@ -947,6 +947,7 @@ async fn batch(pool: &PgPool, sessions: &[&str]) -> Vec<bool> {
         None,
         &events,
         &[],
+        &[],
         None,
     )
     .await
@@ -973,7 +974,7 @@ async fn a_batch_runs_on_plans_made_once_per_connection(pool: PgPool) {
             .iter()
             .map(|id| (GatewayName::Internal, id.as_str()))
             .collect();
-        payfleet::payments::batch::process_batch(&mut conn, None, &events, &[], None)
+        payfleet::payments::batch::process_batch(&mut conn, None, &events, &[], &[], None)
             .await
             .unwrap()
     };
@@ -1069,6 +1070,50 @@ async fn first_payments_applied_in_a_batch_end_as_one_event_at_a_time_would(pool
     );
     let (accounts, currencies) = payfleet::ledger::check(&pool).await.unwrap();
     assert!(accounts.is_empty() && currencies.is_empty());
+}
+
+/// The job that hands a first payment to a batch ends in the batch's transaction: its row goes
+/// with the payment's effect, in one commit, and the fleet writes no end of its own after it.
+/// An event processed alone (a refund) ends as every job does, after its run.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_batch_completes_the_jobs_of_the_payments_it_applies_in_its_transaction(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    first_payments(&app, &["c1", "c2"], "10.00").await;
+    orders_for(&pool, "internal", &["r1"], "10.00", "BRL").await;
+    app.deliver(&internal("msg_r1", &refund_body("r1", "ref_1", "1.00")))
+        .await;
+    // Each job's row as it goes, with the transaction that deletes it.
+    for ddl in [
+        "CREATE TABLE job_deletes (key text, xact bigint NOT NULL)",
+        "CREATE FUNCTION note_job_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN INSERT INTO job_deletes VALUES (OLD.key, pg_current_xact_id()::text::bigint); RETURN NULL; END $$",
+        "CREATE TRIGGER note_job_delete AFTER DELETE ON jobs FOR EACH ROW EXECUTE FUNCTION note_job_delete()",
+    ] {
+        sqlx::query(ddl).execute(&pool).await.unwrap();
+    }
+    process_events(&pool).await;
+    // The event's row was last written (processed) by the transaction that applied it.
+    let ended: Vec<(String, String, bool)> = sqlx::query_as(
+        "SELECT e.event_id, e.outcome, d.xact % 4294967296 = e.xmin::text::bigint
+         FROM payment_events e JOIN job_deletes d ON d.key = 'payment_event:internal:' || e.event_id
+         ORDER BY e.event_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        ended,
+        [
+            ("msg_c1".into(), "applied".into(), true),
+            ("msg_c2".into(), "applied".into(), true),
+            ("msg_r1".into(), "waiting".into(), false),
+        ]
+    );
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE queue = 'events'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -1311,6 +1356,7 @@ async fn an_event_that_fails_its_batch_is_processed_alone_and_holds_up_no_other(
                 (GatewayName::Internal, "msg_boom"),
                 (GatewayName::Internal, "msg_ok2"),
             ],
+            &[],
             &[],
             None,
         )

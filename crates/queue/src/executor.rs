@@ -18,7 +18,7 @@ use tracing::Instrument;
 
 use super::listener::QueueWaker;
 use super::loops::{Shared, backoff, holds_back, pause, stop_requested};
-use super::registry::{JobContext, Registry};
+use super::registry::{JobContext, Registry, RunClaim};
 use super::store::{self, Claimed};
 use super::{Ended, JobId, QueueSettings, RunEnd};
 
@@ -39,6 +39,7 @@ pub(crate) async fn run_one(
             after: None,
         };
     };
+    let claim = RunClaim::new(job.id, job.lease_token);
     let ctx = JobContext {
         id: job.id,
         kind: job.kind.clone(),
@@ -46,6 +47,7 @@ pub(crate) async fn run_one(
         attempt: job.attempt,
         max_attempts: job.max_attempts,
         pool: pool.clone(),
+        run: claim.clone(),
     };
     let kind = job.kind;
     let payload = job.payload;
@@ -84,6 +86,11 @@ pub(crate) async fn run_one(
     let finished = tokio::select! {
         r = tokio::time::timeout(timeout, run) => r,
         reason = lost => {
+            // The handler's transaction completed the job, and the row's absence looked like a
+            // lost lease to a renewal before the run could return: it ended.
+            if claim.is_completed() {
+                return RunEnd::Completed;
+            }
             // Dropping the run's future stops the handler.
             return RunEnd::Retry { error: format!("cancelled: {reason}"), after: None };
         }
@@ -100,6 +107,7 @@ pub(crate) async fn run_one(
         Ok(Ok(Err(e))) => RunEnd::Fail {
             error: format!("payload does not decode as a {kind} job: {e}"),
         },
+        Ok(Ok(Ok(Ok(())))) if claim.is_completed() => RunEnd::Completed,
         Ok(Ok(Ok(result))) => RunEnd::from(result),
     }
 }
@@ -285,6 +293,13 @@ pub(crate) async fn fetch(
                 }
                 if let RunEnd::Retry { error, .. } | RunEnd::Fail { error } = &end {
                     tracing::warn!(queue = %queue_name, job = %id, %error, "job run failed");
+                }
+                // Completed in the handler's transaction: nothing to write, only the lease to
+                // let go.
+                if matches!(end, RunEnd::Completed) {
+                    shared_run.leases.release(std::iter::once((id, token)));
+                    drop(permit);
+                    return;
                 }
                 // Holding the slot until the end is queued bounds the unwritten ends.
                 let _ = ended

@@ -20,8 +20,8 @@ use super::loops::{Pauses, Shared};
 use super::registry::Registry;
 use super::store::FairCursor;
 use super::{
-    BookkeepingCommit, Ended, QueueSettings, QueuesConfig, completer, end_runs, lease, listener,
-    maintenance, store,
+    BookkeepingCommit, Ended, QueueSettings, QueuesConfig, RunEnd, completer, end_runs, lease,
+    listener, maintenance, store,
 };
 
 /// Connections of a worker's claims pool: its queues' claims and their next-due-time asks.
@@ -416,13 +416,19 @@ pub async fn work_until_idle(
         for job in claimed {
             let (id, token) = (job.id, job.lease_token);
             let end = run_one(pool, registry, queue, settings.timeout(), job, None).await;
+            total += 1;
+            // Completed in the handler's own transaction: nothing to write.
+            if matches!(end, RunEnd::Completed) {
+                continue;
+            }
             ended.push(Ended {
                 id,
                 lease_token: token,
                 end,
             });
         }
-        total += ended.len();
-        end_runs(pool, &ended).await?;
+        if !ended.is_empty() {
+            end_runs(pool, &ended).await?;
+        }
     }
 }

@@ -46,7 +46,7 @@ pub use config::{
 pub use fleet::{Fleet, FleetHandle, FleetProbe, Listen, work_until_idle};
 pub use maintenance::{prune, rescue_expired, vacuum_if_dead};
 pub use notifier::Notifier;
-pub use registry::{JobContext, Registry, RegistryError, Worker};
+pub use registry::{JobContext, Registry, RegistryError, RunClaim, Worker};
 
 crate::text_enum! {
     /// `jobs.state` (docs/state_machine.md).
@@ -247,6 +247,21 @@ pub async fn enqueue<'c>(
 /// the jobs. Build the text once (a `LazyLock<String>`), so the statement is prepared once.
 pub fn insert_jobs_from(source: &str) -> String {
     store::insert_jobs_from(source)
+}
+
+/// SQL that completes runs inside the caller's transaction, with their effect: deletes the job
+/// row of each run `source` names, as [`RunClaim`]s' `(id, lease_token)`, while that run still
+/// holds it and nothing is pending on it (a cancel or a reschedule asked during the run is left
+/// for the run's own end, which honours it), and returns the ids of the jobs completed
+/// (`RETURNING id`). After the commit, call [`RunClaim::completed`] on those runs; the others
+/// end as usual.
+///
+/// `source` is SQL naming a relation of two columns, the job id (bigint) and the lease token
+/// (bigint), aliased here as `r(id, token)`: `unnest($1::bigint[], $2::bigint[])`, say. The
+/// statement is a `DELETE`, for a `WITH` of a statement of the caller's. Build the text once
+/// (a `LazyLock<String>`), so the statement is prepared once.
+pub fn complete_runs_from(source: &str) -> String {
+    store::complete_runs_from(source)
 }
 
 /// The relation [`insert_jobs_from`] reads, over the seven parameters `$1` to `$7` that
@@ -477,6 +492,8 @@ impl From<sqlx::Error> for JobError {
 #[derive(Debug, Clone)]
 pub(crate) enum RunEnd {
     Complete,
+    /// Completed by the handler's own transaction ([`RunClaim::completed`]): no end to write.
+    Completed,
     Retry {
         error: String,
         after: Option<Duration>,
@@ -494,7 +511,7 @@ pub(crate) enum RunEnd {
 impl RunEnd {
     pub(crate) fn outcome(&self) -> RunOutcome {
         match self {
-            Self::Complete => RunOutcome::Complete,
+            Self::Complete | Self::Completed => RunOutcome::Complete,
             Self::Retry { .. } => RunOutcome::Retry,
             Self::Fail { .. } => RunOutcome::Fail,
             Self::Snooze(_) => RunOutcome::Snooze,

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use sqlx::PgPool;
 
@@ -21,6 +22,62 @@ pub struct JobContext {
     pub attempt: i32,
     pub max_attempts: i32,
     pub pool: PgPool,
+    /// The run's hold on its job's row, for completing the job in a transaction of the
+    /// handler's ([`JobContext::run`]).
+    pub(crate) run: RunClaim,
+}
+
+impl JobContext {
+    /// This run's hold on its job's row: handed to whatever writes the job's effect, the job
+    /// can be completed in the same transaction ([`crate::complete_runs_from`]) instead of in
+    /// a statement and commit of the fleet's own after the run.
+    pub fn run(&self) -> RunClaim {
+        self.run.clone()
+    }
+}
+
+/// A run's hold on its job's row: the job's id and the lease token of this run. A transaction
+/// that writes the job's effect may complete the job too, by deleting its row with
+/// [`crate::complete_runs_from`] (only while this run still holds it, and only if no cancel or
+/// reschedule was asked meanwhile), and once that transaction has committed says so with
+/// [`RunClaim::completed`]: the run then ends with no statement of the fleet's. A run whose
+/// row was not deleted (its lease lost, an operator's request pending, the transaction rolled
+/// back) ends as any other, by its outcome.
+#[derive(Debug, Clone)]
+pub struct RunClaim {
+    id: JobId,
+    lease_token: i64,
+    completed: Arc<AtomicBool>,
+}
+
+impl RunClaim {
+    pub(crate) fn new(id: JobId, lease_token: i64) -> Self {
+        Self {
+            id,
+            lease_token,
+            completed: Arc::default(),
+        }
+    }
+
+    pub fn id(&self) -> JobId {
+        self.id
+    }
+
+    /// The token the job's row holds while this run does (bound beside the id).
+    pub fn lease_token(&self) -> i64 {
+        self.lease_token
+    }
+
+    /// The transaction that deleted this run's job row has committed: the job is completed.
+    /// Say it only after the commit (before it, a rollback would leave the row running with
+    /// no end to come).
+    pub fn completed(&self) {
+        self.completed.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn is_completed(&self) -> bool {
+        self.completed.load(Ordering::Acquire)
+    }
 }
 
 pub(crate) type RunFuture = Pin<Box<dyn Future<Output = Result<(), JobError>> + Send>>;

@@ -51,6 +51,18 @@ pub(crate) fn insert_jobs_from(source: &str) -> String {
     insert_jobs_from!("\u{0}source\u{0}").replacen("\u{0}source\u{0}", source, 1)
 }
 
+/// See [`crate::complete_runs_from`]. The rule is `jobs_end_runs`' for a completed run with
+/// nothing pending (`jobs_next_state(NULL, 'complete', ..)` is always `completed`): its row
+/// goes. Matched by lease token, so a run whose lease was lost (and its job perhaps claimed
+/// again) completes nothing.
+pub(crate) fn complete_runs_from(source: &str) -> String {
+    format!(
+        "DELETE FROM jobs j USING {source} AS r(id, token)
+         WHERE j.id = r.id AND j.lease_token = r.token AND j.pending IS NULL
+         RETURNING j.id"
+    )
+}
+
 pub(crate) const JOB_COLUMNS_FROM_PARAMS: &str = job_columns_from_params!();
 
 pub(crate) fn millis(d: Duration) -> i64 {

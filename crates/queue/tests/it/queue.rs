@@ -271,6 +271,121 @@ async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends
     );
 }
 
+/// Waits until `done` holds (asked every 20 ms, for at most 10 s).
+async fn until<F, Fut>(mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done().await {
+        assert!(std::time::Instant::now() < deadline, "timed out waiting");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A handler that writes its effect (row `n` of `effects`) and completes its run in one
+/// transaction; for `n` = 2 an operator's cancel arrives first, for `n` = 3 the transaction
+/// rolls back.
+fn completing_in_transaction() -> Registry {
+    let mut r = Registry::new();
+    r.register::<Echo, _, _>(|ctx: JobContext, job: Echo| async move {
+        if job.n == 2 {
+            assert!(matches!(
+                queue::cancel(&ctx.pool, "cancelled-meanwhile")
+                    .await
+                    .unwrap(),
+                Cancelled::AfterRun(_)
+            ));
+        }
+        let run = ctx.run();
+        let mut tx = ctx.pool.begin().await.unwrap();
+        sqlx::query("INSERT INTO effects (n, txid) VALUES ($1, txid_current())")
+            .bind(job.n)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let completed: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(
+            queue::complete_runs_from("unnest($1::bigint[], $2::bigint[])"),
+        ))
+        .bind(vec![run.id().0])
+        .bind(vec![run.lease_token()])
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+        if job.n == 3 {
+            tx.rollback().await.unwrap();
+            return Ok(());
+        }
+        tx.commit().await.unwrap();
+        if completed == [run.id().0] {
+            run.completed();
+        }
+        Ok(())
+    })
+    .unwrap();
+    r
+}
+
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn a_run_completed_in_its_handlers_transaction_ends_with_that_commit(pool: PgPool) {
+    // Every DELETE statement on the jobs, with its transaction (a statement trigger fires even
+    // when no row goes): the fleet's own end of a run is one.
+    for ddl in [
+        "CREATE TABLE effects (n bigint PRIMARY KEY, txid bigint NOT NULL)",
+        "CREATE TABLE job_deletes (txid bigint NOT NULL)",
+        "CREATE FUNCTION note_job_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN INSERT INTO job_deletes VALUES (txid_current()); RETURN NULL; END $$",
+        "CREATE TRIGGER note_job_delete AFTER DELETE ON jobs FOR EACH STATEMENT EXECUTE FUNCTION note_job_delete()",
+    ] {
+        sqlx::query(ddl).execute(&pool).await.unwrap();
+    }
+    let fleet = start_fleet(&pool, completing_in_transaction());
+    let one = queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    until(|| completed(&pool, one)).await;
+    // Time for an end of the fleet's, were one coming.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let deletes: Vec<(i64, Option<i64>)> = sqlx::query_as(
+        "SELECT d.txid, e.n FROM job_deletes d LEFT JOIN effects e ON e.txid = d.txid",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        deletes.iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+        vec![Some(1)],
+        "the job's row went in its effect's transaction, and the fleet wrote no end: {deletes:?}"
+    );
+
+    // A cancel asked during the run is honoured: the row stays for the run's end, which the
+    // fleet writes. A rolled-back transaction completes nothing: the fleet ends the run.
+    let two = queue::enqueue(
+        &pool,
+        NewJob::of(&Echo { n: 2 })
+            .unwrap()
+            .key("cancelled-meanwhile"),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let three = queue::enqueue(&pool, NewJob::of(&Echo { n: 3 }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    until(|| async { !completed(&pool, two).await && job(&pool, two).await.0 == "cancelled" })
+        .await;
+    until(|| completed(&pool, three)).await;
+    fleet.shutdown().await;
+    let effects: Vec<i64> = sqlx::query_scalar("SELECT n FROM effects ORDER BY n")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(effects, vec![1, 2], "the third's effect rolled back");
+}
+
 #[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn concurrent_claims_never_share_a_job(pool: PgPool) {
     let jobs: Vec<NewJob> = (0..200).map(|n| NewJob::of(&Echo { n }).unwrap()).collect();
