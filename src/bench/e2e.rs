@@ -370,11 +370,11 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
                 &stages.to_batch,
             ),
             (
-                "batch's start to the sale credit's writing (reads, writes, the wait for the accounts)",
+                "batch's start to the sale credit's writing (reads and writes before the posting)",
                 &stages.to_accounts,
             ),
             (
-                "writing to seen committed (the posting, the commit, the watcher)",
+                "writing to seen committed (the wait for the accounts, the posting, the commit, the watcher)",
                 &stages.to_visible,
             ),
         ] {
@@ -598,11 +598,12 @@ struct Stages {
     /// Stored until the transaction that applied it began (`processed_at`): the receiver's
     /// commit, the job's notification and claim, a free batch.
     to_batch: Vec<Duration>,
-    /// That transaction's start until its sale credit's writing (stamped once the accounts are
-    /// held): the batch's reads and writes before the posting, and its wait for the accounts.
+    /// That transaction's start until its sale credit's writing (stamped as the posting begins,
+    /// before its wait for the accounts: migration 0061): the batch's reads and writes before
+    /// the posting.
     to_accounts: Vec<Duration>,
-    /// The sale credit's writing until it was seen committed: the posting, the commit, and the
-    /// watcher's poll.
+    /// The sale credit's writing until it was seen committed: the wait for the accounts, the
+    /// posting, the commit, and the watcher's poll.
     to_visible: Vec<Duration>,
 }
 

@@ -232,10 +232,11 @@ pub async fn post(tx: &mut PgConnection, t: &Transfer) -> Result<Posted, LedgerE
 
 /// Posts transfers in the caller's transaction, each once per source key, in the order given
 /// (a key given twice posts once), in one round trip however many there are: one call of the
-/// database's `ledger_post` (migrations 0045 and 0057) finds the accounts (created if new)
-/// before any lock, locks them in id order (so two postings cannot deadlock on them), writes
-/// the new transfers and their entries with each account's running balance, and moves the
-/// balances. What each transfer did comes back in the same order.
+/// database's `ledger_post` (migrations 0045, 0057 and 0061) finds the accounts (created if
+/// new) before any lock, writes the new transfers, locks their accounts in id order (so two
+/// postings cannot deadlock on them), writes the entries with each account's running balance
+/// from the balances as locked, and moves the balances. What each transfer did comes back in
+/// the same order.
 pub async fn post_many(
     tx: &mut PgConnection,
     transfers: &[Transfer],
