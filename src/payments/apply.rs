@@ -7,6 +7,8 @@
 //! advisory locks on the payment's keys first, so a waiter cannot slip in between a payment's
 //! commit and its check for waiters.
 
+use std::sync::LazyLock;
+
 use rust_decimal::Decimal;
 use sqlx::PgConnection;
 
@@ -1022,24 +1024,53 @@ pub(super) async fn wake_waiting_many(
     keys: &[(GatewayName, &str)],
     current: &[i64],
 ) -> Result<(), ProcessError> {
+    let (sources, names) = waiting_keys(keys);
+    let waiting: Vec<Waiting> = sqlx::query_as(WAITING_FOR_KEYS.as_str())
+        .bind(&sources)
+        .bind(&names)
+        .bind(current)
+        .fetch_all(&mut *tx)
+        .await?;
+    enqueue_woken(tx, &waiting).await
+}
+
+/// An event that waits for a payment key: its gateway, id and body.
+pub(super) type Waiting = (GatewayName, String, Vec<u8>);
+
+/// The keys as the read of their waiting events takes them: each key under every gateway whose
+/// events may wait for it (the event sources of its gateway).
+pub(super) fn waiting_keys(keys: &[(GatewayName, &str)]) -> (Vec<GatewayName>, Vec<String>) {
     let (mut sources, mut names) = (Vec::new(), Vec::new());
     for (gateway, key) in keys {
         for source in event_sources(*gateway) {
             sources.push(*source);
-            names.push(*key);
+            names.push((*key).to_owned());
         }
     }
-    let waiting: Vec<(GatewayName, String, Vec<u8>)> = sqlx::query_as(
-        // Through the index of waiting events, whatever the plan makes of the arrays.
+    (sources, names)
+}
+
+/// The events waiting for some of the keys `sources` and `names` (parallel text arrays) name,
+/// but none of `current` (a bigint array: the events being processed): SQL over those three
+/// parameters, which a statement may place as a `WITH` of its own.
+pub(super) fn waiting_for_keys_sql(sources: &str, names: &str, current: &str) -> String {
+    // Through the index of waiting events, whatever the plan makes of the arrays.
+    format!(
         "SELECT e.gateway, e.event_id, e.raw_body FROM payment_events e
-         WHERE e.outcome = 'waiting' AND e.waiting_for = ANY($2) AND NOT (e.id = ANY($3))
-           AND (e.gateway, e.waiting_for) IN (SELECT * FROM unnest($1::text[], $2::text[]))",
+         WHERE e.outcome = 'waiting' AND e.waiting_for = ANY({names}) AND NOT (e.id = ANY({current}))
+           AND (e.gateway, e.waiting_for) IN (SELECT * FROM unnest({sources}::text[], {names}::text[]))"
     )
-    .bind(&sources)
-    .bind(&names)
-    .bind(current)
-    .fetch_all(&mut *tx)
-    .await?;
+}
+
+static WAITING_FOR_KEYS: LazyLock<String> =
+    LazyLock::new(|| waiting_for_keys_sql("$1", "$2", "$3"));
+
+/// Enqueues again, in this transaction, the processing of events found waiting for a payment
+/// that is now known.
+pub(super) async fn enqueue_woken(
+    tx: &mut PgConnection,
+    waiting: &[Waiting],
+) -> Result<(), ProcessError> {
     if waiting.is_empty() {
         return Ok(());
     }

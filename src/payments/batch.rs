@@ -29,7 +29,9 @@ use std::time::Duration;
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use super::apply::{key_name, keys_of, lock_key_names, wake_waiting_many};
+use super::apply::{
+    Waiting, enqueue_woken, key_name, keys_of, lock_key_names, waiting_for_keys_sql, waiting_keys,
+};
 use super::{EventOutcome, ProcessError, Processed, Processor};
 use crate::db::Kept;
 use crate::gateways::{self, Fact, GatewayName, Interpretation, PaymentStatus};
@@ -520,13 +522,16 @@ pub async fn process_batch(
         }
     }
     let keys: Vec<(GatewayName, &str)> = keys.iter().map(|(g, k)| (*g, k.as_str())).collect();
-    let ids: Vec<i64> = candidates.iter().map(|c| c.event).collect();
-    wake_waiting_many(&mut tx, &keys, &ids).await?;
     let runs_applied: Vec<&RunClaim> = candidates
         .iter()
         .filter_map(|c| runs.get(c.at)?.as_ref())
         .collect();
-    let Applied { received, jobs } = record_applied(&mut tx, &candidates, &runs_applied).await?;
+    let Applied {
+        received,
+        jobs,
+        waiting,
+    } = record_applied(&mut tx, &candidates, &runs_applied, &keys).await?;
+    enqueue_woken(&mut tx, &waiting).await?;
     // Last: the sellers' turns and accounts, held only for the posting and the commit.
     let sales: Vec<(i64, Channel)> = candidates
         .iter()
@@ -683,16 +688,19 @@ async fn find_sessions(
     Ok(())
 }
 
-/// What [`record_applied`] wrote: each event's id and time of receipt, and the jobs completed.
+/// What [`record_applied`] wrote and found: each event's id and time of receipt, the jobs
+/// completed, and the events that waited for these payments.
 struct Applied {
     received: Vec<(i64, chrono::DateTime<chrono::Utc>)>,
     jobs: HashSet<JobId>,
+    waiting: Vec<Waiting>,
 }
 
 /// The payments, known from now on as succeeded with their amounts (as the one-event path
 /// leaves a first success: its status derived from that one fact), their events applied, and
 /// the jobs that handed them in completed (`runs`), in one statement (a round trip fewer in the
-/// window the batch's locks are held).
+/// window the batch's locks are held), which also reads the events that waited for one of the
+/// payments' `keys` (a refund that overtook its payment), for the caller to wake.
 ///
 /// A job completed here has its end written by this commit: in a paced phase of `payfleet bench
 /// e2e` the fleet's own ends of these jobs, a statement and a commit on its bookkeeping
@@ -701,6 +709,7 @@ async fn record_applied(
     tx: &mut PgConnection,
     candidates: &[Candidate],
     runs: &[&RunClaim],
+    keys: &[(GatewayName, &str)],
 ) -> Result<Applied, sqlx::Error> {
     let status = derive_status(&Facts {
         succeeded: true,
@@ -722,37 +731,67 @@ async fn record_applied(
     }
     let (job_ids, tokens): (Vec<i64>, Vec<i64>) =
         runs.iter().map(|r| (r.id().0, r.lease_token())).unzip();
-    let rows: Vec<(i64, Option<chrono::DateTime<chrono::Utc>>)> =
-        sqlx::query_as(RECORD_APPLIED.as_str())
-            .bind(&gateways)
-            .bind(&sessions)
-            .bind(&payments)
-            .bind(&amounts)
-            .bind(&currencies)
-            .bind(status)
-            .bind(&events)
-            .bind(EventOutcome::Applied)
-            .bind(&job_ids)
-            .bind(&tokens)
-            .fetch_all(&mut *tx)
-            .await?;
+    let (sources, names) = waiting_keys(keys);
+    let rows: Vec<AppliedRow> = sqlx::query_as(RECORD_APPLIED.as_str())
+        .bind(&gateways)
+        .bind(&sessions)
+        .bind(&payments)
+        .bind(&amounts)
+        .bind(&currencies)
+        .bind(status)
+        .bind(&events)
+        .bind(EventOutcome::Applied)
+        .bind(&job_ids)
+        .bind(&tokens)
+        .bind(&sources)
+        .bind(&names)
+        .fetch_all(&mut *tx)
+        .await?;
     let mut applied = Applied {
         received: Vec::with_capacity(rows.len()),
         jobs: HashSet::with_capacity(runs.len()),
+        waiting: Vec::new(),
     };
-    for (id, received_at) in rows {
-        match received_at {
-            Some(at) => applied.received.push((id, at)),
-            None => {
+    for row in rows {
+        match row {
+            AppliedRow {
+                id: Some(id),
+                received_at: Some(at),
+                ..
+            } => applied.received.push((id, at)),
+            AppliedRow {
+                id: Some(id),
+                received_at: None,
+                ..
+            } => {
                 applied.jobs.insert(JobId(id));
             }
+            AppliedRow {
+                gateway: Some(gateway),
+                event_id: Some(event_id),
+                raw_body: Some(body),
+                ..
+            } => applied.waiting.push((gateway, event_id, body)),
+            _ => {}
         }
     }
     Ok(applied)
 }
 
-/// [`record_applied`]'s statement: the events (with their time of receipt), then the jobs
-/// completed (without one).
+/// A row of [`RECORD_APPLIED`]: an event applied (its id and time of receipt), a job completed
+/// (its id alone), or an event waiting for one of the payments (its gateway, id and body).
+#[derive(sqlx::FromRow)]
+struct AppliedRow {
+    id: Option<i64>,
+    received_at: Option<chrono::DateTime<chrono::Utc>>,
+    gateway: Option<GatewayName>,
+    event_id: Option<String>,
+    raw_body: Option<Vec<u8>>,
+}
+
+/// [`record_applied`]'s statement: the events (with their time of receipt), the jobs completed
+/// (without one), then the events waiting for these payments (read from the statement's
+/// snapshot, where the events applied here are not processed yet, and left out by id anyway).
 static RECORD_APPLIED: LazyLock<String> = LazyLock::new(|| {
     // The events, locked unprocessed since `read_candidates`, by their ids alone: asked also
     // for `processed_at IS NULL`, the plan read the whole partial index of unprocessed events,
@@ -768,9 +807,12 @@ static RECORD_APPLIED: LazyLock<String> = LazyLock::new(|| {
          applied AS (
              UPDATE payment_events SET outcome = $8, outcome_detail = NULL, waiting_for = NULL, processed_at = now()
              WHERE id = ANY(ARRAY(SELECT unnest($7::bigint[]))) RETURNING id, received_at)
-         SELECT id, received_at FROM applied
-         UNION ALL SELECT id, NULL FROM completed",
-        payfleet_queue::complete_runs_from("unnest($9::bigint[], $10::bigint[])")
+         SELECT id, received_at, NULL::text AS gateway, NULL::text AS event_id, NULL::bytea AS raw_body
+           FROM applied
+         UNION ALL SELECT id, NULL, NULL, NULL, NULL FROM completed
+         UNION ALL SELECT NULL, NULL, w.gateway, w.event_id, w.raw_body FROM ({}) w",
+        payfleet_queue::complete_runs_from("unnest($9::bigint[], $10::bigint[])"),
+        waiting_for_keys_sql("$11", "$12", "$7")
     )
 });
 
