@@ -3,7 +3,9 @@
 //!
 //! - [`enqueue`], [`schedule`], [`cancel`] take any executor, so a job is written inside the
 //!   caller's transaction and exists if and only if the business write commits;
-//!   [`insert_jobs_from`] places the same insert inside a statement of the caller's own.
+//!   [`insert_jobs_from`] places the same insert inside a statement of the caller's own, and
+//!   [`complete_runs_from`] a run's completion ([`JobContext::run`]), so a job's effect and its
+//!   end can commit together.
 //! - [`Fleet`] runs the workers of one process. Its parts, as River's `internal/` splits them:
 //!   `executor` (a fetcher per queue: batched `FOR UPDATE SKIP LOCKED` claims, each run in its own
 //!   task under a timeout), `completer` (batched run ends), `lease` (renewals, and cancelling a
