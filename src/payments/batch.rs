@@ -23,6 +23,7 @@
 //! processes its event alone, which retries an outage as any job does.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -46,8 +47,9 @@ use super::ProcessPaymentEvent;
 /// How the batcher of one worker process works.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchSettings {
-    /// Most events in one transaction.
-    pub max_events: usize,
+    /// Most events in the batches in flight together: each of `n` batches in flight takes at
+    /// most an `n`th ([`BatchSettings::per_batch`]).
+    pub events_in_batches: usize,
     /// Batch transactions in flight at once (each holds one database connection) while this
     /// worker process is the only one working the events queue, or before it has counted the
     /// others.
@@ -66,7 +68,7 @@ pub struct BatchSettings {
 impl Default for BatchSettings {
     fn default() -> Self {
         Self {
-            max_events: 128,
+            events_in_batches: 256,
             in_flight: 2,
             in_flight_in_fleet: 1,
             alone: 16,
@@ -92,6 +94,16 @@ impl BatchSettings {
             },
             None => default,
         }
+    }
+
+    /// Most events in one batch while `in_flight` batches may be in flight: their share of
+    /// [`BatchSettings::events_in_batches`]. A worker's events queue takes in 512 events at once
+    /// (`jobs/queues.toml`), twice what its batches take together, so whatever the number of
+    /// batches in flight a batch's worth of events waits for each as it commits: a lone worker
+    /// runs two batches of up to 128, a fleet's worker one of up to 256 (README, "A batch as
+    /// large as the worker's share").
+    fn per_batch(&self, in_flight: usize) -> usize {
+        (self.events_in_batches / in_flight.max(1)).max(1)
     }
 
     /// Batches in flight for a count of the events queue's worker processes (`None`: not
@@ -160,19 +172,19 @@ impl Batcher {
         settings: BatchSettings,
         census: Option<&Census>,
     ) -> Self {
-        let most = settings.in_flight.max(settings.in_flight_in_fleet).max(1);
-        let (queue, requests) = mpsc::channel(settings.max_events * most * 4);
+        let (queue, requests) = mpsc::channel(settings.events_in_batches.max(1) * 4);
         let workers = census.and_then(|c| c.workers_on(ProcessPaymentEvent::QUEUE));
         let now = settings.in_flight_for(workers);
         let gate = Arc::new(Semaphore::new(now));
+        let in_flight = Arc::new(AtomicUsize::new(now));
         if let Some(census) = census
             && settings.in_flight != settings.in_flight_in_fleet
         {
             tokio::spawn(follow_census(
                 gate.clone(),
+                in_flight.clone(),
                 census.subscribe(),
                 settings,
-                now,
             ));
         }
         tokio::spawn(batch_loop(
@@ -180,8 +192,8 @@ impl Batcher {
             processor.clone(),
             requests,
             queue.downgrade(),
-            settings.max_events.max(1),
-            gate,
+            settings,
+            Turns { gate, in_flight },
         ));
         Self {
             queue,
@@ -273,8 +285,8 @@ async fn batch_loop(
     processor: Arc<Processor>,
     mut requests: mpsc::Receiver<Request>,
     waiting: mpsc::WeakSender<Request>,
-    max: usize,
-    in_flight: Arc<Semaphore>,
+    settings: BatchSettings,
+    turns: Turns,
 ) {
     // Closed on the way out: the census follower ends with the loop.
     struct Closing(Arc<Semaphore>);
@@ -283,12 +295,13 @@ async fn batch_loop(
             self.0.close();
         }
     }
-    let _closing = Closing(in_flight.clone());
+    let _closing = Closing(turns.gate.clone());
     let kept = Kept::default();
     loop {
-        let Ok(permit) = in_flight.clone().acquire_owned().await else {
+        let Ok(permit) = turns.gate.clone().acquire_owned().await else {
             return;
         };
+        let max = settings.per_batch(turns.in_flight.load(Ordering::Relaxed));
         let mut batch = Vec::with_capacity(max);
         // `recv_many` is cancel safe: nothing is lost when the wait times out.
         let received =
@@ -361,16 +374,25 @@ async fn batch_loop(
     }
 }
 
-/// Keeps the permits of `gate` (the batches in flight, `now` at the start) at what the census
-/// asks for the number of worker processes on the events queue. A permit taken away waits for a
-/// batch in flight to end (the gate is fair: before the batch loop's next one). Ends when the
-/// census or the batch loop (which closes the gate) is gone.
+/// The batch loop's turns: a permit of `gate` per batch in flight, and how many batches may be
+/// in flight now (what a batch's size is a share of).
+struct Turns {
+    gate: Arc<Semaphore>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Keeps the permits of `gate` (the batches in flight, `in_flight` of them at the start, kept
+/// up to date there) at what the census asks for the number of worker processes on the events
+/// queue. A permit taken away waits for a batch in flight to end (the gate is fair: before the
+/// batch loop's next one). Ends when the census or the batch loop (which closes the gate) is
+/// gone.
 async fn follow_census(
     gate: Arc<Semaphore>,
+    in_flight: Arc<AtomicUsize>,
     mut counts: tokio::sync::watch::Receiver<Option<Arc<payfleet_queue::census::Counts>>>,
     settings: BatchSettings,
-    mut now: usize,
 ) {
+    let mut now = in_flight.load(Ordering::Relaxed);
     loop {
         let workers = counts.borrow_and_update().as_ref().map(|c| {
             c.get(ProcessPaymentEvent::QUEUE)
@@ -390,8 +412,9 @@ async fn follow_census(
             taken.forget();
         }
         if want != now {
-            tracing::info!(batches_in_flight = want, workers = ?workers, "payment-event batches in flight follow the fleet's census");
+            tracing::info!(batches_in_flight = want, workers = ?workers, events_a_batch = settings.per_batch(want), "payment-event batches in flight follow the fleet's census");
             now = want;
+            in_flight.store(now, Ordering::Relaxed);
         }
         if gate.is_closed() || counts.changed().await.is_err() {
             return;
@@ -876,15 +899,30 @@ mod tests {
         assert_eq!(set.in_flight_for(Some(4)), 3);
     }
 
+    #[test]
+    fn a_batch_takes_its_share_of_the_events_in_batches() {
+        let settings = BatchSettings::for_process(None);
+        assert_eq!(settings.per_batch(2), 128, "a lone worker's two batches");
+        assert_eq!(settings.per_batch(1), 256, "a fleet's worker's one");
+        assert_eq!(BatchSettings::for_process(Some(3)).per_batch(3), 85);
+        let tiny = BatchSettings {
+            events_in_batches: 1,
+            ..settings
+        };
+        assert_eq!(tiny.per_batch(4), 1, "never an empty batch");
+        assert_eq!(tiny.per_batch(0), 1);
+    }
+
     #[tokio::test]
     async fn batches_in_flight_follow_the_census_and_a_batch_under_way_keeps_its_turn() {
         let census = Census::default();
         let gate = Arc::new(Semaphore::new(2));
+        let in_flight = Arc::new(AtomicUsize::new(2));
         tokio::spawn(follow_census(
             gate.clone(),
+            in_flight.clone(),
             census.subscribe(),
             BatchSettings::default(),
-            2,
         ));
         let under_way = gate.clone().acquire_owned().await.unwrap();
         let settle = || tokio::time::sleep(Duration::from_millis(50));
@@ -901,6 +939,7 @@ mod tests {
             1,
             "one batch in flight beside another worker"
         );
+        assert_eq!(in_flight.load(Ordering::Relaxed), 1, "a batch's share: all");
 
         // A worker on other queues only is not a worker of the events queue.
         census.record(
@@ -912,6 +951,11 @@ mod tests {
         );
         settle().await;
         assert_eq!(gate.available_permits(), 2, "alone again: two");
+        assert_eq!(
+            in_flight.load(Ordering::Relaxed),
+            2,
+            "a batch's share: half"
+        );
 
         // The batch loop ended (it closes the gate): the follower ends too.
         gate.close();

@@ -1578,7 +1578,7 @@ async fn a_batcher_holds_no_connection_once_no_event_waits(pool: PgPool) {
         batches.clone(),
         std::sync::Arc::new(Processor::default()),
         BatchSettings {
-            max_events: 4,
+            events_in_batches: 8,
             ..BatchSettings::default()
         },
         None,
@@ -1607,4 +1607,94 @@ async fn a_batcher_holds_no_connection_once_no_event_waits(pool: PgPool) {
         async || batches.num_idle() == batches.size() as usize,
     )
     .await;
+}
+
+/// A worker's batches take `events_in_batches` together, each batch in flight its share: a lone
+/// worker's two batches half each, a fleet's worker's one batch all of it. (Each batch is one
+/// transaction: the events it applied carry its `xmin`.)
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn each_batch_in_flight_takes_its_share_of_the_events_in_batches(pool: PgPool) {
+    use payfleet::payments::batch::{BatchSettings, Batcher, Handled};
+    let app = spawn_app(pool.clone()).await;
+    for (round, in_flight, share) in [("a", 2, 4), ("b", 1, 8)] {
+        let sessions: Vec<String> = (0..12).map(|i| format!("{round}{i}")).collect();
+        let refs: Vec<&str> = sessions.iter().map(String::as_str).collect();
+        orders_for(&pool, "internal", &refs, "10.00", "BRL").await;
+        for s in &sessions {
+            app.deliver(&internal(
+                &format!("msg_{s}"),
+                &payment_body("payment.succeeded", s, "10.00"),
+            ))
+            .await;
+        }
+        let batcher = Batcher::start(
+            pool.clone(),
+            std::sync::Arc::new(Processor::default()),
+            BatchSettings {
+                events_in_batches: 8,
+                in_flight,
+                in_flight_in_fleet: in_flight,
+                ..BatchSettings::default()
+            },
+            None,
+        );
+        // The first sessions' keys held, one for each batch in flight: every turn waits, and
+        // the other events gather meanwhile.
+        let mut held = pool.begin().await.unwrap();
+        let mut runs = Vec::new();
+        for (i, s) in sessions.iter().enumerate() {
+            if i < in_flight {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SELECT pg_advisory_xact_lock(hashtextextended('internal:session:{s}', 0))"
+                )))
+                .execute(&mut *held)
+                .await
+                .unwrap();
+            }
+            let (batcher, batches) = (batcher.clone(), pool.clone());
+            let id = format!("msg_{s}");
+            runs.push(tokio::spawn(async move {
+                batcher.process(&batches, GatewayName::Internal, &id).await
+            }));
+            if i < in_flight {
+                crate::helpers::wait_for(
+                    "a batch waits for each held key",
+                    std::time::Duration::from_secs(10),
+                    async || {
+                        sqlx::query_scalar::<_, i64>(
+                            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+                        )
+                        .fetch_one(&pool)
+                        .await
+                        .unwrap()
+                            == i as i64 + 1
+                    },
+                )
+                .await;
+            }
+        }
+        // Time for the other jobs to hand their events in (a send to the batcher's queue each).
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        held.rollback().await.unwrap();
+        for run in runs {
+            assert_eq!(
+                run.await.unwrap().unwrap(),
+                Handled::Processed(Processed::Applied)
+            );
+        }
+        let ids: Vec<String> = sessions.iter().map(|s| format!("msg_{s}")).collect();
+        let sizes: Vec<i64> = sqlx::query_scalar(
+            "SELECT count(*) FROM payment_events WHERE event_id = ANY($1)
+             GROUP BY xmin::text ORDER BY count(*) DESC",
+        )
+        .bind(&ids)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert_eq!(sizes.iter().sum::<i64>(), 12, "round {round}: {sizes:?}");
+        assert_eq!(
+            sizes[0], share,
+            "round {round}: {in_flight} batches in flight, the largest takes its share: {sizes:?}"
+        );
+    }
 }
