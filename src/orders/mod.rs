@@ -355,9 +355,6 @@ pub(crate) async fn record_extra_payment(
     }
 }
 
-/// Records what happened to an order: once for every kind but `reopened`, and once per
-/// payment (its session and payment id in the payload) for `late_payment` and `extra_payment`
-/// (the unique indexes decide). Returns whether it was new.
 /// An order a first payment can confirm plainly, as [`lock_plainly_payable`] finds it.
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct Payable {
@@ -464,6 +461,9 @@ pub async fn confirm_paid(
     Ok(())
 }
 
+/// Records what happened to an order: once for every kind but `reopened`, and once per
+/// payment (its session and payment id in the payload) for `late_payment` and `extra_payment`
+/// (the unique indexes decide). Returns whether it was new.
 pub(crate) async fn record_event(
     tx: &mut PgConnection,
     order_id: i64,
