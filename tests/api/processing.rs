@@ -1554,20 +1554,26 @@ async fn a_batch_confirms_its_orders_on_their_own_pages(pool: PgPool) {
     assert!(accounts.is_empty() && currencies.is_empty());
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn a_batcher_holds_no_connection_once_no_event_waits(pool: PgPool) {
-    use payfleet::payments::batch::{BatchSettings, Batcher, Handled};
-    let app = spawn_app(pool.clone()).await;
-    let sessions: Vec<String> = (0..40).map(|i| format!("k{i}")).collect();
+/// An internal-gateway order of 10.00 BRL for each of `sessions`, and its `payment.succeeded`
+/// (`msg_<session>`) stored but not processed: for a batcher the test starts itself.
+async fn paid_and_waiting(app: &TestApp, pool: &PgPool, sessions: &[String]) {
     let refs: Vec<&str> = sessions.iter().map(String::as_str).collect();
-    orders_for(&pool, "internal", &refs, "10.00", "BRL").await;
-    for s in &sessions {
+    orders_for(pool, "internal", &refs, "10.00", "BRL").await;
+    for s in sessions {
         app.deliver(&internal(
             &format!("msg_{s}"),
             &payment_body("payment.succeeded", s, "10.00"),
         ))
         .await;
     }
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_batcher_holds_no_connection_once_no_event_waits(pool: PgPool) {
+    use payfleet::payments::batch::{BatchSettings, Batcher, Handled};
+    let app = spawn_app(pool.clone()).await;
+    let sessions: Vec<String> = (0..40).map(|i| format!("k{i}")).collect();
+    paid_and_waiting(&app, &pool, &sessions).await;
     // The batcher's own pool, whose connections can be counted.
     let batches = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
@@ -1618,15 +1624,7 @@ async fn each_batch_in_flight_takes_its_share_of_the_events_in_batches(pool: PgP
     let app = spawn_app(pool.clone()).await;
     for (round, in_flight, share) in [("a", 2, 4), ("b", 1, 8)] {
         let sessions: Vec<String> = (0..12).map(|i| format!("{round}{i}")).collect();
-        let refs: Vec<&str> = sessions.iter().map(String::as_str).collect();
-        orders_for(&pool, "internal", &refs, "10.00", "BRL").await;
-        for s in &sessions {
-            app.deliver(&internal(
-                &format!("msg_{s}"),
-                &payment_body("payment.succeeded", s, "10.00"),
-            ))
-            .await;
-        }
+        paid_and_waiting(&app, &pool, &sessions).await;
         let batcher = Batcher::start(
             pool.clone(),
             std::sync::Arc::new(Processor::default()),
