@@ -232,6 +232,15 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
                 }
                 .into(),
             ),
+            (
+                "PAYFLEET_AMQP_RPC_QUORUM".into(),
+                if app.messaging.queues.rpc_quorum {
+                    "on"
+                } else {
+                    "off"
+                }
+                .into(),
+            ),
             ("AMQP_URL".into(), app.amqp_url.expose().to_owned()),
         ];
         let port = free_port()?;

@@ -206,6 +206,15 @@ pub async fn run(config: &Config, args: SoakArgs) -> anyhow::Result<()> {
             }
             .into(),
         ),
+        (
+            "PAYFLEET_AMQP_RPC_QUORUM",
+            if app.messaging.queues.rpc_quorum {
+                "on"
+            } else {
+                "off"
+            }
+            .into(),
+        ),
         ("INTERNAL_WEBHOOK_SECRET", secret_text),
         ("PAYFLEET_PAYMENT_SIMULATOR", "on".into()),
         ("PAYFLEET_ADMIN_TOKEN", admin_token.clone()),

@@ -38,7 +38,7 @@ pub fn test_config() -> Config {
     let mut config = Config::from(&[
         ("PAYFLEET_QUEUES", "jobs/queues.toml"),
         // Patient: the whole suite runs in parallel on two cores, each test with a fleet and
-        // quorum queues of its own, and a payment link took more than 3 s there at times (the
+        // broker queues of its own (the services' quorum queues), and a payment link took more than 3 s there at times (the
         // buyer's 503 failed tests that expect the link). A test that times the 503 sets its own.
         ("PAYFLEET_RPC_TIMEOUT_MS", "10000"),
         ("PAYFLEET_AMQP_QUEUE_TTL_MS", "60000"),

@@ -527,3 +527,77 @@ async fn a_worker_is_ready_for_calls_once_its_rpc_consumers_take_requests(pool: 
     )
     .await;
 }
+
+/// Whether `queue` is a classic queue: the broker accepts a declaration of it as one only if it
+/// is (the type is among the arguments a queue's declarations must agree on).
+async fn declared_classic(config: &payfleet::config::Config, queue: &str) -> bool {
+    let connection = lapin::Connection::connect(
+        config.amqp_url.expose(),
+        lapin::ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let mut args = lapin::types::FieldTable::default();
+    args.insert(
+        "x-expires".into(),
+        lapin::types::AMQPValue::LongUInt(config.messaging.queue_ttl_ms.unwrap()),
+    );
+    args.insert(
+        "x-queue-type".into(),
+        lapin::types::AMQPValue::LongString("classic".into()),
+    );
+    let declared = channel
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await;
+    let _ = connection.close(200, "done".into()).await;
+    match declared {
+        Ok(_) => true,
+        Err(e) => {
+            assert!(e.to_string().contains("x-queue-type"), "{e}");
+            false
+        }
+    }
+}
+
+/// An RPC request is worth nothing once its caller gave up, so its queues are classic by
+/// default (a quorum queue's replication and flush only lengthened a link's round trip on one
+/// node); on a cluster `PAYFLEET_AMQP_RPC_QUORUM=on` makes them quorum queues, which go on
+/// through the loss of a node. Links travel through either kind. (The services' queues stay
+/// quorum queues: the dead-letter test above counts their deliveries, which only they do.)
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn rpc_request_queues_are_classic_unless_asked(pool: PgPool) {
+    for rpc_quorum in [false, true] {
+        let mut config = test_config();
+        assert!(!config.messaging.queues.rpc_quorum, "classic by default");
+        config.messaging.queues.rpc_quorum = rpc_quorum;
+        let running = payfleet::startup::start(&config, pool.clone(), Roles::WORK, None).unwrap();
+        wait_for(
+            "the worker's RPC consumers",
+            Duration::from_secs(20),
+            async || running.rpc_ready(),
+        )
+        .await;
+        let shop = Shop {
+            app: Arc::new(spawn_roles(pool.clone(), config.clone(), Roles::SERVE).await),
+        };
+        let order = shop.one_order("10.00").await;
+        assert!(order["payment"]["url"].is_string(), "{order}");
+        let ns = &config.messaging.namespace;
+        for rpc in ["payment_links", "payment_link_batches", "coins"] {
+            assert_eq!(
+                declared_classic(&config, &format!("{ns}.{rpc}")).await,
+                !rpc_quorum,
+                "{rpc} with PAYFLEET_AMQP_RPC_QUORUM {rpc_quorum}"
+            );
+        }
+        running.stop().await;
+    }
+}
