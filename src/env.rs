@@ -86,6 +86,11 @@ pub fn switch_or(env: &dyn Env, name: &'static str, default: bool) -> Result<boo
     }
 }
 
+/// A switch as [`switch`] reads it: for the settings a process hands its child processes.
+pub fn on_off(on: bool) -> &'static str {
+    if on { "on" } else { "off" }
+}
+
 /// An http(s) URL without its trailing slash, or `default` when unset.
 pub fn http_url(env: &dyn Env, name: &'static str, default: &str) -> Result<String, Invalid> {
     let v = var(env, name).unwrap_or_else(|| default.to_owned());
@@ -93,4 +98,18 @@ pub fn http_url(env: &dyn Env, name: &'static str, default: &str) -> Result<Stri
         return Err(invalid(name, "must start with http:// or https://"));
     }
     Ok(v.trim_end_matches('/').to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_switch_handed_on_reads_back_the_same() {
+        for on in [false, true] {
+            let env = [("PAYFLEET_SOME_SWITCH", on_off(on))];
+            assert_eq!(switch(&env, "PAYFLEET_SOME_SWITCH").unwrap(), on);
+            assert_eq!(switch_or(&env, "PAYFLEET_SOME_SWITCH", !on).unwrap(), on);
+        }
+    }
 }

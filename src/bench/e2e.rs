@@ -225,21 +225,11 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
             ("PAYFLEET_AMQP_QUEUE_TTL_MS".into(), "600000".into()),
             (
                 "PAYFLEET_AMQP_QUORUM".into(),
-                if app.messaging.queues.quorum {
-                    "on"
-                } else {
-                    "off"
-                }
-                .into(),
+                payfleet::env::on_off(app.messaging.queues.quorum).into(),
             ),
             (
                 "PAYFLEET_AMQP_RPC_QUORUM".into(),
-                if app.messaging.queues.rpc_quorum {
-                    "on"
-                } else {
-                    "off"
-                }
-                .into(),
+                payfleet::env::on_off(app.messaging.queues.rpc_quorum).into(),
             ),
             ("AMQP_URL".into(), app.amqp_url.expose().to_owned()),
         ];

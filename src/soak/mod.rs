@@ -199,21 +199,11 @@ pub async fn run(config: &Config, args: SoakArgs) -> anyhow::Result<()> {
         ("PAYFLEET_AMQP_QUEUE_TTL_MS", "3600000".into()),
         (
             "PAYFLEET_AMQP_QUORUM",
-            if app.messaging.queues.quorum {
-                "on"
-            } else {
-                "off"
-            }
-            .into(),
+            payfleet::env::on_off(app.messaging.queues.quorum).into(),
         ),
         (
             "PAYFLEET_AMQP_RPC_QUORUM",
-            if app.messaging.queues.rpc_quorum {
-                "on"
-            } else {
-                "off"
-            }
-            .into(),
+            payfleet::env::on_off(app.messaging.queues.rpc_quorum).into(),
         ),
         ("INTERNAL_WEBHOOK_SECRET", secret_text),
         ("PAYFLEET_PAYMENT_SIMULATOR", "on".into()),

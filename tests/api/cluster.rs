@@ -215,15 +215,9 @@ async fn payment_links_go_on_through_the_loss_of_their_queues_node_with_quorum_r
     config.messaging.queues.rpc_quorum = true;
     // A checkout waiting on a lost connection gives up sooner than the suite's patient default.
     config.messaging.rpc_timeout = Duration::from_secs(3);
-    let running = payfleet::startup::start(&config, pool.clone(), Roles::WORK, None).unwrap();
-    wait_for(
-        "the worker's RPC consumers",
-        Duration::from_secs(60),
-        async || running.rpc_ready(),
-    )
-    .await;
+    let (running, receiver) = worker_then_receiver(&pool, &config, Duration::from_secs(60)).await;
     let shop = Shop {
-        app: Arc::new(spawn_roles(pool.clone(), config.clone(), Roles::SERVE).await),
+        app: Arc::new(receiver),
     };
     let seller = shop.seller("S").await;
     let product = shop.product(&seller, "10.00", "BRL").await;

@@ -141,6 +141,25 @@ pub async fn spawn_roles(pool: PgPool, mut config: Config, roles: Roles) -> Test
 }
 
 /// An API key made as `POST /admin/api-keys` makes one.
+/// A worker process's roles, once its RPC consumers take requests (the payment side, the
+/// coins), and a receiver beside it: a first checkout finds its link answered. The worker's
+/// handle stops it.
+pub async fn worker_then_receiver(
+    pool: &PgPool,
+    config: &Config,
+    patience: std::time::Duration,
+) -> (Running, TestApp) {
+    let running = startup::start(config, pool.clone(), Roles::WORK, None).unwrap();
+    wait_for(
+        "the worker's RPC consumers (payment links, their batches, coins)",
+        patience,
+        async || running.rpc_ready(),
+    )
+    .await;
+    let receiver = spawn_roles(pool.clone(), config.clone(), Roles::SERVE).await;
+    (running, receiver)
+}
+
 pub async fn api_key(pool: &PgPool, seller: Option<&str>) -> String {
     auth::api_keys::create(
         pool,

@@ -578,15 +578,10 @@ async fn rpc_request_queues_are_classic_unless_asked(pool: PgPool) {
         let mut config = test_config();
         assert!(!config.messaging.queues.rpc_quorum, "classic by default");
         config.messaging.queues.rpc_quorum = rpc_quorum;
-        let running = payfleet::startup::start(&config, pool.clone(), Roles::WORK, None).unwrap();
-        wait_for(
-            "the worker's RPC consumers",
-            Duration::from_secs(20),
-            async || running.rpc_ready(),
-        )
-        .await;
+        let (running, receiver) =
+            worker_then_receiver(&pool, &config, Duration::from_secs(20)).await;
         let shop = Shop {
-            app: Arc::new(spawn_roles(pool.clone(), config.clone(), Roles::SERVE).await),
+            app: Arc::new(receiver),
         };
         let order = shop.one_order("10.00").await;
         assert!(order["payment"]["url"].is_string(), "{order}");
