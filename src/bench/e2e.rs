@@ -260,12 +260,13 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
     let wal_before = wal_position(&pool).await?;
     let started = Instant::now();
     let cpu_before = cpu::sample();
-    let (flash_orders, mut lat) =
+    let (flash_orders, mut timed) =
         checkouts(addr, &api_key, &flash, args.orders, args.clients).await?;
-    let (many_orders, lat_many) =
+    let (many_orders, timed_many) =
         checkouts(addr, &api_key, &many, args.orders, args.clients).await?;
     let secs = started.elapsed().as_secs_f64();
-    lat.extend(lat_many);
+    timed.extend(timed_many);
+    let mut lat: Vec<Duration> = timed.iter().map(|t| t.took).collect();
     lat.sort();
     let checkouts_per_s = (2 * args.orders) as f64 / secs;
     eprintln!(
@@ -275,6 +276,13 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         percentile(&lat, 0.5),
         percentile(&lat, 0.99)
     );
+    for (stage, times) in checkout_stages(&pool, &timed).await? {
+        eprintln!(
+            "e2e:   {stage}: p50 {:.1} ms, p99 {:.1} ms",
+            percentile(&times, 0.5),
+            percentile(&times, 0.99)
+        );
+    }
     report_cpu("checkouts", cpu_before, &mut lines);
     report_wal("checkouts", &pool, &wal_before, 2 * args.orders, &mut lines).await?;
     phase.finish_and_clear();
@@ -445,6 +453,81 @@ async fn products(pool: &PgPool, sellers: usize, name: &str) -> anyhow::Result<V
     Ok(ids)
 }
 
+/// A checkout as its client saw it: its order, how long it took, and when (the wall clock,
+/// which the database's timestamps share on this machine) it was sent and answered.
+struct Timed {
+    number: i64,
+    took: Duration,
+    sent: chrono::DateTime<chrono::Utc>,
+    answered: chrono::DateTime<chrono::Utc>,
+}
+
+/// Where each checkout's time went, stage by stage, from the rows' own timestamps (each the
+/// start of the transaction that wrote it, `now()`): the checkout's `created_at` (the writer's
+/// statement), its payment session's `created_at` (the payment side storing the session), its
+/// order's `updated_at` (the store of its link and answer).
+async fn checkout_stages(
+    pool: &PgPool,
+    timed: &[Timed],
+) -> anyhow::Result<Vec<(&'static str, Vec<Duration>)>> {
+    let numbers: Vec<i64> = timed.iter().map(|t| t.number).collect();
+    type Stamps = (
+        i64,
+        chrono::DateTime<chrono::Utc>,
+        chrono::DateTime<chrono::Utc>,
+        chrono::DateTime<chrono::Utc>,
+    );
+    let stamps: Vec<Stamps> = sqlx::query_as(
+        "SELECT o.number, c.created_at, s.created_at, o.updated_at
+         FROM unnest($1::bigint[]) AS x(number)
+         JOIN orders o ON o.number = x.number
+         JOIN checkouts c ON c.id = o.checkout_id
+         JOIN payment_sessions s ON s.order_number = o.number AND s.attempt = o.payment_attempt",
+    )
+    .bind(&numbers)
+    .fetch_all(pool)
+    .await?;
+    let at: std::collections::HashMap<i64, &Timed> = timed.iter().map(|t| (t.number, t)).collect();
+    let span = |from: chrono::DateTime<chrono::Utc>, to: chrono::DateTime<chrono::Utc>| {
+        (to - from).to_std().unwrap_or_default()
+    };
+    let mut stages: [(&'static str, Vec<Duration>); 4] = [
+        (
+            "sent to written (the request, the wait for the writer's batch)",
+            Vec::new(),
+        ),
+        (
+            "written to its session made (the writer's statement and commit, the wait for the link batch, the broker, the gateway's insert)",
+            Vec::new(),
+        ),
+        (
+            "session made to its link stored (the session's insert, the broker's reply, the wait for the store's batch)",
+            Vec::new(),
+        ),
+        (
+            "link stored to answered (the store's statement and commit, the answer)",
+            Vec::new(),
+        ),
+    ];
+    for (number, written, session, stored) in stamps {
+        let Some(t) = at.get(&number) else {
+            continue;
+        };
+        for (stage, (from, to)) in stages.iter_mut().zip([
+            (t.sent, written),
+            (written, session),
+            (session, stored),
+            (stored, t.answered),
+        ]) {
+            stage.1.push(span(from, to));
+        }
+    }
+    for (_, times) in &mut stages {
+        times.sort();
+    }
+    Ok(stages.into_iter().collect())
+}
+
 /// `count` checkouts by `clients` backends at once, round robin over `products`. Returns the
 /// orders and each checkout's time.
 async fn checkouts(
@@ -453,7 +536,7 @@ async fn checkouts(
     products: &[String],
     count: usize,
     clients: usize,
-) -> anyhow::Result<(Vec<Awaiting>, Vec<Duration>)> {
+) -> anyhow::Result<(Vec<Awaiting>, Vec<Timed>)> {
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(clients)
         .build()?;
@@ -468,6 +551,7 @@ async fn checkouts(
                 let mut out = Vec::with_capacity(mine.len());
                 for (i, product) in mine {
                     let t = Instant::now();
+                    let sent = chrono::Utc::now();
                     let idempotency_key = format!("bench-{:032x}-{i}", rand::random::<u128>());
                     let mut tries = 0;
                     let body = loop {
@@ -494,7 +578,8 @@ async fn checkouts(
                             _ => bail!("a checkout answered {status}: {body}"),
                         }
                     };
-                    let elapsed = t.elapsed();
+                    let took = t.elapsed();
+                    let answered = chrono::Utc::now();
                     let order = &body["orders"][0];
                     let (Some(number), Some(session)) = (
                         order["number"].as_i64(),
@@ -507,7 +592,12 @@ async fn checkouts(
                             number,
                             session: session.to_owned(),
                         },
-                        elapsed,
+                        Timed {
+                            number,
+                            took,
+                            sent,
+                            answered,
+                        },
                     ));
                 }
                 anyhow::Ok(out)
@@ -515,14 +605,14 @@ async fn checkouts(
         })
         .collect();
     let mut orders = Vec::with_capacity(count);
-    let mut lat = Vec::with_capacity(count);
+    let mut timed = Vec::with_capacity(count);
     for t in tasks {
         for (o, d) in t.await?? {
             orders.push(o);
-            lat.push(d);
+            timed.push(d);
         }
     }
-    Ok((orders, lat))
+    Ok((orders, timed))
 }
 
 /// The webhook id of the bench's `n`th payment.
