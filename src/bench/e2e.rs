@@ -453,6 +453,19 @@ async fn products(pool: &PgPool, sellers: usize, name: &str) -> anyhow::Result<V
     Ok(ids)
 }
 
+/// An order's number and three of its rows' timestamps, in the order its stages reached them.
+type Stamps = (
+    i64,
+    chrono::DateTime<chrono::Utc>,
+    chrono::DateTime<chrono::Utc>,
+    chrono::DateTime<chrono::Utc>,
+);
+
+/// The time from one timestamp to a later one (none if the clock says it came first).
+fn span(from: chrono::DateTime<chrono::Utc>, to: chrono::DateTime<chrono::Utc>) -> Duration {
+    (to - from).to_std().unwrap_or_default()
+}
+
 /// A checkout as its client saw it: its order, how long it took, and when (the wall clock,
 /// which the database's timestamps share on this machine) it was sent and answered.
 struct Timed {
@@ -471,12 +484,6 @@ async fn checkout_stages(
     timed: &[Timed],
 ) -> anyhow::Result<Vec<(&'static str, Vec<Duration>)>> {
     let numbers: Vec<i64> = timed.iter().map(|t| t.number).collect();
-    type Stamps = (
-        i64,
-        chrono::DateTime<chrono::Utc>,
-        chrono::DateTime<chrono::Utc>,
-        chrono::DateTime<chrono::Utc>,
-    );
     let stamps: Vec<Stamps> = sqlx::query_as(
         "SELECT o.number, c.created_at, s.created_at, o.updated_at
          FROM unnest($1::bigint[]) AS x(number)
@@ -488,9 +495,6 @@ async fn checkout_stages(
     .fetch_all(pool)
     .await?;
     let at: std::collections::HashMap<i64, &Timed> = timed.iter().map(|t| (t.number, t)).collect();
-    let span = |from: chrono::DateTime<chrono::Utc>, to: chrono::DateTime<chrono::Utc>| {
-        (to - from).to_std().unwrap_or_default()
-    };
     let mut stages: [(&'static str, Vec<Duration>); 4] = [
         (
             "sent to written (the request, the wait for the writer's batch)",
@@ -742,12 +746,6 @@ async fn paced(
         .await?
         .map_err(|_| anyhow::anyhow!("the effects' watcher panicked"))??;
     let (ids, numbers): (Vec<String>, Vec<i64>) = events.into_iter().unzip();
-    type Stamps = (
-        i64,
-        chrono::DateTime<chrono::Utc>,
-        chrono::DateTime<chrono::Utc>,
-        chrono::DateTime<chrono::Utc>,
-    );
     let stamps: Vec<Stamps> = sqlx::query_as(
         "SELECT x.number, e.received_at, e.processed_at, t.created_at
          FROM unnest($1::text[], $2::bigint[]) AS x(event_id, number)
@@ -759,9 +757,6 @@ async fn paced(
     .bind(&numbers)
     .fetch_all(pool)
     .await?;
-    let span = |from: chrono::DateTime<chrono::Utc>, to: chrono::DateTime<chrono::Utc>| {
-        (to - from).to_std().unwrap_or_default()
-    };
     let seen: std::collections::HashMap<i64, Duration> = visible.iter().copied().collect();
     let mut written = Vec::with_capacity(stamps.len());
     let mut stages = Stages {

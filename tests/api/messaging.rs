@@ -465,18 +465,7 @@ async fn a_message_its_consumer_keeps_refusing_goes_to_the_dead_letter_queue(poo
 async fn a_classic_queue_from_before_quorum_queues_is_used_as_it_is(pool: PgPool) {
     let config = test_config();
     let ns = config.messaging.namespace.clone();
-    let connection = lapin::Connection::connect(
-        config.amqp_url.expose(),
-        lapin::ConnectionProperties::default(),
-    )
-    .await
-    .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    let mut args = lapin::types::FieldTable::default();
-    args.insert(
-        "x-expires".into(),
-        lapin::types::AMQPValue::LongUInt(60_000),
-    );
+    let (connection, channel, args) = own_channel(&config).await;
     channel
         .queue_declare(
             format!("{ns}.fulfilment").as_str().into(),
@@ -528,9 +517,11 @@ async fn a_worker_is_ready_for_calls_once_its_rpc_consumers_take_requests(pool: 
     .await;
 }
 
-/// Whether `queue` is a classic queue: the broker accepts a declaration of it as one only if it
-/// is (the type is among the arguments a queue's declarations must agree on).
-async fn declared_classic(config: &payfleet::config::Config, queue: &str) -> bool {
+/// A connection and channel of the test's own to the broker, and the arguments every queue of
+/// the test's fleet is declared with (its time to live), to declare a queue as the fleet would.
+async fn own_channel(
+    config: &payfleet::config::Config,
+) -> (lapin::Connection, lapin::Channel, lapin::types::FieldTable) {
     let connection = lapin::Connection::connect(
         config.amqp_url.expose(),
         lapin::ConnectionProperties::default(),
@@ -543,6 +534,13 @@ async fn declared_classic(config: &payfleet::config::Config, queue: &str) -> boo
         "x-expires".into(),
         lapin::types::AMQPValue::LongUInt(config.messaging.queue_ttl_ms.unwrap()),
     );
+    (connection, channel, args)
+}
+
+/// Whether `queue` is a classic queue: the broker accepts a declaration of it as one only if it
+/// is (the type is among the arguments a queue's declarations must agree on).
+async fn declared_classic(config: &payfleet::config::Config, queue: &str) -> bool {
+    let (connection, channel, mut args) = own_channel(config).await;
     args.insert(
         "x-queue-type".into(),
         lapin::types::AMQPValue::LongString("classic".into()),
