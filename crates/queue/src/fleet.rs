@@ -377,8 +377,9 @@ where
     }
 }
 
-/// Claims and runs due jobs of `queue` one batch at a time, in this task, until none is due:
-/// a deterministic way for tests and tools to step the workers. Returns how many runs ended.
+/// Claims and runs due jobs of `queue` one batch at a time, in this task, until none is due
+/// or an operator has paused the queue: a deterministic way for tests and tools to step the
+/// workers. Returns how many runs ended.
 pub async fn work_until_idle(
     pool: &PgPool,
     registry: &Registry,
@@ -386,14 +387,26 @@ pub async fn work_until_idle(
     settings: &QueueSettings,
 ) -> Result<usize, sqlx::Error> {
     let worker = format!("step-{}-{:04x}", std::process::id(), rand::random::<u16>());
-    let lease = Duration::from_millis(settings.timeout_ms.saturating_mul(2).max(1_000));
     let mut total = 0;
     let mut cursor = store::FairCursor::default();
     // A step takes what one worker's slots could run, and no more than the queue's own cap.
     let batch = settings
         .claim_batch(settings.concurrency)
         .min(settings.concurrency);
+    // Nothing renews a step's leases, and its jobs run one after another, each for at most its
+    // timeout: the lease covers the last of them too, so no rescuer hands a job of the step to
+    // another worker while it waits its turn here.
+    let lease = step_lease(settings.timeout_ms, batch);
     loop {
+        // As the fleet's claimers hold back for a pause (`payfleet jobs pause`).
+        let paused: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM queue_pauses WHERE queue = $1)")
+                .bind(queue)
+                .fetch_one(pool)
+                .await?;
+        if paused {
+            return Ok(total);
+        }
         let claimed = store::claim(
             pool,
             queue,
@@ -430,5 +443,32 @@ pub async fn work_until_idle(
         if !ended.is_empty() {
             end_runs(pool, &ended).await?;
         }
+    }
+}
+
+/// The lease of a step of `batch` jobs, each run for at most `timeout_ms` one after another:
+/// the whole step's length and as much again (a job's own lease in the fleet is twice its
+/// timeout), at least a second.
+fn step_lease(timeout_ms: u64, batch: u32) -> Duration {
+    Duration::from_millis(
+        timeout_ms
+            .saturating_mul(2)
+            .saturating_mul(u64::from(batch.max(1)))
+            .max(1_000),
+    )
+}
+
+#[cfg(test)]
+mod step_tests {
+    use super::*;
+
+    #[test]
+    fn a_steps_lease_outlasts_its_last_job() {
+        // Ten jobs of at most 2 s each, one after another: the tenth may end 20 s in.
+        assert_eq!(step_lease(2_000, 10), Duration::from_secs(40));
+        assert_eq!(step_lease(2_000, 1), Duration::from_secs(4));
+        assert_eq!(step_lease(100, 1), Duration::from_secs(1));
+        assert_eq!(step_lease(2_000, 0), Duration::from_secs(4));
+        assert_eq!(step_lease(u64::MAX, 10), Duration::from_millis(u64::MAX));
     }
 }

@@ -135,6 +135,70 @@ async fn a_key_is_unique_among_unfinished_jobs_and_enqueue_does_not_abort_the_tr
 }
 
 #[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn a_step_runs_nothing_of_a_paused_queue_until_it_is_resumed(pool: PgPool) {
+    queue::enqueue(&pool, NewJob::of(&Echo { n: 1 }).unwrap())
+        .await
+        .unwrap();
+    admin::pause(&pool, "test").await.unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let ran = work_until_idle(&pool, &recording(seen.clone()), "test", &settings())
+        .await
+        .unwrap();
+    assert_eq!(ran, 0);
+    assert!(seen.lock().unwrap().is_empty());
+    assert_eq!(state_counts(&pool).await, vec![("available".into(), 1)]);
+    admin::resume(&pool, "test").await.unwrap();
+    let ran = work_until_idle(&pool, &recording(seen.clone()), "test", &settings())
+        .await
+        .unwrap();
+    assert_eq!(ran, 1);
+    assert_eq!(*seen.lock().unwrap(), vec![1]);
+}
+
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn a_steps_jobs_are_still_leased_when_their_turn_comes(pool: PgPool) {
+    // Four jobs claimed together, each running most of its timeout, one after another: the
+    // last starts well past twice one job's timeout after the claim.
+    for n in 0..4 {
+        queue::enqueue(&pool, NewJob::of(&Echo { n }).unwrap())
+            .await
+            .unwrap();
+    }
+    let leased_at_start = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut registry = Registry::new();
+    let seen = leased_at_start.clone();
+    registry
+        .register::<Echo, _, _>(move |ctx: JobContext, job: Echo| {
+            let seen = seen.clone();
+            async move {
+                let leased: bool = sqlx::query_scalar(
+                    "SELECT state = 'running' AND lease_expires_at > clock_timestamp() FROM jobs WHERE id = $1",
+                )
+                .bind(ctx.id)
+                .fetch_one(&ctx.pool)
+                .await
+                .unwrap();
+                seen.lock().unwrap().push((job.n, leased));
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                Ok(())
+            }
+        })
+        .unwrap();
+    let settings = QueueSettings {
+        concurrency: 4,
+        timeout_ms: 500,
+        ..settings()
+    };
+    let ran = work_until_idle(&pool, &registry, "test", &settings)
+        .await
+        .unwrap();
+    assert_eq!(ran, 4);
+    let mut seen = leased_at_start.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(seen, vec![(0, true), (1, true), (2, true), (3, true)]);
+}
+
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn schedule_replaces_the_waiting_job_and_the_old_one_never_runs(pool: PgPool) {
     let later = Utc::now() + chrono::Duration::hours(1);
     let a = queue::schedule(
