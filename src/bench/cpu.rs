@@ -40,9 +40,12 @@ struct Groups {
     rabbitmq: u64,
 }
 
-/// The machine's CPU over an interval, each a share of all its cores (0 to 1).
+/// The machine's CPU over an interval, each a share of all its cores (0 to 1), and the
+/// interval's time on all of them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Usage {
+    /// Every core's time over the interval, in seconds: the shares' whole.
+    pub core_seconds: f64,
     pub busy: f64,
     pub steal: f64,
     pub postgres: f64,
@@ -116,6 +119,7 @@ impl Sample {
         let idle = share(self.idle, earlier.idle);
         let steal = share(self.steal, earlier.steal);
         Usage {
+            core_seconds: total / 1e9,
             busy: (1.0 - idle - steal).max(0.0),
             steal,
             postgres: share(self.groups.postgres, earlier.groups.postgres),
@@ -131,6 +135,41 @@ impl Usage {
     /// loopback network's, the disk's), other processes.
     pub fn rest(&self) -> f64 {
         (self.busy - self.postgres - self.fleet - self.bench - self.rabbitmq).max(0.0)
+    }
+
+    /// The CPU the interval's `count` pieces of work (checkouts, payments) cost each, in
+    /// milliseconds of one core: what a rate can be bought for on a machine of any size, where
+    /// the busy share says only whether this one had room left.
+    pub fn each(&self, count: usize) -> Each {
+        let ms = |share: f64| share * self.core_seconds * 1e3 / count.max(1) as f64;
+        Each {
+            busy: ms(self.busy),
+            postgres: ms(self.postgres),
+            fleet: ms(self.fleet),
+            bench: ms(self.bench),
+            rabbitmq: ms(self.rabbitmq),
+        }
+    }
+}
+
+/// [`Usage::each`]: milliseconds of CPU a piece, in all and by group.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Each {
+    pub busy: f64,
+    pub postgres: f64,
+    pub fleet: f64,
+    pub bench: f64,
+    pub rabbitmq: f64,
+}
+
+impl fmt::Display for Each {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:.2} ms of CPU each: PostgreSQL {:.2} ms, the fleet's processes {:.2} ms, the \
+             bench's process {:.2} ms, RabbitMQ {:.2} ms",
+            self.busy, self.postgres, self.fleet, self.bench, self.rabbitmq
+        )
     }
 }
 
@@ -278,6 +317,33 @@ mod tests {
             "the cores 80 % busy (10 % stolen by the hypervisor): PostgreSQL 50 %, the fleet's \
              processes 15 %, the bench's process 10 %, RabbitMQ 5 %, the rest 0 %"
         );
+    }
+
+    #[test]
+    fn each_piece_costs_its_share_of_the_busy_core_time() {
+        // Two cores for two seconds, 80 % busy: 3.2 core-seconds over 1,600 payments.
+        let u = Usage {
+            core_seconds: 4.0,
+            busy: 0.8,
+            steal: 0.0,
+            postgres: 0.5,
+            fleet: 0.15,
+            bench: 0.1,
+            rabbitmq: 0.05,
+        };
+        let each = u.each(1_600);
+        assert!((each.busy - 2.0).abs() < 1e-9);
+        assert!((each.postgres - 1.25).abs() < 1e-9);
+        assert!((each.fleet - 0.375).abs() < 1e-9);
+        assert!((each.bench - 0.25).abs() < 1e-9);
+        assert!((each.rabbitmq - 0.125).abs() < 1e-9);
+        assert_eq!(
+            each.to_string(),
+            "2.00 ms of CPU each: PostgreSQL 1.25 ms, the fleet's processes 0.38 ms, the bench's \
+             process 0.25 ms, RabbitMQ 0.12 ms"
+        );
+        // Nothing counted is no division by zero.
+        assert!(u.each(0).busy.is_finite());
     }
 
     #[test]

@@ -283,7 +283,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
             percentile(&times, 0.99)
         );
     }
-    report_cpu("checkouts", cpu_before, &mut lines);
+    report_cpu("checkouts", cpu_before, 2 * args.orders, &mut lines);
     report_wal("checkouts", &pool, &wal_before, 2 * args.orders, &mut lines).await?;
     phase.finish_and_clear();
     lines.push(format!("e2e_checkouts_per_s={checkouts_per_s:.0}"));
@@ -300,7 +300,23 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
     ] {
         let phase =
             crate::progress::spinner(format!("{name}: {} payments to effect", orders.len()));
+        // Their receipt alone, the workers stopped: what a payment's webhook costs before its
+        // processing, which the drain's figures below leave out and a paced payment's include.
+        let cpu_before = cpu::sample();
+        let sending = Instant::now();
         pay_all(addr, &secret, orders, args.clients, &mut next_event).await?;
+        let secs = sending.elapsed().as_secs_f64().max(1e-3);
+        eprintln!(
+            "e2e: {name}: {} payments received in {secs:.2} s: {:.0}/s",
+            orders.len(),
+            orders.len() as f64 / secs
+        );
+        report_cpu(
+            &format!("receipt_{name}"),
+            cpu_before,
+            orders.len(),
+            &mut lines,
+        );
         let wal_before = wal_position(&pool).await?;
         let started = chrono::Utc::now();
         let cpu_before = cpu::sample();
@@ -329,6 +345,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
         report_usage(
             &format!("effects_{name}"),
             cpu::between(cpu_before, cpu_after),
+            orders.len(),
             &mut lines,
         );
         report_wal(
@@ -391,7 +408,12 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
                 percentile(times, 0.99)
             );
         }
-        report_usage("paced", cpu::between(cpu_before, cpu_after), &mut lines);
+        report_usage(
+            "paced",
+            cpu::between(cpu_before, cpu_after),
+            orders.len(),
+            &mut lines,
+        );
         lines.push(format!("e2e_paced_per_s={pace:.0}"));
         lines.push(format!(
             "e2e_receipt_to_effect_p50_ms={:.1}",
@@ -986,11 +1008,11 @@ async fn tpc_b(
     Ok((tps, usage))
 }
 
-/// Prints where the machine's CPU went in `phase` since `before`, and adds its busy share to
-/// the result lines.
-fn report_cpu(phase: &str, before: Option<cpu::Sample>, lines: &mut Vec<String>) {
+/// Prints where the machine's CPU went in `phase` since `before` (`count` pieces of work), and
+/// adds its busy share and cost a piece to the result lines.
+fn report_cpu(phase: &str, before: Option<cpu::Sample>, count: usize, lines: &mut Vec<String>) {
     let usage = cpu::between(before, cpu::sample());
-    report_usage(phase, usage, lines);
+    report_usage(phase, usage, count, lines);
 }
 
 /// PostgreSQL's write-ahead log position now: what a phase made the database write is the log
@@ -1022,9 +1044,11 @@ async fn report_wal(
     Ok(())
 }
 
-fn report_usage(phase: &str, usage: Option<Usage>, lines: &mut Vec<String>) {
+fn report_usage(phase: &str, usage: Option<Usage>, count: usize, lines: &mut Vec<String>) {
     if let Some(u) = usage {
-        eprintln!("e2e:   CPU: {u}");
+        let each = u.each(count);
+        eprintln!("e2e:   CPU: {u}; {each}");
         lines.push(format!("e2e_cpu_busy_{phase}={:.2}", u.busy));
+        lines.push(format!("e2e_cpu_ms_each_{phase}={:.2}", each.busy));
     }
 }
