@@ -260,6 +260,15 @@ fn on_cpu(schedstat: &str) -> Option<u64> {
 mod tests {
     use super::*;
 
+    /// `actual` is `expected`, but for the floating point's rounding.
+    #[track_caller]
+    fn assert_close(actual: f64, expected: f64) {
+        assert!(
+            (actual - expected).abs() < 1e-9,
+            "{actual} is not {expected}"
+        );
+    }
+
     #[test]
     fn the_machines_ticks_are_read_from_proc_stat() {
         let stat = "cpu  100 5 50 800 20 3 2 10 0 0\ncpu0 50 2 25 400 10 1 1 5 0 0\nintr 1\n";
@@ -306,12 +315,12 @@ mod tests {
             },
         };
         let u = now.since(&earlier);
-        assert!((u.busy - 0.8).abs() < 1e-9);
-        assert!((u.steal - 0.1).abs() < 1e-9);
-        assert!((u.postgres - 0.5).abs() < 1e-9);
-        assert!((u.fleet - 0.15).abs() < 1e-9);
-        assert!((u.bench - 0.1).abs() < 1e-9);
-        assert!((u.rabbitmq - 0.05).abs() < 1e-9);
+        assert_close(u.busy, 0.8);
+        assert_close(u.steal, 0.1);
+        assert_close(u.postgres, 0.5);
+        assert_close(u.fleet, 0.15);
+        assert_close(u.bench, 0.1);
+        assert_close(u.rabbitmq, 0.05);
         assert_eq!(
             u.to_string(),
             "the cores 80 % busy (10 % stolen by the hypervisor): PostgreSQL 50 %, the fleet's \
@@ -332,11 +341,11 @@ mod tests {
             rabbitmq: 0.05,
         };
         let each = u.each(1_600);
-        assert!((each.busy - 2.0).abs() < 1e-9);
-        assert!((each.postgres - 1.25).abs() < 1e-9);
-        assert!((each.fleet - 0.375).abs() < 1e-9);
-        assert!((each.bench - 0.25).abs() < 1e-9);
-        assert!((each.rabbitmq - 0.125).abs() < 1e-9);
+        assert_close(each.busy, 2.0);
+        assert_close(each.postgres, 1.25);
+        assert_close(each.fleet, 0.375);
+        assert_close(each.bench, 0.25);
+        assert_close(each.rabbitmq, 0.125);
         assert_eq!(
             each.to_string(),
             "2.00 ms of CPU each: PostgreSQL 1.25 ms, the fleet's processes 0.38 ms, the bench's \
