@@ -160,6 +160,61 @@ async fn order_events(pool: &PgPool, n: usize) {
     .unwrap();
 }
 
+/// The relay joins to their orders only the messages it takes, whatever plan finds the waiting
+/// ones: with index scans off, the unpublished rows come through a bitmap and a sort, the plan
+/// the planner picks while its statistics count few of them (a drained backlog, a broker
+/// outage); a read that joined before it limited joined every waiting message.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_relay_joins_only_the_messages_it_takes(pool: PgPool) {
+    order_events(&pool, 300).await;
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET LOCAL enable_indexscan = off; PREPARE take(bigint) AS {}",
+        payfleet::orders::outbox::TAKE
+    )))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let plan: serde_json::Value =
+        sqlx::query_scalar("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE take(200)")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+    // Every join of the plan, with the rows it made.
+    fn joined(node: &serde_json::Value, out: &mut Vec<(String, u64)>) {
+        let kind = node["Node Type"].as_str().unwrap_or_default();
+        if kind.contains("Join") || kind == "Nested Loop" {
+            out.push((
+                kind.to_owned(),
+                node["Actual Rows"].as_u64().unwrap_or(u64::MAX),
+            ));
+        }
+        for child in node["Plans"].as_array().into_iter().flatten() {
+            joined(child, out);
+        }
+    }
+    let mut joins = Vec::new();
+    joined(&plan[0]["Plan"], &mut joins);
+    assert!(!joins.is_empty(), "no join in {plan}");
+    assert!(
+        joins.iter().all(|(_, rows)| *rows <= 200),
+        "joined more than it takes: {joins:?}"
+    );
+    tx.rollback().await.unwrap();
+    // And it takes them, oldest first.
+    let mut tx = pool.begin().await.unwrap();
+    let taken: Vec<i64> = sqlx::query_scalar(payfleet::orders::outbox::TAKE)
+        .bind(200_i64)
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    let oldest: Vec<i64> = sqlx::query_scalar("SELECT id FROM order_events ORDER BY id LIMIT 200")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(taken, oldest);
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_broker_outage_delays_order_messages_and_loses_none(pool: PgPool) {
     let amqp = TcpProxy::start("127.0.0.1:5672").await;
