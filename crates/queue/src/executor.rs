@@ -315,30 +315,38 @@ pub(crate) async fn fetch(
         }
         // The slots this claim did not fill are free again.
         drop(reserved);
-        if got > 0 {
-            // There may be more due right now: a full batch says so, and a short one may be a
-            // claim shared between groups that left some of a group's jobs for the next turn.
-            // A full one also wakes a sibling claimer, if it sleeps, to claim beside this one.
-            if full && settings.claimers > 1 {
+        if full {
+            // There may be more due right now. A full claim also wakes a sibling claimer, if it
+            // sleeps, to claim beside this one.
+            if settings.claimers > 1 {
                 waker.nudge();
             }
             continue;
         }
-        let nap = match store::next_due_in(&shared.claims, queue).await {
-            Ok(Some(due)) => due.min(fleet.poll_interval()),
-            Ok(None) => fleet.poll_interval(),
-            Err(e) => {
-                tracing::warn!(%queue, error = %e, "could not read the next run time");
-                fleet.poll_interval()
+        // A short or empty claim took what was due, unless its walk left some of a group's jobs
+        // for the next turn. Whether anything is due is asked through the claim indexes, not
+        // with another claim: a claim that finds nothing still walks the groups and runs its
+        // update, about ten times the question (README, "A short claim asks before claiming
+        // again"). Paced arrivals made every claim of one job a claim of nothing after it.
+        loop {
+            let nap = match store::next_due_in(&shared.claims, queue).await {
+                Ok(Some(due)) => due.min(fleet.poll_interval()),
+                Ok(None) => fleet.poll_interval(),
+                Err(e) => {
+                    tracing::warn!(%queue, error = %e, "could not read the next run time");
+                    fleet.poll_interval()
+                }
+            };
+            if nap.is_zero() {
+                break;
             }
-        };
-        if nap.is_zero() {
-            continue;
-        }
-        tokio::select! {
-            _ = waker.wait() => {},
-            _ = tokio::time::sleep(nap) => {},
-            _ = stop_requested(&mut stopped) => break 'work,
+            tokio::select! {
+                // A job was notified (also while this claim ran): claim it at once.
+                _ = waker.wait() => break,
+                // A job's run time, or the poll: ask again.
+                _ = tokio::time::sleep(nap) => {},
+                _ = stop_requested(&mut stopped) => break 'work,
+            }
         }
     }
 

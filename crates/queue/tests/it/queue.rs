@@ -690,6 +690,63 @@ async fn the_fleet_runs_jobs_on_notification_and_future_jobs_on_time(pool: PgPoo
     );
 }
 
+/// Jobs that arrive one at a time (a paced flow) are claimed once each: after a claim that took
+/// fewer jobs than it had room for, the claimer asks whether anything else is due before it
+/// claims again. It used to claim again at once, and every such claim found nothing.
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn jobs_arriving_one_at_a_time_are_claimed_once_each(pool: PgPool) {
+    // Every claim statement counted, those that find nothing too (a statement-level trigger
+    // fires for an update of no rows).
+    sqlx::raw_sql(
+        "CREATE TABLE claims_seen (at timestamptz NOT NULL DEFAULT clock_timestamp());
+         CREATE FUNCTION count_claims() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF current_query() LIKE '%jobs_fair_walk%' THEN
+                 INSERT INTO claims_seen DEFAULT VALUES;
+             END IF;
+             RETURN NULL;
+         END $$;
+         CREATE TRIGGER count_claims AFTER UPDATE ON jobs
+             FOR EACH STATEMENT EXECUTE FUNCTION count_claims();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let fleet = start_fleet(&pool, recording(seen.clone()));
+    // Past the start-up claim.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before: i64 = sqlx::query_scalar("SELECT count(*) FROM claims_seen")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(before >= 1, "the trigger counts claims");
+    const JOBS: usize = 10;
+    for n in 0..JOBS as i64 {
+        queue::enqueue(&pool, NewJob::of(&Echo { n }).unwrap())
+            .await
+            .unwrap();
+        until(|| {
+            let seen = seen.clone();
+            async move { seen.lock().unwrap().len() as i64 > n }
+        })
+        .await;
+        // The claimer is back asleep before the next arrives.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let claims: i64 = sqlx::query_scalar("SELECT count(*) FROM claims_seen")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    fleet.shutdown().await;
+    let claims = (claims - before) as usize;
+    assert_eq!(seen.lock().unwrap().len(), JOBS);
+    assert!(
+        claims <= JOBS + 1,
+        "{claims} claims for {JOBS} jobs that arrived one at a time"
+    );
+}
+
 #[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_running_job_keeps_its_lease_and_a_dead_workers_job_is_rescued(pool: PgPool) {
     let runs = Arc::new(AtomicUsize::new(0));
