@@ -96,6 +96,14 @@ impl Kept {
     }
 }
 
+/// Begins a transaction whose statements reach every row through a key, with sequential scans
+/// off for it alone. A statement prepared on a connection keeps its plan for the connection's
+/// life, and one planned while its table was small (a new database) scans the table whole, which
+/// costs more with every row the table gains; with sequential scans off the planner takes an
+/// index wherever one serves, whatever the sizes it sees (README, "Plans made on small tables").
+/// `SET LOCAL` ends with the transaction: nothing stays on a pooled connection.
+pub const BEGIN_BY_KEYS: &str = "BEGIN; SET LOCAL enable_seqscan = off";
+
 /// Opens the pool of a `payfleet <role>` process, creating the database first if the server does
 /// not have it. Its connections carry the application name `payfleet <role>` (what
 /// `pg_stat_activity` shows an operator), unless `DATABASE_URL` names one; the parts of a

@@ -248,7 +248,7 @@ async fn relay_batch(
     conn: &mut PgConnection,
     outbox: &impl Outbox,
 ) -> Result<usize, RelayError> {
-    let mut tx = sqlx::Connection::begin(conn).await?;
+    let mut tx = sqlx::Connection::begin_with(conn, crate::db::BEGIN_BY_KEYS).await?;
     let rows = outbox.take(&mut tx, BATCH).await?;
     if rows.is_empty() {
         return Ok(0);

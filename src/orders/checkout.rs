@@ -854,6 +854,13 @@ struct AnswerColumns<'a> {
     links: Vec<i32>,
 }
 
+/// [`store_completions`]' statement: the links on their orders, then the answers of the
+/// checkouts whose links all landed, in one call of the database's `checkout_store_answers`
+/// (migration 0063), whose plan reaches every order and key by its key however few the orders
+/// were when it was made.
+const STORE_COMPLETIONS: &str =
+    "SELECT c FROM checkout_store_answers($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) AS c";
+
 /// Stores each completion's links (only on orders still without one, at the attempt asked
 /// for) and, where every one of its links was stored, its answer with its key (only while its
 /// request holds the key): one statement, one commit. Returns, for each, whether every link
@@ -880,50 +887,20 @@ async fn store_completions(
         keys.answer.push(&completion.answer);
         keys.links.push(completion.links.len() as i32);
     }
-    // Every array reaches the planner as a sub-select's value, whose size it cannot see
-    // (README, "Plans made once"): seeing the sizes, it planned the statement again at every call, 0.6
-    // ms of planning beside 0.8 ms of work.
-    let whole: Vec<i32> = sqlx::query_scalar(
-        "WITH l AS (
-             UPDATE orders o SET session_id = x.session_id, payment_url = x.url, updated_at = now()
-             FROM unnest((SELECT $1::int[]), (SELECT $2::bigint[]), (SELECT $3::int[]),
-                         (SELECT $4::text[]), (SELECT $5::text[]))
-                  AS x(c, number, attempt, session_id, url)
-             -- Each order through its number's index (`number = ANY($2)` was planned as a
-             -- scan of every order while the table had no statistics).
-             WHERE o.id = ANY(ARRAY(SELECT (SELECT y.id FROM orders y WHERE y.number = n)
-                                    FROM unnest((SELECT $2::bigint[])) AS n))
-               AND o.number = x.number AND o.session_id IS NULL
-               AND o.payment_attempt = x.attempt
-             RETURNING x.c
-         ), whole AS (
-             SELECT a.c, a.owner, a.key, a.me, a.answer
-             FROM unnest((SELECT $6::int[]), (SELECT $7::text[]), (SELECT $8::text[]),
-                         (SELECT $9::text[]), (SELECT $10::jsonb[]), (SELECT $11::int[]))
-                  AS a(c, owner, key, me, answer, links)
-             WHERE (SELECT count(*) FROM l WHERE l.c = a.c) = a.links
-         ), k AS (
-             UPDATE idempotency_keys ik SET response = w.answer, locked_until = NULL, locked_by = NULL
-             FROM whole w
-             WHERE ik.owner = ANY(ARRAY(SELECT unnest($7::text[])))
-               AND ik.key = ANY(ARRAY(SELECT unnest($8::text[])))
-               AND ik.owner = w.owner AND ik.key = w.key AND ik.locked_by = w.me
-         )
-         SELECT c FROM whole",
-    )
-    .bind(&links.checkout)
-    .bind(&links.number)
-    .bind(&links.attempt)
-    .bind(&links.session)
-    .bind(&links.url)
-    .bind(&keys.checkout)
-    .bind(&keys.owner)
-    .bind(&keys.key)
-    .bind(&keys.me)
-    .bind(&keys.answer)
-    .bind(&keys.links)
-    .fetch_all(pool)
-    .await?;
+    let whole: Vec<i32> = sqlx::query_scalar(STORE_COMPLETIONS)
+        .bind(&links.checkout)
+        .bind(&links.number)
+        .bind(&links.attempt)
+        .bind(&links.session)
+        .bind(&links.url)
+        .bind(&keys.checkout)
+        .bind(&keys.owner)
+        .bind(&keys.key)
+        .bind(&keys.me)
+        .bind(&keys.answer)
+        .bind(&keys.links)
+        .fetch_all(pool)
+        .await?;
     let mut answered = vec![false; completions.len()];
     for c in whole {
         if let Some(a) = usize::try_from(c).ok().and_then(|c| answered.get_mut(c)) {
@@ -1456,6 +1433,58 @@ mod tests {
     use super::*;
     use crate::db::{one_connection, plan_counts};
 
+    /// Sequential scans of `orders` by one call of [`STORE_COMPLETIONS`] (a batch of none) on a
+    /// connection of its own, whose plans are made afresh while there are no orders: read from
+    /// the transaction's own counters.
+    async fn order_scans_storing_answers(pool: &PgPool) -> i64 {
+        use sqlx::Connection;
+        let mut conn = PgConnection::connect_with(&pool.connect_options())
+            .await
+            .unwrap();
+        let mut tx = conn.begin().await.unwrap();
+        let none: (Vec<i32>, Vec<i64>, Vec<String>, Vec<serde_json::Value>) = Default::default();
+        let _: Vec<i32> = sqlx::query_scalar(STORE_COMPLETIONS)
+            .bind(&none.0)
+            .bind(&none.1)
+            .bind(&none.0)
+            .bind(&none.2)
+            .bind(&none.2)
+            .bind(&none.0)
+            .bind(&none.2)
+            .bind(&none.2)
+            .bind(&none.2)
+            .bind(&none.3)
+            .bind(&none.0)
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+        let scans: i64 = sqlx::query_scalar(
+            "SELECT coalesce(sum(seq_scan), 0)::int8 FROM pg_stat_xact_user_tables WHERE relname = 'orders'",
+        )
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+        tx.rollback().await.unwrap();
+        scans
+    }
+
+    /// The answers' statement is planned once per connection and the plan kept while the
+    /// orders grow: made while there were none, it scanned every order to store a batch's
+    /// links. In its function (sequential scans off for the call) it finds each by its key.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn storing_answers_planned_on_few_orders_finds_each_by_key(pool: PgPool) {
+        assert_eq!(order_scans_storing_answers(&pool).await, 0);
+        // The hazard, with the function's setting taken away.
+        sqlx::query(
+            "ALTER FUNCTION checkout_store_answers(int[], bigint[], int[], text[], text[], int[], text[],
+                                                  text[], text[], jsonb[], int[]) RESET enable_seqscan",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        assert!(order_scans_storing_answers(&pool).await > 0);
+    }
+
     async fn product(pool: &PgPool) -> ProductId {
         let seller = catalogue::create_seller(
             pool,
@@ -1681,7 +1710,7 @@ mod tests {
             let answered = store_completions(&pool, &completions).await.unwrap();
             assert_eq!(answered, vec![false; completions.len()], "no such orders");
         }
-        let (generic, custom) = plan_counts(&pool, "SET session_id = x.session_id").await;
+        let (generic, custom) = plan_counts(&pool, "FROM checkout_store_answers(").await;
         assert_eq!(
             (generic, custom),
             (3, 5),

@@ -27,17 +27,19 @@ pub const TAKE: &str =
 #[derive(Debug, Clone, Copy, Default)]
 pub struct OrderOutbox;
 
+/// Marks the rows a relay published. An array the planner cannot see into: the literal one was
+/// sized as most of a table without statistics, and every mark read all the order messages.
+/// Planned while the outbox was small, it still scanned the table whole: the relay's
+/// transaction begins with sequential scans off (`db::BEGIN_BY_KEYS`).
+const MARK_PUBLISHED: &str = "UPDATE order_events SET published_at = now() WHERE id = ANY(ARRAY(SELECT unnest($1::bigint[])))";
+
 impl Outbox for OrderOutbox {
     async fn take(&self, tx: &mut PgConnection, max: i64) -> Result<Vec<Unpublished>, sqlx::Error> {
         sqlx::query_as(TAKE).bind(max).fetch_all(&mut *tx).await
     }
 
     async fn mark_published(&self, tx: &mut PgConnection, ids: &[i64]) -> Result<(), sqlx::Error> {
-        // An array the planner cannot see into: the literal one was sized as most of a table
-        // without statistics, and every mark read all the order messages.
-        sqlx::query(
-            "UPDATE order_events SET published_at = now() WHERE id = ANY(ARRAY(SELECT unnest($1::bigint[])))",
-        )
+        sqlx::query(MARK_PUBLISHED)
             .bind(ids)
             .execute(&mut *tx)
             .await?;
@@ -61,4 +63,50 @@ pub async fn backlog(pool: &PgPool) -> Result<(i64, f64), sqlx::Error> {
     )
     .fetch_one(pool)
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The generic plan of [`MARK_PUBLISHED`] made in a transaction begun with `begin`, while
+    /// the outbox is empty.
+    async fn mark_plan(pool: &PgPool, begin: &str) -> String {
+        let mut conn = pool.acquire().await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "{begin}; SET LOCAL plan_cache_mode = force_generic_plan;
+             PREPARE mark_published(bigint[]) AS {MARK_PUBLISHED}"
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        let plan: Vec<String> = sqlx::query_scalar("EXPLAIN EXECUTE mark_published('{1}')")
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap();
+        sqlx::raw_sql("ROLLBACK; DEALLOCATE mark_published")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        plan.join("\n")
+    }
+
+    /// Planned while the outbox was small (here: empty, and its statistics say so, as after an
+    /// automatic analyze on a new database), a relay's mark read every order message; in the
+    /// relay's transaction it finds each by its key.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn a_mark_planned_on_a_small_outbox_finds_its_rows_by_key(pool: PgPool) {
+        sqlx::query("ANALYZE order_events")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let scanning = mark_plan(&pool, "BEGIN").await;
+        assert!(
+            scanning.contains("Seq Scan on order_events"),
+            "the hazard: on an empty table the generic plan scans it\n{scanning}"
+        );
+        let relay = mark_plan(&pool, crate::db::BEGIN_BY_KEYS).await;
+        assert!(!relay.contains("Seq Scan"), "{relay}");
+        assert!(relay.contains("order_events_pkey"), "{relay}");
+    }
 }

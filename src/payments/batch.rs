@@ -454,9 +454,15 @@ struct Candidate {
 /// beside the posting's own. Each statement reaches its rows through a key whatever the sizes
 /// of its arrays (they are written so: see each), and the only constant a partial index needs
 /// (`outcome = 'waiting'`) is written into its statement, so the generic plan is the plan every
-/// batch would get. `SET LOCAL` ends with the transaction: the connection goes back to the pool
-/// as it was, and a pooler in transaction mode sees nothing left on the session.
-const BEGIN_PLANNED_ONCE: &str = "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan";
+/// batch would get. Sequential scans are off for the same reason: a plan made once is kept for
+/// the connection's life, and one made while a table was small (a fleet started on a new
+/// database) scanned it whole, which costs less than an index probe per row there and more with
+/// every row the table gains: the jobs' completion read every job of the table in each batch
+/// (`payments::batch::tests::a_batch_planned_on_small_tables_reads_its_rows_by_key`). `SET LOCAL`
+/// ends with the transaction: the connection goes back to the pool as it was, and a pooler in
+/// transaction mode sees nothing left on the session.
+const BEGIN_PLANNED_ONCE: &str =
+    "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off";
 
 /// Processes the plain cases among `events` in one transaction. Returns, for each event, whether
 /// it was applied here; the others are left exactly as they were, for [`Processor::process`].
@@ -885,6 +891,48 @@ mod tests {
             .execute(&mut *conn)
             .await
             .unwrap();
+    }
+
+    /// The plan of [`RECORD_APPLIED`] made in a transaction begun with `begin`, on a database
+    /// whose tables are still empty (a fleet's first batch on a new database).
+    async fn record_applied_plan(pool: &PgPool, begin: &str) -> String {
+        let mut conn = pool.acquire().await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "{begin}; PREPARE record_applied AS {}",
+            *RECORD_APPLIED
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        let plan: Vec<String> = sqlx::query_scalar(
+            "EXPLAIN EXECUTE record_applied('{}', '{}', '{}', '{}', '{}', 'succeeded', '{}',
+                                            'applied', '{}', '{}', '{}', '{}')",
+        )
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+        sqlx::raw_sql("ROLLBACK; DEALLOCATE record_applied")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        plan.join("\n")
+    }
+
+    /// A batch's statements are planned once per connection, and the plan kept while the tables
+    /// grow: one made while `jobs` was small read every job to complete a batch's runs (a hash
+    /// join over a scan of the table), which costs more with every job the table gains. In the
+    /// batch's transaction the plan is the primary key's whatever the sizes.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn a_batch_planned_on_small_tables_reads_its_rows_by_key(pool: PgPool) {
+        let planned_once = "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan";
+        let scanning = record_applied_plan(&pool, planned_once).await;
+        assert!(
+            scanning.contains("Seq Scan on jobs"),
+            "the hazard: on an empty table the generic plan scans it\n{scanning}"
+        );
+        let batch = record_applied_plan(&pool, BEGIN_PLANNED_ONCE).await;
+        assert!(!batch.contains("Seq Scan"), "{batch}");
+        assert!(batch.contains("jobs_pkey"), "{batch}");
     }
 
     #[test]

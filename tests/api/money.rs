@@ -2387,7 +2387,8 @@ async fn a_posting_is_planned_once_and_posts_the_same_whatever_its_size(pool: Pg
     .fetch_all(&pool)
     .await
     .unwrap();
-    let generic = "plan_cache_mode=force_generic_plan".to_owned();
+    // Planned once (migration 0060), through keys whatever the tables' sizes then (0062).
+    let generic = "plan_cache_mode=force_generic_plan,enable_seqscan=off".to_owned();
     assert_eq!(
         settings,
         vec![
@@ -2471,4 +2472,70 @@ async fn a_posting_is_planned_once_and_posts_the_same_whatever_its_size(pool: Pg
     );
     drop(tx);
     invariants_hold(&pool).await;
+}
+
+/// Seller `n`'s sale of 5.00 from the internal gateway's clearing, keyed `key`.
+fn a_sale(key: &str, n: usize) -> Transfer {
+    Transfer {
+        source_key: key.into(),
+        kind: TransferKind::Adjustment,
+        from: AccountRef::new(AccountKind::GatewayClearing, "internal:x", brl()),
+        to: AccountRef::new(AccountKind::SellerPending, format!("s{n}"), brl()),
+        amount: Money::parse("5.00", "BRL").unwrap(),
+        available_at: None,
+        order_number: None,
+        reference: None,
+    }
+}
+
+/// Sequential scans of the ledger's tables by a few postings on a connection of their own
+/// (whose statements are planned afresh, as on a new database), read from the transaction's own
+/// counters before it is rolled back.
+async fn ledger_scans_while_posting(pool: &PgPool, round: &str) -> i64 {
+    let mut tx = pool.begin().await.unwrap();
+    for i in 0..3 {
+        let sales: Vec<Transfer> = (0..4)
+            .map(|n| a_sale(&format!("{round}-{i}-{n}"), n))
+            .collect();
+        ledger::post_many(&mut tx, &sales).await.unwrap();
+    }
+    let scans: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(seq_scan), 0)::int8 FROM pg_stat_xact_user_tables WHERE relname LIKE 'ledger%'",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    scans
+}
+
+/// A posting's statements and the ledger's barriers are planned once per connection and the
+/// plans kept while the tables grow: planned on a new database's few accounts, they scanned
+/// `ledger_accounts` whole, page after page of the versions every posting leaves behind. With
+/// sequential scans off in their functions (migration 0062), they reach every row by key.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn postings_planned_on_a_new_ledger_reach_their_rows_by_key(pool: PgPool) {
+    let fresh = || async {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with((*pool.connect_options()).clone())
+            .await
+            .unwrap()
+    };
+    assert_eq!(ledger_scans_while_posting(&fresh().await, "keyed").await, 0);
+    // The hazard, with the functions' setting taken away.
+    sqlx::raw_sql(
+        "ALTER FUNCTION ledger_post(text[], text[], bpchar[], int[], text[], text[], int[], int[], numeric[],
+                                    text[], timestamptz[], bigint[], text[]) RESET enable_seqscan;
+         ALTER FUNCTION ledger_post_ids(text[], text[], bigint[], bigint[], numeric[], text[], timestamptz[],
+                                        bigint[], text[], bigint[], bigint[]) RESET enable_seqscan;
+         ALTER FUNCTION ledger_accounts_of(text[], text[], bpchar[]) RESET enable_seqscan;
+         ALTER FUNCTION ledger_entries_hold() RESET enable_seqscan;
+         ALTER FUNCTION ledger_transfers_have_entries() RESET enable_seqscan;
+         ALTER FUNCTION ledger_accounts_hold() RESET enable_seqscan;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(ledger_scans_while_posting(&fresh().await, "scanning").await > 0);
 }

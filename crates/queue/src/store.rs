@@ -714,6 +714,49 @@ mod tests {
         setting(conn, "synchronous_commit").await
     }
 
+    /// Sequential scans of `jobs` by one call of `jobs_end_runs` (a run of a job that is not
+    /// there) on a connection of its own, whose plans are made afresh while the queue is small:
+    /// read from the transaction's own counters.
+    async fn job_scans_ending_runs(pool: &PgPool) -> i64 {
+        let mut conn = PgConnection::connect_with(&pool.connect_options())
+            .await
+            .unwrap();
+        let mut tx = conn.begin().await.unwrap();
+        sqlx::query("SELECT * FROM jobs_end_runs('{1}', '{1}', '{completed}', '{0}', '{NULL}')")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let scans: i64 = sqlx::query_scalar(
+            "SELECT coalesce(sum(seq_scan), 0)::int8 FROM pg_stat_xact_user_tables WHERE relname = 'jobs'",
+        )
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+        tx.rollback().await.unwrap();
+        scans
+    }
+
+    /// A run's end is planned once per connection and the plan kept while `jobs` grows: made
+    /// while the queue was small, it read every job to end a batch of runs. With sequential
+    /// scans off in the function, it probes each by its key.
+    #[sqlx::test(migrator = "crate::pg::MIGRATOR")]
+    async fn ending_runs_planned_on_a_small_queue_probes_jobs_by_key(pool: PgPool) {
+        sqlx::query("INSERT INTO jobs (queue, kind) SELECT 'q', 'k' FROM generate_series(1, 50)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        assert_eq!(job_scans_ending_runs(&pool).await, 0);
+        // The hazard, with the function's setting taken away.
+        sqlx::query(
+            "ALTER FUNCTION jobs_end_runs(bigint[], bigint[], text[], bigint[], text[], boolean)
+                 RESET enable_seqscan",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        assert!(job_scans_ending_runs(&pool).await > 0);
+    }
+
     /// The fleet's bookkeeping commit mode holds for the claim's and the end's own transaction
     /// and never stays on the connection: a pooled connection (PgBouncer's included) goes back
     /// as it came, and a handler's transaction on it commits synchronously.
