@@ -363,6 +363,36 @@ pub(crate) async fn plan_counts(pool: &PgPool, fragment: &str) -> (i64, i64) {
     .expect("pg_prepared_statements")
 }
 
+/// For tests: the generic plan of a statement, made in a transaction begun with `begin` (which
+/// ends rolled back). `prepare` is what follows `PREPARE planned` (the parameters' types, `AS`,
+/// the statement), `arguments` what follows `EXECUTE planned`.
+#[cfg(test)]
+pub(crate) async fn generic_plan(
+    pool: &PgPool,
+    begin: &str,
+    prepare: &str,
+    arguments: &str,
+) -> String {
+    let mut conn = pool.acquire().await.expect("a connection");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "{begin}; SET LOCAL plan_cache_mode = force_generic_plan; PREPARE planned{prepare}"
+    )))
+    .execute(&mut *conn)
+    .await
+    .expect("prepared");
+    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN EXECUTE planned{arguments}"
+    )))
+    .fetch_all(&mut *conn)
+    .await
+    .expect("explained");
+    sqlx::raw_sql("ROLLBACK; DEALLOCATE planned")
+        .execute(&mut *conn)
+        .await
+        .expect("deallocated");
+    plan.join("\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

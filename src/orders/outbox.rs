@@ -69,26 +69,15 @@ pub async fn backlog(pool: &PgPool) -> Result<(i64, f64), sqlx::Error> {
 mod tests {
     use super::*;
 
-    /// The generic plan of [`MARK_PUBLISHED`] made in a transaction begun with `begin`, while
-    /// the outbox is empty.
+    /// The generic plan of [`MARK_PUBLISHED`] made in a transaction begun with `begin`.
     async fn mark_plan(pool: &PgPool, begin: &str) -> String {
-        let mut conn = pool.acquire().await.unwrap();
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "{begin}; SET LOCAL plan_cache_mode = force_generic_plan;
-             PREPARE mark_published(bigint[]) AS {MARK_PUBLISHED}"
-        )))
-        .execute(&mut *conn)
+        crate::db::generic_plan(
+            pool,
+            begin,
+            &format!("(bigint[]) AS {MARK_PUBLISHED}"),
+            "('{1}')",
+        )
         .await
-        .unwrap();
-        let plan: Vec<String> = sqlx::query_scalar("EXPLAIN EXECUTE mark_published('{1}')")
-            .fetch_all(&mut *conn)
-            .await
-            .unwrap();
-        sqlx::raw_sql("ROLLBACK; DEALLOCATE mark_published")
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-        plan.join("\n")
     }
 
     /// Planned while the outbox was small (here: empty, and its statistics say so, as after an

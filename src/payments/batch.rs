@@ -870,52 +870,29 @@ mod tests {
             .execute(&pool)
             .await
             .unwrap();
-        let mut conn = pool.acquire().await.unwrap();
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "SET plan_cache_mode = force_generic_plan; PREPARE read_events(text[], text[]) AS {READ_EVENTS}"
-        )))
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-        let plan: Vec<String> =
-            sqlx::query_scalar("EXPLAIN EXECUTE read_events('{internal}', '{quiet-1}')")
-                .fetch_all(&mut *conn)
-                .await
-                .unwrap();
-        let plan = plan.join("\n");
+        let plan = crate::db::generic_plan(
+            &pool,
+            "BEGIN",
+            &format!("(text[], text[]) AS {READ_EVENTS}"),
+            "('{internal}', '{quiet-1}')",
+        )
+        .await;
         assert!(
             plan.contains("payment_events_pkey") && !plan.contains("payment_events_unprocessed"),
             "{plan}"
         );
-        sqlx::raw_sql("DEALLOCATE read_events; RESET plan_cache_mode")
-            .execute(&mut *conn)
-            .await
-            .unwrap();
     }
 
     /// The plan of [`RECORD_APPLIED`] made in a transaction begun with `begin`, on a database
     /// whose tables are still empty (a fleet's first batch on a new database).
     async fn record_applied_plan(pool: &PgPool, begin: &str) -> String {
-        let mut conn = pool.acquire().await.unwrap();
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "{begin}; PREPARE record_applied AS {}",
-            *RECORD_APPLIED
-        )))
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-        let plan: Vec<String> = sqlx::query_scalar(
-            "EXPLAIN EXECUTE record_applied('{}', '{}', '{}', '{}', '{}', 'succeeded', '{}',
-                                            'applied', '{}', '{}', '{}', '{}')",
+        crate::db::generic_plan(
+            pool,
+            begin,
+            &format!(" AS {}", *RECORD_APPLIED),
+            "('{}', '{}', '{}', '{}', '{}', 'succeeded', '{}', 'applied', '{}', '{}', '{}', '{}')",
         )
-        .fetch_all(&mut *conn)
         .await
-        .unwrap();
-        sqlx::raw_sql("ROLLBACK; DEALLOCATE record_applied")
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-        plan.join("\n")
     }
 
     /// A batch's statements are planned once per connection, and the plan kept while the tables
@@ -924,8 +901,7 @@ mod tests {
     /// batch's transaction the plan is the primary key's whatever the sizes.
     #[sqlx::test(migrator = "crate::db::MIGRATOR")]
     async fn a_batch_planned_on_small_tables_reads_its_rows_by_key(pool: PgPool) {
-        let planned_once = "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan";
-        let scanning = record_applied_plan(&pool, planned_once).await;
+        let scanning = record_applied_plan(&pool, "BEGIN").await;
         assert!(
             scanning.contains("Seq Scan on jobs"),
             "the hazard: on an empty table the generic plan scans it\n{scanning}"
