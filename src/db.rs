@@ -101,8 +101,14 @@ impl Kept {
 /// life, and one planned while its table was small (a new database) scans the table whole, which
 /// costs more with every row the table gains; with sequential scans off the planner takes an
 /// index wherever one serves, whatever the sizes it sees (README, "Plans made on small tables").
-/// `SET LOCAL` ends with the transaction: nothing stays on a pooled connection.
-pub const BEGIN_BY_KEYS: &str = "BEGIN; SET LOCAL enable_seqscan = off";
+///
+/// Compiling is off with them: a scan that no index can serve is then priced at PostgreSQL's
+/// `disable_cost` (ten billion), far past `jit_above_cost`, and a statement so planned would be
+/// compiled by LLVM at every run (a posting of 31 sales, in a transaction that also read a
+/// 51-row table without an index, took 447 ms instead of 7: README, "The ledger's barriers look
+/// once per account"). Statements of a few milliseconds never gain from compiling. `SET LOCAL`
+/// ends with the transaction: nothing stays on a pooled connection.
+pub const BEGIN_BY_KEYS: &str = "BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL jit = off";
 
 /// Opens the pool of a `payfleet <role>` process, creating the database first if the server does
 /// not have it. Its connections carry the application name `payfleet <role>` (what
@@ -393,6 +399,27 @@ pub(crate) async fn generic_plan(
     plan.join("\n")
 }
 
+/// Whether PostgreSQL would compile, in a transaction begun with `begin`, a statement that only
+/// a sequential scan can serve.
+#[cfg(test)]
+pub(crate) async fn compiles_a_forced_scan(pool: &PgPool, begin: &'static str) -> bool {
+    sqlx::raw_sql("CREATE TABLE IF NOT EXISTS unindexed (x int)")
+        .execute(pool)
+        .await
+        .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let mut tx = sqlx::Connection::begin_with(&mut *conn, begin)
+        .await
+        .unwrap();
+    let plan: serde_json::Value =
+        sqlx::query_scalar("EXPLAIN (FORMAT JSON) SELECT * FROM unindexed WHERE x = 1")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+    tx.rollback().await.unwrap();
+    plan[0].get("JIT").is_some()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -478,6 +505,18 @@ mod tests {
         };
         let pool = connect(&SecretUrl::new(named), 1, "work").await.unwrap();
         assert_eq!(application_name(&pool).await, "mine");
+    }
+
+    #[sqlx::test]
+    async fn a_transaction_by_keys_never_compiles_a_scan_it_could_not_avoid(pool: PgPool) {
+        assert!(!compiles_a_forced_scan(&pool, BEGIN_BY_KEYS).await);
+        // The hazard, where the server can compile: sequential scans off alone.
+        let jit: bool = sqlx::query_scalar("SELECT pg_jit_available()")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        let scans_off = "BEGIN; SET LOCAL enable_seqscan = off";
+        assert_eq!(compiles_a_forced_scan(&pool, scans_off).await, jit);
     }
 
     #[sqlx::test]

@@ -460,9 +460,10 @@ struct Candidate {
 /// every row the table gains: the jobs' completion read every job of the table in each batch
 /// (`payments::batch::tests::a_batch_planned_on_small_tables_reads_its_rows_by_key`). `SET LOCAL`
 /// ends with the transaction: the connection goes back to the pool as it was, and a pooler in
-/// transaction mode sees nothing left on the session.
-const BEGIN_PLANNED_ONCE: &str =
-    "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off";
+/// transaction mode sees nothing left on the session. Compiling is off with sequential scans, as
+/// in `db::BEGIN_BY_KEYS` (which says why).
+const BEGIN_PLANNED_ONCE: &str = "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; \
+     SET LOCAL enable_seqscan = off; SET LOCAL jit = off";
 
 /// Processes the plain cases among `events` in one transaction. Returns, for each event, whether
 /// it was applied here; the others are left exactly as they were, for [`Processor::process`].
@@ -893,6 +894,13 @@ mod tests {
             "('{}', '{}', '{}', '{}', '{}', 'succeeded', '{}', 'applied', '{}', '{}', '{}', '{}')",
         )
         .await
+    }
+
+    /// With sequential scans off, a scan no index serves is priced far past `jit_above_cost`:
+    /// the batch's transaction turns compiling off too (the hazard: `db::tests`).
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn a_batch_never_compiles_a_scan_it_could_not_avoid(pool: PgPool) {
+        assert!(!crate::db::compiles_a_forced_scan(&pool, BEGIN_PLANNED_ONCE).await);
     }
 
     /// A batch's statements are planned once per connection, and the plan kept while the tables

@@ -2387,8 +2387,9 @@ async fn a_posting_is_planned_once_and_posts_the_same_whatever_its_size(pool: Pg
     .fetch_all(&pool)
     .await
     .unwrap();
-    // Planned once (migration 0060), through keys whatever the tables' sizes then (0062).
-    let generic = "plan_cache_mode=force_generic_plan,enable_seqscan=off".to_owned();
+    // Planned once (migration 0060), through keys whatever the tables' sizes then (0062), never
+    // compiled (0065).
+    let generic = "plan_cache_mode=force_generic_plan,enable_seqscan=off,jit=off".to_owned();
     assert_eq!(
         settings,
         vec![
@@ -2486,6 +2487,45 @@ fn a_sale(key: &str, n: usize) -> Transfer {
         order_number: None,
         reference: None,
     }
+}
+
+/// The entries' barrier runs at the end of a posting's statement, while the posting holds its
+/// accounts and every other batch of the same sellers waits: it looks at each account's entries
+/// once, at the entry just below the statement's own (migration 0064). It took two looks (the
+/// entry before the statement's first, then a count from it), and the balances' barrier takes
+/// its own one.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_postings_barriers_look_at_each_accounts_entries_once(pool: PgPool) {
+    let sales = |round: &str| -> Vec<Transfer> {
+        (0..4).map(|n| a_sale(&format!("{round}-{n}"), n)).collect()
+    };
+    // Entries before, for the next posting's to follow.
+    let mut tx = pool.begin().await.unwrap();
+    ledger::post_many(&mut tx, &sales("before")).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    ledger::post_many(&mut tx, &sales("looked")).await.unwrap();
+    let looks: i64 =
+        sqlx::query_scalar("SELECT pg_stat_get_xact_numscans('ledger_entries_account'::regclass)")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+    tx.rollback().await.unwrap();
+    // Five accounts (the clearing account and four sellers'): one look each by the entries'
+    // barrier and one by the balances'.
+    assert_eq!(looks, 2 * 5);
+    // The barrier still holds: the posting after them follows them.
+    let mut tx = pool.begin().await.unwrap();
+    ledger::post_many(&mut tx, &sales("after")).await.unwrap();
+    tx.commit().await.unwrap();
+    let (clearing, entries): (Decimal, i64) = sqlx::query_as(
+        "SELECT (SELECT balance FROM ledger_accounts WHERE kind = 'gateway_clearing'),
+                (SELECT count(*) FROM ledger_entries)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((clearing, entries), (d("-40.00"), 16));
 }
 
 /// Sequential scans of the ledger's tables by a few postings on a connection of their own

@@ -2131,7 +2131,9 @@ async fn a_runs_end_is_planned_once_not_at_every_call(pool: PgPool) {
         vec![
             "plan_cache_mode=force_generic_plan".to_owned(),
             // Through the primary key whatever the table's size when it was planned.
-            "enable_seqscan=off".to_owned()
+            "enable_seqscan=off".to_owned(),
+            // And never compiled at every call (a forced scan's price would ask for it).
+            "jit=off".to_owned()
         ]
     );
     // And the ends still end: one completed (its row gone), one retried (kept, retryable).
