@@ -757,7 +757,7 @@ async fn a_running_job_keeps_its_lease_and_a_dead_workers_job_is_rescued(pool: P
             let counter = counter.clone();
             async move {
                 counter.fetch_add(1, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(1500)).await; // 2.5 leases
+                tokio::time::sleep(Duration::from_millis(3750)).await; // 2.5 leases
                 Ok(())
             }
         })
@@ -785,7 +785,9 @@ async fn a_running_job_keeps_its_lease_and_a_dead_workers_job_is_rescued(pool: P
     .execute(&pool)
     .await
     .unwrap();
-    let fleet = start_fleet(&pool, registry);
+    // A lease of 1.5 s, renewed every 0.5 s: with the tests' 0.6 s, a renewal held up for 0.2 s
+    // by a machine busy with every other test binary could give the job up to run again.
+    let fleet = Fleet::new(pool.clone(), registry, leased_config(1500, ""), "test").start();
     // Until both are done, however slow the machine: the assertions below are about how.
     crate::wait_for(
         "the long job done and the dead one rescued",
