@@ -254,11 +254,23 @@ pub(crate) async fn apply(
 
     let mut changed = false;
     let mut waiting = None;
+    // Money taken back from a payment other than the session's own (a second payment this
+    // event just made known, or one never known: authorised, then voided), kept for that
+    // payment below: never the order's.
+    let mut of_another: Vec<Fact> = Vec::new();
     // Payment facts first: an event that carries a payment and its refunds (a Mercado Pago
     // lookup) makes the payment known before its refunds are checked against it.
     let mut ordered: Vec<&Fact> = facts.iter().collect();
     ordered.sort_by_key(|f| !matches!(f, Fact::Payment { .. }));
     for fact in ordered {
+        let another_payment = matches!(
+            (&po.payment_id, &payment.payment_id),
+            (Some(ours), Some(named)) if ours != named
+        );
+        if another_payment && matches!(fact, Fact::Refund { .. } | Fact::Dispute { .. }) {
+            of_another.push(fact.clone());
+            continue;
+        }
         match fact {
             Fact::Payment {
                 status: PaymentStatus::Succeeded,
@@ -378,6 +390,14 @@ pub(crate) async fn apply(
         }
     }
 
+    if !of_another.is_empty() && waiting.is_none() {
+        // Its refunds are a second payment's (its disputes move nothing here, as
+        // `second_payment_facts` says); a payment not known as one waits until it is.
+        match second_payment_facts(tx, gateway, payment, &of_another).await? {
+            Some(applied) => changed |= matches!(applied, Applied::Changed),
+            None => waiting = Some(wait_key(payment)),
+        }
+    }
     // The facts recorded so far are kept (and derived from) even when a later one must wait.
     let (order_changed, due) = derive_and_apply(tx, gateway, po.id, event_id).await?;
     // The payment is known now: whatever waited for it looks again (if it is still not captured,
@@ -391,6 +411,9 @@ pub(crate) async fn apply(
     }
     // A subscription's renewals and changes that came before its first payment's event.
     keys.extend(started);
+    // Nothing new is known of the payment this event waits for: the events waiting with it
+    // would only wait again, and wake this one, without end.
+    keys.retain(|k| Some(k) != waiting.as_ref());
     wake_waiting(tx, gateway, &keys, event_id).await?;
     let applied = match waiting {
         Some(key) => Applied::Waiting(key),

@@ -187,8 +187,26 @@ impl SettleRefund {
         }
         let mut tx = pool.begin().await?;
         self.record(&mut tx, outcome).await?;
+        // A refund someone asked for has its request, which now says it ended (its amount
+        // free to ask again). A payment given back has none: ended, nothing would say so.
+        let requested: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM refund_requests WHERE gateway = $1 AND refund_id = $2)",
+        )
+        .bind(self.gateway)
+        .bind(&self.refund_id)
+        .fetch_one(&mut *tx)
+        .await?;
         tx.commit().await?;
         tracing::info!(gateway = %self.gateway, refund = %self.refund_id, ?outcome, "a refund's outcome, asked of its gateway, is recorded");
+        if outcome != RefundOutcome::Succeeded && !requested {
+            // The job ends dead, listed for an operator (`payfleet jobs dead`, the dashboard):
+            // the buyer still waits for the money, and the refund's idempotency key would only
+            // fetch this ended refund again.
+            return Err(JobError::fail(format!(
+                "{} refund {} giving back {} of session {} (payment {}) ended {outcome:?} at the gateway: the buyer does not have it back; give it back at the gateway by hand, then discard this job",
+                self.gateway, self.refund_id, self.amount, self.session_id, self.payment_id
+            )));
+        }
         Ok(())
     }
 }

@@ -223,6 +223,116 @@ async fn a_second_payment_on_a_paid_session_is_given_back_not_absorbed(pool: PgP
     );
 }
 
+/// A refund or a dispute naming a payment other than the session's own (a Razorpay order's
+/// second attempt, authorised and then voided; a second payment not known yet) is that
+/// payment's, never the order's: it waits for that payment, and the order and the seller's
+/// money stay as they are. Once the payment is known (a second payment, given back), its
+/// refund is recorded against it.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_or_a_dispute_of_another_payment_on_the_session_is_not_the_orders(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    deliver(
+        &app,
+        "first",
+        &about("payment.succeeded", "sess_a", "pay_first", Some("10.00")),
+    )
+    .await;
+    let paid = (
+        "paid".to_owned(),
+        "succeeded".to_owned(),
+        "0.0000".to_owned(),
+    );
+    assert_eq!(order(&pool).await, paid);
+    // What the ledger took back from the seller: refunds' and disputes' transfers.
+    let taken_from_seller = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM ledger_transfers WHERE source_key LIKE 'refund:%' OR source_key LIKE 'dispute:%'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    deliver(
+        &app,
+        "other_refunded",
+        &about_with(
+            "refund.succeeded",
+            "sess_a",
+            "pay_other",
+            json!({"refund_id": "rf_other", "amount": "10.00", "currency": "BRL"}),
+        ),
+    )
+    .await;
+    deliver(
+        &app,
+        "other_disputed",
+        &about_with(
+            "dispute.created",
+            "sess_a",
+            "pay_other",
+            json!({"dispute_id": "dp_other", "amount": "10.00", "currency": "BRL"}),
+        ),
+    )
+    .await;
+    assert_eq!(order(&pool).await, paid, "the order's payment is untouched");
+    assert_eq!(
+        taken_from_seller().await,
+        0,
+        "nothing taken from the seller"
+    );
+    let taken_back: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM payment_refunds), (SELECT count(*) FROM payment_disputes)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(taken_back, (0, 0));
+    let waiting: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT event_id, waiting_for FROM payment_events WHERE outcome = 'waiting' ORDER BY event_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        waiting,
+        [
+            (
+                "other_disputed".to_owned(),
+                Some("payment:pay_other".to_owned())
+            ),
+            (
+                "other_refunded".to_owned(),
+                Some("payment:pay_other".to_owned())
+            )
+        ]
+    );
+
+    // The payment turns out to have been taken: a second payment, given back; the refund that
+    // waited for it is its own.
+    deliver(
+        &app,
+        "other_paid",
+        &about("payment.succeeded", "sess_a", "pay_other", Some("10.00")),
+    )
+    .await;
+    process_events(&pool).await;
+    until_text(
+        &pool,
+        "the second payment's refund recorded against it",
+        "SELECT amount_refunded::text FROM second_payments WHERE payment_id = 'pay_other'",
+        "10.0000",
+    )
+    .await;
+    assert_eq!(order(&pool).await, paid);
+    assert_eq!(taken_from_seller().await, 0);
+    let refunds: i64 = sqlx::query_scalar("SELECT count(*) FROM payment_refunds")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(refunds, 0, "none against the order's payment");
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_success_without_an_amount_confirms_only_once_the_gateway_says_it(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;

@@ -288,10 +288,10 @@ async fn stripe_connect_speaks_stripes_documented_api() {
     );
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn a_stripe_checkout_is_paid_on_the_sellers_account_and_confirmed_by_its_event(pool: PgPool) {
-    let log = Log::default();
-    let base = stand_in(stripe_api(), log.clone()).await;
+/// A fleet with Stripe Connect on a stand-in of Stripe's API, and a seller with a connected
+/// account (`acct_seller1`) whose 19.90 BRL product is in `product`.
+async fn stripe_connect_shop(pool: &PgPool, log: Log) -> (Shop, String) {
+    let base = stand_in(stripe_api(), log).await;
     let mut config = test_config();
     config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
         base_url: base,
@@ -300,35 +300,65 @@ async fn a_stripe_checkout_is_paid_on_the_sellers_account_and_confirmed_by_its_e
     let shop = Shop {
         app: Arc::new(spawn_fleet(pool.clone(), config).await),
     };
-    let no_account = shop.seller("No account").await;
     let seller = shop
         .admin(
             "/admin/sellers",
             json!({"name": "Connected", "payout_frequency": "weekly", "payout_minimum": "0", "stripe_account": "acct_seller1"}),
         )
         .await;
-    let p = shop
+    let product = shop
         .product(seller["id"].as_str().unwrap(), "19.90", "BRL")
         .await;
-    let q = shop.product(&no_account, "5.00", "BRL").await;
-    let cart = |product: &str| json!({"buyer_id": "b", "gateway": "stripe", "items": [{"product_id": product, "quantity": 1}]});
-    let (status, answer) = shop.checkout(Some("no-account"), cart(&q)).await;
-    assert_eq!(
-        (status, answer["error"]["code"].as_str()),
-        (422, Some("gateway_unavailable")),
-        "{answer}"
-    );
+    (shop, product)
+}
+
+fn stripe_cart(product: &str) -> Value {
+    json!({"buyer_id": "b", "gateway": "stripe", "items": [{"product_id": product, "quantity": 1}]})
+}
+
+/// Checks `product` out on Stripe (trying again while the payment side starts) and returns
+/// the answer.
+async fn stripe_checkout(shop: &Shop, product: &str) -> Value {
     let mut answer = Value::Null;
     for _ in 0..50 {
-        let (status, a) = shop.checkout(Some("k"), cart(&p)).await;
+        let (status, a) = shop.checkout(Some("k"), stripe_cart(product)).await;
         answer = a;
         if status == 201 {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
-    let order = &answer["orders"][0];
-    assert_eq!(order["payment"]["session_id"], "cs_test_1", "{answer}");
+    assert_eq!(
+        answer["orders"][0]["payment"]["session_id"], "cs_test_1",
+        "{answer}"
+    );
+    answer
+}
+
+async fn wait_until_paid(shop: &Shop, number: i64) {
+    let start = std::time::Instant::now();
+    while shop.order(number).await["status"] != "paid" {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(20),
+            "not confirmed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_stripe_checkout_is_paid_on_the_sellers_account_and_confirmed_by_its_event(pool: PgPool) {
+    let log = Log::default();
+    let (shop, p) = stripe_connect_shop(&pool, log.clone()).await;
+    let no_account = shop.seller("No account").await;
+    let q = shop.product(&no_account, "5.00", "BRL").await;
+    let (status, answer) = shop.checkout(Some("no-account"), stripe_cart(&q)).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (422, Some("gateway_unavailable")),
+        "{answer}"
+    );
+    stripe_checkout(&shop, &p).await;
     let sent = log.lock().unwrap()[0].clone();
     assert_eq!(sent.header("stripe-account"), Some("acct_seller1"));
     assert_eq!(
@@ -341,14 +371,75 @@ async fn a_stripe_checkout_is_paid_on_the_sellers_account_and_confirmed_by_its_e
     let completed = r#"{"id":"evt_1","type":"checkout.session.completed","data":{"object":{"id":"cs_test_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
     let (status, _) = shop.app.deliver(&stripe(completed, now())).await;
     assert_eq!(status, 200);
+    wait_until_paid(&shop, 1).await;
+}
+
+/// Whoever makes a PaymentIntent writes its metadata, and every connected account's events
+/// reach the Connect endpoint with a genuine signature. A PaymentIntent another seller made
+/// (the money in its own account), or the seller itself (without the platform's fee), naming
+/// an order's session in its metadata, confirms nothing: a PaymentIntent is known by its own
+/// id, which only the session's own events name.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_payment_intent_naming_a_session_in_its_metadata_confirms_no_order(pool: PgPool) {
+    let (shop, p) = stripe_connect_shop(&pool, Log::default()).await;
+    stripe_checkout(&shop, &p).await;
+    for (event, account) in [("evt_other", "acct_other"), ("evt_own", "acct_seller1")] {
+        let forged = json!({"id": event, "type": "payment_intent.succeeded", "account": account,
+            "data": {"object": {"id": format!("pi_{event}"), "object": "payment_intent", "status": "succeeded",
+                "amount_received": 1990, "currency": "brl", "metadata": {"session_id": "cs_test_1"}}}});
+        let (status, body) = shop.app.deliver(&stripe(&forged.to_string(), now())).await;
+        assert_eq!(status, 200, "{body}");
+    }
     let start = std::time::Instant::now();
-    while shop.order(1).await["status"] != "paid" {
+    loop {
+        let outcomes: Vec<(String, String)> = sqlx::query_as(
+            "SELECT event_id, outcome::text FROM payment_events
+             WHERE event_id IN ('evt_other', 'evt_own') AND outcome IS NOT NULL ORDER BY event_id",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        if outcomes.len() == 2 {
+            assert_eq!(
+                outcomes,
+                [
+                    ("evt_other".to_owned(), "waiting".to_owned()),
+                    ("evt_own".to_owned(), "waiting".to_owned())
+                ],
+                "each waits for its PaymentIntent to be known, which no session names"
+            );
+            break;
+        }
         assert!(
             start.elapsed() < std::time::Duration::from_secs(20),
-            "not confirmed"
+            "not processed: {outcomes:?}"
         );
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
+    let order = shop.order(1).await;
+    assert_eq!(order["status"], "awaiting_payment", "{order}");
+    let credits: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM ledger_transfers WHERE kind = 'sale_credit'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(credits, 0, "no sale posted");
+
+    // The session's own event still confirms it, with its own PaymentIntent.
+    let completed = r#"{"id":"evt_1","type":"checkout.session.completed","account":"acct_seller1","data":{"object":{"id":"cs_test_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
+    let (status, _) = shop.app.deliver(&stripe(completed, now())).await;
+    assert_eq!(status, 200);
+    wait_until_paid(&shop, 1).await;
+    let payments: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT session_id, payment_id FROM payment_orders ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        payments,
+        [("cs_test_1".to_owned(), Some("pi_1".to_owned()))],
+        "one payment, the session's own"
+    );
 }
 
 /// `PAYFLEET_INTERNAL_ACQUIRER=stripe`: the internal gateway (the platform as merchant of
@@ -792,11 +883,9 @@ async fn a_refund_asked_again_after_a_timeout_is_one_refund_on_every_gateway() {
 
 /// A refund the gateway only accepted, whose outcome event never comes: the gateway is asked,
 /// and the outcome recorded (done, or failed and its amount freed).
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn a_refund_whose_outcome_never_arrives_is_asked_of_the_gateway(pool: PgPool) {
-    let outcome = Arc::new(Mutex::new("pending"));
-    let status = outcome.clone();
-    let api = Router::new()
+/// A stand-in of Stripe's refunds: each taken as pending; asked, each says `outcome`.
+fn pending_refunds(status: Arc<Mutex<&'static str>>) -> Router<Log> {
+    Router::new()
         .route(
             "/v1/refunds",
             axum::routing::post(|headers: HeaderMap| async move {
@@ -816,9 +905,14 @@ async fn a_refund_whose_outcome_never_arrives_is_asked_of_the_gateway(pool: PgPo
                     axum::Json(json!({"id": id, "object": "refund", "status": s}))
                 }
             }),
-        );
+        )
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_whose_outcome_never_arrives_is_asked_of_the_gateway(pool: PgPool) {
+    let outcome = Arc::new(Mutex::new("pending"));
     let log = Log::default();
-    let base = stand_in(api, log.clone()).await;
+    let base = stand_in(pending_refunds(outcome.clone()), log.clone()).await;
     let mut config = test_config();
     config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
         base_url: base,
@@ -881,6 +975,53 @@ async fn a_refund_whose_outcome_never_arrives_is_asked_of_the_gateway(pool: PgPo
         refund("rf-c", "6.00").await.unwrap().status(),
         202,
         "6.00 is free again"
+    );
+}
+
+/// A payment given back (here a late one) whose refund the gateway took as pending and then
+/// failed: the buyer does not have the money back and no one's request says so. The job that
+/// settles it ends dead, listed for an operator with what to do, never completed in silence.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_payment_given_back_whose_refund_fails_is_left_for_an_operator(pool: PgPool) {
+    let outcome = Arc::new(Mutex::new("pending"));
+    let base = stand_in(pending_refunds(outcome.clone()), Log::default()).await;
+    let mut config = test_config();
+    config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
+        base_url: base,
+        secret_key: Secret::new("sk_test_123"),
+    });
+    let app = spawn_app_with(pool.clone(), config.clone()).await;
+    orders_for(&pool, "stripe", &["cs_1"], "10.00", "BRL").await;
+    payfleet::orders::expire_now(&pool, 1).await.unwrap();
+    step(&pool, &config, "orders").await;
+    let paid = r#"{"id":"evt_late","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1000,"currency":"brl","payment_status":"paid"}}}"#;
+    assert_eq!(app.deliver(&stripe(paid, now())).await.0, 200);
+    process_events_with(&pool, &config).await;
+    // Given back: the gateway takes the refund as pending, to be asked about later.
+    step(&pool, &config, "payments").await;
+    let settling = async || -> Vec<(String, i32)> {
+        sqlx::query_as("SELECT state, attempt FROM jobs WHERE kind = 'settle_refund'")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(settling().await, [("available".to_owned(), 0)]);
+    *outcome.lock().unwrap() = "failed";
+    sqlx::query("UPDATE jobs SET run_at = now() WHERE kind = 'settle_refund'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    step(&pool, &config, "payments").await;
+    let (state, error): (String, String) = sqlx::query_as(
+        "SELECT state, errors -> -1 ->> 'error' FROM jobs WHERE kind = 'settle_refund'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(state, "discarded", "{error}");
+    assert!(
+        error.contains("does not have it back") && error.contains("by hand"),
+        "{error}"
     );
 }
 

@@ -182,7 +182,7 @@ async fn a_dispute_decided_before_it_was_opened_stays_decided(pool: PgPool) {
     orders_for(&pool, "internal", &["s"], "8.00", "BRL").await;
     let dispute = |kind: &str| {
         format!(
-            r#"{{"type":"{kind}","data":{{"session_id":"s","payment_id":"p","dispute_id":"dp_1","amount":"8.00","currency":"BRL"}}}}"#
+            r#"{{"type":"{kind}","data":{{"session_id":"s","payment_id":"pay_s","dispute_id":"dp_1","amount":"8.00","currency":"BRL"}}}}"#
         )
     };
     app.deliver(&internal(

@@ -148,13 +148,17 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
                 "payment_intent.payment_failed" => PaymentStatus::Failed,
                 _ => intent_status(str_at(o, "status").unwrap_or("")),
             };
-            let session = o.get("metadata").and_then(|m| str_at(m, "session_id"));
             let amount = if status == PaymentStatus::Succeeded {
                 Some(money_at(o, "amount_received")?)
             } else {
                 None
             };
-            update(session, str_at(o, "id"), Fact::Payment { status, amount })
+            // Known by its PaymentIntent only, never by a session named in its metadata:
+            // whoever makes a PaymentIntent writes its metadata, and every connected account
+            // sends its events to the Connect endpoint, so any seller could name another's
+            // session there (or its own, paid without the platform's fee). Our sessions' own
+            // PaymentIntents carry no session id; their session's events name them.
+            update(None, str_at(o, "id"), Fact::Payment { status, amount })
         }
         "refund.created" | "refund.updated" | "refund.failed" | "charge.refund.updated" => {
             if let Some(end @ ("failed" | "canceled")) = str_at(o, "status") {
@@ -348,6 +352,21 @@ mod tests {
                 status: PaymentStatus::Succeeded,
                 amount: Some(Money::parse("19.90", "BRL").unwrap())
             }]
+        );
+    }
+
+    #[test]
+    fn a_payment_intent_is_known_by_its_own_id_never_by_a_session_in_its_metadata() {
+        let body = br#"{"id":"evt_1","type":"payment_intent.succeeded","account":"acct_other","data":{"object":{"id":"pi_9","status":"succeeded","amount_received":1990,"currency":"brl","metadata":{"session_id":"cs_1"}}}}"#;
+        let Interpretation::Update { payment, .. } = interpret(body).unwrap() else {
+            panic!("not an update")
+        };
+        assert_eq!(
+            payment,
+            PaymentRef {
+                session_id: None,
+                payment_id: Some("pi_9".into())
+            }
         );
     }
 
