@@ -601,7 +601,7 @@ async fn replay_all(
     )))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 struct Shown {
     done: Option<String>,
 }
@@ -653,8 +653,10 @@ async fn dashboard(
     _caller: Anyone,
     State(state): State<DashboardState>,
     headers: HeaderMap,
-    Query(shown): Query<Shown>,
+    shown: Result<Query<Shown>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Page, Page> {
+    // A notice is a courtesy: a query that does not read as one (`done` twice, say) shows none.
+    let shown = shown.map(|Query(s)| s).unwrap_or_default();
     let token = token_of(&state)?;
     let Some(session) = Session::from_headers(token, &headers, Utc::now()) else {
         return Ok(sign_in_page(StatusCode::OK, None));

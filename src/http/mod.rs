@@ -136,6 +136,7 @@ impl Routes {
             // After every route: it applies to the routes registered so far. Axum adds the
             // `Allow` header.
             .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+            .layer(axum::middleware::from_fn(utf8_path))
             .layer(axum::middleware::from_fn_with_state(
                 telemetry,
                 request_span,
@@ -203,6 +204,25 @@ pub fn router(state: AppState) -> (Router, Vec<&'static str>) {
             state.telemetry.clone(),
         ))
         .finish(state.telemetry)
+}
+
+/// A path that is not UTF-8 once percent-decoded (`/orders/%FF`) names nothing a route
+/// serves: refused here in the one error shape, where a route's `Path` would answer in plain
+/// text.
+async fn utf8_path(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    if percent_encoding::percent_decode_str(req.uri().path())
+        .decode_utf8()
+        .is_err()
+    {
+        return axum::response::IntoResponse::into_response(ApiError::BadRequest {
+            code: "bad_request",
+            message: "the request's path is not UTF-8 once percent-decoded".into(),
+        });
+    }
+    next.run(req).await
 }
 
 /// One span per request, with its method, route and id (the caller's `x-request-id` when it

@@ -152,16 +152,22 @@ fn hosted_gateway(state: &PayState, gateway: GatewayName) -> Result<HostedGatewa
 }
 
 /// The session of a page, on a hosted gateway this receiver serves pages for.
+/// Whether a page for `session` may exist here at all. Nothing is read (not the database, not
+/// the request's form) for a page this receiver cannot serve (the simulator off: no hosted
+/// gateway) or for an id no session can have: 404, whatever else the request says.
+fn served(state: &PayState, session: &str) -> Result<(), ApiError> {
+    if state.hosted.is_empty() || !hosted::is_session_id(session) {
+        return Err(ApiError::NotFound(format!("no payment session {session}")));
+    }
+    Ok(())
+}
+
 async fn session_of(
     state: &PayState,
     session: &str,
 ) -> Result<(hosted::HostedPayment, HostedGateway), ApiError> {
     let not_found = || ApiError::NotFound(format!("no payment session {session}"));
-    // Nothing is asked of the database for a page this receiver cannot serve (the simulator
-    // off: no hosted gateway) or for an id no session can have.
-    if state.hosted.is_empty() || !hosted::is_session_id(session) {
-        return Err(not_found());
-    }
+    served(state, session)?;
     let p = hosted::payment(&state.pool, session)
         .await?
         .ok_or_else(not_found)?;
@@ -248,6 +254,7 @@ async fn decide(
     headers: HeaderMap,
     form: Result<Form<Decision>, FormRejection>,
 ) -> Result<Response, ApiError> {
+    served(&state, &session)?;
     if !html::same_origin(&headers, &state.public_url) {
         return Ok(refused(
             "this form was sent from another site: nothing was recorded",

@@ -194,6 +194,25 @@ fn cases() -> Vec<Case> {
             status: 404,
             code: None,
         },
+        Case {
+            what: "a webhook to a gateway whose name is not UTF-8",
+            path: "/webhooks/%FF",
+            headers: vec![],
+            body: json("{}"),
+            status: 400,
+            code: Some("bad_request"),
+        },
+        Case {
+            what: "a payment page's form for a session whose id is not UTF-8",
+            path: "/pay/ips_%C3%28",
+            headers: vec![(
+                "content-type",
+                b"application/x-www-form-urlencoded".to_vec(),
+            )],
+            body: json("outcome=succeeded"),
+            status: 400,
+            code: Some("bad_request"),
+        },
     ]
 }
 

@@ -312,6 +312,19 @@ async fn a_form_without_its_csrf_token_changes_nothing_even_with_the_cookie(pool
         .await
         .unwrap();
     assert!(page.contains("name=\"token\"") && !page.contains("id=\"queues\""));
+    // A notice that does not read as one (sent twice) is no notice, and still the dashboard.
+    let answer = http
+        .get(format!("{base}/admin/ui?done=a&done=b"))
+        .header("cookie", &cookie)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    let page = answer.text().await.unwrap();
+    assert!(
+        page.contains("id=\"queues\"") && !page.contains("Done:"),
+        "{page}"
+    );
     // With the page's own token it is done.
     let page = http
         .get(format!("{base}/admin/ui"))

@@ -445,6 +445,25 @@ async fn a_simulated_gateway_needs_the_simulator_on(pool: PgPool) {
     assert_eq!(resp.status(), 409);
     let body: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(body["error"]["code"], "simulator_off", "{body}");
+    // Nor is there a payment page to answer for: 404 before the form or its origin is read.
+    let page = format!("http://{}/pay/ips_0123456789abcdef01234567", app.addr);
+    for (origin, outcome) in [
+        ("https://evil.example", "succeeded"),
+        ("https://evil.example", "x"),
+        (config.public_url.as_str(), "x"),
+    ] {
+        let resp = app
+            .anon
+            .post(&page)
+            .header("origin", origin)
+            .form(&[("outcome", outcome)])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 404, "{origin} {outcome}");
+        let body: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "not_found", "{body}");
+    }
 
     // The command says so and stops.
     let out = payfleet(&pool, &["serve"])
