@@ -83,7 +83,7 @@ impl BatchSettings {
     /// worker post to the same sellers' accounts one after the other: two in a lone process let
     /// one read and write while the other posts and commits; in a fleet the other processes'
     /// batches do that, and a second batch per process only waits on the others' postings with
-    /// its events held (README, "Batches in flight across the fleet").
+    /// its events held (docs/benchmarks.md, "Batches in flight across the fleet").
     pub fn for_process(set: Option<usize>) -> Self {
         let default = Self::default();
         match set {
