@@ -288,15 +288,21 @@ async fn stripe_connect_speaks_stripes_documented_api() {
     );
 }
 
-/// A fleet with Stripe Connect on a stand-in of Stripe's API, and a seller with a connected
-/// account (`acct_seller1`) whose 19.90 BRL product is in `product`.
-async fn stripe_connect_shop(pool: &PgPool, log: Log) -> (Shop, String) {
-    let base = stand_in(stripe_api(), log).await;
+/// The tests' configuration with Stripe's API on a stand-in at `base`.
+fn config_with_stripe(base: String) -> payfleet::config::Config {
     let mut config = test_config();
     config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
         base_url: base,
         secret_key: Secret::new("sk_test_123"),
     });
+    config
+}
+
+/// A fleet with Stripe Connect on a stand-in of Stripe's API, and a seller with a connected
+/// account (`acct_seller1`) whose 19.90 BRL product is in `product`.
+async fn stripe_connect_shop(pool: &PgPool, log: Log) -> (Shop, String) {
+    let base = stand_in(stripe_api(), log).await;
+    let config = config_with_stripe(base);
     let shop = Shop {
         app: Arc::new(spawn_fleet(pool.clone(), config).await),
     };
@@ -913,11 +919,7 @@ async fn a_refund_whose_outcome_never_arrives_is_asked_of_the_gateway(pool: PgPo
     let outcome = Arc::new(Mutex::new("pending"));
     let log = Log::default();
     let base = stand_in(pending_refunds(outcome.clone()), log.clone()).await;
-    let mut config = test_config();
-    config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
-        base_url: base,
-        secret_key: Secret::new("sk_test_123"),
-    });
+    let config = config_with_stripe(base);
     let app = spawn_app_with(pool.clone(), config.clone()).await;
     orders_for(&pool, "stripe", &["cs_1"], "10.00", "BRL").await;
     let paid = r#"{"id":"evt_paid","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1000,"currency":"brl","payment_status":"paid"}}}"#;
@@ -985,11 +987,7 @@ async fn a_refund_whose_outcome_never_arrives_is_asked_of_the_gateway(pool: PgPo
 async fn a_payment_given_back_whose_refund_fails_is_left_for_an_operator(pool: PgPool) {
     let outcome = Arc::new(Mutex::new("pending"));
     let base = stand_in(pending_refunds(outcome.clone()), Log::default()).await;
-    let mut config = test_config();
-    config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
-        base_url: base,
-        secret_key: Secret::new("sk_test_123"),
-    });
+    let config = config_with_stripe(base);
     let app = spawn_app_with(pool.clone(), config.clone()).await;
     orders_for(&pool, "stripe", &["cs_1"], "10.00", "BRL").await;
     payfleet::orders::expire_now(&pool, 1).await.unwrap();
@@ -1141,11 +1139,7 @@ async fn a_dispute_whose_decision_never_arrives_is_asked_of_the_gateway(pool: Pg
     );
     let log = Log::default();
     let base = stand_in(api, log.clone()).await;
-    let mut config = test_config();
-    config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
-        base_url: base,
-        secret_key: Secret::new("sk_test_123"),
-    });
+    let config = config_with_stripe(base);
     let app = spawn_app_with(pool.clone(), config.clone()).await;
     orders_for(&pool, "stripe", &["cs_1", "cs_2"], "19.90", "BRL").await;
     let paid = r#"{"id":"evt_paid","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
