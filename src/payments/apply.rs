@@ -756,6 +756,8 @@ struct Known {
     url: Option<String>,
     metadata: Option<serde_json::Value>,
     attempt: Option<i32>,
+    /// The gateway's subscription its first payment started there (`Fact::Subscribed`).
+    subscription_ref: Option<String>,
 }
 
 /// Derives the payment's status from its facts and brings the payment row and its order in
@@ -774,7 +776,7 @@ async fn derive_and_apply(
                 po.failed_at IS NOT NULL AS failed, po.amount, po.currency::text AS currency,
                 COALESCE((SELECT sum(amount) FROM payment_refunds r WHERE r.payment_order_id = po.id), 0) AS refunded,
                 ARRAY(SELECT status FROM payment_disputes d WHERE d.payment_order_id = po.id) AS disputes,
-                ps.order_number, ps.url, ps.metadata, ps.attempt
+                ps.order_number, ps.url, ps.metadata, ps.attempt, po.subscription_ref
          FROM payment_orders po
          LEFT JOIN payment_sessions ps ON ps.gateway = $2 AND ps.session_id = po.session_id
          WHERE po.id = $1",
@@ -796,6 +798,7 @@ async fn derive_and_apply(
         url,
         metadata,
         attempt,
+        subscription_ref,
     } = known;
     let facts = Facts {
         succeeded,
@@ -851,6 +854,18 @@ async fn derive_and_apply(
         reason: reason.to_owned(),
         of_payment: false,
     };
+    // A subscription's first payment given back starts no subscription here: the gateway
+    // that started one must stop billing it.
+    let stop_subscription = |reason: &str| {
+        subscription_ref.as_ref().map(|subscription| {
+            super::subscriptions::StopUnstartedSubscription {
+                gateway,
+                subscription: subscription.clone(),
+                seller_account: seller_account.clone(),
+                reason: reason.to_owned(),
+            }
+        })
+    };
     let mut due = None;
     let changed = match effect {
         None => {
@@ -899,8 +914,11 @@ async fn derive_and_apply(
             .rows_affected()
                 > 0;
             if first {
-                let refund = give_back(number, &format!("paid {got} for an order of {order}"));
-                queue::enqueue(&mut *tx, refund.job()?).await?;
+                let reason = format!("paid {got} for an order of {order}");
+                queue::enqueue(&mut *tx, give_back(number, &reason).job()?).await?;
+                if let Some(stop) = stop_subscription(&reason) {
+                    queue::enqueue(&mut *tx, stop.job()?).await?;
+                }
                 tracing::warn!(%gateway, order = ?number, %got, %order, "a payment of the wrong amount: refunding it");
             }
             Ok(first)
@@ -909,6 +927,9 @@ async fn derive_and_apply(
             if first {
                 let number = session.as_ref().map(|(n, _, _, _)| *n);
                 queue::enqueue(&mut *tx, give_back(number, reason.as_str()).job()?).await?;
+                if let Some(stop) = stop_subscription(reason.as_str()) {
+                    queue::enqueue(&mut *tx, stop.job()?).await?;
+                }
                 tracing::warn!(%gateway, order = ?number, %reason, "a payment the order cannot take: refunding it");
             }
             Ok(true)

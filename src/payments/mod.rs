@@ -484,19 +484,22 @@ impl Processor {
 }
 
 /// The payment side's job kinds, each with its worker: event processing (through the
-/// batcher), the hosted gateway's deliveries, and refunds (through the gateways).
+/// batcher), the hosted gateway's deliveries, refunds, and stopping at their gateway the
+/// subscriptions no order took (both through the gateways).
 pub fn register(
     registry: &mut Registry,
     batcher: batch::Batcher,
     deliverer: delivery::Deliverer,
     gateways: gateways::GatewayRegistry,
 ) -> Result<(), RegistryError> {
+    let stopper = subscriptions::Stopper(gateways.clone());
     let refunder = refunds::Refunder(gateways);
     registry
         .add::<ProcessPaymentEvent, _>(batcher)?
         .add::<delivery::DeliverHostedEvent, _>(deliverer)?
         .add::<refunds::RefundPayment, _>(refunder.clone())?
         .add::<refunds::SettleRefund, _>(refunder.clone())?
-        .add::<order_refunds::CarryOutRefund, _>(refunder)?;
+        .add::<order_refunds::CarryOutRefund, _>(refunder)?
+        .add::<subscriptions::StopUnstartedSubscription, _>(stopper)?;
     Ok(())
 }

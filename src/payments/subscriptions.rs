@@ -14,6 +14,8 @@ use std::collections::BTreeMap;
 use rust_decimal::Decimal;
 use sqlx::{PgConnection, PgPool};
 
+use serde::{Deserialize, Serialize};
+
 use super::ProcessError;
 use super::apply::{self, Applied, Outcome};
 use crate::gateways::{
@@ -23,6 +25,7 @@ use crate::orders::subscriptions::{
     self, CancelError, Reported, ReportedRenewal, SubscriptionId, SubscriptionStatus,
     SubscriptionView,
 };
+use payfleet_queue::{Job, JobContext, JobError, NewJob, QueueError, Worker};
 
 /// A gateway subscription's first payment, as this side knows it.
 #[derive(sqlx::FromRow)]
@@ -292,4 +295,64 @@ pub async fn cancel(
         }
     }
     Ok(subscriptions::cancel(pool, id, at_period_end).await?)
+}
+
+/// Stops, at its gateway, a subscription whose first payment no order took (it came after its
+/// order expired, or its order was paid through another session, or it was not the order's
+/// amount): the payment is given back, no subscription starts here, and the gateway must not
+/// bill the buyer for it again every period. Keyed by the subscription, so it is asked once;
+/// a gateway that refuses leaves the job dead, for an operator to cancel it by hand.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StopUnstartedSubscription {
+    pub gateway: GatewayName,
+    pub subscription: String,
+    pub seller_account: Option<String>,
+    pub reason: String,
+}
+
+impl Job for StopUnstartedSubscription {
+    const KIND: &'static str = "stop_unstarted_subscription";
+    const QUEUE: &'static str = "payments";
+}
+
+impl StopUnstartedSubscription {
+    pub fn job(&self) -> Result<NewJob, QueueError> {
+        Ok(NewJob::of(self)?.key(format!(
+            "stop_unstarted_subscription:{}:{}",
+            self.gateway, self.subscription
+        )))
+    }
+
+    async fn run(&self, gateways: &GatewayRegistry) -> Result<(), JobError> {
+        let gateway = gateways.get(self.gateway).ok_or_else(|| {
+            JobError::retry(format!(
+                "gateway {} is not enabled in this worker; the cancellation waits for one that has it",
+                self.gateway
+            ))
+        })?;
+        match gateway
+            .cancel_subscription(&self.subscription, self.seller_account.as_deref(), false)
+            .await
+        {
+            Ok(()) => {
+                tracing::warn!(gateway = %self.gateway, subscription = %self.subscription, reason = %self.reason, "a subscription no order took is cancelled at its gateway");
+                Ok(())
+            }
+            Err(e) if e.is_transient() => Err(JobError::retry(e)),
+            Err(e) => Err(JobError::fail(format!(
+                "{} did not cancel subscription {} ({}): {e}; cancel it at the gateway by hand, then discard this job",
+                self.gateway, self.subscription, self.reason
+            ))),
+        }
+    }
+}
+
+/// Runs [`StopUnstartedSubscription`] with the gateways it asks.
+#[derive(Clone)]
+pub struct Stopper(pub GatewayRegistry);
+
+impl Worker<StopUnstartedSubscription> for Stopper {
+    async fn work(&self, _ctx: JobContext, job: StopUnstartedSubscription) -> Result<(), JobError> {
+        job.run(&self.0).await
+    }
 }

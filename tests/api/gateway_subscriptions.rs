@@ -465,6 +465,60 @@ async fn a_stripe_subscription_is_cancelled_at_stripe_first_then_here_once(pool:
     assert_eq!(steps(&pool, number).await, ["canceled"]);
 }
 
+/// A subscription's first payment that no order takes (here it comes after its order expired)
+/// is given back, and the subscription Stripe started with it is cancelled there, once: the
+/// buyer is not billed every period for a subscription that never started here.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_subscription_whose_first_payment_no_order_took_is_cancelled_at_stripe(pool: PgPool) {
+    let log = Log::default();
+    let base = stand_in(stripe_with_subscriptions(Arc::default()), log.clone()).await;
+    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    payfleet::orders::expire_now(&pool, number).await.unwrap();
+    wait_for("the order expired", Duration::from_secs(30), async || {
+        shop.order(number).await["status"] == "expired"
+    })
+    .await;
+    let cancellations = || {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.method == Method::DELETE && s.uri == "/v1/subscriptions/sub_1")
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    for event in ["evt_late", "evt_late_again"] {
+        deliver(
+            &shop,
+            &stripe(&session_completed(event, &session, Some("sub_1")), now()),
+        )
+        .await;
+        outcome(&pool, "stripe", event).await;
+    }
+    wait_for("cancelled at Stripe", Duration::from_secs(30), async || {
+        !cancellations().is_empty()
+    })
+    .await;
+    let sent = cancellations();
+    assert_eq!(sent[0].header("stripe-account"), Some("acct_seller1"));
+    let order = shop.order(number).await;
+    assert_eq!(order["status"], "expired", "{order}");
+    assert!(order["subscription_id"].is_null(), "{order}");
+    // Once: the job is done, and the event sent again asked for nothing more.
+    wait_for("the job done", Duration::from_secs(30), async || {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM jobs WHERE kind = 'stop_unstarted_subscription'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            == 0
+    })
+    .await;
+    assert_eq!(cancellations().len(), 1);
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_stripe_subscription_whose_id_never_arrived_is_not_cancelled_here_alone(pool: PgPool) {
     let base = stand_in(stripe_with_subscriptions(Arc::default()), Log::default()).await;
