@@ -151,7 +151,6 @@ fn hosted_gateway(state: &PayState, gateway: GatewayName) -> Result<HostedGatewa
         .ok_or_else(|| ApiError::NotFound(format!("gateway {gateway} is not enabled")))
 }
 
-/// The session of a page, on a hosted gateway this receiver serves pages for.
 /// Whether a page for `session` may exist here at all. Nothing is read (not the database, not
 /// the request's form) for a page this receiver cannot serve (the simulator off: no hosted
 /// gateway) or for an id no session can have: 404, whatever else the request says.
@@ -162,6 +161,7 @@ fn served(state: &PayState, session: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The session of a page, on a hosted gateway this receiver serves pages for.
 async fn session_of(
     state: &PayState,
     session: &str,

@@ -12,9 +12,8 @@
 use std::collections::BTreeMap;
 
 use rust_decimal::Decimal;
-use sqlx::{PgConnection, PgPool};
-
 use serde::{Deserialize, Serialize};
+use sqlx::{PgConnection, PgPool};
 
 use super::ProcessError;
 use super::apply::{self, Applied, Outcome};
