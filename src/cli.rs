@@ -504,13 +504,13 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
     let period = match &action {
         MoneyAction::Invoices { month: Some(m) } => {
             let (start, end) = month(m)?;
-            // An invoice is made once: a month still running would leave the rest uninvoiced.
-            if end
-                > chrono::Utc::now()
-                    .with_timezone(&config.ledger.invoice_timezone)
-                    .date_naive()
-            {
-                anyhow::bail!("{m} has not ended yet: only an ended month can be invoiced");
+            // An invoice is made once: a month still running (or whose last postings may
+            // still be committing) would leave the rest uninvoiced.
+            if !invoices::has_settled(end, config.ledger.invoice_timezone, chrono::Utc::now()) {
+                anyhow::bail!(
+                    "{m} has not ended yet (or ended less than {} minutes ago): only an ended month can be invoiced",
+                    invoices::SETTLED_AFTER.num_minutes()
+                );
             }
             Some((start, end))
         }

@@ -6,7 +6,7 @@
 //!
 //! Periods are calendar days of one time zone (`PAYFLEET_INVOICE_TIMEZONE`, default UTC): a
 //! month runs from its first midnight there to the next month's, and a run never invoices a
-//! month that has not ended there. (The run's own schedule may be in another zone: an invoice
+//! month that has not ended there, [`SETTLED_AFTER`] before. (The run's own schedule may be in another zone: an invoice
 //! made once must hold all of its month, so the month cannot depend on when the run happens.)
 
 use chrono::{DateTime, Datelike, NaiveDate, TimeZone, Utc};
@@ -94,14 +94,26 @@ pub async fn run(
     Ok(numbers)
 }
 
+/// How long after a month has ended it may be invoiced. A transfer's posting time is taken
+/// when its posting starts, before it waits for its accounts and commits: a fee posted in the
+/// month's last moments may commit after the month has ended, and an invoice made in between
+/// (made once, never amended) would leave it out. A posting holds its accounts for
+/// milliseconds; an hour leaves every one stamped in the month committed long before.
+pub const SETTLED_AFTER: chrono::Duration = chrono::Duration::hours(1);
+
+/// Whether the month (or any period) ending on `end` (a day of `zone`) may be invoiced at `at`.
+pub fn has_settled(end: NaiveDate, zone: Tz, at: DateTime<Utc>) -> bool {
+    at >= day_start(end, zone) + SETTLED_AFTER
+}
+
 /// How far back a run looks for months left uninvoiced (the fleet down, the job dead).
 pub const CATCH_UP_MONTHS: u32 = 12;
 
-/// Invoices every month of `zone` that has ended by `at`, since [`CATCH_UP_MONTHS`] ago, in
-/// which a seller earned commission and has no invoice yet: last month, and any month a run
-/// missed. Returns the numbers made.
+/// Invoices every month of `zone` that had ended [`SETTLED_AFTER`] before `at`, since
+/// [`CATCH_UP_MONTHS`] ago, in which a seller earned commission and has no invoice yet: last
+/// month, and any month a run missed. Returns the numbers made.
 pub async fn run_due(pool: &PgPool, at: DateTime<Utc>, zone: Tz) -> Result<Vec<i64>, sqlx::Error> {
-    let today = at.with_timezone(&zone).date_naive();
+    let today = (at - SETTLED_AFTER).with_timezone(&zone).date_naive();
     let this_month = today.with_day(1).unwrap_or(today);
     let since = this_month
         .checked_sub_months(chrono::Months::new(CATCH_UP_MONTHS))

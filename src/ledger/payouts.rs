@@ -126,6 +126,12 @@ pub async fn run(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, PayoutErro
             .find(|(id, _)| *id == available_id)
             .map(|(_, b)| *b)
             .unwrap_or_default();
+        // Refunds under way (asked of the gateway, not recorded yet) will take the seller's
+        // share of them back from this balance: paying it out now would leave the seller owing
+        // what a refund already known has taken. Their whole amount is held back (the seller's
+        // share is at most that); what they do not take is paid by a later run.
+        let held = refunds_under_way(&mut tx, &seller, c).await?;
+        let balance = balance - held;
         if balance <= Decimal::ZERO || balance < minimum {
             continue;
         }
@@ -174,6 +180,28 @@ pub async fn run(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, PayoutErro
         made.push(id);
     }
     Ok(made)
+}
+
+/// What the seller's refunds under way in `currency` may still take: the requests the gateway
+/// has not answered or has accepted, not yet recorded as refunds (the same requests an order's
+/// refunds count as taken, `payments::order_refunds`), found through the index of requests
+/// under way.
+async fn refunds_under_way(
+    tx: &mut sqlx::PgConnection,
+    seller: &str,
+    currency: Currency,
+) -> Result<Decimal, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT COALESCE(sum(q.amount), 0) FROM refund_requests q
+         JOIN order_money o ON o.number = q.order_number
+         WHERE o.seller_id = $1::uuid AND q.currency = $2 AND q.state IN ('requested', 'accepted')
+           AND NOT EXISTS (SELECT 1 FROM payment_refunds r
+                            WHERE r.gateway = q.gateway AND r.refund_id = q.refund_id)",
+    )
+    .bind(seller)
+    .bind(currency.as_str())
+    .fetch_one(&mut *tx)
+    .await
 }
 
 /// The bank confirmed (`failure` None) or refused the payout. Once: a decided payout stays, the

@@ -581,6 +581,42 @@ async fn payouts_are_made_once_per_period_and_a_failure_credits_back_once(pool: 
     invariants_hold(&pool).await;
 }
 
+/// A refund an operator asked for, not yet answered or recorded, will take the seller's share
+/// back from what is available: a payout run meanwhile pays only what it cannot take, and the
+/// refund, once recorded, leaves the seller owing nothing.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_payout_holds_back_what_refunds_under_way_may_take(pool: PgPool) {
+    let (shop, seller, number, session) = one_sale(&pool).await;
+    send_paid(&shop, "msg_paid", &session, "100.00").await;
+    process_all(&pool, &shop).await;
+    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
+        .await
+        .unwrap();
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("90.00")));
+    // Asked, and taken by the gateway, which will say by its event when it is done (as
+    // Stripe's pending refunds are).
+    sqlx::query(
+        "INSERT INTO refund_requests (idempotency_key, order_number, gateway, session_id, payment_id, amount, currency, state, refund_id)
+         VALUES ('r1', $1, 'internal', $2, 'pay_' || $2, 30, 'BRL', 'accepted', 'rf_1')",
+    )
+    .bind(number)
+    .bind(&session)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let monday = chrono::NaiveDate::from_isoywd_opt(2027, 10, chrono::Weekday::Mon).unwrap();
+    let made = payouts::run(&pool, monday).await.unwrap();
+    assert_eq!(made.len(), 1);
+    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
+    assert_eq!(list["payouts"][0]["amount"], "60.00", "{list}");
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("30.00")));
+    // The refund done at the gateway: the seller's 27.00 share comes out of what was held.
+    send_refund(&shop, "msg_refund", &session, "rf_1", "30.00").await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("3.00")));
+    invariants_hold(&pool).await;
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_seller_below_the_minimum_is_not_paid(pool: PgPool) {
     let shop = stepped(&pool).await;
@@ -787,6 +823,20 @@ async fn a_month_is_invoiced_only_once_it_has_ended_in_the_invoices_time_zone(po
         .await
         .unwrap();
     assert_eq!(invoiced, 0, "the month has not ended in UTC");
+    // Just after the month's end, a fee stamped in its last moments may still be committing:
+    // not yet.
+    ledger::jobs::invoices(
+        pool.clone(),
+        (month_ends + chrono::Duration::minutes(30)).with_timezone(&tokyo),
+        utc,
+    )
+    .await
+    .unwrap();
+    let invoiced: i64 = sqlx::query_scalar("SELECT count(*) FROM invoices")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(invoiced, 0, "the month ended less than an hour ago");
     // The next day's run, after the month's end: its invoice, with the sale.
     let later = (month_ends + chrono::Duration::hours(16)).with_timezone(&tokyo);
     ledger::jobs::invoices(pool.clone(), later, utc)
