@@ -191,8 +191,8 @@ pub fn recurring_tasks(
     tasks
 }
 
-/// The housekeeping: finished jobs past their retention, and the consumers' records of the
-/// order messages they handled.
+/// The housekeeping: finished jobs past their retention, the consumers' records of the order
+/// messages they handled, and the first askings of payment links.
 async fn prune(pool: PgPool, completed_secs: u64, discarded_secs: u64) -> Result<(), JobError> {
     let n = payfleet_queue::prune(&pool, completed_secs, discarded_secs).await?;
     if n > 0 {
@@ -201,6 +201,10 @@ async fn prune(pool: PgPool, completed_secs: u64, discarded_secs: u64) -> Result
     let n = order_messages::prune_consumed(&pool, CONSUMED_RETENTION).await?;
     if n > 0 {
         tracing::info!(messages = n, "pruned consumed order message records");
+    }
+    let n = payments::links::prune_asks(&pool).await?;
+    if n > 0 {
+        tracing::info!(links = n, "pruned the first askings of payment links");
     }
     Ok(())
 }

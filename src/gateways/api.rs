@@ -39,6 +39,10 @@ pub struct SessionRequest {
     pub reference: String,
     /// When the order stops waiting: a gateway that can, stops taking payment then.
     pub expires_at: chrono::DateTime<chrono::Utc>,
+    /// When the payment side first asked for this order attempt's session: the same at every
+    /// retry, so a gateway that bounds an expiry by the session's creation (Stripe) asks the
+    /// same thing again under the same idempotency key.
+    pub first_asked_at: chrono::DateTime<chrono::Utc>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -902,20 +902,9 @@ async fn derive_and_apply(
                 event_id,
             )
             .await?;
-            // Once: the session's later events (the refund's own, a resend) find it asked for.
-            let first = sqlx::query(
-                "UPDATE unmatched_payments SET given_back_at = now()
-                 WHERE gateway = $1 AND session_id = $2 AND given_back_at IS NULL",
-            )
-            .bind(gateway)
-            .bind(&session_id)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                > 0;
+            let reason = format!("paid {got} for an order of {order}");
+            let first = give_back_unmatched(tx, &give_back(number, &reason)).await?;
             if first {
-                let reason = format!("paid {got} for an order of {order}");
-                queue::enqueue(&mut *tx, give_back(number, &reason).job()?).await?;
                 if let Some(stop) = stop_subscription(&reason) {
                     queue::enqueue(&mut *tx, stop.job()?).await?;
                 }
@@ -1004,6 +993,29 @@ async fn sync_ledger(
 
 /// A payment no checkout asked for: kept for an operator, with its latest state.
 #[allow(clippy::too_many_arguments)]
+/// Gives an unmatched payment (recorded by [`record_unmatched`]) back to its buyer, once: the
+/// session's later events (the refund's own, a resend) find it asked for. Returns whether this
+/// asked.
+pub(super) async fn give_back_unmatched(
+    tx: &mut PgConnection,
+    refund: &RefundPayment,
+) -> Result<bool, ProcessError> {
+    let first = sqlx::query(
+        "UPDATE unmatched_payments SET given_back_at = now()
+         WHERE gateway = $1 AND session_id = $2 AND given_back_at IS NULL",
+    )
+    .bind(refund.gateway)
+    .bind(&refund.session_id)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        > 0;
+    if first {
+        queue::enqueue(&mut *tx, refund.job()?).await?;
+    }
+    Ok(first)
+}
+
 async fn record_unmatched(
     tx: &mut PgConnection,
     gateway: GatewayName,

@@ -91,10 +91,41 @@ impl LinkService {
                 asking.push((r.gateway, vec![i]));
             }
         }
+        // An outside gateway's sessions are asked for with the time of their first asking
+        // (a retry asks the same: `SessionRequest::first_asked_at`).
+        let outside: Vec<usize> = asking
+            .iter()
+            .filter(|(g, _)| {
+                self.gateways
+                    .get(*g)
+                    .is_some_and(|g| !g.sessions_are_ours())
+            })
+            .flat_map(|(_, of)| of.iter().copied())
+            .collect();
+        let first_asked = match self.first_asked(&requests, &outside).await {
+            Ok(at) => at,
+            Err(e) => {
+                for i in outside {
+                    replies[i] = Some(failed("unavailable", e.to_string(), true));
+                }
+                asking
+                    .retain(|(g, _)| self.gateways.get(*g).is_some_and(|g| g.sessions_are_ours()));
+                Vec::new()
+            }
+        };
+        let now = chrono::Utc::now();
         let made = futures_util::future::join_all(asking.into_iter().filter_map(|(g, of)| {
             let gateway = self.gateways.get(g)?;
-            let sessions: Vec<SessionRequest> =
-                of.iter().map(|i| session_request(&requests[*i])).collect();
+            let sessions: Vec<SessionRequest> = of
+                .iter()
+                .map(|i| {
+                    let asked = first_asked
+                        .iter()
+                        .find(|(k, _)| k == i)
+                        .map_or(now, |(_, at)| *at);
+                    session_request(&requests[*i], asked)
+                })
+                .collect();
             Some(async move {
                 let made = gateway.create_sessions(&sessions).await;
                 (of, sessions, made)
@@ -238,6 +269,45 @@ impl LinkService {
         Ok(stored)
     }
 
+    /// When each of `requests` at the places `of` was first asked of its gateway: recorded now
+    /// if this is the first time. Returns (place, time) pairs.
+    async fn first_asked(
+        &self,
+        requests: &[PaymentLinkRequest],
+        of: &[usize],
+    ) -> Result<Vec<(usize, chrono::DateTime<chrono::Utc>)>, sqlx::Error> {
+        if of.is_empty() {
+            return Ok(Vec::new());
+        }
+        let gateways: Vec<String> = of
+            .iter()
+            .map(|i| requests[*i].gateway.to_string())
+            .collect();
+        let keys: Vec<&str> = of.iter().map(|i| requests[*i].link_key.as_str()).collect();
+        // The update of a row already there changes nothing but returns it: a request racing
+        // the first one waits for it and gets its time.
+        let asked: Vec<(String, String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+            "INSERT INTO payment_link_asks (gateway, link_key)
+             SELECT * FROM unnest($1::text[], $2::text[])
+             ON CONFLICT (gateway, link_key) DO UPDATE SET link_key = EXCLUDED.link_key
+             RETURNING gateway, link_key, first_asked_at",
+        )
+        .bind(&gateways)
+        .bind(&keys)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(of
+            .iter()
+            .filter_map(|i| {
+                let r = &requests[*i];
+                asked
+                    .iter()
+                    .find(|(g, k, _)| *g == r.gateway.as_str() && *k == r.link_key)
+                    .map(|(_, _, at)| (*i, *at))
+            })
+            .collect())
+    }
+
     /// The sessions stored for `requests`' orders and attempts: each with its request's place.
     async fn stored(
         &self,
@@ -269,7 +339,10 @@ impl LinkService {
 
 /// What the gateway is asked for an order's link: its amount, the split in its metadata, and
 /// keys made of the link's key (the same for the same order and attempt).
-fn session_request(r: &PaymentLinkRequest) -> SessionRequest {
+fn session_request(
+    r: &PaymentLinkRequest,
+    first_asked_at: chrono::DateTime<chrono::Utc>,
+) -> SessionRequest {
     let mut metadata = BTreeMap::new();
     metadata.insert("order_number".to_owned(), r.order_number.to_string());
     metadata.insert("attempt".to_owned(), r.attempt.to_string());
@@ -296,7 +369,18 @@ fn session_request(r: &PaymentLinkRequest) -> SessionRequest {
         idempotency_key: format!("payfleet-{}", r.link_key),
         reference: format!("pf-{}", r.link_key),
         expires_at: r.expires_at,
+        first_asked_at,
     }
+}
+
+/// Forgets the first askings older than two days: no gateway keeps an idempotency key longer.
+pub async fn prune_asks(pool: &PgPool) -> Result<u64, sqlx::Error> {
+    Ok(sqlx::query(
+        "DELETE FROM payment_link_asks WHERE first_asked_at < now() - interval '2 days'",
+    )
+    .execute(pool)
+    .await?
+    .rows_affected())
 }
 
 impl Handler<PaymentLink> for LinkService {

@@ -8,6 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use rust_decimal::Decimal;
 use sqlx::PgPool;
 
 use crate::gateways::api::{RefundOutcome, RefundQuery, RefundRequest};
@@ -54,14 +55,61 @@ impl RefundPayment {
         )))
     }
 
+    /// What the payment side knows of the payment now, which may be more than when the job
+    /// was asked for: a payment can be given back before the gateway named it (a Stripe
+    /// subscription's first payment is named by its invoice's event, which may come later),
+    /// and refunds made since (at the gateway's dashboard, or reported with the payment, as a
+    /// Mercado Pago lookup does) may have given some or all of it back already.
+    async fn known_now(&self, pool: &PgPool) -> Result<Option<KnownPayment>, sqlx::Error> {
+        match (&self.payment_id, self.of_payment) {
+            (Some(payment_id), true) => {
+                sqlx::query_as(
+                    "SELECT payment_id, amount, currency::text AS currency, amount_refunded
+                     FROM second_payments WHERE gateway = $1 AND payment_id = $2",
+                )
+                .bind(self.gateway)
+                .bind(payment_id)
+                .fetch_optional(pool)
+                .await
+            }
+            _ => {
+                sqlx::query_as(
+                    "SELECT payment_id, amount, currency::text AS currency, amount_refunded
+                     FROM payment_orders WHERE gateway = $1 AND session_id = $2",
+                )
+                .bind(self.gateway)
+                .bind(&self.session_id)
+                .fetch_optional(pool)
+                .await
+            }
+        }
+    }
+
     pub async fn run(&self, pool: &PgPool, gateways: &GatewayRegistry) -> Result<(), JobError> {
-        // Without these the gateway cannot be asked: the job ends dead, listed for an operator
-        // to refund by hand (`payfleet jobs dead`), never silently.
-        let (Some(payment_id), Some(amount)) = (&self.payment_id, self.amount) else {
-            return Err(JobError::fail(format!(
-                "{} session {} ({}): no payment id or amount to refund with; refund it at the gateway by hand",
+        let known = self.known_now(pool).await?;
+        let refunded = known.as_ref().map_or(Decimal::ZERO, |k| k.amount_refunded);
+        let payment_id = self
+            .payment_id
+            .clone()
+            .or_else(|| known.as_ref().and_then(|k| k.payment_id.clone()));
+        let amount = self
+            .amount
+            .or_else(|| known.as_ref().and_then(KnownPayment::paid));
+        // Without these the gateway cannot be asked. The gateway's event naming them may still
+        // come: the job retries with the queue's backoff and, when its attempts run out, ends
+        // dead, listed for an operator to refund by hand (`payfleet jobs dead`), never silently.
+        let (Some(payment_id), Some(amount)) = (payment_id, amount) else {
+            return Err(JobError::retry(format!(
+                "{} session {} ({}): no payment id or amount to refund with yet; waiting for the gateway's event naming them (refund it at the gateway by hand if it never comes)",
                 self.gateway, self.session_id, self.reason
             )));
+        };
+        let left = Money::new(amount.amount() - refunded, amount.currency())
+            .ok()
+            .filter(|m| !m.is_zero());
+        let Some(amount) = left else {
+            tracing::info!(gateway = %self.gateway, order = ?self.order_number, payment = %payment_id, %amount, reason = %self.reason, "a payment to give back is refunded already");
+            return Ok(());
         };
         let gateway = gateways.get(self.gateway).ok_or_else(|| {
             JobError::retry(format!(
@@ -99,6 +147,22 @@ impl RefundPayment {
             Err(e) if e.is_transient() => Err(JobError::retry(e)),
             Err(e) => Err(JobError::fail(e)),
         }
+    }
+}
+
+/// A payment as the payment side records it ([`RefundPayment::known_now`]).
+#[derive(sqlx::FromRow)]
+struct KnownPayment {
+    payment_id: Option<String>,
+    amount: Option<Decimal>,
+    currency: Option<String>,
+    amount_refunded: Decimal,
+}
+
+impl KnownPayment {
+    fn paid(&self) -> Option<Money> {
+        let currency = self.currency.as_deref()?.parse().ok()?;
+        Money::new(self.amount?, currency).ok()
     }
 }
 

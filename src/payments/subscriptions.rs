@@ -15,8 +15,8 @@ use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 
-use super::ProcessError;
 use super::apply::{self, Applied, Outcome};
+use super::{ProcessError, RefundPayment};
 use crate::gateways::{
     Fact, GatewayName, GatewayRegistry, PaymentRef, PaymentStatus, Renewal, SubscriptionChange,
 };
@@ -142,20 +142,50 @@ pub(super) async fn renewal(
         fee: renewal.fee,
         fee_percent,
     };
-    let (number, attempt, total, fee) =
-        match subscriptions::open_reported(tx, first.order_number, &reported).await? {
-            ReportedRenewal::Order {
-                number,
-                attempt,
-                total,
-                fee,
-            } => (number, attempt, total, fee),
-            ReportedRenewal::NoSubscription => {
-                // Its first payment confirmed no order (given back): the renewal is a payment
-                // no order takes, recorded and given back by the usual path.
-                return apply::apply(tx, gateway, payment, facts, event_id).await;
+    let (number, attempt, total, fee) = match subscriptions::open_reported(
+        tx,
+        first.order_number,
+        &reported,
+    )
+    .await?
+    {
+        ReportedRenewal::Order {
+            number,
+            attempt,
+            total,
+            fee,
+        } => (number, attempt, total, fee),
+        ReportedRenewal::NoSubscription => {
+            // Its first payment confirmed no order (given back, and the gateway asked to
+            // stop billing): a renewal charged anyway (before the gateway stopped, or
+            // because it could not be stopped) is a payment no order takes, recorded as
+            // unmatched and given back to the buyer, once.
+            let outcome = apply::apply(tx, gateway, payment, facts, event_id).await?;
+            if paid.is_some() {
+                let refund = RefundPayment {
+                    gateway,
+                    order_number: None,
+                    session_id: session.clone(),
+                    payment_id: payment.payment_id.clone(),
+                    amount: paid,
+                    seller_account: first
+                        .metadata
+                        .get("seller_account")
+                        .and_then(serde_json::Value::as_str)
+                        .map(str::to_owned),
+                    reason: format!(
+                        "a renewal of subscription {}, which started no subscription here (its first payment, of order {}, was given back)",
+                        renewal.subscription, first.order_number
+                    ),
+                    of_payment: false,
+                };
+                if apply::give_back_unmatched(tx, &refund).await? {
+                    tracing::warn!(%gateway, subscription = %renewal.subscription, session = %session, "a renewal of a subscription that never started here: giving it back");
+                }
             }
-        };
+            return Ok(outcome);
+        }
+    };
     let mut metadata: BTreeMap<String, serde_json::Value> =
         serde_json::from_value(first.metadata).unwrap_or_default();
     metadata.insert("order_number".into(), number.to_string().into());

@@ -194,6 +194,18 @@ async fn a_second_payment_on_a_paid_session_is_given_back_not_absorbed(pool: PgP
     .await
     .unwrap();
     assert_eq!(given_back, "10.0000");
+    // Refunded before its give-back ran (at the gateway's dashboard, or reported with the
+    // payment, as a Mercado Pago lookup does): the give-back asks the gateway for nothing
+    // more, and ends done, not dead.
+    step(&pool, &app.config, "payments").await;
+    let (jobs, asked): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM jobs WHERE kind = 'refund_payment'),
+                (SELECT count(*) FROM internal_refunds)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((jobs, asked), (0, 0));
     let waiting: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM payment_events WHERE processed_at IS NULL OR outcome = 'waiting'",
     )

@@ -520,6 +520,120 @@ async fn a_subscription_whose_first_payment_no_order_took_is_cancelled_at_stripe
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_subscription_that_never_started_here_has_every_charge_given_back_once(pool: PgPool) {
+    let log = Log::default();
+    let base = stand_in(stripe_with_subscriptions(Arc::default()), log.clone()).await;
+    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    payfleet::orders::expire_now(&pool, number).await.unwrap();
+    wait_for("the order expired", Duration::from_secs(30), async || {
+        shop.order(number).await["status"] == "expired"
+    })
+    .await;
+    let refunds = || {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.method == Method::POST && s.uri == "/v1/refunds")
+            .map(|s| {
+                let form = s.form();
+                (
+                    form.get("payment_intent").cloned().unwrap_or_default(),
+                    form.get("amount").cloned().unwrap_or_default(),
+                    s.header("stripe-account").unwrap_or_default().to_owned(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    // The late checkout names no PaymentIntent (a subscription's is its first invoice's): the
+    // give-back waits for the invoice's event to name it, rather than ending dead.
+    deliver(
+        &shop,
+        &stripe(
+            &session_completed("evt_late", &session, Some("sub_1")),
+            now(),
+        ),
+    )
+    .await;
+    outcome(&pool, "stripe", "evt_late").await;
+    let t0 = chrono::Utc::now().timestamp();
+    let first = invoice(
+        "evt_in1",
+        "invoice.paid",
+        "in_1",
+        "pi_1",
+        "subscription_create",
+        t0,
+    );
+    deliver(&shop, &stripe(&first, now())).await;
+    wait_for(
+        "the first payment given back",
+        Duration::from_secs(60),
+        async || !refunds().is_empty(),
+    )
+    .await;
+    assert_eq!(
+        refunds(),
+        vec![("pi_1".into(), "1990".into(), "acct_seller1".into())]
+    );
+
+    // Stripe charged the next period before it stopped billing: that charge is no sale here
+    // either, and goes back to the buyer, once, however often its event comes.
+    let renewal = invoice(
+        "evt_p2",
+        "invoice.paid",
+        "in_2",
+        "pi_2",
+        "subscription_cycle",
+        t0 + MONTH,
+    );
+    for _ in 0..2 {
+        deliver(&shop, &stripe(&renewal, now())).await;
+        outcome(&pool, "stripe", "evt_p2").await;
+    }
+    wait_for(
+        "the renewal given back",
+        Duration::from_secs(30),
+        async || refunds().len() == 2,
+    )
+    .await;
+    assert_eq!(
+        refunds()[1],
+        ("pi_2".into(), "1990".into(), "acct_seller1".into())
+    );
+    wait_for("the give-backs done", Duration::from_secs(30), async || {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM jobs WHERE kind = 'refund_payment'")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+            == 0
+    })
+    .await;
+    let given_back: Vec<(String, String, Option<String>)> = sqlx::query_as(
+        "SELECT session_id, status, payment_id FROM unmatched_payments
+         WHERE given_back_at IS NOT NULL ORDER BY session_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        given_back,
+        vec![("in_2".into(), "refunded".into(), Some("pi_2".into()))],
+        "the renewal is an unmatched payment, refunded"
+    );
+    let order = shop.order(number).await;
+    assert_eq!(order["status"], "expired", "{order}");
+    assert!(order["subscription_id"].is_null(), "{order}");
+    let sales: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger_entries")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(sales, 0, "no money moved in the ledger");
+    assert_eq!(refunds().len(), 2);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_stripe_subscription_whose_id_never_arrived_is_not_cancelled_here_alone(pool: PgPool) {
     let base = stand_in(stripe_with_subscriptions(Arc::default()), Log::default()).await;
     let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;

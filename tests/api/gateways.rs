@@ -117,6 +117,7 @@ fn session_request(account: Option<&str>, interval: Option<&str>) -> SessionRequ
         attempt: 1,
         reference: "pf-token-1".into(),
         expires_at: chrono::Utc::now() + chrono::Duration::hours(1),
+        first_asked_at: chrono::Utc::now(),
         amount: brl("19.90"),
         platform_fee: brl("1.99"),
         seller_account: account.map(str::to_owned),
@@ -127,7 +128,8 @@ fn session_request(account: Option<&str>, interval: Option<&str>) -> SessionRequ
     }
 }
 
-/// A Stripe stand-in: Checkout Sessions, refunds, and Stripe's error JSON for a bad account.
+/// A Stripe stand-in: Checkout Sessions, refunds (each succeeded at once), and Stripe's error
+/// JSON for a bad account.
 pub fn stripe_api() -> Router<Log> {
     async fn create(headers: HeaderMap, body: Bytes) -> impl IntoResponse {
         if headers.get("stripe-account").and_then(|v| v.to_str().ok()) == Some("acct_gone") {
@@ -160,7 +162,12 @@ pub fn stripe_api() -> Router<Log> {
         )
         .route(
             "/v1/refunds",
-            axum::routing::post(|| async { axum::Json(json!({"id": "re_1", "object": "refund", "status": "succeeded"})) }),
+            // One refund per PaymentIntent, named after it (`pi_1`'s is `re_1`).
+            axum::routing::post(|body: Bytes| async move {
+                let form = url_pairs(std::str::from_utf8(&body).unwrap());
+                let pi = form.get("payment_intent").cloned().unwrap_or_default();
+                axum::Json(json!({"id": format!("re_{}", pi.trim_start_matches("pi_")), "object": "refund", "status": "succeeded"}))
+            }),
         )
 }
 
@@ -289,7 +296,7 @@ async fn stripe_connect_speaks_stripes_documented_api() {
 }
 
 /// The tests' configuration with Stripe's API on a stand-in at `base`.
-fn config_with_stripe(base: String) -> payfleet::config::Config {
+pub fn config_with_stripe(base: String) -> payfleet::config::Config {
     let mut config = test_config();
     config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
         base_url: base,
@@ -318,7 +325,7 @@ async fn stripe_connect_shop(pool: &PgPool, log: Log) -> (Shop, String) {
     (shop, product)
 }
 
-fn stripe_cart(product: &str) -> Value {
+pub fn stripe_cart(product: &str) -> Value {
     json!({"buyer_id": "b", "gateway": "stripe", "items": [{"product_id": product, "quantity": 1}]})
 }
 
@@ -339,6 +346,84 @@ async fn stripe_checkout(shop: &Shop, product: &str) -> Value {
         "{answer}"
     );
     answer
+}
+
+/// A link whose first asking got no answer (Stripe may have made the session, and the answer
+/// was lost) is asked again, later, with the same idempotency key and exactly the same
+/// parameters: Stripe answers that with the session it made, where a key reused with other
+/// parameters (an expiry counted from each call's own time) is refused for a day.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_stripe_link_asked_again_asks_exactly_the_same(pool: PgPool) {
+    let log = Log::default();
+    let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let api = Router::new().route(
+        "/v1/checkout/sessions",
+        axum::routing::post(move || {
+            let first = first.clone();
+            async move {
+                if first.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                    return (
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        axum::Json(json!({"error": {"type": "api_error", "message": "try again"}})),
+                    );
+                }
+                (
+                    StatusCode::OK,
+                    axum::Json(json!({"id": "cs_test_1", "object": "checkout.session",
+                        "url": "https://checkout.stripe.test/c/pay/cs_test_1", "payment_status": "unpaid"})),
+                )
+            }
+        }),
+    );
+    let base = stand_in(api, log.clone()).await;
+    let shop = Shop {
+        app: Arc::new(spawn_fleet(pool.clone(), config_with_stripe(base)).await),
+    };
+    let seller = shop
+        .admin(
+            "/admin/sellers",
+            json!({"name": "Connected", "payout_frequency": "weekly", "payout_minimum": "0", "stripe_account": "acct_seller1"}),
+        )
+        .await;
+    let product = shop
+        .product(seller["id"].as_str().unwrap(), "19.90", "BRL")
+        .await;
+    let asked = || {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.uri == "/v1/checkout/sessions")
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    for _ in 0..50 {
+        let (status, answer) = shop.checkout(Some("k"), stripe_cart(&product)).await;
+        if !asked().is_empty() {
+            assert_eq!(
+                (status, answer["error"]["code"].as_str()),
+                (503, Some("payment_link_unavailable")),
+                "{answer}"
+            );
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    // Long enough that an expiry counted from each call's own time would differ.
+    tokio::time::sleep(std::time::Duration::from_millis(1_500)).await;
+    let (status, answer) = shop.checkout(Some("k"), stripe_cart(&product)).await;
+    assert_eq!(status, 201, "{answer}");
+    assert_eq!(answer["orders"][0]["payment"]["session_id"], "cs_test_1");
+    let sent = asked();
+    assert_eq!(sent.len(), 2);
+    assert_eq!(
+        sent[0].header("idempotency-key"),
+        sent[1].header("idempotency-key")
+    );
+    assert!(sent[0].header("idempotency-key").is_some());
+    assert_eq!(sent[0].form(), sent[1].form());
+    let expires: i64 = sent[0].form()["expires_at"].parse().unwrap();
+    let in_minutes = (expires - chrono::Utc::now().timestamp()) / 60;
+    assert!((28..=31).contains(&in_minutes), "{in_minutes}");
 }
 
 async fn wait_until_paid(shop: &Shop, number: i64) {

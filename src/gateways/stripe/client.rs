@@ -182,13 +182,16 @@ impl StripeConnect {
                 r.description.clone(),
             ),
             ("client_reference_id".into(), r.order_number.to_string()),
-            // Stripe takes 30 minutes to 24 hours: the session ends with the order, within those.
+            // Stripe takes 30 minutes to 24 hours after the session's creation: the session ends
+            // with the order, within those. Counted from the link's first asking, not from now:
+            // a retry under the same idempotency key must ask exactly the same, or Stripe
+            // refuses it (`idempotency_error`) for a day.
             (
                 "expires_at".into(),
                 r.expires_at
                     .clamp(
-                        chrono::Utc::now() + chrono::Duration::minutes(31),
-                        chrono::Utc::now() + chrono::Duration::hours(23),
+                        r.first_asked_at + chrono::Duration::minutes(31),
+                        r.first_asked_at + chrono::Duration::hours(23),
                     )
                     .timestamp()
                     .to_string(),
