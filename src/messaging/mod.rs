@@ -275,6 +275,15 @@ impl Broker {
         }
     }
 
+    /// Whether the broker has told this connection it takes no messages now (a memory or disk
+    /// alarm): a publish would wait, unsent, until the alarm ends.
+    pub fn is_blocked(&self) -> bool {
+        self.connection
+            .borrow()
+            .as_ref()
+            .is_some_and(|c| c.status().blocked())
+    }
+
     pub fn is_connected(&self) -> bool {
         self.connection
             .borrow()

@@ -30,7 +30,7 @@ use lapin::options::{
     ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, ExchangeKind};
+use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 
@@ -233,8 +233,15 @@ enum RelayError {
     Broker(#[from] lapin::Error),
     #[error("the broker refused message {0}")]
     Nacked(String),
+    /// Routed to no queue at all, not even the unrouted messages' (a queue deleted, and
+    /// declared again by its consumer without its binding): kept, and the topology declared
+    /// again before it goes again.
+    #[error("message {0} reached no queue; the queues and their bindings are declared again")]
+    Unroutable(String),
     #[error("the broker did not confirm within {0:?}")]
     Unconfirmed(Duration),
+    #[error("the broker is refusing messages (a resource alarm)")]
+    Blocked,
     #[error(transparent)]
     Database(#[from] sqlx::Error),
     #[error(transparent)]
@@ -248,13 +255,22 @@ async fn relay_batch(
     conn: &mut PgConnection,
     outbox: &impl Outbox,
 ) -> Result<usize, RelayError> {
+    // A broker under an alarm would take the publishes below into its socket's buffer and
+    // never read them: the rows are not even taken until it takes messages again.
+    if broker.is_blocked() {
+        return Err(RelayError::Blocked);
+    }
     let mut tx = sqlx::Connection::begin_with(conn, crate::db::BEGIN_BY_KEYS).await?;
     let rows = outbox.take(&mut tx, BATCH).await?;
     if rows.is_empty() {
         return Ok(0);
     }
+    // One deadline for the publishes and their confirms: an alarm raised mid-batch holds the
+    // publishes themselves, and never the rows' transaction for longer than this.
+    let deadline = tokio::time::Instant::now() + CONFIRM_TIMEOUT;
     let exchange = broker.name("orders");
     let mut confirms = Vec::with_capacity(rows.len());
+    let mut failure = None;
     for row in rows {
         let id = row.id;
         let traceparent = row.traceparent.clone();
@@ -269,16 +285,23 @@ async fn relay_batch(
         if let Some(tp) = &traceparent {
             properties = properties.with_headers(super::trace_headers(tp));
         }
-        let confirm = channel
-            .basic_publish(
-                exchange.as_str().into(),
-                message.routing_key().as_str().into(),
-                BasicPublishOptions::default(),
-                &body,
-                properties,
-            )
-            .await?;
-        confirms.push((id, message.message_id, confirm));
+        // Mandatory: a message that reaches no queue comes back instead of being confirmed.
+        let published = channel.basic_publish(
+            exchange.as_str().into(),
+            message.routing_key().as_str().into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
+            &body,
+            properties,
+        );
+        let Ok(confirm) = tokio::time::timeout_at(deadline, published).await else {
+            // The rest stay in the outbox, for a later batch.
+            failure = Some(RelayError::Unconfirmed(CONFIRM_TIMEOUT));
+            break;
+        };
+        confirms.push((id, message.message_id, confirm?));
     }
     broker
         .telemetry()
@@ -288,13 +311,15 @@ async fn relay_batch(
     // wait is bounded, so a stalled broker (a memory alarm) never holds the rows' transaction
     // open for long.
     let mut acked = Vec::with_capacity(confirms.len());
-    let mut failure = None;
-    let waited = tokio::time::timeout(CONFIRM_TIMEOUT, async {
+    let waited = tokio::time::timeout_at(deadline, async {
         for (id, message_id, confirm) in confirms {
             match confirm.await {
-                Ok(c) if c.is_ack() => {
+                Ok(Confirmation::Ack(None)) => {
                     broker.telemetry().message(MessageEvent::Confirmed, 1);
                     acked.push(id);
+                }
+                Ok(Confirmation::Ack(Some(_))) => {
+                    failure.get_or_insert(RelayError::Unroutable(message_id));
                 }
                 Ok(_) => {
                     broker.telemetry().message(MessageEvent::Nacked, 1);
@@ -321,7 +346,7 @@ async fn relay_batch(
     }
 }
 
-/// How long a batch waits for the broker's confirms.
+/// How long a batch may take to be published and confirmed.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The longest pause of the relay after failed batches.

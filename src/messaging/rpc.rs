@@ -150,6 +150,10 @@ pub enum PaymentLinkReply {
 pub enum RpcError {
     #[error("the answering side is not reachable (no broker connection)")]
     NotConnected,
+    /// The broker takes no message from this connection now (a memory or disk alarm): a
+    /// request would wait, unsent, for as long as the alarm lasts.
+    #[error("the broker is refusing messages (a resource alarm)")]
+    Blocked,
     #[error("no answer within {0:?}")]
     Timeout(Duration),
     #[error("the broker connection was lost while waiting for the answer")]
@@ -175,6 +179,7 @@ impl RpcError {
             // A reply of another length is a payment side of another release: asking again
             // (once it is replaced) works.
             Self::NotConnected
+            | Self::Blocked
             | Self::Timeout(_)
             | Self::Lost
             | Self::Publish(_)
@@ -328,6 +333,12 @@ impl RpcClient {
             .clone()
             .filter(|c| c.status().connected())
             .ok_or(RpcError::NotConnected)?;
+        if self.broker.is_blocked() {
+            return Err(RpcError::Blocked);
+        }
+        // One deadline for the whole call: a broker that stops taking messages mid-way (an
+        // alarm raised after the check above) holds the publish itself, not only the answer.
+        let deadline = tokio::time::Instant::now() + self.timeout;
         let correlation_id = format!("{:032x}", rand::random::<u128>());
         let body = serde_json::to_vec(request).map_err(RpcError::Encode)?;
         let (tx, rx) = oneshot::channel();
@@ -350,17 +361,18 @@ impl RpcClient {
         if let Some(tp) = crate::traces::traceparent() {
             properties = properties.with_headers(super::trace_headers(&tp));
         }
-        channel
-            .basic_publish(
-                "".into(),
-                self.broker.name(R::QUEUE).as_str().into(),
-                BasicPublishOptions::default(),
-                &body,
-                properties,
-            )
+        let published = channel.basic_publish(
+            "".into(),
+            self.broker.name(R::QUEUE).as_str().into(),
+            BasicPublishOptions::default(),
+            &body,
+            properties,
+        );
+        tokio::time::timeout_at(deadline, published)
             .await
+            .map_err(|_| RpcError::Timeout(self.timeout))?
             .map_err(RpcError::Publish)?;
-        match tokio::time::timeout(self.timeout, rx).await {
+        match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(data)) => serde_json::from_slice(&data).map_err(RpcError::Decode),
             Ok(Err(_)) => Err(RpcError::Lost),
             Err(_) => Err(RpcError::Timeout(self.timeout)),
@@ -481,7 +493,11 @@ impl BatchedLinks {
         let answer = tokio::time::timeout(self.client.timeout, asked)
             .await
             .unwrap_or(Err(RpcError::Timeout(self.client.timeout)));
-        if let Err(e @ (RpcError::NotConnected | RpcError::Lost | RpcError::Timeout(_))) = &answer {
+        if let Err(
+            e
+            @ (RpcError::NotConnected | RpcError::Blocked | RpcError::Lost | RpcError::Timeout(_)),
+        ) = &answer
+        {
             // Not counted by a batch.
             self.client.count(PaymentLink::QUEUE, Some(e));
         }

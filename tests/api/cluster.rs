@@ -2,7 +2,10 @@
 //! which `.ci/run` starts), the fleet's quorum queues keep every order message through the loss
 //! of the node that leads them and that every connection was on, and with quorum RPC queues
 //! (`PAYFLEET_AMQP_RPC_QUORUM=on`) checkouts get their payment links again once the fleet has
-//! reconnected. The tests take turns: two nodes stopped at once would leave no majority.
+//! reconnected; and a broker under a resource alarm, which takes no message, gets the callers
+//! that need it an answer in time rather than their requests held for the alarm. The tests take
+//! turns: two nodes stopped at once would leave no majority, and an alarm blocks the whole
+//! cluster.
 
 use std::net::SocketAddr;
 use std::process::Command;
@@ -18,6 +21,7 @@ use sqlx::{PgConnection, PgPool};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::checkout::Shop;
+use crate::gateways::{Log, config_with_stripe, stand_in, stripe_api, stripe_cart};
 use crate::helpers::*;
 
 /// One test at a time stops a node.
@@ -257,5 +261,84 @@ async fn payment_links_go_on_through_the_loss_of_their_queues_node_with_quorum_r
             .all(|(s, code)| *s == 503 && code == "payment_link_unavailable"),
         "{refused:?}"
     );
+    running.stop().await;
+}
+
+/// Ends a node's memory alarm when the test ends, whatever its outcome.
+struct EndAlarm(&'static str);
+
+impl Drop for EndAlarm {
+    fn drop(&mut self) {
+        let _ = Command::new("rabbitmqctl")
+            .args(["-n", self.0, "set_vm_memory_high_watermark", "0.4"])
+            .output();
+    }
+}
+
+/// A broker under a memory alarm takes no message from a connection that publishes: a payment
+/// link asked of an outside gateway (one request of its own) is answered 503 within the RPC's
+/// timeout, its order kept, instead of the checkout waiting, unanswered, for as long as the
+/// alarm lasts; and once the alarm ends, the same checkout gets its link.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_broker_alarm_gets_a_checkout_a_503_in_time_not_a_request_held(pool: PgPool) {
+    let _turn = ONE_NODE_DOWN.lock().await;
+    every_node_answers().await;
+    let base = stand_in(stripe_api(), Log::default()).await;
+    let mut config = config_with_stripe(base);
+    config.amqp_url = SecretUrl::new("amqp://guest:guest@127.0.0.1:5681/%2f".to_owned());
+    config.messaging.rpc_timeout = Duration::from_secs(3);
+    let (running, receiver) = worker_then_receiver(&pool, &config, Duration::from_secs(60)).await;
+    let shop = Shop {
+        app: Arc::new(receiver),
+    };
+    let seller = shop
+        .admin(
+            "/admin/sellers",
+            json!({"name": "Connected", "payout_frequency": "weekly", "payout_minimum": "0", "stripe_account": "acct_seller1"}),
+        )
+        .await;
+    let product = shop
+        .product(seller["id"].as_str().unwrap(), "19.90", "BRL")
+        .await;
+    let (status, answer) = shop.checkout(Some("before"), stripe_cart(&product)).await;
+    assert_eq!(status, 201, "{answer}");
+
+    let _end = EndAlarm("pf1@localhost");
+    rabbitmqctl("pf1@localhost", &["set_vm_memory_high_watermark", "0"]);
+    // The broker tells its connections once the alarm is raised; a request sent before that
+    // is taken into the socket and never read: either way, the answer comes in time.
+    for i in 0..3 {
+        let started = std::time::Instant::now();
+        let (status, answer) = tokio::time::timeout(
+            Duration::from_secs(20),
+            shop.checkout(Some(&format!("during-{i}")), stripe_cart(&product)),
+        )
+        .await
+        .expect("the checkout is answered while the alarm lasts");
+        assert_eq!(
+            (status, answer["error"]["code"].as_str()),
+            (503, Some("payment_link_unavailable")),
+            "{answer}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    rabbitmqctl("pf1@localhost", &["set_vm_memory_high_watermark", "0.4"]);
+    wait_for(
+        "the checkout gets its link after the alarm",
+        Duration::from_secs(60),
+        async || {
+            let (status, answer) = shop.checkout(Some("during-0"), stripe_cart(&product)).await;
+            if status != 201 {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                return false;
+            }
+            answer["orders"][0]["payment"]["url"].is_string()
+        },
+    )
+    .await;
     running.stop().await;
 }

@@ -147,6 +147,67 @@ async fn order_messages_go_to_their_services_queue_and_unbound_types_to_legacy(p
     .await;
 }
 
+fn rabbitmqctl(args: &[&str]) -> String {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("rabbitmqctl runs");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+async fn kept_unrouted(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM unrouted_messages")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// The unrouted messages' queue deleted (by an operator, or its TTL) and declared again by its
+/// consumer has lost its binding: a message of a type no service binds would then reach no
+/// queue at all. Published as mandatory, it comes back instead of being confirmed into nowhere,
+/// stays in the outbox, and goes again once the relay has declared the bindings again.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_message_that_would_reach_no_queue_stays_until_its_queue_is_bound_again(pool: PgPool) {
+    let mut config = test_config();
+    config.messaging.order_routes = "subscriptions=order.subscription.*".parse().unwrap();
+    let _fleet = spawn_fleet(pool.clone(), config.clone()).await;
+    order_events(&pool, 1).await;
+    wait_for("the first kept", Duration::from_secs(30), async || {
+        kept_unrouted(&pool).await == 1
+    })
+    .await;
+    let legacy = format!("{}.orders.legacy", config.messaging.namespace);
+    rabbitmqctl(&["delete_queue", &legacy]);
+    // Its consumer declares it again, bound to nothing. (Each rabbitmqctl is an Erlang VM
+    // starting: asked once a second.)
+    wait_for(
+        "the queue declared again",
+        Duration::from_secs(60),
+        async || {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            rabbitmqctl(&["list_queues", "name", "consumers"])
+                .lines()
+                .any(|l| l.split_whitespace().collect::<Vec<_>>() == [legacy.as_str(), "1"])
+        },
+    )
+    .await;
+    sqlx::query(
+        "INSERT INTO order_events (order_id, kind, payload) SELECT id, 'expired', '{}' FROM orders",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    wait_for("the second kept", Duration::from_secs(60), async || {
+        kept_unrouted(&pool).await == 2
+    })
+    .await;
+}
+
 /// `n` order events written as the business code writes them, for fixture orders.
 async fn order_events(pool: &PgPool, n: usize) {
     let sessions: Vec<String> = (0..n).map(|i| format!("s{i}")).collect();
