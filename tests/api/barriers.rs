@@ -395,3 +395,42 @@ async fn payouts_and_invoices_are_written_once(pool: PgPool) {
     )
     .await;
 }
+
+/// A coin reservation is decided once (a released marker with no amount too), what it holds
+/// never changes, and none is deleted.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn coin_reservations_are_decided_once(pool: PgPool) {
+    sqlx::raw_sql(
+        "INSERT INTO coin_reservations (id, buyer_id, amount, currency, order_number) VALUES
+             ('held', 'b', 5, 'BRL', 1), ('spent', 'b', 5, 'BRL', 2);
+         INSERT INTO coin_reservations (id, state, decided_at) VALUES ('released early', 'released', now());
+         UPDATE coin_reservations SET state = 'approved', decided_at = now() WHERE id = 'spent'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for sql in [
+        "UPDATE coin_reservations SET state = 'released' WHERE id = 'spent'",
+        "UPDATE coin_reservations SET state = 'approved' WHERE id = 'released early'",
+        "UPDATE coin_reservations SET buyer_id = 'b', amount = 5, currency = 'BRL' WHERE id = 'released early'",
+        "UPDATE coin_reservations SET amount = 50 WHERE id = 'held'",
+        "UPDATE coin_reservations SET buyer_id = 'someone else' WHERE id = 'held'",
+    ] {
+        refused(&pool, &[sql], "coin_reservations_decided_once").await;
+    }
+    refused(
+        &pool,
+        &["DELETE FROM coin_reservations WHERE id = 'held'"],
+        "never deleted",
+    )
+    .await;
+    assert!(
+        attempt(
+            &pool,
+            &["UPDATE coin_reservations SET state = 'released', decided_at = now() WHERE id = 'held'"]
+        )
+        .await
+        .is_none(),
+        "a held reservation is decided"
+    );
+}
