@@ -21,7 +21,9 @@ use sqlx::{PgConnection, PgPool};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::checkout::Shop;
-use crate::gateways::{Log, config_with_stripe, stand_in, stripe_api, stripe_cart};
+use crate::gateways::{
+    Log, config_with_stripe, connected_product, stand_in, stripe_api, stripe_cart,
+};
 use crate::helpers::*;
 
 /// One test at a time stops a node.
@@ -34,18 +36,7 @@ const NODES: [(&str, u16); 3] = [
 ];
 
 fn rabbitmqctl(node: &str, args: &[&str]) -> String {
-    let out = Command::new("rabbitmqctl")
-        .arg("-n")
-        .arg(node)
-        .args(args)
-        .output()
-        .expect("rabbitmqctl runs");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl -n {node} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    crate::helpers::rabbitmqctl(&[&["-n", node], args].concat())
 }
 
 /// What a load balancer in front of the cluster does: each connection goes to the first node
@@ -291,15 +282,7 @@ async fn a_broker_alarm_gets_a_checkout_a_503_in_time_not_a_request_held(pool: P
     let shop = Shop {
         app: Arc::new(receiver),
     };
-    let seller = shop
-        .admin(
-            "/admin/sellers",
-            json!({"name": "Connected", "payout_frequency": "weekly", "payout_minimum": "0", "stripe_account": "acct_seller1"}),
-        )
-        .await;
-    let product = shop
-        .product(seller["id"].as_str().unwrap(), "19.90", "BRL")
-        .await;
+    let product = connected_product(&shop).await;
     let (status, answer) = shop.checkout(Some("before"), stripe_cart(&product)).await;
     assert_eq!(status, 201, "{answer}");
 

@@ -313,16 +313,21 @@ async fn stripe_connect_shop(pool: &PgPool, log: Log) -> (Shop, String) {
     let shop = Shop {
         app: Arc::new(spawn_fleet(pool.clone(), config).await),
     };
+    let product = connected_product(&shop).await;
+    (shop, product)
+}
+
+/// A seller with a connected Stripe account (`acct_seller1`) and their 19.90 BRL product: the
+/// product's id.
+pub async fn connected_product(shop: &Shop) -> String {
     let seller = shop
         .admin(
             "/admin/sellers",
             json!({"name": "Connected", "payout_frequency": "weekly", "payout_minimum": "0", "stripe_account": "acct_seller1"}),
         )
         .await;
-    let product = shop
-        .product(seller["id"].as_str().unwrap(), "19.90", "BRL")
-        .await;
-    (shop, product)
+    shop.product(seller["id"].as_str().unwrap(), "19.90", "BRL")
+        .await
 }
 
 pub fn stripe_cart(product: &str) -> Value {
@@ -379,15 +384,7 @@ async fn a_stripe_link_asked_again_asks_exactly_the_same(pool: PgPool) {
     let shop = Shop {
         app: Arc::new(spawn_fleet(pool.clone(), config_with_stripe(base)).await),
     };
-    let seller = shop
-        .admin(
-            "/admin/sellers",
-            json!({"name": "Connected", "payout_frequency": "weekly", "payout_minimum": "0", "stripe_account": "acct_seller1"}),
-        )
-        .await;
-    let product = shop
-        .product(seller["id"].as_str().unwrap(), "19.90", "BRL")
-        .await;
+    let product = connected_product(&shop).await;
     let asked = || {
         log.lock()
             .unwrap()

@@ -683,3 +683,18 @@ impl TcpProxy {
 #[path = "../../crates/queue/tests/support/wait.rs"]
 mod wait;
 pub use wait::wait_for;
+
+/// Runs `rabbitmqctl` with `args` (`-n <node>` first for a node other than the main broker's)
+/// and returns what it printed; fails the test if it fails.
+pub fn rabbitmqctl(args: &[&str]) -> String {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("rabbitmqctl runs");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

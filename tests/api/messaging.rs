@@ -147,19 +147,6 @@ async fn order_messages_go_to_their_services_queue_and_unbound_types_to_legacy(p
     .await;
 }
 
-fn rabbitmqctl(args: &[&str]) -> String {
-    let out = std::process::Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .expect("rabbitmqctl runs");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 async fn kept_unrouted(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM unrouted_messages")
         .fetch_one(pool)
