@@ -49,7 +49,7 @@ impl Leases {
         let mut map = self.map();
         runs.map(|(id, token)| {
             let (tx, rx) = oneshot::channel();
-            map.insert(
+            let held = map.insert(
                 id,
                 Lease {
                     token,
@@ -58,6 +58,17 @@ impl Leases {
                     lost: false,
                 },
             );
+            // The job claimed again while a run of ours still held it under another token (a
+            // claim lost in a database crash): that run's lease is gone, and it must stop, not
+            // be left with no keeper to tell it.
+            if let Some(old) = held.filter(|old| old.token != token)
+                && let Some(cancel) = old.cancel
+                && cancel
+                    .send("the job was claimed again under another lease".to_owned())
+                    .is_ok()
+            {
+                tracing::warn!(job = %id, "the job was claimed again while a run of this process held an older lease; cancelling that run");
+            }
             rx
         })
         .collect()
@@ -217,4 +228,22 @@ async fn renew(control: &PgPool, leases: &Leases, lease: Duration) -> bool {
         }
     }
     held.is_empty()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A claim lost in a database crash, and the job claimed again by this process: the run
+    /// that held the lost claim is told to stop, and the new run's lease is the one kept.
+    #[test]
+    fn a_job_claimed_again_under_another_token_cancels_the_run_that_held_it() {
+        let leases = Leases::default();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut first = leases.hold([(JobId(7), 1)].into_iter(), deadline);
+        let mut second = leases.hold([(JobId(7), 2)].into_iter(), deadline);
+        assert!(first.pop().unwrap().try_recv().is_ok());
+        assert!(second.pop().unwrap().try_recv().is_err());
+        assert_eq!(leases.to_renew(), (vec![7], vec![2]));
+    }
 }

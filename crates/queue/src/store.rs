@@ -324,7 +324,11 @@ pub(crate) const CLAIM: &str = "WITH walk AS MATERIALIZED (
                  state = 'running',
                  attempt = j.attempt + 1,
                  attempted_at = now(),
-                 lease_token = nextval('jobs_lease_token_seq'),
+                 -- The sequence keeps tokens apart while the database runs; the random high
+                 -- bits keep a value it hands out again after a crash (its last values lost
+                 -- with the commits not waited for) from matching a run that still holds it.
+                 lease_token = nextval('jobs_lease_token_seq')
+                               | (floor(random() * 1073741824)::bigint << 32),
                  lease_expires_at = now() + $3 * interval '1 millisecond',
                  locked_by = $4
              -- At most $2 rows (the shares add up to no more); saying so keeps the plan a
@@ -834,6 +838,64 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(left, ["running"]);
+    }
+
+    /// A claim lost in a database crash (commits not waited for) can see the token sequence
+    /// hand out the same value again: the run that still holds the lost claim's token must not
+    /// match the new claim's, or its renewals would succeed and both runs go on at once.
+    #[sqlx::test(migrator = "crate::pg::MIGRATOR")]
+    async fn a_token_handed_out_again_after_a_crash_fences_off_the_run_that_held_it(pool: PgPool) {
+        insert_job(&pool, 1, 1).await;
+        let mut cursor = FairCursor::default();
+        let lease = Duration::from_secs(30);
+        let first = claim(
+            &pool,
+            "q",
+            1,
+            lease,
+            "w1",
+            &mut cursor,
+            BookkeepingCommit::On,
+        )
+        .await
+        .unwrap();
+        let (id, token) = (first[0].id, first[0].lease_token);
+        // The crash: the claim is gone, and so are the sequence's values since before it.
+        sqlx::query(
+            "UPDATE jobs SET state = 'available', attempt = 0, lease_token = NULL, lease_expires_at = NULL,
+                 locked_by = NULL WHERE id = $1",
+        )
+        .bind(id.0)
+        .execute(&pool)
+        .await
+        .unwrap();
+        let last: i64 = sqlx::query_scalar("SELECT last_value FROM jobs_lease_token_seq")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER SEQUENCE jobs_lease_token_seq RESTART WITH {last}"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let mut cursor = FairCursor::default();
+        let again = claim(
+            &pool,
+            "q",
+            1,
+            lease,
+            "w2",
+            &mut cursor,
+            BookkeepingCommit::On,
+        )
+        .await
+        .unwrap();
+        assert_eq!(again[0].id, id);
+        assert_ne!(again[0].lease_token, token);
+        // The first run's renewal is refused: its lease keeper cancels it.
+        let renewed = renew_leases(&pool, &[id.0], &[token], lease).await.unwrap();
+        assert!(renewed.is_empty());
     }
 
     /// Claims the next `n` jobs of queue q for the tests below; returns their payloads' n, in
