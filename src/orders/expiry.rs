@@ -67,7 +67,6 @@ struct Row {
     id: i64,
     status: OrderStatus,
     expires_at: DateTime<Utc>,
-    gateway: String,
 }
 
 /// How long past its time an order's expiry waits for the processing of events received
@@ -81,12 +80,11 @@ const BACKLOG_RECHECK: Duration = Duration::from_secs(2);
 /// Expires order `number` if it is still waiting for payment and its time has come.
 pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, payfleet_queue::QueueError> {
     let mut tx = pool.begin().await?;
-    let row: Option<Row> = sqlx::query_as(
-        "SELECT id, status, expires_at, gateway FROM orders WHERE number = $1 FOR UPDATE",
-    )
-    .bind(number)
-    .fetch_optional(&mut *tx)
-    .await?;
+    let row: Option<Row> =
+        sqlx::query_as("SELECT id, status, expires_at FROM orders WHERE number = $1 FOR UPDATE")
+            .bind(number)
+            .fetch_optional(&mut *tx)
+            .await?;
     let Some(o) = row else {
         return Ok(Expiry::NoSuchOrder);
     };
@@ -100,17 +98,17 @@ pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, payfleet_queue
         ));
     }
     // A payment that arrived in time is the order's, however late the workers get to it (an
-    // outage, a restart): while events of its gateway received before its time still wait for
-    // processing, it waits too (the hour-long soak found orders paid in time expired this way).
-    // Read through the unprocessed events' index; rejected or waiting events do not hold it.
+    // outage, a restart): while events received before its time still wait for processing, it
+    // waits too (the hour-long soak found orders paid in time expired this way). Events of any
+    // gateway: an internal order collected through Stripe is paid by Stripe's events, stored
+    // under Stripe's name until processing tells whose they are. Read through the unprocessed
+    // events' index; rejected or waiting events do not hold it.
     if now - o.expires_at < BACKLOG_GRACE {
         let backlog: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM payment_events
-                            WHERE processed_at IS NULL AND received_at <= $1 AND gateway = $2
-                              AND outcome IS NULL)",
+                            WHERE processed_at IS NULL AND received_at <= $1 AND outcome IS NULL)",
         )
         .bind(o.expires_at)
-        .bind(&o.gateway)
         .fetch_one(&mut *tx)
         .await?;
         if backlog {

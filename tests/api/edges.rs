@@ -828,8 +828,9 @@ async fn a_dispute_left_open_past_any_decision_is_shown_to_an_operator(pool: PgP
 
 /// Found by the hour-long soak: an order paid in time was expired when its payment's
 /// processing came after its expiry (workers restarting, the database away). Its expiry now
-/// waits while events of its gateway received before its time are unprocessed, so the payment
-/// confirms it; an event stuck for longer than the grace (ten minutes) holds nothing back.
+/// waits while events received before its time are unprocessed (of any gateway: an internal
+/// order collected through Stripe is paid by Stripe's), so the payment confirms it; an event
+/// stuck for longer than the grace (ten minutes) holds nothing back.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_payment_received_before_expiry_confirms_the_order_even_when_processed_after(
     pool: PgPool,
@@ -877,4 +878,25 @@ async fn a_payment_received_before_expiry_confirms_the_order_even_when_processed
         .await
         .unwrap();
     assert_eq!(expire(&pool, 3).await.unwrap(), Expiry::Expired);
+}
+
+/// An internal order collected through Stripe is paid by Stripe's events, stored under
+/// Stripe's name until processing tells whose they are: one received in time holds the order's
+/// expiry back as its own gateway's would.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_event_of_another_gateway_received_in_time_holds_the_expiry_back_too(pool: PgPool) {
+    use payfleet::orders::expiry::{Expiry, expire};
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    sqlx::query("UPDATE orders SET expires_at = now() - interval '30 seconds' WHERE number = 1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO payment_events (gateway, event_id, event_type, raw_body, received_at)
+         VALUES ('stripe', 'evt_in_time', 'checkout.session.completed', '\\x7b7d', now() - interval '1 minute')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(matches!(expire(&pool, 1).await.unwrap(), Expiry::NotYet(_)));
 }
