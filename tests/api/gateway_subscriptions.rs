@@ -465,21 +465,28 @@ async fn a_stripe_subscription_is_cancelled_at_stripe_first_then_here_once(pool:
     assert_eq!(steps(&pool, number).await, ["canceled"]);
 }
 
+/// A Stripe subscription order (its stand-in's requests in `log`) that expired unpaid: the shop,
+/// its number and its Checkout Session.
+async fn expired_stripe_subscription_order(pool: &PgPool, log: &Log) -> (Shop, i64, String) {
+    let base = stand_in(stripe_with_subscriptions(Arc::default()), log.clone()).await;
+    let (shop, order) = subscription_order(pool, "stripe", "BRL", with_stripe(base)).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    payfleet::orders::expire_now(pool, number).await.unwrap();
+    wait_for("the order expired", Duration::from_secs(30), async || {
+        shop.order(number).await["status"] == "expired"
+    })
+    .await;
+    (shop, number, session)
+}
+
 /// A subscription's first payment that no order takes (here it comes after its order expired)
 /// is given back, and the subscription Stripe started with it is cancelled there, once: the
 /// buyer is not billed every period for a subscription that never started here.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_subscription_whose_first_payment_no_order_took_is_cancelled_at_stripe(pool: PgPool) {
     let log = Log::default();
-    let base = stand_in(stripe_with_subscriptions(Arc::default()), log.clone()).await;
-    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
-    let number = order["number"].as_i64().unwrap();
-    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
-    payfleet::orders::expire_now(&pool, number).await.unwrap();
-    wait_for("the order expired", Duration::from_secs(30), async || {
-        shop.order(number).await["status"] == "expired"
-    })
-    .await;
+    let (shop, number, session) = expired_stripe_subscription_order(&pool, &log).await;
     let cancellations = || {
         log.lock()
             .unwrap()
@@ -522,15 +529,7 @@ async fn a_subscription_whose_first_payment_no_order_took_is_cancelled_at_stripe
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_subscription_that_never_started_here_has_every_charge_given_back_once(pool: PgPool) {
     let log = Log::default();
-    let base = stand_in(stripe_with_subscriptions(Arc::default()), log.clone()).await;
-    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
-    let number = order["number"].as_i64().unwrap();
-    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
-    payfleet::orders::expire_now(&pool, number).await.unwrap();
-    wait_for("the order expired", Duration::from_secs(30), async || {
-        shop.order(number).await["status"] == "expired"
-    })
-    .await;
+    let (shop, number, session) = expired_stripe_subscription_order(&pool, &log).await;
     let refunds = || {
         log.lock()
             .unwrap()
