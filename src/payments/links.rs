@@ -285,10 +285,11 @@ impl LinkService {
             .collect();
         let keys: Vec<&str> = of.iter().map(|i| requests[*i].link_key.as_str()).collect();
         // The update of a row already there changes nothing but returns it: a request racing
-        // the first one waits for it and gets its time.
+        // the first one waits for it and gets its time. The same link asked twice in one batch
+        // is one row (an upsert may not touch a row twice).
         let asked: Vec<(String, String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
             "INSERT INTO payment_link_asks (gateway, link_key)
-             SELECT * FROM unnest($1::text[], $2::text[])
+             SELECT DISTINCT * FROM unnest($1::text[], $2::text[])
              ON CONFLICT (gateway, link_key) DO UPDATE SET link_key = EXCLUDED.link_key
              RETURNING gateway, link_key, first_asked_at",
         )
