@@ -21,7 +21,10 @@
 //! - `dispute_undecided`: a dispute open for more than 75 days (card networks decide within
 //!   that: its decision's event was likely lost; the disputed amount is held meanwhile);
 //! - `order_message_dead`: an order message a consumer failed to handle on every attempt
-//!   (`payfleet messages dead`, then `replay` once the consumer is fixed).
+//!   (`payfleet messages dead`, then `replay` once the consumer is fixed);
+//! - `refund_failed_after_done`: a refund recorded as done (the seller debited, the order
+//!   refunded) that the gateway later reported failed or canceled: the buyer may not have the
+//!   money back, and the platform holds it; an operator pays the buyer back another way.
 
 use std::time::Duration;
 
@@ -51,6 +54,7 @@ pub const CHECKS: &[&str] = &[
     "job_stuck",
     "dispute_undecided",
     "order_message_dead",
+    "refund_failed_after_done",
 ];
 
 /// The checks' settings.
@@ -223,6 +227,23 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .await?;
     found.extend(rows.into_iter().map(|(subject, detail)| Violation {
         check: "order_message_dead",
+        subject,
+        detail,
+    }));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('order %s, %s refund %s', s.order_number, r.gateway, r.refund_id),
+                format('%s %s recorded refunded, then reported %s at %s: the buyer may not have it back',
+                       r.amount, r.currency, e.state, e.ended_at)
+         FROM payment_refunds r
+         JOIN refunds_ended e ON e.gateway = r.gateway AND e.refund_id = r.refund_id
+         JOIN payment_orders po ON po.id = r.payment_order_id
+         LEFT JOIN payment_sessions s ON s.gateway = po.gateway AND s.session_id = po.session_id
+         ORDER BY e.ended_at LIMIT 1000",
+    )
+    .fetch_all(pool)
+    .await?;
+    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
+        check: "refund_failed_after_done",
         subject,
         detail,
     }));

@@ -57,6 +57,10 @@ pub struct PaymentState {
     pub status: PaymentStatus,
     pub payment_id: Option<String>,
     pub amount: Option<Money>,
+    /// The gateway's subscription the payment started, where the gateway bills it from then on
+    /// (a Stripe Checkout Session in subscription mode): what its renewals and cancellation
+    /// will name, recorded as its webhook's `Fact::Subscribed` would be.
+    pub subscription: Option<String>,
 }
 
 /// An event the gateway could not deliver to our webhook endpoint, as its API lists it: the

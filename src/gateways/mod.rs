@@ -148,6 +148,11 @@ pub struct Renewal {
     pub fee: Option<Money>,
     /// Where the buyer can see or pay it, if the gateway has such a page.
     pub url: Option<String>,
+    /// What the period's charge asks for, where the gateway says it with a failure (Stripe's
+    /// `amount_due`): the renewal order a failure opens costs that, so the gateway's retry
+    /// that succeeds pays exactly its order (a coupon, a proration or a price change makes it
+    /// differ from the subscription's own charge).
+    pub due: Option<Money>,
 }
 
 /// A subscription period, as a gateway bills it.

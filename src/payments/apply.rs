@@ -519,6 +519,9 @@ async fn second_payment_facts(
             }
             .into());
         }
+        if refund_ended(tx, gateway, refund_id).await? {
+            continue;
+        }
         let recorded = sqlx::query(
             "INSERT INTO second_payment_refunds (second_payment_id, refund_id, amount) VALUES ($1, $2, $3)
              ON CONFLICT DO NOTHING",
@@ -574,7 +577,7 @@ async fn record_refund(
             .bind(refund_id)
             .fetch_optional(&mut *tx)
             .await?;
-    if known.is_some() {
+    if known.is_some() || refund_ended(tx, gateway, refund_id).await? {
         return Ok(false);
     }
     same_currency("refund", refund_id, amount, &paid)?;
@@ -647,6 +650,17 @@ async fn end_refund(
     .bind(why)
     .execute(&mut *tx)
     .await?;
+    // Kept whether or not we asked for it (a refund made in the gateway's dashboard has no
+    // request here), so a late report of its success finds it ended.
+    let first = sqlx::query(
+        "INSERT INTO refunds_ended (gateway, refund_id, state) VALUES ($1, $2, $3)
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(gateway)
+    .bind(refund_id)
+    .bind(state)
+    .execute(&mut *tx)
+    .await?;
     let done: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM payment_refunds WHERE gateway = $1 AND refund_id = $2)",
     )
@@ -654,10 +668,30 @@ async fn end_refund(
     .bind(refund_id)
     .fetch_one(&mut *tx)
     .await?;
-    if done {
-        tracing::error!(%gateway, refund = refund_id, state, "a refund recorded as done was later reported {state}: the buyer may not have the money back; an operator must look");
+    if done && first.rows_affected() > 0 {
+        tracing::error!(%gateway, refund = refund_id, state, "a refund recorded as done was later reported {state}: the buyer may not have the money back; an operator must look (consistency check refund_failed_after_done)");
     }
-    Ok(ended.rows_affected() > 0)
+    Ok(ended.rows_affected() + first.rows_affected() > 0)
+}
+
+/// Whether the gateway reported `refund_id` failed or canceled: such a refund never moves money,
+/// whatever report of its success arrives after (gateways keep no order among deliveries).
+async fn refund_ended(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    refund_id: &str,
+) -> Result<bool, sqlx::Error> {
+    let ended: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM refunds_ended WHERE gateway = $1 AND refund_id = $2)",
+    )
+    .bind(gateway)
+    .bind(refund_id)
+    .fetch_one(&mut *tx)
+    .await?;
+    if ended {
+        tracing::warn!(%gateway, refund = refund_id, "a success reported of a refund the gateway had reported ended: not recorded");
+    }
+    Ok(ended)
 }
 
 /// A refund or dispute moves money in the payment's currency, never another.

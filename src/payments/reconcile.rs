@@ -50,6 +50,9 @@ struct Reconciled {
     /// A dispute's decision (then `status` is the dispute's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     dispute_id: Option<String>,
+    /// The gateway's subscription the payment started (`PaymentState::subscription`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    subscription: Option<String>,
 }
 
 /// Reads a reconciliation event of `gateway`'s, as `gateways::interpret` reads a webhook.
@@ -84,13 +87,19 @@ pub fn interpret(gateway: GatewayName, body: &[u8]) -> Result<Interpretation, Ev
         "failed" => PaymentStatus::Failed,
         _ => return Ok(Interpretation::Ignore("the gateway says pending".into())),
     };
-    Ok(Interpretation::Update {
-        payment,
-        facts: vec![Fact::Payment {
-            status,
-            amount: r.amount,
-        }],
-    })
+    let mut facts = vec![Fact::Payment {
+        status,
+        amount: r.amount,
+    }];
+    // As the session's own event says it: the renewals and the cancellation the gateway will
+    // report name this subscription, and wait for it to be known.
+    if let Some(subscription) = r
+        .subscription
+        .filter(|_| status == PaymentStatus::Succeeded)
+    {
+        facts.push(Fact::Subscribed { subscription });
+    }
+    Ok(Interpretation::Update { payment, facts })
 }
 
 #[derive(Debug, Clone)]
@@ -170,7 +179,7 @@ pub async fn run(
                AND s.created_at < now() - make_interval(secs => $2)
                AND o.paid_at IS NULL
                AND (o.payable OR o.expired_at > now() - interval '1 day')
-               AND (po.id IS NULL OR (po.succeeded_at IS NULL AND po.failed_at IS NULL))
+               AND (po.id IS NULL OR po.succeeded_at IS NULL)
          ) due WHERE n <= $3",
     )
     .bind(&names)
@@ -305,6 +314,7 @@ async fn ask_about_disputes(
                 status: status.as_str().to_owned(),
                 amount: None,
                 dispute_id: Some(d.dispute_id.clone()),
+                subscription: None,
             })
             .map_err(QueueError::Encode)?;
             let event_id = format!("reconciled_dispute:{}:{status}", d.dispute_id);
@@ -403,9 +413,12 @@ async fn ask_gateway(
                 let r = finding(pool, name, p, "unreachable", &e.to_string()).await;
                 return (name, r.map(|_| (asked, found, false)));
             }
+            // Refused (a session it does not know, an account that no longer lets us ask):
+            // reported, and asked again only after the others, as an answered session is, so a
+            // run's share is not spent on the same refusals at every run.
             Err(e) => {
                 tracing::warn!(gateway = %name, session = %p.session_id, error = %e, "reconciliation: the gateway refused the question");
-                if let Err(e) = finding(pool, name, p, "refused", &e.to_string()).await {
+                if let Err(e) = refused(pool, name, p, &e.to_string()).await {
                     return (name, Err(e));
                 }
                 continue;
@@ -528,6 +541,7 @@ async fn record(
         status: status.to_owned(),
         amount: state.amount,
         dispute_id: None,
+        subscription: state.subscription.clone(),
     })
     .map_err(QueueError::Encode)?;
     // The same finding twice is the same event.
@@ -541,6 +555,19 @@ async fn record(
     tx.commit().await?;
     tracing::warn!(%gateway, session = %p.session_id, order = p.order_number, status, "reconciliation found a payment no webhook reported");
     Ok(true)
+}
+
+async fn refused(
+    pool: &PgPool,
+    gateway: GatewayName,
+    p: &Pending,
+    detail: &str,
+) -> Result<(), QueueError> {
+    let mut tx = pool.begin().await?;
+    mark_checked(&mut tx, gateway, &p.session_id).await?;
+    finding(&mut *tx, gateway, p, "refused", detail).await?;
+    tx.commit().await?;
+    Ok(())
 }
 
 async fn finding<'c>(

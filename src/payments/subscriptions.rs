@@ -116,8 +116,8 @@ pub(super) async fn renewal(
     let Some(session) = &payment.session_id else {
         return Ok(Applied::Waiting(key).into());
     };
-    // What the period costs: the charge a success reports, else (a failure) what the
-    // subscription charges.
+    // What the period costs: the charge a success reports, else (a failure) what the failure
+    // says is due, else what the subscription charges.
     let paid = facts.iter().find_map(|f| match f {
         Fact::Payment {
             status: PaymentStatus::Succeeded,
@@ -128,7 +128,7 @@ pub(super) async fn renewal(
     if known_renewal(tx, gateway, session).await? {
         return apply::apply(tx, gateway, payment, facts, event_id).await;
     }
-    let amount = match paid {
+    let amount = match paid.or(renewal.due) {
         Some(m) => m,
         None => match subscriptions::charge_of(tx, first.order_number).await? {
             Some(m) => m,
@@ -315,8 +315,18 @@ pub async fn cancel(
                 .cancel_subscription(&reference, account.as_deref(), at_period_end)
                 .await?;
         }
-        // The fleet bills it: it ends here.
-        None if sub.gateway == GatewayName::Internal => {}
+        // The fleet bills it (the simulator's sessions are ours): it ends here.
+        None if sub.gateway == GatewayName::Internal
+            && gateways
+                .get(GatewayName::Internal)
+                .is_none_or(|g| g.sessions_are_ours()) => {}
+        // Collected through an acquirer that bills it (Stripe): ended here only, the buyer
+        // would go on being charged there.
+        None if sub.gateway == GatewayName::Internal => {
+            return Err(not_cancellable(
+                "its acquirer bills it, and its first payment's event named no subscription of the acquirer's yet",
+            ));
+        }
         None => {
             return Err(not_cancellable(
                 "its first payment's event named no subscription of the gateway's",

@@ -694,11 +694,85 @@ async fn a_refund_the_gateway_fails_later_ends_failed_and_frees_its_amount(pool:
             .unwrap();
     assert_eq!(state, "failed");
     assert!(failure.unwrap().contains("failed"));
+    // A report of its success delivered late (a retry from before it failed) changes nothing:
+    // a refund the gateway ended never moves money.
+    deliver(
+        &app,
+        "refund_succeeded_late",
+        &about_with(
+            "refund.succeeded",
+            "sess_a",
+            "pay_a",
+            json!({"refund_id": "rf_late", "amount": "10.00", "currency": "BRL"}),
+        ),
+    )
+    .await;
+    assert_eq!(
+        order(&pool).await,
+        ("paid".into(), "succeeded".into(), "0.0000".into()),
+        "nothing was refunded"
+    );
     // Its amount is free: the whole payment may be refunded again.
     let (again, written) = ask("rf-3").await.unwrap();
     assert!(written);
     assert_eq!(again.amount.to_string(), "10.00");
-    assert_eq!(order(&pool).await.0, "paid", "nothing was refunded");
+    let findings = payfleet::consistency::check(&pool, std::time::Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(
+        findings
+            .iter()
+            .all(|f| f.check != "refund_failed_after_done"),
+        "{findings:?}"
+    );
+}
+
+/// The other order: a refund recorded as done (the seller debited, the order refunded), which
+/// the gateway then reports failed. The buyer may not have the money back, and the platform
+/// holds it: the consistency check shows it to an operator, with the order and the refund.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_reported_failed_after_it_was_recorded_done_is_shown_to_an_operator(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    deliver(
+        &app,
+        "paid",
+        &about("payment.succeeded", "sess_a", "pay_a", Some("10.00")),
+    )
+    .await;
+    deliver(
+        &app,
+        "refunded",
+        &about_with(
+            "refund.succeeded",
+            "sess_a",
+            "pay_a",
+            json!({"refund_id": "rf_1", "amount": "4.00", "currency": "BRL"}),
+        ),
+    )
+    .await;
+    for (name, kind) in [
+        ("failed", "refund.failed"),
+        ("failed_again", "refund.failed"),
+    ] {
+        deliver(
+            &app,
+            name,
+            &about_with(kind, "sess_a", "pay_a", json!({"refund_id": "rf_1"})),
+        )
+        .await;
+    }
+    let findings = payfleet::consistency::check(&pool, std::time::Duration::ZERO)
+        .await
+        .unwrap();
+    let found: Vec<(&str, &str)> = findings
+        .iter()
+        .filter(|f| f.check == "refund_failed_after_done")
+        .map(|f| (f.subject.as_str(), f.detail.as_str()))
+        .collect();
+    assert_eq!(found.len(), 1, "{findings:?}");
+    assert_eq!(found[0].0, "order 1, internal refund rf_1");
+    assert!(found[0].1.contains("reported failed"), "{}", found[0].1);
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]

@@ -656,6 +656,135 @@ async fn a_stripe_subscription_whose_id_never_arrived_is_not_cancelled_here_alon
     assert_eq!(subscription_of(&shop, number).await["status"], "active");
 }
 
+/// A period's charge that fails first opens its renewal order at what Stripe says is due (here
+/// less than the plan's price: a coupon or a proration on the invoice), so Stripe's retry that
+/// succeeds pays exactly that order: one sale, nothing given back as a wrong amount.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_renewal_that_fails_first_costs_what_stripe_says_is_due(pool: PgPool) {
+    let base = stand_in(stripe_api(), Log::default()).await;
+    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    deliver(
+        &shop,
+        &stripe(&session_completed("evt_1", &session, Some("sub_1")), now()),
+    )
+    .await;
+    subscription_of(&shop, number).await;
+    let start = chrono::Utc::now().timestamp() + MONTH;
+    let charge = |event: &str, kind: &str, pi: &str| {
+        let paid = if kind == "invoice.payment_failed" {
+            0
+        } else {
+            1791
+        };
+        json!({"id": event, "type": kind, "account": "acct_seller1", "data": {"object": {
+            "id": "in_2", "object": "invoice", "subscription": "sub_1",
+            "billing_reason": "subscription_cycle", "payment_intent": pi, "amount_paid": paid,
+            "amount_due": 1791, "currency": "brl", "application_fee_amount": 179,
+            "lines": {"data": [{"period": {"start": start, "end": start + MONTH}}]}}}})
+        .to_string()
+    };
+    deliver(
+        &shop,
+        &stripe(&charge("evt_f", "invoice.payment_failed", "pi_2a"), now()),
+    )
+    .await;
+    wait_subscription(&shop, number, "past due", |s| s["status"] == "past_due").await;
+    deliver(
+        &shop,
+        &stripe(&charge("evt_p", "invoice.paid", "pi_2b"), now()),
+    )
+    .await;
+    assert_eq!(outcome(&pool, "stripe", "evt_p").await.0, "applied");
+    wait_subscription(&shop, number, "active again", |s| s["status"] == "active").await;
+    assert_eq!(
+        renewals(&pool).await,
+        vec![(
+            number + 1,
+            "paid".to_owned(),
+            "1.7900".to_owned(),
+            "16.1200".to_owned(),
+            1
+        )]
+    );
+    let (unmatched, refunds): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM unmatched_payments),
+                (SELECT count(*) FROM jobs WHERE kind = 'refund_payment')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((unmatched, refunds), (0, 0), "nothing is given back");
+}
+
+/// A Stripe subscription's first payment whose `checkout.session.completed` never came is found
+/// by reconciliation, with the subscription it started there, as the session's own event would
+/// have said: the renewals Stripe reports name it and apply (not wait for it for ever), and it
+/// is cancelled at Stripe.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_subscription_whose_first_payment_was_reconciled_knows_its_stripe_subscription(
+    pool: PgPool,
+) {
+    let log = Log::default();
+    let api = stripe_with_subscriptions(Arc::default()).route(
+        "/v1/events",
+        axum::routing::get(|| async {
+            axum::Json(json!({"object": "list", "data": [], "has_more": false}))
+        }),
+    );
+    let base = stand_in(api, log.clone()).await;
+    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
+    let number = order["number"].as_i64().unwrap();
+    let t0 = chrono::Utc::now().timestamp();
+
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, &pool).unwrap();
+    let r =
+        payfleet::payments::reconcile::run(&pool, &gateways, &crate::reconcile::settings(10, 0))
+            .await
+            .unwrap();
+    assert_eq!(r.found, 1, "{r:?}");
+    wait_for("the order paid", Duration::from_secs(30), async || {
+        shop.order(number).await["status"] == "paid"
+    })
+    .await;
+    let id = subscription_of(&shop, number).await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    deliver(
+        &shop,
+        &stripe(
+            &invoice(
+                "evt_r2",
+                "invoice.paid",
+                "in_2",
+                "pi_2",
+                "subscription_cycle",
+                t0 + MONTH,
+            ),
+            now(),
+        ),
+    )
+    .await;
+    assert_eq!(outcome(&pool, "stripe", "evt_r2").await.0, "applied");
+    let sold: Vec<i64> = renewals(&pool).await.into_iter().map(|r| r.4).collect();
+    assert_eq!(sold, vec![1], "the second period is one sale");
+
+    let (status, sub) = cancel(&shop, &id, json!({})).await;
+    assert_eq!(
+        (status, sub["status"].as_str()),
+        (200, Some("canceled")),
+        "{sub}"
+    );
+    let last = log.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(
+        (&last.method, last.uri.as_str()),
+        (&Method::DELETE, "/v1/subscriptions/sub_1")
+    );
+}
+
 /// A Razorpay `subscription.*` event of `sub_R1` (created with the first order's session in its
 /// notes), with the charge of Razorpay order `order` when given.
 fn razorpay_subscription(

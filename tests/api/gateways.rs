@@ -156,9 +156,35 @@ pub fn stripe_api() -> Router<Log> {
         .route("/v1/checkout/sessions", axum::routing::post(create))
         .route(
             "/v1/checkout/sessions/{id}",
-            axum::routing::get(|Path(id): Path<String>| async move {
-                axum::Json(json!({"id": id, "object": "checkout.session", "payment_status": "paid", "payment_intent": "pi_1", "amount_total": 1990, "currency": "brl"}))
-            }),
+            // Paid; a session made in subscription mode answers as Stripe's do: the
+            // subscription it started (`sub_1`), no PaymentIntent (its first invoice has it).
+            axum::routing::get(
+                |axum::extract::State(log): axum::extract::State<Log>, Path(id): Path<String>| async move {
+                    // As the latest request that made this session asked.
+                    let subscription = log
+                        .lock()
+                        .unwrap()
+                        .iter()
+                        .rev()
+                        .map(|seen| (seen, url_pairs(&seen.body)))
+                        .find(|(seen, form)| {
+                            seen.method == Method::POST
+                                && seen.uri.ends_with("/v1/checkout/sessions")
+                                && format!(
+                                    "cs_test_{}",
+                                    form.get("client_reference_id").cloned().unwrap_or_default()
+                                ) == id
+                        })
+                        .is_some_and(|(_, form)| {
+                            form.get("mode").map(String::as_str) == Some("subscription")
+                        });
+                    axum::Json(if subscription {
+                        json!({"id": id, "object": "checkout.session", "mode": "subscription", "subscription": "sub_1", "payment_status": "paid", "payment_intent": null, "invoice": "in_1", "amount_total": 1990, "currency": "brl"})
+                    } else {
+                        json!({"id": id, "object": "checkout.session", "mode": "payment", "payment_status": "paid", "payment_intent": "pi_1", "amount_total": 1990, "currency": "brl"})
+                    })
+                },
+            ),
         )
         .route(
             "/v1/refunds",
@@ -231,13 +257,16 @@ async fn stripe_connect_speaks_stripes_documented_api() {
         Some("10")
     );
 
+    // Made last in subscription mode: paid, with the subscription it started (its first
+    // invoice names the PaymentIntent, the session none).
     let state = stripe.status("cs_test_7", Some("acct_1")).await.unwrap();
     assert_eq!(
         state,
         PaymentState {
             status: PaymentStatus::Succeeded,
-            payment_id: Some("pi_1".into()),
+            payment_id: None,
             amount: Some(brl("19.90")),
+            subscription: Some("sub_1".into()),
         }
     );
     assert_eq!(
@@ -744,6 +773,7 @@ async fn mercadopago_preferences_payments_and_refunds_as_documented() {
             status: PaymentStatus::Succeeded,
             payment_id: Some("1002".into()),
             amount: Some(brl("19.90")),
+            subscription: None,
         }
     );
     let receipt = mp

@@ -654,28 +654,55 @@ async fn every_stripe_closing_status_decides_the_dispute(pool: PgPool) {
     }
 }
 
-/// A Mercado Pago Payments API stand-in whose payments the test changes.
-async fn mercadopago_api(
+/// A Mercado Pago Payments API stand-in whose payments the test changes: each by its id, and
+/// the search by `external_reference`, newest first (a payment's `date_created` is its id here).
+pub(crate) async fn mercadopago_api(
     payments: std::sync::Arc<
         std::sync::Mutex<std::collections::HashMap<String, serde_json::Value>>,
     >,
 ) -> String {
-    let api = axum::Router::new().route(
-        "/v1/payments/{id}",
-        get(move |Path(id): Path<String>| {
-            let payments = payments.clone();
-            async move {
-                match payments.lock().unwrap().get(&id) {
-                    Some(p) => Json(p.clone()).into_response(),
-                    None => (
-                        axum::http::StatusCode::NOT_FOUND,
-                        Json(serde_json::json!({"message": "Payment not found", "status": 404})),
-                    )
-                        .into_response(),
+    let searched = payments.clone();
+    let api = axum::Router::new()
+        .route(
+            "/v1/payments/search",
+            get(
+                move |axum::extract::Query(q): axum::extract::Query<
+                    std::collections::HashMap<String, String>,
+                >| {
+                    let payments = searched.clone();
+                    async move {
+                        let wanted = q.get("external_reference").cloned().unwrap_or_default();
+                        let mut results: Vec<serde_json::Value> = payments
+                            .lock()
+                            .unwrap()
+                            .values()
+                            .filter(|p| p["external_reference"] == wanted.as_str())
+                            .cloned()
+                            .collect();
+                        results.sort_by_key(|p| std::cmp::Reverse(p["id"].as_i64()));
+                        Json(serde_json::json!({ "results": results }))
+                    }
+                },
+            ),
+        )
+        .route(
+            "/v1/payments/{id}",
+            get(move |Path(id): Path<String>| {
+                let payments = payments.clone();
+                async move {
+                    match payments.lock().unwrap().get(&id) {
+                        Some(p) => Json(p.clone()).into_response(),
+                        None => (
+                            axum::http::StatusCode::NOT_FOUND,
+                            Json(
+                                serde_json::json!({"message": "Payment not found", "status": 404}),
+                            ),
+                        )
+                            .into_response(),
+                    }
                 }
-            }
-        }),
-    );
+            }),
+        );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, api).await });
@@ -773,6 +800,90 @@ async fn mercadopago_mediations_end_won_or_as_a_refund(pool: PgPool) {
     set("303", "approved", serde_json::json!([]));
     notify("303").await;
     assert_eq!(dispute("303").await, ("lost".into(), "charged_back".into()));
+}
+
+/// A chargeback stays `charged_back` at Mercado Pago from its start to its end; its
+/// `status_detail` says where it stands. While `in_process` it holds the amount as an open
+/// dispute (nothing taken for good), and `reimbursed` (Mercado Pago covered it) decides it for
+/// the seller: the seller's balance is whole again. `settled` takes it.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_mercadopago_chargeback_in_process_is_open_until_settled_or_reimbursed(pool: PgPool) {
+    let payments = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+    let base = mercadopago_api(payments.clone()).await;
+    let mut config = test_config();
+    config.gateways.mercadopago.api = Some(MercadoPagoApi {
+        base_url: base,
+        access_token: Secret::new("TEST-token"),
+    });
+    let app = spawn_app(pool.clone()).await;
+    orders_for(
+        &pool,
+        "mercadopago",
+        &["pref_501", "pref_502"],
+        "50.00",
+        "BRL",
+    )
+    .await;
+    let set = |id: &str, status: &str, detail: &str| {
+        payments.lock().unwrap().insert(
+            id.to_owned(),
+            serde_json::json!({
+                "id": id.parse::<i64>().unwrap(), "status": status, "status_detail": detail,
+                "transaction_amount": 50, "currency_id": "BRL",
+                "external_reference": format!("pref_{id}"), "refunds": []
+            }),
+        );
+    };
+    let mut request = 0;
+    let mut notify = async |id: &str| {
+        request += 1;
+        app.deliver(&mercadopago(id, &format!("req-{request}"), now() * 1000))
+            .await;
+        process_events_with(&pool, &config).await;
+    };
+    let dispute = async |id: &str| -> (String, String) {
+        let state: String =
+            sqlx::query_scalar("SELECT status FROM payment_disputes WHERE dispute_id = $1")
+                .bind(format!("mp-{id}"))
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        (
+            state,
+            order_status(&pool, "mercadopago", &format!("pref_{id}"))
+                .await
+                .unwrap()
+                .0,
+        )
+    };
+    for id in ["501", "502"] {
+        set(id, "approved", "accredited");
+        notify(id).await;
+        set(id, "charged_back", "in_process");
+        notify(id).await;
+        assert_eq!(
+            dispute(id).await,
+            ("open".into(), "disputed".into()),
+            "{id}"
+        );
+    }
+    set("501", "charged_back", "reimbursed");
+    notify("501").await;
+    assert_eq!(dispute("501").await, ("won".into(), "paid".into()));
+    set("502", "charged_back", "settled");
+    notify("502").await;
+    assert_eq!(dispute("502").await, ("lost".into(), "charged_back".into()));
+    // The seller bears the settled one only: one sale's net, not two.
+    let taken: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM ledger_transfers WHERE kind = 'dispute_debit'
+         AND order_number IN (SELECT number FROM orders WHERE session_id = 'pref_501')
+         AND NOT EXISTS (SELECT 1 FROM ledger_transfers r WHERE r.kind = 'dispute_reversal'
+                         AND r.order_number = ledger_transfers.order_number)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(taken, 0, "the reimbursed chargeback took nothing for good");
 }
 
 /// A mediation ended by a refund, whose notification was lost: reconciliation asks about the

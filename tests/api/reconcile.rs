@@ -324,3 +324,93 @@ async fn stripes_undelivered_events_are_stored_as_their_webhooks_and_the_late_we
         .unwrap();
     assert_eq!(events, 1);
 }
+
+/// Mercado Pago (as Razorpay) takes several attempts at one checkout: a payment refused, then
+/// one approved whose notification is lost. The refusal must not stop reconciliation from
+/// asking about the checkout: the approved payment confirms the order.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_payment_approved_after_a_refused_attempt_is_still_looked_for(pool: PgPool) {
+    let payments = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+    let base = crate::processing::mercadopago_api(payments.clone()).await;
+    let mut config = test_config();
+    config.gateways.mercadopago.api = Some(payfleet::gateways::mercadopago::Api {
+        base_url: base,
+        access_token: payfleet::secret::Secret::new("TEST-token"),
+    });
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "mercadopago", &["pref_7"], "50.00", "BRL").await;
+    let set = |id: i64, status: &str| {
+        payments.lock().unwrap().insert(
+            id.to_string(),
+            json!({
+                "id": id, "status": status, "transaction_amount": 50, "currency_id": "BRL",
+                "external_reference": "pref_7", "refunds": []
+            }),
+        );
+    };
+    set(701, "rejected");
+    app.deliver(&mercadopago("701", "req-701", now() * 1000))
+        .await;
+    process_events_with(&pool, &config).await;
+    let state = async || -> (String, String) {
+        sqlx::query_as(
+            "SELECT o.status, po.status FROM orders o
+             JOIN payment_orders po ON po.gateway = o.gateway AND po.session_id = o.session_id
+             WHERE o.session_id = 'pref_7'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(state().await, ("payment_failed".into(), "failed".into()));
+
+    // The buyer tries again in the same checkout; this approval's notification never comes.
+    set(702, "approved");
+    let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
+    let r = reconcile::run(&pool, &gateways, &settings(10, 0))
+        .await
+        .unwrap();
+    assert_eq!((r.asked, r.found), (1, 1), "the checkout is asked about");
+    process_events_with(&pool, &config).await;
+    assert_eq!(state().await, ("paid".into(), "succeeded".into()));
+    let again = reconcile::run(&pool, &gateways, &settings(10, 0))
+        .await
+        .unwrap();
+    assert_eq!((again.asked, again.found), (0, 0), "a paid order is not");
+}
+
+/// A session the gateway refuses to tell about (an account deauthorized, say) goes to the back
+/// of the line like any answered one: with room for one question a run, the next run asks the
+/// next session instead of the refused one again.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_session_the_gateway_refuses_to_tell_about_does_not_crowd_out_the_others(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["cs_gone_1"], "10.00", "BRL").await;
+    orders_for(&pool, "internal", &["cs_gone_2"], "10.00", "BRL").await;
+    sqlx::query(
+        "UPDATE payment_sessions SET created_at = created_at - interval '1 minute'
+         WHERE session_id = 'cs_gone_1'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (gateways, _) = payfleet::startup::gateways(&app.config, &pool).unwrap();
+    for _ in 0..2 {
+        let r = reconcile::run(&pool, &gateways, &settings(1, 0))
+            .await
+            .unwrap();
+        assert_eq!((r.asked, r.found), (1, 0));
+    }
+    let asked: Vec<(String, String)> =
+        sqlx::query_as("SELECT session_id, outcome FROM reconciliation_findings ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        asked,
+        vec![
+            ("cs_gone_1".into(), "refused".into()),
+            ("cs_gone_2".into(), "refused".into())
+        ]
+    );
+}

@@ -252,6 +252,7 @@ impl HostedGateway {
             status: self.map(&p.status),
             payment_id: p.payment_id.clone(),
             amount: p.money().ok(),
+            subscription: None,
         })
     }
 

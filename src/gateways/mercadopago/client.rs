@@ -59,6 +59,8 @@ pub struct MercadoPagoClient {
 struct Payment {
     id: Value,
     status: String,
+    /// What stage a `charged_back` payment's chargeback is at (see [`mediation_status`]).
+    status_detail: Option<String>,
     transaction_amount: Option<Value>,
     currency_id: Option<String>,
     external_reference: Option<String>,
@@ -262,6 +264,7 @@ fn authorized_payment(a: AuthorizedPayment) -> Result<Interpretation, EventError
             period: Some(Period { start, end: None }),
             fee: None,
             url: None,
+            due: None,
         },
         payment: PaymentRef {
             session_id: Some(format!("authorized_payment:{}", id_text(&a.id))),
@@ -305,7 +308,10 @@ fn payment_facts(p: Payment) -> Result<(PaymentRef, Vec<Fact>), EventError> {
     // `approved` again, lost as a chargeback (`charged_back`), or lost as a refund
     // (`refunded`: the refunds above carry the money, so the dispute takes nothing back).
     let dispute_id = format!("mp-{}", id_text(&p.id));
-    match (mediation_status(&p.status), amount) {
+    match (
+        mediation_status(&p.status, p.status_detail.as_deref()),
+        amount,
+    ) {
         // Opened or lost: the mediation takes its amount.
         (Some(status @ (DisputeStatus::Open | DisputeStatus::Lost)), Some(amount)) => {
             facts.push(Fact::Dispute {
@@ -328,13 +334,25 @@ fn payment_facts(p: Payment) -> Result<(PaymentRef, Vec<Fact>), EventError> {
 }
 
 /// A payment's status as its mediation's: `in_mediation` open, approved (again) won,
-/// `charged_back` lost, `refunded` ended as a refund (the refunds carry the money).
-fn mediation_status(payment_status: &str) -> Option<DisputeStatus> {
-    match payment_status {
-        "in_mediation" => Some(DisputeStatus::Open),
-        "approved" => Some(DisputeStatus::Won),
-        "charged_back" => Some(DisputeStatus::Lost),
-        "refunded" => Some(DisputeStatus::Refunded),
+/// `refunded` ended as a refund (the refunds carry the money). A chargeback stays
+/// `charged_back` from its start to its end; its `status_detail` says where it stands:
+/// `in_process` still open (the amount is held, not taken), `reimbursed` decided for the seller
+/// (Mercado Pago covered it), `settled` (or no detail, as older answers give) lost. A detail we
+/// do not know holds the amount as an open dispute does, rather than taking it for good: a
+/// decided dispute never changes again.
+fn mediation_status(payment_status: &str, detail: Option<&str>) -> Option<DisputeStatus> {
+    match (payment_status, detail) {
+        ("in_mediation", _) => Some(DisputeStatus::Open),
+        ("approved", _) => Some(DisputeStatus::Won),
+        ("charged_back", None | Some("settled")) => Some(DisputeStatus::Lost),
+        ("charged_back", Some("reimbursed")) => Some(DisputeStatus::Won),
+        ("charged_back", Some(other)) => {
+            if other != "in_process" {
+                tracing::warn!(gateway = %NAME, detail = other, "a chargeback at a stage we do not know: held as open");
+            }
+            Some(DisputeStatus::Open)
+        }
+        ("refunded", _) => Some(DisputeStatus::Refunded),
         _ => None,
     }
 }
@@ -444,6 +462,7 @@ impl MercadoPagoClient {
                 status: PaymentStatus::Pending,
                 payment_id: None,
                 amount: None,
+                subscription: None,
             });
         };
         let amount = match (&p.transaction_amount, p.currency_id.as_deref()) {
@@ -456,6 +475,7 @@ impl MercadoPagoClient {
             status: self.map(&p.status),
             payment_id: Some(id_text(&p.id)),
             amount,
+            subscription: None,
         })
     }
 
@@ -521,13 +541,14 @@ impl MercadoPagoClient {
             mp_error,
         )
         .await?;
-        Ok(mediation_status(&p.status))
+        Ok(mediation_status(&p.status, p.status_detail.as_deref()))
     }
 }
 
 #[derive(Deserialize)]
 struct PaymentStatusOnly {
     status: String,
+    status_detail: Option<String>,
 }
 
 impl MercadoPagoClient {

@@ -143,11 +143,13 @@ impl RazorpayGateway {
                 status: self.map(&p.status),
                 payment_id: Some(p.id.clone()),
                 amount: Money::from_minor(p.amount, &p.currency).ok(),
+                subscription: None,
             },
             None => PaymentState {
                 status: PaymentStatus::Pending,
                 payment_id: None,
                 amount: None,
+                subscription: None,
             },
         })
     }

@@ -224,6 +224,7 @@ fn subscription_charge(v: &Value, charged: bool) -> Result<Interpretation, Event
             period,
             fee: None,
             url: str_at(sub, "short_url").map(str::to_owned),
+            due: None,
         },
         payment: PaymentRef {
             session_id: Some(session),

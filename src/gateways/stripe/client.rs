@@ -54,6 +54,9 @@ struct CheckoutSession {
     payment_intent: Option<Value>,
     amount_total: Option<i64>,
     currency: Option<String>,
+    /// In subscription mode: the subscription it started (its id, or the object if expanded).
+    mode: Option<String>,
+    subscription: Option<Value>,
 }
 
 /// A page of Stripe's events list.
@@ -278,15 +281,21 @@ impl StripeConnect {
             ),
             _ => None,
         };
-        let payment_id = match s.payment_intent {
+        let id_of = |v: Option<Value>| match v {
             Some(Value::String(id)) => Some(id),
             Some(Value::Object(o)) => o.get("id").and_then(Value::as_str).map(str::to_owned),
             _ => None,
         };
+        let subscription = if s.mode.as_deref() == Some("subscription") {
+            id_of(s.subscription)
+        } else {
+            None
+        };
         Ok(PaymentState {
             status: self.map(s.payment_status.as_deref().unwrap_or("")),
-            payment_id,
+            payment_id: id_of(s.payment_intent),
             amount,
+            subscription,
         })
     }
 

@@ -312,6 +312,10 @@ fn invoice(o: &Value, failed: bool) -> Result<Interpretation, EventError> {
         Some(v) if v.is_i64() => Some(money_at(o, "application_fee_amount")?),
         _ => None,
     };
+    let due = match o.get("amount_due") {
+        Some(v) if v.as_i64().is_some_and(|d| d > 0) => Some(money_at(o, "amount_due")?),
+        _ => None,
+    };
     Ok(Interpretation::Renewal {
         renewal: Renewal {
             subscription,
@@ -319,6 +323,7 @@ fn invoice(o: &Value, failed: bool) -> Result<Interpretation, EventError> {
             period,
             fee,
             url: str_at(o, "hosted_invoice_url").map(str::to_owned),
+            due,
         },
         payment: PaymentRef {
             session_id: Some(id.to_owned()),
@@ -421,6 +426,7 @@ mod tests {
                     }),
                     fee: Some(Money::parse("1.99", "BRL").unwrap()),
                     url: Some("https://invoice.stripe.test/in_2".into()),
+                    due: None,
                 }
             );
             assert_eq!(
