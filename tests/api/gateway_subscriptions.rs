@@ -1108,3 +1108,52 @@ async fn the_internal_gateways_subscriptions_collected_through_stripe_are_billed
     assert_eq!(asked.uri, "/v1/subscriptions/sub_1");
     assert_eq!(asked.header("stripe-account"), None);
 }
+
+/// The internal gateway's subscription collected through Stripe is billed by Stripe: while no
+/// event has named its Stripe subscription, cancelling it is refused (409), not done here
+/// alone while Stripe goes on charging the buyer.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_acquirer_billed_subscription_whose_id_never_arrived_is_not_cancelled_here_alone(
+    pool: PgPool,
+) {
+    const PLATFORM_SECRET: &str = "whsec_platform_endpoint_secret";
+    let log = Log::default();
+    let base = stand_in(stripe_with_subscriptions(Arc::default()), log.clone()).await;
+    let (shop, order) = subscription_order(&pool, "internal", "BRL", |config| {
+        with_stripe(base)(config);
+        config.gateways.hosted.internal_acquirer =
+            payfleet::gateways::hosted::InternalAcquirer::Stripe;
+        config.gateways.hosted.internal = None;
+        config.gateways.stripe.platform_webhook_secret = Some(Secret::new(PLATFORM_SECRET));
+    })
+    .await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap();
+    deliver(
+        &shop,
+        &stripe_signed(
+            PLATFORM_SECRET,
+            &on_platform(&session_completed("evt_1", session, None)),
+            now(),
+        ),
+    )
+    .await;
+    let id = subscription_of(&shop, number).await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (status, body) = cancel(&shop, &id, json!({})).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (409, Some("cancel_not_supported")),
+        "{body}"
+    );
+    assert_eq!(subscription_of(&shop, number).await["status"], "active");
+    assert!(
+        log.lock()
+            .unwrap()
+            .iter()
+            .all(|s| !s.uri.starts_with("/v1/subscriptions/")),
+        "Stripe was not asked about a subscription it never named"
+    );
+}
