@@ -7,6 +7,10 @@
 //!   a deadline for the whole body, where tower-http's body timeout restarts at every chunk and
 //!   would let a sender trickle a byte every 29 s), or the request is refused (408) and its
 //!   connection closed;
+//! - a response the client stops reading (its socket's buffers full, nothing taken for
+//!   `write_timeout`, 30 s) ends its connection ([`StallGuard`]): hyper has no timer while it
+//!   writes, and a client that sends a request and never reads the answer would otherwise hold
+//!   a connection slot for ever, with no traffic of its own;
 //! - at most `max_connections` connections are served at once; one over that is closed as it
 //!   arrives, before anything is read from it.
 //!
@@ -39,6 +43,8 @@ pub struct HttpSettings {
     pub header_timeout: std::time::Duration,
     /// A request body not received whole within this is refused and its connection closed.
     pub body_timeout: std::time::Duration,
+    /// A connection whose client takes nothing of a response for this long is closed.
+    pub write_timeout: std::time::Duration,
     /// Connections served at once; more are closed as they arrive.
     pub max_connections: usize,
     /// Behind a proxy: the header it sets to the client's address (its last value is taken).
@@ -48,7 +54,8 @@ pub struct HttpSettings {
 
 impl HttpSettings {
     /// `PAYFLEET_MAX_CONNECTIONS` (4096), `PAYFLEET_CLIENT_ADDRESS_HEADER` (unset); the
-    /// timeouts are fixed: 10 s for a request's head, 30 s for its body.
+    /// timeouts are fixed: 10 s for a request's head, 30 s for its body, 30 s for a response
+    /// the client reads nothing of.
     pub fn from_env(env: &dyn crate::env::Env) -> Result<Self, crate::env::Invalid> {
         use crate::env::{invalid, parsed, var};
         let max_connections = parsed(env, "PAYFLEET_MAX_CONNECTIONS", 4096usize)?;
@@ -68,6 +75,7 @@ impl HttpSettings {
         Ok(Self {
             header_timeout: std::time::Duration::from_secs(10),
             body_timeout: std::time::Duration::from_secs(30),
+            write_timeout: std::time::Duration::from_secs(30),
             max_connections,
             client_address_header,
         })
@@ -136,6 +144,7 @@ pub async fn serve(
                 })
             }
         });
+        let stream = StallGuard::new(stream, limits.write_timeout);
         let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
         connections.spawn(async move {
             if let Err(e) = connection.await {
@@ -156,6 +165,100 @@ pub async fn serve(
     }
     connections.abort_all();
     Ok(())
+}
+
+/// A connection whose writes may not stall: once a write (or flush) cannot go on, the client
+/// has `stall` to take some of it, or the connection fails (and hyper closes it). Any progress
+/// starts the wait again, so a slow reader is served, and a client that reads nothing is not.
+pub struct StallGuard<T> {
+    inner: T,
+    stall: Duration,
+    waiting: Option<Pin<Box<Sleep>>>,
+}
+
+impl<T> StallGuard<T> {
+    pub fn new(inner: T, stall: Duration) -> Self {
+        Self {
+            inner,
+            stall,
+            waiting: None,
+        }
+    }
+
+    /// What a write that could not go on returns: pending, until the stall's deadline.
+    fn stalled<R>(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<R>> {
+        let stall = self.stall;
+        let deadline = self
+            .waiting
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+        match deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the client took nothing of its response for {stall:?}"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn went_on<R>(
+        &mut self,
+        done: Poll<std::io::Result<R>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<std::io::Result<R>> {
+        match done {
+            Poll::Ready(r) => {
+                self.waiting = None;
+                Poll::Ready(r)
+            }
+            Poll::Pending => self.stalled(cx),
+        }
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for StallGuard<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for StallGuard<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let done = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.went_on(done, cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let done = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.went_on(done, cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let done = Pin::new(&mut this.inner).poll_flush(cx);
+        this.went_on(done, cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
 }
 
 /// A request body with a deadline for the whole of it.
@@ -236,24 +339,31 @@ mod tests {
         HttpSettings {
             header_timeout: Duration::from_millis(300),
             body_timeout: Duration::from_millis(300),
+            write_timeout: Duration::from_millis(300),
             max_connections,
             client_address_header: None,
         }
     }
 
     async fn start(limits: HttpSettings) -> SocketAddr {
-        let router = Router::new().route(
-            "/",
-            axum::routing::post(|body: Result<Bytes, BytesRejection>| async move {
-                match body {
-                    Ok(b) => (axum::http::StatusCode::OK, format!("{}", b.len())),
-                    Err(r) if is_body_timeout(&r) => {
-                        (axum::http::StatusCode::REQUEST_TIMEOUT, "late".into())
+        let router = Router::new()
+            .route(
+                "/",
+                axum::routing::post(|body: Result<Bytes, BytesRejection>| async move {
+                    match body {
+                        Ok(b) => (axum::http::StatusCode::OK, format!("{}", b.len())),
+                        Err(r) if is_body_timeout(&r) => {
+                            (axum::http::StatusCode::REQUEST_TIMEOUT, "late".into())
+                        }
+                        Err(_) => (axum::http::StatusCode::BAD_REQUEST, "broken".into()),
                     }
-                    Err(_) => (axum::http::StatusCode::BAD_REQUEST, "broken".into()),
-                }
-            }),
-        );
+                }),
+            )
+            // An answer larger than what the sockets between us buffer.
+            .route(
+                "/large",
+                axum::routing::get(|| async { vec![b'a'; 32 << 20] }),
+            );
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(serve(listener, router, limits, std::future::pending()));
@@ -301,6 +411,43 @@ mod tests {
         let (answer, took) = until_closed(&mut s).await;
         assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
         assert!(took < Duration::from_secs(3));
+    }
+
+    #[tokio::test]
+    async fn a_client_that_reads_nothing_of_its_answer_gives_its_connection_up() {
+        let addr = start(limits(1)).await;
+        // Asks for a large answer and reads nothing of it, through a small receive buffer.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut stalled = socket.connect(addr).await.unwrap();
+        stalled
+            .write_all(b"GET /large HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The only slot is held while the answer waits; once its wait has passed, the slot is
+        // free for the next client.
+        let started = std::time::Instant::now();
+        let answer = loop {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let _ = s
+                .write_all(
+                    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                )
+                .await;
+            let (answer, _) = until_closed(&mut s).await;
+            if !answer.is_empty() || started.elapsed() > Duration::from_secs(4) {
+                break answer;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+        drop(stalled);
     }
 
     #[tokio::test]
