@@ -24,7 +24,11 @@
 //!   (`payfleet messages dead`, then `replay` once the consumer is fixed);
 //! - `refund_failed_after_done`: a refund recorded as done (the seller debited, the order
 //!   refunded) that the gateway later reported failed or canceled: the buyer may not have the
-//!   money back, and the platform holds it; an operator pays the buyer back another way.
+//!   money back, and the platform holds it; an operator pays the buyer back another way;
+//! - `subscription_period_overdue`: a live subscription whose period ended more than a day
+//!   ago with no renewal reported for the next one, paid or failed, nor its end: the gateway's
+//!   invoice or cancellation event was lost (reconciliation asks about checkouts, not
+//!   periods), or the fleet's own billing is stuck.
 
 use std::time::Duration;
 
@@ -55,6 +59,7 @@ pub const CHECKS: &[&str] = &[
     "dispute_undecided",
     "order_message_dead",
     "refund_failed_after_done",
+    "subscription_period_overdue",
 ];
 
 /// The checks' settings.
@@ -244,6 +249,23 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .await?;
     found.extend(rows.into_iter().map(|(subject, detail)| Violation {
         check: "refund_failed_after_done",
+        subject,
+        detail,
+    }));
+    // Every renewal a gateway reports (paid or failed) moves the current period on, and so
+    // does the fleet's own billing: a period a day past its end without one had its report
+    // lost. A day: a gateway charges at the period's end, or within the hour after it.
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('subscription %s (order %s, %s)', id, order_number, gateway),
+                format('its period ended at %s and no renewal or end was reported since: ask %s', current_period_end, gateway)
+         FROM subscriptions
+         WHERE status <> 'canceled' AND current_period_end < now() - interval '1 day'
+         ORDER BY current_period_end LIMIT 1000",
+    )
+    .fetch_all(pool)
+    .await?;
+    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
+        check: "subscription_period_overdue",
         subject,
         detail,
     }));

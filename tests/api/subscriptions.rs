@@ -584,3 +584,58 @@ async fn cancelled_now_a_past_due_subscription_ends_and_its_unpaid_renewal_expir
         "{body}"
     );
 }
+
+/// A live subscription a day past its period's end, with nothing reported since (a gateway's
+/// invoice or cancellation event lost, or the fleet's billing stuck), is a consistency
+/// finding; a canceled one, or one within its period, is not.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_subscription_a_day_past_its_period_with_nothing_reported_is_a_finding(pool: PgPool) {
+    let shop = shop(pool.clone()).await;
+    let seller = shop.seller("Club House").await;
+    let id = paid_subscription(&shop, &seller).await;
+    let overdue = async || -> Vec<String> {
+        payfleet::consistency::check(&pool, Duration::ZERO)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|v| v.check == "subscription_period_overdue")
+            .map(|v| v.subject)
+            .collect()
+    };
+    assert!(overdue().await.is_empty(), "within its period");
+    // Billed by its gateway from now on (the fleet's billing, running every ten seconds, leaves
+    // it alone), whose invoice events are lost.
+    sqlx::query("UPDATE subscriptions SET gateway = 'stripe'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let shift = |by: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "UPDATE subscriptions SET current_period_start = current_period_start - $1::interval,
+                                          current_period_end = current_period_end - $1::interval",
+            )
+            .bind(by)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    // Its period ended an hour ago: its renewal may still be on its way.
+    shift("1 month 1 hour").await;
+    assert!(overdue().await.is_empty(), "an hour past its end");
+    shift("1 day").await;
+    let found = overdue().await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].starts_with(&format!("subscription {id} ")),
+        "{found:?}"
+    );
+    // Its cancellation's event comes after all.
+    sqlx::query("UPDATE subscriptions SET status = 'canceled', canceled_at = now()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(overdue().await.is_empty(), "a canceled one");
+}
