@@ -30,6 +30,9 @@ pub struct SessionRequest {
     pub description: String,
     /// A subscription's billing interval (`day`, `week`, `month`, `year`).
     pub recurring_interval: Option<String>,
+    /// What each period after the first charges, where it differs from `amount` (a coupon
+    /// discounts a subscription's first period only).
+    pub recurring_amount: Option<Money>,
     /// Carried with the session (the seller, the split) and back in the gateway's events.
     pub metadata: BTreeMap<String, String>,
     /// The same key for the same order and attempt: a repeated request creates nothing new.

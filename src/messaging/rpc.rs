@@ -128,6 +128,10 @@ pub struct PaymentLinkRequest {
     pub link_key: String,
     /// When the order stops waiting for its payment: the session should not outlive it.
     pub expires_at: chrono::DateTime<chrono::Utc>,
+    /// A subscription whose first period costs less than the later ones (a coupon discounts
+    /// the first period only): what each later period charges. `amount` is the first's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renews_at: Option<Money>,
 }
 
 /// The payment side's answer.

@@ -1405,6 +1405,13 @@ async fn ask_link(
         attempt: o.payment_attempt,
         link_key: format!("{}-{}", o.payment_token.simple(), o.payment_attempt),
         expires_at: o.expires_at,
+        // A coupon discounts a subscription's first period only: the later ones cost the
+        // subtotal, as the subscription records (and the fleet's own billing charges).
+        renews_at: if o.kind == ProductKind::Subscription && o.subtotal != o.total {
+            Some(money(&o.subtotal)?)
+        } else {
+            None
+        },
     };
     match links.create(&request).await {
         Ok(PaymentLinkReply::Created { session_id, url }) => Ok(PaymentLinkView {

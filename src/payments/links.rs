@@ -366,6 +366,7 @@ fn session_request(
         seller_account: r.seller_account.clone(),
         description: r.description.clone(),
         recurring_interval: r.recurring_interval.clone(),
+        recurring_amount: r.renews_at,
         metadata,
         idempotency_key: format!("payfleet-{}", r.link_key),
         reference: format!("pf-{}", r.link_key),
@@ -439,6 +440,7 @@ mod tests {
             attempt: 1,
             link_key: format!("link-{order_number}"),
             expires_at: chrono::Utc::now(),
+            renews_at: None,
         }
     }
 

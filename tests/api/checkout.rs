@@ -1180,6 +1180,7 @@ async fn the_payment_side_answers_a_batch_of_links_each_in_its_place(pool: PgPoo
         attempt: 1,
         link_key: format!("key-{number}"),
         expires_at: chrono::Utc::now() + chrono::Duration::minutes(30),
+        renews_at: None,
     };
     let created = |reply: &PaymentLinkReply| match reply {
         PaymentLinkReply::Created { session_id, .. } => session_id.clone(),

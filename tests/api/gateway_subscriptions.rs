@@ -1157,3 +1157,63 @@ async fn an_acquirer_billed_subscription_whose_id_never_arrived_is_not_cancelled
         "Stripe was not asked about a subscription it never named"
     );
 }
+
+/// A subscription bought through Stripe with a coupon: the coupon discounts the first period
+/// only, as the fleet's own billing does (the subscription's charge is the subtotal), so
+/// Stripe is asked for the full price every period and a coupon for the first invoice.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_coupon_on_a_stripe_subscription_discounts_its_first_period_only(pool: PgPool) {
+    let log = Log::default();
+    let base = stand_in(stripe_api(), log.clone()).await;
+    let mut config = test_config();
+    with_stripe(base)(&mut config);
+    let shop = Shop {
+        app: Arc::new(spawn_fleet(pool.clone(), config).await),
+    };
+    let seller = shop
+        .admin(
+            "/admin/sellers",
+            json!({"name": "Club", "payout_frequency": "weekly", "payout_minimum": "0", "stripe_account": "acct_seller1"}),
+        )
+        .await;
+    let club = shop
+        .admin(
+            "/admin/products",
+            json!({"seller_id": seller["id"], "name": "club", "kind": "subscription", "price": "19.90", "currency": "BRL", "interval": "month"}),
+        )
+        .await;
+    shop.admin(
+        "/admin/coupons",
+        json!({"code": "FIRSTMONTH", "percent_off": "10"}),
+    )
+    .await;
+    let cart = json!({"buyer_id": "buyer-9", "gateway": "stripe", "coupon": "FIRSTMONTH",
+                      "items": [{"product_id": club["id"], "quantity": 1}]});
+    let mut answer = Value::Null;
+    for _ in 0..50 {
+        let (status, a) = shop.checkout(Some("sub"), cart.clone()).await;
+        answer = a;
+        if status == 201 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(answer["orders"][0]["total"], "17.91", "{answer}");
+    let sent = log.lock().unwrap().clone();
+    let coupon = sent
+        .iter()
+        .find(|s| s.uri == "/v1/coupons")
+        .expect("a coupon for the first period")
+        .form();
+    assert_eq!(
+        (coupon["amount_off"].as_str(), coupon["duration"].as_str()),
+        ("199", "once")
+    );
+    let session = sent
+        .iter()
+        .find(|s| s.uri == "/v1/checkout/sessions")
+        .unwrap()
+        .form();
+    assert_eq!(session["line_items[0][price_data][unit_amount]"], "1990");
+    assert!(session.contains_key("discounts[0][coupon]"), "{session:?}");
+}

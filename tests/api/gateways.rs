@@ -123,6 +123,7 @@ fn session_request(account: Option<&str>, interval: Option<&str>) -> SessionRequ
         seller_account: account.map(str::to_owned),
         description: "Order 7".into(),
         recurring_interval: interval.map(str::to_owned),
+        recurring_amount: None,
         metadata: BTreeMap::from([("order_number".to_owned(), "7".to_owned())]),
         idempotency_key: "payfleet-order-7".into(),
     }
@@ -154,6 +155,18 @@ pub fn stripe_api() -> Router<Log> {
     }
     Router::new()
         .route("/v1/checkout/sessions", axum::routing::post(create))
+        // A coupon, named after the idempotency key it was made under.
+        .route(
+            "/v1/coupons",
+            axum::routing::post(|headers: HeaderMap| async move {
+                let key = headers
+                    .get("idempotency-key")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned();
+                axum::Json(json!({"id": format!("co_{key}"), "object": "coupon"}))
+            }),
+        )
         .route(
             "/v1/checkout/sessions/{id}",
             // Paid; a session made in subscription mode answers as Stripe's do: the
@@ -195,6 +208,65 @@ pub fn stripe_api() -> Router<Log> {
                 axum::Json(json!({"id": format!("re_{}", pi.trim_start_matches("pi_")), "object": "refund", "status": "succeeded"}))
             }),
         )
+}
+
+/// A coupon discounts a subscription's first period only: Stripe's recurring price is what
+/// every period charges, and the first period's discount a coupon applied once, made on the
+/// seller's account under a key of the session's own.
+#[tokio::test]
+async fn a_discounted_first_period_is_a_coupon_stripe_applies_once() {
+    let log = Log::default();
+    let base = stand_in(stripe_api(), log.clone()).await;
+    let stripe = StripeConnect::new(&base, Secret::new("sk_test_123"), "http://shop.test").unwrap();
+    let mut request = session_request(Some("acct_1"), Some("month"));
+    request.amount = brl("17.91");
+    request.platform_fee = brl("1.79");
+    request.recurring_amount = Some(brl("19.90"));
+    stripe.create_session(&request).await.unwrap();
+    let sent = log.lock().unwrap().clone();
+    assert_eq!(
+        sent.iter().map(|s| s.uri.as_str()).collect::<Vec<_>>(),
+        ["/v1/coupons", "/v1/checkout/sessions"]
+    );
+    let coupon = sent[0].form();
+    for (k, v) in [
+        ("amount_off", "199"),
+        ("currency", "brl"),
+        ("duration", "once"),
+        ("max_redemptions", "1"),
+    ] {
+        assert_eq!(
+            coupon.get(k).map(String::as_str),
+            Some(v),
+            "{k} in {coupon:?}"
+        );
+    }
+    assert_eq!(sent[0].header("stripe-account"), Some("acct_1"));
+    assert_eq!(
+        sent[0].header("idempotency-key"),
+        Some("payfleet-order-7-first-period")
+    );
+    let session = sent[1].form();
+    for (k, v) in [
+        ("mode", "subscription"),
+        ("line_items[0][price_data][unit_amount]", "1990"),
+        ("discounts[0][coupon]", "co_payfleet-order-7-first-period"),
+        ("subscription_data[application_fee_percent]", "9.99"),
+    ] {
+        assert_eq!(
+            session.get(k).map(String::as_str),
+            Some(v),
+            "{k} in {session:?}"
+        );
+    }
+    // Not discounted: one price, no coupon.
+    log.lock().unwrap().clear();
+    let mut plain = session_request(Some("acct_1"), Some("month"));
+    plain.recurring_amount = Some(brl("19.90"));
+    stripe.create_session(&plain).await.unwrap();
+    let sent = log.lock().unwrap().clone();
+    assert_eq!(sent.len(), 1);
+    assert!(!sent[0].form().contains_key("discounts[0][coupon]"));
 }
 
 #[tokio::test]

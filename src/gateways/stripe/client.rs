@@ -162,6 +162,42 @@ impl StripeConnect {
         }
     }
 
+    /// A coupon of `off` for the first invoice of `r`'s subscription only (`duration=once`,
+    /// redeemable once), on the account the session is made on. Its own idempotency key, made
+    /// of the session's: asked again, it is the same coupon.
+    async fn first_period_coupon(
+        &self,
+        account: Option<&str>,
+        r: &SessionRequest,
+        off: &Money,
+    ) -> Result<String, GatewayError> {
+        #[derive(Deserialize)]
+        struct Coupon {
+            id: String,
+        }
+        let form: Vec<(String, String)> = vec![
+            ("amount_off".into(), minor(off)?.to_string()),
+            (
+                "currency".into(),
+                off.currency().as_str().to_ascii_lowercase(),
+            ),
+            ("duration".into(), "once".into()),
+            ("max_redemptions".into(), "1".into()),
+            (
+                "name".into(),
+                format!("Order {}: first period", r.order_number),
+            ),
+        ];
+        let key = format!("{}-first-period", r.idempotency_key);
+        let coupon: Coupon = read_json(
+            NAME,
+            self.post("/v1/coupons", account, &key, &form).send().await,
+            stripe_error,
+        )
+        .await?;
+        Ok(coupon.id)
+    }
+
     async fn create(&self, r: &SessionRequest) -> Result<Session, GatewayError> {
         let account = match self.collects {
             Collects::OnSellersAccount => Some(r.seller_account.as_deref().ok_or_else(|| {
@@ -173,12 +209,27 @@ impl StripeConnect {
         };
         let fee_on_charge = self.collects == Collects::OnSellersAccount;
         let currency = r.amount.currency().as_str().to_ascii_lowercase();
+        // A subscription whose first period is discounted: the price is what every period
+        // charges, and the first period's discount a coupon Stripe applies once.
+        let first_off = match (&r.recurring_interval, &r.recurring_amount) {
+            (Some(_), Some(later)) if later.amount() > r.amount.amount() => Some((
+                *later,
+                later.checked_sub(&r.amount).ok_or_else(|| {
+                    GatewayError::Refused(format!(
+                        "a subscription of {later} whose first period costs {}",
+                        r.amount
+                    ))
+                })?,
+            )),
+            _ => None,
+        };
+        let price = first_off.map_or(r.amount, |(later, _)| later);
         let mut form: Vec<(String, String)> = vec![
             ("line_items[0][quantity]".into(), "1".into()),
             ("line_items[0][price_data][currency]".into(), currency),
             (
                 "line_items[0][price_data][unit_amount]".into(),
-                minor(&r.amount)?.to_string(),
+                minor(&price)?.to_string(),
             ),
             (
                 "line_items[0][price_data][product_data][name]".into(),
@@ -209,6 +260,10 @@ impl StripeConnect {
                     "line_items[0][price_data][recurring][interval]".into(),
                     interval.clone(),
                 ));
+                if let Some((_, off)) = first_off {
+                    let coupon = self.first_period_coupon(account, r, &off).await?;
+                    form.push(("discounts[0][coupon]".into(), coupon));
+                }
                 // Subscriptions take the fee as a percentage of each invoice.
                 let percent = if r.amount.is_zero() {
                     rust_decimal::Decimal::ZERO
