@@ -252,22 +252,20 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
         subject,
         detail,
     }));
-    // Every renewal a gateway reports (paid or failed) moves the current period on, and so
-    // does the fleet's own billing: a period a day past its end without one had its report
-    // lost. A day: a gateway charges at the period's end, or within the hour after it.
-    let rows: Vec<(String, String)> = sqlx::query_as(
-        "SELECT format('subscription %s (order %s, %s)', id, order_number, gateway),
-                format('its period ended at %s and no renewal or end was reported since: ask %s', current_period_end, gateway)
-         FROM subscriptions
-         WHERE status <> 'canceled' AND current_period_end < now() - interval '1 day'
-         ORDER BY current_period_end LIMIT 1000",
-    )
-    .fetch_all(pool)
-    .await?;
-    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
+    // A day past the period's end: a gateway charges at the end, or within the hour after.
+    let overdue =
+        crate::orders::subscriptions::overdue(pool, Utc::now() - chrono::Duration::days(1), 1000)
+            .await?;
+    found.extend(overdue.into_iter().map(|s| Violation {
         check: "subscription_period_overdue",
-        subject,
-        detail,
+        subject: format!(
+            "subscription {} (order {}, {})",
+            s.id, s.order_number, s.gateway
+        ),
+        detail: format!(
+            "its period ended at {} and no renewal or end was reported since: ask {}",
+            s.current_period_end, s.gateway
+        ),
     }));
     Ok(found)
 }

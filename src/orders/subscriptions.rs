@@ -831,3 +831,32 @@ pub async fn past_due(pool: &PgPool, limit: i64) -> Result<Vec<SubscriptionView>
     .await?;
     Ok(rows.into_iter().map(SubscriptionView::from).collect())
 }
+
+/// A live subscription whose period ended with nothing reported since (the consistency check
+/// `subscription_period_overdue`).
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Overdue {
+    pub id: SubscriptionId,
+    pub order_number: i64,
+    pub gateway: String,
+    pub current_period_end: DateTime<Utc>,
+}
+
+/// The live subscriptions whose current period ended before `ended_before`, oldest first:
+/// every renewal reported (paid or failed) and the fleet's own billing move the current period
+/// on, and an end cancels, so these had their renewal's or their end's report lost.
+pub async fn overdue(
+    pool: &PgPool,
+    ended_before: DateTime<Utc>,
+    limit: i64,
+) -> Result<Vec<Overdue>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, order_number, gateway, current_period_end FROM subscriptions
+         WHERE status <> 'canceled' AND current_period_end < $1
+         ORDER BY current_period_end LIMIT $2",
+    )
+    .bind(ended_before)
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
