@@ -9,5 +9,8 @@ CREATE TABLE refunds_ended (
     refund_id text        NOT NULL,
     state     text        NOT NULL CONSTRAINT refunds_ended_state CHECK (state IN ('failed', 'canceled')),
     ended_at  timestamptz NOT NULL DEFAULT now(),
+    -- An operator paid the buyer back another way (`payfleet money refund-repaid`): the
+    -- finding closes.
+    repaid_at timestamptz,
     PRIMARY KEY (gateway, refund_id)
 );

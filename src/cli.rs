@@ -164,6 +164,9 @@ enum MoneyAction {
     },
     /// Check that every account's entries sum to its balance and every currency sums to zero.
     Check,
+    /// Say that the buyer of REFUND (of GATEWAY), recorded as done and then reported failed by
+    /// the gateway, was paid back another way: its finding `refund_failed_after_done` closes.
+    RefundRepaid { gateway: String, refund: String },
 }
 
 #[derive(Subcommand)]
@@ -555,6 +558,21 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
                 "{} invoices for {start} to {end}: {numbers:?}",
                 numbers.len()
             );
+        }
+        MoneyAction::RefundRepaid { gateway, refund } => {
+            let name: payfleet::gateways::GatewayName = gateway
+                .parse()
+                .map_err(|_| anyhow::anyhow!("unknown gateway {gateway:?}"))?;
+            if payfleet::payments::order_refunds::repaid_elsewhere(&pool, name, &refund).await? {
+                println!(
+                    "refund {refund} of {gateway}: its buyer was paid back another way; its finding closes at the next consistency run"
+                );
+            } else {
+                pool.close().await;
+                anyhow::bail!(
+                    "no refund {refund} of {gateway} was recorded done and then reported failed (or it was marked repaid before)"
+                );
+            }
         }
         MoneyAction::Check => {
             let (accounts, currencies) = ledger::check(&pool).await?;

@@ -24,7 +24,8 @@
 //!   (`payfleet messages dead`, then `replay` once the consumer is fixed);
 //! - `refund_failed_after_done`: a refund recorded as done (the seller debited, the order
 //!   refunded) that the gateway later reported failed or canceled: the buyer may not have the
-//!   money back, and the platform holds it; an operator pays the buyer back another way;
+//!   money back, and the platform holds it; an operator pays the buyer back another way and
+//!   says so (`payfleet money refund-repaid`);
 //! - `subscription_period_overdue`: a live subscription whose period ended more than a day
 //!   ago with no renewal reported for the next one, paid or failed, nor its end: the gateway's
 //!   invoice or cancellation event was lost (reconciliation asks about checkouts, not
@@ -239,10 +240,14 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
         "SELECT format('order %s, %s refund %s', s.order_number, r.gateway, r.refund_id),
                 format('%s %s recorded refunded, then reported %s at %s: the buyer may not have it back',
                        r.amount, r.currency, e.state, e.ended_at)
-         FROM payment_refunds r
+         FROM (SELECT po.gateway, po.session_id, r.refund_id, r.amount, r.currency
+               FROM payment_refunds r JOIN payment_orders po ON po.id = r.payment_order_id
+               UNION ALL
+               SELECT p.gateway, p.session_id, r.refund_id, r.amount, p.currency
+               FROM second_payment_refunds r JOIN second_payments p ON p.id = r.second_payment_id) r
          JOIN refunds_ended e ON e.gateway = r.gateway AND e.refund_id = r.refund_id
-         JOIN payment_orders po ON po.id = r.payment_order_id
-         LEFT JOIN payment_sessions s ON s.gateway = po.gateway AND s.session_id = po.session_id
+         LEFT JOIN payment_sessions s ON s.gateway = r.gateway AND s.session_id = r.session_id
+         WHERE e.repaid_at IS NULL
          ORDER BY e.ended_at LIMIT 1000",
     )
     .fetch_all(pool)

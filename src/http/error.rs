@@ -316,6 +316,7 @@ impl From<CheckoutError> for ApiError {
                 detail: reason,
             },
             CheckoutError::LinksRefused { .. } => unprocessable("payment_link_refused"),
+            CheckoutError::Deadline(_) => Self::Unavailable(Box::new(e)),
             CheckoutError::Queue(e) => e.into(),
             CheckoutError::Database(e) => e.into(),
         }

@@ -150,7 +150,20 @@ async fn metrics_text(
     }
     // Formatting into a String cannot fail.
     let _ = state.telemetry.render(&mut body);
-    body.push_str(&cached_gauges(&state).await?);
+    // The database's gauges may be unreadable (an outage): the process's own counters are
+    // still answered, what the outage itself counts (webhooks refused 503, RPC failures), with
+    // the gauges left out and `payfleet_database_gauges_read` at 0 for an alert to see.
+    body.push_str("# HELP payfleet_database_gauges_read Whether this scrape could read the gauges kept in the database (1) or not (0: they are left out of it).\n# TYPE payfleet_database_gauges_read gauge\n");
+    match cached_gauges(&state).await {
+        Ok(gauges) => {
+            body.push_str("payfleet_database_gauges_read 1\n");
+            body.push_str(&gauges);
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics: the database's gauges cannot be read; answering the process's own");
+            body.push_str("payfleet_database_gauges_read 0\n");
+        }
+    }
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body))
 }
 

@@ -55,7 +55,7 @@ pub(super) fn routes(state: OrdersState) -> Routes {
         (status = 409, description = "`idempotency_key_in_use`: a request with this key is still running.", body = ErrorBody),
         (status = 413, description = "`payload_too_large`: over 64 KiB.", body = ErrorBody),
         (status = 422, description = "`unknown_product`, `coupon_unavailable`, `invalid_items` (at most 100 lines), `gateway_unavailable`, `idempotency_key_reused` (with a different request), `payment_link_refused`, `invalid_request`.", body = ErrorBody),
-        (status = 503, description = "`payment_link_unavailable`: the orders are kept, the payment side did not give their links: repeat the request.", body = ErrorBody),
+        (status = 503, description = "`payment_link_unavailable`: the orders are kept, the payment side did not give their links: repeat the request. `unavailable`: the database did not answer within the checkout's deadline (the payment side's timeout plus 10 s).", body = ErrorBody),
     ),
     security(("api_key" = [])),
 )]

@@ -89,6 +89,8 @@ pub enum CheckoutError {
     LinksUnavailable { orders: Vec<i64>, reason: String },
     #[error("orders {orders:?} are kept, but the gateway refused their payment links: {reason}")]
     LinksRefused { orders: Vec<i64>, reason: String },
+    #[error("the checkout did not finish within {0:?} (the database did not answer in time)")]
+    Deadline(Duration),
     #[error(transparent)]
     Queue(#[from] QueueError),
     #[error(transparent)]
@@ -173,6 +175,30 @@ impl Checkout {
     /// Runs a checkout for `owner` (the caller whose idempotency keys `key` is among); returns
     /// the answer's JSON (stored with the key once complete).
     pub async fn run(
+        &self,
+        owner: &str,
+        key: Option<&str>,
+        body: serde_json::Value,
+    ) -> Result<serde_json::Value, CheckoutError> {
+        // A statement that never returns (a lock waited on, a connection half-open after a
+        // failover) must not hold its caller for ever: past the deadline the request ends,
+        // 503, and its key is let go as for a caller that went away (`KeyGuard`).
+        let deadline = self.deadline();
+        match tokio::time::timeout(deadline, self.run_within(owner, key, body)).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                tracing::warn!(?deadline, "a checkout did not finish within its deadline");
+                Err(CheckoutError::Deadline(deadline))
+            }
+        }
+    }
+
+    /// The longest a checkout runs: its payment links' wait and the writes around it.
+    pub fn deadline(&self) -> Duration {
+        self.rpc_timeout + WRITE_DEADLINE
+    }
+
+    async fn run_within(
         &self,
         owner: &str,
         key: Option<&str>,
@@ -821,7 +847,14 @@ enum Completed {
 /// was most of what its backends waited for (`WALWrite`, `WALSync`).
 async fn complete_batch(pool: PgPool, batch: Vec<(Completion, oneshot::Sender<Completed>)>) {
     let (completions, replies): (Vec<Completion>, Vec<_>) = batch.into_iter().unzip();
-    let stored = store_completions(&pool, &completions).await;
+    let stored = tokio::time::timeout(WRITE_DEADLINE, store_completions(&pool, &completions))
+        .await
+        .unwrap_or_else(|_| {
+            Err(sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the batch did not finish within {WRITE_DEADLINE:?}"),
+            )))
+        });
     if let Err(e) = &stored {
         tracing::warn!(checkouts = completions.len(), error = %e, "a batch of checkout answers failed; each is stored alone");
     }
@@ -918,6 +951,12 @@ async fn store_completions(
 /// of the machine's CPU a checkout against 4.2 ms, 487 checkouts a second against 410.
 const WRITERS_IN_FLIGHT: usize = 1;
 
+/// The longest a writer's batch may take (its statement takes milliseconds): one that never
+/// returns (a lock waited on, a connection half-open after a failover) would hold the one
+/// batch in flight, and every checkout behind it, for ever. Past it, the batch's connection is
+/// dropped and each of its checkouts goes on alone (or reaches its own deadline).
+const WRITE_DEADLINE: Duration = Duration::from_secs(10);
+
 /// Writes a batch of checkouts and answers each; the counter serialises the batches'
 /// statements and commits.
 async fn write_checkouts(
@@ -926,7 +965,13 @@ async fn write_checkouts(
     expiry: Duration,
     batch: Vec<Pending>,
 ) {
-    let written = match write_batch(&pool, fee_percent, expiry, &batch).await {
+    let written = match tokio::time::timeout(
+        WRITE_DEADLINE,
+        write_batch(&pool, fee_percent, expiry, &batch),
+    )
+    .await
+    .unwrap_or_else(|_| Err(CheckoutError::Deadline(WRITE_DEADLINE)))
+    {
         Ok(w) => w,
         Err(e) => {
             tracing::warn!(checkouts = batch.len(), error = %e, "a batch of checkouts failed; each is written alone");

@@ -503,12 +503,17 @@ async fn second_payment_facts(
     };
     let mut changed = false;
     for fact in facts {
-        let Fact::Refund {
-            refund_id,
-            amount: refunded,
-        } = fact
-        else {
-            continue;
+        let (refund_id, refunded) = match fact {
+            Fact::Refund { refund_id, amount } => (refund_id, amount),
+            // Its give-back failed or was canceled: ended for good, as an order's refund is.
+            Fact::RefundEnded {
+                refund_id,
+                canceled,
+            } => {
+                changed |= end_refund(tx, gateway, refund_id, *canceled).await?;
+                continue;
+            }
+            _ => continue,
         };
         if currency.as_deref() != Some(refunded.currency().as_str()) && currency.is_some() {
             return Err(Rejection::Currency {
@@ -662,7 +667,9 @@ async fn end_refund(
     .execute(&mut *tx)
     .await?;
     let done: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM payment_refunds WHERE gateway = $1 AND refund_id = $2)",
+        "SELECT EXISTS (SELECT 1 FROM payment_refunds WHERE gateway = $1 AND refund_id = $2)
+             OR EXISTS (SELECT 1 FROM second_payment_refunds r JOIN second_payments p ON p.id = r.second_payment_id
+                        WHERE p.gateway = $1 AND r.refund_id = $2)",
     )
     .bind(gateway)
     .bind(refund_id)

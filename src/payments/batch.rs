@@ -63,6 +63,12 @@ pub struct BatchSettings {
     /// back ([`Handled::Busy`]): a worker holds many more events than it processes alone at
     /// once, and the wait must not eat the job's timeout or its attempts.
     pub alone_wait: Duration,
+    /// The longest a batch may take (a drained one of 256 events takes a few tens of
+    /// milliseconds): one that never returns (a lock waited on, a connection half-open after a
+    /// failover) would hold its turn, and every event behind it, for ever. Past it, the batch's
+    /// connection is closed and each of its events is processed alone, as after any failed
+    /// batch.
+    pub deadline: Duration,
 }
 
 impl Default for BatchSettings {
@@ -73,6 +79,7 @@ impl Default for BatchSettings {
             in_flight_in_fleet: 1,
             alone: 16,
             alone_wait: Duration::from_secs(10),
+            deadline: Duration::from_secs(30),
         }
     }
 }
@@ -339,15 +346,31 @@ async fn batch_loop(
             let runs: Vec<Option<RunClaim>> = batch.iter().map(|r| r.run.clone()).collect();
             let outcome = match kept.take(&pool).await {
                 Ok(mut conn) => {
-                    let outcome = process_batch(
-                        &mut conn,
-                        processor.internal_acquirer,
-                        &events,
-                        &traces,
-                        &runs,
-                        Some(&processor.telemetry),
+                    let outcome = match tokio::time::timeout(
+                        settings.deadline,
+                        process_batch(
+                            &mut conn,
+                            processor.internal_acquirer,
+                            &events,
+                            &traces,
+                            &runs,
+                            Some(&processor.telemetry),
+                        ),
                     )
-                    .await;
+                    .await
+                    {
+                        Ok(outcome) => outcome,
+                        Err(_) => {
+                            // Whatever it waits on, the connection is closed, not pooled:
+                            // the server ends the transaction when it notices.
+                            conn.close_on_drop();
+                            Err(sqlx::Error::Io(std::io::Error::new(
+                                std::io::ErrorKind::TimedOut,
+                                format!("the batch did not finish within {:?}", settings.deadline),
+                            ))
+                            .into())
+                        }
+                    };
                     // Kept for the next batch only while events wait for one: an idle
                     // batcher holds no connection another part of the process may need. A
                     // connection that failed its batch goes back to the pool, which checks

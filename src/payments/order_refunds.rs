@@ -361,6 +361,32 @@ async fn by_key(tx: &mut sqlx::PgConnection, key: &str) -> Result<Option<RefundV
     .map(|v| v.map(shaped))
 }
 
+/// An operator paid back another way the buyer of a refund recorded as done that the gateway
+/// then reported failed or canceled (the consistency check `refund_failed_after_done`): the
+/// finding closes. Whether there was such a refund, not repaid before.
+pub async fn repaid_elsewhere(
+    pool: &PgPool,
+    gateway: GatewayName,
+    refund_id: &str,
+) -> Result<bool, sqlx::Error> {
+    let marked = sqlx::query(
+        "UPDATE refunds_ended SET repaid_at = now()
+         WHERE gateway = $1 AND refund_id = $2 AND repaid_at IS NULL
+           AND (EXISTS (SELECT 1 FROM payment_refunds r WHERE r.gateway = $1 AND r.refund_id = $2)
+                OR EXISTS (SELECT 1 FROM second_payment_refunds r
+                           JOIN second_payments p ON p.id = r.second_payment_id
+                           WHERE p.gateway = $1 AND r.refund_id = $2))",
+    )
+    .bind(gateway)
+    .bind(refund_id)
+    .execute(pool)
+    .await?;
+    if marked.rows_affected() > 0 {
+        tracing::info!(%gateway, refund = refund_id, "an operator paid back the buyer of a refund the gateway failed after it was done");
+    }
+    Ok(marked.rows_affected() > 0)
+}
+
 pub async fn get(pool: &PgPool, id: i64) -> Result<Option<RefundView>, sqlx::Error> {
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT {COLUMNS} FROM refund_requests WHERE id = $1"

@@ -141,6 +141,9 @@ struct Pending {
     session_id: String,
     order_number: i64,
     seller_account: Option<String>,
+    /// A failure of the session's payment was recorded already (its webhook came): asked
+    /// about only for a later attempt's success, so the same failure again is no finding.
+    failed_before: bool,
 }
 
 /// Adds the recurring `reconcile` task (jobs/recurring.toml): [`run`], its report logged.
@@ -169,8 +172,9 @@ pub async fn run(
 ) -> Result<Report, QueueError> {
     let names: Vec<&str> = gateways.names().iter().map(|g| g.as_str()).collect();
     let pending: Vec<Pending> = sqlx::query_as(
-        "SELECT gateway, session_id, order_number, seller_account FROM (
+        "SELECT gateway, session_id, order_number, seller_account, failed_before FROM (
              SELECT s.gateway, s.session_id, s.order_number, s.metadata ->> 'seller_account' AS seller_account,
+                    po.failed_at IS NOT NULL AS failed_before,
                     row_number() OVER (PARTITION BY s.gateway ORDER BY s.checked_at NULLS FIRST, s.created_at) AS n
              FROM payment_sessions s
              JOIN order_money o ON o.number = s.order_number
@@ -272,6 +276,7 @@ async fn ask_about_disputes(
             session_id: d.session_id.clone(),
             order_number: d.order_number,
             seller_account: d.seller_account.clone(),
+            failed_before: false,
         };
         let query = DisputeQuery {
             session_id: d.session_id.clone(),
@@ -529,8 +534,9 @@ async fn record(
     mark_checked(&mut tx, gateway, &p.session_id).await?;
     let status = match state.status {
         PaymentStatus::Succeeded => "succeeded",
-        PaymentStatus::Failed => "failed",
-        PaymentStatus::Pending => {
+        PaymentStatus::Failed if !p.failed_before => "failed",
+        // Still failed, as its webhook said: nothing new to find.
+        PaymentStatus::Failed | PaymentStatus::Pending => {
             tx.commit().await?;
             return Ok(false);
         }

@@ -315,18 +315,22 @@ pub async fn cancel(
                 .cancel_subscription(&reference, account.as_deref(), at_period_end)
                 .await?;
         }
-        // The fleet bills it (the simulator's sessions are ours): it ends here.
-        None if sub.gateway == GatewayName::Internal
-            && gateways
-                .get(GatewayName::Internal)
-                .is_none_or(|g| g.sessions_are_ours()) => {}
-        // Collected through an acquirer that bills it (Stripe): ended here only, the buyer
-        // would go on being charged there.
-        None if sub.gateway == GatewayName::Internal => {
-            return Err(not_cancellable(
-                "its acquirer bills it, and its first payment's event named no subscription of the acquirer's yet",
-            ));
-        }
+        None if sub.gateway == GatewayName::Internal => match gateways.get(GatewayName::Internal) {
+            // The fleet bills it (the simulator's sessions are ours): it ends here.
+            Some(g) if g.sessions_are_ours() => {}
+            // Collected through an acquirer that bills it (Stripe): ended here only, the buyer
+            // would go on being charged there.
+            Some(_) => {
+                return Err(not_cancellable(
+                    "its acquirer bills it, and its first payment's event named no subscription of the acquirer's yet",
+                ));
+            }
+            None => {
+                return Err(not_cancellable(
+                    "the gateway is not enabled in this process",
+                ));
+            }
+        },
         None => {
             return Err(not_cancellable(
                 "its first payment's event named no subscription of the gateway's",

@@ -1253,3 +1253,56 @@ async fn checkouts_at_once(shop: &Arc<Shop>, product: &str, n: i64) -> Vec<(i64,
     }
     answers
 }
+
+/// A statement that never returns (here the order counter held by a transaction that never
+/// ends: a lock waited on, as after a failover a connection left half-open) does not hold the
+/// buyer for ever, nor the checkouts behind it: each hears 503 by the checkout's deadline,
+/// its key is let go, and once the database answers again the same request is served.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_checkout_whose_statement_never_returns_gets_a_503_in_time(pool: PgPool) {
+    let mut config = test_config();
+    config.messaging.rpc_timeout = Duration::from_secs(1);
+    let shop = Shop {
+        app: Arc::new(spawn_fleet(pool.clone(), config).await),
+    };
+    let s = shop.seller("A").await;
+    let p = shop.product(&s, "5.00", "BRL").await;
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT last FROM order_numbers FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let answers = futures_util::future::join_all(
+        ["k1", "k2"].map(|k| shop.checkout(Some(k), cart(&[(&p, 1)]))),
+    )
+    .await;
+    for (status, answer) in &answers {
+        assert_eq!(
+            (*status, answer["error"]["code"].as_str()),
+            (503, Some("unavailable")),
+            "{answer}"
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    holder.rollback().await.unwrap();
+    // The database answers again: a new checkout is served at once (the writer was not left
+    // stuck), and the same request too, once the key its first statement claimed late (it
+    // committed when the counter came free) has let go, as a crashed request's does.
+    let (status, answer) = shop.checkout(Some("k3"), cart(&[(&p, 1)])).await;
+    assert_eq!(status, 201, "{answer}");
+    let mut served = (0, Value::Null);
+    for _ in 0..200 {
+        served = shop.checkout(Some("k1"), cart(&[(&p, 1)])).await;
+        if served.0 == 201 {
+            break;
+        }
+        assert_eq!(served.0, 409, "{}", served.1);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(served.0, 201, "{}", served.1);
+}

@@ -773,6 +773,81 @@ async fn a_refund_reported_failed_after_it_was_recorded_done_is_shown_to_an_oper
     assert_eq!(found.len(), 1, "{findings:?}");
     assert_eq!(found[0].0, "order 1, internal refund rf_1");
     assert!(found[0].1.contains("reported failed"), "{}", found[0].1);
+    // The operator pays the buyer back another way and says so: the finding closes, once.
+    let repaid = |refund: &'static str| {
+        let pool = pool.clone();
+        async move {
+            payfleet::payments::order_refunds::repaid_elsewhere(
+                &pool,
+                payfleet::gateways::GatewayName::Internal,
+                refund,
+            )
+            .await
+            .unwrap()
+        }
+    };
+    assert!(!repaid("rf_unknown").await, "no such refund");
+    assert!(repaid("rf_1").await);
+    assert!(!repaid("rf_1").await, "once");
+    let findings = payfleet::consistency::check(&pool, std::time::Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(
+        findings
+            .iter()
+            .all(|f| f.check != "refund_failed_after_done"),
+        "{findings:?}"
+    );
+}
+
+/// A second payment's give-back the gateway reports failed is ended for good too: a report of
+/// its success delivered after that records nothing against the second payment.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_second_payments_refund_reported_failed_is_not_recorded_by_a_late_success(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    deliver(
+        &app,
+        "first",
+        &about("payment.succeeded", "sess_a", "pay_first", Some("10.00")),
+    )
+    .await;
+    deliver(
+        &app,
+        "second",
+        &about("payment.succeeded", "sess_a", "pay_second", Some("10.00")),
+    )
+    .await;
+    deliver(
+        &app,
+        "second_refund_failed",
+        &about_with(
+            "refund.failed",
+            "sess_a",
+            "pay_second",
+            json!({"refund_id": "rf_second"}),
+        ),
+    )
+    .await;
+    deliver(
+        &app,
+        "second_refunded_late",
+        &about_with(
+            "refund.succeeded",
+            "sess_a",
+            "pay_second",
+            json!({"refund_id": "rf_second", "amount": "10.00", "currency": "BRL"}),
+        ),
+    )
+    .await;
+    let (refunded, ended): (String, i64) = sqlx::query_as(
+        "SELECT (SELECT amount_refunded::text FROM second_payments WHERE payment_id = 'pay_second'),
+                (SELECT count(*) FROM refunds_ended WHERE refund_id = 'rf_second')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((refunded.as_str(), ended), ("0.0000", 1));
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]

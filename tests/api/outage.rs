@@ -72,6 +72,19 @@ async fn with_the_database_gone_every_sender_gets_a_fast_503_and_nothing_is_lost
     proxy.set(Link::Refused);
     let answers = burst(&app, "refused", 200).await;
     assert_all_unavailable_within(&answers, Duration::from_secs(3));
+    // What the outage counts can still be scraped, the database's gauges left out.
+    let metrics = app.metrics().await;
+    assert!(
+        metrics.contains("payfleet_database_gauges_read 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(
+            "payfleet_webhooks_refused_total{gateway=\"internal\",reason=\"unavailable\"} 200"
+        ),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("payfleet_jobs{"), "{metrics}");
 
     // A partition: connections hang. The writer's connect timeout bounds every answer.
     proxy.set(Link::Blackhole);
@@ -112,6 +125,11 @@ async fn with_the_database_gone_every_sender_gets_a_fast_503_and_nothing_is_lost
         .await
         .unwrap();
     assert_eq!(jobs, 2);
+    assert!(
+        app.metrics()
+            .await
+            .contains("payfleet_database_gauges_read 1")
+    );
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]

@@ -1807,3 +1807,70 @@ async fn each_batch_in_flight_takes_its_share_of_the_events_in_batches(pool: PgP
         );
     }
 }
+
+/// A batch that never returns (here its payment's key held by a transaction that never ends;
+/// after a failover, a connection left half-open) gives its turn up at its deadline: its
+/// events go on alone, and the events behind it are processed meanwhile instead of waiting
+/// for it for ever.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_batch_that_never_returns_does_not_hold_up_the_events_behind_it(pool: PgPool) {
+    use payfleet::payments::batch::{BatchSettings, Batcher, Handled};
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["s1", "s2"], "10.00", "BRL").await;
+    for s in ["s1", "s2"] {
+        app.deliver(&internal(
+            &format!("msg_{s}"),
+            &payment_body("payment.succeeded", s, "10.00"),
+        ))
+        .await;
+    }
+    let batcher = Batcher::start(
+        pool.clone(),
+        std::sync::Arc::new(Processor::default()),
+        BatchSettings {
+            in_flight: 1,
+            deadline: std::time::Duration::from_secs(1),
+            ..BatchSettings::default()
+        },
+        None,
+    );
+    let mut held = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('internal:session:s1', 0))")
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let first = {
+        let (batcher, pool) = (batcher.clone(), pool.clone());
+        tokio::spawn(async move {
+            batcher
+                .process(&pool, GatewayName::Internal, "msg_s1")
+                .await
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let second = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        batcher.process(&pool, GatewayName::Internal, "msg_s2"),
+    )
+    .await
+    .expect("the second event is processed while the first's batch is stuck")
+    .unwrap();
+    assert_eq!(second, Handled::Processed(Processed::Applied));
+    assert_eq!(
+        order_status(&pool, "internal", "s2").await.unwrap().0,
+        "paid"
+    );
+    assert_eq!(
+        order_status(&pool, "internal", "s1").await.unwrap().0,
+        "awaiting_payment"
+    );
+    held.commit().await.unwrap();
+    assert_eq!(
+        first.await.unwrap().unwrap(),
+        Handled::Processed(Processed::Applied)
+    );
+    assert_eq!(
+        order_status(&pool, "internal", "s1").await.unwrap().0,
+        "paid"
+    );
+}

@@ -363,10 +363,20 @@ async fn a_payment_approved_after_a_refused_attempt_is_still_looked_for(pool: Pg
         .unwrap()
     };
     assert_eq!(state().await, ("payment_failed".into(), "failed".into()));
+    // Asked while the refusal is all there is: the failure its webhook reported is no finding.
+    let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
+    let r = reconcile::run(&pool, &gateways, &settings(10, 0))
+        .await
+        .unwrap();
+    assert_eq!((r.asked, r.found), (1, 0));
+    let findings: i64 = sqlx::query_scalar("SELECT count(*) FROM reconciliation_findings")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(findings, 0, "nothing a webhook had not said");
 
     // The buyer tries again in the same checkout; this approval's notification never comes.
     set(702, "approved");
-    let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
     let r = reconcile::run(&pool, &gateways, &settings(10, 0))
         .await
         .unwrap();
