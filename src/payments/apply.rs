@@ -681,6 +681,21 @@ async fn end_refund(
     Ok(ended.rows_affected() + first.rows_affected() > 0)
 }
 
+/// How the gateway reported `refund_id` ended (`failed`, `canceled`), if it did: an answer
+/// saying it succeeded that comes after (replayed under the same idempotency key after a
+/// timeout) does not make it so.
+pub(super) async fn ended_as(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    refund_id: &str,
+) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT state FROM refunds_ended WHERE gateway = $1 AND refund_id = $2")
+        .bind(gateway)
+        .bind(refund_id)
+        .fetch_optional(&mut *tx)
+        .await
+}
+
 /// Whether the gateway reported `refund_id` failed or canceled: such a refund never moves money,
 /// whatever report of its success arrives after (gateways keep no order among deliveries).
 async fn refund_ended(

@@ -489,7 +489,29 @@ pub async fn carry_out(
         amount,
         seller_account: p.seller_account.clone(),
     };
+    let ended = match &asked {
+        Ok(receipt) if receipt.succeeded => {
+            super::apply::ended_as(&mut tx, p.gateway, &receipt.refund_id).await?
+        }
+        _ => None,
+    };
     match asked {
+        // The gateway reported this refund failed (or canceled) before its answer reached us
+        // (an answer replayed under the same key after a timeout): the buyer has nothing back.
+        Ok(receipt) if ended.is_some() => {
+            let state = ended.unwrap_or_default();
+            sqlx::query(
+                "UPDATE refund_requests SET state = $3, refund_id = $2, updated_at = now(),
+                        failure = 'the gateway reported the refund ' || $3 || ' before its answer came'
+                 WHERE id = $1",
+            )
+            .bind(id)
+            .bind(&receipt.refund_id)
+            .bind(&state)
+            .execute(&mut *tx)
+            .await?;
+            tracing::warn!(refund_request = id, refund = %receipt.refund_id, state, "the gateway answered a refund done that it had reported ended: ended");
+        }
         Ok(receipt) if receipt.succeeded => {
             sqlx::query(
                 "UPDATE refund_requests SET state = 'succeeded', refund_id = $2, updated_at = now() WHERE id = $1",

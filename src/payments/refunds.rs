@@ -136,6 +136,17 @@ impl RefundPayment {
                     seller_account: self.seller_account.clone(),
                 };
                 let mut tx = pool.begin().await?;
+                if receipt.succeeded
+                    && let Some(state) =
+                        super::apply::ended_as(&mut tx, self.gateway, &settle.refund_id).await?
+                {
+                    // Reported ended before this answer (replayed under the same key) came:
+                    // the buyer has nothing back. Dead, for an operator to see.
+                    return Err(JobError::fail(format!(
+                        "refund {} was reported {state} by the gateway: the payment was not given back",
+                        settle.refund_id
+                    )));
+                }
                 if receipt.succeeded {
                     settle.record(&mut tx, RefundOutcome::Succeeded).await?;
                 } else {

@@ -1413,3 +1413,59 @@ async fn a_dispute_whose_decision_never_arrives_is_asked_of_the_gateway(pool: Pg
         1
     );
 }
+
+/// A refund the gateway reported failed before its answer reached us (the answer replayed
+/// under the same key after a timeout says it succeeded): the operator's request ends failed,
+/// nothing is recorded refunded, and the whole amount may be refunded again.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_answered_done_after_it_was_reported_failed_ends_failed(pool: PgPool) {
+    let (shop, p) = stripe_connect_shop(&pool, Log::default()).await;
+    stripe_checkout(&shop, &p).await;
+    let completed = r#"{"id":"evt_1","type":"checkout.session.completed","data":{"object":{"id":"cs_test_1","payment_intent":"pi_1","amount_total":1990,"currency":"brl","payment_status":"paid"}}}"#;
+    let (status, _) = shop.app.deliver(&stripe(completed, now())).await;
+    assert_eq!(status, 200);
+    wait_until_paid(&shop, 1).await;
+    // Stripe's refund of pi_1 is re_1; its failure was reported first.
+    let failed = r#"{"id":"evt_f","type":"refund.failed","account":"acct_seller1","data":{"object":{"id":"re_1","object":"refund","payment_intent":"pi_1","status":"failed","amount":1990,"currency":"brl"}}}"#;
+    let (status, _) = shop.app.deliver(&stripe(failed, now())).await;
+    assert_eq!(status, 200);
+    let ended = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM refunds_ended WHERE refund_id = 're_1'")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let started = std::time::Instant::now();
+    while ended().await == 0 {
+        assert!(started.elapsed() < std::time::Duration::from_secs(20));
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let new = payfleet::payments::order_refunds::NewRefund {
+        amount: None,
+        reason: String::new(),
+    };
+    let (request, _) = payfleet::payments::order_refunds::request(&pool, 1, "rf-late", &new)
+        .await
+        .unwrap();
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, &pool).unwrap();
+    let view = match payfleet::payments::order_refunds::carry_out(&pool, &gateways, request.id)
+        .await
+        .unwrap()
+    {
+        payfleet::payments::order_refunds::CarriedOut::Answered(v) => v,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(view.state.as_str(), "failed", "{view:?}");
+    let refunded: i64 = sqlx::query_scalar("SELECT count(*) FROM payment_refunds")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(refunded, 0);
+    assert_eq!(shop.order(1).await["status"], "paid");
+    // Its amount is free again.
+    let (again, written) = payfleet::payments::order_refunds::request(&pool, 1, "rf-again", &new)
+        .await
+        .unwrap();
+    assert!(written);
+    assert_eq!(again.amount.to_string(), "19.90");
+}

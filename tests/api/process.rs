@@ -53,6 +53,21 @@ async fn a_worker_killed_mid_stream_leaves_every_event_to_exactly_one_effect(poo
     let queues = queues_file("kill", 16);
 
     let mut first = worker_that_processed(&pool, &queues, 50).await;
+    // Killed while it holds runs (on a loaded machine a poll may fall between two of its
+    // claims, when it holds none).
+    wait_for(
+        "the worker to hold runs",
+        Duration::from_secs(30),
+        async || {
+            let running: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running'")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            running > 0
+        },
+    )
+    .await;
     first.kill().await.unwrap(); // SIGKILL: no shutdown, no completions written, leases left behind
     let at_kill = processed_events(&pool).await;
     let running: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running'")
