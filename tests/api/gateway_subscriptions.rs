@@ -1020,21 +1020,30 @@ fn on_platform(event: &str) -> String {
     v.to_string()
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn the_internal_gateways_subscriptions_collected_through_stripe_are_billed_by_stripe(
-    pool: PgPool,
-) {
-    const PLATFORM_SECRET: &str = "whsec_platform_endpoint_secret";
-    let log = Log::default();
+/// The platform's own Stripe endpoint's secret, where the internal gateway collects through
+/// Stripe.
+const PLATFORM_SECRET: &str = "whsec_platform_endpoint_secret";
+
+/// A subscription order on the internal gateway collected through Stripe on the platform's
+/// account (its stand-in's requests in `log`): the shop and the order.
+async fn acquirer_subscription_order(pool: &PgPool, log: &Log) -> (Shop, Value) {
     let base = stand_in(stripe_with_subscriptions(Arc::default()), log.clone()).await;
-    let (shop, order) = subscription_order(&pool, "internal", "BRL", |config| {
+    subscription_order(pool, "internal", "BRL", |config| {
         with_stripe(base)(config);
         config.gateways.hosted.internal_acquirer =
             payfleet::gateways::hosted::InternalAcquirer::Stripe;
         config.gateways.hosted.internal = None;
         config.gateways.stripe.platform_webhook_secret = Some(Secret::new(PLATFORM_SECRET));
     })
-    .await;
+    .await
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_internal_gateways_subscriptions_collected_through_stripe_are_billed_by_stripe(
+    pool: PgPool,
+) {
+    let log = Log::default();
+    let (shop, order) = acquirer_subscription_order(&pool, &log).await;
     let number = order["number"].as_i64().unwrap();
     let session = order["payment"]["session_id"].as_str().unwrap();
     let checkout = log.lock().unwrap()[0].clone();
@@ -1116,17 +1125,8 @@ async fn the_internal_gateways_subscriptions_collected_through_stripe_are_billed
 async fn an_acquirer_billed_subscription_whose_id_never_arrived_is_not_cancelled_here_alone(
     pool: PgPool,
 ) {
-    const PLATFORM_SECRET: &str = "whsec_platform_endpoint_secret";
     let log = Log::default();
-    let base = stand_in(stripe_with_subscriptions(Arc::default()), log.clone()).await;
-    let (shop, order) = subscription_order(&pool, "internal", "BRL", |config| {
-        with_stripe(base)(config);
-        config.gateways.hosted.internal_acquirer =
-            payfleet::gateways::hosted::InternalAcquirer::Stripe;
-        config.gateways.hosted.internal = None;
-        config.gateways.stripe.platform_webhook_secret = Some(Secret::new(PLATFORM_SECRET));
-    })
-    .await;
+    let (shop, order) = acquirer_subscription_order(&pool, &log).await;
     let number = order["number"].as_i64().unwrap();
     let session = order["payment"]["session_id"].as_str().unwrap();
     deliver(

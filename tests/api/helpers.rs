@@ -698,3 +698,14 @@ pub fn rabbitmqctl(args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// What the consistency check `check` finds now (no grace): each finding's subject and detail.
+pub async fn findings_of(pool: &PgPool, check: &str) -> Vec<(String, String)> {
+    payfleet::consistency::check(pool, std::time::Duration::ZERO)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|v| v.check == check)
+        .map(|v| (v.subject, v.detail))
+        .collect()
+}

@@ -1519,11 +1519,7 @@ async fn an_event_with_no_turn_to_run_alone_is_given_back_busy(pool: PgPool) {
         None,
     );
     // The first holds the one turn, stuck behind its payment's key (a long transaction holds it).
-    let mut held = pool.begin().await.unwrap();
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('internal:session:s1', 0))")
-        .execute(&mut *held)
-        .await
-        .unwrap();
+    let held = hold_session_key(&pool, "s1").await;
     let first = {
         let (batcher, pool) = (batcher.clone(), pool.clone());
         tokio::spawn(async move {
@@ -1834,11 +1830,7 @@ async fn a_batch_that_never_returns_does_not_hold_up_the_events_behind_it(pool: 
         },
         None,
     );
-    let mut held = pool.begin().await.unwrap();
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('internal:session:s1', 0))")
-        .execute(&mut *held)
-        .await
-        .unwrap();
+    let held = hold_session_key(&pool, "s1").await;
     let first = {
         let (batcher, pool) = (batcher.clone(), pool.clone());
         tokio::spawn(async move {
@@ -1873,4 +1865,19 @@ async fn a_batch_that_never_returns_does_not_hold_up_the_events_behind_it(pool: 
         order_status(&pool, "internal", "s1").await.unwrap().0,
         "paid"
     );
+}
+
+/// A transaction holding the payment key of internal session `session`, as a long transaction
+/// processing it would: whatever processes that session's events waits for it to end.
+async fn hold_session_key(
+    pool: &PgPool,
+    session: &str,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut held = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('internal:session:' || $1, 0))")
+        .bind(session)
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    held
 }

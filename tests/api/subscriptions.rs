@@ -594,12 +594,10 @@ async fn a_subscription_a_day_past_its_period_with_nothing_reported_is_a_finding
     let seller = shop.seller("Club House").await;
     let id = paid_subscription(&shop, &seller).await;
     let overdue = async || -> Vec<String> {
-        payfleet::consistency::check(&pool, Duration::ZERO)
+        findings_of(&pool, "subscription_period_overdue")
             .await
-            .unwrap()
             .into_iter()
-            .filter(|v| v.check == "subscription_period_overdue")
-            .map(|v| v.subject)
+            .map(|(subject, _)| subject)
             .collect()
     };
     assert!(overdue().await.is_empty(), "within its period");
