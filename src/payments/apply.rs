@@ -703,13 +703,7 @@ async fn refund_ended(
     gateway: GatewayName,
     refund_id: &str,
 ) -> Result<bool, sqlx::Error> {
-    let ended: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM refunds_ended WHERE gateway = $1 AND refund_id = $2)",
-    )
-    .bind(gateway)
-    .bind(refund_id)
-    .fetch_one(&mut *tx)
-    .await?;
+    let ended = ended_as(tx, gateway, refund_id).await?.is_some();
     if ended {
         tracing::warn!(%gateway, refund = refund_id, "a success reported of a refund the gateway had reported ended: not recorded");
     }
