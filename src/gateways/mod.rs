@@ -308,6 +308,14 @@ pub trait EventFormat: Send + Sync {
         false
     }
 
+    /// Whether one session takes several payment attempts, so a failed one may be followed by
+    /// one that succeeds (a Mercado Pago preference, a Razorpay order); elsewhere a session's
+    /// failure is its end (the internal gateway decides a session once, a Stripe Checkout
+    /// Session's failure event is its expiry or its asynchronous payment's failure).
+    fn attempts_per_session(&self) -> bool {
+        false
+    }
+
     /// The gateways whose events may carry facts about this gateway's payments: its own, and
     /// those that may acquire for it.
     fn event_sources(&self) -> &'static [GatewayName];

@@ -171,6 +171,13 @@ pub async fn run(
     settings: &Settings,
 ) -> Result<Report, QueueError> {
     let names: Vec<&str> = gateways.names().iter().map(|g| g.as_str()).collect();
+    // A failed session is asked about again only where a later attempt may still succeed.
+    let attempts: Vec<&str> = gateways
+        .names()
+        .iter()
+        .filter(|g| crate::gateways::format(**g).attempts_per_session())
+        .map(|g| g.as_str())
+        .collect();
     let pending: Vec<Pending> = sqlx::query_as(
         "SELECT gateway, session_id, order_number, seller_account, failed_before FROM (
              SELECT s.gateway, s.session_id, s.order_number, s.metadata ->> 'seller_account' AS seller_account,
@@ -183,12 +190,14 @@ pub async fn run(
                AND s.created_at < now() - make_interval(secs => $2)
                AND o.paid_at IS NULL
                AND (o.payable OR o.expired_at > now() - interval '1 day')
-               AND (po.id IS NULL OR po.succeeded_at IS NULL)
+               AND (po.id IS NULL OR (po.succeeded_at IS NULL
+                                      AND (po.failed_at IS NULL OR s.gateway = ANY($4))))
          ) due WHERE n <= $3",
     )
     .bind(&names)
     .bind(settings.grace.as_secs_f64())
     .bind(settings.per_run as i64)
+    .bind(&attempts)
     .fetch_all(pool)
     .await?;
     let mut report = Report::default();

@@ -113,6 +113,10 @@ pub(super) struct Format;
 pub(super) static FORMAT: Format = Format;
 
 impl EventFormat for Format {
+    fn attempts_per_session(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> GatewayName {
         GatewayName::Razorpay
     }
