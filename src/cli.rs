@@ -306,6 +306,15 @@ async fn up(config: Config, public: bool) -> anyhow::Result<()> {
             config.bind
         );
     }
+    // `up` turns the payment simulator on and makes development credentials: never beside a
+    // gateway whose money is real, where its pay button would confirm orders no money paid.
+    let real = config.gateways.real_money();
+    if !real.is_empty() {
+        anyhow::bail!(
+            "`up` runs the payment simulator with development credentials, so it runs only where no money is real, and these gateways move real money here: {}. Run `payfleet serve` and `payfleet work` (README, \"Process roles\") or unset them",
+            names(&real)
+        );
+    }
     let (url, locking) = config.migrations_url();
     let working = progress::spinner("applying migrations");
     db::migrate_at(url, locking).await?;

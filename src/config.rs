@@ -57,6 +57,10 @@ pub struct Config {
     pub host_name: String,
     /// Turns the admin API and the dashboard on (only its digest is kept).
     pub admin_token: Option<Token>,
+    /// Set by `payfleet up` alone (`demo::development_config`): its development API key, kept in
+    /// plain text for its restarts and `payfleet demo`, is in force. Never read from the
+    /// environment.
+    pub development: bool,
     /// A token that may read `/metrics` and nothing else (Prometheus' bearer).
     pub metrics_token: Option<Token>,
     /// How long a reading of the metrics' database gauges is served before it is read again,
@@ -227,6 +231,7 @@ impl Config {
             queues,
             host_name,
             admin_token,
+            development: false,
             metrics_token,
             metrics_refresh,
             http: HttpSettings::from_env(env)?,

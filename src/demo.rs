@@ -79,19 +79,24 @@ pub async fn development_config(
         shown.push((ADMIN, value));
     }
     config.gateways.hosted.simulator = true;
+    config.development = true;
     shown.push((API_KEY, development_api_key(pool).await?));
     Ok((config, shown))
 }
 
 /// The development API key (of no seller): the one an earlier `up` kept while it is in force,
-/// else a new one, kept. Development only: `serve` and `work` never read it.
+/// else a new one, kept. Development only: marked as such, so only `up`'s process takes it
+/// (`serve` answers 401 to it).
 pub async fn development_api_key(pool: &PgPool) -> anyhow::Result<String> {
     if let Some(key) = stored(pool, API_KEY).await?
-        && let Lookup::InForce(_) = ApiKeys::new(pool.clone()).lookup(&key).await?
+        && let Lookup::InForce(_) = ApiKeys::new(pool.clone())
+            .with_development_keys()
+            .lookup(&key)
+            .await?
     {
         return Ok(key);
     }
-    let (_, key) = auth::api_keys::create(
+    let (_, key) = auth::api_keys::create_development(
         pool,
         auth::NewApiKey {
             name: "development (payfleet up)".into(),

@@ -423,7 +423,11 @@ pub fn start(
         let callers = Callers::new(
             config.admin_token.clone(),
             config.metrics_token.clone(),
-            Some(ApiKeys::new(pool.clone())),
+            Some(if config.development {
+                ApiKeys::new(pool.clone()).with_development_keys()
+            } else {
+                ApiKeys::new(pool.clone())
+            }),
             config.http.client_address_header.clone(),
         );
         Some(http::router(AppState {

@@ -64,6 +64,8 @@ pub enum Lookup {
     InForce(KeyHolder),
     /// One of ours, revoked: a stale credential, not a guess.
     Revoked,
+    /// `payfleet up`'s development key, presented to a process `up` did not start.
+    Development,
     /// Not one of ours.
     Unknown,
 }
@@ -108,6 +110,23 @@ const COLUMNS: &str = "id, name, seller_id, prefix, created_at, revoked_at";
 
 /// Makes a key: returns it as listed and the key itself, to show once.
 pub async fn create(pool: &PgPool, new: NewApiKey) -> Result<(ApiKey, String), ApiKeyError> {
+    make(pool, new, false).await
+}
+
+/// Makes `payfleet up`'s development key: accepted only by a process whose [`ApiKeys`] take
+/// development keys (`up`'s), since `up` keeps it in plain text for its restarts and `demo`.
+pub async fn create_development(
+    pool: &PgPool,
+    new: NewApiKey,
+) -> Result<(ApiKey, String), ApiKeyError> {
+    make(pool, new, true).await
+}
+
+async fn make(
+    pool: &PgPool,
+    new: NewApiKey,
+    development: bool,
+) -> Result<(ApiKey, String), ApiKeyError> {
     let name = new.name.trim();
     if name.is_empty() || name.chars().count() > 100 || name.chars().any(char::is_control) {
         return Err(ApiKeyError::InvalidName);
@@ -123,13 +142,14 @@ pub async fn create(pool: &PgPool, new: NewApiKey) -> Result<(ApiKey, String), A
         .transpose()?;
     let key = super::random_credential(PREFIX);
     let made = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO api_keys (name, seller_id, key_hash, prefix) VALUES ($1, $2, $3, $4)
+        "INSERT INTO api_keys (name, seller_id, key_hash, prefix, development) VALUES ($1, $2, $3, $4, $5)
          RETURNING {COLUMNS}"
     )))
     .bind(name)
     .bind(seller)
     .bind(&hash(&key)[..])
     .bind(&key[..SHOWN])
+    .bind(development)
     .fetch_one(pool)
     .await
     .map_err(|e| match &e {
@@ -170,6 +190,8 @@ type Cache = HashMap<[u8; 32], (Instant, Lookup)>;
 pub struct ApiKeys {
     pool: PgPool,
     cache: Arc<Mutex<Cache>>,
+    /// Whether `payfleet up`'s development keys are in force here (only in `up`'s process).
+    development: bool,
 }
 
 impl ApiKeys {
@@ -177,6 +199,15 @@ impl ApiKeys {
         Self {
             pool,
             cache: Arc::default(),
+            development: false,
+        }
+    }
+
+    /// The keys of `payfleet up`'s process: its development key is in force too.
+    pub fn with_development_keys(self) -> Self {
+        Self {
+            development: true,
+            ..self
         }
     }
 
@@ -199,15 +230,16 @@ impl ApiKeys {
             return Ok(answer);
         }
         let h = hash(presented);
-        let row: Option<(ApiKeyId, Option<SellerId>, bool)> = sqlx::query_as(
-            "SELECT id, seller_id, revoked_at IS NOT NULL FROM api_keys WHERE key_hash = $1",
+        let row: Option<(ApiKeyId, Option<SellerId>, bool, bool)> = sqlx::query_as(
+            "SELECT id, seller_id, revoked_at IS NOT NULL, development FROM api_keys WHERE key_hash = $1",
         )
         .bind(&h[..])
         .fetch_optional(&self.pool)
         .await?;
         let answer = match row {
-            Some((id, seller, false)) => Lookup::InForce(KeyHolder { id, seller }),
-            Some((_, _, true)) => Lookup::Revoked,
+            Some((_, _, true, _)) => Lookup::Revoked,
+            Some((_, _, false, true)) if !self.development => Lookup::Development,
+            Some((id, seller, false, _)) => Lookup::InForce(KeyHolder { id, seller }),
             None => Lookup::Unknown,
         };
         let now = Instant::now();

@@ -320,15 +320,23 @@ pub trait EventFormat: Send + Sync {
     /// those that may acquire for it.
     fn event_sources(&self) -> &'static [GatewayName];
 
-    /// Whom an event is for, as far as its signed body says: our seller id (`seller:<id>`),
-    /// else the gateway account (`<gateway>:<account>`). Used only as the processing job's
-    /// fairness key, so one seller's flood of events cannot hold up another seller's payment;
-    /// nothing is decided by it. A key longer than the queue takes is cut (on a character
-    /// boundary): it only groups.
+    /// Whom an event is for, as far as its signed body says: the seller's own account where the
+    /// gateway charges on it and names it (`<gateway>:<account>`: a Stripe connected account),
+    /// else our seller id (`seller:<id>`), else the gateway account (`<gateway>:<account>`).
+    /// Used only as the processing job's fairness key, so one seller's flood of events cannot
+    /// hold up another seller's payment; nothing is decided by it. A seller's own account comes
+    /// first because a connected seller writes the metadata on its own objects: a seller id read
+    /// there would let one seller queue its flood in another's group, or spread it over as many
+    /// groups as it likes. A key longer than the queue takes is cut (on a character boundary):
+    /// it only groups.
     fn seller_hint(&self, json: &serde_json::Value) -> Option<String> {
-        let hint = match self.seller_id(json) {
-            Some(seller) => format!("seller:{seller}"),
-            None => format!("{}:{}", self.name(), self.account(json)?),
+        let account = self.account(json);
+        let hint = match (self.charges_on_seller_account(), account, self.seller_id(json)) {
+            (true, Some(account), _) | (false, Some(account), None) => {
+                format!("{}:{account}", self.name())
+            }
+            (_, _, Some(seller)) => format!("seller:{seller}"),
+            (_, None, None) => return None,
         };
         let mut end = hint.len().min(payfleet_queue::MAX_FAIRNESS_KEY);
         while !hint.is_char_boundary(end) {
@@ -444,6 +452,23 @@ impl Settings {
     /// The gateway that collects the internal gateway's payments, where it is not simulated.
     pub fn internal_acquirer(&self) -> Option<GatewayName> {
         self.hosted.acquirer()
+    }
+
+    /// The gateways configured here through which money is real: every outside gateway whose
+    /// events are received, and the internal gateway's acquirer.
+    pub fn real_money(&self) -> Vec<GatewayName> {
+        let mut real: Vec<GatewayName> = self
+            .signature_checks()
+            .enabled()
+            .into_iter()
+            .filter(|g| !matches!(g, GatewayName::Internal | GatewayName::Mock))
+            .collect();
+        if let Some(acquirer) = self.internal_acquirer()
+            && !real.contains(&acquirer)
+        {
+            real.push(acquirer);
+        }
+        real
     }
 
     /// Refuses settings that are each valid but unsafe together: a simulated gateway where the
@@ -597,11 +622,18 @@ mod seller_hint_tests {
     use serde_json::json;
 
     #[test]
-    fn our_seller_id_comes_first_then_the_gateway_account() {
+    fn a_sellers_own_account_comes_first_then_our_seller_id_then_the_gateway_account() {
+        // A connected account's events: the seller wrote the metadata, Stripe named the account.
         let stripe =
             json!({"account": "acct_1", "data": {"object": {"metadata": {"seller_id": "s-9"}}}});
         assert_eq!(
             seller_hint(GatewayName::Stripe, &stripe).as_deref(),
+            Some("stripe:acct_1")
+        );
+        // The platform's own (no account): our metadata.
+        let platform = json!({"data": {"object": {"metadata": {"seller_id": "s-9"}}}});
+        assert_eq!(
+            seller_hint(GatewayName::Stripe, &platform).as_deref(),
             Some("seller:s-9")
         );
         let connect = json!({"account": "acct_1", "data": {"object": {"metadata": {}}}});
@@ -614,7 +646,17 @@ mod seller_hint_tests {
             seller_hint(GatewayName::MercadoPago, &mp).as_deref(),
             Some("mercadopago:4711")
         );
+        // The platform's Razorpay account collects for every seller: our notes say whose.
         let rzp = json!({"account_id": "acc_X", "payload": {"refund": {"entity": {"notes": {"seller_id": "s-2"}}}}});
+        assert_eq!(
+            seller_hint(GatewayName::Razorpay, &rzp).as_deref(),
+            Some("seller:s-2")
+        );
+        // The order's notes (the platform's) over the payment's (the buyer's checkout may set
+        // them).
+        let rzp = json!({"account_id": "acc_X", "payload": {
+            "payment": {"entity": {"notes": {"seller_id": "s-forged"}}},
+            "order": {"entity": {"notes": {"seller_id": "s-2"}}}}});
         assert_eq!(
             seller_hint(GatewayName::Razorpay, &rzp).as_deref(),
             Some("seller:s-2")

@@ -276,6 +276,9 @@ where
         match lookup {
             Lookup::InForce(holder) => Ok(Backend::Key(holder)),
             Lookup::Revoked => Err(ApiError::Unauthenticated("this API key was revoked".into())),
+            Lookup::Development => Err(ApiError::Unauthenticated(
+                "this is `payfleet up`'s development API key: only `payfleet up` takes it; ask an operator for a key (POST /admin/api-keys)".into(),
+            )),
             Lookup::Unknown => {
                 callers.failed(client, &route(parts), "unknown API key");
                 Err(ApiError::Unauthenticated("unknown API key".into()))

@@ -268,6 +268,7 @@ pub fn now() -> i64 {
 }
 
 /// A signed delivery, as each gateway sends it.
+#[derive(Clone)]
 pub struct Delivery {
     pub gateway: GatewayName,
     pub headers: Vec<(String, String)>,

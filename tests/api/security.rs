@@ -495,6 +495,28 @@ async fn up_listens_beyond_this_machine_only_when_told() {
     assert!(stderr.contains("--public"), "{stderr}");
 }
 
+/// `up` turns the payment simulator on: beside a gateway whose money is real, its pay button
+/// would confirm orders no money paid. It refuses before it touches any database.
+#[tokio::test]
+async fn up_refuses_to_run_beside_a_gateway_whose_money_is_real() {
+    for (name, value) in [
+        ("STRIPE_WEBHOOK_SECRET", "whsec_live_endpoint_secret"),
+        ("RAZORPAY_WEBHOOK_SECRET", "razorpay-live-secret"),
+    ] {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_payfleet"))
+            .arg("up")
+            .env("PAYFLEET_BIND", "127.0.0.1:0")
+            .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/none")
+            .env(name, value)
+            .output()
+            .await
+            .unwrap();
+        assert!(!out.status.success(), "{name}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("real money"), "{name}: {stderr}");
+    }
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn connections_that_never_finish_their_request_are_closed(pool: PgPool) {
     let app = spawn_app(pool).await;
@@ -834,4 +856,59 @@ async fn anonymous_pages_and_probes_spare_the_database(pool: PgPool) {
     // A well-formed id is looked up: the outage is a 503.
     let (status, _) = app.get("/pay/ips_0123456789abcdef01234567").await;
     assert_eq!(status, 503);
+}
+
+/// `payfleet up` keeps its development API key in plain text (for its restarts and `demo`):
+/// anyone who reads a database `up` once ran on, or a copy of it, has that key. Only `up`'s
+/// process takes it; `serve` answers 401, as for a revoked key, and its ordinary keys work.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_development_api_key_is_taken_by_up_alone(pool: PgPool) {
+    let (_, development) = payfleet::auth::api_keys::create_development(
+        &pool,
+        payfleet::auth::NewApiKey {
+            name: "development (payfleet up)".into(),
+            seller_id: None,
+        },
+    )
+    .await
+    .unwrap();
+    let served = spawn_app(pool.clone()).await;
+    let wallet = |app: &TestApp| format!("http://{}/wallets/b", app.addr);
+    let resp = served
+        .anon
+        .get(wallet(&served))
+        .bearer_auth(&development)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 401);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "unauthenticated", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("payfleet up")),
+        "{body}"
+    );
+    // Its ordinary key works there.
+    let resp = served
+        .anon
+        .get(wallet(&served))
+        .bearer_auth(&served.api_key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    // `up`'s own process takes it.
+    let mut config = test_config();
+    config.development = true;
+    let up = spawn_app_with(pool.clone(), config).await;
+    let resp = up
+        .anon
+        .get(wallet(&up))
+        .bearer_auth(&development)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
 }

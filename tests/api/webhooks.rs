@@ -127,6 +127,45 @@ async fn a_repeated_event_is_a_duplicate_even_hours_later(pool: PgPool) {
     assert_eq!(app.events().await, 1);
 }
 
+/// Mercado Pago signs an alphanumeric `data.id` lowercased, so one captured notification is
+/// validly signed under every spelling of its id's case: each spelling must be the same event,
+/// not one more stored event and job (and one more API lookup) per spelling.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_mercadopago_notification_resent_with_its_id_in_another_case_is_a_duplicate(
+    pool: PgPool,
+) {
+    let app = spawn_app(pool).await;
+    let first = mercadopago_topic(
+        "subscription_preapproval",
+        "2c93abc9",
+        "req-7",
+        now() * 1000,
+    );
+    let (_, answer) = app.deliver(&first).await;
+    assert_eq!(answer["status"], "accepted", "{answer}");
+    for spelling in ["2C93ABC9", "2c93Abc9"] {
+        let mut resent = first.clone();
+        resent.query = resent.query.replace("2c93abc9", spelling);
+        resent.body = String::from_utf8(resent.body)
+            .unwrap()
+            .replace("2c93abc9", spelling)
+            .into_bytes();
+        let (status, answer) = app.deliver(&resent).await;
+        assert_eq!(
+            (status, answer["status"].as_str()),
+            (200, Some("duplicate")),
+            "{spelling}: {answer}"
+        );
+    }
+    assert_eq!(app.events().await, 1);
+    let jobs: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE kind = 'process_payment_event'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(jobs, 1);
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn concurrent_duplicate_deliveries_store_one_row_and_all_get_200(pool: PgPool) {
     let app = spawn_app(pool).await;
@@ -468,7 +507,7 @@ async fn a_redelivery_re_drives_an_event_whose_job_died(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn an_events_job_carries_its_seller_as_fairness_key(pool: PgPool) {
+async fn an_events_job_carries_its_seller_as_fairness_key_the_gateways_account_first(pool: PgPool) {
     let app = spawn_app(pool).await;
     let deliveries = [
         stripe(
@@ -481,6 +520,12 @@ async fn an_events_job_carries_its_seller_as_fairness_key(pool: PgPool) {
         ),
         stripe(
             r#"{"id":"evt_n","type":"checkout.session.completed","data":{"object":{"id":"cs_7"}}}"#,
+            now(),
+        ),
+        // A connected seller writes its own objects' metadata: naming another seller there
+        // must not put its events in that seller's group.
+        stripe(
+            r#"{"id":"evt_f","account":"acct_43","type":"checkout.session.completed","data":{"object":{"id":"cs_6","metadata":{"seller_id":"seller-7"}}}}"#,
             now(),
         ),
     ];
@@ -505,6 +550,10 @@ async fn an_events_job_carries_its_seller_as_fairness_key(pool: PgPool) {
                 Some("stripe:acct_42".into())
             ),
             ("payment_event:stripe:evt_n".into(), None),
+            (
+                "payment_event:stripe:evt_f".into(),
+                Some("stripe:acct_43".into())
+            ),
         ]
     );
 }

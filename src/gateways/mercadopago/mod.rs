@@ -128,7 +128,8 @@ impl EventFormat for Format {
     /// The body is not signed: it must name the resource the signed query names, since
     /// processing reads the resource from it. Its own id changes across resends; the signed
     /// request id names the delivery, and processing deduplicates on the payment's state
-    /// fetched from the API.
+    /// fetched from the API. The resource is named as signed (an alphanumeric id lowercased),
+    /// so a resend that only changes the id's case is the same event.
     fn event_id(&self, d: &Delivery, json: &Value) -> Result<String, &'static str> {
         let signed = d
             .query("data.id")
@@ -139,7 +140,10 @@ impl EventFormat for Format {
             return Err("the body's data.id differs from the signed data.id");
         }
         let request_id = d.header("x-request-id").ok_or("missing x-request-id")?;
-        Ok(format!("{signed}:{request_id}"))
+        Ok(format!(
+            "{}:{request_id}",
+            signature::signed_data_id(signed)
+        ))
     }
 
     fn type_field(&self) -> &'static str {

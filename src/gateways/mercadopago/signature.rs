@@ -1,7 +1,21 @@
 //! Mercado Pago's signing scheme: the signed manifest names the resource, not the body.
 
+use std::borrow::Cow;
+
 use crate::gateways::signature::{SignatureError, any_matches, malformed, pairs, within};
 use crate::secret::hmac_sha256;
+
+/// `data.id` as the manifest signs it: Mercado Pago lowercases an alphanumeric id before
+/// signing, so `ABC123` and `abc123` carry the same signature. Whatever names a delivery (its
+/// event id) must use this form too, or one signed notification could be stored once per
+/// spelling of its id.
+pub fn signed_data_id(id: &str) -> Cow<'_, str> {
+    if id.chars().all(|c| c.is_ascii_alphanumeric()) {
+        Cow::Owned(id.to_ascii_lowercase())
+    } else {
+        Cow::Borrowed(id)
+    }
+}
 
 /// Mercado Pago: `x-signature: ts=<ts>,v1=<hex>` over the manifest
 /// `id:{data.id};request-id:{x-request-id};ts:{ts};`, leaving out the parts that are missing.
@@ -43,11 +57,7 @@ pub fn mercadopago(
     }
     let mut manifest = String::new();
     if let Some(id) = data_id {
-        if id.chars().all(|c| c.is_ascii_alphanumeric()) {
-            manifest.push_str(&format!("id:{};", id.to_ascii_lowercase()));
-        } else {
-            manifest.push_str(&format!("id:{id};"));
-        }
+        manifest.push_str(&format!("id:{};", signed_data_id(id)));
     }
     if let Some(rid) = request_id {
         manifest.push_str(&format!("request-id:{rid};"));

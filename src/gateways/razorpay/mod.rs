@@ -135,9 +135,11 @@ impl EventFormat for Format {
         "event"
     }
 
-    /// Our payment links put the seller in the notes of whatever entity the event carries.
+    /// Our payment links put the seller in the notes of whatever entity the event carries. The
+    /// order's notes first: only the platform writes them, where a payment's may come from the
+    /// buyer's checkout.
     fn seller_id(&self, json: &Value) -> Option<String> {
-        ["payment", "refund", "order", "dispute"]
+        ["order", "payment", "refund", "dispute"]
             .iter()
             .find_map(|e| text(json.pointer(&format!("/payload/{e}/entity/notes/seller_id"))))
     }
