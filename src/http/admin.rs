@@ -461,6 +461,8 @@ async fn refund_order(
             tracing::warn!(refund_request = view.id, error = %e, "the gateway did not answer; the refund job will ask again");
             view
         }
+        // Its payment's dispute opened since: the job asks once the dispute has ended.
+        Ok(CarriedOut::Held(view)) => view,
         // Not enabled in this receiver: a worker that has it carries the refund out.
         Err(RefundError::GatewayDisabled(_)) => view,
         Err(e) => return Err(e.into()),

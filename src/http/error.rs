@@ -457,10 +457,12 @@ impl From<CoinPaymentError> for ApiError {
         let message = e.to_string();
         match e {
             CoinPaymentError::NotFound(_) => Self::NotFound(message),
-            CoinPaymentError::NotPayable { .. } => Self::Conflict {
-                code: "order_not_payable",
-                message,
-            },
+            CoinPaymentError::NotPayable { .. } | CoinPaymentError::Subscription(_) => {
+                Self::Conflict {
+                    code: "order_not_payable",
+                    message,
+                }
+            }
             CoinPaymentError::Refused { code, .. } => Self::Unprocessable {
                 code: if code == "coins_insufficient" {
                     "coins_insufficient"

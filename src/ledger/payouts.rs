@@ -182,6 +182,28 @@ pub async fn run(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, PayoutErro
     Ok(made)
 }
 
+/// In the transaction of a refund request of `seller`'s, before it is written: waits for a
+/// payout of the seller's being made to commit, and keeps the next from reading the seller's
+/// refunds under way until the request has committed (a payout holds the seller's available
+/// account `FOR UPDATE` before it reads them; this holds it `FOR SHARE`). Without it, a request
+/// committed between a payout's read and its commit was not held back, and the refund then took
+/// from a balance the payout had paid out.
+pub async fn hold_against_payouts(
+    tx: &mut sqlx::PgConnection,
+    seller: &str,
+    currency: Currency,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "SELECT 1 FROM ledger_accounts
+         WHERE kind = 'seller_available' AND owner = $1 AND currency = $2 FOR SHARE",
+    )
+    .bind(seller)
+    .bind(currency.as_str())
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
 /// What the seller's refunds under way in `currency` may still take: the requests the gateway
 /// has not answered or has accepted, not yet recorded as refunds (the same requests an order's
 /// refunds count as taken, `payments::order_refunds`), found through the index of requests

@@ -298,8 +298,8 @@ impl Sale {
 pub enum TakeBack {
     /// A refund: taken for good.
     Refund { refund_id: String, amount: Money },
-    /// A dispute: taken while open or lost, given back if it ends in the seller's favour or as
-    /// a refund (the refund then takes it).
+    /// A dispute: taken while open or lost, given back if it ends in the seller's favour, and
+    /// handed over to its refund if it ends as one (kept taken until that refund is recorded).
     Dispute {
         dispute_id: String,
         amount: Money,
@@ -318,7 +318,8 @@ struct Step {
 
 /// Brings the ledger in line with everything taken back from a sale (refunds and disputes, in
 /// any order, seen any number of times). What the sale owes back is
-/// `T = min(total, refunds + disputes open or lost)`: never more than was paid, however a
+/// `T = min(total, refunds + disputes open or lost + what of disputes ended as a refund the
+/// recorded refunds do not cover)`: never more than was paid, however a
 /// gateway's refunds and chargebacks add up (an overage is the consistency check
 /// `taken_back_beyond_payment`'s, for an operator, not a second debit of the seller). The seller
 /// bears `share(T)` (rounded half-even on that running total, so partial amounts never drift and
@@ -346,6 +347,16 @@ pub async fn settle_take_backs(
     let mut claimed = zero;
     let mut steps = Vec::new();
     let channel = sale.channel;
+    // A dispute that ended as a refund gave the buyer the money through that refund: until the
+    // refund is recorded (its event may come later, or be lost), the dispute keeps what the
+    // recorded refunds do not cover, so the seller is never given back, and paid out, money
+    // the buyer already has.
+    let mut refunded = Decimal::ZERO;
+    for fact in facts {
+        if let TakeBack::Refund { amount, .. } = fact {
+            refunded += amount.amount();
+        }
+    }
     for fact in facts {
         match fact {
             TakeBack::Refund { refund_id, amount } => {
@@ -368,6 +379,12 @@ pub async fn settle_take_backs(
                     taken: true,
                     kinds: (TransferKind::DisputeDebit, TransferKind::DisputeFeeDebit),
                 });
+                if *status == DisputeStatus::Refunded {
+                    let uncovered = (amount.amount() - refunded).max(Decimal::ZERO);
+                    let uncovered =
+                        Money::new(uncovered, amount.currency()).map_err(|_| mismatch())?;
+                    claimed = claimed.checked_add(&uncovered).ok_or_else(mismatch)?;
+                }
                 if matches!(status, DisputeStatus::Won | DisputeStatus::Refunded) {
                     steps.push(Step {
                         key: format!("dispute_reversal:{channel}:{dispute_id}"),

@@ -11,11 +11,16 @@
 //!
 //! The expiry of an order with a reservation id enqueues its release, and a gateway payment for
 //! an order paid with coins is an extra payment, refunded like any.
+//!
+//! A subscription's order is not paid with coins: its gateway charges each later period on what
+//! paid the first, and coins leave it nothing to charge (nor, at Stripe, any subscription to
+//! renew), so the subscription would start and never be paid again.
 
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 
 use super::{OrderEventKind, OrderStatus, OrderView, record_event, view};
+use crate::catalogue::ProductKind;
 use crate::ledger::LedgerError;
 use crate::ledger::coins::{self, ReservationState};
 use crate::ledger::sales::{self, Channel, Sale};
@@ -29,6 +34,10 @@ pub enum CoinPaymentError {
     NotFound(i64),
     #[error("order {number} is {status}; only an order awaiting payment can be paid")]
     NotPayable { number: i64, status: OrderStatus },
+    #[error(
+        "order {0} is a subscription: its gateway charges every period, coins cannot; pay it through its payment link"
+    )]
+    Subscription(i64),
     #[error("the coins refused: {message}")]
     Refused { code: String, message: String },
     #[error("the coins did not answer ({0}); nothing was spent, try again")]
@@ -130,11 +139,12 @@ struct Payable {
     currency: String,
     coin_reservation: Option<String>,
     paid_with_coins: bool,
+    kind: ProductKind,
 }
 
 async fn lock(tx: &mut PgConnection, number: i64) -> Result<Payable, CoinPaymentError> {
     sqlx::query_as(
-        "SELECT id, status, buyer_id, total, currency::text AS currency, coin_reservation, paid_with_coins
+        "SELECT id, status, buyer_id, total, currency::text AS currency, coin_reservation, paid_with_coins, kind
          FROM orders WHERE number = $1 FOR UPDATE",
     )
     .bind(number)
@@ -155,6 +165,10 @@ pub async fn pay(
     if o.paid_with_coins {
         drop(tx);
         return order_view(pool, number).await;
+    }
+    // Refused before anything is reserved or noted: nothing to give back.
+    if o.kind == ProductKind::Subscription {
+        return Err(CoinPaymentError::Subscription(number));
     }
     if !o.status.is_payable() {
         return Err(CoinPaymentError::NotPayable {

@@ -484,6 +484,7 @@ pub(crate) async fn record_event(
 /// An order as a refund request needs it.
 #[derive(Debug, sqlx::FromRow)]
 pub struct RefundableOrder {
+    pub seller_id: SellerId,
     pub status: OrderStatus,
     pub gateway: GatewayName,
     pub session_id: Option<String>,
@@ -500,7 +501,7 @@ pub async fn lock_for_refund(
     number: i64,
 ) -> Result<Option<RefundableOrder>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT status, gateway, session_id, currency::text AS currency, total, paid_with_coins, coin_reservation
+        "SELECT seller_id, status, gateway, session_id, currency::text AS currency, total, paid_with_coins, coin_reservation
          FROM orders WHERE number = $1 FOR UPDATE",
     )
     .bind(number)

@@ -230,6 +230,7 @@ pub async fn request(
         tracing::info!(order = number, refund_request = view.id, %amount, "coins given back");
         return Ok((view, true));
     };
+    crate::ledger::payouts::hold_against_payouts(&mut tx, &paid.seller_id.to_string(), c).await?;
     let view: RefundView = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "INSERT INTO refund_requests (idempotency_key, order_number, gateway, session_id, payment_id, amount, currency, reason)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING {COLUMNS}"
@@ -416,6 +417,53 @@ pub enum CarriedOut {
     /// The gateway (or our database) did not answer: the request stays `requested`, and its job
     /// asks again later.
     NotYet(RefundView, GatewayError),
+    /// The payment was disputed after the refund was asked for, and the dispute is open: the
+    /// gateway is not asked while it is (the buyer would get the refund and the chargeback),
+    /// and the request stays `requested` until the dispute ends.
+    Held(RefundView),
+}
+
+/// How long a refund held by an open dispute waits before it looks again: disputes take weeks.
+pub const DISPUTE_HOLD: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// What the payment's disputes say of a refund asked for before them.
+#[derive(Debug, PartialEq, Eq)]
+enum Disputed {
+    /// None, or every one won: the refund goes ahead.
+    No,
+    /// One is open: the refund waits.
+    Open,
+    /// One was lost (the chargeback gave the buyer the money) or ended in a refund: the
+    /// refund asked for before it would pay the buyer twice.
+    Ended(String),
+}
+
+async fn disputed(
+    pool: &PgPool,
+    gateway: GatewayName,
+    session: &str,
+) -> Result<Disputed, sqlx::Error> {
+    let statuses: Vec<String> = sqlx::query_scalar(
+        "SELECT d.status FROM payment_disputes d
+         JOIN payment_orders po ON po.id = d.payment_order_id
+         WHERE po.gateway = $1 AND po.session_id = $2",
+    )
+    .bind(gateway)
+    .bind(session)
+    .fetch_all(pool)
+    .await?;
+    Ok(
+        if let Some(ended) = statuses
+            .iter()
+            .find(|s| matches!(s.as_str(), "lost" | "refunded"))
+        {
+            Disputed::Ended(ended.clone())
+        } else if statuses.iter().any(|s| s == "open") {
+            Disputed::Open
+        } else {
+            Disputed::No
+        },
+    )
 }
 
 #[derive(sqlx::FromRow)]
@@ -427,6 +475,60 @@ struct Pending {
     currency: String,
     gateway_key: uuid::Uuid,
     seller_account: Option<String>,
+    /// The gateway's refund, once it took one.
+    refund_id: Option<String>,
+}
+
+impl Pending {
+    async fn of(pool: &PgPool, id: i64) -> Result<Self, sqlx::Error> {
+        sqlx::query_as(
+            "SELECT q.gateway, q.session_id, q.payment_id, q.amount, q.currency::text AS currency, q.gateway_key,
+                    s.metadata ->> 'seller_account' AS seller_account, q.refund_id
+             FROM refund_requests q
+             LEFT JOIN payment_sessions s ON s.gateway = q.gateway AND s.session_id = q.session_id
+             WHERE q.id = $1",
+        )
+        .bind(id)
+        .fetch_one(pool)
+        .await
+    }
+
+    fn amount(&self) -> Result<Money, RefundError> {
+        let c: Currency = self
+            .currency
+            .parse()
+            .map_err(|_| RefundError::InvalidAmount(format!("currency {}", self.currency)))?;
+        Money::new(self.amount, c).map_err(|e| RefundError::InvalidAmount(e.to_string()))
+    }
+
+    /// The refund the gateway took, to record or to ask about later.
+    fn settle(&self, refund_id: &str, amount: Money) -> super::SettleRefund {
+        super::SettleRefund {
+            gateway: self.gateway,
+            session_id: self.session_id.clone(),
+            payment_id: self.payment_id.clone(),
+            refund_id: refund_id.to_owned(),
+            amount,
+            seller_account: self.seller_account.clone(),
+        }
+    }
+}
+
+/// Asks the gateway about accepted request `id`'s refund again, unless a job is asking already:
+/// the job that asked may have ended (the gateway kept the refund pending past its attempts)
+/// with the refund's event lost, and the request would then stay `accepted`, its amount held
+/// from the seller's payouts, for ever. Asking for the refund again (its Idempotency-Key, or its
+/// `CarryOutRefund` job) re-drives it.
+async fn settle_again(pool: &PgPool, id: i64) -> Result<(), RefundError> {
+    let p = Pending::of(pool, id).await?;
+    let Some(refund_id) = p.refund_id.as_deref() else {
+        return Ok(());
+    };
+    let job = p.settle(refund_id, p.amount()?).job()?;
+    if queue::enqueue(pool, job).await?.is_some() {
+        tracing::info!(refund_request = id, refund = %refund_id, "an accepted refund is asked about again");
+    }
+    Ok(())
 }
 
 /// Asks the gateway for request `id`'s refund and records its answer. Safe to run any number of
@@ -438,27 +540,40 @@ pub async fn carry_out(
     id: i64,
 ) -> Result<CarriedOut, RefundError> {
     let view = get(pool, id).await?.ok_or(RefundError::NoRequest(id))?;
+    if view.state == RefundState::Accepted {
+        settle_again(pool, id).await?;
+    }
     if view.state != RefundState::Requested {
         return Ok(CarriedOut::Answered(view));
     }
-    let p: Pending = sqlx::query_as(
-        "SELECT q.gateway, q.session_id, q.payment_id, q.amount, q.currency::text AS currency, q.gateway_key,
-                s.metadata ->> 'seller_account' AS seller_account
-         FROM refund_requests q
-         LEFT JOIN payment_sessions s ON s.gateway = q.gateway AND s.session_id = q.session_id
-         WHERE q.id = $1",
-    )
-    .bind(id)
-    .fetch_one(pool)
-    .await?;
+    let p = Pending::of(pool, id).await?;
+    // A request is refused while its payment is disputed, but the dispute may open between the
+    // request and the gateway's answer (an outage that kept the job retrying): the gateway is
+    // asked only while no dispute is open or lost.
+    match disputed(pool, p.gateway, &p.session_id).await? {
+        Disputed::No => {}
+        Disputed::Open => return Ok(CarriedOut::Held(view)),
+        Disputed::Ended(status) => {
+            let ended = sqlx::query(
+                "UPDATE refund_requests SET state = 'failed', updated_at = now(),
+                        failure = 'the payment was disputed after the refund was asked for, and the dispute ended ' || $2 || ': the buyer has the money back through it'
+                 WHERE id = $1 AND state = 'requested'",
+            )
+            .bind(id)
+            .bind(&status)
+            .execute(pool)
+            .await?;
+            if ended.rows_affected() == 1 {
+                tracing::warn!(refund_request = id, dispute = %status, "a refund asked for before its payment's dispute was not made: the dispute ended it");
+            }
+            let view = get(pool, id).await?.ok_or(RefundError::NoRequest(id))?;
+            return Ok(CarriedOut::Answered(view));
+        }
+    }
     let gateway = gateways
         .get(p.gateway)
         .ok_or(RefundError::GatewayDisabled(p.gateway))?;
-    let c: Currency = p
-        .currency
-        .parse()
-        .map_err(|_| RefundError::InvalidAmount(format!("currency {}", p.currency)))?;
-    let amount = Money::new(p.amount, c).map_err(|e| RefundError::InvalidAmount(e.to_string()))?;
+    let amount = p.amount()?;
     let asked = gateway
         .refund(&RefundRequest {
             session_id: p.session_id.clone(),
@@ -480,15 +595,7 @@ pub async fn carry_out(
         let view = get(pool, id).await?.ok_or(RefundError::NoRequest(id))?;
         return Ok(CarriedOut::Answered(view));
     }
-    // The refund the gateway took, to record or to ask about later.
-    let taken = |refund_id: &str| super::SettleRefund {
-        gateway: p.gateway,
-        session_id: p.session_id.clone(),
-        payment_id: p.payment_id.clone(),
-        refund_id: refund_id.to_owned(),
-        amount,
-        seller_account: p.seller_account.clone(),
-    };
+    let taken = |refund_id: &str| p.settle(refund_id, amount);
     let ended = match &asked {
         Ok(receipt) if receipt.succeeded => {
             super::apply::ended_as(&mut tx, p.gateway, &receipt.refund_id).await?
@@ -578,6 +685,7 @@ impl CarryOutRefund {
         match carry_out(pool, gateways, self.id).await {
             Ok(CarriedOut::Answered(_)) => Ok(()),
             Ok(CarriedOut::NotYet(_, e)) => Err(JobError::retry(e)),
+            Ok(CarriedOut::Held(_)) => Err(JobError::Snooze(DISPUTE_HOLD)),
             Err(RefundError::GatewayDisabled(g)) => Err(JobError::retry(format!(
                 "gateway {g} is not enabled in this worker; the refund waits for one that has it"
             ))),

@@ -1034,3 +1034,218 @@ async fn an_event_of_another_gateway_received_in_time_holds_the_expiry_back_too(
     .unwrap();
     assert!(matches!(expire(&pool, 1).await.unwrap(), Expiry::NotYet(_)));
 }
+
+/// A refund asked for while its payment was paid, whose gateway did not answer at once (its job
+/// asks again later), may meet a dispute opened meanwhile. Asked then, the gateway would give
+/// the buyer the refund beside the chargeback: the refund waits while the dispute is open, is
+/// made once it is won, and ends failed, never asked, once it is lost.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_asked_for_before_a_dispute_waits_for_its_end(pool: PgPool) {
+    use payfleet::payments::order_refunds::{self, CarriedOut, NewRefund};
+    let shop = crate::checkout::shop(pool.clone()).await;
+    let first = shop.one_order("20.00").await;
+    let product = first["items"][0]["product_id"].as_str().unwrap().to_owned();
+    let (status, second) = shop
+        .checkout(
+            Some("k-second"),
+            json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{second}");
+    let second = second["orders"][0].clone();
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, &pool).unwrap();
+    let refunds = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM internal_refunds")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let mut asked = Vec::new();
+    for (order, outcome) in [(&first, "won"), (&second, "lost")] {
+        let number = order["number"].as_i64().unwrap();
+        let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+        assert_eq!(
+            shop.app
+                .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
+                .await
+                .0,
+            200
+        );
+        wait_for(
+            "the order to be paid",
+            std::time::Duration::from_secs(30),
+            async || shop.order(number).await["status"] == "paid",
+        )
+        .await;
+        let new = NewRefund {
+            amount: Some("5.00".into()),
+            reason: String::new(),
+        };
+        let (request, written) =
+            order_refunds::request(&pool, number, &format!("rf-{outcome}"), &new)
+                .await
+                .unwrap();
+        assert!(written);
+        let payment: String =
+            sqlx::query_scalar("SELECT payment_id FROM internal_payments WHERE session_id = $1")
+                .bind(&session)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        asked.push((request.id, session, payment, outcome));
+    }
+    let dispute = |kind: &str, session: &str, payment: &str| {
+        about_with(
+            kind,
+            session,
+            payment,
+            json!({"dispute_id": format!("dp_{session}"), "amount": "20.00", "currency": "BRL"}),
+        )
+    };
+    let dispute_is = async |session: &str, status: &str| {
+        let want = status.to_owned();
+        wait_for(
+            "the dispute's state",
+            std::time::Duration::from_secs(30),
+            async || {
+                let got: Option<String> = sqlx::query_scalar(
+                    "SELECT status FROM payment_disputes WHERE dispute_id = 'dp_' || $1",
+                )
+                .bind(session)
+                .fetch_optional(&pool)
+                .await
+                .unwrap();
+                got.as_deref() == Some(want.as_str())
+            },
+        )
+        .await;
+    };
+    for (id, session, payment, outcome) in &asked {
+        let (status, answer) = shop
+            .app
+            .deliver(&internal(
+                &format!("open-{outcome}"),
+                &dispute("dispute.created", session, payment),
+            ))
+            .await;
+        assert_eq!(status, 200, "{answer}");
+        dispute_is(session, "open").await;
+        // Open: the gateway is not asked, and the request still waits.
+        match order_refunds::carry_out(&pool, &gateways, *id)
+            .await
+            .unwrap()
+        {
+            CarriedOut::Held(view) => assert_eq!(view.state.as_str(), "requested"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(refunds().await, 0);
+    }
+    for (id, session, payment, outcome) in &asked {
+        let (status, answer) = shop
+            .app
+            .deliver(&internal(
+                &format!("end-{outcome}"),
+                &dispute(&format!("dispute.{outcome}"), session, payment),
+            ))
+            .await;
+        assert_eq!(status, 200, "{answer}");
+        dispute_is(session, outcome).await;
+        let view = match order_refunds::carry_out(&pool, &gateways, *id)
+            .await
+            .unwrap()
+        {
+            CarriedOut::Answered(view) => view,
+            other => panic!("{other:?}"),
+        };
+        match *outcome {
+            // Won: the buyer has nothing back yet, and the refund is made.
+            "won" => assert_eq!(view.state.as_str(), "succeeded", "{view:?}"),
+            // Lost: the chargeback gave the buyer the money; the refund is never asked for.
+            _ => {
+                assert_eq!(view.state.as_str(), "failed", "{view:?}");
+                assert!(
+                    view.failure
+                        .as_deref()
+                        .is_some_and(|f| f.contains("dispute")),
+                    "{view:?}"
+                );
+            }
+        }
+    }
+    assert_eq!(refunds().await, 1, "only the won dispute's refund was made");
+}
+
+/// A refund the gateway took but kept pending past its settling job's attempts, whose event was
+/// then lost, stays `accepted`, its amount held from the seller's payouts. Asking for it again
+/// (its Idempotency-Key) re-drives it: the gateway is asked about it again.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_accepted_refund_whose_job_ended_is_asked_about_again_when_asked_for_again(
+    pool: PgPool,
+) {
+    let shop = crate::checkout::shop(pool.clone()).await;
+    let order = shop.one_order("20.00").await;
+    assert_eq!(
+        shop.app
+            .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
+            .await
+            .0,
+        200
+    );
+    wait_for(
+        "the order to be paid",
+        std::time::Duration::from_secs(30),
+        async || shop.order(1).await["status"] == "paid",
+    )
+    .await;
+    let new = payfleet::payments::order_refunds::NewRefund {
+        amount: Some("5.00".into()),
+        reason: String::new(),
+    };
+    let (request, _) = payfleet::payments::order_refunds::request(&pool, 1, "rf-slow", &new)
+        .await
+        .unwrap();
+    // As the gateway left it: accepted, pending, and no job asking about it any more.
+    sqlx::query(
+        "UPDATE refund_requests SET state = 'accepted', refund_id = 'rf_pending' WHERE id = $1",
+    )
+    .bind(request.id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("DELETE FROM jobs WHERE kind IN ('carry_out_refund', 'settle_refund')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let settling = async || -> Vec<String> {
+        sqlx::query_scalar(
+            "SELECT key FROM jobs WHERE kind = 'settle_refund' AND state IN ('available', 'running', 'retryable')",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    };
+    assert!(settling().await.is_empty());
+    let again = shop
+        .app
+        .anon
+        .post(format!("http://{}/admin/orders/1/refunds", shop.app.addr))
+        .bearer_auth(ADMIN_TOKEN)
+        .header("idempotency-key", "rf-slow")
+        .json(&json!({"amount": "5.00"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 202);
+    let view: serde_json::Value = again.json().await.unwrap();
+    assert_eq!(view["state"], "accepted", "{view}");
+    assert_eq!(settling().await, vec!["settle_refund:internal:rf_pending"]);
+    // Asked again while that job waits: still one.
+    let (_, _) = payfleet::payments::order_refunds::request(&pool, 1, "rf-slow", &new)
+        .await
+        .unwrap();
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, &pool).unwrap();
+    payfleet::payments::order_refunds::carry_out(&pool, &gateways, request.id)
+        .await
+        .unwrap();
+    assert_eq!(settling().await.len(), 1);
+}

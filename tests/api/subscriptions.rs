@@ -637,3 +637,68 @@ async fn a_subscription_a_day_past_its_period_with_nothing_reported_is_a_finding
         .unwrap();
     assert!(overdue().await.is_empty(), "a canceled one");
 }
+
+/// Coins pay once; a subscription's gateway charges every later period on what paid the first.
+/// A subscription order paid with coins would start a subscription nothing could renew, so it is
+/// refused before anything is reserved, and it stays payable through its link.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_subscription_order_is_not_paid_with_coins(pool: PgPool) {
+    let shop = shop(pool.clone()).await;
+    let seller = shop.seller("Club House").await;
+    let order = subscription_order(&shop, &seller).await;
+    let number = order["number"].as_i64().unwrap();
+    let buyer = order["buyer_id"].as_str().unwrap().to_owned();
+    payfleet::ledger::coins::grant(
+        &pool,
+        &buyer,
+        payfleet::money::Money::parse("100.00", "BRL").unwrap(),
+        "grant-sub",
+    )
+    .await
+    .unwrap();
+    let (status, answer) = shop
+        .post(&format!("/orders/{number}/coins"), None, json!({}))
+        .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (409, Some("order_not_payable")),
+        "{answer}"
+    );
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("subscription")),
+        "{answer}"
+    );
+    // Nothing reserved, nothing noted, nothing started.
+    let (_, wallet) = shop.app.get(&format!("/wallets/{buyer}")).await;
+    let wallet: Value = serde_json::from_str(&wallet).unwrap();
+    assert_eq!(
+        (
+            wallet["wallets"][0]["balance"].as_str(),
+            wallet["wallets"][0]["reserved"].as_str()
+        ),
+        (Some("100.00"), Some("0.00")),
+        "{wallet}"
+    );
+    let reservation: Option<String> =
+        sqlx::query_scalar("SELECT coin_reservation FROM orders WHERE number = $1")
+            .bind(number)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(reservation, None);
+    assert_eq!(subscriptions(&pool).await, 0);
+    assert_eq!(shop.order(number).await["status"], "awaiting_payment");
+    // Its link still pays it, and starts its subscription.
+    let (paid, page) = shop
+        .app
+        .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
+        .await;
+    assert_eq!(paid, 200, "{page}");
+    wait_for("the subscription", Duration::from_secs(30), async || {
+        shop.order(number).await["subscription_id"].is_string()
+    })
+    .await;
+    assert_eq!(subscriptions(&pool).await, 1);
+}
