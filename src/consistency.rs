@@ -29,7 +29,13 @@
 //! - `subscription_period_overdue`: a live subscription whose period ended more than a day
 //!   ago with no renewal reported for the next one, paid or failed, nor its end: the gateway's
 //!   invoice or cancellation event was lost (reconciliation asks about checkouts, not
-//!   periods), or the fleet's own billing is stuck.
+//!   periods), or the fleet's own billing is stuck;
+//! - `refund_under_way_too_long`: an operator's refund request still `requested` or `accepted`,
+//!   its refund not recorded, three days after it last moved, with no dispute open on its
+//!   payment (which holds it on purpose): its jobs ran out of attempts (the gateway down for
+//!   hours, a refund pending for days) and its event was lost; its amount is held from the
+//!   seller's payouts meanwhile. Asking for it again with its Idempotency-Key asks the gateway
+//!   again.
 
 use std::time::Duration;
 
@@ -61,6 +67,7 @@ pub const CHECKS: &[&str] = &[
     "order_message_dead",
     "refund_failed_after_done",
     "subscription_period_overdue",
+    "refund_under_way_too_long",
 ];
 
 /// The checks' settings.
@@ -271,6 +278,27 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
             "its period ended at {} and no renewal or end was reported since: ask {}",
             s.current_period_end, s.gateway
         ),
+    }));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('order %s, refund request %s', q.order_number, q.id),
+                format('%s %s %s since %s, not recorded: POST /admin/orders/%s/refunds again with Idempotency-Key %s asks %s again',
+                       q.state, q.amount, q.currency, q.updated_at, q.order_number, q.idempotency_key, q.gateway)
+         FROM refund_requests q
+         WHERE q.state IN ('requested', 'accepted') AND q.updated_at < now() - interval '3 days'
+           AND NOT EXISTS (SELECT 1 FROM payment_refunds r
+                            WHERE r.gateway = q.gateway AND r.refund_id = q.refund_id)
+           AND NOT EXISTS (SELECT 1 FROM payment_disputes d
+                            JOIN payment_orders po ON po.id = d.payment_order_id
+                            WHERE po.gateway = q.gateway AND po.session_id = q.session_id
+                              AND d.status = 'open')
+         ORDER BY q.updated_at LIMIT 1000",
+    )
+    .fetch_all(pool)
+    .await?;
+    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
+        check: "refund_under_way_too_long",
+        subject,
+        detail,
     }));
     Ok(found)
 }

@@ -331,7 +331,11 @@ pub trait EventFormat: Send + Sync {
     /// it only groups.
     fn seller_hint(&self, json: &serde_json::Value) -> Option<String> {
         let account = self.account(json);
-        let hint = match (self.charges_on_seller_account(), account, self.seller_id(json)) {
+        let hint = match (
+            self.charges_on_seller_account(),
+            account,
+            self.seller_id(json),
+        ) {
             (true, Some(account), _) | (false, Some(account), None) => {
                 format!("{}:{account}", self.name())
             }

@@ -1249,3 +1249,71 @@ async fn an_accepted_refund_whose_job_ended_is_asked_about_again_when_asked_for_
         .unwrap();
     assert_eq!(settling().await.len(), 1);
 }
+
+/// A refund request still under way days after it last moved (its jobs ran out of attempts, its
+/// event was lost) holds its amount from the seller's payouts: it is a finding, with how to
+/// re-drive it, until it is recorded; one held on purpose by an open dispute is not.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_under_way_for_days_is_shown_to_an_operator_until_it_is_recorded(pool: PgPool) {
+    let shop = crate::checkout::shop(pool.clone()).await;
+    let order = shop.one_order("20.00").await;
+    assert_eq!(
+        shop.app
+            .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
+            .await
+            .0,
+        200
+    );
+    wait_for(
+        "the order to be paid",
+        std::time::Duration::from_secs(30),
+        async || shop.order(1).await["status"] == "paid",
+    )
+    .await;
+    let new = payfleet::payments::order_refunds::NewRefund {
+        amount: Some("5.00".into()),
+        reason: String::new(),
+    };
+    let (request, _) = payfleet::payments::order_refunds::request(&pool, 1, "rf-stuck", &new)
+        .await
+        .unwrap();
+    assert!(
+        findings_of(&pool, "refund_under_way_too_long")
+            .await
+            .is_empty()
+    );
+    // Its jobs gave up long ago.
+    sqlx::query("DELETE FROM jobs WHERE kind = 'carry_out_refund'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE refund_requests SET created_at = now() - interval '4 days', updated_at = now() - interval '4 days' WHERE id = $1")
+        .bind(request.id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let found = findings_of(&pool, "refund_under_way_too_long").await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(
+        found[0].0,
+        format!("order 1, refund request {}", request.id)
+    );
+    assert!(found[0].1.contains("Idempotency-Key rf-stuck"), "{found:?}");
+    // Asked for again with its key: the gateway is asked, the refund recorded, the finding gone.
+    let again = shop
+        .app
+        .anon
+        .post(format!("http://{}/admin/orders/1/refunds", shop.app.addr))
+        .bearer_auth(ADMIN_TOKEN)
+        .header("idempotency-key", "rf-stuck")
+        .json(&json!({"amount": "5.00"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 201);
+    assert!(
+        findings_of(&pool, "refund_under_way_too_long")
+            .await
+            .is_empty()
+    );
+}
