@@ -166,6 +166,12 @@ impl GatewayError {
         }
     }
 
+    /// Our own database's error, met while talking to the gateway: never the gateway's refusal,
+    /// and its text (constraint names, the server's words) is for the log, not for the caller.
+    pub fn is_ours(&self) -> bool {
+        matches!(self, Self::Database(_) | Self::SharedDatabase(_))
+    }
+
     /// A short machine-readable code.
     pub fn code(&self) -> &str {
         match self {

@@ -10,6 +10,7 @@ use serde_json::json;
 
 use crate::catalogue::CatalogueError;
 use crate::db::is_transient;
+use crate::gateways::GatewayError;
 use crate::ledger::LedgerError;
 use crate::ledger::coins::CoinError;
 use crate::ledger::payouts::PayoutError;
@@ -392,7 +393,8 @@ impl From<CancelAtGatewayError> for ApiError {
                 code: "cancel_not_supported",
                 message,
             },
-            CancelAtGatewayError::Gateway(e) if e.is_transient() => Self::DependencyDown {
+            CancelAtGatewayError::Gateway(GatewayError::Database(e)) => e.into(),
+            CancelAtGatewayError::Gateway(e) if e.is_transient() || e.is_ours() => Self::DependencyDown {
                 code: "gateway_unavailable",
                 message: "the gateway could not be asked to cancel the subscription; nothing changed, try again".into(),
                 detail: payfleet_queue::error_chain(&e),

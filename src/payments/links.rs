@@ -140,7 +140,17 @@ impl LinkService {
                     Err(e) => {
                         let r = &requests[i];
                         tracing::warn!(order = r.order_number, gateway = %r.gateway, error = %e, "the gateway did not create a session");
-                        replies[i] = Some(failed(e.code(), e.to_string(), e.is_transient()));
+                        replies[i] = Some(if e.is_ours() {
+                            // Ours, not the gateway's: the buyer may ask again, and the
+                            // database's words stay in the log.
+                            failed(
+                                "unavailable",
+                                "the payment side could not keep the session; ask again",
+                                true,
+                            )
+                        } else {
+                            failed(e.code(), e.to_string(), e.is_transient())
+                        });
                     }
                 }
             }
@@ -441,6 +451,80 @@ mod tests {
             link_key: format!("link-{order_number}"),
             expires_at: chrono::Utc::now(),
             renews_at: None,
+        }
+    }
+
+    /// A gateway whose sessions are ours, whose store refuses the row (a constraint of ours).
+    struct OursRefused;
+
+    impl crate::gateways::api::PaymentGateway for OursRefused {
+        fn name(&self) -> GatewayName {
+            GatewayName::Internal
+        }
+        fn sessions_are_ours(&self) -> bool {
+            true
+        }
+        fn create_session<'a>(
+            &'a self,
+            _: &'a SessionRequest,
+        ) -> crate::gateways::api::GatewayFuture<'a, Session> {
+            Box::pin(async {
+                Err(crate::gateways::GatewayError::Database(
+                    sqlx::Error::Protocol(
+                        "violates check constraint internal_payments_secret_rule".into(),
+                    ),
+                ))
+            })
+        }
+        fn status<'a>(
+            &'a self,
+            _: &'a str,
+            _: Option<&'a str>,
+        ) -> crate::gateways::api::GatewayFuture<'a, crate::gateways::api::PaymentState> {
+            Box::pin(async { Err(crate::gateways::GatewayError::Refused("none".into())) })
+        }
+        fn refund<'a>(
+            &'a self,
+            _: &'a crate::gateways::api::RefundRequest,
+        ) -> crate::gateways::api::GatewayFuture<'a, crate::gateways::api::RefundReceipt> {
+            Box::pin(async { Err(crate::gateways::GatewayError::Refused("none".into())) })
+        }
+        fn refund_status<'a>(
+            &'a self,
+            _: &'a crate::gateways::api::RefundQuery,
+        ) -> crate::gateways::api::GatewayFuture<'a, crate::gateways::api::RefundOutcome> {
+            Box::pin(async { Err(crate::gateways::GatewayError::Refused("none".into())) })
+        }
+        fn dispute_status<'a>(
+            &'a self,
+            _: &'a crate::gateways::api::DisputeQuery,
+        ) -> crate::gateways::api::GatewayFuture<'a, Option<crate::gateways::DisputeStatus>>
+        {
+            Box::pin(async { Ok(None) })
+        }
+        fn map_status(&self, raw: &str) -> crate::gateways::PaymentStatus {
+            crate::gateways::api::unknown_status(GatewayName::Internal, raw)
+        }
+    }
+
+    /// Our own database's error while a session is made is not the gateway's refusal: the
+    /// checkout may ask again (503, not 422), and the database's words stay in the log.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn our_database_refusing_a_session_is_not_shown_as_the_gateways_refusal(pool: PgPool) {
+        let mut gateways = GatewayRegistry::default();
+        gateways.register(Arc::new(OursRefused)).unwrap();
+        let service = LinkService { pool, gateways };
+        match service.link(request(7)).await {
+            PaymentLinkReply::Failed {
+                code,
+                message,
+                retryable,
+            } => {
+                assert_eq!(code, "unavailable");
+                assert!(retryable, "ours: ask again");
+                assert!(!message.contains("constraint"), "{message}");
+            }
+            other => panic!("{other:?}"),
         }
     }
 
