@@ -5,9 +5,11 @@
 //!
 //! Signing in takes the admin token once and gives a session cookie: `HttpOnly` (no script
 //! reads it), `SameSite=Strict` (no other site's page sends it), `Secure` when the public URL is
-//! https, for 8 hours. The cookie is stateless: an expiry and a nonce signed (HMAC-SHA256) with a
-//! key derived from the admin token by HKDF, so changing the token signs every session out and
-//! the cookie never carries anything the token could be worked back from. Every form carries a
+//! https, for 8 hours. The cookie is an expiry and a nonce signed (HMAC-SHA256) with a key derived
+//! from the admin token by HKDF, so changing the token signs every session out and the cookie
+//! never carries anything the token could be worked back from. Signing out keeps the session's
+//! nonce until it would have expired (`dashboard_sessions_signed_out`): a copy of the cookie is
+//! then no session either. Every form carries a
 //! CSRF token derived from the session's nonce, checked before anything changes: a forged post
 //! needs both the cookie and the token. Failed sign-ins count against the address like any wrong
 //! credential (`callers`): after ten in 15 minutes it gets 429.
@@ -75,6 +77,8 @@ pub(super) fn routes(state: DashboardState) -> Routes {
 /// A signed-in operator's session: its nonce keys the CSRF token of its forms.
 struct Session {
     nonce: String,
+    /// When its cookie stops being a session (Unix seconds).
+    expires: i64,
 }
 
 fn mac(token: &Token, message: &str) -> [u8; 32] {
@@ -92,6 +96,7 @@ impl Session {
         (
             Self {
                 nonce: nonce.clone(),
+                expires,
             },
             format!("{expires}.{nonce}.{signature}"),
         )
@@ -114,8 +119,10 @@ impl Session {
         if !bool::from(want.as_slice().ct_eq(&signature)) {
             return None;
         }
-        (expires.parse::<i64>().ok()? > now.timestamp()).then(|| Self {
+        let expires = expires.parse::<i64>().ok()?;
+        (expires > now.timestamp()).then(|| Self {
             nonce: nonce.to_owned(),
+            expires,
         })
     }
 
@@ -354,15 +361,36 @@ impl FromRequestParts<DashboardState> for OperatorSession {
 
     async fn from_request_parts(parts: &mut Parts, state: &DashboardState) -> Result<Self, Page> {
         let token = token_of(state)?.clone();
-        let session =
-            Session::from_headers(&token, &parts.headers, Utc::now()).ok_or_else(|| {
-                sign_in_page(
-                    StatusCode::UNAUTHORIZED,
-                    Some("sign in first (your session ended, or this form came from elsewhere)"),
-                )
-            })?;
+        let ended = || {
+            sign_in_page(
+                StatusCode::UNAUTHORIZED,
+                Some("sign in first (your session ended, or this form came from elsewhere)"),
+            )
+        };
+        let session = live_session(state, &token, &parts.headers)
+            .await?
+            .ok_or_else(ended)?;
         Ok(Self { session, token })
     }
+}
+
+/// The session of a request's cookie, if it is one ([`Session::from_headers`]) and was not signed
+/// out.
+async fn live_session(
+    state: &DashboardState,
+    token: &Token,
+    headers: &HeaderMap,
+) -> Result<Option<Session>, Page> {
+    let Some(session) = Session::from_headers(token, headers, Utc::now()) else {
+        return Ok(None);
+    };
+    let signed_out: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM dashboard_sessions_signed_out WHERE nonce = $1)",
+    )
+    .bind(&session.nonce)
+    .fetch_one(&state.pool)
+    .await?;
+    Ok((!signed_out).then_some(session))
 }
 
 impl OperatorSession {
@@ -396,9 +424,33 @@ impl OperatorSession {
     ),
     security(("dashboard_session" = [])),
 )]
-async fn sign_out(operator: OperatorSession, form: Result<Form<Csrf>, FormRejection>) -> Page {
+async fn sign_out(
+    State(state): State<DashboardState>,
+    operator: OperatorSession,
+    form: Result<Form<Csrf>, FormRejection>,
+) -> Page {
     if let Err(page) = operator.check(form.as_deref().ok()) {
         return page;
+    }
+    // Kept until the session would have ended anyway; those whose time has passed go.
+    let ended = async {
+        let mut tx = state.pool.begin().await?;
+        sqlx::query("DELETE FROM dashboard_sessions_signed_out WHERE expires_at < now()")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO dashboard_sessions_signed_out (nonce, expires_at)
+             VALUES ($1, to_timestamp($2)) ON CONFLICT (nonce) DO NOTHING",
+        )
+        .bind(&operator.session.nonce)
+        .bind(operator.session.expires as f64)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await
+    }
+    .await;
+    if let Err(e) = ended {
+        return ApiError::from(e).into();
     }
     let mut page = sign_in_page(StatusCode::OK, None);
     page.headers.push((
@@ -658,7 +710,7 @@ async fn dashboard(
     // A notice is a courtesy: a query that does not read as one (`done` twice, say) shows none.
     let shown = shown.map(|Query(s)| s).unwrap_or_default();
     let token = token_of(&state)?;
-    let Some(session) = Session::from_headers(token, &headers, Utc::now()) else {
+    let Some(session) = live_session(&state, token, &headers).await? else {
         return Ok(sign_in_page(StatusCode::OK, None));
     };
     let csrf = session.csrf(token);

@@ -579,3 +579,66 @@ async fn an_operator_opens_a_dead_job_and_retries_it_and_follows_an_order_to_its
     )
     .await;
 }
+
+/// Signing out ends the session itself, not only its cookie in that browser: a copy of the
+/// cookie (another tab's, a proxy's log, a stolen one) is no session afterwards, while another
+/// session of the same operator goes on.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_signed_out_sessions_cookie_is_no_session_even_copied(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    let base = format!("http://{}", app.addr);
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let sign_in = async || {
+        let signed_in = http
+            .post(format!("{base}/admin/ui/session"))
+            .form(&[("token", ADMIN_TOKEN)])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(signed_in.status(), 303);
+        signed_in.headers()["set-cookie"]
+            .to_str()
+            .unwrap()
+            .split(';')
+            .next()
+            .unwrap()
+            .to_owned()
+    };
+    let page = async |cookie: &str| {
+        http.get(format!("{base}/admin/ui"))
+            .header("cookie", cookie)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    let copied = sign_in().await;
+    let other = sign_in().await;
+    let dashboard = page(&copied).await;
+    assert!(dashboard.contains("id=\"queues\""), "{dashboard}");
+    let csrf = dashboard
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap()
+        .to_owned();
+    let out = http
+        .post(format!("{base}/admin/ui/sign-out"))
+        .header("cookie", &copied)
+        .form(&[("csrf", csrf.as_str())])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(out.status(), 200);
+    let after = page(&copied).await;
+    assert!(
+        after.contains("name=\"token\"") && !after.contains("id=\"queues\""),
+        "{after}"
+    );
+    assert!(page(&other).await.contains("id=\"queues\""));
+}
