@@ -141,12 +141,12 @@ impl LinkService {
                         let r = &requests[i];
                         tracing::warn!(order = r.order_number, gateway = %r.gateway, error = %e, "the gateway did not create a session");
                         replies[i] = Some(if e.is_ours() {
-                            // Ours, not the gateway's: the buyer may ask again, and the
-                            // database's words stay in the log.
+                            // Ours, not the gateway's words: the database's stay in the log.
+                            // Asking again mends an outage, not a refusal (422, not 503).
                             failed(
-                                "unavailable",
-                                "the payment side could not keep the session; ask again",
-                                true,
+                                "session_not_kept",
+                                "the payment side's database did not keep the session (its log has why)",
+                                e.is_transient(),
                             )
                         } else {
                             failed(e.code(), e.to_string(), e.is_transient())
@@ -470,7 +470,7 @@ mod tests {
         ) -> crate::gateways::api::GatewayFuture<'a, Session> {
             Box::pin(async {
                 Err(crate::gateways::GatewayError::Database(
-                    sqlx::Error::Protocol(
+                    sqlx::Error::InvalidArgument(
                         "violates check constraint internal_payments_secret_rule".into(),
                     ),
                 ))
@@ -507,8 +507,8 @@ mod tests {
         }
     }
 
-    /// Our own database's error while a session is made is not the gateway's refusal: the
-    /// checkout may ask again (503, not 422), and the database's words stay in the log.
+    /// Our own database's error while a session is made is not the gateway's refusal, and the
+    /// database's words (a constraint's name, the server's message) stay in the log.
     #[sqlx::test(migrator = "crate::db::MIGRATOR")]
     async fn our_database_refusing_a_session_is_not_shown_as_the_gateways_refusal(pool: PgPool) {
         let mut gateways = GatewayRegistry::default();
@@ -520,8 +520,8 @@ mod tests {
                 message,
                 retryable,
             } => {
-                assert_eq!(code, "unavailable");
-                assert!(retryable, "ours: ask again");
+                assert_eq!(code, "session_not_kept");
+                assert!(!retryable, "a refusal, not an outage: {message}");
                 assert!(!message.contains("constraint"), "{message}");
             }
             other => panic!("{other:?}"),
