@@ -115,32 +115,44 @@ pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, payfleet_queue
             return Ok(Expiry::NotYet(BACKLOG_RECHECK));
         }
     }
+    expire_locked(&mut tx, o.id, number).await?;
+    tx.commit().await?;
+    Ok(Expiry::Expired)
+}
+
+/// Expires order `number` (row `id`, locked by the caller and still payable), in the caller's
+/// transaction: its coupon redemption and coin reservation given back, its `expired` message
+/// written. A payment after it is given back (`apply_payment`).
+pub(super) async fn expire_locked(
+    tx: &mut PgConnection,
+    id: i64,
+    number: i64,
+) -> Result<(), QueueError> {
     sqlx::query(
         "UPDATE orders SET status = 'expired', expired_at = now(), updated_at = now() WHERE id = $1",
     )
-    .bind(o.id)
+    .bind(id)
     .execute(&mut *tx)
     .await?;
     let released: Option<CouponId> = sqlx::query_scalar(
         "UPDATE coupon_redemptions SET released_at = now()
          WHERE order_id = $1 AND released_at IS NULL RETURNING coupon_id",
     )
-    .bind(o.id)
+    .bind(id)
     .fetch_optional(&mut *tx)
     .await?;
     if let Some(coupon) = released {
-        catalogue::release_redemption(&mut tx, coupon).await?;
+        catalogue::release_redemption(&mut *tx, coupon).await?;
     }
-    super::coin_payment::give_back(&mut tx, o.id).await?;
+    super::coin_payment::give_back(&mut *tx, id).await?;
     record_event(
-        &mut tx,
-        o.id,
+        &mut *tx,
+        id,
         OrderEventKind::Expired,
         serde_json::json!({"number": number}),
     )
     .await?;
-    tx.commit().await?;
-    Ok(Expiry::Expired)
+    Ok(())
 }
 
 /// Runs the expiry jobs. An order whose time moved (its payment reopened) is looked at again

@@ -652,23 +652,29 @@ pub async fn apply_change(
     Ok(Some(true))
 }
 
-/// Expires the unpaid renewal of a canceled subscription's current period, if any (a payment
-/// after it is given back).
+/// Expires the unpaid renewal of a canceled subscription's current period, if any, in the
+/// cancellation's own transaction: a charge in flight (a billing pass that listed it before the
+/// cancellation, a gateway's invoice paid meanwhile) then finds it expired and is given back as
+/// a late payment. Moving its expiry job to now instead left a race between that job and the
+/// payment's, and a payment that won kept the money of a canceled subscription.
 async fn expire_unpaid(
     tx: &mut sqlx::PgConnection,
     id: SubscriptionId,
     period_start: DateTime<Utc>,
 ) -> Result<(), payfleet_queue::QueueError> {
-    let unpaid: Option<i64> = sqlx::query_scalar(
-        "SELECT number FROM orders WHERE renews = $1 AND period_start = $2 AND paid_at IS NULL
-           AND status IN ('awaiting_payment', 'payment_failed')",
+    let unpaid: Option<(i64, i64)> = sqlx::query_as(
+        "SELECT id, number FROM orders WHERE renews = $1 AND period_start = $2 AND paid_at IS NULL
+           AND status IN ('awaiting_payment', 'payment_failed')
+         FOR UPDATE",
     )
     .bind(id)
     .bind(period_start)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some(number) = unpaid else { return Ok(()) };
-    expired(super::expire_in(tx, number).await)
+    let Some((order, number)) = unpaid else {
+        return Ok(());
+    };
+    super::expiry::expire_locked(tx, order, number).await
 }
 
 /// The outcome of expiring an unpaid renewal: one paid, expired or gone meanwhile has nothing

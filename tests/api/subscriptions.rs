@@ -702,3 +702,66 @@ async fn a_subscription_order_is_not_paid_with_coins(pool: PgPool) {
     .await;
     assert_eq!(subscriptions(&pool).await, 1);
 }
+
+/// Cancelled now while a charge of its current renewal is in flight (a billing pass that listed
+/// the renewal before the cancellation, the simulator's or a gateway's retry): the renewal ends
+/// with the cancellation itself, so the charge, when it lands, is a late payment given back,
+/// never a sale of a canceled subscription.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_renewal_charged_after_its_subscription_was_cancelled_now_is_given_back(pool: PgPool) {
+    let (shop, biller, _seller, id) =
+        renewing(&pool, Duration::from_secs(600), Duration::from_secs(601)).await;
+    assert_eq!(simulate(&shop, &id, "fail").await, 200);
+    payfleet::payments::renewals::bill(&pool, &biller)
+        .await
+        .unwrap();
+    wait_for("past due", Duration::from_secs(30), async || {
+        subscription(&shop, &id).await["status"] == "past_due"
+    })
+    .await;
+    let (status, sub) = cancel(&shop, &id, json!({})).await;
+    assert_eq!(status, 200, "{sub}");
+    let renewal = sub["renewals"][0]["order_number"].as_i64().unwrap();
+    // Ended by the cancellation's own transaction, not later by a job.
+    let ended: String = sqlx::query_scalar("SELECT status FROM orders WHERE number = $1")
+        .bind(renewal)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ended, "expired");
+    // The charge in flight lands: its session's renewal reported paid.
+    let failed: Value = sqlx::query_scalar(
+        "SELECT body FROM internal_events WHERE body->>'type' = 'subscription.renewal_failed'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let mut charged = failed.clone();
+    charged["type"] = json!("subscription.renewed");
+    charged["data"]["payment_id"] = json!("pay_in_flight");
+    let (status, answer) = shop
+        .app
+        .deliver(&internal("in-flight", &charged.to_string()))
+        .await;
+    assert_eq!(status, 200, "{answer}");
+    wait_for(
+        "the charge given back",
+        Duration::from_secs(30),
+        async || {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM internal_refunds WHERE payment_id = 'pay_in_flight'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                == 1
+        },
+    )
+    .await;
+    assert_eq!(shop.order(renewal).await["status"], "expired");
+    assert_eq!(
+        renewal_sales(&pool).await,
+        vec![(renewal, 0)],
+        "no sale of a canceled subscription's renewal"
+    );
+}
