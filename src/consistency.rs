@@ -31,8 +31,8 @@
 //!   invoice or cancellation event was lost (reconciliation asks about checkouts, not
 //!   periods), or the fleet's own billing is stuck;
 //! - `refund_under_way_too_long`: an operator's refund request still `requested` or `accepted`,
-//!   its refund not recorded, three days after it last moved, with no dispute open on its
-//!   payment (which holds it on purpose): its jobs ran out of attempts (the gateway down for
+//!   its refund not recorded, three days after it last moved (one not yet asked of the gateway
+//!   while a dispute of its payment is open is held on purpose, and not reported): its jobs ran out of attempts (the gateway down for
 //!   hours, a refund pending for days) and its event was lost; its amount is held from the
 //!   seller's payouts meanwhile. Asking for it again with its Idempotency-Key asks the gateway
 //!   again.
@@ -287,10 +287,11 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
          WHERE q.state IN ('requested', 'accepted') AND q.updated_at < now() - interval '3 days'
            AND NOT EXISTS (SELECT 1 FROM payment_refunds r
                             WHERE r.gateway = q.gateway AND r.refund_id = q.refund_id)
-           AND NOT EXISTS (SELECT 1 FROM payment_disputes d
-                            JOIN payment_orders po ON po.id = d.payment_order_id
-                            WHERE po.gateway = q.gateway AND po.session_id = q.session_id
-                              AND d.status = 'open')
+           AND NOT (q.state = 'requested'
+                    AND EXISTS (SELECT 1 FROM payment_disputes d
+                                JOIN payment_orders po ON po.id = d.payment_order_id
+                                WHERE po.gateway = q.gateway AND po.session_id = q.session_id
+                                  AND d.status = 'open'))
          ORDER BY q.updated_at LIMIT 1000",
     )
     .fetch_all(pool)

@@ -70,8 +70,10 @@ payfleet_queue::text_enum! {
         Won = "won",
         /// Lost: a chargeback takes the amount back.
         Lost = "lost",
-        /// Closed because the buyer was refunded: the refund facts carry the money, so the
-        /// dispute itself takes nothing back (that would move the money twice).
+        /// Closed because the buyer was refunded: the refund facts carry the money. The dispute
+        /// keeps taken only what the recorded refunds do not cover yet (its refund's event may
+        /// come later, or never), so the money neither moves twice nor goes back to the seller
+        /// before the refund is known (`ledger::sales::settle_take_backs`).
         Refunded = "refunded",
     }
 }

@@ -428,42 +428,65 @@ pub const DISPUTE_HOLD: std::time::Duration = std::time::Duration::from_secs(360
 
 /// What the payment's disputes say of a refund asked for before them.
 #[derive(Debug, PartialEq, Eq)]
-enum Disputed {
-    /// None, or every one won: the refund goes ahead.
+pub(super) enum Disputed {
+    /// None, every one won, or what the lost ones took leaves room for the refund: it goes
+    /// ahead.
     No,
     /// One is open: the refund waits.
     Open,
-    /// One was lost (the chargeback gave the buyer the money) or ended in a refund: the
-    /// refund asked for before it would pay the buyer twice.
+    /// One lost (the chargeback gave the buyer the money) or ended in a refund since the
+    /// refund was asked for, and what is left of the payment does not cover it: made, it would
+    /// pay the buyer twice.
     Ended(String),
 }
 
-async fn disputed(
+/// What the disputes of `gateway`'s payment on `session` say of a refund of `amount` asked for
+/// at `asked_at`. What is left counts every lost or refund-ended dispute whole beside the
+/// recorded refunds (a dispute ended by a refund may count that refund twice): when in doubt,
+/// the buyer is not paid twice, and the operator sees the failed request.
+pub(super) async fn disputed(
     pool: &PgPool,
     gateway: GatewayName,
     session: &str,
+    amount: Decimal,
+    asked_at: DateTime<Utc>,
 ) -> Result<Disputed, sqlx::Error> {
-    let statuses: Vec<String> = sqlx::query_scalar(
-        "SELECT d.status FROM payment_disputes d
+    let disputes: Vec<(String, Decimal, bool)> = sqlx::query_as(
+        "SELECT d.status, d.amount, d.updated_at >= $3 FROM payment_disputes d
          JOIN payment_orders po ON po.id = d.payment_order_id
          WHERE po.gateway = $1 AND po.session_id = $2",
     )
     .bind(gateway)
     .bind(session)
+    .bind(asked_at)
     .fetch_all(pool)
     .await?;
-    Ok(
-        if let Some(ended) = statuses
-            .iter()
-            .find(|s| matches!(s.as_str(), "lost" | "refunded"))
-        {
-            Disputed::Ended(ended.clone())
-        } else if statuses.iter().any(|s| s == "open") {
-            Disputed::Open
-        } else {
-            Disputed::No
-        },
+    if disputes.iter().any(|(s, _, _)| s == "open") {
+        return Ok(Disputed::Open);
+    }
+    let ended = |s: &str| matches!(s, "lost" | "refunded");
+    let Some((since, _, _)) = disputes.iter().find(|(s, _, since)| ended(s) && *since) else {
+        return Ok(Disputed::No);
+    };
+    let (captured, refunded): (Option<Decimal>, Decimal) = sqlx::query_as(
+        "SELECT po.amount, COALESCE((SELECT sum(r.amount) FROM payment_refunds r WHERE r.payment_order_id = po.id), 0)
+         FROM payment_orders po WHERE po.gateway = $1 AND po.session_id = $2",
     )
+    .bind(gateway)
+    .bind(session)
+    .fetch_one(pool)
+    .await?;
+    let taken: Decimal = disputes
+        .iter()
+        .filter(|(s, _, _)| ended(s))
+        .map(|(_, a, _)| *a)
+        .sum();
+    let left = captured.unwrap_or_default() - refunded - taken;
+    Ok(if amount <= left {
+        Disputed::No
+    } else {
+        Disputed::Ended(since.clone())
+    })
 }
 
 #[derive(sqlx::FromRow)]
@@ -550,13 +573,13 @@ pub async fn carry_out(
     // A request is refused while its payment is disputed, but the dispute may open between the
     // request and the gateway's answer (an outage that kept the job retrying): the gateway is
     // asked only while no dispute is open or lost.
-    match disputed(pool, p.gateway, &p.session_id).await? {
+    match disputed(pool, p.gateway, &p.session_id, p.amount, view.created_at).await? {
         Disputed::No => {}
         Disputed::Open => return Ok(CarriedOut::Held(view)),
         Disputed::Ended(status) => {
             let ended = sqlx::query(
                 "UPDATE refund_requests SET state = 'failed', updated_at = now(),
-                        failure = 'the payment was disputed after the refund was asked for, and the dispute ended ' || $2 || ': the buyer has the money back through it'
+                        failure = 'the payment was disputed after the refund was asked for, and the dispute ended ' || $2 || ': the buyer has that money back through it, and what is left of the payment does not cover this refund'
                  WHERE id = $1 AND state = 'requested'",
             )
             .bind(id)

@@ -111,6 +111,30 @@ impl RefundPayment {
             tracing::info!(gateway = %self.gateway, order = ?self.order_number, payment = %payment_id, %amount, reason = %self.reason, "a payment to give back is refunded already");
             return Ok(());
         };
+        // The buyer may have disputed the payment meanwhile (the give-back retried through a
+        // gateway outage, or waited for the event naming the payment): while the dispute is open
+        // the gateway is not asked, and a chargeback that took it back leaves nothing to give.
+        // (A second payment's disputes are not recorded: it is given back as it stands.)
+        if !self.of_payment {
+            match super::order_refunds::disputed(
+                pool,
+                self.gateway,
+                &self.session_id,
+                amount.amount(),
+                chrono::DateTime::<chrono::Utc>::UNIX_EPOCH,
+            )
+            .await?
+            {
+                super::order_refunds::Disputed::No => {}
+                super::order_refunds::Disputed::Open => {
+                    return Err(JobError::Snooze(super::order_refunds::DISPUTE_HOLD));
+                }
+                super::order_refunds::Disputed::Ended(status) => {
+                    tracing::warn!(gateway = %self.gateway, order = ?self.order_number, payment = %payment_id, %amount, dispute = %status, reason = %self.reason, "a payment to give back was taken back by its dispute: nothing is given");
+                    return Ok(());
+                }
+            }
+        }
         let gateway = gateways.get(self.gateway).ok_or_else(|| {
             JobError::retry(format!(
                 "gateway {} is not enabled in this worker; the refund waits for one that has it",

@@ -1038,7 +1038,8 @@ async fn an_event_of_another_gateway_received_in_time_holds_the_expiry_back_too(
 /// A refund asked for while its payment was paid, whose gateway did not answer at once (its job
 /// asks again later), may meet a dispute opened meanwhile. Asked then, the gateway would give
 /// the buyer the refund beside the chargeback: the refund waits while the dispute is open, is
-/// made once it is won, and ends failed, never asked, once it is lost.
+/// made once it is won, or lost for only part of the payment with room left for the refund, and
+/// ends failed, never asked, once a lost dispute leaves it no room.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_refund_asked_for_before_a_dispute_waits_for_its_end(pool: PgPool) {
     use payfleet::payments::order_refunds::{self, CarriedOut, NewRefund};
@@ -1053,6 +1054,14 @@ async fn a_refund_asked_for_before_a_dispute_waits_for_its_end(pool: PgPool) {
         .await;
     assert_eq!(status, 201, "{second}");
     let second = second["orders"][0].clone();
+    let (status, third) = shop
+        .checkout(
+            Some("k-third"),
+            json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": product, "quantity": 1}]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{third}");
+    let third = third["orders"][0].clone();
     let (gateways, _) = payfleet::startup::gateways(&shop.app.config, &pool).unwrap();
     let refunds = async || -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM internal_refunds")
@@ -1061,7 +1070,7 @@ async fn a_refund_asked_for_before_a_dispute_waits_for_its_end(pool: PgPool) {
             .unwrap()
     };
     let mut asked = Vec::new();
-    for (order, outcome) in [(&first, "won"), (&second, "lost")] {
+    for (order, outcome) in [(&first, "won"), (&second, "lost"), (&third, "lost-in-part")] {
         let number = order["number"].as_i64().unwrap();
         let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
         assert_eq!(
@@ -1094,12 +1103,18 @@ async fn a_refund_asked_for_before_a_dispute_waits_for_its_end(pool: PgPool) {
                 .unwrap();
         asked.push((request.id, session, payment, outcome));
     }
-    let dispute = |kind: &str, session: &str, payment: &str| {
+    // Of the 20.00 paid, the dispute takes all, or 10.00 (leaving room for the 5.00 refund).
+    let dispute = |kind: &str, session: &str, payment: &str, outcome: &str| {
+        let amount = if outcome == "lost-in-part" {
+            "10.00"
+        } else {
+            "20.00"
+        };
         about_with(
             kind,
             session,
             payment,
-            json!({"dispute_id": format!("dp_{session}"), "amount": "20.00", "currency": "BRL"}),
+            json!({"dispute_id": format!("dp_{session}"), "amount": amount, "currency": "BRL"}),
         )
     };
     let dispute_is = async |session: &str, status: &str| {
@@ -1125,7 +1140,7 @@ async fn a_refund_asked_for_before_a_dispute_waits_for_its_end(pool: PgPool) {
             .app
             .deliver(&internal(
                 &format!("open-{outcome}"),
-                &dispute("dispute.created", session, payment),
+                &dispute("dispute.created", session, payment, outcome),
             ))
             .await;
         assert_eq!(status, 200, "{answer}");
@@ -1141,15 +1156,16 @@ async fn a_refund_asked_for_before_a_dispute_waits_for_its_end(pool: PgPool) {
         assert_eq!(refunds().await, 0);
     }
     for (id, session, payment, outcome) in &asked {
+        let ended = if *outcome == "won" { "won" } else { "lost" };
         let (status, answer) = shop
             .app
             .deliver(&internal(
                 &format!("end-{outcome}"),
-                &dispute(&format!("dispute.{outcome}"), session, payment),
+                &dispute(&format!("dispute.{ended}"), session, payment, outcome),
             ))
             .await;
         assert_eq!(status, 200, "{answer}");
-        dispute_is(session, outcome).await;
+        dispute_is(session, ended).await;
         let view = match order_refunds::carry_out(&pool, &gateways, *id)
             .await
             .unwrap()
@@ -1158,8 +1174,8 @@ async fn a_refund_asked_for_before_a_dispute_waits_for_its_end(pool: PgPool) {
             other => panic!("{other:?}"),
         };
         match *outcome {
-            // Won: the buyer has nothing back yet, and the refund is made.
-            "won" => assert_eq!(view.state.as_str(), "succeeded", "{view:?}"),
+            // Won, or lost in part with room left: the refund is made.
+            "won" | "lost-in-part" => assert_eq!(view.state.as_str(), "succeeded", "{view:?}"),
             // Lost: the chargeback gave the buyer the money; the refund is never asked for.
             _ => {
                 assert_eq!(view.state.as_str(), "failed", "{view:?}");
@@ -1172,7 +1188,7 @@ async fn a_refund_asked_for_before_a_dispute_waits_for_its_end(pool: PgPool) {
             }
         }
     }
-    assert_eq!(refunds().await, 1, "only the won dispute's refund was made");
+    assert_eq!(refunds().await, 2, "the lost dispute's refund was not made");
 }
 
 /// A refund the gateway took but kept pending past its settling job's attempts, whose event was
@@ -1315,5 +1331,104 @@ async fn a_refund_under_way_for_days_is_shown_to_an_operator_until_it_is_recorde
         findings_of(&pool, "refund_under_way_too_long")
             .await
             .is_empty()
+    );
+    // One held on purpose, its payment's dispute open, is not reported.
+    let (held, _) = payfleet::payments::order_refunds::request(&pool, 1, "rf-held", &new)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM jobs WHERE kind = 'carry_out_refund'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE refund_requests SET created_at = now() - interval '4 days', updated_at = now() - interval '4 days' WHERE id = $1")
+        .bind(held.id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        findings_of(&pool, "refund_under_way_too_long").await.len(),
+        1
+    );
+    let session = order["payment"]["session_id"].as_str().unwrap();
+    let payment: String =
+        sqlx::query_scalar("SELECT payment_id FROM internal_payments WHERE session_id = $1")
+            .bind(session)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let (status, answer) = shop
+        .app
+        .deliver(&internal(
+            "held-dispute",
+            &about_with(
+                "dispute.created",
+                session,
+                &payment,
+                json!({"dispute_id": "dp_held", "amount": "5.00", "currency": "BRL"}),
+            ),
+        ))
+        .await;
+    assert_eq!(status, 200, "{answer}");
+    wait_for(
+        "the dispute open",
+        std::time::Duration::from_secs(30),
+        async || {
+            findings_of(&pool, "refund_under_way_too_long")
+                .await
+                .is_empty()
+        },
+    )
+    .await;
+}
+
+/// A payment to give back (late, extra, of the wrong amount) that its buyer disputed before the
+/// give-back reached the gateway: while the dispute is open the gateway is not asked, and once
+/// the chargeback has taken it back there is nothing left to give.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_give_back_waits_for_its_payments_dispute_and_gives_nothing_once_it_is_lost(
+    pool: PgPool,
+) {
+    use payfleet::payments::RefundPayment;
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    deliver(
+        &app,
+        "paid",
+        &about("payment.succeeded", "sess_a", "pay_a", Some("10.00")),
+    )
+    .await;
+    let (gateways, _) = payfleet::startup::gateways(&app.config, &pool).unwrap();
+    let give_back = RefundPayment {
+        gateway: payfleet::gateways::GatewayName::Internal,
+        order_number: Some(1),
+        session_id: "sess_a".into(),
+        payment_id: Some("pay_a".into()),
+        amount: Some(payfleet::money::Money::parse("10.00", "BRL").unwrap()),
+        seller_account: None,
+        reason: "a payment after the order expired".into(),
+        of_payment: false,
+    };
+    let dispute = |kind: &str| {
+        about_with(
+            kind,
+            "sess_a",
+            "pay_a",
+            json!({"dispute_id": "dp_a", "amount": "10.00", "currency": "BRL"}),
+        )
+    };
+    deliver(&app, "opened", &dispute("dispute.created")).await;
+    match give_back.run(&pool, &gateways).await {
+        Err(payfleet_queue::JobError::Snooze(_)) => {}
+        other => panic!("held while the dispute is open: {other:?}"),
+    }
+    deliver(&app, "lost", &dispute("dispute.lost")).await;
+    give_back.run(&pool, &gateways).await.unwrap();
+    let refunds: i64 = sqlx::query_scalar("SELECT count(*) FROM internal_refunds")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        refunds, 0,
+        "the chargeback gave it back; the gateway was never asked"
     );
 }

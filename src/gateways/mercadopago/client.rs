@@ -306,7 +306,8 @@ fn payment_facts(p: Payment) -> Result<(PaymentRef, Vec<Fact>), EventError> {
     }
     // A mediation is a dispute: `in_mediation` opens it; it ends won when the payment is
     // `approved` again, lost as a chargeback (`charged_back`), or lost as a refund
-    // (`refunded`: the refunds above carry the money, so the dispute takes nothing back).
+    // (`refunded`: the refunds above carry the money; the dispute keeps taken only what they do
+    // not cover).
     let dispute_id = format!("mp-{}", id_text(&p.id));
     match (
         mediation_status(&p.status, p.status_detail.as_deref()),

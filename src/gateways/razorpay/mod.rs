@@ -136,10 +136,10 @@ impl EventFormat for Format {
     }
 
     /// Our payment links put the seller in the notes of whatever entity the event carries. The
-    /// order's notes first: only the platform writes them, where a payment's may come from the
-    /// buyer's checkout.
+    /// payment's last: only the platform writes an order's, a refund's or a dispute's notes,
+    /// where a payment's may come from the buyer's checkout.
     fn seller_id(&self, json: &Value) -> Option<String> {
-        ["order", "payment", "refund", "dispute"]
+        ["order", "refund", "dispute", "payment"]
             .iter()
             .find_map(|e| text(json.pointer(&format!("/payload/{e}/entity/notes/seller_id"))))
     }
