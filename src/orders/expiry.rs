@@ -77,13 +77,6 @@ const BACKLOG_GRACE: chrono::TimeDelta = chrono::TimeDelta::minutes(10);
 /// How soon an expiry held back by the event backlog looks again.
 const BACKLOG_RECHECK: Duration = Duration::from_secs(2);
 
-/// How long past its time an order waits before it looks at the backlog at all: a webhook
-/// received before the order's time is visible only once the receiver's statement storing it
-/// commits, which may take its writer's whole statement deadline (4 s, `webhooks::writer`) and
-/// then some. Looked at sooner, an on-time payment still being stored was not in the backlog,
-/// the order expired, and the payment was given back as late.
-pub const STORING_SETTLE: Duration = Duration::from_secs(6);
-
 /// Expires order `number` if it is still waiting for payment and its time has come.
 pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, payfleet_queue::QueueError> {
     let mut tx = pool.begin().await?;
@@ -99,9 +92,10 @@ pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, payfleet_queue
         return Ok(Expiry::NotPayable(o.status));
     }
     let now = Utc::now();
-    let settled = o.expires_at + chrono::Duration::from_std(STORING_SETTLE).unwrap_or_default();
-    if settled > now {
-        return Ok(Expiry::NotYet((settled - now).to_std().unwrap_or_default()));
+    if o.expires_at > now {
+        return Ok(Expiry::NotYet(
+            (o.expires_at - now).to_std().unwrap_or_default(),
+        ));
     }
     // A payment that arrived in time is the order's, however late the workers get to it (an
     // outage, a restart): while events received before its time still wait for processing, it

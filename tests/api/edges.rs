@@ -987,8 +987,6 @@ async fn a_payment_received_before_expiry_confirms_the_order_even_when_processed
     .execute(&pool)
     .await
     .unwrap();
-    // Past the time a webhook being stored may take to show.
-    tokio::time::sleep(payfleet::orders::expiry::STORING_SETTLE).await;
     for number in [1, 2] {
         assert!(
             matches!(expire(&pool, number).await.unwrap(), Expiry::NotYet(_)),
@@ -1014,44 +1012,6 @@ async fn a_payment_received_before_expiry_confirms_the_order_even_when_processed
         .await
         .unwrap();
     assert_eq!(expire(&pool, 3).await.unwrap(), Expiry::Expired);
-}
-
-/// A webhook received just before an order's time shows only once the receiver's statement
-/// storing it commits, up to its writer's deadline later: an order's expiry looks at the
-/// backlog only once that much has passed, so an on-time payment still being stored is not
-/// given back as late.
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn an_expiry_waits_for_webhooks_received_in_time_to_be_stored(pool: PgPool) {
-    use payfleet::orders::expiry::{Expiry, STORING_SETTLE, expire};
-    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
-    // Its payment is being stored: received before the order's time, not committed yet.
-    let mut storing = pool.begin().await.unwrap();
-    sqlx::query(
-        "INSERT INTO payment_events (gateway, event_id, event_type, raw_body, received_at)
-         VALUES ('internal', 'being_stored', 'payment.succeeded', '\x7b7d', now() - interval '2 seconds')",
-    )
-    .execute(&mut *storing)
-    .await
-    .unwrap();
-    sqlx::query("UPDATE orders SET expires_at = now() - interval '1 second' WHERE number = 1")
-        .execute(&pool)
-        .await
-        .unwrap();
-    match expire(&pool, 1).await.unwrap() {
-        Expiry::NotYet(wait) => assert!(wait <= STORING_SETTLE, "{wait:?}"),
-        other => panic!("expired while an on-time webhook was being stored: {other:?}"),
-    }
-    storing.commit().await.unwrap();
-    // The settle is a wait, not a hold: an order whose time passed longer ago, with nothing
-    // received before it, expires.
-    sqlx::query(
-        "UPDATE orders SET expires_at = now() - make_interval(secs => $1) WHERE number = 1",
-    )
-    .bind(STORING_SETTLE.as_secs_f64() + 1.0)
-    .execute(&pool)
-    .await
-    .unwrap();
-    assert_eq!(expire(&pool, 1).await.unwrap(), Expiry::Expired);
 }
 
 /// An internal order collected through Stripe is paid by Stripe's events, stored under
