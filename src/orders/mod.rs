@@ -255,7 +255,7 @@ pub async fn apply_payment(
             .await?;
         // Once per payment: each session's late payment (and each of a session's payments) is
         // given back.
-        let first = record_event(
+        let first = record_payment_event(
             tx,
             o.id,
             OrderEventKind::LatePayment,
@@ -273,7 +273,7 @@ pub async fn apply_payment(
         && o.paid_at.is_some()
         && (o.paid_with_coins || o.session_id.as_deref() != Some(session_id))
     {
-        let first = record_event(
+        let first = record_payment_event(
             tx,
             o.id,
             OrderEventKind::ExtraPayment,
@@ -479,6 +479,40 @@ pub(crate) async fn record_event(
     .execute(&mut *tx)
     .await?;
     Ok(done.rows_affected() == 1)
+}
+
+/// Records a late or extra payment's event (`payload` names its session and payment id), once
+/// per payment, under the order's lock: a payment reported first without its id (a Stripe
+/// Checkout Session in subscription mode completes before its invoice names the PaymentIntent)
+/// and then with it, in either order, is one payment of its session. Keyed by the id alone, it
+/// was two events, two give-backs asked and its subscription stopped twice. (A session's payments
+/// that each carry an id, as Mercado Pago's and Razorpay's attempts do, are each one.)
+async fn record_payment_event(
+    tx: &mut PgConnection,
+    order_id: i64,
+    kind: OrderEventKind,
+    payload: serde_json::Value,
+) -> Result<bool, sqlx::Error> {
+    let session = payload["session_id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let payment = payload["payment_id"].as_str().map(str::to_owned);
+    let seen: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM order_events
+                        WHERE order_id = $1 AND kind = $2 AND payload ->> 'session_id' = $3
+                          AND ($4::text IS NULL OR COALESCE(payload ->> 'payment_id', '') = ''))",
+    )
+    .bind(order_id)
+    .bind(kind)
+    .bind(&session)
+    .bind(payment.as_deref())
+    .fetch_one(&mut *tx)
+    .await?;
+    if seen {
+        return Ok(false);
+    }
+    record_event(tx, order_id, kind, payload).await
 }
 
 /// An order as a refund request needs it.

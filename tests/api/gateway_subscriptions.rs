@@ -630,6 +630,24 @@ async fn a_subscription_that_never_started_here_has_every_charge_given_back_once
         .unwrap();
     assert_eq!(sales, 0, "no money moved in the ledger");
     assert_eq!(refunds().len(), 2);
+    // The late checkout (no PaymentIntent yet) and its first invoice (naming it) are one
+    // payment: one late_payment message, its subscription stopped once.
+    let late: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM order_events e JOIN orders o ON o.id = e.order_id
+         WHERE o.number = $1 AND e.kind = 'late_payment'",
+    )
+    .bind(number)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(late, 1, "one payment, one late_payment message");
+    let stops = log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.method == Method::DELETE && s.uri.starts_with("/v1/subscriptions/sub_1"))
+        .count();
+    assert_eq!(stops, 1, "its subscription stopped once");
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
