@@ -287,11 +287,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
          WHERE q.state IN ('requested', 'accepted') AND q.updated_at < now() - interval '3 days'
            AND NOT EXISTS (SELECT 1 FROM payment_refunds r
                             WHERE r.gateway = q.gateway AND r.refund_id = q.refund_id)
-           AND NOT (q.state = 'requested'
-                    AND EXISTS (SELECT 1 FROM payment_disputes d
-                                JOIN payment_orders po ON po.id = d.payment_order_id
-                                WHERE po.gateway = q.gateway AND po.session_id = q.session_id
-                                  AND d.status = 'open'))
+           AND NOT refund_request_held(q.state, q.gateway, q.session_id)
          ORDER BY q.updated_at LIMIT 1000",
     )
     .fetch_all(pool)

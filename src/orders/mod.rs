@@ -114,6 +114,10 @@ payfleet_queue::text_enum! {
         Reactivated = "reactivated",
         /// Its subscription ended.
         Canceled = "canceled",
+        /// All its money went back to the buyer (written by the database: migration 0073).
+        Refunded = "refunded",
+        /// A dispute of its payment was lost (written by the database: migration 0073).
+        ChargedBack = "charged_back",
     }
 }
 

@@ -186,6 +186,19 @@ pub(super) async fn renewal(
             return Ok(outcome);
         }
     };
+    // Another charge of a period that has its renewal already (a reissued or manual invoice of
+    // the same period): a session of its own, the renewal's next attempt, so its payment
+    // confirms the renewal if nothing paid it, else is an extra payment given back. Under the
+    // attempt the renewal has, the session was not recorded and its payment kept, unmatched.
+    let attempt: i32 = sqlx::query_scalar(
+        "SELECT CASE WHEN EXISTS (SELECT 1 FROM payment_sessions WHERE order_number = $1 AND attempt = $2)
+                     THEN (SELECT max(attempt) + 1 FROM payment_sessions WHERE order_number = $1)
+                     ELSE $2 END",
+    )
+    .bind(number)
+    .bind(attempt)
+    .fetch_one(&mut *tx)
+    .await?;
     let mut metadata: BTreeMap<String, serde_json::Value> =
         serde_json::from_value(first.metadata).unwrap_or_default();
     metadata.insert("order_number".into(), number.to_string().into());

@@ -41,6 +41,19 @@ async fn deliver(app: &TestApp, id: &str, body: &str) {
     process_events(&app.pool).await;
 }
 
+/// Pays `order` on its payment page and waits until it is paid.
+async fn pay_and_wait(shop: &crate::checkout::Shop, order: &serde_json::Value) {
+    let number = order["number"].as_i64().unwrap();
+    let url = order["payment"]["url"].as_str().unwrap();
+    assert_eq!(shop.app.pay(url, "succeeded").await.0, 200);
+    wait_for(
+        "the order to be paid",
+        std::time::Duration::from_secs(30),
+        async || shop.order(number).await["status"] == "paid",
+    )
+    .await;
+}
+
 /// Order 1 on two sessions: its first attempt `sess_a`, and `sess_b`, made for its second
 /// attempt after the first failed (the order's own session now).
 async fn reopened_order(pool: &PgPool) {
@@ -1073,19 +1086,7 @@ async fn a_refund_asked_for_before_a_dispute_waits_for_its_end(pool: PgPool) {
     for (order, outcome) in [(&first, "won"), (&second, "lost"), (&third, "lost-in-part")] {
         let number = order["number"].as_i64().unwrap();
         let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
-        assert_eq!(
-            shop.app
-                .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
-                .await
-                .0,
-            200
-        );
-        wait_for(
-            "the order to be paid",
-            std::time::Duration::from_secs(30),
-            async || shop.order(number).await["status"] == "paid",
-        )
-        .await;
+        pay_and_wait(&shop, order).await;
         let new = NewRefund {
             amount: Some("5.00".into()),
             reason: String::new(),
@@ -1200,19 +1201,7 @@ async fn an_accepted_refund_whose_job_ended_is_asked_about_again_when_asked_for_
 ) {
     let shop = crate::checkout::shop(pool.clone()).await;
     let order = shop.one_order("20.00").await;
-    assert_eq!(
-        shop.app
-            .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
-            .await
-            .0,
-        200
-    );
-    wait_for(
-        "the order to be paid",
-        std::time::Duration::from_secs(30),
-        async || shop.order(1).await["status"] == "paid",
-    )
-    .await;
+    pay_and_wait(&shop, &order).await;
     let new = payfleet::payments::order_refunds::NewRefund {
         amount: Some("5.00".into()),
         reason: String::new(),
@@ -1273,19 +1262,7 @@ async fn an_accepted_refund_whose_job_ended_is_asked_about_again_when_asked_for_
 async fn a_refund_under_way_for_days_is_shown_to_an_operator_until_it_is_recorded(pool: PgPool) {
     let shop = crate::checkout::shop(pool.clone()).await;
     let order = shop.one_order("20.00").await;
-    assert_eq!(
-        shop.app
-            .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
-            .await
-            .0,
-        200
-    );
-    wait_for(
-        "the order to be paid",
-        std::time::Duration::from_secs(30),
-        async || shop.order(1).await["status"] == "paid",
-    )
-    .await;
+    pay_and_wait(&shop, &order).await;
     let new = payfleet::payments::order_refunds::NewRefund {
         amount: Some("5.00".into()),
         reason: String::new(),

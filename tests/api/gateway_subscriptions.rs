@@ -734,6 +734,43 @@ async fn a_renewal_that_fails_first_costs_what_stripe_says_is_due(pool: PgPool) 
     .await
     .unwrap();
     assert_eq!((unmatched, refunds), (0, 0), "nothing is given back");
+
+    // Stripe charges the same period again on an invoice of its own (reissued, or made by
+    // hand): the period keeps its one sale, and that payment is an extra one, given back.
+    let again = charge("evt_again", "invoice.paid", "pi_2x").replace("\"in_2\"", "\"in_2x\"");
+    deliver(&shop, &stripe(&again, now())).await;
+    assert_eq!(outcome(&pool, "stripe", "evt_again").await.0, "applied");
+    let extra: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM order_events e JOIN orders o ON o.id = e.order_id
+         WHERE o.number = $1 AND e.kind = 'extra_payment' AND e.payload ->> 'session_id' = 'in_2x'",
+    )
+    .bind(number + 1)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        extra, 1,
+        "the second charge of the period is an extra payment"
+    );
+    // Its give-back under way (its job) or done (its refund recorded).
+    wait_for("the second charge given back", Duration::from_secs(30), async || {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM jobs WHERE kind = 'refund_payment' AND key LIKE '%in_2x%')
+                 OR EXISTS (SELECT 1 FROM payment_refunds r JOIN payment_orders po ON po.id = r.payment_order_id
+                            WHERE po.session_id = 'in_2x')",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    let unmatched: i64 = sqlx::query_scalar("SELECT count(*) FROM unmatched_payments")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(unmatched, 0, "given back, not left unmatched");
+    assert_eq!(renewals(&pool).await.len(), 1, "one renewal, one sale");
+    assert_eq!(renewals(&pool).await[0].4, 1);
 }
 
 /// A Stripe subscription's first payment whose `checkout.session.completed` never came is found

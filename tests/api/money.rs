@@ -487,6 +487,53 @@ async fn a_refund_request_waits_for_a_payout_being_made_of_its_sellers_money(poo
     assert_eq!(view.state.as_str(), "requested");
 }
 
+/// A refund request held by its payment's open dispute (the gateway is not asked while it is
+/// open) is not held back from the seller's payouts on top of what the dispute has taken: the
+/// seller's other money is paid out.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_held_by_an_open_dispute_does_not_hold_back_the_sellers_other_money(pool: PgPool) {
+    let (shop, seller, n, session) = one_sale(&pool).await;
+    let product = shop.product(&seller, "100.00", "BRL").await;
+    let other = shop.checkout_one("k2", "buyer", &product, 1).await;
+    let other_session = other["payment"]["session_id"].as_str().unwrap().to_owned();
+    send_paid(&shop, "msg_paid", &session, "100.00").await;
+    send_paid(&shop, "msg_paid_2", &other_session, "100.00").await;
+    process_all(&pool, &shop).await;
+    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
+        .await
+        .unwrap();
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("180.00")));
+    // A refund of the first sale asked for (its job not run yet), then its payment disputed.
+    let new = payfleet::payments::order_refunds::NewRefund {
+        amount: Some("10.00".into()),
+        reason: String::new(),
+    };
+    payfleet::payments::order_refunds::request(&pool, n, "rf-held", &new)
+        .await
+        .unwrap();
+    send(
+        &shop,
+        "msg_dispute",
+        &event(
+            "dispute.created",
+            &session,
+            json!({"dispute_id": "dp_1", "amount": "100.00"}),
+        ),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("90.00")));
+    let made = payouts::run(
+        &pool,
+        (Utc::now() + chrono::Duration::days(40)).date_naive(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(made.len(), 1);
+    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
+    assert_eq!(list["payouts"][0]["amount"], "90.00", "{list}");
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn the_holding_period_releases_once_however_many_run_it_and_later_refunds_take_from_available(
     pool: PgPool,

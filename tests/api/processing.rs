@@ -113,6 +113,19 @@ async fn a_refund_before_its_payment_ends_refunded(pool: PgPool) {
         (order.as_str(), payment.as_deref()),
         ("refunded", Some("refunded"))
     );
+    // A service that acts on `paid` learns the money went back, once.
+    let messages = async |session: &str| -> Vec<String> {
+        sqlx::query_scalar(
+            "SELECT e.kind FROM order_events e JOIN orders o ON o.id = e.order_id
+             WHERE o.session_id = $1 AND e.kind IN ('paid', 'refunded', 'charged_back')
+             ORDER BY e.id",
+        )
+        .bind(session)
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(messages("sess_1").await, ["paid", "refunded"]);
 
     // A partial refund on another payment, in the usual order.
     app.deliver(&internal(
@@ -143,6 +156,32 @@ async fn a_refund_before_its_payment_ends_refunded(pool: PgPool) {
         "10.00".parse().unwrap(),
         "the same refund twice is one refund"
     );
+    assert_eq!(
+        messages("sess_2").await,
+        ["paid"],
+        "part of it went back only"
+    );
+    // A dispute lost: the money went back as a chargeback.
+    app.deliver(&internal(
+        "msg_d2",
+        &serde_json::json!({"type": "dispute.created", "data": {"session_id": "sess_2", "payment_id": "pay_sess_2",
+            "dispute_id": "dp_2", "amount": "20.00", "currency": "BRL"}})
+        .to_string(),
+    ))
+    .await;
+    app.deliver(&internal(
+        "msg_d2_lost",
+        &serde_json::json!({"type": "dispute.lost", "data": {"session_id": "sess_2", "payment_id": "pay_sess_2",
+            "dispute_id": "dp_2", "amount": "20.00", "currency": "BRL"}})
+        .to_string(),
+    ))
+    .await;
+    process_events(&pool).await;
+    assert_eq!(
+        order_status(&pool, "internal", "sess_2").await.unwrap().0,
+        "charged_back"
+    );
+    assert_eq!(messages("sess_2").await, ["paid", "charged_back"]);
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
