@@ -98,17 +98,28 @@ pub async fn record_refund(
     number: i64,
     amount: rust_decimal::Decimal,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
+    let moved: Option<(i64, OrderStatus)> = sqlx::query_as(
         "UPDATE orders SET amount_refunded = amount_refunded + $2,
                 status = CASE WHEN amount_refunded + $2 >= total THEN 'refunded' ELSE 'partially_refunded' END,
                 payment_status = CASE WHEN amount_refunded + $2 >= total THEN 'refunded' ELSE 'partially_refunded' END,
                 updated_at = now()
-         WHERE number = $1",
+         WHERE number = $1
+         RETURNING id, status",
     )
     .bind(number)
     .bind(amount)
-    .execute(&mut *tx)
+    .fetch_optional(&mut *tx)
     .await?;
+    // All of it back: the services that acted on `paid` are told, once.
+    if let Some((id, OrderStatus::Refunded)) = moved {
+        record_event(
+            tx,
+            id,
+            OrderEventKind::Refunded,
+            serde_json::json!({"number": number, "paid_with": "coins"}),
+        )
+        .await?;
+    }
     Ok(())
 }
 

@@ -114,9 +114,9 @@ payfleet_queue::text_enum! {
         Reactivated = "reactivated",
         /// Its subscription ended.
         Canceled = "canceled",
-        /// All its money went back to the buyer (written by the database: migration 0073).
+        /// All its money went back to the buyer.
         Refunded = "refunded",
-        /// A dispute of its payment was lost (written by the database: migration 0073).
+        /// A dispute of its payment was lost.
         ChargedBack = "charged_back",
     }
 }
@@ -318,6 +318,21 @@ pub async fn apply_payment(
     .bind(url)
     .execute(&mut *tx)
     .await?;
+    // Its money went back: the services that acted on `paid` are told, once.
+    let money_back = match status {
+        OrderStatus::Refunded => Some(OrderEventKind::Refunded),
+        OrderStatus::ChargedBack => Some(OrderEventKind::ChargedBack),
+        _ => None,
+    };
+    if let Some(kind) = money_back.filter(|_| status != o.status) {
+        record_event(
+            tx,
+            o.id,
+            kind,
+            serde_json::json!({"number": number, "amount_refunded": refunded}),
+        )
+        .await?;
+    }
     if now_paid {
         record_event(
             tx,

@@ -1337,6 +1337,16 @@ async fn a_coin_paid_order_is_refunded_in_coins_once_per_key_and_never_beyond_it
         (o["status"].as_str(), o["amount_refunded"].as_str()),
         (Some("refunded"), Some("100.00"))
     );
+    // All of it back, in coins: one `refunded` message (the partial refund before wrote none).
+    let messages: Vec<String> = sqlx::query_scalar(
+        "SELECT e.kind FROM order_events e JOIN orders o ON o.id = e.order_id
+         WHERE o.number = $1 AND e.kind IN ('paid', 'refunded') ORDER BY e.id",
+    )
+    .bind(n)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(messages, ["paid", "refunded"]);
     assert_eq!(wallet().await, ("150.00".into(), "0.00".into()));
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("0")));
     let revenue: Decimal = sqlx::query_scalar(
