@@ -90,6 +90,15 @@ impl Settings {
     }
 }
 
+/// A check's rows, each an (`subject`, `detail`) its query formatted, as its violations.
+fn violations(check: &'static str, rows: Vec<(String, String)>) -> impl Iterator<Item = Violation> {
+    rows.into_iter().map(move |(subject, detail)| Violation {
+        check,
+        subject,
+        detail,
+    })
+}
+
 /// The gateways whose sales the ledger credits to the seller (the money reached the platform).
 fn through_platform() -> Vec<&'static str> {
     GatewayName::ALL
@@ -122,11 +131,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .bind(grace_secs)
     .fetch_all(pool)
     .await?;
-    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
-        check: "captured_payment_unconfirmed",
-        subject,
-        detail,
-    }));
+    found.extend(violations("captured_payment_unconfirmed", rows));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('order %s', o.number),
                 format('%s order paid at %s has no sale credit in the ledger%s',
@@ -142,11 +147,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .bind(through_platform())
     .fetch_all(pool)
     .await?;
-    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
-        check: "sale_without_credit",
-        subject,
-        detail,
-    }));
+    found.extend(violations("sale_without_credit", rows));
     let (accounts, currencies) = crate::ledger::check(pool).await?;
     for id in accounts {
         found.push(Violation {
@@ -168,11 +169,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     )
     .fetch_all(pool)
     .await?;
-    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
-        check: "coin_wallet_negative",
-        subject,
-        detail,
-    }));
+    found.extend(violations("coin_wallet_negative", rows));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('%s session %s', po.gateway, po.session_id),
                 format('refunds %s and disputes %s taken back of a payment of %s %s',
@@ -187,11 +184,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     )
     .fetch_all(pool)
     .await?;
-    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
-        check: "taken_back_beyond_payment",
-        subject,
-        detail,
-    }));
+    found.extend(violations("taken_back_beyond_payment", rows));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('event %s (%s %s)', id, gateway, event_id),
                 format('%s since %s%s', COALESCE(outcome, 'pending'), received_at,
@@ -203,11 +196,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .bind(grace_secs)
     .fetch_all(pool)
     .await?;
-    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
-        check: "event_unprocessed",
-        subject,
-        detail,
-    }));
+    found.extend(violations("event_unprocessed", rows));
     let stuck = payfleet_queue::admin::stuck(pool, grace).await?;
     found.extend(stuck.into_iter().map(|j| Violation {
         check: "job_stuck",
@@ -226,11 +215,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     )
     .fetch_all(pool)
     .await?;
-    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
-        check: "dispute_undecided",
-        subject,
-        detail,
-    }));
+    found.extend(violations("dispute_undecided", rows));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('message %s for %s', message_id, consumer),
                 format('%s attempts, dead since %s: %s', attempts, dead_at, last_error)
@@ -238,11 +223,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     )
     .fetch_all(pool)
     .await?;
-    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
-        check: "order_message_dead",
-        subject,
-        detail,
-    }));
+    found.extend(violations("order_message_dead", rows));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('order %s, %s refund %s', s.order_number, r.gateway, r.refund_id),
                 format('%s %s recorded refunded, then reported %s at %s: the buyer may not have it back',
@@ -259,11 +240,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     )
     .fetch_all(pool)
     .await?;
-    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
-        check: "refund_failed_after_done",
-        subject,
-        detail,
-    }));
+    found.extend(violations("refund_failed_after_done", rows));
     // A day past the period's end: a gateway charges at the end, or within the hour after.
     let overdue =
         crate::orders::subscriptions::overdue(pool, Utc::now() - chrono::Duration::days(1), 1000)
@@ -292,11 +269,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     )
     .fetch_all(pool)
     .await?;
-    found.extend(rows.into_iter().map(|(subject, detail)| Violation {
-        check: "refund_under_way_too_long",
-        subject,
-        detail,
-    }));
+    found.extend(violations("refund_under_way_too_long", rows));
     Ok(found)
 }
 
