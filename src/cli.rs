@@ -57,7 +57,8 @@ enum Command {
         #[command(subcommand)]
         action: EventsAction,
     },
-    /// Order messages their consumers gave up on (dead), and sending them again.
+    /// Order messages: those their consumers gave up on (dead), those the broker has not
+    /// confirmed yet (unpublished), and sending them again.
     Messages {
         #[command(subcommand)]
         action: Option<MessagesAction>,
@@ -143,6 +144,16 @@ enum MessagesAction {
         consumer: String,
         message_id: String,
     },
+    /// Messages not yet confirmed by the broker, oldest first: how often the broker refused
+    /// each, its last answer, and when the relay tries it next.
+    Unpublished {
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// Send an order message now: one the broker refused, without waiting for its next attempt
+    /// (once the cause is gone), or one published already, again (to a service that binds its
+    /// type since; a consumer that handled it drops it by its id).
+    Send { message_id: String },
 }
 
 #[derive(Subcommand)]
@@ -494,6 +505,35 @@ async fn messages_command(config: Config, action: MessagesAction) -> anyhow::Res
             )
             .await?;
             println!("message {message_id} goes to {consumer} again");
+        }
+        MessagesAction::Unpublished { limit } => {
+            let waiting = payfleet::orders::outbox::unpublished(&pool, limit).await?;
+            if waiting.is_empty() {
+                println!("every order message is published");
+            }
+            let time = |t: chrono::DateTime<chrono::Utc>| {
+                t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+            };
+            for m in waiting {
+                let refused = match (m.attempts, m.next_attempt) {
+                    (0, _) => "not refused".to_owned(),
+                    (n, Some(next)) => format!("refused {n} times, next attempt {}", time(next)),
+                    (n, None) => format!("refused {n} times, due now"),
+                };
+                println!(
+                    "{}\t{}\torder {}\twritten {}\t{}\t{}",
+                    m.message_id,
+                    m.routing_key,
+                    m.order_number,
+                    time(m.created_at),
+                    refused,
+                    m.last_error.unwrap_or_default()
+                );
+            }
+        }
+        MessagesAction::Send { message_id } => {
+            payfleet::orders::outbox::send_now(&pool, &message_id).await?;
+            println!("message {message_id} goes with the relay's next batch");
         }
     }
     pool.close().await;

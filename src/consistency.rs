@@ -22,6 +22,10 @@
 //!   that: its decision's event was likely lost; the disputed amount is held meanwhile);
 //! - `order_message_dead`: an order message a consumer failed to handle on every attempt
 //!   (`payfleet messages dead`, then `replay` once the consumer is fixed);
+//! - `order_message_refused`: an order message the broker has refused on every attempt past
+//!   the grace period (a queue it is routed to full, or without its majority): the relay keeps
+//!   trying it, backing off (`payfleet messages unpublished`, then `send` once the cause is
+//!   gone);
 //! - `refund_failed_after_done`: a refund recorded as done (the seller debited, the order
 //!   refunded) that the gateway later reported failed or canceled: the buyer may not have the
 //!   money back, and the platform holds it; an operator pays the buyer back another way and
@@ -65,6 +69,7 @@ pub const CHECKS: &[&str] = &[
     "job_stuck",
     "dispute_undecided",
     "order_message_dead",
+    "order_message_refused",
     "refund_failed_after_done",
     "subscription_period_overdue",
     "refund_under_way_too_long",
@@ -224,6 +229,19 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .fetch_all(pool)
     .await?;
     found.extend(violations("order_message_dead", rows));
+    let refused = crate::orders::outbox::refused_since(pool, grace).await?;
+    found.extend(refused.into_iter().map(|w| Violation {
+        check: "order_message_refused",
+        subject: format!("message {} (order {})", w.message_id, w.order_number),
+        detail: format!(
+            "{} refused {} times since {}: {}; `payfleet messages send {}` sends it at once",
+            w.routing_key,
+            w.attempts,
+            w.created_at,
+            w.last_error.as_deref().unwrap_or_default(),
+            w.message_id
+        ),
+    }));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('order %s, %s refund %s', s.order_number, r.gateway, r.refund_id),
                 format('%s %s recorded refunded, then reported %s at %s: the buyer may not have it back',

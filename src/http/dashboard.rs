@@ -779,7 +779,7 @@ async fn dashboard(
             )
         })
         .collect();
-    let (unpublished, oldest_unpublished) = crate::orders::outbox::backlog(pool).await?;
+    let outbox = crate::orders::outbox::backlog(pool).await?;
     body.push_str("<h2>Queues</h2>");
     body.push_str(&table(
         "queues",
@@ -797,7 +797,8 @@ async fn dashboard(
         "No jobs waiting, running or dead.",
     ));
     body.push_str(&format!(
-        "<p>Order messages not yet confirmed by the broker: {unpublished} (oldest {oldest_unpublished:.1} s).</p>"
+        "<p>Order messages not yet confirmed by the broker: {} (oldest {:.1} s; refused by the broker and waiting for their next attempt: {}, <code>payfleet messages unpublished</code>).</p>",
+        outbox.unpublished, outbox.oldest_secs, outbox.refused
     ));
 
     // Failed jobs.

@@ -271,13 +271,16 @@ async fn gauges(pool: &PgPool, out: &mut String) -> Result<(), sqlx::Error> {
         out,
         "payfleet_ledger_oldest_sale_due_seconds {oldest_due:.3}"
     );
-    let (unpublished, oldest) = crate::orders::outbox::backlog(pool).await?;
+    let backlog = crate::orders::outbox::backlog(pool).await?;
     out.push_str("# HELP payfleet_outbox_unpublished Order messages written and not yet confirmed by the broker.\n# TYPE payfleet_outbox_unpublished gauge\n");
-    let _ = writeln!(out, "payfleet_outbox_unpublished {unpublished}");
+    let _ = writeln!(out, "payfleet_outbox_unpublished {}", backlog.unpublished);
     out.push_str("# HELP payfleet_outbox_oldest_unpublished_seconds Age of the oldest unpublished order message.\n# TYPE payfleet_outbox_oldest_unpublished_seconds gauge\n");
     let _ = writeln!(
         out,
-        "payfleet_outbox_oldest_unpublished_seconds {oldest:.3}"
+        "payfleet_outbox_oldest_unpublished_seconds {:.3}",
+        backlog.oldest_secs
     );
+    out.push_str("# HELP payfleet_outbox_refused Unpublished order messages the broker refused, each waiting for its next attempt (payfleet messages unpublished).\n# TYPE payfleet_outbox_refused gauge\n");
+    let _ = writeln!(out, "payfleet_outbox_refused {}", backlog.refused);
     Ok(())
 }

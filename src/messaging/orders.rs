@@ -104,8 +104,25 @@ pub struct OrderMessage {
 
 impl OrderMessage {
     pub fn routing_key(&self) -> String {
-        format!("order.{}.{}", self.order_kind, self.event)
+        routing_key(&self.order_kind, &self.event)
     }
+}
+
+/// The routing key of an order message: `order.<order type>.<event>`.
+pub fn routing_key(order_kind: &str, event: &str) -> String {
+    format!("order.{order_kind}.{event}")
+}
+
+/// The id of the message an outbox row is published as.
+pub fn message_id(outbox_id: i64) -> String {
+    format!("order-event-{outbox_id}")
+}
+
+/// The outbox row a message id names, if it is an order message's.
+pub fn outbox_id(message_id: &str) -> Option<i64> {
+    message_id
+        .strip_prefix("order-event-")
+        .and_then(|n| n.parse().ok())
 }
 
 #[derive(sqlx::FromRow)]
@@ -141,6 +158,13 @@ pub trait Outbox: Send + Sync + 'static {
         tx: &mut PgConnection,
         ids: &[i64],
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    /// Puts off rows the broker refused, each with the broker's answer: each is tried again on
+    /// a clock of its own, backing off, so it holds up no other row.
+    fn put_off(
+        &self,
+        tx: &mut PgConnection,
+        refused: &[(i64, String)],
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
     /// Marks a row to be published again (a dead message replayed); false if there is none.
     fn publish_again(
         &self,
@@ -152,7 +176,7 @@ pub trait Outbox: Send + Sync + 'static {
 impl Unpublished {
     fn message(self) -> OrderMessage {
         OrderMessage {
-            message_id: format!("order-event-{}", self.id),
+            message_id: message_id(self.id),
             event: self.kind,
             order_number: self.number,
             total: crate::money::amount_text(self.total, &self.currency),
@@ -231,13 +255,6 @@ async fn declare(channel: &Channel, broker: &Broker, routes: &Routes) -> lapin::
 enum RelayError {
     #[error(transparent)]
     Broker(#[from] lapin::Error),
-    #[error("the broker refused message {0}")]
-    Nacked(String),
-    /// Routed to no queue at all, not even the unrouted messages' (a queue deleted, and
-    /// declared again by its consumer without its binding): kept, and the topology declared
-    /// again before it goes again.
-    #[error("message {0} reached no queue; the queues and their bindings are declared again")]
-    Unroutable(String),
     #[error("the broker did not confirm within {0:?}")]
     Unconfirmed(Duration),
     #[error("the broker is refusing messages (a resource alarm)")]
@@ -248,13 +265,30 @@ enum RelayError {
     Encode(#[from] serde_json::Error),
 }
 
-/// Publishes one batch; returns how many rows it published.
+/// What one batch did with the rows it took.
+#[derive(Debug, Clone, Copy, Default)]
+struct Relayed {
+    taken: usize,
+    published: usize,
+    /// Refused by the broker (nacked, or returned as routed nowhere): put off, each on its own.
+    refused: usize,
+    /// One came back routed to no queue at all: the topology is declared again.
+    unroutable: bool,
+}
+
+/// What the broker said of a message it refused, as kept with its row.
+const NACKED: &str = "refused by the broker (a queue it is routed to refuses messages: full with reject-publish, or without its majority)";
+const RETURNED: &str = "routed to no queue, not even the unrouted messages' (the relay declares the queues and bindings again)";
+
+/// Publishes one batch. A message the broker refuses is put off on its own clock, and the
+/// others of the batch are marked as published; only a batch that could not be published at
+/// all (the channel lost, no confirm in time) is an error, its rows left for a later batch.
 async fn relay_batch(
     channel: &Channel,
     broker: &Broker,
     conn: &mut PgConnection,
     outbox: &impl Outbox,
-) -> Result<usize, RelayError> {
+) -> Result<Relayed, RelayError> {
     // A broker under an alarm would take the publishes below into its socket's buffer and
     // never read them: the rows are not even taken until it takes messages again.
     if broker.is_blocked() {
@@ -262,8 +296,12 @@ async fn relay_batch(
     }
     let mut tx = sqlx::Connection::begin_with(conn, crate::db::BEGIN_BY_KEYS).await?;
     let rows = outbox.take(&mut tx, BATCH).await?;
+    let mut relayed = Relayed {
+        taken: rows.len(),
+        ..Relayed::default()
+    };
     if rows.is_empty() {
-        return Ok(0);
+        return Ok(relayed);
     }
     // One deadline for the publishes and their confirms: an alarm raised mid-batch holds the
     // publishes themselves, and never the rows' transaction for longer than this.
@@ -301,29 +339,31 @@ async fn relay_batch(
             failure = Some(RelayError::Unconfirmed(CONFIRM_TIMEOUT));
             break;
         };
-        confirms.push((id, message.message_id, confirm?));
+        confirms.push((id, confirm?));
     }
     broker
         .telemetry()
         .message(MessageEvent::Published, confirms.len() as u64);
-    // What the broker confirmed is marked, whatever happens to the rest: a refused or
-    // unconfirmed message stays in the outbox alone, without sending the others again. The
-    // wait is bounded, so a stalled broker (a memory alarm) never holds the rows' transaction
-    // open for long.
+    // What the broker confirmed is marked, and what it refused put off, whatever happens to
+    // the rest: an unconfirmed message stays in the outbox, without sending the others again.
+    // The wait is bounded, so a stalled broker (a memory alarm) never holds the rows'
+    // transaction open for long.
     let mut acked = Vec::with_capacity(confirms.len());
+    let mut refused = Vec::new();
     let waited = tokio::time::timeout_at(deadline, async {
-        for (id, message_id, confirm) in confirms {
+        for (id, confirm) in confirms {
             match confirm.await {
                 Ok(Confirmation::Ack(None)) => {
                     broker.telemetry().message(MessageEvent::Confirmed, 1);
                     acked.push(id);
                 }
                 Ok(Confirmation::Ack(Some(_))) => {
-                    failure.get_or_insert(RelayError::Unroutable(message_id));
+                    relayed.unroutable = true;
+                    refused.push((id, RETURNED.to_owned()));
                 }
                 Ok(_) => {
                     broker.telemetry().message(MessageEvent::Nacked, 1);
-                    failure.get_or_insert(RelayError::Nacked(message_id));
+                    refused.push((id, NACKED.to_owned()));
                 }
                 Err(e) => {
                     failure = Some(RelayError::Broker(e));
@@ -339,10 +379,15 @@ async fn relay_batch(
     if !acked.is_empty() {
         outbox.mark_published(&mut tx, &acked).await?;
     }
+    if !refused.is_empty() {
+        outbox.put_off(&mut tx, &refused).await?;
+    }
     tx.commit().await?;
+    relayed.published = acked.len();
+    relayed.refused = refused.len();
     match failure {
         Some(e) => Err(e),
-        None => Ok(acked.len()),
+        None => Ok(relayed),
     }
 }
 
@@ -351,6 +396,15 @@ const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The longest pause of the relay after failed batches.
 const RELAY_PAUSE_MAX: Duration = Duration::from_secs(5);
+
+/// The relay's pause after `failures` failed batches in a row: growing, so a broker that keeps
+/// failing is not asked five times a second, and never more than a few seconds, as the
+/// connection's, so messages held back by a broker's blip go out soon after it ends.
+fn relay_pause(failures: u32) -> Duration {
+    Duration::from_millis(500)
+        .saturating_mul(1 << failures.min(6))
+        .min(RELAY_PAUSE_MAX)
+}
 
 /// The outbox relay of one process: runs until the broker is stopped.
 pub async fn relay(
@@ -373,10 +427,7 @@ async fn relay_until_stopped(
     idle: Duration,
     outbox: &impl Outbox,
 ) {
-    // Consecutive failed batches: the pause before the next grows, so a broker that keeps
-    // refusing a message is not asked five times a second; it stops growing at a few seconds,
-    // as the connection's does, so messages held back by a broker's blip (a quorum queue
-    // electing its new leader) go out soon after it ends.
+    // Consecutive failed batches, for the pause before the next (`relay_pause`).
     let mut failures = 0u32;
     loop {
         let connection = broker.connected().await;
@@ -401,28 +452,43 @@ async fn relay_until_stopped(
         loop {
             let batch = async {
                 let mut conn = kept.take(&pool).await?;
-                let published = relay_batch(&channel, &broker, &mut conn, outbox).await?;
-                if published > 0 {
+                let relayed = relay_batch(&channel, &broker, &mut conn, outbox).await?;
+                if relayed.taken > 0 {
                     kept.put(conn);
                 }
-                Ok::<_, RelayError>(published)
+                Ok::<_, RelayError>(relayed)
             };
             match batch.await {
-                Ok(0) => {
+                Ok(relayed) if relayed.taken == 0 => {
                     failures = 0;
                     kept.release();
                     tokio::time::sleep(idle).await;
                 }
-                Ok(n) => {
+                Ok(relayed) => {
+                    tracing::debug!(published = relayed.published, "order messages published");
+                    if relayed.refused > 0 {
+                        tracing::warn!(
+                            refused = relayed.refused,
+                            published = relayed.published,
+                            "the broker refused order messages; each goes again on its own, backing off (payfleet messages unpublished)"
+                        );
+                    }
+                    if relayed.unroutable {
+                        // Routed to no queue at all, not even the unrouted messages' (a queue
+                        // deleted, and declared again by its consumer without its binding):
+                        // the topology is declared again before it goes again.
+                        failures = failures.saturating_add(1);
+                        tokio::time::sleep(relay_pause(failures)).await;
+                        break;
+                    }
                     failures = 0;
-                    tracing::debug!(published = n, "order messages published");
                     // A short batch: messages are coming in a few at a time. Let them gather
                     // for a moment, so that a flood is relayed in batches (a statement, a
                     // confirm wait and an update each) rather than message by message.
                     // Its connection is not kept meanwhile: messages trickling in would hold
                     // one of the pool's nearly all the time (the checkout tests' apps, on pools
                     // of ten under the whole suite's load, saw payment links time out).
-                    if n < (BATCH / 4) as usize {
+                    if relayed.taken < (BATCH / 4) as usize {
                         kept.release();
                         tokio::time::sleep(LINGER).await;
                     }
@@ -433,14 +499,9 @@ async fn relay_until_stopped(
                 }
                 Err(e) => {
                     failures = failures.saturating_add(1);
-                    let pause = Duration::from_millis(500)
-                        .saturating_mul(1 << failures.min(6))
-                        .min(RELAY_PAUSE_MAX);
+                    let pause = relay_pause(failures);
                     tracing::warn!(error = %e, retry_in = ?pause, "order messages not published; they stay in the outbox and go again");
                     tokio::time::sleep(pause).await;
-                    if matches!(e, RelayError::Nacked(_)) {
-                        continue;
-                    }
                     break;
                 }
             }
@@ -526,9 +587,7 @@ pub async fn replay_dead(
     consumer: &str,
     message_id: &str,
 ) -> Result<(), ReplayMessageError> {
-    let event: i64 = message_id
-        .strip_prefix("order-event-")
-        .and_then(|n| n.parse().ok())
+    let event = outbox_id(message_id)
         .ok_or_else(|| ReplayMessageError::NotFromOutbox(message_id.to_owned()))?;
     let mut tx = pool.begin().await?;
     let removed = sqlx::query(

@@ -2,12 +2,13 @@
 //! reports ([`super::record_event`], and checkout's numbering statement for `created`), and
 //! read here alone. The relay (`messaging::orders`) publishes what [`OrderOutbox`] gives it.
 
+use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
 
-use crate::messaging::orders::{Outbox, Unpublished};
+use crate::messaging::orders::{self as messages, Outbox, Unpublished};
 
 /// Up to $1 unpublished order messages, oldest first, locked (skipping those another relay
-/// holds), each with its order. The messages are taken before they are joined to their orders:
+/// holds, and those the broker refused until their next attempt), each with its order. The messages are taken before they are joined to their orders:
 /// written as one join with the limit last, a plan that finds the unpublished rows through a
 /// bitmap (the one the planner picks while its statistics still count few of them, as in a
 /// drained backlog or after a broker outage) joined every waiting message to its order and
@@ -17,7 +18,7 @@ pub const TAKE: &str =
     "SELECT e.id, e.kind, e.payload, e.created_at, e.traceparent, o.number, o.kind AS order_kind,
             o.seller_id::text AS seller_id, o.buyer_id, o.total, o.currency::text AS currency
      FROM (SELECT id, order_id, kind, payload, created_at, traceparent FROM order_events
-           WHERE published_at IS NULL
+           WHERE published_at IS NULL AND (publish_after IS NULL OR publish_after <= now())
            ORDER BY id LIMIT $1
            FOR UPDATE SKIP LOCKED) e
      JOIN orders o ON o.id = e.order_id
@@ -46,19 +47,168 @@ impl Outbox for OrderOutbox {
         Ok(())
     }
 
-    async fn publish_again(&self, tx: &mut PgConnection, id: i64) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query("UPDATE order_events SET published_at = NULL WHERE id = $1")
-            .bind(id)
+    async fn put_off(
+        &self,
+        tx: &mut PgConnection,
+        refused: &[(i64, String)],
+    ) -> Result<(), sqlx::Error> {
+        let (ids, errors): (Vec<i64>, Vec<&str>) =
+            refused.iter().map(|(id, e)| (*id, e.as_str())).unzip();
+        sqlx::query(PUT_OFF)
+            .bind(&ids)
+            .bind(&errors)
             .execute(&mut *tx)
             .await?;
+        Ok(())
+    }
+
+    async fn publish_again(&self, tx: &mut PgConnection, id: i64) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(SEND_AGAIN).bind(id).execute(&mut *tx).await?;
         Ok(done.rows_affected() == 1)
     }
 }
 
-/// Unpublished order events and the age of the oldest, for the gauges.
-pub async fn backlog(pool: &PgPool) -> Result<(i64, f64), sqlx::Error> {
+/// Counts a refusal of each row and puts it off: 2 s after the first, doubling up to five
+/// minutes, so a message the broker keeps refusing is asked about a few times an hour, and the
+/// rows behind it are taken meanwhile.
+const PUT_OFF: &str = "UPDATE order_events e
+     SET publish_attempts = e.publish_attempts + 1, publish_error = x.error,
+         publish_after = now() + make_interval(secs => least(power(2, least(e.publish_attempts + 1, 20)), 300))
+     FROM unnest($1::bigint[], $2::text[]) AS x(id, error)
+     WHERE e.id = x.id";
+
+/// Makes a row due now, published or not: the relay sends it with its next batch.
+const SEND_AGAIN: &str =
+    "UPDATE order_events SET published_at = NULL, publish_after = NULL WHERE id = $1";
+
+/// An order message not yet confirmed by the broker, as an operator sees it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Waiting {
+    pub message_id: String,
+    pub routing_key: String,
+    pub order_number: i64,
+    pub created_at: DateTime<Utc>,
+    /// How often the broker refused it.
+    pub attempts: i32,
+    /// The broker's last answer, when it refused it.
+    pub last_error: Option<String>,
+    /// When the relay takes it again, if it is put off.
+    pub next_attempt: Option<DateTime<Utc>>,
+}
+
+/// The order messages not yet confirmed by the broker, oldest first.
+pub async fn unpublished(pool: &PgPool, limit: i64) -> Result<Vec<Waiting>, sqlx::Error> {
+    waiting(pool, limit, 0, None).await
+}
+
+/// The order messages the broker refused, written more than `grace` ago and still unpublished,
+/// oldest first.
+pub async fn refused_since(
+    pool: &PgPool,
+    grace: std::time::Duration,
+) -> Result<Vec<Waiting>, sqlx::Error> {
+    waiting(pool, 1000, 1, Some(grace.as_secs_f64())).await
+}
+
+/// Up to `limit` unpublished order messages refused at least `min_attempts` times, written more
+/// than `older_than_secs` ago if given.
+async fn waiting(
+    pool: &PgPool,
+    limit: i64,
+    min_attempts: i32,
+    older_than_secs: Option<f64>,
+) -> Result<Vec<Waiting>, sqlx::Error> {
+    type Row = (
+        i64,
+        String,
+        String,
+        i64,
+        DateTime<Utc>,
+        i32,
+        Option<String>,
+        Option<DateTime<Utc>>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT e.id, e.kind, o.kind, o.number, e.created_at, e.publish_attempts, e.publish_error,
+                e.publish_after
+         FROM (SELECT * FROM order_events
+               WHERE published_at IS NULL AND publish_attempts >= $2
+                 AND ($3::float8 IS NULL OR created_at < now() - make_interval(secs => $3))
+               ORDER BY id LIMIT $1) e
+         JOIN orders o ON o.id = e.order_id
+         ORDER BY e.id",
+    )
+    .bind(limit)
+    .bind(min_attempts)
+    .bind(older_than_secs)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(
+                id,
+                event,
+                order_kind,
+                order_number,
+                created_at,
+                attempts,
+                last_error,
+                next_attempt,
+            )| {
+                Waiting {
+                    message_id: messages::message_id(id),
+                    routing_key: messages::routing_key(&order_kind, &event),
+                    order_number,
+                    created_at,
+                    attempts,
+                    last_error,
+                    next_attempt,
+                }
+            },
+        )
+        .collect())
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error("{0} is not an order message's id (they read order-event-<number>)")]
+    NotAnOrderMessage(String),
+    #[error("there is no order message {0}")]
+    Unknown(String),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Sends an order message now: one the broker refused, without waiting for its next attempt
+/// (once its cause is gone), or one published already, again (to a service that binds its type
+/// since; a consumer that handled it drops it by its id).
+pub async fn send_now(pool: &PgPool, message_id: &str) -> Result<(), SendError> {
+    let id = messages::outbox_id(message_id)
+        .ok_or_else(|| SendError::NotAnOrderMessage(message_id.to_owned()))?;
+    let done = sqlx::query(SEND_AGAIN).bind(id).execute(pool).await?;
+    if done.rows_affected() == 0 {
+        return Err(SendError::Unknown(message_id.to_owned()));
+    }
+    Ok(())
+}
+
+/// The outbox's backlog, for the gauges and the dashboard.
+#[derive(Debug, Clone, Copy, sqlx::FromRow)]
+pub struct Backlog {
+    /// Messages not yet confirmed by the broker.
+    pub unpublished: i64,
+    /// The age of the oldest of them, in seconds.
+    pub oldest_secs: f64,
+    /// Those the broker refused at least once (each waits for its next attempt).
+    pub refused: i64,
+}
+
+pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
     sqlx::query_as(
-        "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0)
+        "SELECT count(*) AS unpublished,
+                COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0) AS oldest_secs,
+                count(*) FILTER (WHERE publish_attempts > 0) AS refused
          FROM order_events WHERE published_at IS NULL",
     )
     .fetch_one(pool)

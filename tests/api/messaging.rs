@@ -697,3 +697,159 @@ async fn rpc_request_queues_are_classic_unless_asked(pool: PgPool) {
         running.stop().await;
     }
 }
+
+/// A queue of the test's own, bound to the order messages by `pattern`, that refuses every
+/// message (full, `reject-publish`): the broker nacks what it routes there, as it does for a
+/// service queue an operator capped, or a quorum queue without its majority. Exclusive: it goes
+/// with `connection`.
+async fn refusing_queue(config: &payfleet::config::Config, pattern: &str) -> lapin::Connection {
+    use lapin::types::AMQPValue;
+    let (connection, channel, _) = own_channel(config).await;
+    let mut args = lapin::types::FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    let name = format!("{}.refusing", config.messaging.namespace);
+    channel
+        .queue_declare(
+            name.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            name.as_str().into(),
+            format!("{}.orders", config.messaging.namespace)
+                .as_str()
+                .into(),
+            pattern.into(),
+            lapin::options::QueueBindOptions::default(),
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    connection
+}
+
+async fn unpublished_count(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM order_events WHERE published_at IS NULL")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A message the broker keeps refusing (here: every `expired`, routed to a full queue) is tried
+/// again on its own clock, backing off: it holds up no other message, an operator sees it with
+/// the broker's answer (`payfleet messages unpublished`, the `order_message_refused` check)
+/// and sends it at once once the cause is gone (`payfleet messages send`). Before, every batch
+/// took it again, failed, and paused the relay for up to five seconds: a thousand messages
+/// behind it took half a minute.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_message_the_broker_keeps_refusing_holds_up_no_other_and_is_sent_again_by_hand(
+    pool: PgPool,
+) {
+    use payfleet::orders::outbox;
+    let config = test_config();
+    let _fleet = spawn_fleet(pool.clone(), config.clone()).await;
+    // One message through first: the relay has declared the exchange.
+    order_events(&pool, 1).await;
+    wait_for("the first published", Duration::from_secs(30), async || {
+        unpublished_count(&pool).await == 0
+    })
+    .await;
+    let refusing = refusing_queue(&config, "order.*.expired").await;
+    let poison: i64 = sqlx::query_scalar(
+        "INSERT INTO order_events (order_id, kind, payload) SELECT id, 'expired', '{}' FROM orders RETURNING id",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let attempts = async || -> i32 {
+        sqlx::query_scalar("SELECT publish_attempts FROM order_events WHERE id = $1")
+            .bind(poison)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    wait_for("three refusals", Duration::from_secs(60), async || {
+        attempts().await >= 3
+    })
+    .await;
+    // A thousand messages behind it go at once.
+    let sessions: Vec<String> = (0..1000).map(|i| format!("more{i}")).collect();
+    let sessions: Vec<&str> = sessions.iter().map(String::as_str).collect();
+    orders_for(&pool, "internal", &sessions, "10.00", "BRL").await;
+    sqlx::query(
+        "INSERT INTO order_events (order_id, kind, payload)
+         SELECT o.id, 'created', '{}' FROM orders o
+         WHERE NOT EXISTS (SELECT 1 FROM order_events e WHERE e.order_id = o.id AND e.kind = 'created')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    wait_for(
+        "the thousand behind it published",
+        Duration::from_secs(8),
+        async || unpublished_count(&pool).await == 1,
+    )
+    .await;
+    // The operator sees it, with the broker's answer and when it goes next.
+    let message_id = format!("order-event-{poison}");
+    let waiting = outbox::unpublished(&pool, 10).await.unwrap();
+    assert_eq!(waiting.len(), 1, "{waiting:?}");
+    let w = &waiting[0];
+    assert_eq!(w.message_id, message_id);
+    assert_eq!(w.routing_key, "order.one_off.expired");
+    assert!(w.attempts >= 3, "{w:?}");
+    assert!(
+        w.last_error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("refused"),
+        "{w:?}"
+    );
+    let next = w
+        .next_attempt
+        .expect("a refused message has its next attempt");
+    assert!(
+        next > chrono::Utc::now() + chrono::Duration::seconds(3),
+        "backing off: {w:?}"
+    );
+    let findings = payfleet::consistency::check(&pool, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(
+        findings
+            .iter()
+            .any(|f| f.check == "order_message_refused" && f.subject.contains(&message_id)),
+        "{findings:?}"
+    );
+    // The cause gone, the operator sends it now rather than at its next attempt.
+    refusing.close(200, "done".into()).await.unwrap();
+    outbox::send_now(&pool, &message_id).await.unwrap();
+    wait_for("sent by hand", Duration::from_secs(3), async || {
+        unpublished_count(&pool).await == 0
+    })
+    .await;
+    assert!(
+        payfleet::consistency::check(&pool, Duration::ZERO)
+            .await
+            .unwrap()
+            .iter()
+            .all(|f| f.check != "order_message_refused")
+    );
+    // Bad input changes nothing, and says why.
+    let e = outbox::send_now(&pool, "order-event-999999999")
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("no order message"), "{e}");
+    let e = outbox::send_now(&pool, "payment-7").await.unwrap_err();
+    assert!(e.to_string().contains("not an order message"), "{e}");
+}
