@@ -14,12 +14,14 @@
 //! - `coin_wallet_negative`: a coin wallet or reservation balance below zero;
 //! - `taken_back_beyond_payment`: a gateway's refunds and open or lost disputes of a payment add
 //!   up to more than was paid (the ledger takes back at most the payment: the rest is the
-//!   platform's to recover from the gateway, not the seller's to bear twice);
+//!   platform's to recover from the gateway, not the seller's to bear twice); for a second
+//!   payment on a session (given back), a dispute of money given back already;
 //! - `event_unprocessed`: a stored event not processed past the grace period (pending, waiting
 //!   for its payment, or rejected);
 //! - `job_stuck`: a running job whose lease expired long ago (the rescue should have ended it);
 //! - `dispute_undecided`: a dispute open for more than 75 days (card networks decide within
-//!   that: its decision's event was likely lost; the disputed amount is held meanwhile);
+//!   that: its decision's event was likely lost; the disputed amount is held meanwhile, and a
+//!   second payment's give-back waits);
 //! - `order_message_dead`: an order message a consumer failed to handle on every attempt
 //!   (`payfleet messages dead`, then `replay` once the consumer is fixed);
 //! - `order_message_refused`: an order message the broker has refused on every attempt past
@@ -185,7 +187,16 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
                     COALESCE((SELECT sum(amount) FROM payment_disputes d
                                WHERE d.payment_order_id = po.id AND d.status IN ('open', 'lost')), 0) AS disputed) t
          WHERE po.amount IS NOT NULL AND t.refunded + t.disputed > po.amount
-         ORDER BY po.id LIMIT 1000",
+         UNION ALL
+         SELECT format('%s session %s, second payment %s', p.gateway, p.session_id, p.payment_id),
+                format('given back %s and disputes %s taken back of a payment of %s %s: contest the disputes with the refunds',
+                       p.amount_refunded, t.disputed, p.amount, p.currency)
+         FROM second_payments p
+         CROSS JOIN LATERAL (
+             SELECT COALESCE(sum(amount), 0) AS disputed FROM second_payment_disputes d
+              WHERE d.second_payment_id = p.id AND d.status IN ('open', 'lost')) t
+         WHERE p.amount IS NOT NULL AND t.disputed > 0 AND p.amount_refunded + t.disputed > p.amount
+         LIMIT 1000",
     )
     .fetch_all(pool)
     .await?;
@@ -216,7 +227,11 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
         "SELECT format('%s dispute %s', gateway, dispute_id),
                 format('open since %s, %s %s held: ask the gateway for its decision', updated_at, amount, currency)
          FROM payment_disputes WHERE status = 'open' AND updated_at < now() - interval '75 days'
-         ORDER BY updated_at LIMIT 1000",
+         UNION ALL
+         SELECT format('%s dispute %s (of a second payment)', gateway, dispute_id),
+                format('open since %s, %s %s: its give-back waits for it: ask the gateway for its decision', updated_at, amount, currency)
+         FROM second_payment_disputes WHERE status = 'open' AND updated_at < now() - interval '75 days'
+         LIMIT 1000",
     )
     .fetch_all(pool)
     .await?;

@@ -355,8 +355,16 @@ pub(crate) async fn apply(
                     waiting = Some(wait_key(payment));
                     break;
                 };
-                changed |=
-                    record_dispute(tx, gateway, po.id, paid, dispute_id, amount, *status).await?;
+                changed |= record_dispute(
+                    tx,
+                    gateway,
+                    DisputeOf::Order(po.id),
+                    Some(paid),
+                    dispute_id,
+                    amount,
+                    *status,
+                )
+                .await?;
             }
             Fact::RefundEnded {
                 refund_id,
@@ -376,23 +384,16 @@ pub(crate) async fn apply(
                 changed |= rows.rows_affected() > 0;
             }
             Fact::DisputeDecided { dispute_id, status } => {
-                let rows = sqlx::query(
-                    "UPDATE payment_disputes SET status = $3, updated_at = now()
-                     WHERE gateway = $1 AND dispute_id = $2 AND status = 'open'",
-                )
-                .bind(g)
-                .bind(dispute_id)
-                .bind(status)
-                .execute(&mut *tx)
-                .await?;
-                changed |= rows.rows_affected() > 0;
+                changed |=
+                    decide_dispute(tx, gateway, DisputeOf::Order(po.id), dispute_id, *status)
+                        .await?;
             }
         }
     }
 
     if !of_another.is_empty() && waiting.is_none() {
-        // Its refunds are a second payment's (its disputes move nothing here, as
-        // `second_payment_facts` says); a payment not known as one waits until it is.
+        // Its refunds and disputes are a second payment's (recorded against it, moving no
+        // seller's money: `second_payment_facts`); a payment not known as one waits until it is.
         match second_payment_facts(tx, gateway, payment, &of_another).await? {
             Some(applied) => changed |= matches!(applied, Applied::Changed),
             None => waiting = Some(wait_key(payment)),
@@ -480,8 +481,9 @@ async fn second_payment(
 }
 
 /// The facts of an event about a second payment ([`second_payment`]): its refunds are recorded
-/// against it (once each, never beyond it); nothing else about it moves money here. `None`: the
-/// event is not about a second payment.
+/// against it (once each, never beyond it), and its disputes (for its give-back to wait on, and
+/// for an operator to see); nothing about it moves a seller's money. `None`: the event is not
+/// about a second payment.
 async fn second_payment_facts(
     tx: &mut PgConnection,
     gateway: GatewayName,
@@ -501,10 +503,37 @@ async fn second_payment_facts(
     let Some((id, amount, currency)) = known else {
         return Ok(None);
     };
+    let paid = currency
+        .as_deref()
+        .and_then(|c| c.parse().ok())
+        .zip(amount)
+        .and_then(|(c, a)| Money::new(a, c).ok());
     let mut changed = false;
     for fact in facts {
         let (refund_id, refunded) = match fact {
             Fact::Refund { refund_id, amount } => (refund_id, amount),
+            Fact::Dispute {
+                dispute_id,
+                amount,
+                status,
+            } => {
+                changed |= record_dispute(
+                    tx,
+                    gateway,
+                    DisputeOf::Second(id),
+                    paid,
+                    dispute_id,
+                    amount,
+                    *status,
+                )
+                .await?;
+                continue;
+            }
+            Fact::DisputeDecided { dispute_id, status } => {
+                changed |=
+                    decide_dispute(tx, gateway, DisputeOf::Second(id), dispute_id, *status).await?;
+                continue;
+            }
             // Its give-back failed or was canceled: ended for good, as an order's refund is.
             Fact::RefundEnded {
                 refund_id,
@@ -730,38 +759,62 @@ fn same_currency(
 
 /// A dispute moves once, from open to decided. A decided dispute stays decided whatever
 /// arrives later (a late "created", another decision, a status we do not know).
+/// Whose dispute it is: the order's payment (`payment_disputes`, which the ledger takes back
+/// from the seller), or a second payment on its session (`second_payment_disputes`, which moves
+/// no seller's money: that payment is given back, never the seller's sale).
+#[derive(Debug, Clone, Copy)]
+enum DisputeOf {
+    Order(i64),
+    Second(i64),
+}
+
+impl DisputeOf {
+    /// Its table, and the column naming the payment.
+    fn table(self) -> (&'static str, &'static str, i64) {
+        match self {
+            Self::Order(id) => ("payment_disputes", "payment_order_id", id),
+            Self::Second(id) => ("second_payment_disputes", "second_payment_id", id),
+        }
+    }
+}
+
+/// Records a dispute of a payment of `paid` (when known) or its new status: a new dispute
+/// starts open unless reported decided, an open one is decided once, a decided one stays so.
 async fn record_dispute(
     tx: &mut PgConnection,
     gateway: GatewayName,
-    payment_order: i64,
-    paid: Money,
+    of: DisputeOf,
+    paid: Option<Money>,
     dispute_id: &str,
     amount: &Money,
     status: Option<DisputeStatus>,
 ) -> Result<bool, ProcessError> {
-    let known: Option<DisputeStatus> = sqlx::query_scalar(
-        "SELECT status FROM payment_disputes WHERE gateway = $1 AND dispute_id = $2 FOR UPDATE",
-    )
+    let (table, payment_column, payment) = of.table();
+    let known: Option<DisputeStatus> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT status FROM {table} WHERE gateway = $1 AND dispute_id = $2 FOR UPDATE"
+    )))
     .bind(gateway.as_str())
     .bind(dispute_id)
     .fetch_optional(&mut *tx)
     .await?;
     match (known, status) {
         (None, status) => {
-            same_currency("dispute", dispute_id, amount, &paid)?;
-            if amount.amount() > paid.amount() {
-                return Err(Rejection::DisputeExceedsPayment {
-                    dispute_id: dispute_id.to_owned(),
-                    amount: *amount,
-                    paid,
+            if let Some(paid) = paid {
+                same_currency("dispute", dispute_id, amount, &paid)?;
+                if amount.amount() > paid.amount() {
+                    return Err(Rejection::DisputeExceedsPayment {
+                        dispute_id: dispute_id.to_owned(),
+                        amount: *amount,
+                        paid,
+                    }
+                    .into());
                 }
-                .into());
             }
-            sqlx::query(
-                "INSERT INTO payment_disputes (payment_order_id, gateway, dispute_id, status, amount, currency)
-                 VALUES ($1, $2, $3, $4, $5, $6)",
-            )
-            .bind(payment_order)
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {table} ({payment_column}, gateway, dispute_id, status, amount, currency)
+                 VALUES ($1, $2, $3, $4, $5, $6)"
+            )))
+            .bind(payment)
             .bind(gateway.as_str())
             .bind(dispute_id)
             .bind(status.unwrap_or(DisputeStatus::Open))
@@ -772,15 +825,7 @@ async fn record_dispute(
             Ok(true)
         }
         (Some(DisputeStatus::Open), Some(next)) if next.is_decided() => {
-            sqlx::query(
-                "UPDATE payment_disputes SET status = $3, updated_at = now() WHERE gateway = $1 AND dispute_id = $2",
-            )
-            .bind(gateway.as_str())
-            .bind(dispute_id)
-            .bind(next)
-            .execute(&mut *tx)
-            .await?;
-            Ok(true)
+            decide_dispute(tx, gateway, of, dispute_id, next).await
         }
         (Some(current), Some(next)) if current.is_decided() && next != current => {
             tracing::warn!(%gateway, dispute = dispute_id, %current, reported = %next, "a decided dispute stays decided; ignoring the later status");
@@ -788,6 +833,28 @@ async fn record_dispute(
         }
         _ => Ok(false),
     }
+}
+
+/// Decides a dispute in `of`'s table, if it is open there (a decision of a dispute never
+/// opened, or decided already, changes nothing).
+async fn decide_dispute(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    of: DisputeOf,
+    dispute_id: &str,
+    status: DisputeStatus,
+) -> Result<bool, ProcessError> {
+    let (table, _, _) = of.table();
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE {table} SET status = $3, updated_at = now()
+         WHERE gateway = $1 AND dispute_id = $2 AND status = 'open'"
+    )))
+    .bind(gateway.as_str())
+    .bind(dispute_id)
+    .bind(status)
+    .execute(&mut *tx)
+    .await?;
+    Ok(rows.rows_affected() > 0)
 }
 
 /// Everything recorded about a payment.

@@ -112,29 +112,20 @@ impl RefundPayment {
             return Ok(());
         };
         // The buyer may have disputed the payment meanwhile (the give-back retried through a
-        // gateway outage, or waited for the event naming the payment): while the dispute is open
-        // the gateway is not asked, and a chargeback that took it back leaves nothing to give.
-        // (A second payment's disputes are not recorded: it is given back as it stands.)
-        if !self.of_payment {
-            match super::order_refunds::disputed(
-                pool,
-                self.gateway,
-                &self.session_id,
-                amount.amount(),
-                chrono::DateTime::<chrono::Utc>::UNIX_EPOCH,
-            )
-            .await?
-            {
-                super::order_refunds::Disputed::No => {}
-                super::order_refunds::Disputed::Open => {
-                    return Err(JobError::Snooze(super::order_refunds::DISPUTE_HOLD));
-                }
-                super::order_refunds::Disputed::Ended(status) => {
-                    tracing::warn!(gateway = %self.gateway, order = ?self.order_number, payment = %payment_id, %amount, dispute = %status, reason = %self.reason, "a payment to give back was taken back by its dispute: nothing is given");
-                    return Ok(());
-                }
-            }
+        // gateway outage, or waited for the event naming the payment; a payment taken twice is
+        // what buyers dispute): while a dispute is open the gateway is not asked, and what a
+        // chargeback took back is not given again.
+        let (open, taken) = self.disputes(pool).await?;
+        if open {
+            return Err(JobError::Snooze(super::order_refunds::DISPUTE_HOLD));
         }
+        let Some(amount) = Money::new(amount.amount() - taken, amount.currency())
+            .ok()
+            .filter(|m| m.amount() > Decimal::ZERO)
+        else {
+            tracing::warn!(gateway = %self.gateway, order = ?self.order_number, payment = %payment_id, %amount, %taken, reason = %self.reason, "a payment to give back was taken back by its disputes: nothing is given");
+            return Ok(());
+        };
         let gateway = gateways.get(self.gateway).ok_or_else(|| {
             JobError::retry(format!(
                 "gateway {} is not enabled in this worker; the refund waits for one that has it",
@@ -182,6 +173,45 @@ impl RefundPayment {
             Err(e) if e.is_transient() => Err(JobError::retry(e)),
             Err(e) => Err(JobError::fail(e)),
         }
+    }
+}
+
+impl RefundPayment {
+    /// Whether a dispute of the payment is open, and what its lost disputes (and those closed
+    /// by a refund, counted whole beside the recorded refunds: when in doubt the buyer is not
+    /// paid twice) took back.
+    async fn disputes(&self, pool: &PgPool) -> Result<(bool, Decimal), sqlx::Error> {
+        let disputes: Vec<(String, Decimal)> = match (&self.payment_id, self.of_payment) {
+            (Some(payment_id), true) => {
+                sqlx::query_as(
+                    "SELECT d.status, d.amount FROM second_payment_disputes d
+                     JOIN second_payments p ON p.id = d.second_payment_id
+                     WHERE p.gateway = $1 AND p.payment_id = $2",
+                )
+                .bind(self.gateway)
+                .bind(payment_id)
+                .fetch_all(pool)
+                .await?
+            }
+            _ => {
+                sqlx::query_as(
+                    "SELECT d.status, d.amount FROM payment_disputes d
+                     JOIN payment_orders po ON po.id = d.payment_order_id
+                     WHERE po.gateway = $1 AND po.session_id = $2",
+                )
+                .bind(self.gateway)
+                .bind(&self.session_id)
+                .fetch_all(pool)
+                .await?
+            }
+        };
+        let open = disputes.iter().any(|(s, _)| s == "open");
+        let taken = disputes
+            .iter()
+            .filter(|(s, _)| matches!(s.as_str(), "lost" | "refunded"))
+            .map(|(_, a)| *a)
+            .sum();
+        Ok((open, taken))
     }
 }
 

@@ -1409,3 +1409,162 @@ async fn a_give_back_waits_for_its_payments_dispute_and_gives_nothing_once_it_is
         "the chargeback gave it back; the gateway was never asked"
     );
 }
+
+/// A payment taken twice is what buyers dispute. A second payment's dispute is recorded against
+/// it, never against the order (the seller's sale is the first payment's): while it is open the
+/// second payment's give-back waits, once won the give-back is made, once lost nothing is given
+/// (the chargeback gave it). A dispute of a second payment given back already is shown to an
+/// operator, to contest with the refund; one open for months too. Before, a second payment's
+/// disputes were dropped: the give-back paid the buyer beside the chargeback, unseen.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_second_payments_dispute_holds_its_give_back_and_is_seen_once_it_was_given_back(
+    pool: PgPool,
+) {
+    use payfleet::payments::RefundPayment;
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    // The simulator's own session, for its refunds of what its signed events reported.
+    sqlx::query(
+        "INSERT INTO internal_payments (session_id, gateway, order_number, attempt, amount, currency, metadata)
+         VALUES ('sess_a', 'internal', 1, 1, 10, 'BRL', '{}')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    deliver(
+        &app,
+        "first",
+        &about("payment.succeeded", "sess_a", "pay_first", Some("10.00")),
+    )
+    .await;
+    let (gateways, _) = payfleet::startup::gateways(&app.config, &pool).unwrap();
+    let give_back = |payment: &str| RefundPayment {
+        gateway: payfleet::gateways::GatewayName::Internal,
+        order_number: Some(1),
+        session_id: "sess_a".into(),
+        payment_id: Some(payment.into()),
+        amount: Some(payfleet::money::Money::parse("10.00", "BRL").unwrap()),
+        seller_account: None,
+        reason: format!("a second payment ({payment}) on session sess_a"),
+        of_payment: true,
+    };
+    let dispute = |kind: &str, payment: &str, id: &str| {
+        about_with(
+            kind,
+            "sess_a",
+            payment,
+            json!({"dispute_id": id, "amount": "10.00", "currency": "BRL"}),
+        )
+    };
+    let given_back = async |payment: &str| -> Vec<String> {
+        sqlx::query_scalar("SELECT amount::text FROM internal_refunds WHERE payment_id = $1")
+            .bind(payment)
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    };
+    for (payment, decided) in [("pay_second", "dispute.won"), ("pay_third", "dispute.lost")] {
+        deliver(
+            &app,
+            &format!("{payment}_paid"),
+            &about("payment.succeeded", "sess_a", payment, Some("10.00")),
+        )
+        .await;
+        let id = format!("dp_{payment}");
+        deliver(
+            &app,
+            &format!("{payment}_disputed"),
+            &dispute("dispute.created", payment, &id),
+        )
+        .await;
+        let status: String =
+            sqlx::query_scalar("SELECT status FROM second_payment_disputes WHERE dispute_id = $1")
+                .bind(&id)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(status, "open");
+        match give_back(payment).run(&pool, &gateways).await {
+            Err(payfleet_queue::JobError::Snooze(_)) => {}
+            other => panic!("held while its dispute is open: {other:?}"),
+        }
+        assert!(given_back(payment).await.is_empty());
+        deliver(
+            &app,
+            &format!("{payment}_decided"),
+            &dispute(decided, payment, &id),
+        )
+        .await;
+        give_back(payment).run(&pool, &gateways).await.unwrap();
+    }
+    assert_eq!(
+        given_back("pay_second").await,
+        vec!["10.0000"],
+        "won: given back"
+    );
+    assert!(
+        given_back("pay_third").await.is_empty(),
+        "lost: the chargeback gave it back; the gateway was never asked"
+    );
+    // None of it was the order's: its payment and the seller's sale stand.
+    assert_eq!(
+        order(&pool).await,
+        ("paid".into(), "succeeded".into(), "0.0000".into())
+    );
+    let order_disputes: i64 = sqlx::query_scalar("SELECT count(*) FROM payment_disputes")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(order_disputes, 0);
+    assert!(
+        !events_of_order(&pool)
+            .await
+            .contains(&"charged_back".to_owned())
+    );
+
+    // Given back, then disputed: the buyer would be paid twice. An operator sees it.
+    deliver(
+        &app,
+        "fourth_paid",
+        &about("payment.succeeded", "sess_a", "pay_fourth", Some("10.00")),
+    )
+    .await;
+    deliver(
+        &app,
+        "fourth_given_back",
+        &about_with(
+            "refund.succeeded",
+            "sess_a",
+            "pay_fourth",
+            json!({"refund_id": "rf_fourth", "amount": "10.00", "currency": "BRL"}),
+        ),
+    )
+    .await;
+    assert!(
+        findings_of(&pool, "taken_back_beyond_payment")
+            .await
+            .is_empty()
+    );
+    deliver(
+        &app,
+        "fourth_disputed",
+        &dispute("dispute.created", "pay_fourth", "dp_fourth"),
+    )
+    .await;
+    let found = findings_of(&pool, "taken_back_beyond_payment").await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].0.contains("pay_fourth"), "{found:?}");
+    // Open for months: its decision's event was lost.
+    assert!(findings_of(&pool, "dispute_undecided").await.is_empty());
+    sqlx::query(
+        "UPDATE second_payment_disputes SET updated_at = now() - interval '80 days' WHERE dispute_id = 'dp_fourth'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let undecided = findings_of(&pool, "dispute_undecided").await;
+    assert!(
+        undecided.len() == 1 && undecided[0].0.contains("dp_fourth"),
+        "{undecided:?}"
+    );
+}
