@@ -416,20 +416,47 @@ async fn send_expecting(
     requests: Vec<hyper::Request<http_body_util::Full<axum::body::Bytes>>>,
     expected: u16,
 ) -> anyhow::Result<Vec<Duration>> {
-    use http_body_util::BodyExt;
-    let stream = tokio::net::TcpStream::connect(addr).await?;
-    stream.set_nodelay(true)?;
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
-    let conn = tokio::spawn(conn);
+    let mut connection = Connection::open(addr).await?;
     let mut lat = Vec::with_capacity(requests.len());
     for req in requests {
         let t = Instant::now();
-        sender
+        connection.send(req, expected).await?;
+        lat.push(t.elapsed());
+    }
+    connection.close().await;
+    Ok(lat)
+}
+
+/// A sender's HTTP/1 connection, kept between its requests.
+struct Connection {
+    sender: hyper::client::conn::http1::SendRequest<http_body_util::Full<axum::body::Bytes>>,
+    driver: tokio::task::JoinHandle<Result<(), hyper::Error>>,
+}
+
+impl Connection {
+    async fn open(addr: std::net::SocketAddr) -> anyhow::Result<Self> {
+        let stream = tokio::net::TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        let (sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+        Ok(Self {
+            sender,
+            driver: tokio::spawn(conn),
+        })
+    }
+
+    /// Sends one request and reads its answer, which must be `expected`.
+    async fn send(
+        &mut self,
+        req: hyper::Request<http_body_util::Full<axum::body::Bytes>>,
+        expected: u16,
+    ) -> anyhow::Result<()> {
+        use http_body_util::BodyExt;
+        self.sender
             .ready()
             .await
             .context("the receiver closed the connection")?;
-        let resp = sender.send_request(req).await?;
+        let resp = self.sender.send_request(req).await?;
         let status = resp.status();
         let body = resp.into_body().collect().await?.to_bytes();
         if status.as_u16() != expected {
@@ -438,11 +465,13 @@ async fn send_expecting(
                 String::from_utf8_lossy(&body)
             );
         }
-        lat.push(t.elapsed());
+        Ok(())
     }
-    drop(sender);
-    let _ = conn.await;
-    Ok(lat)
+
+    async fn close(self) {
+        drop(self.sender);
+        let _ = self.driver.await;
+    }
 }
 
 /// Runs pgbench with `args` against `url` and reads its `tps = ` line.

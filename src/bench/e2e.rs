@@ -56,6 +56,11 @@ pub struct E2eArgs {
     /// of issue 19 being as many effects a second as the same run's pgbench transactions).
     #[arg(long)]
     pub pace: Option<f64>,
+    /// Keep-alive connections the paced payments share, each payment sent at its tick by
+    /// whichever is free, as a gateway's delivery workers (0: a new connection for every
+    /// payment, as a sender that keeps none).
+    #[arg(long, default_value_t = 16)]
+    pub paced_connections: usize,
     /// How long pgbench runs.
     #[arg(long, default_value_t = 20)]
     pub pgbench_secs: u64,
@@ -374,8 +379,15 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
             o
         };
         let cpu_before = cpu::sample();
-        let (lat, written, stages) =
-            paced(&pool, addr, &secret, &orders, pace, &mut next_event).await?;
+        let (lat, written, stages) = paced(
+            &pool,
+            addr,
+            &secret,
+            &orders,
+            (pace, args.paced_connections),
+            &mut next_event,
+        )
+        .await?;
         let cpu_after = cpu::sample();
         eprintln!(
             "e2e: receipt to effect at {pace:.0} payments/s: p50 {:.1} ms, p99 {:.1} ms (to the sale credit's writing, before its commit: p50 {:.1} ms, p99 {:.1} ms)",
@@ -415,6 +427,7 @@ pub async fn e2e(config: &Config, args: E2eArgs) -> anyhow::Result<()> {
             &mut lines,
         );
         lines.push(format!("e2e_paced_per_s={pace:.0}"));
+        lines.push(format!("e2e_paced_connections={}", args.paced_connections));
         lines.push(format!(
             "e2e_receipt_to_effect_p50_ms={:.1}",
             percentile(&lat, 0.5)
@@ -731,7 +744,7 @@ async fn paced(
     addr: SocketAddr,
     secret: &StandardSecret,
     orders: &[Awaiting],
-    per_s: f64,
+    (per_s, connections): (f64, usize),
     next: &mut usize,
 ) -> anyhow::Result<(Vec<Duration>, Vec<Duration>, Stages)> {
     use std::sync::Arc;
@@ -742,26 +755,38 @@ async fn paced(
     let watcher = watch_effects(pool, on_the_way.clone(), sending.clone())?;
     let mut tick = tokio::time::interval(gap);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // With kept connections, each payment waits in one queue for the first free one: its
+    // clock starts at its tick, so a wait for a connection counts against it.
+    let (queue, taken) = tokio::sync::mpsc::unbounded_channel();
+    let taken = Arc::new(tokio::sync::Mutex::new(taken));
+    let senders: Vec<_> = (0..connections)
+        .map(|_| tokio::spawn(send_from(addr, taken.clone())))
+        .collect();
     let mut tasks = Vec::with_capacity(orders.len());
     let mut events = Vec::with_capacity(orders.len());
+    let mut sent_at = std::collections::HashMap::with_capacity(orders.len());
     for o in orders {
         tick.tick().await;
         let req = payment(addr, secret, o, *next)?;
         events.push((event_id(*next), o.number));
         *next += 1;
-        let number = o.number;
-        let on_the_way = on_the_way.clone();
-        tasks.push(tokio::spawn(async move {
-            let sent = chrono::Utc::now();
-            lock(&on_the_way).insert(number, (Instant::now(), sent));
-            send_all(addr, vec![req]).await?;
-            anyhow::Ok((number, sent))
-        }));
+        let sent = chrono::Utc::now();
+        lock(&on_the_way).insert(o.number, (Instant::now(), sent));
+        sent_at.insert(o.number, sent);
+        if connections == 0 {
+            tasks.push(tokio::spawn(send_all(addr, vec![req])));
+        } else {
+            queue
+                .send(req)
+                .map_err(|_| anyhow::anyhow!("every paced sender failed"))?;
+        }
     }
-    let mut sent_at = std::collections::HashMap::with_capacity(tasks.len());
+    drop(queue);
     for t in tasks {
-        let (number, sent) = t.await??;
-        sent_at.insert(number, sent);
+        t.await??;
+    }
+    for s in senders {
+        s.await??;
     }
     sending.store(false, Ordering::Release);
     let visible = tokio::task::spawn_blocking(move || watcher.join())
@@ -812,6 +837,28 @@ async fn paced(
     let mut visible: Vec<Duration> = visible.into_iter().map(|(_, d)| d).collect();
     visible.sort();
     Ok((visible, written, stages))
+}
+
+/// One paced sender: a connection of its own, kept, sending the payments it takes from the
+/// shared queue one at a time until the queue ends.
+async fn send_from(
+    addr: SocketAddr,
+    taken: std::sync::Arc<
+        tokio::sync::Mutex<
+            tokio::sync::mpsc::UnboundedReceiver<
+                hyper::Request<http_body_util::Full<axum::body::Bytes>>,
+            >,
+        >,
+    >,
+) -> anyhow::Result<()> {
+    let mut connection = super::Connection::open(addr).await?;
+    loop {
+        let Some(req) = taken.lock().await.recv().await else {
+            connection.close().await;
+            return Ok(());
+        };
+        connection.send(req, 200).await?;
+    }
 }
 
 /// Watches for the effects of the payments on their way and returns each one's time from its
