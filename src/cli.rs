@@ -152,8 +152,14 @@ enum MessagesAction {
     },
     /// Send an order message now: one the broker refused, without waiting for its next attempt
     /// (once the cause is gone), or one published already, again (to a service that binds its
-    /// type since; a consumer that handled it drops it by its id).
-    Send { message_id: String },
+    /// type since; a consumer that handled it drops it by its id); `--refused`: every message
+    /// the broker refused.
+    Send {
+        #[arg(required_unless_present = "refused", conflicts_with = "refused")]
+        message_id: Option<String>,
+        #[arg(long)]
+        refused: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -531,9 +537,18 @@ async fn messages_command(config: Config, action: MessagesAction) -> anyhow::Res
                 );
             }
         }
-        MessagesAction::Send { message_id } => {
+        MessagesAction::Send {
+            message_id: Some(message_id),
+            ..
+        } => {
             payfleet::orders::outbox::send_now(&pool, &message_id).await?;
             println!("message {message_id} goes with the relay's next batch");
+        }
+        MessagesAction::Send {
+            message_id: None, ..
+        } => {
+            let n = payfleet::orders::outbox::send_refused_now(&pool).await?;
+            println!("{n} refused messages go with the relay's next batches");
         }
     }
     pool.close().await;

@@ -20,14 +20,15 @@
 //!   for its payment, or rejected);
 //! - `job_stuck`: a running job whose lease expired long ago (the rescue should have ended it);
 //! - `dispute_undecided`: a dispute open for more than 75 days (card networks decide within
-//!   that: its decision's event was likely lost; the disputed amount is held meanwhile, and a
-//!   second payment's give-back waits);
+//!   that: its decision's event was likely lost; the disputed amount is held meanwhile), or a
+//!   second payment's dispute open for more than a week (its give-back waits for it, and
+//!   reconciliation asks only about the order's own payments' disputes);
 //! - `order_message_dead`: an order message a consumer failed to handle on every attempt
 //!   (`payfleet messages dead`, then `replay` once the consumer is fixed);
-//! - `order_message_refused`: an order message the broker has refused on every attempt past
-//!   the grace period (a queue it is routed to full, or without its majority): the relay keeps
-//!   trying it, backing off (`payfleet messages unpublished`, then `send` once the cause is
-//!   gone);
+//! - `order_message_refused`: an order message the broker has refused three times in a row,
+//!   written more than the grace period ago (a queue it is routed to full, or without its
+//!   majority): the relay keeps trying it, backing off (`payfleet messages unpublished`, then
+//!   `send` once the cause is gone);
 //! - `refund_failed_after_done`: a refund recorded as done (the seller debited, the order
 //!   refunded) that the gateway later reported failed or canceled: the buyer may not have the
 //!   money back, and the platform holds it; an operator pays the buyer back another way and
@@ -178,7 +179,8 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .await?;
     found.extend(violations("coin_wallet_negative", rows));
     let rows: Vec<(String, String)> = sqlx::query_as(
-        "SELECT format('%s session %s', po.gateway, po.session_id),
+        "SELECT * FROM (
+         SELECT format('%s session %s', po.gateway, po.session_id),
                 format('refunds %s and disputes %s taken back of a payment of %s %s',
                        t.refunded, t.disputed, po.amount, po.currency)
          FROM payment_orders po
@@ -196,7 +198,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
              SELECT COALESCE(sum(amount), 0) AS disputed FROM second_payment_disputes d
               WHERE d.second_payment_id = p.id AND d.status IN ('open', 'lost')) t
          WHERE p.amount IS NOT NULL AND t.disputed > 0 AND p.amount_refunded + t.disputed > p.amount
-         LIMIT 1000",
+         ) found ORDER BY 1 LIMIT 1000",
     )
     .fetch_all(pool)
     .await?;
@@ -224,14 +226,15 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
         ),
     }));
     let rows: Vec<(String, String)> = sqlx::query_as(
-        "SELECT format('%s dispute %s', gateway, dispute_id),
+        "SELECT * FROM (
+         SELECT format('%s dispute %s', gateway, dispute_id),
                 format('open since %s, %s %s held: ask the gateway for its decision', updated_at, amount, currency)
          FROM payment_disputes WHERE status = 'open' AND updated_at < now() - interval '75 days'
          UNION ALL
          SELECT format('%s dispute %s (of a second payment)', gateway, dispute_id),
-                format('open since %s, %s %s: its give-back waits for it: ask the gateway for its decision', updated_at, amount, currency)
-         FROM second_payment_disputes WHERE status = 'open' AND updated_at < now() - interval '75 days'
-         LIMIT 1000",
+                format('open since %s, %s %s: the give-back of that payment waits for it, and reconciliation does not ask about it: ask the gateway for its decision', updated_at, amount, currency)
+         FROM second_payment_disputes WHERE status = 'open' AND updated_at < now() - interval '7 days'
+         ) found ORDER BY 1 LIMIT 1000",
     )
     .fetch_all(pool)
     .await?;

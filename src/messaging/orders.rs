@@ -358,10 +358,12 @@ async fn relay_batch(
                     acked.push(id);
                 }
                 Ok(Confirmation::Ack(Some(_))) => {
+                    tracing::warn!(message = %message_id(id), "{RETURNED}");
                     relayed.unroutable = true;
                     refused.push((id, RETURNED.to_owned()));
                 }
                 Ok(_) => {
+                    tracing::warn!(message = %message_id(id), "{NACKED}; it goes again on its own, backing off (payfleet messages unpublished)");
                     broker.telemetry().message(MessageEvent::Nacked, 1);
                     refused.push((id, NACKED.to_owned()));
                 }
@@ -465,14 +467,11 @@ async fn relay_until_stopped(
                     tokio::time::sleep(idle).await;
                 }
                 Ok(relayed) => {
-                    tracing::debug!(published = relayed.published, "order messages published");
-                    if relayed.refused > 0 {
-                        tracing::warn!(
-                            refused = relayed.refused,
-                            published = relayed.published,
-                            "the broker refused order messages; each goes again on its own, backing off (payfleet messages unpublished)"
-                        );
-                    }
+                    tracing::debug!(
+                        published = relayed.published,
+                        refused = relayed.refused,
+                        "order messages published"
+                    );
                     if relayed.unroutable {
                         // Routed to no queue at all, not even the unrouted messages' (a queue
                         // deleted, and declared again by its consumer without its binding):
@@ -656,9 +655,9 @@ async fn consume_until_stopped<H>(
                     FieldTable::default(),
                 )
                 .await?;
-            Ok::<_, lapin::Error>(deliveries)
+            Ok::<_, lapin::Error>((channel, deliveries))
         };
-        let mut deliveries = match setup.await {
+        let (channel, mut deliveries) = match setup.await {
             Ok(d) => d,
             Err(e) => {
                 tracing::warn!(queue = %name, error = %e, "cannot set up the consumer; retrying");
@@ -692,7 +691,6 @@ async fn consume_until_stopped<H>(
                 }
             };
             let id = message.message_id.clone();
-            let kept = message.clone();
             // In the trace of the change the message reports (its `traceparent` header).
             let span = crate::traces::hop_span(
                 || tracing::info_span!("order_message", queue = %name, message = %id, consumer),
@@ -701,24 +699,32 @@ async fn consume_until_stopped<H>(
                 &span,
                 super::traceparent_of(&delivery.properties).as_deref(),
             );
-            let handled = async {
-                let mut tx = pool.begin().await?;
-                let first = sqlx::query(
-                    "INSERT INTO consumed_messages (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+            let handled = || {
+                tracing::Instrument::instrument(
+                    handle(pool, consumer, handler, message.clone()),
+                    span.clone(),
                 )
-                .bind(consumer)
-                .bind(&id)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected()
-                    == 1;
-                if first {
-                    handler(message, &mut tx).await?;
-                }
-                tx.commit().await?;
-                Ok::<_, sqlx::Error>(first)
             };
-            match tracing::Instrument::instrument(handled, span).await {
+            let mut result = handled().await;
+            // The database gone (not the handler refusing while it answers): the message waits
+            // for it here, unacknowledged, and is handled once it is back. Requeued instead, it
+            // came back every half second, and a quorum queue counts every delivery toward its
+            // delivery limit: an outage of minutes sent the messages to the dead-letter queue,
+            // out of every operator's view. (A broker that takes it back meanwhile, its
+            // consumer timeout passed or the channel lost, delivers it again: counted once.)
+            let mut pause = Duration::from_millis(500);
+            while let Err(e) = &result
+                && crate::db::is_transient(e)
+                && channel.status().connected()
+                && !database_answers(pool).await
+            {
+                tracing::warn!(queue = %name, message = %id, error = %payfleet_queue::error_chain(e),
+                    "the database is not answering: the order message waits for it, unacknowledged");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+                result = handled().await;
+            }
+            match result {
                 Ok(first) => {
                     if !first {
                         tracing::debug!(queue = %name, message = %id, "a message handled before: dropped");
@@ -732,9 +738,15 @@ async fn consume_until_stopped<H>(
                     let dead = if crate::db::is_transient(&e) {
                         false
                     } else {
-                        failed_attempt(pool, consumer, &kept, delivery.routing_key.as_str(), &text)
-                            .await
-                            .unwrap_or(false)
+                        failed_attempt(
+                            pool,
+                            consumer,
+                            &message,
+                            delivery.routing_key.as_str(),
+                            &text,
+                        )
+                        .await
+                        .unwrap_or(false)
                     };
                     if dead {
                         tracing::error!(queue = %name, message = %id, error = %text, attempts = MAX_HANDLER_ATTEMPTS,
@@ -757,6 +769,39 @@ async fn consume_until_stopped<H>(
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Hands `message` to `handler` for `consumer` in one transaction with the record that it was
+/// handled; returns whether it was the first time.
+async fn handle<H>(
+    pool: &PgPool,
+    consumer: &str,
+    handler: &H,
+    message: OrderMessage,
+) -> Result<bool, sqlx::Error>
+where
+    H: for<'c> Fn(OrderMessage, &'c mut PgConnection) -> Handled<'c> + Send + Sync + 'static,
+{
+    let mut tx = pool.begin().await?;
+    let first = sqlx::query(
+        "INSERT INTO consumed_messages (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+    )
+    .bind(consumer)
+    .bind(&message.message_id)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if first {
+        handler(message, &mut tx).await?;
+    }
+    tx.commit().await?;
+    Ok(first)
+}
+
+/// Whether the database answers at all.
+async fn database_answers(pool: &PgPool) -> bool {
+    sqlx::query("SELECT 1").execute(pool).await.is_ok()
 }
 
 /// Keeps a message that is not an order message (its body as JSON when it is JSON, else as

@@ -7,20 +7,28 @@ use sqlx::{PgConnection, PgPool};
 
 use crate::messaging::orders::{self as messages, Outbox, Unpublished};
 
-/// Up to $1 unpublished order messages, oldest first, locked (skipping those another relay
-/// holds, and those the broker refused until their next attempt), each with its order. The messages are taken before they are joined to their orders:
-/// written as one join with the limit last, a plan that finds the unpublished rows through a
-/// bitmap (the one the planner picks while its statistics still count few of them, as in a
-/// drained backlog or after a broker outage) joined every waiting message to its order and
-/// sorted them all to keep 200: a read's work grew with the backlog it was there to clear
-/// (README, "The relay reads what it takes").
-pub const TAKE: &str =
-    "SELECT e.id, e.kind, e.payload, e.created_at, e.traceparent, o.number, o.kind AS order_kind,
+/// Up to $1 new order messages and a quarter as many the broker refused whose next attempt is
+/// due, oldest first, locked (skipping those another relay holds), each with its order. Each
+/// kind is read through its own index (`order_events_to_publish`, `order_events_put_off`), so
+/// messages put off, however many, are never walked past to find the new ones. The messages are
+/// taken before they are joined to their orders: written as one join with the limit last, a
+/// plan that finds the unpublished rows through a bitmap (the one the planner picks while its
+/// statistics still count few of them, as in a drained backlog or after a broker outage) joined
+/// every waiting message to its order and sorted them all to keep 200: a read's work grew with
+/// the backlog it was there to clear (README, "The relay reads what it takes").
+pub const TAKE: &str = "WITH fresh AS (
+         SELECT id, order_id, kind, payload, created_at, traceparent FROM order_events
+         WHERE published_at IS NULL AND publish_after IS NULL
+         ORDER BY id LIMIT $1
+         FOR UPDATE SKIP LOCKED),
+     due AS (
+         SELECT id, order_id, kind, payload, created_at, traceparent FROM order_events
+         WHERE published_at IS NULL AND publish_after IS NOT NULL AND publish_after <= now()
+         ORDER BY publish_after LIMIT $1 / 4
+         FOR UPDATE SKIP LOCKED)
+     SELECT e.id, e.kind, e.payload, e.created_at, e.traceparent, o.number, o.kind AS order_kind,
             o.seller_id::text AS seller_id, o.buyer_id, o.total, o.currency::text AS currency
-     FROM (SELECT id, order_id, kind, payload, created_at, traceparent FROM order_events
-           WHERE published_at IS NULL AND (publish_after IS NULL OR publish_after <= now())
-           ORDER BY id LIMIT $1
-           FOR UPDATE SKIP LOCKED) e
+     FROM (SELECT * FROM fresh UNION ALL SELECT * FROM due) e
      JOIN orders o ON o.id = e.order_id
      ORDER BY e.id";
 
@@ -68,18 +76,25 @@ impl Outbox for OrderOutbox {
     }
 }
 
-/// Counts a refusal of each row and puts it off: 2 s after the first, doubling up to five
-/// minutes, so a message the broker keeps refusing is asked about a few times an hour, and the
-/// rows behind it are taken meanwhile.
+/// Counts a refusal of each row and puts it off: 2 s after the first, doubling up to 30 s, so
+/// the rows behind a message the broker keeps refusing are taken meanwhile, and messages a whole
+/// broker refused (a quorum queue without its majority) go again soon after it takes them.
 const PUT_OFF: &str = "UPDATE order_events e
      SET publish_attempts = e.publish_attempts + 1, publish_error = x.error,
-         publish_after = now() + make_interval(secs => least(power(2, least(e.publish_attempts + 1, 20)), 300))
+         publish_after = now() + make_interval(secs => least(power(2, least(e.publish_attempts + 1, 20)), 30))
      FROM unnest($1::bigint[], $2::text[]) AS x(id, error)
      WHERE e.id = x.id";
 
-/// Makes a row due now, published or not: the relay sends it with its next batch.
-const SEND_AGAIN: &str =
-    "UPDATE order_events SET published_at = NULL, publish_after = NULL WHERE id = $1";
+/// Makes rows new again, published or not, their refusals forgotten: the relay sends them with
+/// its next batch.
+const SEND_AGAIN: &str = "UPDATE order_events
+     SET published_at = NULL, publish_after = NULL, publish_attempts = 0, publish_error = NULL
+     WHERE id = $1";
+
+/// The same for every message the broker refused that is still unpublished.
+const SEND_REFUSED: &str = "UPDATE order_events
+     SET publish_after = NULL, publish_attempts = 0, publish_error = NULL
+     WHERE published_at IS NULL AND publish_after IS NOT NULL";
 
 /// An order message not yet confirmed by the broker, as an operator sees it.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -101,13 +116,17 @@ pub async fn unpublished(pool: &PgPool, limit: i64) -> Result<Vec<Waiting>, sqlx
     waiting(pool, limit, 0, None).await
 }
 
-/// The order messages the broker refused, written more than `grace` ago and still unpublished,
-/// oldest first.
+/// Refusals in a row after which a message written more than the grace period ago is a finding:
+/// refused by the broker on every attempt, not once by a blip.
+const REFUSED_FINDING: i32 = 3;
+
+/// The order messages the broker refused on [`REFUSED_FINDING`] attempts in a row or more,
+/// written more than `grace` ago and still unpublished, oldest first.
 pub async fn refused_since(
     pool: &PgPool,
     grace: std::time::Duration,
 ) -> Result<Vec<Waiting>, sqlx::Error> {
-    waiting(pool, 1000, 1, Some(grace.as_secs_f64())).await
+    waiting(pool, 1000, REFUSED_FINDING, Some(grace.as_secs_f64())).await
 }
 
 /// Up to `limit` unpublished order messages refused at least `min_attempts` times, written more
@@ -180,6 +199,15 @@ pub enum SendError {
     Database(#[from] sqlx::Error),
 }
 
+/// Sends every message the broker refused now, without waiting for their next attempts (once
+/// the cause is gone); returns how many.
+pub async fn send_refused_now(pool: &PgPool) -> Result<u64, sqlx::Error> {
+    Ok(sqlx::query(SEND_REFUSED)
+        .execute(pool)
+        .await?
+        .rows_affected())
+}
+
 /// Sends an order message now: one the broker refused, without waiting for its next attempt
 /// (once its cause is gone), or one published already, again (to a service that binds its type
 /// since; a consumer that handled it drops it by its id).
@@ -200,16 +228,20 @@ pub struct Backlog {
     pub unpublished: i64,
     /// The age of the oldest of them, in seconds.
     pub oldest_secs: f64,
-    /// Those the broker refused at least once (each waits for its next attempt).
+    /// Those the broker refused, each put off until its next attempt.
     pub refused: i64,
 }
 
 pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
+    // Each kind through its own index (`TAKE`).
     sqlx::query_as(
-        "SELECT count(*) AS unpublished,
-                COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0) AS oldest_secs,
-                count(*) FILTER (WHERE publish_attempts > 0) AS refused
-         FROM order_events WHERE published_at IS NULL",
+        "SELECT f.n + p.n AS unpublished,
+                COALESCE(EXTRACT(EPOCH FROM now() - least(f.oldest, p.oldest))::float8, 0) AS oldest_secs,
+                p.n AS refused
+         FROM (SELECT count(*) AS n, min(created_at) AS oldest FROM order_events
+               WHERE published_at IS NULL AND publish_after IS NULL) f,
+              (SELECT count(*) AS n, min(created_at) AS oldest FROM order_events
+               WHERE published_at IS NULL AND publish_after IS NOT NULL) p",
     )
     .fetch_one(pool)
     .await
