@@ -181,6 +181,16 @@ enum MoneyAction {
     },
     /// Check that every account's entries sum to its balance and every currency sums to zero.
     Check,
+    /// Give back again a payment its order could not take (late, or extra: the order paid
+    /// already) whose give-back ended dead (`payment_not_given_back`): its job again, asking the
+    /// gateway under the same idempotency key.
+    GiveBack {
+        gateway: String,
+        session: String,
+        /// The payment, when the session has several (a second payment on it).
+        #[arg(long)]
+        payment: Option<String>,
+    },
     /// Say that the buyer of REFUND (of GATEWAY), recorded as done and then reported failed by
     /// the gateway, was paid back another way: its finding `refund_failed_after_done` closes.
     RefundRepaid { gateway: String, refund: String },
@@ -622,6 +632,24 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
                 "{} invoices for {start} to {end}: {numbers:?}",
                 numbers.len()
             );
+        }
+        MoneyAction::GiveBack {
+            gateway,
+            session,
+            payment,
+        } => {
+            let name: payfleet::gateways::GatewayName = gateway
+                .parse()
+                .map_err(|_| anyhow::anyhow!("unknown gateway {gateway:?}"))?;
+            let given =
+                payfleet::payments::give_back_again(&pool, name, &session, payment.as_deref())
+                    .await;
+            pool.close().await;
+            let job = given?;
+            println!(
+                "{gateway} session {session}: its give-back is job {job} (payfleet jobs counts; the gateway is asked under the first give-back's idempotency key)"
+            );
+            return Ok(());
         }
         MoneyAction::RefundRepaid { gateway, refund } => {
             let name: payfleet::gateways::GatewayName = gateway

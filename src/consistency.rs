@@ -37,6 +37,13 @@
 //!   ago with no renewal reported for the next one, paid or failed, nor its end: the gateway's
 //!   invoice or cancellation event was lost (reconciliation asks about checkouts, not
 //!   periods), or the fleet's own billing is stuck;
+//! - `payment_not_given_back`: a payment its order could not take because the order was paid
+//!   already (a second payment on its session, another session's), recorded past the grace
+//!   period and not given back whole (by refunds, or taken back by lost disputes), with no
+//!   dispute of it open: its give-back job ended dead (a gateway's refusal, the payment's id
+//!   never named) and may be deleted with the dead jobs a week later, so the payment itself is
+//!   checked. `payfleet money give-back` asks the gateway again. (A late payment of an expired
+//!   order is `captured_payment_unconfirmed`.)
 //! - `refund_under_way_too_long`: an operator's refund request still `requested` or `accepted`,
 //!   its refund not recorded, three days after it last moved (one not yet asked of the gateway
 //!   while a dispute of its payment is open is held on purpose, and not reported): its jobs ran out of attempts (the gateway down for
@@ -76,6 +83,7 @@ pub const CHECKS: &[&str] = &[
     "refund_failed_after_done",
     "subscription_period_overdue",
     "refund_under_way_too_long",
+    "payment_not_given_back",
 ];
 
 /// The checks' settings.
@@ -306,6 +314,44 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .fetch_all(pool)
     .await?;
     found.extend(violations("refund_under_way_too_long", rows));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('%s session %s, payment %s (order %s)', x.gateway, x.session_id,
+                       COALESCE(x.payment_id, 'not named yet'), x.order_number),
+                format('%s %s paid on %s, %s given back and %s taken back by disputes: payfleet money give-back %s %s%s asks the gateway again',
+                       COALESCE(x.amount::text, 'an amount not known'), COALESCE(x.currency, ''), x.paid_at,
+                       x.given, x.taken, x.gateway, x.session_id,
+                       COALESCE(' --payment ' || x.payment_id, ''))
+         FROM (
+             SELECT p.gateway, p.session_id, p.payment_id, s.order_number, p.amount, p.currency::text AS currency,
+                    p.created_at AS paid_at, p.amount_refunded AS given,
+                    COALESCE(sum(d.amount) FILTER (WHERE d.status IN ('lost', 'refunded')), 0) AS taken,
+                    bool_or(d.status = 'open') AS open
+             FROM second_payments p
+             LEFT JOIN payment_sessions s ON s.gateway = p.gateway AND s.session_id = p.session_id
+             LEFT JOIN second_payment_disputes d ON d.second_payment_id = p.id
+             WHERE p.created_at < now() - make_interval(secs => $1)
+             GROUP BY p.id, s.order_number
+             UNION ALL
+             SELECT po.gateway, po.session_id, po.payment_id, s.order_number, po.amount, po.currency::text,
+                    po.succeeded_at, po.amount_refunded,
+                    COALESCE(sum(d.amount) FILTER (WHERE d.status IN ('lost', 'refunded')), 0),
+                    bool_or(d.status = 'open')
+             FROM order_events e
+             JOIN orders o ON o.id = e.order_id
+             JOIN payment_sessions s ON s.order_number = o.number AND s.session_id = e.payload ->> 'session_id'
+             JOIN payment_orders po ON po.gateway = s.gateway AND po.session_id = s.session_id
+                                   AND po.payment_id IS NOT DISTINCT FROM NULLIF(e.payload ->> 'payment_id', '')
+             LEFT JOIN payment_disputes d ON d.payment_order_id = po.id
+             WHERE e.kind = 'extra_payment' AND e.created_at < now() - make_interval(secs => $1)
+             GROUP BY po.id, s.order_number
+         ) x
+         WHERE open IS NOT TRUE AND (x.amount IS NULL OR x.given + x.taken < x.amount)
+         ORDER BY 1 LIMIT 1000",
+    )
+    .bind(grace_secs)
+    .fetch_all(pool)
+    .await?;
+    found.extend(violations("payment_not_given_back", rows));
     Ok(found)
 }
 

@@ -33,7 +33,7 @@ use crate::gateways::{
 use payfleet_queue::{Job, JobError, NewJob, QueueError, Registry, RegistryError};
 
 pub use apply::Rejection;
-pub use refunds::{RefundPayment, SettleRefund};
+pub use refunds::{GiveBackError, RefundPayment, SettleRefund, give_back_again};
 
 payfleet_queue::text_enum! {
     /// `payment_events.outcome`.

@@ -215,6 +215,91 @@ impl RefundPayment {
     }
 }
 
+/// Why a payment was not asked to be given back again.
+#[derive(Debug, thiserror::Error)]
+pub enum GiveBackError {
+    #[error(
+        "no payment of {gateway} session {session} is one its order could not take (late, or extra: the order paid already){}: only those are given back by this; an order's own payment is refunded by POST /admin/orders/{{number}}/refunds",
+        .payment.as_deref().map(|p| format!(" as payment {p}")).unwrap_or_default()
+    )]
+    NotToGiveBack {
+        gateway: GatewayName,
+        session: String,
+        payment: Option<String>,
+    },
+    #[error("a give-back of it is waiting or running already (payfleet jobs counts)")]
+    UnderWay,
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Asks again to give back a payment its order could not take (a late or extra payment, as its
+/// order's `late_payment` or `extra_payment` message recorded it), for an operator once its
+/// give-back job ended dead (`payment_not_given_back`): a job keyed as the first, which asks the
+/// gateway under the same idempotency key, so what was given already is not given twice, and
+/// which looks at the payment as recorded when it runs (refunds and disputes since). Returns the
+/// job's id.
+pub async fn give_back_again(
+    pool: &PgPool,
+    gateway: GatewayName,
+    session: &str,
+    payment: Option<&str>,
+) -> Result<payfleet_queue::JobId, GiveBackError> {
+    let found: Option<(i64, String, Option<String>, serde_json::Value)> = sqlx::query_as(
+        "SELECT s.order_number, e.kind, NULLIF(e.payload ->> 'payment_id', ''), s.metadata
+         FROM payment_sessions s
+         JOIN orders o ON o.number = s.order_number
+         JOIN order_events e ON e.order_id = o.id AND e.kind IN ('late_payment', 'extra_payment')
+                            AND e.payload ->> 'session_id' = s.session_id
+         WHERE s.gateway = $1 AND s.session_id = $2
+           AND ($3::text IS NULL OR e.payload ->> 'payment_id' = $3)
+         ORDER BY e.id LIMIT 1",
+    )
+    .bind(gateway)
+    .bind(session)
+    .bind(payment)
+    .fetch_optional(pool)
+    .await?;
+    let Some((number, kind, named, metadata)) = found else {
+        return Err(GiveBackError::NotToGiveBack {
+            gateway,
+            session: session.to_owned(),
+            payment: payment.map(str::to_owned),
+        });
+    };
+    let payment_id = payment.map(str::to_owned).or(named);
+    // A second payment on its session is keyed by itself; any other by its session.
+    let second: bool = match &payment_id {
+        Some(p) => sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM second_payments WHERE gateway = $1 AND payment_id = $2 AND session_id = $3)",
+        )
+        .bind(gateway)
+        .bind(p)
+        .bind(session)
+        .fetch_one(pool)
+        .await?,
+        None => false,
+    };
+    let refund = RefundPayment {
+        gateway,
+        order_number: Some(number),
+        session_id: session.to_owned(),
+        payment_id,
+        amount: None,
+        seller_account: metadata
+            .get("seller_account")
+            .and_then(serde_json::Value::as_str)
+            .map(str::to_owned),
+        reason: format!("asked again by an operator ({kind} on session {session})"),
+        of_payment: second,
+    };
+    queue::enqueue(pool, refund.job()?)
+        .await?
+        .ok_or(GiveBackError::UnderWay)
+}
+
 /// A payment as the payment side records it ([`RefundPayment::known_now`]).
 #[derive(sqlx::FromRow)]
 struct KnownPayment {

@@ -1607,3 +1607,94 @@ async fn a_second_payments_dispute_holds_its_give_back_and_is_seen_once_it_was_g
         "{undecided:?}"
     );
 }
+
+/// A payment its order could not take (the order paid already) whose give-back ended dead, and
+/// whose dead job was deleted a week later: the payment itself is the `payment_not_given_back`
+/// finding, and `payfleet money give-back` asks the gateway again, once, for those payments only.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_payment_not_given_back_is_shown_and_given_back_again_by_an_operator(pool: PgPool) {
+    use payfleet::gateways::GatewayName;
+    use payfleet::payments::{GiveBackError, give_back_again};
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    sqlx::raw_sql(
+        "INSERT INTO internal_payments (session_id, gateway, order_number, attempt, amount, currency, metadata)
+         VALUES ('sess_a', 'internal', 1, 1, 10, 'BRL', '{}'), ('sess_b', 'internal', 1, 2, 10, 'BRL', '{}');
+         INSERT INTO payment_sessions (order_number, attempt, gateway, session_id, url, amount, currency, platform_fee)
+         VALUES (1, 2, 'internal', 'sess_b', 'http://pay/sess_b', 10, 'BRL', 0)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    deliver(
+        &app,
+        "first",
+        &about("payment.succeeded", "sess_a", "pay_first", Some("10.00")),
+    )
+    .await;
+    // Paid twice more: on its session, and through its other session.
+    deliver(
+        &app,
+        "second",
+        &about("payment.succeeded", "sess_a", "pay_second", Some("10.00")),
+    )
+    .await;
+    deliver(
+        &app,
+        "other",
+        &about("payment.succeeded", "sess_b", "pay_other", Some("10.00")),
+    )
+    .await;
+    assert_eq!(refund_jobs(&pool).await.len(), 2);
+    // Their give-backs died, and their dead jobs were deleted a week later.
+    sqlx::query("DELETE FROM jobs WHERE kind = 'refund_payment'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let found = findings_of(&pool, "payment_not_given_back").await;
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(found.iter().any(|(s, d)| s.contains("pay_second")
+        && d.contains("payfleet money give-back internal sess_a --payment pay_second")));
+    assert!(
+        found
+            .iter()
+            .any(|(s, _)| s.contains("sess_b") && s.contains("pay_other"))
+    );
+    // The order's own payment is not one to give back, nor a session of no order.
+    for (session, payment) in [("sess_a", Some("pay_first")), ("sess_x", None)] {
+        match give_back_again(&pool, GatewayName::Internal, session, payment).await {
+            Err(GiveBackError::NotToGiveBack { .. }) => {}
+            other => panic!("{session} {payment:?}: {other:?}"),
+        }
+    }
+    give_back_again(&pool, GatewayName::Internal, "sess_a", Some("pay_second"))
+        .await
+        .unwrap();
+    give_back_again(&pool, GatewayName::Internal, "sess_b", None)
+        .await
+        .unwrap();
+    match give_back_again(&pool, GatewayName::Internal, "sess_b", None).await {
+        Err(GiveBackError::UnderWay) => {}
+        other => panic!("asked twice: {other:?}"),
+    }
+    step(&pool, &app.config, "payments").await;
+    process_events(&pool).await;
+    let given: Vec<(String, String)> =
+        sqlx::query_as("SELECT payment_id, amount::text FROM internal_refunds ORDER BY payment_id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        given,
+        vec![
+            ("pay_other".to_owned(), "10.0000".to_owned()),
+            ("pay_second".to_owned(), "10.0000".to_owned())
+        ]
+    );
+    assert!(
+        findings_of(&pool, "payment_not_given_back")
+            .await
+            .is_empty()
+    );
+    assert_eq!(order(&pool).await.0, "paid");
+}
