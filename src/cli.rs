@@ -191,6 +191,9 @@ enum MoneyAction {
         #[arg(long)]
         payment: Option<String>,
     },
+    /// Post again the sale of ORDER the ledger refused (`sale_without_credit`, with its reason),
+    /// after the fix its reason asks for.
+    Repost { order: i64 },
     /// Say that the buyer of REFUND (of GATEWAY), recorded as done and then reported failed by
     /// the gateway, was paid back another way: its finding `refund_failed_after_done` closes.
     RefundRepaid { gateway: String, refund: String },
@@ -651,6 +654,17 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
             );
             return Ok(());
         }
+        MoneyAction::Repost { order } => match ledger::poster::repost(&pool, order).await? {
+            ledger::poster::Reposted::Posted => println!("order {order}: its sale is posted"),
+            ledger::poster::Reposted::RefusedAgain(reason) => {
+                pool.close().await;
+                anyhow::bail!("order {order}: the ledger refused its sale again: {reason}");
+            }
+            ledger::poster::Reposted::NotRefused => {
+                pool.close().await;
+                anyhow::bail!("order {order} has no sale the ledger refused");
+            }
+        },
         MoneyAction::RefundRepaid { gateway, refund } => {
             let name: payfleet::gateways::GatewayName = gateway
                 .parse()

@@ -260,7 +260,7 @@ async fn gauges(pool: &PgPool, out: &mut String) -> Result<(), sqlx::Error> {
         );
     }
     let (due, refused, oldest_due) = crate::ledger::poster::due(pool).await?;
-    out.push_str("# HELP payfleet_ledger_sales_due Confirmed sales not yet posted to the ledger, by state (due: the poster's next batch; refused: kept for an operator, replay the order's event after a fix).\n# TYPE payfleet_ledger_sales_due gauge\n");
+    out.push_str("# HELP payfleet_ledger_sales_due Confirmed sales not yet posted to the ledger, by state (due: the poster's next batch; refused: kept for an operator, payfleet money repost after a fix).\n# TYPE payfleet_ledger_sales_due gauge\n");
     let _ = writeln!(out, "payfleet_ledger_sales_due{{state=\"due\"}} {due}");
     let _ = writeln!(
         out,

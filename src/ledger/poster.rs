@@ -216,6 +216,45 @@ pub async fn post_due(pool: &PgPool, seller: &str, mine: Option<i64>) -> Result<
     post(pool, seller, Turn::Queue).await
 }
 
+/// What posting a refused sale again came to ([`repost`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reposted {
+    /// Posted.
+    Posted,
+    /// Refused again: kept with its (new) reason.
+    RefusedAgain(String),
+    /// No sale of that order was kept refused.
+    NotRefused,
+}
+
+/// Posts again a sale the ledger refused (`payfleet money repost`, after the fix its reason
+/// asked for): its reason is cleared and its seller's poster posts it with whatever else is
+/// due, in its turn, as if it were new; refused again, it keeps its new reason. A replayed event
+/// cannot do it: its event is applied already.
+pub async fn repost(pool: &PgPool, number: i64) -> Result<Reposted, LedgerError> {
+    let seller: Option<String> = sqlx::query_scalar(
+        "UPDATE ledger_sales_due SET failure = NULL
+         WHERE order_number = $1 AND failure IS NOT NULL RETURNING seller_id::text",
+    )
+    .bind(number)
+    .fetch_optional(pool)
+    .await?;
+    let Some(seller) = seller else {
+        return Ok(Reposted::NotRefused);
+    };
+    // Every sale due of the seller, one by one if their batch is refused: this one included.
+    post(pool, &seller, Turn::Wait).await?;
+    let failure: Option<Option<String>> =
+        sqlx::query_scalar("SELECT failure FROM ledger_sales_due WHERE order_number = $1")
+            .bind(number)
+            .fetch_optional(pool)
+            .await?;
+    Ok(match failure {
+        None => Reposted::Posted,
+        Some(reason) => Reposted::RefusedAgain(reason.unwrap_or_default()),
+    })
+}
+
 /// Posts the sales due of `seller`: once it returns, every sale of the seller committed before
 /// is in the ledger. For readers of balances and entries; without anything due it is one read.
 pub async fn settle(pool: &PgPool, seller: &str) -> Result<u64, sqlx::Error> {
@@ -405,7 +444,7 @@ async fn post_one_by_one(pool: &PgPool, seller: &str) -> Result<u64, LedgerError
             Err(e) if is_outage(&e) => return Err(e),
             Err(e) => {
                 let reason = payfleet_queue::error_chain(&e);
-                tracing::error!(seller, order = number, %reason, "the ledger refused a sale; it is kept for an operator (replay its event after a fix)");
+                tracing::error!(seller, order = number, %reason, "the ledger refused a sale; it is kept for an operator (payfleet money repost, after a fix)");
                 sqlx::query("UPDATE ledger_sales_due SET failure = $2 WHERE order_number = $1")
                     .bind(number)
                     .bind(&reason)

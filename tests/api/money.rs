@@ -2374,18 +2374,29 @@ async fn a_sale_the_ledger_refuses_is_kept_with_its_reason_and_holds_up_no_other
         .expect("a finding");
     assert_eq!(f.subject, format!("order {}", numbers[1]));
     assert!(f.detail.contains("refused"), "{}", f.detail);
-    // Its event replayed after a fix: the payment posts the sale itself (no poster has the
-    // turn), and the refused row goes with it.
-    let mut tx = pool.begin().await.unwrap();
-    let left = ledger::poster::post_or_defer(
-        &mut tx,
-        numbers[1],
-        sales::Channel::Gateway(payfleet::gateways::GatewayName::Internal),
-    )
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
-    assert_eq!(left, None, "posted in the payment's own transaction");
+    // Posted again by an operator (`payfleet money repost`; its event is applied already, so a
+    // replay would not): before the fix it is refused again, with its reason; after it, posted.
+    match ledger::poster::repost(&pool, numbers[1]).await.unwrap() {
+        ledger::poster::Reposted::RefusedAgain(reason) => {
+            assert!(reason.contains("nowhere"), "{reason}")
+        }
+        other => panic!("refused again before the fix: {other:?}"),
+    }
+    assert_eq!(ledger::poster::due(&pool).await.unwrap().1, 1);
+    sqlx::query("UPDATE ledger_sales_due SET channel = 'internal' WHERE order_number = $1")
+        .bind(numbers[1])
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        ledger::poster::repost(&pool, numbers[1]).await.unwrap(),
+        ledger::poster::Reposted::Posted
+    );
+    assert_eq!(
+        ledger::poster::repost(&pool, numbers[0]).await.unwrap(),
+        ledger::poster::Reposted::NotRefused,
+        "a sale posted is not posted again"
+    );
     assert_eq!(ledger::poster::due(&pool).await.unwrap().0, 0);
     assert_eq!(
         ledger::poster::due(&pool).await.unwrap().1,
