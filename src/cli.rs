@@ -191,6 +191,9 @@ enum MoneyAction {
         #[arg(long)]
         payment: Option<String>,
     },
+    /// Settle a buyer's coin reservation whose order no longer waits for it
+    /// (`coin_reservation_unsettled`): spent when the order was paid with it, else given back.
+    SettleCoins { reservation: String },
     /// Post again the sale of ORDER the ledger refused (`sale_without_credit`, with its reason),
     /// after the fix its reason asks for.
     Repost { order: i64 },
@@ -651,6 +654,16 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
             let job = given?;
             println!(
                 "{gateway} session {session}: its give-back is job {job} (payfleet jobs counts; the gateway is asked under the first give-back's idempotency key)"
+            );
+            return Ok(());
+        }
+        MoneyAction::SettleCoins { reservation } => {
+            let settled = payfleet::orders::coin_payment::settle_again(&pool, &reservation).await;
+            pool.close().await;
+            let spent = settled?;
+            println!(
+                "coin reservation {reservation}: {} by the next settle_coins job",
+                if spent { "spent" } else { "given back" }
             );
             return Ok(());
         }

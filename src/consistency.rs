@@ -44,6 +44,10 @@
 //!   never named) and may be deleted with the dead jobs a week later, so the payment itself is
 //!   checked. `payfleet money give-back` asks the gateway again. (A late payment of an expired
 //!   order is `captured_payment_unconfirmed`.)
+//! - `coin_reservation_unsettled`: a buyer's coins still reserved past the grace period for an
+//!   order that no longer waits for them (paid with them: to be spent; expired, cancelled or
+//!   paid another way: to be given back), its `settle_coins` job having ended dead (and dead
+//!   jobs are deleted after a week): `payfleet money settle-coins` settles it;
 //! - `refund_under_way_too_long`: an operator's refund request still `requested` or `accepted`,
 //!   its refund not recorded, three days after it last moved (one not yet asked of the gateway
 //!   while a dispute of its payment is open is held on purpose, and not reported): its jobs ran out of attempts (the gateway down for
@@ -84,6 +88,7 @@ pub const CHECKS: &[&str] = &[
     "subscription_period_overdue",
     "refund_under_way_too_long",
     "payment_not_given_back",
+    "coin_reservation_unsettled",
 ];
 
 /// The checks' settings.
@@ -352,6 +357,26 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .fetch_all(pool)
     .await?;
     found.extend(violations("payment_not_given_back", rows));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('coin reservation %s (order %s)', r.id, COALESCE(r.order_number::text, 'none')),
+                format('%s %s of buyer %s reserved since %s, for an order %s: payfleet money settle-coins %s %s them',
+                       r.amount, r.currency, r.buyer_id, r.created_at,
+                       CASE WHEN o.id IS NULL THEN 'that does not exist'
+                            WHEN o.paid_with_coins AND o.coin_reservation = r.id THEN 'paid with them'
+                            ELSE 'that no longer waits for them (' || o.status || ')' END,
+                       r.id,
+                       CASE WHEN o.paid_with_coins AND o.coin_reservation = r.id THEN 'spends' ELSE 'gives back' END)
+         FROM coin_reservations r
+         LEFT JOIN orders o ON o.number = r.order_number
+         WHERE r.state = 'reserved' AND r.created_at < now() - make_interval(secs => $1)
+           AND (o.id IS NULL OR o.paid_with_coins OR o.coin_reservation IS DISTINCT FROM r.id
+                OR o.status NOT IN ('awaiting_payment', 'payment_failed'))
+         ORDER BY r.created_at LIMIT 1000",
+    )
+    .bind(grace_secs)
+    .fetch_all(pool)
+    .await?;
+    found.extend(violations("coin_reservation_unsettled", rows));
     Ok(found)
 }
 

@@ -91,6 +91,60 @@ impl SettleCoins {
     }
 }
 
+/// Why a coin reservation was not settled again.
+#[derive(Debug, thiserror::Error)]
+pub enum SettleAgainError {
+    #[error("no coin reservation {0} is still reserved")]
+    NotReserved(String),
+    #[error(
+        "order {number} still waits for payment with coin reservation {reservation}: it is settled when the order is paid or expires"
+    )]
+    StillWaiting { reservation: String, number: i64 },
+    #[error(
+        "a settling of coin reservation {0} is waiting or running already (payfleet jobs counts)"
+    )]
+    UnderWay(String),
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Settles again a coin reservation whose order no longer waits for it (`payfleet money
+/// settle-coins`, for the `coin_reservation_unsettled` finding: its job ended dead): spent when
+/// its order was paid with it, else given back. The step is decided here, from the order, never
+/// by the operator, and is idempotent by the reservation's id. Returns whether it is spent.
+pub async fn settle_again(pool: &PgPool, reservation_id: &str) -> Result<bool, SettleAgainError> {
+    let found: Option<(Option<i64>, Option<bool>, Option<bool>)> = sqlx::query_as(
+        "SELECT o.number, o.paid_with_coins AND o.coin_reservation = r.id,
+                o.coin_reservation = r.id AND o.status IN ('awaiting_payment', 'payment_failed')
+         FROM coin_reservations r LEFT JOIN orders o ON o.number = r.order_number
+         WHERE r.id = $1 AND r.state = 'reserved'",
+    )
+    .bind(reservation_id)
+    .fetch_optional(pool)
+    .await?;
+    let Some((number, spent, waiting)) = found else {
+        return Err(SettleAgainError::NotReserved(reservation_id.to_owned()));
+    };
+    if let (Some(number), Some(true)) = (number, waiting) {
+        return Err(SettleAgainError::StillWaiting {
+            reservation: reservation_id.to_owned(),
+            number,
+        });
+    }
+    let approve = spent == Some(true);
+    let job = SettleCoins {
+        reservation_id: reservation_id.to_owned(),
+        approve,
+    }
+    .job()?;
+    match queue::enqueue(pool, job).await? {
+        Some(_) => Ok(approve),
+        None => Err(SettleAgainError::UnderWay(reservation_id.to_owned())),
+    }
+}
+
 /// Records a refund of `amount` on order `number`, paid with coins: refunded once the refunds
 /// reach its total, partly refunded before.
 pub async fn record_refund(

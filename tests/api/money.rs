@@ -2814,3 +2814,93 @@ async fn postings_planned_on_a_new_ledger_reach_their_rows_by_key(pool: PgPool) 
     .unwrap();
     assert!(ledger_scans_while_posting(&fresh().await, "scanning").await > 0);
 }
+
+/// Coins still reserved for an order that no longer waits for them, their `settle_coins` job
+/// having ended dead (and deleted a week later): each is the `coin_reservation_unsettled`
+/// finding, saying which step it needs, and `payfleet money settle-coins` takes that step, read
+/// from the order (spent when it was paid with them, else given back). One whose order still
+/// waits for it is left alone.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn coins_left_reserved_by_a_dead_job_are_found_and_settled_by_an_operator(pool: PgPool) {
+    use payfleet::orders::coin_payment::{SettleAgainError, settle_again};
+    let app = spawn_app(pool.clone()).await;
+    orders_for(
+        &pool,
+        "internal",
+        &["s_paid", "s_expired", "s_waiting"],
+        "10.00",
+        "BRL",
+    )
+    .await;
+    coins::grant(&pool, "buyer", Money::parse("50.00", "BRL").unwrap(), "g1")
+        .await
+        .unwrap();
+    for (id, number) in [("res_paid", 1), ("res_expired", 2), ("res_waiting", 3)] {
+        coins::reserve(
+            &pool,
+            id,
+            "buyer",
+            Money::parse("10.00", "BRL").unwrap(),
+            Some(number),
+        )
+        .await
+        .unwrap();
+    }
+    sqlx::raw_sql(
+        "UPDATE orders SET coin_reservation = 'res_paid', status = 'paid', payment_status = 'succeeded',
+                paid_at = now(), paid_with_coins = true WHERE number = 1;
+         UPDATE orders SET coin_reservation = 'res_expired', status = 'expired', expired_at = now() WHERE number = 2;
+         UPDATE orders SET coin_reservation = 'res_waiting' WHERE number = 3",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let found = findings_of(&pool, "coin_reservation_unsettled").await;
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(found.iter().any(|(s, d)| s.contains("res_paid")
+        && d.contains("payfleet money settle-coins res_paid spends")));
+    assert!(found.iter().any(|(s, d)| s.contains("res_expired")
+        && d.contains("payfleet money settle-coins res_expired gives back")));
+    match settle_again(&pool, "res_waiting").await {
+        Err(SettleAgainError::StillWaiting { number: 3, .. }) => {}
+        other => panic!("its order still waits for it: {other:?}"),
+    }
+    match settle_again(&pool, "res_none").await {
+        Err(SettleAgainError::NotReserved(_)) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(settle_again(&pool, "res_paid").await.unwrap(), "spent");
+    assert!(
+        !settle_again(&pool, "res_expired").await.unwrap(),
+        "given back"
+    );
+    match settle_again(&pool, "res_expired").await {
+        Err(SettleAgainError::UnderWay(_)) => {}
+        other => panic!("asked twice: {other:?}"),
+    }
+    step(&pool, &app.config, "orders").await;
+    let states: Vec<(String, String)> =
+        sqlx::query_as("SELECT id, state FROM coin_reservations ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        states,
+        vec![
+            ("res_expired".to_owned(), "released".to_owned()),
+            ("res_paid".to_owned(), "approved".to_owned()),
+            ("res_waiting".to_owned(), "reserved".to_owned()),
+        ]
+    );
+    assert!(
+        findings_of(&pool, "coin_reservation_unsettled")
+            .await
+            .is_empty()
+    );
+    let wallet = coins::wallet_of(&pool, "buyer", brl()).await.unwrap();
+    assert_eq!(
+        (wallet.balance.as_str(), wallet.reserved.as_str()),
+        ("30.00", "10.00"),
+        "{wallet:?}"
+    );
+}
