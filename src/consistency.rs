@@ -62,6 +62,8 @@ use serde::Serialize;
 use sqlx::PgPool;
 
 use crate::gateways::GatewayName;
+use crate::orders::coin_payment::SettleCoins;
+use crate::payments::RefundPayment;
 
 /// A violation seen by a run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,6 +120,19 @@ fn violations(check: &'static str, rows: Vec<(String, String)>) -> impl Iterator
         subject,
         detail,
     })
+}
+
+/// The keys a give-back of a payment of `gateway`'s `session` may hold: by its session, or by
+/// the payment for a second payment on it.
+fn give_back_keys(gateway: &str, session: &str, payment: &Option<String>) -> Vec<String> {
+    let Ok(g) = gateway.parse::<GatewayName>() else {
+        return Vec::new();
+    };
+    let mut keys = vec![RefundPayment::key_of(g, session)];
+    if let Some(p) = payment {
+        keys.push(RefundPayment::key_of(g, &format!("{session}:{p}")));
+    }
+    keys
 }
 
 /// The gateways whose sales the ledger credits to the seller (the money reached the platform).
@@ -319,13 +334,20 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .fetch_all(pool)
     .await?;
     found.extend(violations("refund_under_way_too_long", rows));
-    let rows: Vec<(String, String)> = sqlx::query_as(
+    // The extra payments the order side recorded (its `extra_payment` messages), each
+    // looked up on the payment side.
+    let extra = crate::orders::extra_payments(pool, grace).await?;
+    let numbers: Vec<i64> = extra.iter().map(|e| e.order_number).collect();
+    let sessions: Vec<&str> = extra.iter().map(|e| e.session_id.as_str()).collect();
+    let payments: Vec<Option<&str>> = extra.iter().map(|e| e.payment_id.as_deref()).collect();
+    let rows: Vec<(String, String, String, String, Option<String>)> = sqlx::query_as(
         "SELECT format('%s session %s, payment %s (order %s)', x.gateway, x.session_id,
                        COALESCE(x.payment_id, 'not named yet'), x.order_number),
                 format('%s %s paid on %s, %s given back and %s taken back by disputes: payfleet money give-back %s %s%s asks the gateway again',
                        COALESCE(x.amount::text, 'an amount not known'), COALESCE(x.currency, ''), x.paid_at,
                        x.given, x.taken, x.gateway, x.session_id,
-                       COALESCE(' --payment ' || x.payment_id, ''))
+                       COALESCE(' --payment ' || x.payment_id, '')),
+                x.gateway, x.session_id, x.payment_id
          FROM (
              SELECT p.gateway, p.session_id, p.payment_id, s.order_number, p.amount, p.currency::text AS currency,
                     p.created_at AS paid_at, p.amount_refunded AS given,
@@ -341,41 +363,77 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
                     po.succeeded_at, po.amount_refunded,
                     COALESCE(sum(d.amount) FILTER (WHERE d.status IN ('lost', 'refunded')), 0),
                     bool_or(d.status = 'open')
-             FROM order_events e
-             JOIN orders o ON o.id = e.order_id
-             JOIN payment_sessions s ON s.order_number = o.number AND s.session_id = e.payload ->> 'session_id'
+             FROM unnest($2::bigint[], $3::text[], $4::text[]) AS e(order_number, session_id, payment_id)
+             JOIN payment_sessions s ON s.order_number = e.order_number AND s.session_id = e.session_id
              JOIN payment_orders po ON po.gateway = s.gateway AND po.session_id = s.session_id
-                                   AND po.payment_id IS NOT DISTINCT FROM NULLIF(e.payload ->> 'payment_id', '')
+                                   AND (e.payment_id IS NULL OR po.payment_id = e.payment_id)
              LEFT JOIN payment_disputes d ON d.payment_order_id = po.id
-             WHERE e.kind = 'extra_payment' AND e.created_at < now() - make_interval(secs => $1)
              GROUP BY po.id, s.order_number
          ) x
          WHERE open IS NOT TRUE AND (x.amount IS NULL OR x.given + x.taken < x.amount)
          ORDER BY 1 LIMIT 1000",
     )
     .bind(grace_secs)
+    .bind(&numbers)
+    .bind(&sessions)
+    .bind(&payments)
     .fetch_all(pool)
     .await?;
+    // Not while its give-back is under way: asked (or retried), or accepted and settling.
+    let keys: Vec<String> = rows
+        .iter()
+        .flat_map(|(_, _, gateway, session, payment)| give_back_keys(gateway, session, payment))
+        .collect();
+    let asked = payfleet_queue::admin::unfinished_keys(pool, &keys).await?;
+    let settling: Vec<(String, String)> =
+        payfleet_queue::admin::unfinished_payloads(pool, "payments", "settle_refund")
+            .await?
+            .iter()
+            .map(|p| {
+                let field = |f: &str| p[f].as_str().unwrap_or_default().to_owned();
+                (field("gateway"), field("session_id"))
+            })
+            .collect();
+    let rows = rows
+        .into_iter()
+        .filter(|(_, _, gateway, session, payment)| {
+            !give_back_keys(gateway, session, payment)
+                .iter()
+                .any(|k| asked.contains(k))
+                && !settling.contains(&(gateway.clone(), session.clone()))
+        })
+        .map(|(subject, detail, ..)| (subject, detail))
+        .collect();
     found.extend(violations("payment_not_given_back", rows));
-    let rows: Vec<(String, String)> = sqlx::query_as(
+    let rows: Vec<(String, String, String)> = sqlx::query_as(
         "SELECT format('coin reservation %s (order %s)', r.id, COALESCE(r.order_number::text, 'none')),
                 format('%s %s of buyer %s reserved since %s, for an order %s: payfleet money settle-coins %s %s them',
                        r.amount, r.currency, r.buyer_id, r.created_at,
-                       CASE WHEN o.id IS NULL THEN 'that does not exist'
+                       CASE WHEN o.number IS NULL THEN 'that does not exist'
                             WHEN o.paid_with_coins AND o.coin_reservation = r.id THEN 'paid with them'
                             ELSE 'that no longer waits for them (' || o.status || ')' END,
                        r.id,
-                       CASE WHEN o.paid_with_coins AND o.coin_reservation = r.id THEN 'spends' ELSE 'gives back' END)
+                       CASE WHEN o.paid_with_coins AND o.coin_reservation = r.id THEN 'spends' ELSE 'gives back' END),
+                r.id
          FROM coin_reservations r
-         LEFT JOIN orders o ON o.number = r.order_number
+         LEFT JOIN order_money o ON o.number = r.order_number
          WHERE r.state = 'reserved' AND r.created_at < now() - make_interval(secs => $1)
-           AND (o.id IS NULL OR o.paid_with_coins OR o.coin_reservation IS DISTINCT FROM r.id
-                OR o.status NOT IN ('awaiting_payment', 'payment_failed'))
+           AND (o.number IS NULL OR o.paid_with_coins OR o.coin_reservation IS DISTINCT FROM r.id
+                OR NOT o.payable)
          ORDER BY r.created_at LIMIT 1000",
     )
     .bind(grace_secs)
     .fetch_all(pool)
     .await?;
+    // Not while its settling is under way (retried through an outage, say).
+    let steps = |id: &str| [true, false].map(|approve| SettleCoins::key(id, approve));
+    let keys: Vec<String> = rows.iter().flat_map(|(_, _, id)| steps(id)).collect();
+    let settling = payfleet_queue::admin::unfinished_keys(pool, &keys).await?;
+    let rows = rows
+        .into_iter()
+        .filter(|(_, _, id)| !steps(id).iter().any(|k| settling.contains(k)))
+        .map(|(subject, detail, _)| (subject, detail))
+        .collect();
     found.extend(violations("coin_reservation_unsettled", rows));
     Ok(found)
 }

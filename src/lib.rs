@@ -7,7 +7,7 @@
 //! Layout (one module per bounded context; the root only assembles). A module uses only
 //! modules left of it in this chain (`tests/api/layout.rs` keeps it true):
 //! `secret` -> `env`, `money`, `db`, `tls`, `traces`, `batches` -> `gateways` -> `telemetry` -> `messaging`, `catalogue` -> `auth` ->
-//! `ledger`, `payment_status`, `recurring` -> `orders` -> `consistency`, `payments` ->
+//! `ledger`, `payment_status`, `recurring` -> `orders` -> `payments` -> `consistency` ->
 //! `webhooks` -> `http` -> `config` -> `startup`. The binary (`src/main.rs`: `cli`, `demo`,
 //! `bench`, `soak`, and `scratch`, the fleet of their own they run) sits on top and uses the library like any other program.
 //! - `secret`     values that never print (secrets, URLs with passwords), and what they sign

@@ -26,9 +26,10 @@
 //! A sale whose job stopped between the two transactions is posted by the next payment of its
 //! seller, or by every worker's [`sweep`] within a second. A sale a poster finds the ledger
 //! refuses (which no valid order does) keeps its row with the reason, is counted by the metrics
-//! and the consistency check `sale_without_credit`, and is tried again when its order's event
-//! is replayed; one refused in the payment's own transaction rejects that event instead, as any
-//! posting there does (kept with its reason, replayed after a fix).
+//! and the consistency check `sale_without_credit`, and is posted again by [`repost`] (`payfleet
+//! money repost`) after a fix (its event is applied, so a replay would not); one refused in the
+//! payment's own transaction rejects that event instead, as any posting there does (kept with
+//! its reason, replayed after a fix).
 
 use std::time::Duration;
 

@@ -713,16 +713,36 @@ async fn consume_until_stopped<H>(
             // out of every operator's view. (A broker that takes it back meanwhile, its
             // consumer timeout passed or the channel lost, delivers it again: counted once.)
             let mut pause = Duration::from_millis(500);
+            let held_since = tokio::time::Instant::now();
+            let mut given_up = false;
             while let Err(e) = &result
                 && crate::db::is_transient(e)
                 && channel.status().connected()
                 && !database_answers(pool).await
             {
+                // Held long enough: this process's database may be the only one gone (a
+                // partition, its own PgBouncer). Its channel closes, so the broker gives this
+                // message and the others it holds for it to consumers that can take them; it
+                // consumes again once its database answers.
+                if held_since.elapsed() >= HOLD_AT_MOST {
+                    given_up = true;
+                    break;
+                }
                 tracing::warn!(queue = %name, message = %id, error = %payfleet_queue::error_chain(e),
                     "the database is not answering: the order message waits for it, unacknowledged");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(5));
                 result = handled().await;
+            }
+            if given_up {
+                tracing::warn!(queue = %name, "the database has not answered for a while: the broker takes this consumer's messages back until it does");
+                let _ = channel
+                    .close(200, "the database is not answering".into())
+                    .await;
+                while !database_answers(pool).await {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                break;
             }
             match result {
                 Ok(first) => {
@@ -799,9 +819,19 @@ where
     Ok(first)
 }
 
-/// Whether the database answers at all.
+/// How long a consumer holds a message for a database that does not answer before it lets the
+/// broker give its messages to others.
+const HOLD_AT_MOST: Duration = Duration::from_secs(30);
+
+/// Whether the database answers as the primary (after a failover, a connection that reaches
+/// the old primary, now a replica, answers but refuses every write).
 async fn database_answers(pool: &PgPool) -> bool {
-    sqlx::query("SELECT 1").execute(pool).await.is_ok()
+    matches!(
+        sqlx::query_scalar::<_, bool>("SELECT NOT pg_is_in_recovery()")
+            .fetch_one(pool)
+            .await,
+        Ok(true)
+    )
 }
 
 /// Keeps a message that is not an order message (its body as JSON when it is JSON, else as

@@ -71,8 +71,13 @@ impl Job for SettleCoins {
 
 impl SettleCoins {
     pub fn job(&self) -> Result<NewJob, QueueError> {
-        let step = if self.approve { "approve" } else { "release" };
-        Ok(NewJob::of(self)?.key(format!("settle_coins:{}:{step}", self.reservation_id)))
+        Ok(NewJob::of(self)?.key(Self::key(&self.reservation_id, self.approve)))
+    }
+
+    /// The key of the step (spending, or giving back) of `reservation_id`.
+    pub fn key(reservation_id: &str, approve: bool) -> String {
+        let step = if approve { "approve" } else { "release" };
+        format!("settle_coins:{reservation_id}:{step}")
     }
 
     /// Enqueues the settling of `reservation_id` in the caller's transaction.

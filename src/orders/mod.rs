@@ -349,6 +349,62 @@ pub async fn apply_payment(
     Ok(Some(PaymentEffect::Changed))
 }
 
+/// A payment an order could not take, as its `late_payment` or `extra_payment` message recorded
+/// it (given back by the payment side).
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct PaymentNotTaken {
+    pub order_number: i64,
+    /// `late_payment` or `extra_payment`.
+    pub kind: String,
+    pub session_id: String,
+    /// The gateway's id of the payment, when the message named it.
+    pub payment_id: Option<String>,
+}
+
+/// The extra payments (the order paid already) recorded more than `older_than` ago, through
+/// their own index (migration 0079).
+pub async fn extra_payments(
+    pool: &sqlx::PgPool,
+    older_than: std::time::Duration,
+) -> Result<Vec<PaymentNotTaken>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT o.number AS order_number, e.kind, e.payload ->> 'session_id' AS session_id,
+                NULLIF(e.payload ->> 'payment_id', '') AS payment_id
+         FROM order_events e JOIN orders o ON o.id = e.order_id
+         WHERE e.kind = 'extra_payment' AND e.created_at < now() - make_interval(secs => $1)
+         ORDER BY e.id",
+    )
+    .bind(older_than.as_secs_f64())
+    .fetch_all(pool)
+    .await
+}
+
+/// Order `number`'s late or extra payment on `session` (and `payment`, when given: a message
+/// that named no payment matches any), the first recorded.
+pub async fn payment_not_taken(
+    pool: &sqlx::PgPool,
+    number: i64,
+    session: &str,
+    payment: Option<&str>,
+) -> Result<Option<PaymentNotTaken>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT o.number AS order_number, e.kind, e.payload ->> 'session_id' AS session_id,
+                NULLIF(e.payload ->> 'payment_id', '') AS payment_id
+         FROM orders o
+         JOIN order_events e ON e.order_id = o.id AND e.kind IN ('late_payment', 'extra_payment')
+                            AND e.payload ->> 'session_id' = $2
+         WHERE o.number = $1
+           AND ($3::text IS NULL OR e.payload ->> 'payment_id' = $3
+                OR COALESCE(e.payload ->> 'payment_id', '') = '')
+         ORDER BY e.id LIMIT 1",
+    )
+    .bind(number)
+    .bind(session)
+    .bind(payment)
+    .fetch_optional(pool)
+    .await
+}
+
 /// Records a second payment on one of the order's sessions (given back by the caller): once.
 pub(crate) async fn record_extra_payment(
     tx: &mut PgConnection,

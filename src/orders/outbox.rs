@@ -76,12 +76,14 @@ impl Outbox for OrderOutbox {
     }
 }
 
-/// Counts a refusal of each row and puts it off: 2 s after the first, doubling up to 30 s, so
-/// the rows behind a message the broker keeps refusing are taken meanwhile, and messages a whole
-/// broker refused (a quorum queue without its majority) go again soon after it takes them.
+/// Counts a refusal of each row and puts it off: 2 s after the first, doubling up to two
+/// minutes, so the rows behind a message the broker keeps refusing are taken meanwhile, a queue
+/// refusing for an hour costs each of its messages thirty more tries, not hundreds, and messages
+/// a whole broker refused (a quorum queue without its majority) go within two minutes of its
+/// taking them again (`payfleet messages send --refused`: at once).
 const PUT_OFF: &str = "UPDATE order_events e
      SET publish_attempts = e.publish_attempts + 1, publish_error = x.error,
-         publish_after = now() + make_interval(secs => least(power(2, least(e.publish_attempts + 1, 20)), 30))
+         publish_after = now() + make_interval(secs => least(power(2, least(e.publish_attempts + 1, 20)), 120))
      FROM unnest($1::bigint[], $2::text[]) AS x(id, error)
      WHERE e.id = x.id";
 
@@ -130,7 +132,8 @@ pub async fn refused_since(
 }
 
 /// Up to `limit` unpublished order messages refused at least `min_attempts` times, written more
-/// than `older_than_secs` ago if given.
+/// than `older_than_secs` ago if given: the new ones and the put-off ones each read through
+/// their own index (`TAKE`), a refused one being put off until it is published or sent again.
 async fn waiting(
     pool: &PgPool,
     limit: i64,
@@ -150,9 +153,15 @@ async fn waiting(
     let rows: Vec<Row> = sqlx::query_as(
         "SELECT e.id, e.kind, o.kind, o.number, e.created_at, e.publish_attempts, e.publish_error,
                 e.publish_after
-         FROM (SELECT * FROM order_events
-               WHERE published_at IS NULL AND publish_attempts >= $2
-                 AND ($3::float8 IS NULL OR created_at < now() - make_interval(secs => $3))
+         FROM ((SELECT * FROM order_events
+                WHERE published_at IS NULL AND publish_after IS NULL AND $2 = 0
+                  AND ($3::float8 IS NULL OR created_at < now() - make_interval(secs => $3))
+                ORDER BY id LIMIT $1)
+               UNION ALL
+               (SELECT * FROM order_events
+                WHERE published_at IS NULL AND publish_after IS NOT NULL AND publish_attempts >= $2
+                  AND ($3::float8 IS NULL OR created_at < now() - make_interval(secs => $3))
+                ORDER BY id LIMIT $1)
                ORDER BY id LIMIT $1) e
          JOIN orders o ON o.id = e.order_id
          ORDER BY e.id",

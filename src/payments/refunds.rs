@@ -48,11 +48,13 @@ impl RefundPayment {
     }
 
     pub fn job(&self) -> Result<NewJob, QueueError> {
-        Ok(NewJob::of(self)?.key(format!(
-            "refund_payment:{}:{}",
-            self.gateway,
-            self.subject()
-        )))
+        Ok(NewJob::of(self)?.key(Self::key_of(self.gateway, &self.subject())))
+    }
+
+    /// The key of the give-back of `subject` (a session, or `<session>:<payment>` for a second
+    /// payment on it).
+    pub fn key_of(gateway: GatewayName, subject: &str) -> String {
+        format!("refund_payment:{gateway}:{subject}")
     }
 
     /// What the payment side knows of the payment now, which may be more than when the job
@@ -227,7 +229,9 @@ pub enum GiveBackError {
         session: String,
         payment: Option<String>,
     },
-    #[error("a give-back of it is waiting or running already (payfleet jobs counts)")]
+    #[error(
+        "a give-back of it is under way already: asked, retried, or accepted by the gateway and settling (payfleet jobs counts)"
+    )]
     UnderWay,
     #[error(transparent)]
     Queue(#[from] QueueError),
@@ -247,29 +251,38 @@ pub async fn give_back_again(
     session: &str,
     payment: Option<&str>,
 ) -> Result<payfleet_queue::JobId, GiveBackError> {
-    let found: Option<(i64, String, Option<String>, serde_json::Value)> = sqlx::query_as(
-        "SELECT s.order_number, e.kind, NULLIF(e.payload ->> 'payment_id', ''), s.metadata
-         FROM payment_sessions s
-         JOIN orders o ON o.number = s.order_number
-         JOIN order_events e ON e.order_id = o.id AND e.kind IN ('late_payment', 'extra_payment')
-                            AND e.payload ->> 'session_id' = s.session_id
-         WHERE s.gateway = $1 AND s.session_id = $2
-           AND ($3::text IS NULL OR e.payload ->> 'payment_id' = $3)
-         ORDER BY e.id LIMIT 1",
+    let session_of: Option<(i64, serde_json::Value)> = sqlx::query_as(
+        "SELECT order_number, metadata FROM payment_sessions WHERE gateway = $1 AND session_id = $2",
     )
     .bind(gateway)
     .bind(session)
-    .bind(payment)
     .fetch_optional(pool)
     .await?;
-    let Some((number, kind, named, metadata)) = found else {
+    let found = match &session_of {
+        Some((number, _)) => {
+            crate::orders::payment_not_taken(pool, *number, session, payment).await?
+        }
+        None => None,
+    };
+    let (Some((number, metadata)), Some(not_taken)) = (session_of, found) else {
         return Err(GiveBackError::NotToGiveBack {
             gateway,
             session: session.to_owned(),
             payment: payment.map(str::to_owned),
         });
     };
-    let payment_id = payment.map(str::to_owned).or(named);
+    // A refund of it the gateway accepted and has not settled: asking again now would be a
+    // second refund once the gateway's idempotency window has passed.
+    let settling =
+        payfleet_queue::admin::unfinished_payloads(pool, SettleRefund::QUEUE, SettleRefund::KIND)
+            .await?
+            .iter()
+            .any(|p| p["gateway"] == gateway.as_str() && p["session_id"] == session);
+    if settling {
+        return Err(GiveBackError::UnderWay);
+    }
+    let kind = not_taken.kind;
+    let payment_id = payment.map(str::to_owned).or(not_taken.payment_id);
     // A second payment on its session is keyed by itself; any other by its session.
     let second: bool = match &payment_id {
         Some(p) => sqlx::query_scalar(

@@ -1646,6 +1646,12 @@ async fn a_payment_not_given_back_is_shown_and_given_back_again_by_an_operator(p
     )
     .await;
     assert_eq!(refund_jobs(&pool).await.len(), 2);
+    assert!(
+        findings_of(&pool, "payment_not_given_back")
+            .await
+            .is_empty(),
+        "while their give-backs are under way, no finding"
+    );
     // Their give-backs died, and their dead jobs were deleted a week later.
     sqlx::query("DELETE FROM jobs WHERE kind = 'refund_payment'")
         .execute(&pool)

@@ -208,8 +208,8 @@ async fn order_events(pool: &PgPool, n: usize) {
     .unwrap();
 }
 
-/// The relay joins to their orders only the messages it takes, whatever plan finds the waiting
-/// ones: with index scans off, the unpublished rows come through a bitmap and a sort, the plan
+/// The relay joins to their orders only the messages it takes (and takes new ones and refused
+/// ones due again, each by its own limit), whatever plan finds the waiting ones: with index scans off, the unpublished rows come through a bitmap and a sort, the plan
 /// the planner picks while its statistics count few of them (a drained backlog, a broker
 /// outage); a read that joined before it limited joined every waiting message.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -261,6 +261,47 @@ async fn the_relay_joins_only_the_messages_it_takes(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(taken, oldest);
+    tx.rollback().await.unwrap();
+    // Refused ones put off among them (the oldest 60 due again, the next 10 not yet): a read
+    // takes the 200 oldest new ones and 50 of those due, never one not due.
+    sqlx::query(
+        "UPDATE order_events SET publish_attempts = 1,
+             publish_after = CASE WHEN id < (SELECT min(id) + 60 FROM order_events)
+                                  THEN now() - interval '1 second' ELSE now() + interval '1 hour' END
+         WHERE id < (SELECT min(id) + 70 FROM order_events)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let taken: Vec<i64> = sqlx::query_scalar(payfleet::orders::outbox::TAKE)
+        .bind(200_i64)
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    let (new, due): (Vec<i64>, Vec<i64>) = sqlx::query_as(
+        "SELECT COALESCE(array_agg(id) FILTER (WHERE publish_after IS NULL), '{}'),
+                COALESCE(array_agg(id) FILTER (WHERE publish_after <= now()), '{}')
+         FROM order_events WHERE id = ANY($1)",
+    )
+    .bind(&taken)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!((new.len(), due.len()), (200, 50), "{taken:?}");
+    let oldest_new: Vec<i64> = sqlx::query_scalar(
+        "SELECT id FROM order_events WHERE publish_after IS NULL ORDER BY id LIMIT 200",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let mut new = new;
+    new.sort();
+    assert_eq!(new, oldest_new);
+    let mut sorted = taken.clone();
+    sorted.dedup();
+    assert_eq!(sorted.len(), 250, "no row taken twice");
+    tx.rollback().await.unwrap();
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]

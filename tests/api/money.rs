@@ -2878,6 +2878,12 @@ async fn coins_left_reserved_by_a_dead_job_are_found_and_settled_by_an_operator(
         Err(SettleAgainError::UnderWay(_)) => {}
         other => panic!("asked twice: {other:?}"),
     }
+    assert!(
+        findings_of(&pool, "coin_reservation_unsettled")
+            .await
+            .is_empty(),
+        "while their settling is under way, no finding"
+    );
     step(&pool, &app.config, "orders").await;
     let states: Vec<(String, String)> =
         sqlx::query_as("SELECT id, state FROM coin_reservations ORDER BY id")

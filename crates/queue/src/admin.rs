@@ -237,6 +237,33 @@ pub async fn job(pool: &PgPool, id: JobId) -> Result<Option<JobDetail>, sqlx::Er
         .await
 }
 
+/// The keys among `keys` an unfinished job holds (waiting, running, or to be retried): work
+/// under way, which a check of its outcome leaves alone.
+pub async fn unfinished_keys(pool: &PgPool, keys: &[String]) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT key FROM jobs WHERE key = ANY($1) AND state IN ('available', 'running', 'retryable')",
+    )
+    .bind(keys)
+    .fetch_all(pool)
+    .await
+}
+
+/// The payloads of `kind`'s unfinished jobs on `queue`.
+pub async fn unfinished_payloads(
+    pool: &PgPool,
+    queue: &str,
+    kind: &str,
+) -> Result<Vec<serde_json::Value>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT payload FROM jobs
+         WHERE queue = $1 AND kind = $2 AND state IN ('available', 'running', 'retryable')",
+    )
+    .bind(queue)
+    .bind(kind)
+    .fetch_all(pool)
+    .await
+}
+
 /// Jobs by queue, kind, state and key (each optional; the key as a prefix), newest first,
 /// `limit` from after id `before` (paging: the last id of the page before).
 #[derive(Debug, Clone, Default)]
