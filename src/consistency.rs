@@ -54,6 +54,10 @@
 //!   hours, a refund pending for days) and its event was lost; its amount is held from the
 //!   seller's payouts meanwhile. Asking for it again with its Idempotency-Key asks the gateway
 //!   again.
+//! - `payout_undecided`: a payout still waiting for the bank's answer a week after it was made
+//!   ([`PAYOUT_DECIDED_WITHIN`]): its amount is in transit, neither the seller's to spend nor
+//!   known to have reached them; an operator confirms it with the bank and records the answer
+//!   (`POST /admin/payouts/{id}/paid` or `/failed`).
 
 use std::time::Duration;
 
@@ -91,6 +95,7 @@ pub const CHECKS: &[&str] = &[
     "refund_under_way_too_long",
     "payment_not_given_back",
     "coin_reservation_unsettled",
+    "payout_undecided",
 ];
 
 /// The checks' settings.
@@ -435,8 +440,24 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
         .map(|(subject, detail, _)| (subject, detail))
         .collect();
     found.extend(violations("coin_reservation_unsettled", rows));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('payout %s', id),
+                format('%s %s of seller %s (period from %s) waiting for the bank since %s: confirm it with the bank, then `POST /admin/payouts/%s/paid` or `/failed`',
+                       amount, currency, seller_id, period_start, created_at, id)
+         FROM payouts WHERE state = 'pending' AND created_at < now() - make_interval(secs => $1)
+         ORDER BY created_at LIMIT 1000",
+    )
+    .bind(PAYOUT_DECIDED_WITHIN.num_seconds() as f64)
+    .fetch_all(pool)
+    .await?;
+    found.extend(violations("payout_undecided", rows));
     Ok(found)
 }
+
+/// How long a payout may wait for the bank's answer before `payout_undecided` reports it: the
+/// slowest transfers (an international wire) settle within five business days, and meanwhile
+/// the amount is in transit, neither the seller's to spend nor known to have reached them.
+pub const PAYOUT_DECIDED_WITHIN: chrono::Duration = chrono::Duration::days(7);
 
 /// What a run changed in the findings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -223,6 +223,15 @@ impl ApiKeys {
         }
     }
 
+    /// Whether this process has seen `presented` in force, however long ago: not a guess.
+    pub fn seen_in_force(&self, presented: &str) -> bool {
+        well_formed(presented)
+            && matches!(
+                self.lock().get(&hash(presented)),
+                Some((_, Lookup::InForce(_)))
+            )
+    }
+
     /// What `presented` is, asked of the database unless cached. An error is an outage (the
     /// caller answers 503, not 401).
     pub async fn lookup(&self, presented: &str) -> Result<Lookup, sqlx::Error> {

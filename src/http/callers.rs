@@ -74,7 +74,10 @@ impl Callers {
         )
     }
 
-    /// Refuses an address that failed too often (429), before any credential is looked at.
+    /// Refuses an address that failed too often (429), before a credential is looked at: even
+    /// the right admin token, or guessing it would go on. Only an API key this process has seen
+    /// in force passes (a 256-bit key is no guess), so a neighbour guessing behind the same NAT
+    /// or proxy address cannot lock the marketplace's backend out.
     pub fn gate(&self, client: IpAddr) -> Result<(), ApiError> {
         self.0
             .limiter
@@ -88,15 +91,14 @@ impl Callers {
         tracing::warn!(%client, route, failures, "refused: {what}");
     }
 
-    /// The first steps of every credential check: the client, the gate, and the bearer
-    /// credential (401 `unauthenticated`, saying `missing`, without one).
+    /// The first steps of every credential check: the client, and the bearer credential (401
+    /// `unauthenticated`, saying `missing`, without one). The gate is each check's to ask.
     fn presented<'p>(
         &self,
         parts: &'p Parts,
         missing: &str,
     ) -> Result<(IpAddr, &'p str), ApiError> {
         let client = self.client(parts);
-        self.gate(client)?;
         let given = bearer(&parts.headers).ok_or_else(|| {
             ApiError::Unauthenticated(format!("send Authorization: Bearer <{missing}>"))
         })?;
@@ -111,13 +113,22 @@ impl Callers {
         given: &str,
     ) -> Result<(Lookup, Option<Attempt>), ApiError> {
         let Some(keys) = &self.0.keys else {
+            self.gate(client)?;
             return Ok((Lookup::Unknown, None));
         };
+        let known = keys.seen_in_force(given);
+        if !known {
+            self.gate(client)?;
+        }
         if let Some(answer) = keys.cached(given) {
             return Ok((answer, None));
         }
-        let attempt = Attempt::begin(self, client, given)?;
-        Ok((keys.lookup(given).await?, Some(attempt)))
+        let attempt = if known {
+            None
+        } else {
+            Some(Attempt::begin(self, client, given)?)
+        };
+        Ok((keys.lookup(given).await?, attempt))
     }
 }
 
@@ -233,6 +244,7 @@ where
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
         let callers = Callers::from_ref(state);
         let (client, given) = callers.presented(parts, "admin token")?;
+        callers.gate(client)?;
         let Some(admin) = callers.admin() else {
             return Err(ApiError::Forbidden(
                 "the admin API is off: set PAYFLEET_ADMIN_TOKEN to turn it on".into(),
@@ -270,6 +282,7 @@ where
         let callers = Callers::from_ref(state);
         let (client, given) = callers.presented(parts, "API key")?;
         if callers.admin().is_some_and(|a| a.matches(given)) {
+            callers.gate(client)?;
             return Ok(Backend::Operator);
         }
         let (lookup, _attempt) = callers.key(client, given).await?;
@@ -341,6 +354,7 @@ where
         let callers = Callers::from_ref(state);
         let (client, given) =
             callers.presented(parts, "PAYFLEET_METRICS_TOKEN or the admin token")?;
+        callers.gate(client)?;
         let tokens = [callers.admin(), callers.0.metrics.as_ref()];
         if tokens.iter().all(Option::is_none) {
             return Err(ApiError::Forbidden(

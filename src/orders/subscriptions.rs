@@ -441,12 +441,14 @@ pub struct Reported {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReportedRenewal {
     /// The renewal order of its period (opened now or before): its number, payment attempt,
-    /// total and the platform's fee in it.
+    /// total and the platform's fee in it, and whether the subscription had ended here by the
+    /// period's start (its order is then cancelled: the gateway should not have billed it).
     Order {
         number: i64,
         attempt: i32,
         total: crate::money::Money,
         fee: Decimal,
+        ended: bool,
     },
     /// The order started no subscription (its payment was given back).
     NoSubscription,
@@ -544,6 +546,7 @@ pub async fn open_reported(
             attempt,
             total,
             fee,
+            ended: canceled_at.is_some_and(|at| at <= start),
         });
     }
     let fee = match r.fee {
@@ -585,6 +588,7 @@ pub async fn open_reported(
         attempt: 1,
         total: r.amount,
         fee: fee.amount(),
+        ended: canceled_at.is_some_and(|at| at <= start),
     })
 }
 

@@ -18,6 +18,10 @@
 //! event and processed like the webhook that was lost; each open dispute is asked at most daily
 //! (and, open past any network's deadline, it is the consistency check `dispute_undecided`'s).
 //!
+//! A session whose order expired is asked about for a day as often as a pending one, then up to
+//! [`LATE_WINDOW`] after the expiry, every [`LATE_EVERY`] at most and in a quarter of a run's
+//! share: a voucher paid days late whose webhooks were all lost is still found, and given back.
+//!
 //! Each gateway is asked at most `per_run` sessions per run, spaced by `pace` (its rate
 //! limit), least recently checked first. A gateway that does not answer is left for the next
 //! run, and reported (a finding and a log line).
@@ -144,6 +148,34 @@ struct Pending {
     /// A failure of the session's payment was recorded already (its webhook came): asked
     /// about only for a later attempt's success, so the same failure again is no finding.
     failed_before: bool,
+    /// Its order expired more than a day ago: asked within [`LATE_WINDOW`] only, every
+    /// [`LATE_EVERY`] at most, in a quarter of the run's share.
+    late: bool,
+}
+
+/// How long after its order expired a session is still asked about. A voucher (a boleto, an
+/// OXXO ticket) is paid days after the checkout and settles business days after that, and
+/// gateways retry a webhook for days: if all of that is lost, this is what still finds the
+/// money the buyer paid, so it goes back to them (a late payment, given back).
+pub const LATE_WINDOW: chrono::Duration = chrono::Duration::days(10);
+/// How often a session expired more than a day ago is asked about, at most: a late payment
+/// waits hours for its give-back, and abandoned checkouts (most of them) cost the gateway's
+/// rate limit a question a few times a day each, not every run.
+pub const LATE_EVERY: chrono::Duration = chrono::Duration::hours(6);
+
+/// Of one gateway's `pending` sessions (current ones and late ones, each in the order they
+/// are due), those asked in a run of `per_run`: late ones take up to a quarter of it (at least
+/// one), the current ones the rest, and either takes what the other leaves.
+fn share(pending: Vec<Pending>, per_run: usize) -> Vec<Pending> {
+    let (late, current): (Vec<Pending>, Vec<Pending>) = pending.into_iter().partition(|p| p.late);
+    let late_quota = per_run.div_ceil(4).min(late.len());
+    let current_take = current.len().min(per_run - late_quota);
+    let late_take = late.len().min(per_run - current_take);
+    current
+        .into_iter()
+        .take(current_take)
+        .chain(late.into_iter().take(late_take))
+        .collect()
 }
 
 /// Adds the recurring `reconcile` task (jobs/recurring.toml): [`run`], its report logged.
@@ -178,26 +210,36 @@ pub async fn run(
         .filter(|g| crate::gateways::format(**g).attempts_per_session())
         .map(|g| g.as_str())
         .collect();
+    // Each gateway's current sessions and its late ones, each list in the order they are due
+    // and as long as a run's share: `share` then chooses between them.
     let pending: Vec<Pending> = sqlx::query_as(
-        "SELECT gateway, session_id, order_number, seller_account, failed_before FROM (
+        "SELECT gateway, session_id, order_number, seller_account, failed_before, late FROM (
              SELECT s.gateway, s.session_id, s.order_number, s.metadata ->> 'seller_account' AS seller_account,
-                    po.failed_at IS NOT NULL AS failed_before,
-                    row_number() OVER (PARTITION BY s.gateway ORDER BY s.checked_at NULLS FIRST, s.created_at) AS n
+                    po.failed_at IS NOT NULL AS failed_before, late,
+                    row_number() OVER (PARTITION BY s.gateway, late
+                                       ORDER BY s.checked_at NULLS FIRST, s.created_at) AS n
              FROM payment_sessions s
              JOIN order_money o ON o.number = s.order_number
+             CROSS JOIN LATERAL (SELECT coalesce(NOT (o.payable OR o.expired_at > now() - interval '1 day'), true) AS late) l
              LEFT JOIN payment_orders po ON po.gateway = s.gateway AND po.session_id = s.session_id
              WHERE s.gateway = ANY($1)
                AND s.created_at < now() - make_interval(secs => $2)
                AND o.paid_at IS NULL
-               AND (o.payable OR o.expired_at > now() - interval '1 day')
+               AND (o.payable
+                    OR o.expired_at > now() - interval '1 day'
+                    OR (o.expired_at > now() - make_interval(secs => $5)
+                        AND (s.checked_at IS NULL OR s.checked_at < now() - make_interval(secs => $6))))
                AND (po.id IS NULL OR (po.succeeded_at IS NULL
                                       AND (po.failed_at IS NULL OR s.gateway = ANY($4))))
-         ) due WHERE n <= $3",
+         ) due WHERE n <= $3
+         ORDER BY gateway, late, n",
     )
     .bind(&names)
     .bind(settings.grace.as_secs_f64())
     .bind(settings.per_run as i64)
     .bind(&attempts)
+    .bind(LATE_WINDOW.num_seconds() as f64)
+    .bind(LATE_EVERY.num_seconds() as f64)
     .fetch_all(pool)
     .await?;
     let mut report = Report::default();
@@ -206,6 +248,9 @@ pub async fn run(
     for p in pending {
         by_gateway.entry(p.gateway).or_default().push(p);
     }
+    let by_gateway = by_gateway
+        .into_iter()
+        .map(|(name, sessions)| (name, share(sessions, settings.per_run)));
     let runs = by_gateway.into_iter().map(|(name, sessions)| async move {
         ask_gateway(pool, gateways, settings, name, sessions).await
     });
@@ -286,6 +331,7 @@ async fn ask_about_disputes(
             order_number: d.order_number,
             seller_account: d.seller_account.clone(),
             failed_before: false,
+            late: false,
         };
         let query = DisputeQuery {
             session_id: d.session_id.clone(),

@@ -24,7 +24,7 @@ use crate::orders::subscriptions::{
     self, CancelError, Reported, ReportedRenewal, SubscriptionId, SubscriptionStatus,
     SubscriptionView,
 };
-use payfleet_queue::{Job, JobContext, JobError, NewJob, QueueError, Worker};
+use payfleet_queue::{self as queue, Job, JobContext, JobError, NewJob, QueueError, Worker};
 
 /// A gateway subscription's first payment, as this side knows it.
 #[derive(sqlx::FromRow)]
@@ -142,7 +142,7 @@ pub(super) async fn renewal(
         fee: renewal.fee,
         fee_percent,
     };
-    let (number, attempt, total, fee) = match subscriptions::open_reported(
+    let (number, attempt, total, fee, ended) = match subscriptions::open_reported(
         tx,
         first.order_number,
         &reported,
@@ -154,7 +154,8 @@ pub(super) async fn renewal(
             attempt,
             total,
             fee,
-        } => (number, attempt, total, fee),
+            ended,
+        } => (number, attempt, total, fee, ended),
         ReportedRenewal::NoSubscription => {
             // Its first payment confirmed no order (given back, and the gateway asked to
             // stop billing): a renewal charged anyway (before the gateway stopped, or
@@ -168,11 +169,7 @@ pub(super) async fn renewal(
                     session_id: session.clone(),
                     payment_id: payment.payment_id.clone(),
                     amount: paid,
-                    seller_account: first
-                        .metadata
-                        .get("seller_account")
-                        .and_then(serde_json::Value::as_str)
-                        .map(str::to_owned),
+                    seller_account: seller_account(&first.metadata),
                     reason: format!(
                         "a renewal of subscription {}, which started no subscription here (its first payment, of order {}, was given back)",
                         renewal.subscription, first.order_number
@@ -180,7 +177,14 @@ pub(super) async fn renewal(
                     of_payment: false,
                 };
                 if apply::give_back_unmatched(tx, &refund).await? {
-                    tracing::warn!(%gateway, subscription = %renewal.subscription, session = %session, "a renewal of a subscription that never started here: giving it back");
+                    let stop = StopUnstartedSubscription {
+                        gateway,
+                        subscription: renewal.subscription.clone(),
+                        seller_account: refund.seller_account.clone(),
+                        reason: refund.reason.clone(),
+                    };
+                    queue::enqueue(&mut *tx, stop.job_after(session)?).await?;
+                    tracing::warn!(%gateway, subscription = %renewal.subscription, session = %session, "a renewal of a subscription that never started here: giving it back and asking the gateway again to stop it");
                 }
             }
             return Ok(outcome);
@@ -199,6 +203,7 @@ pub(super) async fn renewal(
     .bind(attempt)
     .fetch_one(&mut *tx)
     .await?;
+    let account = seller_account(&first.metadata);
     let mut metadata: BTreeMap<String, serde_json::Value> =
         serde_json::from_value(first.metadata).unwrap_or_default();
     metadata.insert("order_number".into(), number.to_string().into());
@@ -226,7 +231,33 @@ pub(super) async fn renewal(
     .bind(fee)
     .execute(&mut *tx)
     .await?;
-    apply::apply(tx, gateway, payment, facts, event_id).await
+    let outcome = apply::apply(tx, gateway, payment, facts, event_id).await?;
+    if ended && paid.is_some() {
+        // Billed for a period after the subscription ended here (cancelled here, or ended by
+        // an event the gateway did not keep to, as a halted Razorpay subscription the buyer
+        // takes up again): its cancelled order gives the charge back, and the gateway is asked
+        // to stop billing, once for this charge, or it would bill and be refunded every period.
+        let stop = StopUnstartedSubscription {
+            gateway,
+            subscription: renewal.subscription.clone(),
+            seller_account: account,
+            reason: format!(
+                "billed period {} after subscription {} ended here",
+                period.start, renewal.subscription
+            ),
+        };
+        queue::enqueue(&mut *tx, stop.job_after(session)?).await?;
+        tracing::warn!(%gateway, subscription = %renewal.subscription, session = %session, "a charge for a period after the subscription ended here: giving it back and asking the gateway to stop billing");
+    }
+    Ok(outcome)
+}
+
+/// The seller's account at the gateway, as the first payment's session recorded it.
+fn seller_account(metadata: &serde_json::Value) -> Option<String> {
+    metadata
+        .get("seller_account")
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_owned)
 }
 
 /// Whether a renewal's session (Stripe's invoice, ...) is recorded already: a retried charge
@@ -356,8 +387,10 @@ pub async fn cancel(
 /// Stops, at its gateway, a subscription whose first payment no order took (it came after its
 /// order expired, or its order was paid through another session, or it was not the order's
 /// amount): the payment is given back, no subscription starts here, and the gateway must not
-/// bill the buyer for it again every period. Keyed by the subscription, so it is asked once;
-/// a gateway that refuses leaves the job dead, for an operator to cancel it by hand.
+/// bill the buyer for it again every period. Keyed by the subscription, so it is asked once,
+/// and once more for each period the gateway bills after all ([`Self::job_after`]: each such
+/// charge is given back too). A subscription the gateway says has ended already is stopped; a
+/// gateway that refuses leaves the job dead, for an operator to cancel it by hand.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StopUnstartedSubscription {
     pub gateway: GatewayName,
@@ -373,10 +406,21 @@ impl Job for StopUnstartedSubscription {
 
 impl StopUnstartedSubscription {
     pub fn job(&self) -> Result<NewJob, QueueError> {
-        Ok(NewJob::of(self)?.key(format!(
+        Ok(NewJob::of(self)?.key(self.key()))
+    }
+
+    /// Asked again because the gateway billed the subscription once more (`charge`: that
+    /// period's session): the first stop failed for good, or the gateway went on billing after
+    /// it. Keyed by the charge, so each period billed asks once, whatever became of the first.
+    pub fn job_after(&self, charge: &str) -> Result<NewJob, QueueError> {
+        Ok(NewJob::of(self)?.key(format!("{}:{charge}", self.key())))
+    }
+
+    fn key(&self) -> String {
+        format!(
             "stop_unstarted_subscription:{}:{}",
             self.gateway, self.subscription
-        )))
+        )
     }
 
     async fn run(&self, gateways: &GatewayRegistry) -> Result<(), JobError> {

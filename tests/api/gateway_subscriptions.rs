@@ -351,10 +351,13 @@ async fn stripe_renewals_are_one_sale_per_period_whatever_their_order_and_duplic
 }
 
 /// The Stripe stand-in, with its subscriptions' cancellation (`POST` with
-/// `cancel_at_period_end`, `DELETE`), answering 500 while `down` is set.
+/// `cancel_at_period_end`, `DELETE`) and retrieval, answering 500 while `down` is set. As at
+/// Stripe, a subscription deleted is ended: deleting it again answers 404 `resource_missing`,
+/// changing it 400, and retrieving it says `canceled`.
 fn stripe_with_subscriptions(down: Arc<AtomicBool>) -> Router<Log> {
-    let answer = move |id: String| {
-        let down = down.clone();
+    let ended: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
+    let answer = move |id: String, method: Method| {
+        let (down, ended) = (down.clone(), ended.clone());
         async move {
             if down.load(Ordering::SeqCst) {
                 return (
@@ -362,17 +365,44 @@ fn stripe_with_subscriptions(down: Arc<AtomicBool>) -> Router<Log> {
                     axum::Json(json!({"error": {"type": "api_error", "message": "try again"}})),
                 );
             }
-            (
-                StatusCode::OK,
-                axum::Json(json!({"id": id, "object": "subscription", "status": "active"})),
-            )
+            let mut ended = ended.lock().unwrap();
+            let was_ended = ended.contains(&id);
+            match method {
+                Method::DELETE if was_ended => (
+                    StatusCode::NOT_FOUND,
+                    axum::Json(
+                        json!({"error": {"type": "invalid_request_error", "code": "resource_missing",
+                        "message": format!("No such subscription: '{id}'")}}),
+                    ),
+                ),
+                Method::POST if was_ended => (
+                    StatusCode::BAD_REQUEST,
+                    axum::Json(json!({"error": {"type": "invalid_request_error",
+                        "message": "A canceled subscription can only update its cancellation_details and metadata."}})),
+                ),
+                method => {
+                    if method == Method::DELETE {
+                        ended.insert(id.clone());
+                    }
+                    let status = if was_ended || method == Method::DELETE {
+                        "canceled"
+                    } else {
+                        "active"
+                    };
+                    (
+                        StatusCode::OK,
+                        axum::Json(json!({"id": id, "object": "subscription", "status": status})),
+                    )
+                }
+            }
         }
     };
-    let (post, delete) = (answer.clone(), answer);
+    let (get, post, delete) = (answer.clone(), answer.clone(), answer);
     stripe_api().route(
         "/v1/subscriptions/{id}",
-        axum::routing::post(move |Path(id): Path<String>| post(id))
-            .delete(move |Path(id): Path<String>| delete(id)),
+        axum::routing::get(move |Path(id): Path<String>| get(id, Method::GET))
+            .post(move |Path(id): Path<String>| post(id, Method::POST))
+            .delete(move |Path(id): Path<String>| delete(id, Method::DELETE)),
     )
 }
 
@@ -463,6 +493,50 @@ async fn a_stripe_subscription_is_cancelled_at_stripe_first_then_here_once(pool:
     deliver(&shop, &stripe(&deleted.to_string(), now())).await;
     outcome(&pool, "stripe", "evt_d").await;
     assert_eq!(steps(&pool, number).await, ["canceled"]);
+
+    // Billed all the same for a period after the end (a gateway that did not keep to it): the
+    // charge is given back, and Stripe is asked once more to stop billing; its answer that the
+    // subscription has ended already ends that ask done, not dead.
+    let deletes = || {
+        to_subscriptions()
+            .iter()
+            .filter(|s| s.method == Method::DELETE)
+            .count()
+    };
+    let before = deletes();
+    let charged = invoice(
+        "evt_after",
+        "invoice.paid",
+        "in_after",
+        "pi_after",
+        "subscription_cycle",
+        chrono::Utc::now().timestamp() + MONTH,
+    );
+    for _ in 0..2 {
+        deliver(&shop, &stripe(&charged, now())).await;
+        outcome(&pool, "stripe", "evt_after").await;
+    }
+    let refunded = || {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.method == Method::POST && s.uri == "/v1/refunds")
+            .filter(|s| s.form().get("payment_intent").map(String::as_str) == Some("pi_after"))
+            .count()
+    };
+    wait_for("the charge given back, the stop asked", Duration::from_secs(30), async || {
+        refunded() == 1
+            && deletes() == before + 1
+            && sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM jobs WHERE kind IN ('stop_unstarted_subscription', 'refund_payment')",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                == 0
+    })
+    .await;
+    assert_eq!((refunded(), deletes()), (1, before + 1));
 }
 
 /// A Stripe subscription order (its stand-in's requests in `log`) that expired unpaid: the shop,
@@ -641,13 +715,30 @@ async fn a_subscription_that_never_started_here_has_every_charge_given_back_once
     .await
     .unwrap();
     assert_eq!(late, 1, "one payment, one late_payment message");
+    // Stripe billed the subscription after it was asked to stop it: it is asked again, once for
+    // that charge however often its event came, and Stripe's answer that it has ended already
+    // (404 on a deleted subscription, its retrieval saying `canceled`) ends the job done, not
+    // dead.
+    wait_for("the stops done", Duration::from_secs(30), async || {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM jobs WHERE kind = 'stop_unstarted_subscription'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            == 0
+    })
+    .await;
     let stops = log
         .lock()
         .unwrap()
         .iter()
         .filter(|s| s.method == Method::DELETE && s.uri.starts_with("/v1/subscriptions/sub_1"))
         .count();
-    assert_eq!(stops, 1, "its subscription stopped once");
+    assert_eq!(
+        stops, 2,
+        "asked to stop once, and once more for the charge after it"
+    );
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -865,13 +956,52 @@ fn razorpay_subscription(
 async fn a_razorpay_subscription_charge_is_one_renewal_and_waits_for_the_first_payment(
     pool: PgPool,
 ) {
-    let api = Router::new().route(
-        "/v1/orders",
-        axum::routing::post(|| async {
-            axum::Json(json!({"id": "order_first", "entity": "order", "amount": 1990, "currency": "INR", "status": "created"}))
-        }),
-    );
-    let base = stand_in(api, Log::default()).await;
+    // Razorpay's subscriptions as its API keeps them: cancelling one cancelled already is
+    // refused (400), and reading it says `cancelled`.
+    let cancelled = Arc::new(AtomicBool::new(false));
+    let (on_cancel, on_read) = (cancelled.clone(), cancelled.clone());
+    let api = Router::new()
+        .route(
+            "/v1/orders",
+            axum::routing::post(|| async {
+                axum::Json(json!({"id": "order_first", "entity": "order", "amount": 1990, "currency": "INR", "status": "created"}))
+            }),
+        )
+        .route(
+            "/v1/payments/{id}/refund",
+            axum::routing::post(|Path(id): Path<String>| async move {
+                axum::Json(json!({"id": format!("rfnd_{id}"), "entity": "refund", "amount": 1990,
+                    "currency": "INR", "payment_id": id, "status": "processed"}))
+            }),
+        )
+        .route(
+            "/v1/subscriptions/{id}/cancel",
+            axum::routing::post(move |Path(id): Path<String>| {
+                let was = on_cancel.swap(true, Ordering::SeqCst);
+                async move {
+                    if was {
+                        return (
+                            StatusCode::BAD_REQUEST,
+                            axum::Json(json!({"error": {"code": "BAD_REQUEST_ERROR",
+                                "description": "Subscription is not cancellable in cancelled status."}})),
+                        );
+                    }
+                    (
+                        StatusCode::OK,
+                        axum::Json(json!({"id": id, "entity": "subscription", "status": "cancelled"})),
+                    )
+                }
+            }),
+        )
+        .route(
+            "/v1/subscriptions/{id}",
+            axum::routing::get(move |Path(id): Path<String>| {
+                let status = if on_read.load(Ordering::SeqCst) { "cancelled" } else { "halted" };
+                async move { axum::Json(json!({"id": id, "entity": "subscription", "status": status})) }
+            }),
+        );
+    let log = Log::default();
+    let base = stand_in(api, log.clone()).await;
     let (shop, order) = subscription_order(&pool, "razorpay", "INR", |config| {
         config.gateways.razorpay.api = Some(payfleet::gateways::razorpay::Api {
             base_url: base,
@@ -949,6 +1079,65 @@ async fn a_razorpay_subscription_charge_is_one_renewal_and_waits_for_the_first_p
     let halted = razorpay_subscription("subscription.halted", 103, "order_first", None);
     deliver(&shop, &razorpay("rzp-evt-4", &halted)).await;
     wait_subscription(&shop, number, "canceled", |s| s["status"] == "canceled").await;
+
+    // The buyer takes the halted subscription up again at Razorpay, which charges the next
+    // cycle: ended here, that charge is given back, and Razorpay is asked to stop billing,
+    // once for the charge however often it is reported; the next charge asks again, and
+    // Razorpay's refusal to cancel what it has cancelled already ends that ask done.
+    let asked = |uri: &'static str| {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.method == Method::POST && s.uri.starts_with(uri))
+            .count()
+    };
+    let cycles = [
+        ("order_c3", "pay_3", next + MONTH, 104),
+        ("order_c4", "pay_4", next + 2 * MONTH, 106),
+    ];
+    for (i, (order, payment, start, at)) in cycles.into_iter().enumerate() {
+        let charged = razorpay_subscription(
+            "subscription.charged",
+            at,
+            "order_first",
+            Some((order, payment, start)),
+        );
+        for again in 0..2 {
+            deliver(&shop, &razorpay(&format!("rzp-evt-{at}-{again}"), &charged)).await;
+        }
+        outcome(
+            &pool,
+            "razorpay",
+            &format!("subscription.charged:sub_R1:{at}"),
+        )
+        .await;
+        wait_for("given back, and the stop asked", Duration::from_secs(30), async || {
+            asked("/v1/payments/") == i + 1
+                && asked("/v1/subscriptions/sub_R1/cancel") == i + 1
+                && sqlx::query_scalar::<_, i64>(
+                    "SELECT count(*) FROM jobs WHERE kind IN ('stop_unstarted_subscription', 'refund_payment')",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                    == 0
+        })
+        .await;
+    }
+    let sold: Vec<(String, i64)> = renewals(&pool)
+        .await
+        .into_iter()
+        .map(|r| (r.1, r.4))
+        .collect();
+    assert_eq!(
+        sold,
+        [
+            ("paid".to_owned(), 1),
+            ("cancelled".to_owned(), 0),
+            ("cancelled".to_owned(), 0)
+        ],
+        "one sale: the cycles after the end are no sales"
+    );
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -957,9 +1146,11 @@ async fn a_mercadopago_preapproval_charge_is_one_renewal_and_its_payment_no_seco
 ) {
     // The stand-in answers with the first order's session once the checkout made it.
     let first: Arc<Mutex<String>> = Arc::default();
+    let charge_refunded = Arc::new(AtomicBool::new(false));
     let debit = (chrono::Utc::now() + chrono::Duration::days(30)).to_rfc3339();
     let api = {
         let (f1, f2, f3) = (first.clone(), first.clone(), first.clone());
+        let refunded = charge_refunded.clone();
         Router::new()
             .route(
                 "/checkout/preferences",
@@ -977,6 +1168,10 @@ async fn a_mercadopago_preapproval_charge_is_one_renewal_and_its_payment_no_seco
                         if id == "5002" {
                             p["point_of_interaction"] = json!({"type": "SUBSCRIPTIONS",
                                 "transaction_data": {"subscription_id": "pre_1", "invoice_id": 7001}});
+                            if refunded.load(Ordering::SeqCst) {
+                                p["status"] = json!("refunded");
+                                p["refunds"] = json!([{"id": 9001, "amount": 19.9, "status": "approved"}]);
+                            }
                         }
                         axum::Json(p)
                     }
@@ -1033,9 +1228,10 @@ async fn a_mercadopago_preapproval_charge_is_one_renewal_and_its_payment_no_seco
     .await;
     // The charge's own payment notification is no second payment of the first order.
     deliver(&shop, &mercadopago("5002", "req-3", ts)).await;
-    assert_eq!(
-        outcome(&pool, "mercadopago", "5002:req-3").await.0,
-        "ignored"
+    let (state, _) = outcome(&pool, "mercadopago", "5002:req-3").await;
+    assert!(
+        !["rejected", "waiting"].contains(&state.as_str()),
+        "{state}"
     );
     deliver(
         &shop,
@@ -1048,6 +1244,43 @@ async fn a_mercadopago_preapproval_charge_is_one_renewal_and_its_payment_no_seco
         (paid.len(), paid[0].1.as_str(), paid[0].4),
         (1, "paid", 1),
         "{paid:?}"
+    );
+    let extra: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM order_events WHERE kind IN ('extra_payment', 'late_payment')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(extra, 0);
+
+    // The seller refunds the charge at Mercado Pago: its payment's notification is the only one
+    // that says so, and the renewal is refunded, its sale taken back from the seller, once.
+    charge_refunded.store(true, Ordering::SeqCst);
+    for request in ["req-6", "req-7"] {
+        deliver(&shop, &mercadopago("5002", request, ts)).await;
+        outcome(&pool, "mercadopago", &format!("5002:{request}")).await;
+    }
+    let refunded = renewals(&pool).await;
+    assert_eq!(refunded[0].1, "refunded", "{refunded:?}");
+    // One refund, taken back once: its two legs (the seller's debit, the platform's fee).
+    let taken_back = async || -> Vec<String> {
+        sqlx::query_scalar(
+            "SELECT source_key FROM ledger_transfers WHERE source_key LIKE 'refund:%' ORDER BY 1",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    };
+    wait_for("the sale taken back", Duration::from_secs(30), async || {
+        taken_back().await.len() == 2
+    })
+    .await;
+    assert_eq!(
+        taken_back().await,
+        [
+            "refund:mercadopago:9001:fee",
+            "refund:mercadopago:9001:seller"
+        ]
     );
     let extra: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM order_events WHERE kind IN ('extra_payment', 'late_payment')",

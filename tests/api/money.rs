@@ -705,6 +705,27 @@ async fn payouts_are_made_once_per_period_and_a_failure_credits_back_once(pool: 
         .await
         .unwrap();
     assert_eq!(next.len(), 1);
+    // A payout the bank has not answered for over a week is a finding, until it is answered.
+    let undecided = async || -> Vec<String> {
+        payfleet::consistency::check(&pool, std::time::Duration::from_secs(900))
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|v| v.check == "payout_undecided")
+            .map(|v| v.subject)
+            .collect()
+    };
+    assert_eq!(
+        undecided().await,
+        Vec::<String>::new(),
+        "a day-old payout waits"
+    );
+    sqlx::query("UPDATE payouts SET created_at = now() - interval '8 days' WHERE id = $1")
+        .bind(next[0])
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(undecided().await, vec![format!("payout {}", next[0])]);
     let (status, p) = shop
         .post(
             &format!("/admin/payouts/{}/paid", next[0]),
@@ -713,6 +734,7 @@ async fn payouts_are_made_once_per_period_and_a_failure_credits_back_once(pool: 
         )
         .await;
     assert_eq!((status, p["state"].as_str()), (200, Some("paid")));
+    assert_eq!(undecided().await, Vec::<String>::new(), "answered");
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("0.00")));
     let (status, _) = shop
         .post("/admin/payouts/abc/paid", Some(ADMIN_TOKEN), json!({}))

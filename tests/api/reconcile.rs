@@ -424,3 +424,99 @@ async fn a_session_the_gateway_refuses_to_tell_about_does_not_crowd_out_the_othe
         ]
     );
 }
+
+/// A voucher (a boleto) paid days after its order expired, each of its webhooks lost: the
+/// session is asked about for ten days after the expiry, at most every six hours and within a
+/// quarter of a run's share, so the payment is found and given back to the buyer as a late
+/// payment; abandoned checkouts do not crowd out the current ones, nor are they asked forever.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_voucher_paid_days_after_its_order_expired_is_found_and_given_back(pool: PgPool) {
+    let asked = Arc::new(AtomicUsize::new(0));
+    let config = with_stripe(&stripe_stand_in(asked.clone(), vec![]).await);
+    let open = ["cs_open_1", "cs_open_2", "cs_open_3", "cs_open_4"];
+    let late = ["cs_paid_late", "cs_late_unpaid", "cs_paid_too_late"];
+    orders_for(
+        &pool,
+        "stripe",
+        &[&open[..], &late[..]].concat(),
+        "10.00",
+        "BRL",
+    )
+    .await;
+    for (session, days_ago) in [
+        ("cs_paid_late", 3),
+        ("cs_late_unpaid", 2),
+        ("cs_paid_too_late", 11),
+    ] {
+        sqlx::query(
+            "UPDATE orders SET status = 'expired', expired_at = now() - make_interval(days => $2)
+             WHERE session_id = $1",
+        )
+        .bind(session)
+        .bind(days_ago)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    // Asked seven hours ago, nothing paid then: due again.
+    sqlx::query(
+        "UPDATE payment_sessions SET checked_at = now() - interval '7 hours'
+         WHERE session_id = 'cs_late_unpaid'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
+    let run = async |per_run: usize| -> Vec<String> {
+        let before = asked.load(Ordering::SeqCst);
+        sqlx::query("UPDATE payment_sessions SET checked_at = checked_at - interval '1 second'")
+            .execute(&pool)
+            .await
+            .unwrap();
+        reconcile::run(&pool, &gateways, &settings(per_run, 0))
+            .await
+            .unwrap();
+        let checked: Vec<String> = sqlx::query_scalar(
+            "SELECT session_id FROM payment_sessions WHERE checked_at > now() - interval '1 second'
+             ORDER BY session_id",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert_eq!(asked.load(Ordering::SeqCst) - before, checked.len());
+        checked
+    };
+
+    // A run of four: three current sessions and one late one, the one never asked.
+    let first = run(4).await;
+    assert_eq!(first.len(), 4, "{first:?}");
+    assert!(first.contains(&"cs_paid_late".to_owned()), "{first:?}");
+    assert_eq!(first.iter().filter(|s| s.starts_with("cs_open")).count(), 3);
+    process_events_with(&pool, &config).await;
+    let late_payments: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM order_events e JOIN orders o ON o.id = e.order_id
+         WHERE o.session_id = 'cs_paid_late' AND e.kind = 'late_payment'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(late_payments, 1, "the late payment is the order's message");
+    let give_backs: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE kind = 'refund_payment'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(give_backs, 1, "and goes back to the buyer");
+    assert_eq!(
+        order_status(&pool, "stripe", "cs_paid_late").await,
+        Some(("expired".to_owned(), Some("succeeded".to_owned())))
+    );
+
+    // The next run: the other late one, due again after six hours; then none, until six hours
+    // have passed, and never the one expired eleven days ago.
+    let second = run(4).await;
+    assert!(second.contains(&"cs_late_unpaid".to_owned()), "{second:?}");
+    assert_eq!(second.len(), 4);
+    let third = run(10).await;
+    assert_eq!(third, open, "only the current ones");
+}

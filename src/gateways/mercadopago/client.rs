@@ -174,14 +174,25 @@ impl MercadoPagoClient {
                     .and_then(|v| v.get("type"))
                     .and_then(Value::as_str)
                     == Some("SUBSCRIPTIONS");
+                let (mut payment, facts) = payment_facts(p)?;
                 if of_subscription {
-                    // Its authorized payment's notification reports it as its period's renewal;
-                    // read here, it would look like a second payment of the first one's session.
-                    return Ok(Interpretation::Ignore(format!(
-                        "payment {id} is a preapproval's charge: its authorized payment reports it"
-                    )));
+                    // Its authorized payment's notification reports the charge as its period's
+                    // renewal; read here, its external_reference (the first payment's session)
+                    // would make it a second payment of that session. What only this payment
+                    // tells, its refunds and its mediation, is the renewal's: applied to it by
+                    // the payment's id alone (waiting for the renewal to be known if need be).
+                    let facts: Vec<Fact> = facts
+                        .into_iter()
+                        .filter(|f| !matches!(f, Fact::Payment { .. }))
+                        .collect();
+                    if facts.is_empty() {
+                        return Ok(Interpretation::Ignore(format!(
+                            "payment {id} is a preapproval's charge: its authorized payment reports it"
+                        )));
+                    }
+                    payment.session_id = None;
+                    return Ok(Interpretation::Update { payment, facts });
                 }
-                let (payment, facts) = payment_facts(p)?;
                 Ok(if payment.session_id.is_none() {
                     Interpretation::Ignore(format!("payment {id} has no external_reference"))
                 } else {

@@ -227,11 +227,54 @@ struct RzpDispute {
 
 impl RazorpayGateway {
     /// `POST /v1/subscriptions/{id}/cancel`, now or at the end of the cycle paid
-    /// (`cancel_at_cycle_end`).
+    /// (`cancel_at_cycle_end`). Razorpay refuses to cancel a subscription that has ended
+    /// already (400): asking again must change nothing, so such a refusal is checked against
+    /// the subscription itself, and one that has ended is what was asked.
     async fn end_subscription(
         &self,
         subscription: &str,
         _seller_account: Option<&str>,
+        at_period_end: bool,
+    ) -> Result<(), GatewayError> {
+        match self.ask_to_end(subscription, at_period_end).await {
+            Err(
+                refused @ GatewayError::Api {
+                    status: 400 | 404, ..
+                },
+            ) => match self.subscription_ended(subscription).await {
+                Ok(true) => Ok(()),
+                Err(e) if e.is_transient() => Err(e),
+                Ok(false) | Err(_) => Err(refused),
+            },
+            answer => answer,
+        }
+    }
+
+    /// Whether Razorpay has the subscription and it has ended (`GET /v1/subscriptions/{id}`).
+    async fn subscription_ended(&self, subscription: &str) -> Result<bool, GatewayError> {
+        #[derive(Deserialize)]
+        struct Subscription {
+            status: Option<String>,
+        }
+        let s: Subscription = read_json(
+            NAME,
+            self.http
+                .get(format!("{}/v1/subscriptions/{subscription}", self.api))
+                .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                .send()
+                .await,
+            rzp_error,
+        )
+        .await?;
+        Ok(matches!(
+            s.status.as_deref(),
+            Some("cancelled" | "completed" | "expired")
+        ))
+    }
+
+    async fn ask_to_end(
+        &self,
+        subscription: &str,
         at_period_end: bool,
     ) -> Result<(), GatewayError> {
         let _: serde_json::Value = read_json(

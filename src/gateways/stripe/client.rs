@@ -484,8 +484,58 @@ crate::gateways::api::payment_gateway!(StripeConnect, undelivered, subscriptions
 impl StripeConnect {
     /// Cancels a subscription on the seller's account: `DELETE /v1/subscriptions/{id}` now, or
     /// `cancel_at_period_end=true` (Stripe then ends it when the period paid ends and sends
-    /// `customer.subscription.deleted`). Both are idempotent at Stripe.
+    /// `customer.subscription.deleted`). Stripe answers a subscription that has ended already
+    /// as missing (`DELETE`, 404 `resource_missing`) or refuses to change it (400): asking
+    /// again must change nothing, so such a refusal is checked against the subscription itself,
+    /// and one that has ended is what was asked.
     async fn end_subscription(
+        &self,
+        subscription: &str,
+        seller_account: Option<&str>,
+        at_period_end: bool,
+    ) -> Result<(), GatewayError> {
+        match self
+            .ask_to_end(subscription, seller_account, at_period_end)
+            .await
+        {
+            Err(
+                refused @ GatewayError::Api {
+                    status: 400 | 404, ..
+                },
+            ) => match self.subscription_ended(subscription, seller_account).await {
+                Ok(true) => Ok(()),
+                Err(e) if e.is_transient() => Err(e),
+                Ok(false) | Err(_) => Err(refused),
+            },
+            answer => answer,
+        }
+    }
+
+    /// Whether Stripe has the subscription and it has ended (`GET /v1/subscriptions/{id}`).
+    async fn subscription_ended(
+        &self,
+        subscription: &str,
+        seller_account: Option<&str>,
+    ) -> Result<bool, GatewayError> {
+        #[derive(serde::Deserialize)]
+        struct Subscription {
+            status: Option<String>,
+        }
+        let mut req = self
+            .http
+            .get(format!("{}/v1/subscriptions/{subscription}", self.api))
+            .bearer_auth(self.secret_key.expose());
+        if let Some(a) = self.account(seller_account) {
+            req = req.header("Stripe-Account", a);
+        }
+        let s: Subscription = read_json(NAME, req.send().await, stripe_error).await?;
+        Ok(matches!(
+            s.status.as_deref(),
+            Some("canceled" | "incomplete_expired")
+        ))
+    }
+
+    async fn ask_to_end(
         &self,
         subscription: &str,
         seller_account: Option<&str>,
