@@ -7,7 +7,7 @@
 //! such key") for [`CACHE_TTL`], so a busy backend costs one query per key and half-second, and
 //! a revocation holds in every process within a second without any message between them.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -190,6 +190,10 @@ type Cache = HashMap<[u8; 32], (Instant, Lookup)>;
 pub struct ApiKeys {
     pool: PgPool,
     cache: Arc<Mutex<Cache>>,
+    /// The keys this process has found in force, by hash, until found otherwise: never evicted
+    /// with the cache (which a flood of made-up keys may clear), and no larger than the keys
+    /// really issued.
+    in_force: Arc<Mutex<HashSet<[u8; 32]>>>,
     /// Whether `payfleet up`'s development keys are in force here (only in `up`'s process).
     development: bool,
 }
@@ -199,6 +203,7 @@ impl ApiKeys {
         Self {
             pool,
             cache: Arc::default(),
+            in_force: Arc::default(),
             development: false,
         }
     }
@@ -226,10 +231,11 @@ impl ApiKeys {
     /// Whether this process has seen `presented` in force, however long ago: not a guess.
     pub fn seen_in_force(&self, presented: &str) -> bool {
         well_formed(presented)
-            && matches!(
-                self.lock().get(&hash(presented)),
-                Some((_, Lookup::InForce(_)))
-            )
+            && self
+                .in_force
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&hash(presented))
     }
 
     /// What `presented` is, asked of the database unless cached. An error is an outage (the
@@ -251,6 +257,14 @@ impl ApiKeys {
             Some((id, seller, false, _)) => Lookup::InForce(KeyHolder { id, seller }),
             None => Lookup::Unknown,
         };
+        {
+            let mut in_force = self.in_force.lock().unwrap_or_else(|p| p.into_inner());
+            if matches!(answer, Lookup::InForce(_)) {
+                in_force.insert(h);
+            } else {
+                in_force.remove(&h);
+            }
+        }
         let now = Instant::now();
         let mut cache = self.lock();
         if cache.len() >= CACHE_ENTRIES {

@@ -233,13 +233,14 @@ pub trait PaymentGateway: Send + Sync {
         Box::pin(async { Ok(None) })
     }
     /// Cancels a subscription it bills (`subscription`: its id there), now or at the end of
-    /// the period paid, on the seller's account when given. Asking again changes nothing more.
+    /// the period paid, on the seller's account when given. Asking again changes nothing more:
+    /// one that has ended there already answers [`SubscriptionEnd::AlreadyEnded`].
     fn cancel_subscription<'a>(
         &'a self,
         _subscription: &'a str,
         _seller_account: Option<&'a str>,
         _at_period_end: bool,
-    ) -> GatewayFuture<'a, ()> {
+    ) -> GatewayFuture<'a, SubscriptionEnd> {
         let name = self.name();
         Box::pin(async move {
             Err(GatewayError::Refused(format!(
@@ -250,6 +251,43 @@ pub trait PaymentGateway: Send + Sync {
     /// The gateway's payment status in our words; anything unknown is pending (moves no money)
     /// and is logged.
     fn map_status(&self, raw: &str) -> PaymentStatus;
+}
+
+/// What a gateway's cancellation of a subscription came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubscriptionEnd {
+    /// Cancelled as asked: now, or at the end of the period paid.
+    AsAsked,
+    /// It had ended there already (its end's event may never have come): it ends here now,
+    /// whatever was asked.
+    AlreadyEnded,
+}
+
+/// A cancellation's answer, a refusal (400, 404) checked against the subscription itself
+/// (`ended`: whether the gateway has it, ended): gateways refuse to cancel what has ended
+/// already (Stripe answers a deleted subscription as missing), and asking again must change
+/// nothing rather than leave a job dead or an operator's cancel refused.
+pub async fn end_checked<E, F>(
+    asked: impl Future<Output = Result<(), GatewayError>>,
+    ended: E,
+) -> Result<SubscriptionEnd, GatewayError>
+where
+    E: FnOnce() -> F,
+    F: Future<Output = Result<bool, GatewayError>>,
+{
+    match asked.await {
+        Ok(()) => Ok(SubscriptionEnd::AsAsked),
+        Err(
+            refused @ GatewayError::Api {
+                status: 400 | 404, ..
+            },
+        ) => match ended().await {
+            Ok(true) => Ok(SubscriptionEnd::AlreadyEnded),
+            Err(e) if e.is_transient() => Err(e),
+            Ok(false) | Err(_) => Err(refused),
+        },
+        Err(e) => Err(e),
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -338,7 +376,7 @@ macro_rules! payment_gateway {
             subscription: &'a str,
             seller_account: Option<&'a str>,
             at_period_end: bool,
-        ) -> $crate::gateways::api::GatewayFuture<'a, ()> {
+        ) -> $crate::gateways::api::GatewayFuture<'a, $crate::gateways::api::SubscriptionEnd> {
             Box::pin(self.end_subscription(subscription, seller_account, at_period_end))
         }
     };

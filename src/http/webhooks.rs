@@ -5,8 +5,7 @@ use std::collections::HashMap;
 
 use axum::Json;
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, Path, Query, Request, State};
 use axum::http::HeaderMap;
 use axum::routing::post;
 use serde::Serialize;
@@ -66,7 +65,7 @@ async fn receive(
     Path(gateway): Path<String>,
     Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    request: Request,
 ) -> Result<Json<Receipt>, ApiError> {
     // An unknown name is not counted by name: the sender chooses it.
     let gateway: GatewayName = gateway
@@ -79,7 +78,8 @@ async fn receive(
             "gateway {gateway} is not enabled"
         )));
     }
-    let body = body.map_err(|r| {
+    // Read only now: a name no gateway of ours answers to costs its sender no body read.
+    let body = Bytes::from_request(request, &()).await.map_err(|r| {
         let e = ApiError::from_body(r, Some(state.body_limit));
         refused(match e {
             ApiError::PayloadTooLarge(_) => "too_large",

@@ -441,14 +441,12 @@ pub struct Reported {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReportedRenewal {
     /// The renewal order of its period (opened now or before): its number, payment attempt,
-    /// total and the platform's fee in it, and whether the subscription had ended here by the
-    /// period's start (its order is then cancelled: the gateway should not have billed it).
+    /// total and the platform's fee in it.
     Order {
         number: i64,
         attempt: i32,
         total: crate::money::Money,
         fee: Decimal,
-        ended: bool,
     },
     /// The order started no subscription (its payment was given back).
     NoSubscription,
@@ -546,7 +544,6 @@ pub async fn open_reported(
             attempt,
             total,
             fee,
-            ended: canceled_at.is_some_and(|at| at <= start),
         });
     }
     let fee = match r.fee {
@@ -588,8 +585,24 @@ pub async fn open_reported(
         attempt: 1,
         total: r.amount,
         fee: fee.amount(),
-        ended: canceled_at.is_some_and(|at| at <= start),
     })
+}
+
+/// Whether the renewal order `number` belongs to a subscription that has ended here and takes
+/// no payment (cancelled: a period after the end; expired: one the end left unpaid): a charge
+/// for it is given back, and its gateway, still billing, is to be told to stop.
+pub async fn billed_after_end(
+    tx: &mut sqlx::PgConnection,
+    number: i64,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM orders o JOIN subscriptions s ON s.id = o.renews
+                        WHERE o.number = $1 AND s.status = 'canceled'
+                          AND o.status IN ('cancelled', 'expired'))",
+    )
+    .bind(number)
+    .fetch_one(&mut *tx)
+    .await
 }
 
 /// What each renewal of the subscription `first_order` started charges, if it started one.

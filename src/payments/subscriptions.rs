@@ -17,6 +17,7 @@ use sqlx::{PgConnection, PgPool};
 
 use super::apply::{self, Applied, Outcome};
 use super::{ProcessError, RefundPayment};
+use crate::gateways::api::SubscriptionEnd;
 use crate::gateways::{
     Fact, GatewayName, GatewayRegistry, PaymentRef, PaymentStatus, Renewal, SubscriptionChange,
 };
@@ -125,8 +126,14 @@ pub(super) async fn renewal(
         } => Some(*m),
         _ => None,
     });
+    let account = seller_account(&first.metadata);
     if known_renewal(tx, gateway, session).await? {
-        return apply::apply(tx, gateway, payment, facts, event_id).await;
+        let paid_before = succeeded(tx, gateway, session).await?;
+        let outcome = apply::apply(tx, gateway, payment, facts, event_id).await?;
+        if paid.is_some() && !paid_before {
+            stop_if_billed_after_end(tx, gateway, renewal, session, account).await?;
+        }
+        return Ok(outcome);
     }
     let amount = match paid.or(renewal.due) {
         Some(m) => m,
@@ -142,7 +149,7 @@ pub(super) async fn renewal(
         fee: renewal.fee,
         fee_percent,
     };
-    let (number, attempt, total, fee, ended) = match subscriptions::open_reported(
+    let (number, attempt, total, fee) = match subscriptions::open_reported(
         tx,
         first.order_number,
         &reported,
@@ -154,8 +161,7 @@ pub(super) async fn renewal(
             attempt,
             total,
             fee,
-            ended,
-        } => (number, attempt, total, fee, ended),
+        } => (number, attempt, total, fee),
         ReportedRenewal::NoSubscription => {
             // Its first payment confirmed no order (given back, and the gateway asked to
             // stop billing): a renewal charged anyway (before the gateway stopped, or
@@ -203,7 +209,6 @@ pub(super) async fn renewal(
     .bind(attempt)
     .fetch_one(&mut *tx)
     .await?;
-    let account = seller_account(&first.metadata);
     let mut metadata: BTreeMap<String, serde_json::Value> =
         serde_json::from_value(first.metadata).unwrap_or_default();
     metadata.insert("order_number".into(), number.to_string().into());
@@ -232,24 +237,65 @@ pub(super) async fn renewal(
     .execute(&mut *tx)
     .await?;
     let outcome = apply::apply(tx, gateway, payment, facts, event_id).await?;
-    if ended && paid.is_some() {
-        // Billed for a period after the subscription ended here (cancelled here, or ended by
-        // an event the gateway did not keep to, as a halted Razorpay subscription the buyer
-        // takes up again): its cancelled order gives the charge back, and the gateway is asked
-        // to stop billing, once for this charge, or it would bill and be refunded every period.
-        let stop = StopUnstartedSubscription {
-            gateway,
-            subscription: renewal.subscription.clone(),
-            seller_account: account,
-            reason: format!(
-                "billed period {} after subscription {} ended here",
-                period.start, renewal.subscription
-            ),
-        };
-        queue::enqueue(&mut *tx, stop.job_after(session)?).await?;
-        tracing::warn!(%gateway, subscription = %renewal.subscription, session = %session, "a charge for a period after the subscription ended here: giving it back and asking the gateway to stop billing");
+    if paid.is_some() {
+        stop_if_billed_after_end(tx, gateway, renewal, session, account).await?;
     }
     Ok(outcome)
+}
+
+/// After a charge's first success is applied: when its renewal order takes no payment because
+/// the subscription has ended here (a period after the end, or one the end left unpaid, as a
+/// halted Razorpay subscription the buyer takes up again), the charge is given back as that
+/// order's, and the gateway, still billing, is asked to stop, once for this charge. Otherwise
+/// the buyer would be billed and refunded every period.
+async fn stop_if_billed_after_end(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    renewal: &Renewal,
+    session: &str,
+    seller_account: Option<String>,
+) -> Result<(), ProcessError> {
+    let number: Option<i64> = sqlx::query_scalar(
+        "SELECT order_number FROM payment_sessions WHERE gateway = $1 AND session_id = $2",
+    )
+    .bind(gateway)
+    .bind(session)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(number) = number else {
+        return Ok(());
+    };
+    if !subscriptions::billed_after_end(tx, number).await? {
+        return Ok(());
+    }
+    let stop = StopUnstartedSubscription {
+        gateway,
+        subscription: renewal.subscription.clone(),
+        seller_account,
+        reason: format!(
+            "charged {session} (order {number}) after subscription {} ended here",
+            renewal.subscription
+        ),
+    };
+    queue::enqueue(&mut *tx, stop.job_after(session)?).await?;
+    tracing::warn!(%gateway, subscription = %renewal.subscription, %session, order = number, "a charge after the subscription ended here: giving it back and asking the gateway to stop billing");
+    Ok(())
+}
+
+/// Whether the payment of `gateway`'s session has succeeded already (a charge reported again).
+async fn succeeded(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    session: &str,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM payment_orders
+                        WHERE gateway = $1 AND session_id = $2 AND succeeded_at IS NOT NULL)",
+    )
+    .bind(gateway)
+    .bind(session)
+    .fetch_one(&mut *tx)
+    .await
 }
 
 /// The seller's account at the gateway, as the first payment's session recorded it.
@@ -350,14 +396,20 @@ pub async fn cancel(
         gateway: sub.gateway,
         why: why.to_owned(),
     };
+    let mut at_period_end = at_period_end;
     match found {
         Some((reference, account)) => {
             let gateway = gateways
                 .get(sub.gateway)
                 .ok_or_else(|| not_cancellable("the gateway is not enabled in this process"))?;
-            gateway
+            let end = gateway
                 .cancel_subscription(&reference, account.as_deref(), at_period_end)
                 .await?;
+            // Ended there already (its end's event lost): no end of period will come to end it
+            // here, so it ends now.
+            if end == SubscriptionEnd::AlreadyEnded {
+                at_period_end = false;
+            }
         }
         None if sub.gateway == GatewayName::Internal => match gateways.get(GatewayName::Internal) {
             // The fleet bills it (the simulator's sessions are ours): it ends here.
@@ -434,8 +486,8 @@ impl StopUnstartedSubscription {
             .cancel_subscription(&self.subscription, self.seller_account.as_deref(), false)
             .await
         {
-            Ok(()) => {
-                tracing::warn!(gateway = %self.gateway, subscription = %self.subscription, reason = %self.reason, "a subscription no order took is cancelled at its gateway");
+            Ok(end) => {
+                tracing::warn!(gateway = %self.gateway, subscription = %self.subscription, reason = %self.reason, ?end, "a subscription not live here is stopped at its gateway");
                 Ok(())
             }
             Err(e) if e.is_transient() => Err(JobError::retry(e)),

@@ -560,6 +560,33 @@ async fn connections_that_never_finish_their_request_are_closed(pool: PgPool) {
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
 }
 
+/// A delivery to a gateway this receiver does not take (an unknown name, one not enabled) is
+/// refused from its head: its body, up to the webhook limit, is never waited for nor buffered.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_webhook_for_no_gateway_of_ours_is_refused_before_its_body_is_read(pool: PgPool) {
+    let mut config = test_config();
+    config.gateways.razorpay.webhook_secret = None;
+    let app = spawn_app_with(pool, config).await;
+    for gateway in ["nosuch", "razorpay"] {
+        let mut s = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+        s.write_all(
+            format!(
+                "POST /webhooks/{gateway} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                 Content-Length: 1000000\r\n\r\n{{\"id\":"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut head = [0u8; 12];
+        tokio::time::timeout(Duration::from_secs(3), s.read_exact(&mut head))
+            .await
+            .unwrap_or_else(|_| panic!("{gateway}: no answer before the body came"))
+            .unwrap();
+        assert_eq!(&head, b"HTTP/1.1 404", "{gateway}");
+    }
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn an_oversized_cart_is_refused_before_anything_is_stored(pool: PgPool) {
     let shop = shop(&pool).await;

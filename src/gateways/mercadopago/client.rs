@@ -9,7 +9,8 @@ use serde_json::Value;
 use super::events::payment_status;
 use crate::gateways::api::{
     DisputeQuery, GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt,
-    RefundRequest, Session, SessionRequest, read_json, unknown_status,
+    RefundRequest, Session, SessionRequest, SubscriptionEnd, end_checked, read_json,
+    unknown_status,
 };
 use crate::gateways::{
     DisputeStatus, EventError, Fact, GatewayName, Interpretation, LookupResource, PaymentRef,
@@ -174,6 +175,7 @@ impl MercadoPagoClient {
                     .and_then(|v| v.get("type"))
                     .and_then(Value::as_str)
                     == Some("SUBSCRIPTIONS");
+                let approved = p.status == "approved";
                 let (mut payment, facts) = payment_facts(p)?;
                 if of_subscription {
                     // Its authorized payment's notification reports the charge as its period's
@@ -181,10 +183,19 @@ impl MercadoPagoClient {
                     // would make it a second payment of that session. What only this payment
                     // tells, its refunds and its mediation, is the renewal's: applied to it by
                     // the payment's id alone (waiting for the renewal to be known if need be).
-                    let facts: Vec<Fact> = facts
-                        .into_iter()
-                        .filter(|f| !matches!(f, Fact::Payment { .. }))
-                        .collect();
+                    // An approved charge says nothing of that kind: its "won" only decides a
+                    // mediation there was, and every charge's notification would wait on a
+                    // renewal that may never be known here (a preapproval of someone else's);
+                    // a mediation of a charge that ends won is asked about by reconciliation.
+                    let says_more = |f: &Fact| match f {
+                        Fact::Payment { .. } => false,
+                        Fact::DisputeDecided {
+                            status: DisputeStatus::Won,
+                            ..
+                        } => !approved,
+                        _ => true,
+                    };
+                    let facts: Vec<Fact> = facts.into_iter().filter(says_more).collect();
                     if facts.is_empty() {
                         return Ok(Interpretation::Ignore(format!(
                             "payment {id} is a preapproval's charge: its authorized payment reports it"
@@ -565,18 +576,41 @@ struct PaymentStatusOnly {
 
 impl MercadoPagoClient {
     /// `PUT /preapproval/{id}` `{"status": "cancelled"}`. A preapproval ends at once: Mercado
-    /// Pago keeps no "at the period's end", so that is refused (cancel now instead).
+    /// Pago keeps no "at the period's end", so that is refused (cancel now instead). A refusal
+    /// is checked against the preapproval: one cancelled already is stopped.
     async fn end_subscription(
         &self,
         subscription: &str,
         _seller_account: Option<&str>,
         at_period_end: bool,
-    ) -> Result<(), GatewayError> {
+    ) -> Result<SubscriptionEnd, GatewayError> {
         if at_period_end {
             return Err(GatewayError::Refused(
                 "Mercado Pago cannot end a preapproval at its period's end; cancel it now".into(),
             ));
         }
+        end_checked(self.ask_to_cancel(subscription), || {
+            self.preapproval_cancelled(subscription)
+        })
+        .await
+    }
+
+    /// Whether Mercado Pago has the preapproval, cancelled (`GET /preapproval/{id}`).
+    async fn preapproval_cancelled(&self, subscription: &str) -> Result<bool, GatewayError> {
+        let p: Preapproval = read_json(
+            NAME,
+            self.http
+                .get(format!("{}/preapproval/{subscription}", self.base_url))
+                .bearer_auth(self.access_token.expose())
+                .send()
+                .await,
+            mp_error,
+        )
+        .await?;
+        Ok(p.status == "cancelled")
+    }
+
+    async fn ask_to_cancel(&self, subscription: &str) -> Result<(), GatewayError> {
         let _: Value = read_json(
             NAME,
             self.http

@@ -8,7 +8,8 @@ use serde_json::Value;
 use super::events::{dispute_status, payment_status};
 use crate::gateways::api::{
     DisputeQuery, GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt,
-    RefundRequest, Session, SessionRequest, read_json, unknown_status,
+    RefundRequest, Session, SessionRequest, SubscriptionEnd, end_checked, read_json,
+    unknown_status,
 };
 use crate::gateways::{DisputeStatus, GatewayName, PaymentStatus};
 use crate::money::Money;
@@ -235,19 +236,11 @@ impl RazorpayGateway {
         subscription: &str,
         _seller_account: Option<&str>,
         at_period_end: bool,
-    ) -> Result<(), GatewayError> {
-        match self.ask_to_end(subscription, at_period_end).await {
-            Err(
-                refused @ GatewayError::Api {
-                    status: 400 | 404, ..
-                },
-            ) => match self.subscription_ended(subscription).await {
-                Ok(true) => Ok(()),
-                Err(e) if e.is_transient() => Err(e),
-                Ok(false) | Err(_) => Err(refused),
-            },
-            answer => answer,
-        }
+    ) -> Result<SubscriptionEnd, GatewayError> {
+        end_checked(self.ask_to_end(subscription, at_period_end), || {
+            self.subscription_ended(subscription)
+        })
+        .await
     }
 
     /// Whether Razorpay has the subscription and it has ended (`GET /v1/subscriptions/{id}`).

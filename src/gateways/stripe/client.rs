@@ -19,7 +19,8 @@ use serde_json::Value;
 
 use crate::gateways::api::{
     DisputeQuery, GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt,
-    RefundRequest, Session, SessionRequest, UndeliveredEvent, read_json, unknown_status,
+    RefundRequest, Session, SessionRequest, SubscriptionEnd, UndeliveredEvent, end_checked,
+    read_json, unknown_status,
 };
 use crate::gateways::{DisputeStatus, GatewayName, PaymentStatus};
 use crate::money::Money;
@@ -493,22 +494,12 @@ impl StripeConnect {
         subscription: &str,
         seller_account: Option<&str>,
         at_period_end: bool,
-    ) -> Result<(), GatewayError> {
-        match self
-            .ask_to_end(subscription, seller_account, at_period_end)
-            .await
-        {
-            Err(
-                refused @ GatewayError::Api {
-                    status: 400 | 404, ..
-                },
-            ) => match self.subscription_ended(subscription, seller_account).await {
-                Ok(true) => Ok(()),
-                Err(e) if e.is_transient() => Err(e),
-                Ok(false) | Err(_) => Err(refused),
-            },
-            answer => answer,
-        }
+    ) -> Result<SubscriptionEnd, GatewayError> {
+        end_checked(
+            self.ask_to_end(subscription, seller_account, at_period_end),
+            || self.subscription_ended(subscription, seller_account),
+        )
+        .await
     }
 
     /// Whether Stripe has the subscription and it has ended (`GET /v1/subscriptions/{id}`).
