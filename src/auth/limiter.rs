@@ -57,7 +57,7 @@ impl Default for FailureLimiter {
 
 /// The unit an address is counted in: itself for IPv4, its /64 for IPv6 (an IPv4-mapped IPv6
 /// address is its IPv4 address).
-fn unit(addr: IpAddr) -> IpAddr {
+pub(crate) fn unit(addr: IpAddr) -> IpAddr {
     match addr {
         IpAddr::V4(_) => addr,
         IpAddr::V6(v6) => match v6.to_ipv4_mapped() {

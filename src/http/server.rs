@@ -12,7 +12,11 @@
 //!   writes, and a client that sends a request and never reads the answer would otherwise hold
 //!   a connection slot for ever, with no traffic of its own;
 //! - at most `max_connections` connections are served at once; one over that is closed as it
-//!   arrives, before anything is read from it.
+//!   arrives, before anything is read from it;
+//! - at most `max_connections_per_client` of them come from one client (an IPv4 address, an
+//!   IPv6 /64), so one host holding connections open cannot take every slot; behind a proxy
+//!   (`client_address_header` set) every connection is the proxy's, and the proxy limits its
+//!   own clients.
 //!
 //! Each request carries its peer's address (`ConnectInfo`), from which `callers` takes the
 //! client's address.
@@ -47,13 +51,17 @@ pub struct HttpSettings {
     pub write_timeout: std::time::Duration,
     /// Connections served at once; more are closed as they arrive.
     pub max_connections: usize,
+    /// Connections served at once from one client (an IPv4 address, an IPv6 /64), when no
+    /// proxy stands in front (`client_address_header` unset).
+    pub max_connections_per_client: usize,
     /// Behind a proxy: the header it sets to the client's address (its last value is taken).
     /// Unset, the client is the connection's peer: no header can claim another address.
     pub client_address_header: Option<axum::http::HeaderName>,
 }
 
 impl HttpSettings {
-    /// `PAYFLEET_MAX_CONNECTIONS` (4096), `PAYFLEET_CLIENT_ADDRESS_HEADER` (unset); the
+    /// `PAYFLEET_MAX_CONNECTIONS` (4096), `PAYFLEET_MAX_CONNECTIONS_PER_CLIENT` (256),
+    /// `PAYFLEET_CLIENT_ADDRESS_HEADER` (unset); the
     /// timeouts are fixed: 10 s for a request's head, 30 s for its body, 30 s for a response
     /// the client reads nothing of.
     pub fn from_env(env: &dyn crate::env::Env) -> Result<Self, crate::env::Invalid> {
@@ -61,6 +69,14 @@ impl HttpSettings {
         let max_connections = parsed(env, "PAYFLEET_MAX_CONNECTIONS", 4096usize)?;
         if !(1..=1_000_000).contains(&max_connections) {
             return Err(invalid("PAYFLEET_MAX_CONNECTIONS", "must be 1 to 1000000"));
+        }
+        let max_connections_per_client =
+            parsed(env, "PAYFLEET_MAX_CONNECTIONS_PER_CLIENT", 256usize)?;
+        if !(1..=max_connections).contains(&max_connections_per_client) {
+            return Err(invalid(
+                "PAYFLEET_MAX_CONNECTIONS_PER_CLIENT",
+                "must be 1 to PAYFLEET_MAX_CONNECTIONS",
+            ));
         }
         let client_address_header = var(env, "PAYFLEET_CLIENT_ADDRESS_HEADER")
             .map(|v| {
@@ -77,6 +93,7 @@ impl HttpSettings {
             body_timeout: std::time::Duration::from_secs(30),
             write_timeout: std::time::Duration::from_secs(30),
             max_connections,
+            max_connections_per_client,
             client_address_header,
         })
     }
@@ -100,6 +117,12 @@ pub async fn serve(
         .header_read_timeout(limits.header_timeout);
     let mut shutdown = std::pin::pin!(shutdown);
     let mut refused_at_cap: u64 = 0;
+    // Behind a proxy every peer is the proxy: it limits its clients, not us.
+    let per_client = limits
+        .client_address_header
+        .is_none()
+        .then(|| PerClient::new(limits.max_connections_per_client));
+    let mut refused_per_client: u64 = 0;
     let mut connections = tokio::task::JoinSet::new();
     loop {
         // Connections that ended are reaped as others arrive (the set holds only live ones).
@@ -130,6 +153,23 @@ pub async fn serve(
             drop(stream);
             continue;
         };
+        let client_slot = match per_client.as_ref().map(|p| p.take(peer.ip())) {
+            Some(None) => {
+                refused_per_client += 1;
+                if refused_per_client % 1000 == 1 {
+                    tracing::warn!(
+                        %peer,
+                        max_connections_per_client = limits.max_connections_per_client,
+                        refused = refused_per_client,
+                        "connection refused: its client holds as many connections as one may"
+                    );
+                }
+                drop(stream);
+                continue;
+            }
+            Some(slot) => slot,
+            None => None,
+        };
         let _ = stream.set_nodelay(true);
         let router = router.clone();
         let body_timeout = limits.body_timeout;
@@ -151,6 +191,7 @@ pub async fn serve(
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
             drop(permit);
+            drop(client_slot);
         });
     }
     drop(listener);
@@ -165,6 +206,55 @@ pub async fn serve(
     }
     connections.abort_all();
     Ok(())
+}
+
+/// The connections each client holds (by [`crate::auth::limiter::unit`]).
+#[derive(Clone)]
+struct PerClient {
+    max: usize,
+    held: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+}
+
+impl PerClient {
+    fn new(max: usize) -> Self {
+        Self {
+            max,
+            held: Arc::default(),
+        }
+    }
+
+    /// A slot for a connection of `addr`'s client, none if it holds its share already.
+    fn take(&self, addr: std::net::IpAddr) -> Option<ClientSlot> {
+        let client = crate::auth::limiter::unit(addr);
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let n = held.entry(client).or_default();
+        if *n >= self.max {
+            return None;
+        }
+        *n += 1;
+        Some(ClientSlot {
+            of: self.clone(),
+            client,
+        })
+    }
+}
+
+/// One connection's place in its client's share, given back when dropped.
+struct ClientSlot {
+    of: PerClient,
+    client: std::net::IpAddr,
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut held = self.of.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = held.get_mut(&self.client) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.client);
+            }
+        }
+    }
 }
 
 /// A connection whose writes may not stall: once a write (or flush) cannot go on, the client
@@ -341,6 +431,7 @@ mod tests {
             body_timeout: Duration::from_millis(300),
             write_timeout: Duration::from_millis(300),
             max_connections,
+            max_connections_per_client: max_connections,
             client_address_header: None,
         }
     }
@@ -478,5 +569,64 @@ mod tests {
         .unwrap();
         let (answer, _) = until_closed(&mut s).await;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+
+    /// A connection from `from` (a loopback address of its own) asking for `/`: whether it was
+    /// answered before it was closed.
+    async fn answered_from(addr: SocketAddr, from: &str) -> bool {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        let mut s = socket.connect(addr).await.unwrap();
+        let _ = s
+            .write_all(
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            )
+            .await;
+        until_closed(&mut s).await.0.starts_with("HTTP/1.1 200")
+    }
+
+    /// Two connections held open by one client (a host holding them, as one would hold them
+    /// all): its next connection is closed at once, another client's is served; behind a
+    /// proxy, where every connection is the proxy's, no client share applies.
+    #[tokio::test]
+    async fn one_client_holds_at_most_its_share_of_the_connections() {
+        let mut settings = limits(100);
+        settings.header_timeout = Duration::from_secs(5);
+        settings.max_connections_per_client = 2;
+        let addr = start(settings.clone()).await;
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind("127.0.0.7:0".parse().unwrap()).unwrap();
+            let mut s = socket.connect(addr).await.unwrap();
+            s.write_all(b"POST / HTTP/1.1\r\n").await.unwrap();
+            held.push(s);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!answered_from(addr, "127.0.0.7").await, "over its share");
+        assert!(answered_from(addr, "127.0.0.8").await, "another client");
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            answered_from(addr, "127.0.0.7").await,
+            "its share given back"
+        );
+
+        settings.client_address_header =
+            Some(axum::http::HeaderName::from_static("x-forwarded-for"));
+        let behind_proxy = start(settings).await;
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind("127.0.0.7:0".parse().unwrap()).unwrap();
+            let mut s = socket.connect(behind_proxy).await.unwrap();
+            s.write_all(b"POST / HTTP/1.1\r\n").await.unwrap();
+            held.push(s);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            answered_from(behind_proxy, "127.0.0.7").await,
+            "the proxy's connections"
+        );
     }
 }
