@@ -127,6 +127,9 @@ pub enum Fact {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LookupResource {
     Payment,
+    /// A payment read again for a dispute of it still open here (reconciliation): a decision
+    /// it shows counts, even the "won" every approved preapproval charge shows.
+    DisputedPayment,
     /// A preapproval's (subscription's) charge for one period.
     AuthorizedPayment,
     /// A preapproval (subscription).

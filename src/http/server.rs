@@ -70,8 +70,13 @@ impl HttpSettings {
         if !(1..=1_000_000).contains(&max_connections) {
             return Err(invalid("PAYFLEET_MAX_CONNECTIONS", "must be 1 to 1000000"));
         }
-        let max_connections_per_client =
-            parsed(env, "PAYFLEET_MAX_CONNECTIONS_PER_CLIENT", 256usize)?;
+        // Unset, a share no larger than the whole: a small PAYFLEET_MAX_CONNECTIONS set before
+        // the share existed still starts.
+        let max_connections_per_client = parsed(
+            env,
+            "PAYFLEET_MAX_CONNECTIONS_PER_CLIENT",
+            256usize.min(max_connections),
+        )?;
         if !(1..=max_connections).contains(&max_connections_per_client) {
             return Err(invalid(
                 "PAYFLEET_MAX_CONNECTIONS_PER_CLIENT",
@@ -569,6 +574,27 @@ mod tests {
         .unwrap();
         let (answer, _) = until_closed(&mut s).await;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+
+    #[test]
+    fn a_clients_share_defaults_to_no_more_than_the_whole_and_refuses_more() {
+        let share = |s: Result<HttpSettings, _>| s.map(|s| s.max_connections_per_client);
+        let small = HttpSettings::from_env(&[("PAYFLEET_MAX_CONNECTIONS", "100")]);
+        assert_eq!(share(small).ok(), Some(100));
+        let large = HttpSettings::from_env(&[("PAYFLEET_MAX_CONNECTIONS", "5000")]);
+        assert_eq!(share(large).ok(), Some(256));
+        for refused in ["0", "101"] {
+            let e = HttpSettings::from_env(&[
+                ("PAYFLEET_MAX_CONNECTIONS", "100"),
+                ("PAYFLEET_MAX_CONNECTIONS_PER_CLIENT", refused),
+            ])
+            .unwrap_err();
+            assert!(
+                e.to_string()
+                    .contains("PAYFLEET_MAX_CONNECTIONS_PER_CLIENT"),
+                "{e}"
+            );
+        }
     }
 
     /// A connection from `from` (a loopback address of its own) asking for `/`: whether it was

@@ -1036,6 +1036,28 @@ async fn derive_and_apply(
                 if let Some(stop) = stop_subscription(reason.as_str()) {
                     queue::enqueue(&mut *tx, stop.job()?).await?;
                 }
+                // A renewal's charge its order cannot take because the subscription has ended
+                // here (a period after the end, one the end left unpaid, as a halted Razorpay
+                // subscription the buyer takes up again): the gateway still bills it, and is
+                // asked to stop, once for this charge, by whatever path its success came (the
+                // gateway's event, reconciliation).
+                let renewal_of = session.as_ref().and_then(|(_, _, m, _)| {
+                    m.get("subscription").and_then(serde_json::Value::as_str)
+                });
+                if let (Some(subscription), Some(number)) = (renewal_of, number)
+                    && orders::subscriptions::billed_after_end(tx, number).await?
+                {
+                    let stop = super::subscriptions::StopUnstartedSubscription {
+                        gateway,
+                        subscription: subscription.to_owned(),
+                        seller_account: seller_account.clone(),
+                        reason: format!(
+                            "charged {session_id} (order {number}) after subscription {subscription} ended here"
+                        ),
+                    };
+                    queue::enqueue(&mut *tx, stop.job_after(&session_id)?).await?;
+                    tracing::warn!(%gateway, %subscription, session = %session_id, order = number, "a charge after the subscription ended here: giving it back and asking the gateway to stop billing");
+                }
                 tracing::warn!(%gateway, order = ?number, %reason, "a payment the order cannot take: refunding it");
             }
             Ok(true)

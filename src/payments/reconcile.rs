@@ -74,7 +74,7 @@ pub fn interpret(gateway: GatewayName, body: &[u8]) -> Result<Interpretation, Ev
             && let Some(resource_id) = payment.payment_id.clone()
         {
             return Ok(Interpretation::Lookup {
-                resource: crate::gateways::LookupResource::Payment,
+                resource: crate::gateways::LookupResource::DisputedPayment,
                 resource_id,
             });
         }

@@ -126,14 +126,8 @@ pub(super) async fn renewal(
         } => Some(*m),
         _ => None,
     });
-    let account = seller_account(&first.metadata);
     if known_renewal(tx, gateway, session).await? {
-        let paid_before = succeeded(tx, gateway, session).await?;
-        let outcome = apply::apply(tx, gateway, payment, facts, event_id).await?;
-        if paid.is_some() && !paid_before {
-            stop_if_billed_after_end(tx, gateway, renewal, session, account).await?;
-        }
-        return Ok(outcome);
+        return apply::apply(tx, gateway, payment, facts, event_id).await;
     }
     let amount = match paid.or(renewal.due) {
         Some(m) => m,
@@ -236,66 +230,7 @@ pub(super) async fn renewal(
     .bind(fee)
     .execute(&mut *tx)
     .await?;
-    let outcome = apply::apply(tx, gateway, payment, facts, event_id).await?;
-    if paid.is_some() {
-        stop_if_billed_after_end(tx, gateway, renewal, session, account).await?;
-    }
-    Ok(outcome)
-}
-
-/// After a charge's first success is applied: when its renewal order takes no payment because
-/// the subscription has ended here (a period after the end, or one the end left unpaid, as a
-/// halted Razorpay subscription the buyer takes up again), the charge is given back as that
-/// order's, and the gateway, still billing, is asked to stop, once for this charge. Otherwise
-/// the buyer would be billed and refunded every period.
-async fn stop_if_billed_after_end(
-    tx: &mut PgConnection,
-    gateway: GatewayName,
-    renewal: &Renewal,
-    session: &str,
-    seller_account: Option<String>,
-) -> Result<(), ProcessError> {
-    let number: Option<i64> = sqlx::query_scalar(
-        "SELECT order_number FROM payment_sessions WHERE gateway = $1 AND session_id = $2",
-    )
-    .bind(gateway)
-    .bind(session)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let Some(number) = number else {
-        return Ok(());
-    };
-    if !subscriptions::billed_after_end(tx, number).await? {
-        return Ok(());
-    }
-    let stop = StopUnstartedSubscription {
-        gateway,
-        subscription: renewal.subscription.clone(),
-        seller_account,
-        reason: format!(
-            "charged {session} (order {number}) after subscription {} ended here",
-            renewal.subscription
-        ),
-    };
-    queue::enqueue(&mut *tx, stop.job_after(session)?).await?;
-    tracing::warn!(%gateway, subscription = %renewal.subscription, %session, order = number, "a charge after the subscription ended here: giving it back and asking the gateway to stop billing");
-    Ok(())
-}
-
-/// Whether the payment of `gateway`'s session has succeeded already (a charge reported again).
-async fn succeeded(
-    tx: &mut PgConnection,
-    gateway: GatewayName,
-    session: &str,
-) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM payment_orders
-                        WHERE gateway = $1 AND session_id = $2 AND succeeded_at IS NOT NULL)",
-    )
-    .bind(gateway)
-    .bind(session)
-    .fetch_one(&mut *tx)
-    .await
+    apply::apply(tx, gateway, payment, facts, event_id).await
 }
 
 /// The seller's account at the gateway, as the first payment's session recorded it.

@@ -1193,11 +1193,12 @@ async fn a_mercadopago_preapproval_charge_is_one_renewal_and_its_payment_no_seco
 ) {
     // The stand-in answers with the first order's session once the checkout made it.
     let first: Arc<Mutex<String>> = Arc::default();
-    let charge_refunded = Arc::new(AtomicBool::new(false));
+    // The preapproval charge's state at Mercado Pago.
+    let charge: Arc<Mutex<&'static str>> = Arc::new(Mutex::new("approved"));
     let debit = (chrono::Utc::now() + chrono::Duration::days(30)).to_rfc3339();
     let api = {
         let (f1, f2, f3) = (first.clone(), first.clone(), first.clone());
-        let refunded = charge_refunded.clone();
+        let state = charge.clone();
         Router::new()
             .route(
                 "/checkout/preferences",
@@ -1215,8 +1216,9 @@ async fn a_mercadopago_preapproval_charge_is_one_renewal_and_its_payment_no_seco
                         if id == "5002" {
                             p["point_of_interaction"] = json!({"type": "SUBSCRIPTIONS",
                                 "transaction_data": {"subscription_id": "pre_1", "invoice_id": 7001}});
-                            if refunded.load(Ordering::SeqCst) {
-                                p["status"] = json!("refunded");
+                            let now = *state.lock().unwrap();
+                            p["status"] = json!(now);
+                            if now == "refunded" {
                                 p["refunds"] = json!([{"id": 9001, "amount": 19.9, "status": "approved"}]);
                             }
                         }
@@ -1301,7 +1303,40 @@ async fn a_mercadopago_preapproval_charge_is_one_renewal_and_its_payment_no_seco
 
     // The seller refunds the charge at Mercado Pago: its payment's notification is the only one
     // that says so, and the renewal is refunded, its sale taken back from the seller, once.
-    charge_refunded.store(true, Ordering::SeqCst);
+    // The buyer opens a mediation of the charge: it holds the renewal's sale. Won, the charge
+    // is approved again, which every charge's notification says: that notification decides
+    // nothing, and reconciliation, asking about the mediation still open here a week later,
+    // records it won.
+    let mediation = async || -> String {
+        sqlx::query_scalar("SELECT status FROM payment_disputes WHERE dispute_id = 'mp-5002'")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    *charge.lock().unwrap() = "in_mediation";
+    deliver(&shop, &mercadopago("5002", "req-m1", ts)).await;
+    outcome(&pool, "mercadopago", "5002:req-m1").await;
+    assert_eq!(mediation().await, "open");
+    *charge.lock().unwrap() = "approved";
+    deliver(&shop, &mercadopago("5002", "req-m2", ts)).await;
+    assert_eq!(
+        outcome(&pool, "mercadopago", "5002:req-m2").await.0,
+        "ignored"
+    );
+    sqlx::query("UPDATE payment_disputes SET updated_at = now() - interval '8 days'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, &pool).unwrap();
+    payfleet::payments::reconcile::run(&pool, &gateways, &crate::reconcile::settings(10, 0))
+        .await
+        .unwrap();
+    wait_for("the mediation won", Duration::from_secs(30), async || {
+        mediation().await == "won"
+    })
+    .await;
+
+    *charge.lock().unwrap() = "refunded";
     for request in ["req-6", "req-7"] {
         deliver(&shop, &mercadopago("5002", request, ts)).await;
         outcome(&pool, "mercadopago", &format!("5002:{request}")).await;

@@ -165,7 +165,8 @@ impl MercadoPagoClient {
         id: &str,
     ) -> Result<Interpretation, MercadoPagoError> {
         match resource {
-            LookupResource::Payment => {
+            LookupResource::Payment | LookupResource::DisputedPayment => {
+                let disputed = resource == LookupResource::DisputedPayment;
                 let p: Payment = self
                     .get(&format!("/v1/payments/{id}"), format!("payment {id}"))
                     .await?;
@@ -183,16 +184,17 @@ impl MercadoPagoClient {
                     // would make it a second payment of that session. What only this payment
                     // tells, its refunds and its mediation, is the renewal's: applied to it by
                     // the payment's id alone (waiting for the renewal to be known if need be).
-                    // An approved charge says nothing of that kind: its "won" only decides a
-                    // mediation there was, and every charge's notification would wait on a
-                    // renewal that may never be known here (a preapproval of someone else's);
-                    // a mediation of a charge that ends won is asked about by reconciliation.
+                    // An approved charge's notification says nothing of that kind: its "won"
+                    // only decides a mediation there was, and every charge's notification
+                    // would wait on a renewal that may never be known here (a preapproval of
+                    // someone else's). A mediation still open here is asked about by
+                    // reconciliation (`DisputedPayment`), where that "won" is its decision.
                     let says_more = |f: &Fact| match f {
                         Fact::Payment { .. } => false,
                         Fact::DisputeDecided {
                             status: DisputeStatus::Won,
                             ..
-                        } => !approved,
+                        } => !approved || disputed,
                         _ => true,
                     };
                     let facts: Vec<Fact> = facts.into_iter().filter(says_more).collect();
@@ -585,6 +587,10 @@ impl MercadoPagoClient {
         at_period_end: bool,
     ) -> Result<SubscriptionEnd, GatewayError> {
         if at_period_end {
+            // Ended there already (its event lost): it ends here now, as asked or not.
+            if self.preapproval_cancelled(subscription).await? {
+                return Ok(SubscriptionEnd::AlreadyEnded);
+            }
             return Err(GatewayError::Refused(
                 "Mercado Pago cannot end a preapproval at its period's end; cancel it now".into(),
             ));
