@@ -121,13 +121,19 @@ pub async fn serve(
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout);
     let mut shutdown = std::pin::pin!(shutdown);
-    let mut refused_at_cap: u64 = 0;
+    let mut at_cap = Refusals::new(
+        "the server is at its connection limit",
+        limits.max_connections,
+    );
     // Behind a proxy every peer is the proxy: it limits its clients, not us.
     let per_client = limits
         .client_address_header
         .is_none()
         .then(|| PerClient::new(limits.max_connections_per_client));
-    let mut refused_per_client: u64 = 0;
+    let mut over_share = Refusals::new(
+        "its client holds as many connections as one may",
+        limits.max_connections_per_client,
+    );
     let mut connections = tokio::task::JoinSet::new();
     loop {
         // Connections that ended are reaped as others arrive (the set holds only live ones).
@@ -145,30 +151,13 @@ pub async fn serve(
             _ = &mut shutdown => break,
         };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
-            refused_at_cap += 1;
-            // Once per thousand, not once per connection: a flood must not flood the log too.
-            if refused_at_cap % 1000 == 1 {
-                tracing::warn!(
-                    %peer,
-                    max_connections = limits.max_connections,
-                    refused = refused_at_cap,
-                    "connection refused: the server is at its connection limit"
-                );
-            }
+            at_cap.refused(peer);
             drop(stream);
             continue;
         };
         let client_slot = match per_client.as_ref().map(|p| p.take(peer.ip())) {
             Some(None) => {
-                refused_per_client += 1;
-                if refused_per_client % 1000 == 1 {
-                    tracing::warn!(
-                        %peer,
-                        max_connections_per_client = limits.max_connections_per_client,
-                        refused = refused_per_client,
-                        "connection refused: its client holds as many connections as one may"
-                    );
-                }
+                over_share.refused(peer);
                 drop(stream);
                 continue;
             }
@@ -211,6 +200,31 @@ pub async fn serve(
     }
     connections.abort_all();
     Ok(())
+}
+
+/// Connections refused for one reason, logged once per thousand, not once per connection: a
+/// flood must not flood the log too.
+struct Refusals {
+    why: &'static str,
+    limit: usize,
+    count: u64,
+}
+
+impl Refusals {
+    fn new(why: &'static str, limit: usize) -> Self {
+        Self {
+            why,
+            limit,
+            count: 0,
+        }
+    }
+
+    fn refused(&mut self, peer: std::net::SocketAddr) {
+        self.count += 1;
+        if self.count % 1000 == 1 {
+            tracing::warn!(%peer, limit = self.limit, refused = self.count, "connection refused: {}", self.why);
+        }
+    }
 }
 
 /// The connections each client holds (by [`crate::auth::limiter::unit`]).

@@ -999,15 +999,30 @@ fn razorpay_subscription(
         .to_string()
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn a_razorpay_subscription_charge_is_one_renewal_and_waits_for_the_first_payment(
-    pool: PgPool,
-) {
-    // Razorpay's subscriptions as its API keeps them: cancelling one cancelled already is
-    // refused (400), and reading it says `cancelled`.
+/// A Razorpay subscription order of the first session `order_first` (its stand-in's requests in
+/// `log`; `paid`: the payments its orders list). As Razorpay's API keeps subscriptions,
+/// cancelling one cancelled already is refused (400), and reading it says `cancelled`.
+async fn razorpay_subscription_order(
+    pool: &PgPool,
+    log: &Log,
+    paid: Arc<Mutex<Vec<Value>>>,
+) -> (Shop, Value) {
     let cancelled = Arc::new(AtomicBool::new(false));
     let (on_cancel, on_read) = (cancelled.clone(), cancelled.clone());
     let api = Router::new()
+        .route(
+            "/v1/orders/{id}/payments",
+            axum::routing::get(move |Path(id): Path<String>| {
+                let items: Vec<Value> = paid
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|p| p["order_id"] == id.as_str())
+                    .cloned()
+                    .collect();
+                async move { axum::Json(json!({"entity": "collection", "count": items.len(), "items": items})) }
+            }),
+        )
         .route(
             "/v1/orders",
             axum::routing::post(|| async {
@@ -1047,16 +1062,23 @@ async fn a_razorpay_subscription_charge_is_one_renewal_and_waits_for_the_first_p
                 async move { axum::Json(json!({"id": id, "entity": "subscription", "status": status})) }
             }),
         );
-    let log = Log::default();
     let base = stand_in(api, log.clone()).await;
-    let (shop, order) = subscription_order(&pool, "razorpay", "INR", |config| {
+    subscription_order(pool, "razorpay", "INR", |config| {
         config.gateways.razorpay.api = Some(payfleet::gateways::razorpay::Api {
             base_url: base,
             key_id: "rzp_test_key".into(),
             key_secret: Secret::new("rzp_secret"),
         });
     })
-    .await;
+    .await
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_razorpay_subscription_charge_is_one_renewal_and_waits_for_the_first_payment(
+    pool: PgPool,
+) {
+    let log = Log::default();
+    let (shop, order) = razorpay_subscription_order(&pool, &log, Arc::default()).await;
     let number = order["number"].as_i64().unwrap();
     assert_eq!(order["payment"]["session_id"], "order_first");
     let next = chrono::Utc::now().timestamp() + MONTH;
@@ -1185,6 +1207,68 @@ async fn a_razorpay_subscription_charge_is_one_renewal_and_waits_for_the_first_p
         ],
         "one sale: the cycles after the end are no sales"
     );
+}
+
+/// A Razorpay subscription halted while a cycle's charge had failed: the buyer takes it up
+/// again, Razorpay charges that cycle, and its webhook is lost, so reconciliation finds the
+/// charge. Given back as the expired renewal's, it asks Razorpay to stop billing too, as the
+/// same charge's webhook would have.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_charge_after_the_end_found_by_reconciliation_stops_the_subscription_too(pool: PgPool) {
+    let log = Log::default();
+    let paid: Arc<Mutex<Vec<Value>>> = Arc::default();
+    let (shop, order) = razorpay_subscription_order(&pool, &log, paid.clone()).await;
+    let number = order["number"].as_i64().unwrap();
+    let next = chrono::Utc::now().timestamp() + MONTH;
+    let captured = json!({"entity": "event", "event": "payment.captured", "contains": ["payment"], "created_at": 90,
+        "payload": {"payment": {"entity": {"id": "pay_1", "entity": "payment", "amount": 1990, "currency": "INR",
+            "status": "captured", "order_id": "order_first"}}}})
+    .to_string();
+    deliver(&shop, &razorpay("rzp-evt-0", &captured)).await;
+    outcome(&pool, "razorpay", "payment.captured:pay_1:90").await;
+    let failed = razorpay_subscription(
+        "subscription.pending",
+        100,
+        "order_first",
+        Some(("order_c2", "pay_2", next)),
+    );
+    deliver(&shop, &razorpay("rzp-evt-1", &failed)).await;
+    outcome(&pool, "razorpay", "subscription.pending:sub_R1:100").await;
+    let halted = razorpay_subscription("subscription.halted", 103, "order_first", None);
+    deliver(&shop, &razorpay("rzp-evt-2", &halted)).await;
+    wait_subscription(&shop, number, "canceled", |s| s["status"] == "canceled").await;
+
+    paid.lock()
+        .unwrap()
+        .push(json!({"id": "pay_2b", "entity": "payment", "amount": 1990,
+        "currency": "INR", "status": "captured", "order_id": "order_c2"}));
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, &pool).unwrap();
+    let r =
+        payfleet::payments::reconcile::run(&pool, &gateways, &crate::reconcile::settings(10, 0))
+            .await
+            .unwrap();
+    assert_eq!(r.found, 1, "{r:?}");
+    let asked = |uri: &'static str| {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.method == Method::POST && s.uri.starts_with(uri))
+            .count()
+    };
+    wait_for("given back, and the stop asked", Duration::from_secs(30), async || {
+        asked("/v1/payments/pay_2b/refund") == 1
+            && asked("/v1/subscriptions/sub_R1/cancel") == 1
+            && sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM jobs WHERE kind IN ('stop_unstarted_subscription', 'refund_payment')",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                == 0
+    })
+    .await;
+    let sold: Vec<i64> = renewals(&pool).await.into_iter().map(|r| r.4).collect();
+    assert_eq!(sold, [0], "no sale of a cycle after the end");
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
