@@ -467,11 +467,7 @@ async fn second_payment(
         session_id: session_id.to_owned(),
         payment_id: Some(payment_id.to_owned()),
         amount,
-        seller_account: session.as_ref().and_then(|(_, m)| {
-            m.get("seller_account")
-                .and_then(serde_json::Value::as_str)
-                .map(str::to_owned)
-        }),
+        seller_account: session.as_ref().and_then(|(_, m)| super::seller_account(m)),
         reason: format!("a second payment ({payment_id}) on session {session_id}"),
         of_payment: true,
     };
@@ -956,11 +952,9 @@ async fn derive_and_apply(
         }
         None => None,
     };
-    let seller_account = session.as_ref().and_then(|(_, _, m, _)| {
-        m.get("seller_account")
-            .and_then(serde_json::Value::as_str)
-            .map(str::to_owned)
-    });
+    let seller_account = session
+        .as_ref()
+        .and_then(|(_, _, m, _)| super::seller_account(m));
     let give_back = |number: Option<i64>, reason: &str| RefundPayment {
         gateway,
         order_number: number,

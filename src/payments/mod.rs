@@ -330,17 +330,14 @@ impl Processor {
                 "gateway {gateway} is not enabled in this worker to ask"
             ))
         })?;
-        let seller_account = metadata
-            .as_ref()
-            .and_then(|m| m.get("seller_account"))
-            .and_then(serde_json::Value::as_str);
-        let state =
-            g.status(&session, seller_account)
-                .await
-                .map_err(|e| match e.is_transient() {
-                    true => ProcessError::Gateway(e),
-                    false => no_amount(format!("the gateway does not tell it ({e})")),
-                })?;
+        let seller_account = metadata.as_ref().and_then(seller_account);
+        let state = g
+            .status(&session, seller_account.as_deref())
+            .await
+            .map_err(|e| match e.is_transient() {
+                true => ProcessError::Gateway(e),
+                false => no_amount(format!("the gateway does not tell it ({e})")),
+            })?;
         let amount = match (state.status, state.amount) {
             (PaymentStatus::Succeeded, Some(amount)) => amount,
             (status, amount) => {
@@ -502,4 +499,13 @@ pub fn register(
         .add::<order_refunds::CarryOutRefund, _>(refunder)?
         .add::<subscriptions::StopUnstartedSubscription, _>(stopper)?;
     Ok(())
+}
+
+/// The seller's account at the gateway (a Stripe connected account), as the payment side
+/// recorded it in a session's metadata at checkout.
+pub(crate) fn seller_account(metadata: &serde_json::Value) -> Option<String> {
+    metadata
+        .get("seller_account")
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_owned)
 }

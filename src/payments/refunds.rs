@@ -301,10 +301,7 @@ pub async fn give_back_again(
         session_id: session.to_owned(),
         payment_id,
         amount: None,
-        seller_account: metadata
-            .get("seller_account")
-            .and_then(serde_json::Value::as_str)
-            .map(str::to_owned),
+        seller_account: super::seller_account(&metadata),
         reason: format!("asked again by an operator ({kind} on session {session})"),
         of_payment: second,
     };

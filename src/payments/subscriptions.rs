@@ -169,7 +169,7 @@ pub(super) async fn renewal(
                     session_id: session.clone(),
                     payment_id: payment.payment_id.clone(),
                     amount: paid,
-                    seller_account: seller_account(&first.metadata),
+                    seller_account: super::seller_account(&first.metadata),
                     reason: format!(
                         "a renewal of subscription {}, which started no subscription here (its first payment, of order {}, was given back)",
                         renewal.subscription, first.order_number
@@ -231,14 +231,6 @@ pub(super) async fn renewal(
     .execute(&mut *tx)
     .await?;
     apply::apply(tx, gateway, payment, facts, event_id).await
-}
-
-/// The seller's account at the gateway, as the first payment's session recorded it.
-fn seller_account(metadata: &serde_json::Value) -> Option<String> {
-    metadata
-        .get("seller_account")
-        .and_then(serde_json::Value::as_str)
-        .map(str::to_owned)
 }
 
 /// Whether a renewal's session (Stripe's invoice, ...) is recorded already: a retried charge

@@ -406,12 +406,16 @@ fn stripe_with_subscriptions(down: Arc<AtomicBool>) -> Router<Log> {
     )
 }
 
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn a_stripe_subscription_is_cancelled_at_stripe_first_then_here_once(pool: PgPool) {
-    let log = Log::default();
-    let down = Arc::new(AtomicBool::new(false));
-    let base = stand_in(stripe_with_subscriptions(down.clone()), log.clone()).await;
-    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
+/// A Stripe subscription `sub_1` started by its order's paid checkout, against the stand-in
+/// with subscriptions (its requests in `log`, down while `down` is set): the shop, the order's
+/// number, the subscription's id here and the stand-in's base URL.
+async fn stripe_subscription_started(
+    pool: &PgPool,
+    log: &Log,
+    down: Arc<AtomicBool>,
+) -> (Shop, i64, String, String) {
+    let base = stand_in(stripe_with_subscriptions(down), log.clone()).await;
+    let (shop, order) = subscription_order(pool, "stripe", "BRL", with_stripe(base.clone())).await;
     let number = order["number"].as_i64().unwrap();
     let session = order["payment"]["session_id"].as_str().unwrap();
     deliver(
@@ -423,6 +427,14 @@ async fn a_stripe_subscription_is_cancelled_at_stripe_first_then_here_once(pool:
         .as_str()
         .unwrap()
         .to_owned();
+    (shop, number, id, base)
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_stripe_subscription_is_cancelled_at_stripe_first_then_here_once(pool: PgPool) {
+    let log = Log::default();
+    let down = Arc::new(AtomicBool::new(false));
+    let (shop, number, id, _) = stripe_subscription_started(&pool, &log, down.clone()).await;
     let to_subscriptions = || {
         log.lock()
             .unwrap()
@@ -557,19 +569,7 @@ async fn a_stripe_subscription_is_cancelled_at_stripe_first_then_here_once(pool:
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_subscription_stripe_ended_unannounced_ends_here_when_cancelled(pool: PgPool) {
     let log = Log::default();
-    let base = stand_in(stripe_with_subscriptions(Arc::default()), log.clone()).await;
-    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base.clone())).await;
-    let number = order["number"].as_i64().unwrap();
-    let session = order["payment"]["session_id"].as_str().unwrap();
-    deliver(
-        &shop,
-        &stripe(&session_completed("evt_1", session, Some("sub_1")), now()),
-    )
-    .await;
-    let id = subscription_of(&shop, number).await["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let (shop, number, id, base) = stripe_subscription_started(&pool, &log, Arc::default()).await;
     // Stripe ends it (its dunning gave up, say); the event saying so never comes.
     let ended = reqwest::Client::new()
         .delete(format!("{base}/v1/subscriptions/sub_1"))
