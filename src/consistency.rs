@@ -53,7 +53,9 @@
 //!   while a dispute of its payment is open is held on purpose, and not reported): its jobs ran out of attempts (the gateway down for
 //!   hours, a refund pending for days) and its event was lost; its amount is held from the
 //!   seller's payouts meanwhile. Asking for it again with its Idempotency-Key asks the gateway
-//!   again.
+//!   again (a `requested` one whose answer never came, first asked longer ago than the gateway
+//!   keeps its idempotency key, is not asked: it ends `failed`, for an operator to look at the
+//!   gateway: `payments::order_refunds::ASK_AGAIN_WITHIN`).
 //! - `payout_undecided`: a payout still waiting for the bank's answer a week after it was made
 //!   ([`PAYOUT_DECIDED_WITHIN`]): its amount is in transit, neither the seller's to spend nor
 //!   known to have reached them; an operator confirms it with the bank and records the answer
@@ -164,7 +166,9 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
            AND o.paid_at IS NULL
          UNION ALL
          SELECT format('unmatched %s session %s', u.gateway, u.session_id),
-                format('payment %s, no order asked for it', u.status)
+                CASE WHEN u.given_back_at IS NULL THEN format('payment %s, no order asked for it', u.status)
+                     ELSE format('payment %s, no order could take it; given back since %s and not refunded whole: payfleet money give-back %s %s asks the gateway again',
+                                 u.status, u.given_back_at, u.gateway, u.session_id) END
          FROM unmatched_payments u
          WHERE u.status IN ('succeeded', 'partially_refunded', 'disputed')
            AND u.updated_at < now() - make_interval(secs => $1)",
@@ -327,8 +331,11 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     }));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('order %s, refund request %s', q.order_number, q.id),
-                format('%s %s %s since %s, not recorded: POST /admin/orders/%s/refunds again with Idempotency-Key %s asks %s again',
-                       q.state, q.amount, q.currency, q.updated_at, q.order_number, q.idempotency_key, q.gateway)
+                format('%s %s %s since %s, not recorded: POST /admin/orders/%s/refunds again with Idempotency-Key %s asks %s again%s',
+                       q.state, q.amount, q.currency, q.updated_at, q.order_number, q.idempotency_key, q.gateway,
+                       CASE WHEN q.state = 'requested' AND q.first_asked_at IS NOT NULL
+                            THEN ' (its answer never came: asked again past the gateway''s idempotency window, it ends failed instead, for you to look at the gateway)'
+                            ELSE '' END)
          FROM refund_requests q
          WHERE q.state IN ('requested', 'accepted') AND q.updated_at < now() - interval '3 days'
            AND NOT EXISTS (SELECT 1 FROM payment_refunds r

@@ -366,6 +366,10 @@ pub fn start(
             orders::outbox::OrderOutbox,
         ));
         tokio::spawn(order_messages::keep_unrouted(broker.clone(), pool.clone()));
+        tokio::spawn(order_messages::keep_dead_lettered(
+            broker.clone(),
+            pool.clone(),
+        ));
         // Sales whose job stopped before posting them (ledger::poster): every worker sweeps.
         tokio::spawn(crate::ledger::poster::sweep(
             pool.clone(),

@@ -208,8 +208,9 @@ pub async fn hold_against_payouts(
 /// has not answered or has accepted, not yet recorded as refunds (the same requests an order's
 /// refunds count as taken, `payments::order_refunds`), found through the index of requests
 /// under way. A request held by its payment's open dispute (`refund_request_held`, migration
-/// 0072) is not asked of the gateway until the dispute ends, and the open dispute has taken the
-/// seller's share already: it is not held back from payouts a second time.
+/// 0072) counts too: the dispute took its own amount, not the request's, and whichever way it
+/// ends the refund may still be made (lost, on what the dispute left of the payment; won, with
+/// the dispute's share given back), so its share may still be taken from the seller.
 async fn refunds_under_way(
     tx: &mut sqlx::PgConnection,
     seller: &str,
@@ -220,8 +221,7 @@ async fn refunds_under_way(
          JOIN order_money o ON o.number = q.order_number
          WHERE o.seller_id = $1::uuid AND q.currency = $2 AND q.state IN ('requested', 'accepted')
            AND NOT EXISTS (SELECT 1 FROM payment_refunds r
-                            WHERE r.gateway = q.gateway AND r.refund_id = q.refund_id)
-           AND NOT refund_request_held(q.state, q.gateway, q.session_id)",
+                            WHERE r.gateway = q.gateway AND r.refund_id = q.refund_id)",
     )
     .bind(seller)
     .bind(currency.as_str())

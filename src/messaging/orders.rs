@@ -34,7 +34,7 @@ use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 
-use super::Broker;
+use super::{Broker, QueueUse};
 use crate::db::Kept;
 use crate::telemetry::MessageEvent;
 
@@ -220,7 +220,7 @@ async fn declare(channel: &Channel, broker: &Broker, routes: &Routes) -> lapin::
         .await?;
     let queue = |name: String| async move {
         broker
-            .declare_queue(&name, super::QueueUse::Service)
+            .declare_queue(&name, QueueUse::Service)
             .await
             .map(|_| name)
     };
@@ -602,6 +602,14 @@ pub async fn replay_dead(
             message_id: message_id.to_owned(),
         });
     }
+    // A consumer that gave up on it never recorded it handled; the dead-letter queue's keeper
+    // did (it kept it): forgotten, so that dead-lettered again it is kept again, not dropped as
+    // a repeat.
+    sqlx::query("DELETE FROM consumed_messages WHERE consumer = $1 AND message_id = $2")
+        .bind(consumer)
+        .bind(message_id)
+        .execute(&mut *tx)
+        .await?;
     if !outbox.publish_again(&mut tx, event).await? {
         return Err(ReplayMessageError::NotFromOutbox(message_id.to_owned()));
     }
@@ -623,16 +631,29 @@ pub async fn consume<H>(broker: Broker, pool: PgPool, queue: String, consumer: S
 where
     H: for<'c> Fn(OrderMessage, &'c mut PgConnection) -> Handled<'c> + Send + Sync + 'static,
 {
+    consume_as(broker, pool, (queue, QueueUse::Service), consumer, handler).await;
+}
+
+/// [`consume`] from a queue declared for `usage`.
+async fn consume_as<H>(
+    broker: Broker,
+    pool: PgPool,
+    (queue, usage): (String, QueueUse),
+    consumer: String,
+    handler: H,
+) where
+    H: for<'c> Fn(OrderMessage, &'c mut PgConnection) -> Handled<'c> + Send + Sync + 'static,
+{
     tokio::select! {
         _ = broker.stopped() => {}
-        _ = consume_until_stopped(&broker, &pool, &queue, &consumer, &handler) => {}
+        _ = consume_until_stopped(&broker, &pool, (&queue, usage), &consumer, &handler) => {}
     }
 }
 
 async fn consume_until_stopped<H>(
     broker: &Broker,
     pool: &PgPool,
-    queue: &str,
+    (queue, usage): (&str, QueueUse),
     consumer: &str,
     handler: &H,
 ) where
@@ -644,9 +665,7 @@ async fn consume_until_stopped<H>(
         let setup = async {
             let channel = connection.create_channel().await?;
             channel.basic_qos(32, BasicQosOptions::default()).await?;
-            broker
-                .declare_queue(&name, super::QueueUse::Service)
-                .await?;
+            broker.declare_queue(&name, usage).await?;
             let deliveries = channel
                 .basic_consume(
                     name.as_str().into(),
@@ -882,6 +901,50 @@ pub async fn prune_consumed(pool: &PgPool, older_than: Duration) -> Result<u64, 
             return Ok(pruned);
         }
     }
+}
+
+/// Who the order messages the broker dead-lettered are kept for in `message_failures`.
+pub const DEAD_LETTERED: &str = "dead-lettered";
+
+/// The dead-letter queue's consumer. The broker dead-letters a service's message it delivered
+/// its delivery limit's times without an answer (`PAYFLEET_AMQP_DELIVERY_LIMIT`: a database that
+/// answers but refuses every write, a consumer that dies on the message) or that a consumer
+/// refused: left in `{ns}.dead`, no operator's command, metric or check saw it, and the service
+/// never acted on it. Each is kept dead in `message_failures` under [`DEAD_LETTERED`], as a
+/// message a consumer gave up on: listed (`payfleet messages dead`), reported
+/// (`order_message_dead`) and replayed (`payfleet messages replay`,
+/// which sends it to every service again; each takes it once).
+pub async fn keep_dead_lettered(broker: Broker, pool: PgPool) {
+    consume_as(
+        broker,
+        pool,
+        ("dead".into(), QueueUse::Dead),
+        DEAD_LETTERED.into(),
+        |m: OrderMessage, tx: &mut PgConnection| {
+            let key = m.routing_key();
+            tracing::error!(routing_key = %key, message = %m.message_id, order = m.order_number,
+                "the broker dead-lettered an order message a service never handled: kept as dead (payfleet messages dead, replay)");
+            let body = serde_json::to_value(&m).unwrap_or_default();
+            Box::pin(async move {
+                sqlx::query(
+                    "INSERT INTO message_failures (consumer, message_id, routing_key, body, attempts, last_error, dead_at)
+                     VALUES ($1, $2, $3, $4, 1, $5, now())
+                     ON CONFLICT (consumer, message_id) DO UPDATE SET
+                         attempts = message_failures.attempts + 1, last_error = EXCLUDED.last_error,
+                         last_failed_at = now(), dead_at = COALESCE(message_failures.dead_at, now())",
+                )
+                .bind(DEAD_LETTERED)
+                .bind(&m.message_id)
+                .bind(&key)
+                .bind(body)
+                .bind("the broker dead-lettered it: a service's queue delivered it its delivery limit's times (PAYFLEET_AMQP_DELIVERY_LIMIT) without its consumer answering, or a consumer refused it")
+                .execute(&mut *tx)
+                .await?;
+                Ok(())
+            })
+        },
+    )
+    .await
 }
 
 /// The legacy queue's consumer: a message no service's queue binds is logged with its type and

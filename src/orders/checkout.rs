@@ -152,6 +152,19 @@ enum Claim {
     Written(i64, Vec<OrderView>),
 }
 
+/// A key as a claim finds it taken.
+#[derive(sqlx::FromRow)]
+struct StoredKey {
+    request_hash: Vec<u8>,
+    /// Its first complete answer, once stored.
+    response: Option<serde_json::Value>,
+    /// Its request's lock has not run out.
+    locked: bool,
+    /// Held by the request looking at it.
+    mine: bool,
+    checkout_id: Option<i64>,
+}
+
 /// How many times a claim looks again at a key that changed hands while it looked.
 const CLAIM_TURNS: usize = 3;
 
@@ -307,24 +320,32 @@ impl Checkout {
             if inserted.is_some() {
                 return Ok(Claim::Owned(None));
             }
-            let stored: Option<(Vec<u8>, Option<serde_json::Value>, bool)> = sqlx::query_as(
-                "SELECT request_hash, response, COALESCE(locked_until > now(), false)
+            let stored: Option<StoredKey> = sqlx::query_as(
+                "SELECT request_hash, response, COALESCE(locked_until > now(), false) AS locked,
+                        locked_by IS NOT DISTINCT FROM $3 AS mine, checkout_id
                  FROM idempotency_keys WHERE owner = $2 AND key = $1",
             )
             .bind(key.key)
             .bind(key.owner)
+            .bind(me)
             .fetch_optional(&self.pool)
             .await?;
-            let Some((stored_hash, response, locked)) = stored else {
+            let Some(stored) = stored else {
                 continue;
             };
-            if stored_hash != hash {
+            if stored.request_hash != hash {
                 return Err(CheckoutError::KeyReused);
             }
-            if let Some(answer) = response {
+            if let Some(answer) = stored.response {
                 return Ok(Claim::Answered(answer));
             }
-            if locked {
+            // Claimed by this very request: its writer's batch committed and then failed to say
+            // so (its deadline passed during the commit, or the connection dropped after it).
+            // The checkout is this request's to finish, not a 409 for the ~30 s of its lock.
+            if stored.mine {
+                return Ok(Claim::Owned(stored.checkout_id));
+            }
+            if stored.locked {
                 return Err(CheckoutError::KeyInUse);
             }
             // The first request ended without a complete answer (503, or it crashed): take over.
@@ -1738,6 +1759,66 @@ mod tests {
                 ),
             ]
         );
+    }
+
+    /// A request whose writer's batch committed and then failed to say so (its deadline passed
+    /// during the commit, its connection dropped after it) claims its key again and finds it
+    /// claimed, by itself: the checkout is its own to finish, not a 409 `idempotency_key_in_use`
+    /// for it and every retry while its own lock lasts. Another request's lock is still 409.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn a_request_that_finds_its_key_claimed_by_itself_goes_on_with_its_checkout(
+        pool: PgPool,
+    ) {
+        /// Never asked: the claim asks no link.
+        struct NoLinks;
+        impl PaymentLinks for NoLinks {
+            fn create<'a>(
+                &'a self,
+                _: &'a PaymentLinkRequest,
+            ) -> std::pin::Pin<
+                Box<
+                    dyn std::future::Future<
+                            Output = Result<PaymentLinkReply, crate::messaging::rpc::RpcError>,
+                        > + Send
+                        + 'a,
+                >,
+            > {
+                Box::pin(async { Err(crate::messaging::rpc::RpcError::NotConnected) })
+            }
+        }
+        let product = product(&pool).await;
+        let written = write(&pool, &[new_checkout("key-1", product).0]).await;
+        let Written::Created(checkout_id, _) = &written[0] else {
+            panic!("written")
+        };
+        let checkout = Checkout {
+            pool: pool.clone(),
+            links: Arc::new(NoLinks),
+            fee_percent: Decimal::from(10),
+            expiry: Duration::from_secs(900),
+            gateways: vec![GatewayName::Internal],
+            rpc_timeout: Duration::from_secs(5),
+            writer: Writer::start(pool.clone(), Decimal::from(10), Duration::from_secs(900)),
+        };
+        let hash: Vec<u8> =
+            sqlx::query_scalar("SELECT request_hash FROM idempotency_keys WHERE key = 'key-1'")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        let key = IdempotencyKey {
+            owner: "api-key",
+            key: "key-1",
+        };
+        match checkout.claim(key, &hash, "me-key-1", None).await {
+            Ok(Claim::Owned(Some(id))) => assert_eq!(id, *checkout_id),
+            Ok(_) => panic!("not its own checkout"),
+            Err(e) => panic!("{e}"),
+        }
+        match checkout.claim(key, &hash, "another", None).await {
+            Err(CheckoutError::KeyInUse) => {}
+            Ok(_) => panic!("another request took a key in use"),
+            Err(e) => panic!("{e}"),
+        }
     }
 
     #[sqlx::test(migrator = "crate::db::MIGRATOR")]

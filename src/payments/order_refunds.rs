@@ -424,6 +424,16 @@ pub enum CarriedOut {
 }
 
 /// How long a refund held by an open dispute waits before it looks again: disputes take weeks.
+/// How long after its first ask a refund request whose answer never came (a timeout, a 5xx, an
+/// answer we could not read) is asked of the gateway again, under the same idempotency key.
+/// Stripe keeps a key at least 24 hours and may forget it after; Razorpay and Mercado Pago
+/// promise no longer. Asked again once the gateway has forgotten the key, a refund it made the
+/// first time would be made a second time, and neither the ledger (the refunds are two refunds
+/// of one payment) nor any check could tell. The request's own retries (25 attempts) end well
+/// within it; what comes later (an operator's job retry, a dispute's hold ending, the request
+/// asked for again) ends the request instead, for an operator to look at the gateway.
+pub const ASK_AGAIN_WITHIN: std::time::Duration = std::time::Duration::from_secs(20 * 3600);
+
 pub const DISPUTE_HOLD: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// What the payment's disputes say of a refund asked for before them.
@@ -597,6 +607,43 @@ pub async fn carry_out(
         .get(p.gateway)
         .ok_or(RefundError::GatewayDisabled(p.gateway))?;
     let amount = p.amount()?;
+    // Stamped, and committed, before the gateway is first asked; read back on every later ask.
+    let first_ask: Option<(DateTime<Utc>, bool)> = sqlx::query_as(
+        "UPDATE refund_requests SET first_asked_at = COALESCE(first_asked_at, now())
+         WHERE id = $1 AND state = 'requested'
+         RETURNING first_asked_at, first_asked_at < now() - $2 * interval '1 second'",
+    )
+    .bind(id)
+    .bind(ASK_AGAIN_WITHIN.as_secs_f64())
+    .fetch_optional(pool)
+    .await?;
+    let Some((first_asked_at, forgotten)) = first_ask else {
+        // Answered meanwhile (its event, or another run of its job).
+        let view = get(pool, id).await?.ok_or(RefundError::NoRequest(id))?;
+        return Ok(CarriedOut::Answered(view));
+    };
+    if forgotten {
+        let failure = format!(
+            "the gateway never answered this refund, first asked for at {first_asked_at}, and may \
+             have forgotten its idempotency key since: asking again could refund twice, so it is \
+             not asked again. If the gateway made a refund of this payment for it, its refund event \
+             records it (see the order's refunds); if not, ask for a new refund with a new \
+             Idempotency-Key"
+        );
+        let ended = sqlx::query(
+            "UPDATE refund_requests SET state = 'failed', failure = $2, updated_at = now()
+             WHERE id = $1 AND state = 'requested'",
+        )
+        .bind(id)
+        .bind(&failure)
+        .execute(pool)
+        .await?;
+        if ended.rows_affected() == 1 {
+            tracing::warn!(refund_request = id, %first_asked_at, "a refund whose answer never came was not asked again past the gateway's idempotency window: ended for an operator");
+        }
+        let view = get(pool, id).await?.ok_or(RefundError::NoRequest(id))?;
+        return Ok(CarriedOut::Answered(view));
+    }
     let asked = gateway
         .refund(&RefundRequest {
             session_id: p.session_id.clone(),

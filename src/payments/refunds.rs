@@ -221,7 +221,7 @@ impl RefundPayment {
 #[derive(Debug, thiserror::Error)]
 pub enum GiveBackError {
     #[error(
-        "no payment of {gateway} session {session} is one its order could not take (late, or extra: the order paid already){}: only those are given back by this; an order's own payment is refunded by POST /admin/orders/{{number}}/refunds",
+        "no payment of {gateway} session {session} is one its order could not take (late, or extra: the order paid already; or of the wrong amount, or for a subscription that never started here){}: only those are given back by this; an order's own payment is refunded by POST /admin/orders/{{number}}/refunds",
         .payment.as_deref().map(|p| format!(" as payment {p}")).unwrap_or_default()
     )]
     NotToGiveBack {
@@ -240,8 +240,10 @@ pub enum GiveBackError {
 }
 
 /// Asks again to give back a payment its order could not take (a late or extra payment, as its
-/// order's `late_payment` or `extra_payment` message recorded it), for an operator once its
-/// give-back job ended dead (`payment_not_given_back`): a job keyed as the first, which asks the
+/// order's `late_payment` or `extra_payment` message recorded it; or one no order took, of the
+/// wrong amount or for a subscription that never started, given back once as it came), for an
+/// operator once its give-back job ended dead (`payment_not_given_back`,
+/// `captured_payment_unconfirmed`): a job keyed as the first, which asks the
 /// gateway under the same idempotency key, so what was given already is not given twice, and
 /// which looks at the payment as recorded when it runs (refunds and disputes since). Returns the
 /// job's id.
@@ -264,12 +266,47 @@ pub async fn give_back_again(
         }
         None => None,
     };
-    let (Some((number, metadata)), Some(not_taken)) = (session_of, found) else {
-        return Err(GiveBackError::NotToGiveBack {
-            gateway,
-            session: session.to_owned(),
-            payment: payment.map(str::to_owned),
-        });
+    // Or a payment no order could take at all (of the wrong amount, or a charge for a
+    // subscription that never started here), given back once when it came (`given_back_at`):
+    // once its job ended dead and was deleted, nothing else asks the gateway again.
+    let unmatched: Option<Option<String>> = if found.is_none() {
+        sqlx::query_scalar(
+            "SELECT payment_id FROM unmatched_payments
+             WHERE gateway = $1 AND session_id = $2 AND given_back_at IS NOT NULL
+               AND status IN ('succeeded', 'partially_refunded')
+               AND ($3::text IS NULL OR payment_id = $3)",
+        )
+        .bind(gateway)
+        .bind(session)
+        .bind(payment)
+        .fetch_optional(pool)
+        .await?
+    } else {
+        None
+    };
+    let (kind, number, metadata, payment_id) = match (session_of, found, unmatched) {
+        (Some((number, metadata)), Some(not_taken), _) => (
+            not_taken.kind.to_string(),
+            Some(number),
+            metadata,
+            payment.map(str::to_owned).or(not_taken.payment_id),
+        ),
+        (session_of, None, Some(unmatched)) => {
+            let (number, metadata) = session_of.unzip();
+            (
+                "a payment no order took".to_owned(),
+                number,
+                metadata.unwrap_or_default(),
+                payment.map(str::to_owned).or(unmatched),
+            )
+        }
+        _ => {
+            return Err(GiveBackError::NotToGiveBack {
+                gateway,
+                session: session.to_owned(),
+                payment: payment.map(str::to_owned),
+            });
+        }
     };
     // A refund of it the gateway accepted and has not settled: asking again now would be a
     // second refund once the gateway's idempotency window has passed.
@@ -281,8 +318,6 @@ pub async fn give_back_again(
     if settling {
         return Err(GiveBackError::UnderWay);
     }
-    let kind = not_taken.kind;
-    let payment_id = payment.map(str::to_owned).or(not_taken.payment_id);
     // A second payment on its session is keyed by itself; any other by its session.
     let second: bool = match &payment_id {
         Some(p) => sqlx::query_scalar(
@@ -297,7 +332,7 @@ pub async fn give_back_again(
     };
     let refund = RefundPayment {
         gateway,
-        order_number: Some(number),
+        order_number: number,
         session_id: session.to_owned(),
         payment_id,
         amount: None,

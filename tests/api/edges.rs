@@ -1255,6 +1255,91 @@ async fn an_accepted_refund_whose_job_ended_is_asked_about_again_when_asked_for_
     assert_eq!(settling().await.len(), 1);
 }
 
+/// A refund request whose gateway answer never came is asked again, under the same key, only
+/// while the gateway still keeps that key: asked again past it (an operator's job retry a day
+/// later, a dispute's hold ending), the gateway may have forgotten the key and would make a
+/// second refund of one the first ask made. So past it the request ends failed, saying why, and
+/// the gateway is not asked.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_whose_answer_never_came_is_not_asked_again_once_the_gateway_may_forget_its_key(
+    pool: PgPool,
+) {
+    let shop = crate::checkout::shop(pool.clone()).await;
+    let order = shop.one_order("20.00").await;
+    pay_and_wait(&shop, &order).await;
+    let new = payfleet::payments::order_refunds::NewRefund {
+        amount: Some("5.00".into()),
+        reason: String::new(),
+    };
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, &pool).unwrap();
+    let refunds = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM payment_refunds")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    // Each asked once before, its answer lost: one an hour ago, one 21 hours ago.
+    let mut requests = Vec::new();
+    for hours in [1i32, 21] {
+        let (request, _) =
+            payfleet::payments::order_refunds::request(&pool, 1, &format!("rf-lost-{hours}"), &new)
+                .await
+                .unwrap();
+        sqlx::query("DELETE FROM jobs WHERE kind = 'carry_out_refund'")
+            .execute(&pool)
+            .await
+            .unwrap();
+        sqlx::query(
+            "UPDATE refund_requests SET first_asked_at = now() - $2 * interval '1 hour' WHERE id = $1",
+        )
+        .bind(request.id)
+        .bind(hours)
+        .execute(&pool)
+        .await
+        .unwrap();
+        requests.push(request.id);
+    }
+    let state_of = async |id: i64| -> (String, Option<String>) {
+        sqlx::query_as("SELECT state, failure FROM refund_requests WHERE id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    // Within the window: asked again, and made.
+    payfleet::payments::order_refunds::carry_out(&pool, &gateways, requests[0])
+        .await
+        .unwrap();
+    assert_eq!(state_of(requests[0]).await.0, "succeeded");
+    assert_eq!(refunds().await, 1);
+    // Past it: not asked; ended for an operator, saying why.
+    payfleet::payments::order_refunds::carry_out(&pool, &gateways, requests[1])
+        .await
+        .unwrap();
+    let (state, failure) = state_of(requests[1]).await;
+    assert_eq!(state, "failed");
+    let failure = failure.unwrap_or_default();
+    assert!(
+        failure.contains("idempotency key") && failure.contains("refund twice"),
+        "{failure}"
+    );
+    assert_eq!(refunds().await, 1, "the gateway was asked again");
+    // A request never asked is asked however old it is.
+    let (third, _) = payfleet::payments::order_refunds::request(&pool, 1, "rf-new", &new)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE refund_requests SET created_at = now() - interval '2 days' WHERE id = $1")
+        .bind(third.id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    payfleet::payments::order_refunds::carry_out(&pool, &gateways, third.id)
+        .await
+        .unwrap();
+    assert_eq!(state_of(third.id).await.0, "succeeded");
+    assert_eq!(refunds().await, 2);
+}
+
 /// A refund request still under way days after it last moved (its jobs ran out of attempts, its
 /// event was lost) holds its amount from the seller's payouts: it is a finding, with how to
 /// re-drive it, until it is recorded; one held on purpose by an open dispute is not.
@@ -1606,6 +1691,68 @@ async fn a_second_payments_dispute_holds_its_give_back_and_is_seen_once_it_was_g
         undecided.len() == 1 && undecided[0].0.contains("dp_fourth"),
         "{undecided:?}"
     );
+}
+
+/// A payment no order could take (here of the wrong amount) is given back once, as it comes;
+/// once that give-back's job ended dead and was deleted, the unmatched payment is the finding
+/// and `payfleet money give-back` asks the gateway again, under the first give-back's key.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_payment_of_the_wrong_amount_not_given_back_is_given_back_again_by_an_operator(
+    pool: PgPool,
+) {
+    use payfleet::gateways::GatewayName;
+    use payfleet::payments::{GiveBackError, give_back_again};
+    let app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "internal", &["sess_w"], "19.90", "BRL").await;
+    sqlx::raw_sql(
+        "INSERT INTO internal_payments (session_id, gateway, order_number, attempt, amount, currency, metadata)
+         VALUES ('sess_w', 'internal', 1, 1, 19.90, 'BRL', '{}')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    deliver(
+        &app,
+        "wrong",
+        &about("payment.succeeded", "sess_w", "pay_w", Some("1.00")),
+    )
+    .await;
+    assert_eq!(refund_jobs(&pool).await.len(), 1);
+    // Its give-back died, and its dead job was deleted a week later.
+    sqlx::query("DELETE FROM jobs WHERE kind = 'refund_payment'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let found = findings_of(&pool, "captured_payment_unconfirmed").await;
+    assert!(
+        found
+            .iter()
+            .any(|(s, d)| s.contains("sess_w")
+                && d.contains("payfleet money give-back internal sess_w")),
+        "{found:?}"
+    );
+    give_back_again(&pool, GatewayName::Internal, "sess_w", None)
+        .await
+        .unwrap();
+    match give_back_again(&pool, GatewayName::Internal, "sess_w", None).await {
+        Err(GiveBackError::UnderWay) => {}
+        other => panic!("asked twice: {other:?}"),
+    }
+    step(&pool, &app.config, "payments").await;
+    process_events(&pool).await;
+    let given: Vec<(String, String)> =
+        sqlx::query_as("SELECT payment_id, amount::text FROM internal_refunds")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(given, vec![("pay_w".to_owned(), "1.0000".to_owned())]);
+    // Asked again once it is given back: nothing more to give.
+    step(&pool, &app.config, "payments").await;
+    process_events(&pool).await;
+    match give_back_again(&pool, GatewayName::Internal, "sess_w", None).await {
+        Err(GiveBackError::NotToGiveBack { .. }) => {}
+        other => panic!("given back whole, asked again: {other:?}"),
+    }
 }
 
 /// A payment its order could not take (the order paid already) whose give-back ended dead, and

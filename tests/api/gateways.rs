@@ -933,6 +933,33 @@ async fn razorpay_orders_payments_and_refunds_as_documented() {
     };
     assert_eq!(code.as_deref(), Some("BAD_REQUEST_ERROR"));
     assert!(message.contains("exceeds the captured amount"));
+    // The refund's idempotency key in Razorpay's documented alphabet: ten characters or more,
+    // letters, digits, hyphens and underscores only (a second payment's give-back is keyed
+    // `<session>:<payment>`; sent as it is, Razorpay refuses it, and the buyer is never paid back).
+    let key = log.lock().unwrap()[2]
+        .header("x-refund-idempotency")
+        .map(str::to_owned);
+    let key = key.expect("the refund carries its idempotency key");
+    assert!(
+        key.len() >= 10
+            && key
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'),
+        "{key}"
+    );
+    rzp.refund(&RefundRequest {
+        session_id: "order_Rz1".into(),
+        payment_id: "pay_Rz2".into(),
+        amount: brl("99.00"),
+        seller_account: None,
+        idempotency_key: "payfleet-refund-razorpay-order_Rz1:pay_Rz2".into(),
+    })
+    .await
+    .unwrap_err();
+    assert_eq!(
+        log.lock().unwrap()[3].header("x-refund-idempotency"),
+        Some("payfleet-refund-razorpay-order_Rz1--pay_Rz2")
+    );
 }
 
 /// A gateway's refund endpoint as it behaves when our client gives up waiting: it processes
@@ -1216,7 +1243,19 @@ async fn every_gateway_says_where_a_dispute_stands() {
     use payfleet::gateways::api::DisputeQuery;
     let status = Arc::new(Mutex::new("under_review"));
     let (s1, s2, s3) = (status.clone(), status.clone(), status.clone());
+    // What Razorpay's payment says it refunded: a closed dispute is won unless it was refunded.
+    let refunded = Arc::new(Mutex::new(0i64));
+    let r1 = refunded.clone();
     let api = Router::new()
+        .route(
+            "/rzp/v1/payments/{id}",
+            axum::routing::get(move |Path(id): Path<String>| {
+                let r = *r1.lock().unwrap();
+                async move {
+                    axum::Json(json!({"id": id, "entity": "payment", "status": "captured", "amount": 1990, "currency": "INR", "amount_refunded": r}))
+                }
+            }),
+        )
         .route(
             "/v1/disputes/{id}",
             axum::routing::get(move |Path(id): Path<String>| {
@@ -1280,6 +1319,13 @@ async fn every_gateway_says_where_a_dispute_stands() {
             gateway.name()
         );
     }
+    // Closed by a refund to the buyer: the refund's own event debits the seller, so the
+    // dispute's take-back stays until it is recorded.
+    *refunded.lock().unwrap() = 1990;
+    assert_eq!(
+        ask("closed", &rzp, query("disp_1", None)).await,
+        Some(DisputeStatus::Refunded)
+    );
     let seen = log.lock().unwrap().clone();
     let stripe_asked = seen.iter().find(|s| s.uri == "/v1/disputes/dp_1").unwrap();
     assert_eq!(stripe_asked.method, Method::GET);

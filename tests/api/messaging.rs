@@ -533,28 +533,13 @@ async fn a_message_its_consumer_always_fails_is_kept_dead_and_replayed_after_a_f
     assert!(orders::dead_messages(&pool, 10).await.unwrap().is_empty());
 }
 
-/// The first message waiting in the dead-letter queue `{namespace}.dead`, taken.
-async fn dead_lettered(amqp: &str, namespace: &str) -> Option<lapin::message::Delivery> {
-    let connection = lapin::Connection::connect(amqp, lapin::ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    let got = channel
-        .basic_get(
-            format!("{namespace}.dead").as_str().into(),
-            lapin::options::BasicGetOptions { no_ack: true },
-        )
-        .await
-        .unwrap();
-    let _ = connection.close(200, "done".into()).await;
-    got.map(|m| m.delivery)
-}
-
 /// Quorum queues (the default) count each delivery of a message; one its consumer keeps
 /// refusing (here: an outage that never ends, so it is requeued every time) goes to the
 /// dead-letter queue after `PAYFLEET_AMQP_DELIVERY_LIMIT` deliveries instead of looping forever.
+/// There the workers keep it dead for an operator, as a message a consumer gave up on (left in
+/// the queue, no command, metric or check saw it); replayed, it is sent to the services again.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn a_message_its_consumer_keeps_refusing_goes_to_the_dead_letter_queue(pool: PgPool) {
+async fn a_message_its_consumer_keeps_refusing_is_dead_lettered_kept_and_replayed(pool: PgPool) {
     let mut config = test_config();
     assert!(config.messaging.queues.quorum, "quorum queues by default");
     config.messaging.queues.delivery_limit = 2;
@@ -581,26 +566,60 @@ async fn a_message_its_consumer_keeps_refusing_goes_to_the_dead_letter_queue(poo
     ));
     let _worker = spawn_roles(pool.clone(), config.clone(), Roles::WORK).await;
     order_events(&pool, 1).await;
-    let amqp = config.amqp_url.expose().to_owned();
-    let ns = config.messaging.namespace.clone();
-    let mut dead = None;
+    let dead_lettered = async || {
+        orders::dead_messages(&pool, 10)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|m| m.consumer == orders::DEAD_LETTERED)
+            .collect::<Vec<_>>()
+    };
+    let mut kept = Vec::new();
     wait_for(
-        "the message dead-lettered",
+        "the message dead-lettered and kept",
         Duration::from_secs(30),
         async || {
-            dead = dead_lettered(&amqp, &ns).await;
-            dead.is_some()
+            kept = dead_lettered().await;
+            !kept.is_empty()
         },
     )
     .await;
-    let dead = dead.unwrap();
-    let message: OrderMessage = serde_json::from_slice(&dead.data).unwrap();
-    assert_eq!(message.routing_key(), "order.one_off.created");
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!(kept[0].routing_key, "order.one_off.created");
+    assert!(kept[0].last_error.contains("dead-lettered"), "{kept:?}");
     // Delivered the limit's times (and once more, which the broker dead-letters), no more.
     let tried = attempts.load(std::sync::atomic::Ordering::SeqCst);
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(attempts.load(std::sync::atomic::Ordering::SeqCst), tried);
     assert!((2..=3).contains(&tried), "{tried} deliveries");
+    // An operator sees it...
+    let findings = findings_of(&pool, "order_message_dead").await;
+    assert!(
+        findings
+            .iter()
+            .any(|(subject, _)| subject.contains(orders::DEAD_LETTERED)),
+        "{findings:?}"
+    );
+    // ... and replays it: sent to the service again, which tries it again; dead-lettered once
+    // more, it is kept again.
+    orders::replay_dead(
+        &pool,
+        &payfleet::orders::outbox::OrderOutbox,
+        orders::DEAD_LETTERED,
+        &kept[0].message_id,
+    )
+    .await
+    .unwrap();
+    assert!(dead_lettered().await.is_empty());
+    wait_for(
+        "delivered again and kept again",
+        Duration::from_secs(30),
+        async || {
+            attempts.load(std::sync::atomic::Ordering::SeqCst) > tried
+                && dead_lettered().await.len() == 1
+        },
+    )
+    .await;
 }
 
 /// The database gone (its port closed) while a service consumes: the message waits for it,
@@ -668,11 +687,8 @@ async fn a_database_outage_holds_a_services_messages_without_spending_their_deli
         async || handled(&pool, "fulfilment").await.len() == 1,
     )
     .await;
-    let amqp = config.amqp_url.expose().to_owned();
     assert!(
-        dead_lettered(&amqp, &config.messaging.namespace)
-            .await
-            .is_none(),
+        orders::dead_messages(&pool, 10).await.unwrap().is_empty(),
         "nothing dead-lettered"
     );
 }

@@ -656,7 +656,7 @@ async fn every_stripe_closing_status_decides_the_dispute(pool: PgPool) {
     for (n, (status, dispute, order)) in [
         ("won", "won", "paid"),
         ("warning_closed", "won", "paid"),
-        ("prevented", "won", "paid"),
+        ("prevented", "refunded", "paid"),
         ("lost", "lost", "charged_back"),
         ("charge_refunded", "refunded", "paid"),
         ("a_status_from_the_future", "open", "disputed"),

@@ -68,6 +68,26 @@ fn minor(m: &Money) -> Result<i64, GatewayError> {
         .ok_or_else(|| GatewayError::Refused(format!("{m} does not fit Razorpay's minor units")))
 }
 
+/// Our refund key as Razorpay takes it: at least ten characters, only letters, digits, hyphens
+/// and underscores (its documented alphabet; anything else is refused 400, so a refund keyed
+/// with it could never be made). A second payment's give-back is keyed `<session>:<payment>`:
+/// the colon becomes `--`, which neither Razorpay's ids (`order_…`, `pay_…`) nor our keys hold,
+/// so two keys stay two. Any other character is written as `-x` and its code in hex.
+fn refund_key(key: &str) -> String {
+    let mut safe = String::with_capacity(key.len() + 8);
+    for c in key.chars() {
+        match c {
+            'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-' => safe.push(c),
+            ':' => safe.push_str("--"),
+            c => safe.push_str(&format!("-x{:x}-", u32::from(c))),
+        }
+    }
+    while safe.len() < 10 {
+        safe.push('_');
+    }
+    safe
+}
+
 impl RazorpayGateway {
     /// The same client waiting at most `timeout` for an answer (a test's impatient client).
     pub fn with_timeout(mut self, timeout: Duration) -> Result<Self, reqwest::Error> {
@@ -156,6 +176,7 @@ impl RazorpayGateway {
     }
 
     async fn refund_payment(&self, r: &RefundRequest) -> Result<RefundReceipt, GatewayError> {
+        let key = refund_key(&r.idempotency_key);
         let refund: RzpRefund = read_json(
             NAME,
             self.http
@@ -163,10 +184,10 @@ impl RazorpayGateway {
                 .basic_auth(&self.key_id, Some(self.key_secret.expose()))
                 // Razorpay deduplicates refunds on this header (`receipt` is a reference
                 // only): a retry after a timeout is the same refund, not a second one.
-                .header("X-Refund-Idempotency", &r.idempotency_key)
+                .header("X-Refund-Idempotency", &key)
                 .json(&serde_json::json!({
                     "amount": minor(&r.amount)?,
-                    "receipt": r.idempotency_key,
+                    "receipt": key,
                 }))
                 .send()
                 .await,
@@ -216,7 +237,27 @@ impl RazorpayGateway {
             rzp_error,
         )
         .await?;
-        Ok(dispute.status.as_deref().and_then(dispute_status))
+        let status = dispute.status.as_deref().unwrap_or("");
+        // A closed dispute ended by a refund or on the transaction's details: its payment says
+        // which (`events::closed`).
+        let payment = if status == "closed" {
+            let id = dispute.payment_id.as_deref().unwrap_or(&q.payment_id);
+            Some(
+                read_json::<Value>(
+                    NAME,
+                    self.http
+                        .get(format!("{}/v1/payments/{id}", self.api))
+                        .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                        .send()
+                        .await,
+                    rzp_error,
+                )
+                .await?,
+            )
+        } else {
+            None
+        };
+        Ok(dispute_status(status, payment.as_ref()))
     }
 }
 
@@ -224,6 +265,7 @@ impl RazorpayGateway {
 #[derive(Deserialize)]
 struct RzpDispute {
     status: Option<String>,
+    payment_id: Option<String>,
 }
 
 impl RazorpayGateway {
@@ -301,5 +343,37 @@ impl RazorpayGateway {
             "created" | "authorized" | "captured" | "refunded" | "failed" => payment_status(raw),
             other => unknown_status(NAME, other),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refund_key;
+
+    fn razorpay_takes(key: &str) -> bool {
+        key.len() >= 10
+            && key
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    }
+
+    #[test]
+    fn refund_keys_are_written_in_razorpays_alphabet_and_stay_distinct() {
+        let first = "payfleet-refund-razorpay-order_Rz1";
+        let second = "payfleet-refund-razorpay-order_Rz1:pay_Rz2";
+        assert_eq!(
+            refund_key(first),
+            first,
+            "a key already valid is sent as it is"
+        );
+        assert_eq!(
+            refund_key(second),
+            "payfleet-refund-razorpay-order_Rz1--pay_Rz2"
+        );
+        let odd = ["r-1", "a:b", "a b/c", "ünï:x"];
+        for k in [first, second].into_iter().chain(odd) {
+            assert!(razorpay_takes(&refund_key(k)), "{k} -> {}", refund_key(k));
+        }
+        assert_ne!(refund_key(first), refund_key(second));
     }
 }

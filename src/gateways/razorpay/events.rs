@@ -18,12 +18,15 @@ pub fn payment_status(s: &str) -> PaymentStatus {
     }
 }
 
-/// Dispute entity `status`; `closed` is a dispute withdrawn in the merchant's favour. A status
-/// we do not know keeps the dispute's last known state.
-pub fn dispute_status(s: &str) -> Option<DisputeStatus> {
+/// Dispute entity `status`, with the payment it disputes where the status needs it: a `closed`
+/// dispute was closed either on the transaction's details the merchant gave, or by a refund to
+/// the buyer (Razorpay's dispute entity), and only the payment tells which ([`closed`]). A
+/// status we do not know keeps the dispute's last known state.
+pub fn dispute_status(s: &str, payment: Option<&Value>) -> Option<DisputeStatus> {
     match s {
         "open" | "under_review" => Some(DisputeStatus::Open),
-        "won" | "closed" => Some(DisputeStatus::Won),
+        "won" => Some(DisputeStatus::Won),
+        "closed" => Some(closed(payment)),
         "lost" => Some(DisputeStatus::Lost),
         other => {
             tracing::warn!(
@@ -32,6 +35,26 @@ pub fn dispute_status(s: &str) -> Option<DisputeStatus> {
             );
             None
         }
+    }
+}
+
+/// How a `closed` dispute ended, from the payment it disputes: refunded (in part or whole:
+/// `amount_refunded`, `refund_status`), it ended by a refund, whose own event gives the buyer's
+/// money back and debits the seller, so the dispute's take-back is kept until that refund is
+/// recorded ([`DisputeStatus::Refunded`]); read as won, the seller was credited back the money
+/// the refund then took again, and paid out meanwhile. Otherwise closed on the transaction's
+/// details: won.
+pub(crate) fn closed(payment: Option<&Value>) -> DisputeStatus {
+    let refunded = payment.is_some_and(|p| {
+        p.get("amount_refunded")
+            .and_then(Value::as_i64)
+            .is_some_and(|a| a > 0)
+            || str_at(p, "refund_status").is_some_and(|s| !s.is_empty())
+    });
+    if refunded {
+        DisputeStatus::Refunded
+    } else {
+        DisputeStatus::Won
     }
 }
 
@@ -144,8 +167,8 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
             let status = match k {
                 "payment.dispute.won" => Some(DisputeStatus::Won),
                 "payment.dispute.lost" => Some(DisputeStatus::Lost),
-                "payment.dispute.closed" => Some(DisputeStatus::Won),
-                _ => dispute_status(str_at(d, "status").unwrap_or("")),
+                "payment.dispute.closed" => Some(closed(payment)),
+                _ => dispute_status(str_at(d, "status").unwrap_or(""), payment),
             };
             let payment_id = payment_id.or_else(|| str_at(d, "payment_id"));
             return Ok(Interpretation::Update {
@@ -237,6 +260,45 @@ fn subscription_charge(v: &Value, charged: bool) -> Result<Interpretation, Event
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `closed` is Razorpay's word both for a dispute closed on the transaction's details (won)
+    /// and for one closed by a refund to the buyer: the payment the event carries says which.
+    #[test]
+    fn a_closed_dispute_is_won_unless_its_payment_was_refunded() {
+        let closed = |event: &str, status: &str, refunded: i64, refund_status: &str| {
+            format!(
+                r#"{{"event":"{event}","created_at":1,"contains":["payment","dispute"],"payload":{{"payment":{{"entity":{{"id":"pay_1","amount":1990,"currency":"INR","status":"captured","order_id":"order_1","amount_refunded":{refunded},"refund_status":{refund_status}}}}},"dispute":{{"entity":{{"id":"disp_1","payment_id":"pay_1","amount":1990,"currency":"INR","status":"{status}"}}}}}}}}"#
+            )
+        };
+        let status_of = |body: String| match interpret(body.as_bytes()).unwrap() {
+            Interpretation::Update { facts, .. } => match facts.as_slice() {
+                [Fact::Dispute { status, .. }] => *status,
+                other => panic!("{other:?}"),
+            },
+            _ => panic!("not an update"),
+        };
+        for event in ["payment.dispute.closed", "payment.dispute.action_required"] {
+            assert_eq!(
+                status_of(closed(event, "closed", 0, "null")),
+                Some(DisputeStatus::Won),
+                "{event}"
+            );
+            assert_eq!(
+                status_of(closed(event, "closed", 1990, r#""full""#)),
+                Some(DisputeStatus::Refunded),
+                "{event}"
+            );
+            assert_eq!(
+                status_of(closed(event, "closed", 0, r#""partial""#)),
+                Some(DisputeStatus::Refunded),
+                "{event}"
+            );
+        }
+        assert_eq!(
+            status_of(closed("payment.dispute.won", "won", 1990, r#""full""#)),
+            Some(DisputeStatus::Won)
+        );
+    }
 
     #[test]
     fn a_subscription_charge_is_its_cycles_renewal_and_its_invoice_payment_is_not_a_new_order() {

@@ -39,18 +39,21 @@ pub fn intent_status(s: &str) -> PaymentStatus {
     }
 }
 
-/// Dispute `status`. `warning_closed` (an inquiry that never became a chargeback) and
-/// `prevented` (stopped before it was filed) end in the seller's favour; `charge_refunded`
-/// closes it because the charge was refunded, which the refund events account for. A status
-/// we do not know is `None`: the dispute keeps its last known state.
+/// Dispute `status`. `warning_closed` (an inquiry that never became a chargeback) ends in the
+/// seller's favour. `charge_refunded` closes it because the charge was refunded, and so does
+/// `prevented`: a chargeback stopped before it was filed by a prevention programme (Visa's Rapid
+/// Dispute Resolution), which settles it by refunding the buyer at once. The refund events
+/// account for that money, so the dispute's take-back is kept until they are recorded; read as
+/// won, it was credited back to the seller, paid out, and then taken again by the refund. A
+/// status we do not know is `None`: the dispute keeps its last known state.
 pub fn dispute_status(s: &str) -> Option<DisputeStatus> {
     match s {
         "warning_needs_response" | "warning_under_review" | "needs_response" | "under_review" => {
             Some(DisputeStatus::Open)
         }
-        "won" | "warning_closed" | "prevented" => Some(DisputeStatus::Won),
+        "won" | "warning_closed" => Some(DisputeStatus::Won),
         "lost" => Some(DisputeStatus::Lost),
-        "charge_refunded" => Some(DisputeStatus::Refunded),
+        "charge_refunded" | "prevented" => Some(DisputeStatus::Refunded),
         other => {
             tracing::warn!(
                 status = other,
@@ -534,7 +537,7 @@ mod tests {
             ("under_review", DisputeStatus::Open),
             ("won", DisputeStatus::Won),
             ("warning_closed", DisputeStatus::Won),
-            ("prevented", DisputeStatus::Won),
+            ("prevented", DisputeStatus::Refunded),
             ("lost", DisputeStatus::Lost),
             ("charge_refunded", DisputeStatus::Refunded),
         ] {
