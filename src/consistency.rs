@@ -167,6 +167,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
          UNION ALL
          SELECT format('unmatched %s session %s', u.gateway, u.session_id),
                 CASE WHEN u.given_back_at IS NULL THEN format('payment %s, no order asked for it', u.status)
+                     WHEN u.status = 'disputed' THEN format('payment %s, no order could take it; given back since %s, and disputed: the dispute decides what is left to give back', u.status, u.given_back_at)
                      ELSE format('payment %s, no order could take it; given back since %s and not refunded whole: payfleet money give-back %s %s asks the gateway again',
                                  u.status, u.given_back_at, u.gateway, u.session_id) END
          FROM unmatched_payments u
@@ -331,11 +332,11 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     }));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('order %s, refund request %s', q.order_number, q.id),
-                format('%s %s %s since %s, not recorded: POST /admin/orders/%s/refunds again with Idempotency-Key %s asks %s again%s',
-                       q.state, q.amount, q.currency, q.updated_at, q.order_number, q.idempotency_key, q.gateway,
-                       CASE WHEN q.state = 'requested' AND q.first_asked_at IS NOT NULL
-                            THEN ' (its answer never came: asked again past the gateway''s idempotency window, it ends failed instead, for you to look at the gateway)'
-                            ELSE '' END)
+                CASE WHEN q.state = 'requested' AND q.first_asked_at IS NOT NULL
+                     THEN format('requested %s %s, first asked of %s at %s, its answer never came: POST /admin/orders/%s/refunds again with Idempotency-Key %s asks %s again within 20 hours of that first ask; later it ends failed (refund_unconfirmed), for you to look at %s',
+                                 q.amount, q.currency, q.gateway, q.first_asked_at, q.order_number, q.idempotency_key, q.gateway, q.gateway)
+                     ELSE format('%s %s %s since %s, not recorded: POST /admin/orders/%s/refunds again with Idempotency-Key %s asks %s again',
+                                 q.state, q.amount, q.currency, q.updated_at, q.order_number, q.idempotency_key, q.gateway) END
          FROM refund_requests q
          WHERE q.state IN ('requested', 'accepted') AND q.updated_at < now() - interval '3 days'
            AND NOT EXISTS (SELECT 1 FROM payment_refunds r

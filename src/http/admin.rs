@@ -426,7 +426,7 @@ async fn unmatched(
         (status = 400, description = "`missing_idempotency_key`; `invalid_idempotency_key`.", body = ErrorBody),
         (status = 404, description = "`not_found`: no such order.", body = ErrorBody),
         (status = 409, description = "`order_not_refundable`; `idempotency_key_in_use` (its first request is still asking the gateway).", body = ErrorBody),
-        (status = 422, description = "`refund_refused` (the gateway's reason); `refund_exceeds_payment`; `idempotency_key_reused`; `gateway_unavailable`; `invalid_request`.", body = ErrorBody),
+        (status = 422, description = "`refund_refused` (the gateway's reason); `refund_unconfirmed` (the gateway never answered within 20 hours of the first ask, and is not asked again: look at the gateway); `refund_exceeds_payment`; `idempotency_key_reused`; `gateway_unavailable`; `invalid_request`.", body = ErrorBody),
     ),
     security(("admin_token" = [])),
 )]
@@ -470,6 +470,14 @@ async fn refund_order(
     match view.state {
         RefundState::Succeeded => Ok((StatusCode::CREATED, Json(view))),
         RefundState::Requested | RefundState::Accepted => Ok((StatusCode::ACCEPTED, Json(view))),
+        RefundState::Failed if view.unanswered() => Err(ApiError::Unprocessable {
+            code: "refund_unconfirmed",
+            message: format!(
+                "refund request {} ended unconfirmed: {}",
+                view.id,
+                view.failure.as_deref().unwrap_or_default()
+            ),
+        }),
         RefundState::Failed | RefundState::Canceled => Err(ApiError::Unprocessable {
             code: "refund_refused",
             message: format!(

@@ -7,6 +7,11 @@
 //!   a deadline for the whole body, where tower-http's body timeout restarts at every chunk and
 //!   would let a sender trickle a byte every 29 s), or the request is refused (408) and its
 //!   connection closed;
+//! - a request whose answer is not ready within `answer_timeout` (60 s) is answered 503
+//!   `answer_timeout` and its handler dropped (its open transaction rolls back): a handler
+//!   waiting on a lock a partitioned worker holds, or on a database that stopped answering,
+//!   would otherwise hold its connection, and a pool connection, for as long as that lasts
+//!   (PostgreSQL notices a vanished client only after its TCP keepalive, two hours by default);
 //! - a response the client stops reading (its socket's buffers full, nothing taken for
 //!   `write_timeout`, 30 s) ends its connection ([`StallGuard`]): hyper has no timer while it
 //!   writes, and a client that sends a request and never reads the answer would otherwise hold
@@ -49,6 +54,10 @@ pub struct HttpSettings {
     pub body_timeout: std::time::Duration,
     /// A connection whose client takes nothing of a response for this long is closed.
     pub write_timeout: std::time::Duration,
+    /// A request whose handler has not answered within this is answered 503 and the handler
+    /// dropped. Above every handler's own bound (a checkout's is its payment links' timeout
+    /// and ten seconds; a gateway call's is its client's timeout).
+    pub answer_timeout: std::time::Duration,
     /// Connections served at once; more are closed as they arrive.
     pub max_connections: usize,
     /// Connections served at once from one client (an IPv4 address, an IPv6 /64), when no
@@ -62,8 +71,8 @@ pub struct HttpSettings {
 impl HttpSettings {
     /// `PAYFLEET_MAX_CONNECTIONS` (4096), `PAYFLEET_MAX_CONNECTIONS_PER_CLIENT` (256),
     /// `PAYFLEET_CLIENT_ADDRESS_HEADER` (unset); the
-    /// timeouts are fixed: 10 s for a request's head, 30 s for its body, 30 s for a response
-    /// the client reads nothing of.
+    /// timeouts are fixed: 10 s for a request's head, 30 s for its body, 60 s for its answer,
+    /// 30 s for a response the client reads nothing of.
     pub fn from_env(env: &dyn crate::env::Env) -> Result<Self, crate::env::Invalid> {
         use crate::env::{invalid, parsed, var};
         let max_connections = parsed(env, "PAYFLEET_MAX_CONNECTIONS", 4096usize)?;
@@ -97,6 +106,7 @@ impl HttpSettings {
             header_timeout: std::time::Duration::from_secs(10),
             body_timeout: std::time::Duration::from_secs(30),
             write_timeout: std::time::Duration::from_secs(30),
+            answer_timeout: std::time::Duration::from_secs(60),
             max_connections,
             max_connections_per_client,
             client_address_header,
@@ -167,14 +177,22 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let router = router.clone();
         let body_timeout = limits.body_timeout;
+        let answer_timeout = limits.answer_timeout;
         let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
             let mut router = router.clone();
             let mut req = req.map(|b| Body::new(DeadlineBody::new(b, body_timeout)));
             req.extensions_mut().insert(ConnectInfo(peer));
+            let (method, path) = (req.method().clone(), req.uri().path().to_owned());
             async move {
-                Ok::<_, Infallible>(match tower_service::Service::call(&mut router, req).await {
-                    Ok(resp) => resp,
-                    Err(never) => match never {},
+                let answer = tokio::time::timeout(
+                    answer_timeout,
+                    tower_service::Service::call(&mut router, req),
+                )
+                .await;
+                Ok::<_, Infallible>(match answer {
+                    Ok(Ok(resp)) => resp,
+                    Ok(Err(never)) => match never {},
+                    Err(_) => too_slow(&method, &path, answer_timeout),
                 })
             }
         });
@@ -200,6 +218,19 @@ pub async fn serve(
     }
     connections.abort_all();
     Ok(())
+}
+
+/// The answer to a request whose handler did not answer within `within`.
+fn too_slow(method: &axum::http::Method, path: &str, within: Duration) -> axum::response::Response {
+    tracing::warn!(%method, path, ?within, "a request did not finish within its answer timeout: answered 503, its handler dropped");
+    axum::response::IntoResponse::into_response(super::error::ApiError::DependencyDown {
+        code: "answer_timeout",
+        message: format!(
+            "the request did not finish within {} s and was stopped (a lock or the database held it); ask again, with the same Idempotency-Key where the endpoint takes one",
+            within.as_secs()
+        ),
+        detail: format!("{method} {path}"),
+    })
 }
 
 /// Connections refused for one reason, logged once per thousand, not once per connection: a
@@ -449,6 +480,7 @@ mod tests {
             header_timeout: Duration::from_millis(300),
             body_timeout: Duration::from_millis(300),
             write_timeout: Duration::from_millis(300),
+            answer_timeout: Duration::from_millis(300),
             max_connections,
             max_connections_per_client: max_connections,
             client_address_header: None,
@@ -469,6 +501,8 @@ mod tests {
                     }
                 }),
             )
+            // A handler held for ever (a lock never granted).
+            .route("/held", axum::routing::get(std::future::pending::<()>))
             // An answer larger than what the sockets between us buffer.
             .route(
                 "/large",
@@ -486,6 +520,34 @@ mod tests {
         let mut out = Vec::new();
         let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
         (String::from_utf8_lossy(&out).into_owned(), start.elapsed())
+    }
+
+    /// A handler that never answers (a lock a partitioned worker holds) is answered 503 in the
+    /// one error shape at the answer timeout, and the connection serves the next request.
+    #[tokio::test]
+    async fn a_handler_that_never_answers_is_answered_503_at_the_answer_timeout() {
+        let addr = start(limits(100)).await;
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let started = std::time::Instant::now();
+        s.write_all(b"GET /held HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut answer))
+            .await
+            .expect("answered")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        assert!(answer.contains(r#""code":"answer_timeout""#), "{answer}");
+        assert!(started.elapsed() < Duration::from_secs(3));
+        s.write_all(
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nab",
+        )
+        .await
+        .unwrap();
+        let (answer, _) = until_closed(&mut s).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     }
 
     #[tokio::test]

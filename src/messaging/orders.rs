@@ -602,14 +602,16 @@ pub async fn replay_dead(
             message_id: message_id.to_owned(),
         });
     }
-    // A consumer that gave up on it never recorded it handled; the dead-letter queue's keeper
-    // did (it kept it): forgotten, so that dead-lettered again it is kept again, not dropped as
-    // a repeat.
-    sqlx::query("DELETE FROM consumed_messages WHERE consumer = $1 AND message_id = $2")
-        .bind(consumer)
-        .bind(message_id)
-        .execute(&mut *tx)
-        .await?;
+    // The dead-letter queue's keeper recorded it taken when it kept it: forgotten, so that
+    // dead-lettered again it is kept again, not dropped as a repeat. (A service's own record
+    // stays: one that handled the message since keeps it handled once.)
+    if consumer == DEAD_LETTERED {
+        sqlx::query("DELETE FROM consumed_messages WHERE consumer = $1 AND message_id = $2")
+            .bind(consumer)
+            .bind(message_id)
+            .execute(&mut *tx)
+            .await?;
+    }
     if !outbox.publish_again(&mut tx, event).await? {
         return Err(ReplayMessageError::NotFromOutbox(message_id.to_owned()));
     }
@@ -734,16 +736,22 @@ async fn consume_until_stopped<H>(
             let mut pause = Duration::from_millis(500);
             let held_since = tokio::time::Instant::now();
             let mut given_up = false;
+            // The dead-letter queue's keeper holds its message for as long as the database will
+            // not take it, answering or not (refusing writes, say): no other consumer could
+            // keep it, and a broker that counts deliveries (a quorum queue's delivery limit,
+            // 20 by default since RabbitMQ 4) would drop a message requeued or returned too
+            // often, with no dead-letter queue behind this one.
+            let keeper = usage == QueueUse::Dead;
             while let Err(e) = &result
                 && crate::db::is_transient(e)
                 && channel.status().connected()
-                && !database_answers(pool).await
+                && (keeper || !database_answers(pool).await)
             {
                 // Held long enough: this process's database may be the only one gone (a
                 // partition, its own PgBouncer). Its channel closes, so the broker gives this
                 // message and the others it holds for it to consumers that can take them; it
                 // consumes again once its database answers.
-                if held_since.elapsed() >= HOLD_AT_MOST {
+                if !keeper && held_since.elapsed() >= HOLD_AT_MOST {
                     given_up = true;
                     break;
                 }

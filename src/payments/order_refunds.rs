@@ -423,17 +423,34 @@ pub enum CarriedOut {
     Held(RefundView),
 }
 
-/// How long a refund held by an open dispute waits before it looks again: disputes take weeks.
 /// How long after its first ask a refund request whose answer never came (a timeout, a 5xx, an
 /// answer we could not read) is asked of the gateway again, under the same idempotency key.
 /// Stripe keeps a key at least 24 hours and may forget it after; Razorpay and Mercado Pago
 /// promise no longer. Asked again once the gateway has forgotten the key, a refund it made the
 /// first time would be made a second time, and neither the ledger (the refunds are two refunds
-/// of one payment) nor any check could tell. The request's own retries (25 attempts) end well
-/// within it; what comes later (an operator's job retry, a dispute's hold ending, the request
-/// asked for again) ends the request instead, for an operator to look at the gateway.
+/// of one payment) nor any check could tell. The request's own retries (25 attempts, their
+/// backoff about 15 hours in all, 19 at the most) mostly end within it; what comes later (the
+/// last of them behind a backlog, an operator's job retry, a dispute's hold ending, the request
+/// asked for again) ends the request instead, for an operator to look at the gateway: it may
+/// leave a refund to ask for again, never one made twice.
 pub const ASK_AGAIN_WITHIN: std::time::Duration = std::time::Duration::from_secs(20 * 3600);
 
+/// How a request ended by [`ASK_AGAIN_WITHIN`] starts its failure.
+const UNANSWERED: &str = "the gateway never answered this refund";
+
+impl RefundView {
+    /// Ended because the gateway never answered within [`ASK_AGAIN_WITHIN`]: the gateway may or
+    /// may not have made it, which is not a refusal.
+    pub fn unanswered(&self) -> bool {
+        self.state == RefundState::Failed
+            && self
+                .failure
+                .as_deref()
+                .is_some_and(|f| f.starts_with(UNANSWERED))
+    }
+}
+
+/// How long a refund held by an open dispute waits before it looks again: disputes take weeks.
 pub const DISPUTE_HOLD: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// What the payment's disputes say of a refund asked for before them.
@@ -624,7 +641,7 @@ pub async fn carry_out(
     };
     if forgotten {
         let failure = format!(
-            "the gateway never answered this refund, first asked for at {first_asked_at}, and may \
+            "{UNANSWERED}, first asked for at {first_asked_at}, and may \
              have forgotten its idempotency key since: asking again could refund twice, so it is \
              not asked again. If the gateway made a refund of this payment for it, its refund event \
              records it (see the order's refunds); if not, ask for a new refund with a new \

@@ -1306,12 +1306,21 @@ async fn a_refund_whose_answer_never_came_is_not_asked_again_once_the_gateway_ma
             .await
             .unwrap()
     };
-    // Within the window: asked again, and made.
+    let first_asked = async |id: i64| -> Option<chrono::DateTime<chrono::Utc>> {
+        sqlx::query_scalar("SELECT first_asked_at FROM refund_requests WHERE id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let before = first_asked(requests[0]).await;
+    // Within the window: asked again, and made; its first ask stays the first.
     payfleet::payments::order_refunds::carry_out(&pool, &gateways, requests[0])
         .await
         .unwrap();
     assert_eq!(state_of(requests[0]).await.0, "succeeded");
     assert_eq!(refunds().await, 1);
+    assert_eq!(first_asked(requests[0]).await, before);
     // Past it: not asked; ended for an operator, saying why.
     payfleet::payments::order_refunds::carry_out(&pool, &gateways, requests[1])
         .await
@@ -1324,10 +1333,26 @@ async fn a_refund_whose_answer_never_came_is_not_asked_again_once_the_gateway_ma
         "{failure}"
     );
     assert_eq!(refunds().await, 1, "the gateway was asked again");
-    // A request never asked is asked however old it is.
+    // Asked for again with its key: told it ended unconfirmed, not that the gateway refused.
+    let again = shop
+        .app
+        .anon
+        .post(format!("http://{}/admin/orders/1/refunds", shop.app.addr))
+        .bearer_auth(ADMIN_TOKEN)
+        .header("idempotency-key", "rf-lost-21")
+        .json(&json!({"amount": "5.00"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 422);
+    let body: serde_json::Value = again.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "refund_unconfirmed", "{body}");
+    assert_eq!(refunds().await, 1, "the gateway was asked again");
+    // A request never asked is asked however old it is, and its first ask is stamped.
     let (third, _) = payfleet::payments::order_refunds::request(&pool, 1, "rf-new", &new)
         .await
         .unwrap();
+    assert_eq!(first_asked(third.id).await, None);
     sqlx::query("UPDATE refund_requests SET created_at = now() - interval '2 days' WHERE id = $1")
         .bind(third.id)
         .execute(&pool)
@@ -1338,6 +1363,7 @@ async fn a_refund_whose_answer_never_came_is_not_asked_again_once_the_gateway_ma
         .unwrap();
     assert_eq!(state_of(third.id).await.0, "succeeded");
     assert_eq!(refunds().await, 2);
+    assert!(first_asked(third.id).await.is_some());
 }
 
 /// A refund request still under way days after it last moved (its jobs ran out of attempts, its

@@ -1267,7 +1267,9 @@ async fn every_gateway_says_where_a_dispute_stands() {
             "/rzp/v1/disputes/{id}",
             axum::routing::get(move |Path(id): Path<String>| {
                 let s = *s2.lock().unwrap();
-                async move { axum::Json(json!({"id": id, "entity": "dispute", "status": s})) }
+                async move {
+                    axum::Json(json!({"id": id, "entity": "dispute", "payment_id": "pay_Rz1", "amount": 1990, "currency": "INR", "status": s}))
+                }
             }),
         )
         .route(

@@ -622,6 +622,96 @@ async fn a_message_its_consumer_keeps_refusing_is_dead_lettered_kept_and_replaye
     .await;
 }
 
+/// A database that answers but refuses writes (a storage-full instance turned read-only) refuses
+/// the dead-letter keeper's record too: the keeper holds the message, unacknowledged, until it
+/// can keep it. Requeued instead, a dead-letter queue that counts deliveries (here a limit of 2,
+/// as RabbitMQ 4 gives every quorum queue 20) dropped it, with nothing behind it.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_dead_letter_keeper_holds_a_message_the_database_will_not_take_yet(pool: PgPool) {
+    let mut config = test_config();
+    config.messaging.queues.delivery_limit = 2;
+    // The dead-letter queue as a broker that counts its deliveries has it.
+    let (connection, channel, mut args) = own_channel(&config).await;
+    args.insert(
+        "x-queue-type".into(),
+        lapin::types::AMQPValue::LongString("quorum".into()),
+    );
+    args.insert(
+        "x-delivery-limit".into(),
+        lapin::types::AMQPValue::LongUInt(2),
+    );
+    channel
+        .queue_declare(
+            format!("{}.dead", config.messaging.namespace)
+                .as_str()
+                .into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .unwrap();
+    let _ = connection.close(200, "declared".into()).await;
+    // Writes to the kept messages refused, as a read-only database refuses them.
+    sqlx::raw_sql(
+        "CREATE TABLE refusing (on_ boolean NOT NULL);
+         INSERT INTO refusing VALUES (true);
+         CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF (SELECT on_ FROM refusing) THEN
+                 RAISE EXCEPTION 'cannot execute INSERT in a read-only transaction' USING ERRCODE = '25006';
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER refuse BEFORE INSERT ON message_failures FOR EACH ROW EXECUTE FUNCTION refuse();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let broker = Broker::start_with(
+        config.amqp_url.clone(),
+        &config.messaging.namespace,
+        config.messaging.queue_ttl_ms,
+        config.messaging.queues,
+    );
+    tokio::spawn(orders::consume(
+        broker.clone(),
+        pool.clone(),
+        "fulfilment".into(),
+        "test-refusing".into(),
+        move |_m: OrderMessage, _tx: &mut PgConnection| -> Handled<'_> {
+            Box::pin(async move { Err(sqlx::Error::PoolTimedOut) })
+        },
+    ));
+    let _worker = spawn_roles(pool.clone(), config.clone(), Roles::WORK).await;
+    order_events(&pool, 1).await;
+    wait_for("published", Duration::from_secs(30), async || {
+        unpublished_count(&pool).await == 0
+    })
+    .await;
+    // Requeued every half second, it would have passed the dead-letter queue's limit of 2.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(orders::dead_messages(&pool, 10).await.unwrap().is_empty());
+    sqlx::query("UPDATE refusing SET on_ = false")
+        .execute(&pool)
+        .await
+        .unwrap();
+    wait_for(
+        "kept once the database takes it",
+        Duration::from_secs(30),
+        async || {
+            orders::dead_messages(&pool, 10)
+                .await
+                .unwrap()
+                .iter()
+                .any(|m| m.consumer == orders::DEAD_LETTERED)
+        },
+    )
+    .await;
+}
+
 /// The database gone (its port closed) while a service consumes: the message waits for it,
 /// unacknowledged, and is handled once it is back. Requeued every half second instead, each
 /// delivery counted toward the quorum queue's limit, and an outage of a few minutes (here a few

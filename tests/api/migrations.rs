@@ -130,3 +130,20 @@ async fn a_history_that_stops_part_way_or_knows_a_newer_migration_is_refused(poo
     let e = payfleet::db::migrate(&pool).await.unwrap_err().to_string();
     assert!(e.contains("migration 9999"), "{e}");
 }
+
+/// A transaction a vanished client left open (a partitioned worker) ends after five idle
+/// minutes, not after the server's TCP keepalive (two hours), so its locks do not stall the
+/// sellers it holds: every new session of the fleet's database has the setting.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_transaction_left_idle_by_a_vanished_client_ends_after_five_minutes(pool: PgPool) {
+    use sqlx::Connection;
+    let mut fresh = sqlx::PgConnection::connect_with(&pool.connect_options())
+        .await
+        .unwrap();
+    let timeout: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
+        .fetch_one(&mut fresh)
+        .await
+        .unwrap();
+    assert_eq!(timeout, "5min");
+    fresh.close().await.unwrap();
+}

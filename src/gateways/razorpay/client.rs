@@ -227,7 +227,7 @@ impl RazorpayGateway {
 impl RazorpayGateway {
     /// The dispute entity (`GET /v1/disputes/{id}`).
     async fn dispute_state(&self, q: &DisputeQuery) -> Result<Option<DisputeStatus>, GatewayError> {
-        let dispute: RzpDispute = read_json(
+        let dispute: Value = read_json(
             NAME,
             self.http
                 .get(format!("{}/v1/disputes/{}", self.api, q.dispute_id))
@@ -237,11 +237,14 @@ impl RazorpayGateway {
             rzp_error,
         )
         .await?;
-        let status = dispute.status.as_deref().unwrap_or("");
+        let status = dispute.get("status").and_then(Value::as_str).unwrap_or("");
         // A closed dispute ended by a refund or on the transaction's details: its payment says
         // which (`events::closed`).
         let payment = if status == "closed" {
-            let id = dispute.payment_id.as_deref().unwrap_or(&q.payment_id);
+            let id = dispute
+                .get("payment_id")
+                .and_then(Value::as_str)
+                .unwrap_or(&q.payment_id);
             Some(
                 read_json::<Value>(
                     NAME,
@@ -257,15 +260,8 @@ impl RazorpayGateway {
         } else {
             None
         };
-        Ok(dispute_status(status, payment.as_ref()))
+        Ok(dispute_status(status, &dispute, payment.as_ref()))
     }
-}
-
-/// A dispute entity, as far as we read it.
-#[derive(Deserialize)]
-struct RzpDispute {
-    status: Option<String>,
-    payment_id: Option<String>,
 }
 
 impl RazorpayGateway {

@@ -18,15 +18,15 @@ pub fn payment_status(s: &str) -> PaymentStatus {
     }
 }
 
-/// Dispute entity `status`, with the payment it disputes where the status needs it: a `closed`
-/// dispute was closed either on the transaction's details the merchant gave, or by a refund to
-/// the buyer (Razorpay's dispute entity), and only the payment tells which ([`closed`]). A
-/// status we do not know keeps the dispute's last known state.
-pub fn dispute_status(s: &str, payment: Option<&Value>) -> Option<DisputeStatus> {
+/// Dispute entity `status`, with the dispute itself and the payment it disputes where the status
+/// needs them: a `closed` dispute was closed either on the transaction's details the merchant
+/// gave, or by a refund to the buyer (Razorpay's dispute entity), and only the payment tells
+/// which ([`closed`]). A status we do not know keeps the dispute's last known state.
+pub fn dispute_status(s: &str, dispute: &Value, payment: Option<&Value>) -> Option<DisputeStatus> {
     match s {
         "open" | "under_review" => Some(DisputeStatus::Open),
         "won" => Some(DisputeStatus::Won),
-        "closed" => Some(closed(payment)),
+        "closed" => closed(dispute, payment),
         "lost" => Some(DisputeStatus::Lost),
         other => {
             tracing::warn!(
@@ -38,24 +38,24 @@ pub fn dispute_status(s: &str, payment: Option<&Value>) -> Option<DisputeStatus>
     }
 }
 
-/// How a `closed` dispute ended, from the payment it disputes: refunded (in part or whole:
-/// `amount_refunded`, `refund_status`), it ended by a refund, whose own event gives the buyer's
-/// money back and debits the seller, so the dispute's take-back is kept until that refund is
-/// recorded ([`DisputeStatus::Refunded`]); read as won, the seller was credited back the money
-/// the refund then took again, and paid out meanwhile. Otherwise closed on the transaction's
-/// details: won.
-pub(crate) fn closed(payment: Option<&Value>) -> DisputeStatus {
-    let refunded = payment.is_some_and(|p| {
-        p.get("amount_refunded")
-            .and_then(Value::as_i64)
-            .is_some_and(|a| a > 0)
-            || str_at(p, "refund_status").is_some_and(|s| !s.is_empty())
-    });
-    if refunded {
+/// How a `closed` dispute ended, from the payment it disputes. Closed by a refund, the
+/// payment's refunds (`amount_refunded`) cover the disputed amount: the refund's own event gives
+/// the buyer's money back and debits the seller, so the dispute's take-back is kept until the
+/// recorded refunds cover it ([`DisputeStatus::Refunded`]); read as won, the seller was
+/// credited back the money the refund then took again, and paid out meanwhile. Refunds short of
+/// the disputed amount (a partial refund made before the dispute) did not close it: closed on
+/// the transaction's details, it is won (read as refunded, the part no refund covers would stay
+/// taken from the seller for good). Without the payment, or its refunds, nothing is decided:
+/// the dispute keeps its last known state, and reconciliation asks the payment itself
+/// (`GET /v1/payments/{id}`), since a decided dispute never changes again.
+pub(crate) fn closed(dispute: &Value, payment: Option<&Value>) -> Option<DisputeStatus> {
+    let refunded = payment?.get("amount_refunded").and_then(Value::as_i64)?;
+    let disputed = dispute.get("amount").and_then(Value::as_i64)?;
+    Some(if refunded >= disputed {
         DisputeStatus::Refunded
     } else {
         DisputeStatus::Won
-    }
+    })
 }
 
 /// The stored identity of a Razorpay event. Its `X-Razorpay-Event-Id` header is not signed, so
@@ -167,8 +167,8 @@ pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
             let status = match k {
                 "payment.dispute.won" => Some(DisputeStatus::Won),
                 "payment.dispute.lost" => Some(DisputeStatus::Lost),
-                "payment.dispute.closed" => Some(closed(payment)),
-                _ => dispute_status(str_at(d, "status").unwrap_or(""), payment),
+                "payment.dispute.closed" => closed(d, payment),
+                _ => dispute_status(str_at(d, "status").unwrap_or(""), d, payment),
             };
             let payment_id = payment_id.or_else(|| str_at(d, "payment_id"));
             return Ok(Interpretation::Update {
@@ -262,14 +262,17 @@ mod tests {
     use super::*;
 
     /// `closed` is Razorpay's word both for a dispute closed on the transaction's details (won)
-    /// and for one closed by a refund to the buyer: the payment the event carries says which.
+    /// and for one closed by a refund to the buyer: the payment the event carries says which,
+    /// by whether its refunds cover the disputed amount.
     #[test]
     fn a_closed_dispute_is_won_unless_its_payment_was_refunded() {
-        let closed = |event: &str, status: &str, refunded: i64, refund_status: &str| {
+        let with = |event: &str, status: &str, refunded: i64, disputed: i64| {
             format!(
-                r#"{{"event":"{event}","created_at":1,"contains":["payment","dispute"],"payload":{{"payment":{{"entity":{{"id":"pay_1","amount":1990,"currency":"INR","status":"captured","order_id":"order_1","amount_refunded":{refunded},"refund_status":{refund_status}}}}},"dispute":{{"entity":{{"id":"disp_1","payment_id":"pay_1","amount":1990,"currency":"INR","status":"{status}"}}}}}}}}"#
+                r#"{{"event":"{event}","created_at":1,"contains":["payment","dispute"],"payload":{{"payment":{{"entity":{{"id":"pay_1","amount":1990,"currency":"INR","status":"captured","order_id":"order_1","amount_refunded":{refunded},"refund_status":null}}}},"dispute":{{"entity":{{"id":"disp_1","payment_id":"pay_1","amount":{disputed},"currency":"INR","status":"{status}"}}}}}}}}"#
             )
         };
+        let closed =
+            |event: &str, status: &str, refunded: i64, _: &str| with(event, status, refunded, 1990);
         let status_of = |body: String| match interpret(body.as_bytes()).unwrap() {
             Interpretation::Update { facts, .. } => match facts.as_slice() {
                 [Fact::Dispute { status, .. }] => *status,
@@ -288,12 +291,21 @@ mod tests {
                 Some(DisputeStatus::Refunded),
                 "{event}"
             );
+            // A partial refund made before a dispute of the rest did not close it.
             assert_eq!(
-                status_of(closed(event, "closed", 0, r#""partial""#)),
+                status_of(with(event, "closed", 500, 1490)),
+                Some(DisputeStatus::Won),
+                "{event}"
+            );
+            assert_eq!(
+                status_of(with(event, "closed", 1990, 1490)),
                 Some(DisputeStatus::Refunded),
                 "{event}"
             );
         }
+        // No payment in the event: nothing decided; reconciliation asks the payment.
+        let bare = r#"{"event":"payment.dispute.closed","created_at":1,"contains":["dispute"],"payload":{"dispute":{"entity":{"id":"disp_1","payment_id":"pay_1","amount":1990,"currency":"INR","status":"closed"}}}}"#;
+        assert_eq!(status_of(bare.to_owned()), None);
         assert_eq!(
             status_of(closed("payment.dispute.won", "won", 1990, r#""full""#)),
             Some(DisputeStatus::Won)
