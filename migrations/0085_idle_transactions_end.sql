@@ -5,12 +5,13 @@
 -- new session of this database ends a transaction left idle for five minutes; no transaction
 -- of the fleet's waits that long between two statements (the longest, the relay's, waits for
 -- the broker's confirms, and is sent again if it is ended). Best effort: a role that may not
--- alter its database keeps the server's setting, and the migration says so.
+-- alter its database keeps the server's setting, and the migration warns (a NOTICE would be
+-- filtered out of the log).
 DO $$
 BEGIN
     EXECUTE format('ALTER DATABASE %I SET idle_in_transaction_session_timeout = %L',
                    current_database(), '5min');
 EXCEPTION WHEN insufficient_privilege THEN
-    RAISE NOTICE 'idle_in_transaction_session_timeout is not set for this database (%): ask its owner to set it', SQLERRM;
+    RAISE WARNING 'idle_in_transaction_session_timeout is not set for this database (%): ask its owner to set it', SQLERRM;
 END
 $$;

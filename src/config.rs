@@ -211,6 +211,7 @@ impl Config {
         let metrics_refresh = std::time::Duration::from_millis(metrics_refresh_ms);
         let public_url = http_url(env, "PAYFLEET_PUBLIC_URL", &format!("http://{bind}"))?;
         let gateways = crate::gateways::Settings::from_env(env, &public_url)?;
+        let messaging = crate::messaging::Settings::from_env(env)?;
         let host_name = var(env, "HOSTNAME")
             .or_else(|| {
                 std::fs::read_to_string("/etc/hostname")
@@ -234,10 +235,10 @@ impl Config {
             development: false,
             metrics_token,
             metrics_refresh,
-            http: HttpSettings::from_env(env)?,
+            http: HttpSettings::from_env(env)?.covering(messaging.rpc_timeout),
             orders: crate::orders::Settings::from_env(env)?,
             public_url,
-            messaging: crate::messaging::Settings::from_env(env)?,
+            messaging,
             recurring,
             ledger: crate::ledger::Settings::from_env(env)?,
             consistency: crate::consistency::Settings::from_env(env)?,

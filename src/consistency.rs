@@ -56,6 +56,12 @@
 //!   again (a `requested` one whose answer never came, first asked longer ago than the gateway
 //!   keeps its idempotency key, is not asked: it ends `failed`, for an operator to look at the
 //!   gateway: `payments::order_refunds::ASK_AGAIN_WITHIN`).
+//! - `refund_unconfirmed`: an operator's refund request ended `failed` because the gateway never
+//!   answered within `payments::order_refunds::ASK_AGAIN_WITHIN` of its first ask, so it was
+//!   not asked again: the gateway may have made the refund or not. Reported for 30 days after
+//!   it ended, until a refund of the same payment and amount that no other request made is
+//!   recorded since its first ask (the gateway's event records one it made); an operator looks
+//!   at the gateway and, if none was made, asks for a new refund.
 //! - `payout_undecided`: a payout still waiting for the bank's answer a week after it was made
 //!   ([`PAYOUT_DECIDED_WITHIN`]): its amount is in transit, neither the seller's to spend nor
 //!   known to have reached them; an operator confirms it with the bank and records the answer
@@ -95,6 +101,7 @@ pub const CHECKS: &[&str] = &[
     "refund_failed_after_done",
     "subscription_period_overdue",
     "refund_under_way_too_long",
+    "refund_unconfirmed",
     "payment_not_given_back",
     "coin_reservation_unsettled",
     "payout_undecided",
@@ -347,6 +354,25 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .fetch_all(pool)
     .await?;
     found.extend(violations("refund_under_way_too_long", rows));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('order %s, refund request %s', q.order_number, q.id),
+                format('%s %s ended unconfirmed at %s: first asked of %s at %s, its answer never came, and it was not asked again past the gateway''s idempotency window. Look at %s for a refund of this payment made for it (its event records one it made, and this finding goes); if none was made, ask for a new refund with a new Idempotency-Key. Reported for 30 days',
+                       q.amount, q.currency, q.updated_at, q.gateway, q.first_asked_at, q.gateway)
+         FROM refund_requests q
+         WHERE q.state = 'failed' AND starts_with(q.failure, $1)
+           AND q.updated_at > now() - interval '30 days'
+           AND NOT EXISTS (SELECT 1 FROM payment_refunds r
+                           JOIN payment_orders po ON po.id = r.payment_order_id
+                           WHERE po.gateway = q.gateway AND po.session_id = q.session_id
+                             AND r.amount = q.amount AND r.created_at >= q.first_asked_at
+                             AND NOT EXISTS (SELECT 1 FROM refund_requests o
+                                             WHERE o.gateway = r.gateway AND o.refund_id = r.refund_id))
+         ORDER BY q.updated_at LIMIT 1000",
+    )
+    .bind(crate::payments::order_refunds::UNANSWERED)
+    .fetch_all(pool)
+    .await?;
+    found.extend(violations("refund_unconfirmed", rows));
     // The extra payments the order side recorded (its `extra_payment` messages), each
     // looked up on the payment side.
     let extra = crate::orders::extra_payments(pool, grace).await?;

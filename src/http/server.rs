@@ -7,11 +7,13 @@
 //!   a deadline for the whole body, where tower-http's body timeout restarts at every chunk and
 //!   would let a sender trickle a byte every 29 s), or the request is refused (408) and its
 //!   connection closed;
-//! - a request whose answer is not ready within `answer_timeout` (60 s) is answered 503
-//!   `answer_timeout` and its handler dropped (its open transaction rolls back): a handler
-//!   waiting on a lock a partitioned worker holds, or on a database that stopped answering,
-//!   would otherwise hold its connection, and a pool connection, for as long as that lasts
-//!   (PostgreSQL notices a vanished client only after its TCP keepalive, two hours by default);
+//! - a request whose answer is not ready within `answer_timeout` (60 s, or more where the
+//!   payment links' timeout needs it: [`HttpSettings::covering`]) is answered 503
+//!   `answer_timeout` and its handler dropped: a client waiting on a lock a partitioned worker
+//!   holds, or on a database that stopped answering, is answered then. The statement it was
+//!   waiting on is not cancelled: its pool connection comes back once the lock is granted,
+//!   which the database's five-minute end of idle transactions bounds (migration 0085; without
+//!   it, PostgreSQL notices a vanished client after its TCP keepalive, two hours by default);
 //! - a response the client stops reading (its socket's buffers full, nothing taken for
 //!   `write_timeout`, 30 s) ends its connection ([`StallGuard`]): hyper has no timer while it
 //!   writes, and a client that sends a request and never reads the answer would otherwise hold
@@ -54,9 +56,8 @@ pub struct HttpSettings {
     pub body_timeout: std::time::Duration,
     /// A connection whose client takes nothing of a response for this long is closed.
     pub write_timeout: std::time::Duration,
-    /// A request whose handler has not answered within this is answered 503 and the handler
-    /// dropped. Above every handler's own bound (a checkout's is its payment links' timeout
-    /// and ten seconds; a gateway call's is its client's timeout).
+    /// A request whose handler has not answered within this (from its head) is answered 503
+    /// and the handler dropped. Above every handler's own bound ([`HttpSettings::covering`]).
     pub answer_timeout: std::time::Duration,
     /// Connections served at once; more are closed as they arrive.
     pub max_connections: usize,
@@ -111,6 +112,18 @@ impl HttpSettings {
             max_connections_per_client,
             client_address_header,
         })
+    }
+}
+
+impl HttpSettings {
+    /// These settings with an answer timeout that covers the longest request a handler may
+    /// still answer on its own: its body's whole time, then a checkout's or a coin payment's
+    /// wait for the payment side (`rpc_timeout`, up to two minutes) and the writes around it
+    /// (ten seconds), and a margin. 60 s at the least.
+    pub fn covering(mut self, rpc_timeout: Duration) -> Self {
+        let longest = self.body_timeout + rpc_timeout + Duration::from_secs(20);
+        self.answer_timeout = self.answer_timeout.max(longest);
+        self
     }
 }
 
@@ -520,6 +533,24 @@ mod tests {
         let mut out = Vec::new();
         let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
         (String::from_utf8_lossy(&out).into_owned(), start.elapsed())
+    }
+
+    #[test]
+    fn the_answer_timeout_covers_a_checkouts_own_deadline() {
+        let settings = HttpSettings {
+            answer_timeout: Duration::from_secs(60),
+            body_timeout: Duration::from_secs(30),
+            ..limits(1)
+        };
+        let with = |rpc_ms| {
+            settings
+                .clone()
+                .covering(Duration::from_millis(rpc_ms))
+                .answer_timeout
+        };
+        assert_eq!(with(5_000), Duration::from_secs(60));
+        // The longest payment-link wait allowed, after a body that took all its time.
+        assert_eq!(with(120_000), Duration::from_secs(170));
     }
 
     /// A handler that never answers (a lock a partitioned worker holds) is answered 503 in the

@@ -105,6 +105,9 @@ impl QueueKind {
     }
 }
 
+/// The dead-letter queue's delivery limit: a returned message is delivered again, never dropped.
+const DEAD_LETTERS_DELIVERY_LIMIT: u32 = 1_000_000_000;
+
 /// What a queue is for, which decides its arguments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum QueueUse {
@@ -323,6 +326,15 @@ impl Broker {
             args.insert(
                 "x-queue-type".into(),
                 AMQPValue::LongString("quorum".into()),
+            );
+        }
+        // The dead-letter queue has nothing behind it: a limit on its deliveries (RabbitMQ 4
+        // gives every quorum queue 20) would drop what its keeper returns while the database
+        // refuses to keep it. So it gets one too high to reach.
+        if usage == QueueUse::Dead && self.queues.is_quorum(usage) {
+            args.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongUInt(DEAD_LETTERS_DELIVERY_LIMIT),
             );
         }
         if usage == QueueUse::Service {

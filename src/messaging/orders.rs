@@ -755,8 +755,13 @@ async fn consume_until_stopped<H>(
                     given_up = true;
                     break;
                 }
-                tracing::warn!(queue = %name, message = %id, error = %payfleet_queue::error_chain(e),
-                    "the database is not answering: the order message waits for it, unacknowledged");
+                if keeper {
+                    tracing::error!(queue = %name, message = %id, held_for = ?held_since.elapsed(), error = %payfleet_queue::error_chain(e),
+                        "the database will not keep a dead-lettered order message: it is held, unacknowledged, until it does");
+                } else {
+                    tracing::warn!(queue = %name, message = %id, error = %payfleet_queue::error_chain(e),
+                        "the database is not answering: the order message waits for it, unacknowledged");
+                }
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(5));
                 result = handled().await;

@@ -435,8 +435,9 @@ pub enum CarriedOut {
 /// leave a refund to ask for again, never one made twice.
 pub const ASK_AGAIN_WITHIN: std::time::Duration = std::time::Duration::from_secs(20 * 3600);
 
-/// How a request ended by [`ASK_AGAIN_WITHIN`] starts its failure.
-const UNANSWERED: &str = "the gateway never answered this refund";
+/// How a request ended by [`ASK_AGAIN_WITHIN`] starts its failure (`refund_unconfirmed` finds
+/// them by it).
+pub const UNANSWERED: &str = "the gateway never answered this refund";
 
 impl RefundView {
     /// Ended because the gateway never answered within [`ASK_AGAIN_WITHIN`]: the gateway may or

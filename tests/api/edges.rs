@@ -1333,6 +1333,13 @@ async fn a_refund_whose_answer_never_came_is_not_asked_again_once_the_gateway_ma
         "{failure}"
     );
     assert_eq!(refunds().await, 1, "the gateway was asked again");
+    // Shown to an operator, who looks at the gateway.
+    let found = findings_of(&pool, "refund_unconfirmed").await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(
+        found[0].0,
+        format!("order 1, refund request {}", requests[1])
+    );
     // Asked for again with its key: told it ended unconfirmed, not that the gateway refused.
     let again = shop
         .app
@@ -1364,6 +1371,32 @@ async fn a_refund_whose_answer_never_came_is_not_asked_again_once_the_gateway_ma
     assert_eq!(state_of(third.id).await.0, "succeeded");
     assert_eq!(refunds().await, 2);
     assert!(first_asked(third.id).await.is_some());
+    // Another request's refund of the same amount is that request's: still shown.
+    assert_eq!(findings_of(&pool, "refund_unconfirmed").await.len(), 1);
+    // The gateway's event for the refund the lost ask made: recorded, and the finding goes.
+    let session = order["payment"]["session_id"].as_str().unwrap();
+    let payment: String = sqlx::query_scalar("SELECT payment_id FROM payment_orders")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    deliver(
+        &shop.app,
+        "refund-of-the-lost-ask",
+        &about_with(
+            "refund.succeeded",
+            session,
+            &payment,
+            json!({"refund_id": "irf_lost", "amount": "5.00", "currency": "BRL"}),
+        ),
+    )
+    .await;
+    wait_for(
+        "the lost ask's refund recorded",
+        std::time::Duration::from_secs(30),
+        async || refunds().await == 3,
+    )
+    .await;
+    assert!(findings_of(&pool, "refund_unconfirmed").await.is_empty());
 }
 
 /// A refund request still under way days after it last moved (its jobs ran out of attempts, its
