@@ -54,6 +54,21 @@ async fn pay_and_wait(shop: &crate::checkout::Shop, order: &serde_json::Value) {
     .await;
 }
 
+/// Order 1 of `amount` BRL on the internal gateway's `session`, with the simulator's own record
+/// of that session, for its refunds of what its signed events reported.
+async fn simulated_order(pool: &PgPool, session: &str, amount: &str) {
+    orders_for(pool, "internal", &[session], amount, "BRL").await;
+    sqlx::query(
+        "INSERT INTO internal_payments (session_id, gateway, order_number, attempt, amount, currency, metadata)
+         VALUES ($1, 'internal', 1, 1, $2::numeric, 'BRL', '{}')",
+    )
+    .bind(session)
+    .bind(amount)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// Order 1 on two sessions: its first attempt `sess_a`, and `sess_b`, made for its second
 /// attempt after the first failed (the order's own session now).
 async fn reopened_order(pool: &PgPool) {
@@ -1566,15 +1581,7 @@ async fn a_second_payments_dispute_holds_its_give_back_and_is_seen_once_it_was_g
 ) {
     use payfleet::payments::RefundPayment;
     let app = spawn_app(pool.clone()).await;
-    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
-    // The simulator's own session, for its refunds of what its signed events reported.
-    sqlx::query(
-        "INSERT INTO internal_payments (session_id, gateway, order_number, attempt, amount, currency, metadata)
-         VALUES ('sess_a', 'internal', 1, 1, 10, 'BRL', '{}')",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    simulated_order(&pool, "sess_a", "10.00").await;
     deliver(
         &app,
         "first",
@@ -1762,14 +1769,7 @@ async fn a_payment_of_the_wrong_amount_not_given_back_is_given_back_again_by_an_
     use payfleet::gateways::GatewayName;
     use payfleet::payments::{GiveBackError, give_back_again};
     let app = spawn_app(pool.clone()).await;
-    orders_for(&pool, "internal", &["sess_w"], "19.90", "BRL").await;
-    sqlx::raw_sql(
-        "INSERT INTO internal_payments (session_id, gateway, order_number, attempt, amount, currency, metadata)
-         VALUES ('sess_w', 'internal', 1, 1, 19.90, 'BRL', '{}')",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    simulated_order(&pool, "sess_w", "19.90").await;
     deliver(
         &app,
         "wrong",

@@ -533,22 +533,19 @@ async fn a_message_its_consumer_always_fails_is_kept_dead_and_replayed_after_a_f
     assert!(orders::dead_messages(&pool, 10).await.unwrap().is_empty());
 }
 
-/// Quorum queues (the default) count each delivery of a message; one its consumer keeps
-/// refusing (here: an outage that never ends, so it is requeued every time) goes to the
-/// dead-letter queue after `PAYFLEET_AMQP_DELIVERY_LIMIT` deliveries instead of looping forever.
-/// There the workers keep it dead for an operator, as a message a consumer gave up on (left in
-/// the queue, no command, metric or check saw it); replayed, it is sent to the services again.
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn a_message_its_consumer_keeps_refusing_is_dead_lettered_kept_and_replayed(pool: PgPool) {
-    let mut config = test_config();
-    assert!(config.messaging.queues.quorum, "quorum queues by default");
-    config.messaging.queues.delivery_limit = 2;
-    let broker = Broker::start_with(
+/// A broker client for `config`'s namespace and queues.
+fn broker_of(config: &payfleet::config::Config) -> Broker {
+    Broker::start_with(
         config.amqp_url.clone(),
         &config.messaging.namespace,
         config.messaging.queue_ttl_ms,
         config.messaging.queues,
-    );
+    )
+}
+
+/// A fulfilment consumer that refuses every message as an outage would (so it is requeued,
+/// uncounted by the consumer): how many times it was handed one.
+fn refusing_fulfilment(broker: &Broker, pool: &PgPool) -> Arc<std::sync::atomic::AtomicU32> {
     let attempts = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let counter = attempts.clone();
     tokio::spawn(orders::consume(
@@ -564,6 +561,21 @@ async fn a_message_its_consumer_keeps_refusing_is_dead_lettered_kept_and_replaye
             })
         },
     ));
+    attempts
+}
+
+/// Quorum queues (the default) count each delivery of a message; one its consumer keeps
+/// refusing (here: an outage that never ends, so it is requeued every time) goes to the
+/// dead-letter queue after `PAYFLEET_AMQP_DELIVERY_LIMIT` deliveries instead of looping forever.
+/// There the workers keep it dead for an operator, as a message a consumer gave up on (left in
+/// the queue, no command, metric or check saw it); replayed, it is sent to the services again.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_message_its_consumer_keeps_refusing_is_dead_lettered_kept_and_replayed(pool: PgPool) {
+    let mut config = test_config();
+    assert!(config.messaging.queues.quorum, "quorum queues by default");
+    config.messaging.queues.delivery_limit = 2;
+    let broker = broker_of(&config);
+    let attempts = refusing_fulfilment(&broker, &pool);
     let _worker = spawn_roles(pool.clone(), config.clone(), Roles::WORK).await;
     order_events(&pool, 1).await;
     let dead_lettered = async || {
@@ -670,21 +682,8 @@ async fn the_dead_letter_keeper_holds_a_message_the_database_will_not_take_yet(p
     .execute(&pool)
     .await
     .unwrap();
-    let broker = Broker::start_with(
-        config.amqp_url.clone(),
-        &config.messaging.namespace,
-        config.messaging.queue_ttl_ms,
-        config.messaging.queues,
-    );
-    tokio::spawn(orders::consume(
-        broker.clone(),
-        pool.clone(),
-        "fulfilment".into(),
-        "test-refusing".into(),
-        move |_m: OrderMessage, _tx: &mut PgConnection| -> Handled<'_> {
-            Box::pin(async move { Err(sqlx::Error::PoolTimedOut) })
-        },
-    ));
+    let broker = broker_of(&config);
+    refusing_fulfilment(&broker, &pool);
     let _worker = spawn_roles(pool.clone(), config.clone(), Roles::WORK).await;
     order_events(&pool, 1).await;
     wait_for("published", Duration::from_secs(30), async || {
@@ -728,12 +727,7 @@ async fn a_database_outage_holds_a_services_messages_without_spending_their_deli
         .await
         .unwrap();
     let proxy = DbProxy::for_database(&pool).await;
-    let broker = Broker::start_with(
-        config.amqp_url.clone(),
-        &config.messaging.namespace,
-        config.messaging.queue_ttl_ms,
-        config.messaging.queues,
-    );
+    let broker = broker_of(&config);
     // The consumer's pool gives up on a connection after a second (the default pool's five
     // would space the attempts too far apart for a short test).
     let options = (*pool.connect_options())
