@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lapin::types::AMQPValue;
 use payfleet::messaging::Broker;
 use payfleet::messaging::orders::{self, Handled, OrderMessage};
 use payfleet::startup::Roles;
@@ -643,29 +644,16 @@ async fn the_dead_letter_keeper_holds_a_message_the_database_will_not_take_yet(p
     let mut config = test_config();
     config.messaging.queues.delivery_limit = 2;
     // The dead-letter queue as a broker that counts its deliveries has it.
-    let (connection, channel, mut args) = own_channel(&config).await;
-    args.insert(
-        "x-queue-type".into(),
-        lapin::types::AMQPValue::LongString("quorum".into()),
-    );
-    args.insert(
-        "x-delivery-limit".into(),
-        lapin::types::AMQPValue::LongUInt(2),
-    );
-    channel
-        .queue_declare(
-            format!("{}.dead", config.messaging.namespace)
-                .as_str()
-                .into(),
-            lapin::options::QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            args,
-        )
-        .await
-        .unwrap();
-    let _ = connection.close(200, "declared".into()).await;
+    declare_queue(
+        &config,
+        &format!("{}.dead", config.messaging.namespace),
+        &[
+            ("x-queue-type", AMQPValue::LongString("quorum".into())),
+            ("x-delivery-limit", AMQPValue::LongUInt(2)),
+        ],
+    )
+    .await
+    .unwrap();
     // Writes to the kept messages refused, as a read-only database refuses them.
     sqlx::raw_sql(
         "CREATE TABLE refusing (on_ boolean NOT NULL);
@@ -783,16 +771,7 @@ async fn a_database_outage_holds_a_services_messages_without_spending_their_deli
 async fn a_classic_queue_from_before_quorum_queues_is_used_as_it_is(pool: PgPool) {
     let config = test_config();
     let ns = config.messaging.namespace.clone();
-    let (connection, channel, args) = own_channel(&config).await;
-    channel
-        .queue_declare(
-            format!("{ns}.fulfilment").as_str().into(),
-            lapin::options::QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            args,
-        )
+    declare_queue(&config, &format!("{ns}.fulfilment"), &[])
         .await
         .unwrap();
     let _fulfilment = service(&pool, &config, "fulfilment").await;
@@ -802,7 +781,6 @@ async fn a_classic_queue_from_before_quorum_queues_is_used_as_it_is(pool: PgPool
         handled(&pool, "fulfilment").await.len() == 3
     })
     .await;
-    let _ = connection.close(200, "done".into()).await;
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -855,14 +833,17 @@ async fn own_channel(
     (connection, channel, args)
 }
 
-/// Whether `queue` is a classic queue: the broker accepts a declaration of it as one only if it
-/// is (the type is among the arguments a queue's declarations must agree on).
-async fn declared_classic(config: &payfleet::config::Config, queue: &str) -> bool {
+/// Declares the durable `queue` on a connection of its own, as a broker would have it (another
+/// release, another setting), with the test's expiry and `extra` arguments.
+async fn declare_queue(
+    config: &payfleet::config::Config,
+    queue: &str,
+    extra: &[(&str, AMQPValue)],
+) -> Result<(), lapin::Error> {
     let (connection, channel, mut args) = own_channel(config).await;
-    args.insert(
-        "x-queue-type".into(),
-        lapin::types::AMQPValue::LongString("classic".into()),
-    );
+    for (name, value) in extra {
+        args.insert((*name).into(), value.clone());
+    }
     let declared = channel
         .queue_declare(
             queue.into(),
@@ -874,7 +855,14 @@ async fn declared_classic(config: &payfleet::config::Config, queue: &str) -> boo
         )
         .await;
     let _ = connection.close(200, "done".into()).await;
-    match declared {
+    declared.map(|_| ())
+}
+
+/// Whether `queue` is a classic queue: the broker accepts a declaration of it as one only if it
+/// is (the type is among the arguments a queue's declarations must agree on).
+async fn declared_classic(config: &payfleet::config::Config, queue: &str) -> bool {
+    let classic = AMQPValue::LongString("classic".into());
+    match declare_queue(config, queue, &[("x-queue-type", classic)]).await {
         Ok(_) => true,
         Err(e) => {
             assert!(e.to_string().contains("x-queue-type"), "{e}");
