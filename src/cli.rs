@@ -630,14 +630,25 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
         }
         MoneyAction::Invoices { .. } => {
             let zone = config.ledger.invoice_timezone;
-            let (start, end) = period.unwrap_or_else(|| {
-                invoices::previous_month(chrono::Utc::now().with_timezone(&zone).date_naive())
-            });
-            let numbers = invoices::run(&pool, start, end, zone).await?;
-            println!(
-                "{} invoices for {start} to {end}: {numbers:?}",
-                numbers.len()
-            );
+            match period {
+                Some((start, end)) => {
+                    let numbers = invoices::run(&pool, start, end, zone).await?;
+                    println!(
+                        "{} invoices for {start} to {end}: {numbers:?}",
+                        numbers.len()
+                    );
+                }
+                // What the recurring job does: every ended month not invoiced yet, a year back,
+                // each only once it has settled (a month invoiced in its first minutes would
+                // leave its last postings uninvoiced for ever).
+                None => {
+                    let numbers = invoices::run_due(&pool, chrono::Utc::now(), zone).await?;
+                    println!(
+                        "{} invoices for the ended months not invoiced yet: {numbers:?}",
+                        numbers.len()
+                    );
+                }
+            }
         }
         MoneyAction::GiveBack {
             gateway,

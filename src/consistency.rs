@@ -359,17 +359,10 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
                 format('%s %s ended unconfirmed at %s: first asked of %s at %s, its answer never came, and it was not asked again past the gateway''s idempotency window. Look at %s for a refund of this payment made for it (its event records one it made, and this finding goes); if none was made, ask for a new refund with a new Idempotency-Key. Reported for 30 days',
                        q.amount, q.currency, q.updated_at, q.gateway, q.first_asked_at, q.gateway)
          FROM refund_requests q
-         WHERE q.state = 'failed' AND starts_with(q.failure, $1)
-           AND q.updated_at > now() - interval '30 days'
-           AND NOT EXISTS (SELECT 1 FROM payment_refunds r
-                           JOIN payment_orders po ON po.id = r.payment_order_id
-                           WHERE po.gateway = q.gateway AND po.session_id = q.session_id
-                             AND r.amount = q.amount AND r.created_at >= q.first_asked_at
-                             AND NOT EXISTS (SELECT 1 FROM refund_requests o
-                                             WHERE o.gateway = r.gateway AND o.refund_id = r.refund_id))
+         WHERE q.state = 'failed' AND q.updated_at > now() - interval '30 days'
+           AND refund_request_unconfirmed(q)
          ORDER BY q.updated_at LIMIT 1000",
     )
-    .bind(crate::payments::order_refunds::UNANSWERED)
     .fetch_all(pool)
     .await?;
     found.extend(violations("refund_unconfirmed", rows));

@@ -66,6 +66,16 @@ pub struct PaymentState {
     pub subscription: Option<String>,
 }
 
+/// The payment that paid an invoice a gateway billed for a subscription, as its API tells it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvoicePayment {
+    /// The gateway's id of the payment (Stripe's PaymentIntent): what its refunds and disputes
+    /// name.
+    pub payment_id: String,
+    /// The platform's commission the gateway took on it, when it says.
+    pub fee: Option<Money>,
+}
+
 /// An event the gateway could not deliver to our webhook endpoint, as its API lists it: the
 /// same object a webhook carries.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -172,6 +182,21 @@ impl GatewayError {
         matches!(self, Self::Database(_) | Self::SharedDatabase(_))
     }
 
+    /// The gateway did not take the platform's own part of the request: it refused our
+    /// credentials (401, 403: a key revoked or rotated, or without access to the account asked
+    /// about), or answered what we cannot read. Neither is the caller's to mend, and the
+    /// gateway's words (a key's last characters, an account id) are for the log, not for the
+    /// caller.
+    pub fn is_the_platforms(&self) -> bool {
+        matches!(
+            self,
+            Self::Api {
+                status: 401 | 403,
+                ..
+            } | Self::Decode { .. }
+        )
+    }
+
     /// A short machine-readable code.
     pub fn code(&self) -> &str {
         match self {
@@ -230,6 +255,17 @@ pub trait PaymentGateway: Send + Sync {
         _seller_account: Option<&'a str>,
         _pace: std::time::Duration,
     ) -> GatewayFuture<'a, Option<Vec<UndeliveredEvent>>> {
+        Box::pin(async { Ok(None) })
+    }
+    /// The payment that paid `invoice`, an invoice it billed for a subscription, on the
+    /// seller's account when given: asked when the invoice's event does not name it (Stripe's
+    /// API versions since 2025-03-31 write no `payment_intent` or `application_fee_amount` on
+    /// an Invoice). `None`: the gateway bills no invoices, or names no paid payment of it.
+    fn invoice_payment<'a>(
+        &'a self,
+        _invoice: &'a str,
+        _seller_account: Option<&'a str>,
+    ) -> GatewayFuture<'a, Option<InvoicePayment>> {
         Box::pin(async { Ok(None) })
     }
     /// Cancels a subscription it bills (`subscription`: its id there), now or at the end of
@@ -332,7 +368,8 @@ impl GatewayRegistry {
 /// place.
 macro_rules! payment_gateway {
     // With Stripe's list of undelivered events (`undelivered`), and subscriptions it bills and
-    // cancels (`subscriptions`, an inherent `end_subscription`).
+    // cancels (`subscriptions`, an inherent `end_subscription`), their invoices' payments asked
+    // of it (an inherent `invoice_paid_by`).
     ($ty:ty, undelivered, subscriptions) => {
         $crate::gateways::api::payment_gateway!(@impl $ty,
             fn undelivered_events<'a>(
@@ -342,6 +379,14 @@ macro_rules! payment_gateway {
                 pace: std::time::Duration,
             ) -> $crate::gateways::api::GatewayFuture<'a, Option<Vec<$crate::gateways::api::UndeliveredEvent>>> {
                 Box::pin(self.undelivered(since, seller_account, pace))
+            }
+
+            fn invoice_payment<'a>(
+                &'a self,
+                invoice: &'a str,
+                seller_account: Option<&'a str>,
+            ) -> $crate::gateways::api::GatewayFuture<'a, Option<$crate::gateways::api::InvoicePayment>> {
+                Box::pin(self.invoice_paid_by(invoice, seller_account))
             }
 
             $crate::gateways::api::payment_gateway!(@cancel);

@@ -480,10 +480,54 @@ impl Settings {
         real
     }
 
+    /// The gateways whose API credentials here are live ones, by the gateway's own prefixes:
+    /// Stripe's `sk_live_` and `rk_live_`, Razorpay's `rzp_live_`, Mercado Pago's production
+    /// `APP_USR-` (its sandbox's are `TEST-`). Their money is real.
+    pub fn live(&self) -> Vec<GatewayName> {
+        let mut live = Vec::new();
+        if let Some(api) = &self.stripe.api {
+            let key = api.secret_key.expose();
+            if key.starts_with("sk_live_") || key.starts_with("rk_live_") {
+                live.push(GatewayName::Stripe);
+            }
+        }
+        if let Some(api) = &self.mercadopago.api
+            && api.access_token.expose().starts_with("APP_USR-")
+        {
+            live.push(GatewayName::MercadoPago);
+        }
+        if let Some(api) = &self.razorpay.api
+            && api.key_id.starts_with("rzp_live_")
+        {
+            live.push(GatewayName::Razorpay);
+        }
+        live
+    }
+
     /// Refuses settings that are each valid but unsafe together: a simulated gateway where the
-    /// payment simulator is off, an internal-gateway secret beside a real acquirer.
+    /// payment simulator is off, or beside a gateway's live credentials; an internal-gateway
+    /// secret beside a real acquirer.
     pub fn check(&self) -> Result<(), SettingsError> {
         self.hosted.check()?;
+        // The simulator's pay button confirms orders no money paid: never where money is real.
+        // Sandbox credentials beside it are a preview's, and allowed.
+        let simulated = self.hosted.simulated();
+        let live = self.live();
+        if !simulated.is_empty() && !live.is_empty() {
+            let names = |g: &[GatewayName]| {
+                g.iter()
+                    .map(|g| g.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" and ")
+            };
+            return Err(SettingsError::Conflict(format!(
+                "the {} gateway's payments are simulated (a pay button that moves no money) and {} has live credentials here, so money is real: \
+                 turn PAYFLEET_PAYMENT_SIMULATOR off and unset MOCK_WEBHOOK_SECRET and INTERNAL_WEBHOOK_SECRET (the internal gateway collects through Stripe with PAYFLEET_INTERNAL_ACQUIRER=stripe), \
+                 or use the gateway's sandbox credentials",
+                names(&simulated),
+                names(&live)
+            )));
+        }
         if self.hosted.acquirer().is_some() && !self.stripe.receives_platform_events() {
             return Err(SettingsError::Conflict(
                 "PAYFLEET_INTERNAL_ACQUIRER=stripe needs STRIPE_SECRET_KEY and the platform endpoint's signing secret (STRIPE_PLATFORM_WEBHOOK_SECRET, or STRIPE_WEBHOOK_SECRET): the platform account's events confirm its payments".into(),

@@ -394,11 +394,15 @@ impl From<CancelAtGatewayError> for ApiError {
                 message,
             },
             CancelAtGatewayError::Gateway(GatewayError::Database(e)) => e.into(),
-            CancelAtGatewayError::Gateway(e) if e.is_transient() || e.is_ours() => Self::DependencyDown {
+            CancelAtGatewayError::Gateway(e)
+                if e.is_transient() || e.is_ours() || e.is_the_platforms() =>
+            {
+                Self::DependencyDown {
                 code: "gateway_unavailable",
                 message: "the gateway could not be asked to cancel the subscription; nothing changed, try again".into(),
                 detail: payfleet_queue::error_chain(&e),
-            },
+                }
+            }
             CancelAtGatewayError::Gateway(e) => Self::Conflict {
                 code: "gateway_refused",
                 message: format!("the gateway refused to cancel the subscription: {e}"),

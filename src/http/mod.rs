@@ -225,6 +225,16 @@ async fn utf8_path(
     next.run(req).await
 }
 
+/// A request's id: the caller's `x-request-id` when it sends a sane one, else a new one.
+pub(super) fn request_id(headers: &axum::http::HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 64 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_owned)
+        .unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()))
+}
+
 /// One span per request, with its method, route and id (the caller's `x-request-id` when it
 /// sends a sane one, else a new one), echoed in the answer's `x-request-id`; its time observed
 /// by route template and status class.
@@ -234,13 +244,7 @@ async fn request_span(
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     let started = std::time::Instant::now();
-    let id = req
-        .headers()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 64 && v.bytes().all(|b| b.is_ascii_graphic()))
-        .map(str::to_owned)
-        .unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()));
+    let id = request_id(req.headers());
     let route = req
         .extensions()
         .get::<axum::extract::MatchedPath>()

@@ -195,6 +195,12 @@ pub async fn serve(
             let mut router = router.clone();
             let mut req = req.map(|b| Body::new(DeadlineBody::new(b, body_timeout)));
             req.extensions_mut().insert(ConnectInfo(peer));
+            // The request's id, given here so that an answer the handler never gave (the
+            // answer timeout's) carries the same id as its logs.
+            let id = super::request_id(req.headers());
+            if let Ok(v) = axum::http::HeaderValue::from_str(&id) {
+                req.headers_mut().insert("x-request-id", v);
+            }
             let (method, path) = (req.method().clone(), req.uri().path().to_owned());
             async move {
                 let answer = tokio::time::timeout(
@@ -205,7 +211,7 @@ pub async fn serve(
                 Ok::<_, Infallible>(match answer {
                     Ok(Ok(resp)) => resp,
                     Ok(Err(never)) => match never {},
-                    Err(_) => too_slow(&method, &path, answer_timeout),
+                    Err(_) => too_slow(&method, &path, answer_timeout, id),
                 })
             }
         });
@@ -233,17 +239,43 @@ pub async fn serve(
     Ok(())
 }
 
-/// The answer to a request whose handler did not answer within `within`.
-fn too_slow(method: &axum::http::Method, path: &str, within: Duration) -> axum::response::Response {
-    tracing::warn!(%method, path, ?within, "a request did not finish within its answer timeout: answered 503, its handler dropped");
-    axum::response::IntoResponse::into_response(super::error::ApiError::DependencyDown {
-        code: "answer_timeout",
-        message: format!(
-            "the request did not finish within {} s and was stopped (a lock or the database held it); ask again, with the same Idempotency-Key where the endpoint takes one",
-            within.as_secs()
-        ),
-        detail: format!("{method} {path}"),
-    })
+/// The answer to a request whose handler did not answer within `within`, with the request's
+/// id as every 5xx has it. Its path is logged up to its first segment: the rest may be a
+/// capability (a payment page's session).
+fn too_slow(
+    method: &axum::http::Method,
+    path: &str,
+    within: Duration,
+    id: String,
+) -> axum::response::Response {
+    let head = path
+        .trim_start_matches('/')
+        .split('/')
+        .next()
+        .unwrap_or_default();
+    let path = format!(
+        "/{head}{}",
+        if path.len() > head.len() + 1 {
+            "/…"
+        } else {
+            ""
+        }
+    );
+    let mut resp = super::error::REQUEST_ID.sync_scope(id.clone(), || {
+        tracing::warn!(%method, path, request_id = %id, ?within, "a request did not finish within its answer timeout: answered 503, its handler dropped");
+        axum::response::IntoResponse::into_response(super::error::ApiError::DependencyDown {
+            code: "answer_timeout",
+            message: format!(
+                "the request did not finish within {} s and was stopped (a lock or the database held it); ask again, with the same Idempotency-Key where the endpoint takes one",
+                within.as_secs()
+            ),
+            detail: format!("{method} {path}"),
+        })
+    });
+    if let Ok(v) = axum::http::HeaderValue::from_str(&id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
 }
 
 /// Connections refused for one reason, logged once per thousand, not once per connection: a
@@ -572,6 +604,17 @@ mod tests {
         assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
         assert!(answer.contains(r#""code":"answer_timeout""#), "{answer}");
         assert!(started.elapsed() < Duration::from_secs(3));
+        // Its id, as every 5xx carries it: in the body and the header, one and the same.
+        let id = answer
+            .lines()
+            .find_map(|l| l.strip_prefix("x-request-id: "))
+            .expect("an x-request-id header")
+            .trim()
+            .to_owned();
+        assert!(
+            answer.contains(&format!(r#""request_id":"{id}""#)),
+            "{answer}"
+        );
         s.write_all(
             b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nab",
         )

@@ -210,7 +210,10 @@ pub async fn hold_against_payouts(
 /// under way. A request held by its payment's open dispute (`refund_request_held`, migration
 /// 0072) counts too: the dispute took its own amount, not the request's, and whichever way it
 /// ends the refund may still be made (lost, on what the dispute left of the payment; won, with
-/// the dispute's share given back), so its share may still be taken from the seller.
+/// the dispute's share given back), so its share may still be taken from the seller. So does a
+/// request ended unanswered (`refund_request_unconfirmed`, migration 0087): the gateway may
+/// have made it, and its event would then take the seller's share, for as long as the
+/// consistency check `refund_unconfirmed` reports it.
 async fn refunds_under_way(
     tx: &mut sqlx::PgConnection,
     seller: &str,
@@ -219,9 +222,12 @@ async fn refunds_under_way(
     sqlx::query_scalar(
         "SELECT COALESCE(sum(q.amount), 0) FROM refund_requests q
          JOIN order_money o ON o.number = q.order_number
-         WHERE o.seller_id = $1::uuid AND q.currency = $2 AND q.state IN ('requested', 'accepted')
-           AND NOT EXISTS (SELECT 1 FROM payment_refunds r
-                            WHERE r.gateway = q.gateway AND r.refund_id = q.refund_id)",
+         WHERE o.seller_id = $1::uuid AND q.currency = $2
+           AND (q.state IN ('requested', 'accepted')
+                AND NOT EXISTS (SELECT 1 FROM payment_refunds r
+                                 WHERE r.gateway = q.gateway AND r.refund_id = q.refund_id)
+                OR q.state = 'failed' AND q.updated_at > now() - interval '30 days'
+                   AND refund_request_unconfirmed(q))",
     )
     .bind(seller)
     .bind(currency.as_str())

@@ -806,14 +806,29 @@ async fn record_dispute(
                     .into());
                 }
             }
+            // An order's dispute keeps what its payment's recorded refunds had given back when
+            // it was first recorded: only refunds recorded after it can be the refund that ends
+            // it (`ledger::sales::settle_take_backs`). First heard of as ended by a refund (its
+            // opening never came, or came later), its refund may be among those recorded
+            // already, so they count as its refund up to its amount, as they did before.
+            let status = status.unwrap_or(DisputeStatus::Open);
+            let (before_column, before_value) = match of {
+                DisputeOf::Order(_) => (
+                    ", refunded_before",
+                    ", (SELECT CASE WHEN $4 = 'refunded' THEN GREATEST(COALESCE(sum(r.amount), 0) - $5, 0)
+                                    ELSE COALESCE(sum(r.amount), 0) END
+                        FROM payment_refunds r WHERE r.payment_order_id = $1)",
+                ),
+                DisputeOf::Second(_) => ("", ""),
+            };
             sqlx::query(sqlx::AssertSqlSafe(format!(
-                "INSERT INTO {table} ({payment_column}, gateway, dispute_id, status, amount, currency)
-                 VALUES ($1, $2, $3, $4, $5, $6)"
+                "INSERT INTO {table} ({payment_column}, gateway, dispute_id, status, amount, currency{before_column})
+                 VALUES ($1, $2, $3, $4, $5, $6{before_value})"
             )))
             .bind(payment)
             .bind(gateway.as_str())
             .bind(dispute_id)
-            .bind(status.unwrap_or(DisputeStatus::Open))
+            .bind(status)
             .bind(amount.amount())
             .bind(amount.currency().to_string())
             .execute(&mut *tx)
@@ -1084,12 +1099,14 @@ async fn sync_ledger(
     }
     // Refunds, then disputes, each in the order recorded: the first key not posted carries what
     // is left to take (`settle_take_backs`).
-    let taken: Vec<(String, Decimal, Option<DisputeStatus>)> = sqlx::query_as(
-        "SELECT id, amount, status FROM (
-             SELECT 0 AS source, id AS seq, refund_id AS id, amount, NULL::text AS status
+    let taken: Vec<TakenBackRow> = sqlx::query_as(
+        "SELECT id, amount, status, refunded_before FROM (
+             SELECT 0 AS source, id AS seq, refund_id AS id, amount, NULL::text AS status,
+                    NULL::numeric AS refunded_before
              FROM payment_refunds WHERE payment_order_id = $1
              UNION ALL
-             SELECT 1, id, dispute_id, amount, status FROM payment_disputes WHERE payment_order_id = $1
+             SELECT 1, id, dispute_id, amount, status, refunded_before
+             FROM payment_disputes WHERE payment_order_id = $1
          ) t ORDER BY source, seq",
     )
     .bind(po_id)
@@ -1107,21 +1124,34 @@ async fn sync_ledger(
     };
     sales::record_sale(tx, &sale).await?;
     let mut facts = Vec::with_capacity(taken.len());
-    for (id, amount, status) in taken {
-        facts.push(match status {
+    for t in taken {
+        facts.push(match t.status {
             None => sales::TakeBack::Refund {
-                refund_id: id,
-                amount: money(amount)?,
+                refund_id: t.id,
+                amount: money(t.amount)?,
             },
             Some(status) => sales::TakeBack::Dispute {
-                dispute_id: id,
-                amount: money(amount)?,
+                dispute_id: t.id,
+                amount: money(t.amount)?,
                 status,
+                refunded_before: money(t.refunded_before.unwrap_or_default())?,
             },
         });
     }
     sales::settle_take_backs(tx, &sale, &facts).await?;
     Ok(None)
+}
+
+/// A refund or a dispute of a payment, as [`sync_ledger`] reads them.
+#[derive(sqlx::FromRow)]
+struct TakenBackRow {
+    id: String,
+    amount: Decimal,
+    /// `None`: a refund.
+    status: Option<DisputeStatus>,
+    /// A dispute's: what the refunds recorded before it had given back (`None`: recorded
+    /// before migration 0086, or a refund).
+    refunded_before: Option<Decimal>,
 }
 
 /// A payment no checkout asked for: kept for an operator, with its latest state.

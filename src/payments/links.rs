@@ -148,6 +148,18 @@ impl LinkService {
                                 "the payment side's database did not keep the session (its log has why)",
                                 e.is_transient(),
                             )
+                        } else if e.is_the_platforms() {
+                            // Our credentials, or an answer we cannot read: the platform's to
+                            // mend, so the caller is told to ask again (503), never that its
+                            // order was refused, and the gateway's words stay in the log.
+                            failed(
+                                "gateway_unavailable",
+                                format!(
+                                    "{} did not take the platform's request for a payment session (the payment side's log has why)",
+                                    r.gateway
+                                ),
+                                true,
+                            )
                         } else {
                             failed(e.code(), e.to_string(), e.is_transient())
                         });
@@ -454,10 +466,17 @@ mod tests {
         }
     }
 
-    /// A gateway whose sessions are ours, whose store refuses the row (a constraint of ours).
-    struct OursRefused;
+    /// A gateway that makes no session, failing with its error.
+    struct Failing(fn() -> crate::gateways::GatewayError);
 
-    impl crate::gateways::api::PaymentGateway for OursRefused {
+    /// A gateway whose sessions are ours, whose store refuses the row (a constraint of ours).
+    fn ours_refused() -> crate::gateways::GatewayError {
+        crate::gateways::GatewayError::Database(sqlx::Error::InvalidArgument(
+            "violates check constraint internal_payments_secret_rule".into(),
+        ))
+    }
+
+    impl crate::gateways::api::PaymentGateway for Failing {
         fn name(&self) -> GatewayName {
             GatewayName::Internal
         }
@@ -468,13 +487,8 @@ mod tests {
             &'a self,
             _: &'a SessionRequest,
         ) -> crate::gateways::api::GatewayFuture<'a, Session> {
-            Box::pin(async {
-                Err(crate::gateways::GatewayError::Database(
-                    sqlx::Error::InvalidArgument(
-                        "violates check constraint internal_payments_secret_rule".into(),
-                    ),
-                ))
-            })
+            let error = self.0;
+            Box::pin(async move { Err(error()) })
         }
         fn status<'a>(
             &'a self,
@@ -512,7 +526,7 @@ mod tests {
     #[sqlx::test(migrator = "crate::db::MIGRATOR")]
     async fn our_database_refusing_a_session_is_not_shown_as_the_gateways_refusal(pool: PgPool) {
         let mut gateways = GatewayRegistry::default();
-        gateways.register(Arc::new(OursRefused)).unwrap();
+        gateways.register(Arc::new(Failing(ours_refused))).unwrap();
         let service = LinkService { pool, gateways };
         match service.link(request(7)).await {
             PaymentLinkReply::Failed {
@@ -525,6 +539,61 @@ mod tests {
                 assert!(!message.contains("constraint"), "{message}");
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    /// The gateway refusing the platform's credentials (a key revoked or rotated) or answering
+    /// what cannot be read is not the caller's order refused: the checkout is told to ask again
+    /// (a 503), and the gateway's words (a key's tail) stay in the log.
+    #[sqlx::test(migrator = "crate::db::MIGRATOR")]
+    async fn the_gateway_refusing_our_credentials_is_not_the_orders_refusal(pool: PgPool) {
+        fn key_refused() -> crate::gateways::GatewayError {
+            crate::gateways::GatewayError::Api {
+                gateway: GatewayName::Internal,
+                status: 401,
+                code: None,
+                message: "Invalid API Key provided: sk_live_********1234".into(),
+            }
+        }
+        fn unreadable() -> crate::gateways::GatewayError {
+            crate::gateways::GatewayError::Decode {
+                gateway: GatewayName::Internal,
+                source: serde_json::from_str::<u8>("acct_1Secret").unwrap_err(),
+            }
+        }
+        fn amount_refused() -> crate::gateways::GatewayError {
+            crate::gateways::GatewayError::Api {
+                gateway: GatewayName::Internal,
+                status: 400,
+                code: Some("amount_too_small".into()),
+                message: "Amount must be at least 0.50".into(),
+            }
+        }
+        for (error, expected) in [
+            (key_refused as fn() -> _, ("gateway_unavailable", true)),
+            (unreadable, ("gateway_unavailable", true)),
+            (amount_refused, ("amount_too_small", false)),
+        ] {
+            let mut gateways = GatewayRegistry::default();
+            gateways.register(Arc::new(Failing(error))).unwrap();
+            let service = LinkService {
+                pool: pool.clone(),
+                gateways,
+            };
+            match service.link(request(7)).await {
+                PaymentLinkReply::Failed {
+                    code,
+                    message,
+                    retryable,
+                } => {
+                    assert_eq!((code.as_str(), retryable), expected, "{message}");
+                    assert!(
+                        !message.contains("sk_live") && !message.contains("acct_"),
+                        "{message}"
+                    );
+                }
+                other => panic!("{other:?}"),
+            }
         }
     }
 

@@ -356,6 +356,64 @@ impl Processor {
         Ok(facts)
     }
 
+    /// A paid invoice whose event does not name its payment (Stripe's API versions since
+    /// 2025-03-31) is asked of its gateway first, outside the transaction: the period's refunds
+    /// and disputes name only that payment, and would otherwise find no sale to take back
+    /// from; and the fee the gateway took on it is the commission recorded. A gateway that
+    /// cannot be asked now is asked again on the job's retry; one that names no payment leaves
+    /// the renewal recorded without it, as before, and logged.
+    async fn invoice_payment(
+        &self,
+        of: GatewayName,
+        row: &EventRow,
+        renewal: &mut gateways::Renewal,
+        payment: &mut PaymentRef,
+        facts: &[gateways::Fact],
+    ) -> Result<(), ProcessError> {
+        let paid = facts.iter().any(|f| {
+            matches!(
+                f,
+                gateways::Fact::Payment {
+                    status: gateways::PaymentStatus::Succeeded,
+                    ..
+                }
+            )
+        });
+        let (Some(invoice), None, true) =
+            (payment.session_id.as_deref(), &payment.payment_id, paid)
+        else {
+            return Ok(());
+        };
+        let Some(g) = self.gateways.get(of) else {
+            return Ok(());
+        };
+        #[derive(serde::Deserialize)]
+        struct Account {
+            account: Option<String>,
+        }
+        let account = serde_json::from_slice::<Account>(&row.raw_body)
+            .ok()
+            .and_then(|a| a.account);
+        match g.invoice_payment(invoice, account.as_deref()).await {
+            Ok(Some(found)) => {
+                payment.payment_id = Some(found.payment_id);
+                if renewal.fee.is_none() {
+                    renewal.fee = found.fee;
+                }
+                Ok(())
+            }
+            Ok(None) => {
+                tracing::warn!(gateway = %of, invoice, "the gateway names no paid payment of this invoice: its renewal is recorded without one");
+                Ok(())
+            }
+            Err(e) if e.is_transient() => Err(ProcessError::Gateway(e)),
+            Err(e) => {
+                tracing::warn!(gateway = %of, invoice, error = %e, "the invoice's payment could not be asked for: its renewal is recorded without one");
+                Ok(())
+            }
+        }
+    }
+
     async fn try_process(
         &self,
         pool: &PgPool,
@@ -397,7 +455,24 @@ impl Processor {
                 let facts = self.with_amounts(pool, of, &payment, facts).await?;
                 (of, Interpretation::Update { payment, facts })
             }
-            other @ (Interpretation::Renewal { .. } | Interpretation::Subscription { .. }) => {
+            Interpretation::Renewal {
+                mut renewal,
+                mut payment,
+                facts,
+            } => {
+                let of = self.subscription_gateway(gateway, row);
+                self.invoice_payment(of, row, &mut renewal, &mut payment, &facts)
+                    .await?;
+                (
+                    of,
+                    Interpretation::Renewal {
+                        renewal,
+                        payment,
+                        facts,
+                    },
+                )
+            }
+            other @ Interpretation::Subscription { .. } => {
                 (self.subscription_gateway(gateway, row), other)
             }
             other => (gateway, other),

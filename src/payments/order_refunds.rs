@@ -435,8 +435,9 @@ pub enum CarriedOut {
 /// leave a refund to ask for again, never one made twice.
 pub const ASK_AGAIN_WITHIN: std::time::Duration = std::time::Duration::from_secs(20 * 3600);
 
-/// How a request ended by [`ASK_AGAIN_WITHIN`] starts its failure (`refund_unconfirmed` finds
-/// them by it).
+/// How a request ended by [`ASK_AGAIN_WITHIN`] starts its failure: the database's
+/// `refund_request_unconfirmed` (migration 0087: the consistency check `refund_unconfirmed`,
+/// the payouts' hold) finds them by these words, written out there too.
 pub const UNANSWERED: &str = "the gateway never answered this refund";
 
 impl RefundView {

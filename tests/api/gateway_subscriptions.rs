@@ -350,6 +350,126 @@ async fn stripe_renewals_are_one_sale_per_period_whatever_their_order_and_duplic
     assert_eq!(rejected, 0);
 }
 
+/// A Stripe invoice event as API versions since 2025-03-31 ("basil") write it: the subscription
+/// under `parent.subscription_details`, and no `payment_intent`, `payments` or
+/// `application_fee_amount` (an Invoice's payments are a list of their own).
+fn basil_invoice(event: &str, invoice: &str, reason: &str, start: i64) -> String {
+    json!({"id": event, "type": "invoice.paid", "account": "acct_seller1", "data": {"object": {
+        "id": invoice, "object": "invoice", "billing_reason": reason,
+        "parent": {"type": "subscription_details", "subscription_details": {"subscription": "sub_1"}},
+        "amount_paid": 1990, "amount_due": 1990, "currency": "brl", "status": "paid",
+        "lines": {"data": [{"period": {"start": start, "end": start + MONTH}}]}}}})
+    .to_string()
+}
+
+/// The Stripe stand-in with `GET /v1/invoice_payments`: each invoice's payments, the
+/// PaymentIntent expanded when asked (`expand[]=data.payment.payment_intent`). `in_2` was
+/// attempted twice: its first PaymentIntent failed, its second paid with an application fee of
+/// 1.50 (not what the platform's percentage would make of 19.90).
+fn stripe_with_invoice_payments() -> Router<Log> {
+    async fn list(axum::extract::RawQuery(query): axum::extract::RawQuery) -> axum::Json<Value> {
+        let query = query.unwrap_or_default();
+        let expanded = query.contains("expand%5B%5D=data.payment.payment_intent")
+            || query.contains("expand[]=data.payment.payment_intent");
+        let intent = |id: &str, fee: i64| {
+            if expanded {
+                json!({"id": id, "object": "payment_intent", "application_fee_amount": fee, "currency": "brl"})
+            } else {
+                json!(id)
+            }
+        };
+        let payment = |id: &str, status: &str, fee: i64| {
+            json!({"object": "invoice_payment", "status": status,
+                   "payment": {"type": "payment_intent", "payment_intent": intent(id, fee)}})
+        };
+        let data = if query.contains("invoice=in_1") {
+            vec![payment("pi_1", "paid", 199)]
+        } else if query.contains("invoice=in_2") {
+            vec![
+                payment("pi_2b", "paid", 150),
+                payment("pi_2a", "canceled", 150),
+            ]
+        } else {
+            vec![]
+        };
+        axum::Json(json!({"object": "list", "data": data, "has_more": false}))
+    }
+    stripe_api().route("/v1/invoice_payments", axum::routing::get(list))
+}
+
+/// On API versions since 2025-03-31 a paid invoice's event names neither its PaymentIntent nor
+/// the fee Stripe took: both are asked of Stripe (`GET /v1/invoice_payments`, on the seller's
+/// account), so the first period's payment and each renewal know the PaymentIntent their
+/// refunds and disputes name, and the renewal's commission is the fee Stripe took. A dispute
+/// of the renewal then takes the renewal's money back from the seller.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_basil_invoice_learns_its_payment_and_fee_from_stripe(pool: PgPool) {
+    let log = Log::default();
+    let base = stand_in(stripe_with_invoice_payments(), log.clone()).await;
+    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    let t0 = chrono::Utc::now().timestamp();
+    deliver(
+        &shop,
+        &stripe(&session_completed("evt_1", &session, Some("sub_1")), now()),
+    )
+    .await;
+    subscription_of(&shop, number).await;
+    // The first period's invoice: the checkout's payment learns its PaymentIntent.
+    let first = basil_invoice("evt_in1", "in_1", "subscription_create", t0);
+    deliver(&shop, &stripe(&first, now())).await;
+    outcome(&pool, "stripe", "evt_in1").await;
+    let pi: Option<String> = sqlx::query_scalar(
+        "SELECT payment_id FROM payment_orders WHERE gateway = 'stripe' AND session_id = $1",
+    )
+    .bind(&session)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(pi.as_deref(), Some("pi_1"));
+    // The second period's: one renewal, its fee Stripe's.
+    let renewal = basil_invoice("evt_in2", "in_2", "subscription_cycle", t0 + MONTH);
+    deliver(&shop, &stripe(&renewal, now())).await;
+    assert_eq!(outcome(&pool, "stripe", "evt_in2").await.0, "applied");
+    let paid = renewals(&pool).await;
+    assert_eq!(paid.len(), 1, "{paid:?}");
+    assert_eq!(
+        (paid[0].1.as_str(), paid[0].2.as_str(), paid[0].4),
+        ("paid", "1.5000", 1),
+        "{paid:?}"
+    );
+    let asked: Vec<_> = log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.uri.starts_with("/v1/invoice_payments"))
+        .map(|s| (s.uri.clone(), s.header("stripe-account").map(str::to_owned)))
+        .collect();
+    assert_eq!(asked.len(), 2, "{asked:?}");
+    assert!(
+        asked
+            .iter()
+            .all(|(uri, account)| uri.contains("expand")
+                && account.as_deref() == Some("acct_seller1")),
+        "{asked:?}"
+    );
+    // A dispute of the renewal names its PaymentIntent only: it is applied, not left waiting.
+    let disputed = json!({"id": "evt_dp", "type": "charge.dispute.created", "account": "acct_seller1",
+        "data": {"object": {"id": "dp_2", "payment_intent": "pi_2b", "amount": 1990, "currency": "brl",
+                            "status": "needs_response"}}});
+    deliver(&shop, &stripe(&disputed.to_string(), now())).await;
+    assert_eq!(outcome(&pool, "stripe", "evt_dp").await.0, "applied");
+    let disputes: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM payment_disputes d JOIN payment_orders po ON po.id = d.payment_order_id
+         WHERE po.payment_id = 'pi_2b'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(disputes, 1);
+}
+
 /// The Stripe stand-in, with its subscriptions' cancellation (`POST` with
 /// `cancel_at_period_end`, `DELETE`) and retrieval, answering 500 while `down` is set. As at
 /// Stripe, a subscription deleted is ended: deleting it again answers 404 `resource_missing`,
@@ -1334,7 +1454,7 @@ async fn a_mercadopago_preapproval_charge_is_one_renewal_and_its_payment_no_seco
     let (shop, order) = subscription_order(&pool, "mercadopago", "BRL", |config| {
         config.gateways.mercadopago.api = Some(payfleet::gateways::mercadopago::Api {
             base_url: base,
-            access_token: Secret::new("APP_USR-token"),
+            access_token: Secret::new("TEST-token"),
         });
     })
     .await;

@@ -481,6 +481,87 @@ async fn a_simulated_gateway_needs_the_simulator_on(pool: PgPool) {
     );
 }
 
+/// The simulator's pay button moves no money: beside a gateway's live credentials (money is
+/// real there), `serve` and `work` refuse to start with it on, naming both; beside sandbox
+/// credentials (a preview) they start.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_simulator_never_runs_beside_a_gateways_live_credentials(pool: PgPool) {
+    let live = |gateway: &str| {
+        let mut config = test_config();
+        assert!(config.gateways.hosted.simulator);
+        match gateway {
+            "stripe" => {
+                config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
+                    base_url: "http://127.0.0.1:9".into(),
+                    secret_key: payfleet::secret::Secret::new("rk_live_51Hxyz"),
+                })
+            }
+            "razorpay" => {
+                config.gateways.razorpay.api = Some(payfleet::gateways::razorpay::Api {
+                    base_url: "http://127.0.0.1:9".into(),
+                    key_id: "rzp_live_AbCdEf".into(),
+                    key_secret: payfleet::secret::Secret::new("s"),
+                })
+            }
+            _ => {
+                config.gateways.mercadopago.api = Some(payfleet::gateways::mercadopago::Api {
+                    base_url: "http://127.0.0.1:9".into(),
+                    access_token: payfleet::secret::Secret::new("APP_USR-123-live"),
+                })
+            }
+        }
+        config
+    };
+    for gateway in ["stripe", "razorpay", "mercadopago"] {
+        let config = live(gateway);
+        for roles in [
+            payfleet::startup::Roles::SERVE,
+            payfleet::startup::Roles::WORK,
+        ] {
+            let e = payfleet::startup::start(&config, pool.clone(), roles, None)
+                .err()
+                .expect("refused");
+            let e = e.to_string();
+            assert!(
+                e.contains("live credentials") && e.contains(gateway) && e.contains("simulated"),
+                "{e}"
+            );
+        }
+    }
+    // Sandbox credentials beside the simulator: a preview, which starts.
+    let mut config = test_config();
+    config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
+        base_url: "http://127.0.0.1:9".into(),
+        secret_key: payfleet::secret::Secret::new("sk_test_51Hxyz"),
+    });
+    let running =
+        payfleet::startup::start(&config, pool.clone(), payfleet::startup::Roles::SERVE, None)
+            .unwrap();
+    running.stop().await;
+    // Live credentials with no simulated gateway: production, which starts.
+    let mut config = live("stripe");
+    config.gateways.hosted.mock = None;
+    config.gateways.hosted.internal = None;
+    config.gateways.hosted.simulator = false;
+    let running =
+        payfleet::startup::start(&config, pool.clone(), payfleet::startup::Roles::SERVE, None)
+            .unwrap();
+    running.stop().await;
+    // The command says so and stops.
+    let out = payfleet(&pool, &["serve"])
+        .env("INTERNAL_WEBHOOK_SECRET", INTERNAL_SECRET)
+        .env("PAYFLEET_PAYMENT_SIMULATOR", "on")
+        .env("STRIPE_WEBHOOK_SECRET", "whsec_x")
+        .env("STRIPE_SECRET_KEY", "sk_live_x")
+        .env("PAYFLEET_BIND", "127.0.0.1:0")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("live credentials"), "{stderr}");
+}
+
 #[tokio::test]
 async fn up_listens_beyond_this_machine_only_when_told() {
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_payfleet"))

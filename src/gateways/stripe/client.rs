@@ -18,9 +18,9 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::gateways::api::{
-    DisputeQuery, GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt,
-    RefundRequest, Session, SessionRequest, SubscriptionEnd, UndeliveredEvent, end_checked,
-    read_json, unknown_status,
+    DisputeQuery, GatewayError, InvoicePayment, PaymentState, RefundOutcome, RefundQuery,
+    RefundReceipt, RefundRequest, Session, SessionRequest, SubscriptionEnd, UndeliveredEvent,
+    end_checked, read_json, unknown_status,
 };
 use crate::gateways::{DisputeStatus, GatewayName, PaymentStatus};
 use crate::money::Money;
@@ -481,6 +481,83 @@ impl StripeConnect {
 }
 
 crate::gateways::api::payment_gateway!(StripeConnect, undelivered, subscriptions);
+
+/// A page of an invoice's payments (`GET /v1/invoice_payments`), as far as we read it.
+#[derive(Deserialize)]
+struct InvoicePayments {
+    data: Vec<InvoicePaymentRow>,
+}
+
+#[derive(Deserialize)]
+struct InvoicePaymentRow {
+    status: Option<String>,
+    payment: Option<InvoicePaymentRef>,
+}
+
+#[derive(Deserialize)]
+struct InvoicePaymentRef {
+    /// The PaymentIntent: its id, or the object itself when expanded.
+    payment_intent: Option<Value>,
+}
+
+impl StripeConnect {
+    /// The PaymentIntent that paid a subscription's invoice, with the application fee Stripe
+    /// took on it: `GET /v1/invoice_payments?invoice=…` with the PaymentIntent expanded, on
+    /// the seller's account for direct charges. Since API version 2025-03-31 an Invoice names
+    /// neither (its payments are a list of their own, not written into its events), and a
+    /// refund or dispute of the period names only the PaymentIntent. The paid one of the
+    /// invoice's payments (an invoice keeps its failed attempts too).
+    async fn invoice_paid_by(
+        &self,
+        invoice: &str,
+        seller_account: Option<&str>,
+    ) -> Result<Option<InvoicePayment>, GatewayError> {
+        let mut req = self
+            .http
+            .get(format!("{}/v1/invoice_payments", self.api))
+            .query(&[
+                ("invoice", invoice),
+                ("expand[]", "data.payment.payment_intent"),
+            ])
+            .bearer_auth(self.secret_key.expose());
+        if let Some(a) = self.account(seller_account) {
+            req = req.header("Stripe-Account", a);
+        }
+        let page: InvoicePayments = read_json(NAME, req.send().await, stripe_error).await?;
+        let Some(intent) = page
+            .data
+            .into_iter()
+            .filter(|p| p.status.as_deref() == Some("paid"))
+            .find_map(|p| p.payment.and_then(|p| p.payment_intent))
+        else {
+            return Ok(None);
+        };
+        let (payment_id, fee) = match &intent {
+            Value::String(id) => (id.clone(), None),
+            Value::Object(o) => {
+                let Some(id) = o.get("id").and_then(Value::as_str) else {
+                    return Ok(None);
+                };
+                let fee = match (
+                    o.get("application_fee_amount").and_then(Value::as_i64),
+                    o.get("currency").and_then(Value::as_str),
+                ) {
+                    (Some(units), Some(currency)) => {
+                        Some(Money::from_minor(units, currency).map_err(|e| {
+                            GatewayError::Refused(format!(
+                                "{NAME} answered a fee we cannot read: {e}"
+                            ))
+                        })?)
+                    }
+                    _ => None,
+                };
+                (id.to_owned(), fee)
+            }
+            _ => return Ok(None),
+        };
+        Ok(Some(InvoicePayment { payment_id, fee }))
+    }
+}
 
 impl StripeConnect {
     /// Cancels a subscription on the seller's account: `DELETE /v1/subscriptions/{id}` now, or
