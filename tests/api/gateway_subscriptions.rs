@@ -1583,6 +1583,102 @@ async fn a_mercadopago_preapproval_charge_is_one_renewal_and_its_payment_no_seco
     wait_subscription(&shop, number, "canceled", |s| s["status"] == "canceled").await;
 }
 
+/// A preapproval's charge that failed, then succeeded on Mercado Pago's retry, whose
+/// notification was lost: reconciliation asks about the renewal's session (the authorized
+/// payment, not a search by a reference its charges do not carry), and the period's payment is
+/// one sale, its subscription active again.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_mercadopago_renewal_retried_and_paid_unannounced_is_found_by_reconciliation(
+    pool: PgPool,
+) {
+    let first: Arc<Mutex<String>> = Arc::default();
+    // The authorized payment's charge at Mercado Pago: rejected, then approved by a retry.
+    let charged: Arc<Mutex<Value>> =
+        Arc::new(Mutex::new(json!({"id": 5002, "status": "rejected"})));
+    let debit = (chrono::Utc::now() + chrono::Duration::days(30)).to_rfc3339();
+    let api = {
+        let (f1, f2) = (first.clone(), first.clone());
+        let state = charged.clone();
+        Router::new()
+            .route(
+                "/checkout/preferences",
+                axum::routing::post(|| async { axum::Json(json!({"id": "pref-1", "init_point": "https://mp.test/checkout?pref_id=pref-1"})) }),
+            )
+            .route(
+                "/v1/payments/{id}",
+                axum::routing::get(move |Path(id): Path<String>| {
+                    let reference = f1.lock().unwrap().clone();
+                    async move {
+                        axum::Json(json!({"id": id.parse::<i64>().unwrap(), "status": "approved", "transaction_amount": 19.9,
+                            "currency_id": "BRL", "external_reference": reference}))
+                    }
+                }),
+            )
+            // A search by the renewal's session finds nothing: its charges carry the
+            // subscription's reference.
+            .route(
+                "/v1/payments/search",
+                axum::routing::get(|| async { axum::Json(json!({"results": []})) }),
+            )
+            .route(
+                "/authorized_payments/{id}",
+                axum::routing::get(move |Path(id): Path<String>| {
+                    let reference = f2.lock().unwrap().clone();
+                    let debit = debit.clone();
+                    let payment = state.lock().unwrap().clone();
+                    async move {
+                        axum::Json(json!({"id": id.parse::<i64>().unwrap(), "type": "scheduled", "preapproval_id": "pre_1",
+                            "external_reference": reference, "transaction_amount": 19.9, "currency_id": "BRL",
+                            "debit_date": debit, "status": "processed", "payment": payment}))
+                    }
+                }),
+            )
+    };
+    let base = stand_in(api, Log::default()).await;
+    let (shop, order) = subscription_order(&pool, "mercadopago", "BRL", |config| {
+        config.gateways.mercadopago.api = Some(payfleet::gateways::mercadopago::Api {
+            base_url: base,
+            access_token: Secret::new("TEST-token"),
+        });
+    })
+    .await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    *first.lock().unwrap() = session.clone();
+    let ts = chrono::Utc::now().timestamp_millis();
+    deliver(&shop, &mercadopago("5001", "req-1", ts)).await;
+    subscription_of(&shop, number).await;
+    // The period's charge is rejected: its renewal failed, the subscription past due.
+    deliver(
+        &shop,
+        &mercadopago_topic("subscription_authorized_payment", "7001", "req-2", ts),
+    )
+    .await;
+    wait_subscription(&shop, number, "past due", |s| s["status"] == "past_due").await;
+    // Mercado Pago's retry succeeds; its notification never comes.
+    *charged.lock().unwrap() = json!({"id": 5003, "status": "approved"});
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, &pool).unwrap();
+    let report =
+        payfleet::payments::reconcile::run(&pool, &gateways, &crate::reconcile::settings(10, 0))
+            .await
+            .unwrap();
+    assert_eq!(report.found, 1, "{report:?}");
+    wait_subscription(&shop, number, "active again", |s| s["status"] == "active").await;
+    let paid = renewals(&pool).await;
+    assert_eq!(
+        (paid.len(), paid[0].1.as_str(), paid[0].4),
+        (1, "paid", 1),
+        "{paid:?}"
+    );
+    let payment: Option<String> = sqlx::query_scalar(
+        "SELECT payment_id FROM payment_orders WHERE session_id = 'authorized_payment:7001'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(payment.as_deref(), Some("5003"));
+}
+
 /// Without the `account` of a connected account: an event on the platform's own Stripe
 /// account.
 fn on_platform(event: &str) -> String {

@@ -71,6 +71,9 @@ struct Payment {
     point_of_interaction: Option<Value>,
 }
 
+/// How a renewal's session names its preapproval charge: `authorized_payment:{id}`.
+const AUTHORIZED_PAYMENT: &str = "authorized_payment:";
+
 /// A preapproval's charge for one period (`GET /authorized_payments/{id}`).
 #[derive(Deserialize)]
 struct AuthorizedPayment {
@@ -291,7 +294,7 @@ fn authorized_payment(a: AuthorizedPayment) -> Result<Interpretation, EventError
             due: None,
         },
         payment: PaymentRef {
-            session_id: Some(format!("authorized_payment:{}", id_text(&a.id))),
+            session_id: Some(format!("{AUTHORIZED_PAYMENT}{}", id_text(&a.id))),
             payment_id: Some(id_text(&charged.id)),
         },
         facts: vec![Fact::Payment { status, amount }],
@@ -461,6 +464,12 @@ impl MercadoPagoClient {
         session_id: &str,
         _seller_account: Option<&str>,
     ) -> Result<PaymentState, GatewayError> {
+        // A preapproval's charge for one period (a renewal's session): its charges carry the
+        // subscription's `external_reference`, not this session's, so a search by it finds
+        // none; the authorized payment names its own charge.
+        if let Some(id) = session_id.strip_prefix(AUTHORIZED_PAYMENT) {
+            return self.read_authorized(id).await;
+        }
         let found: Search = read_json(
             NAME,
             self.http
@@ -499,6 +508,41 @@ impl MercadoPagoClient {
         Ok(PaymentState {
             status: self.map(&p.status),
             payment_id: Some(id_text(&p.id)),
+            amount,
+            subscription: None,
+        })
+    }
+
+    /// Where a preapproval's charge stands (`GET /authorized_payments/{id}`): its payment's
+    /// status, id and amount; not charged yet, pending.
+    async fn read_authorized(&self, id: &str) -> Result<PaymentState, GatewayError> {
+        let a: AuthorizedPayment = read_json(
+            NAME,
+            self.http
+                .get(format!("{}/authorized_payments/{id}", self.base_url))
+                .bearer_auth(self.access_token.expose())
+                .send()
+                .await,
+            mp_error,
+        )
+        .await?;
+        let Some(charged) = a.payment else {
+            return Ok(PaymentState {
+                status: PaymentStatus::Pending,
+                payment_id: None,
+                amount: None,
+                subscription: None,
+            });
+        };
+        let amount = match (&a.transaction_amount, a.currency_id.as_deref()) {
+            (Some(v), Some(c)) => decimal(v)
+                .ok()
+                .and_then(|d| Money::new(d, c.parse().ok()?).ok()),
+            _ => None,
+        };
+        Ok(PaymentState {
+            status: self.map(&charged.status),
+            payment_id: Some(id_text(&charged.id)),
             amount,
             subscription: None,
         })
