@@ -214,12 +214,18 @@ pub async fn hold_against_payouts(
 /// request ended unanswered (`refund_request_unconfirmed`, migration 0087): the gateway may
 /// have made it, and its event would then take the seller's share, for as long as the
 /// consistency check `refund_unconfirmed` reports it.
+///
+/// And a dispute ended as a refund, for 30 days after it ended, holds back the part of it that
+/// only refunds recorded before it cover: the ledger counts every recorded refund as covering
+/// it (`sales::settle_take_backs`: our order of recording is not the gateway's), but a partial
+/// refund made before the dispute opened gave the buyer other money, and until the dispute's
+/// own refund is recorded that part may be money the buyer has (migration 0086).
 async fn refunds_under_way(
     tx: &mut sqlx::PgConnection,
     seller: &str,
     currency: Currency,
 ) -> Result<Decimal, sqlx::Error> {
-    sqlx::query_scalar(
+    let requests: Decimal = sqlx::query_scalar(
         "SELECT COALESCE(sum(q.amount), 0) FROM refund_requests q
          JOIN order_money o ON o.number = q.order_number
          WHERE o.seller_id = $1::uuid AND q.currency = $2
@@ -232,7 +238,26 @@ async fn refunds_under_way(
     .bind(seller)
     .bind(currency.as_str())
     .fetch_one(&mut *tx)
-    .await
+    .await?;
+    // What each such dispute leaves uncovered counting only the refunds recorded after it,
+    // less what it leaves uncovered counting them all (the ledger's).
+    let disputed: Decimal = sqlx::query_scalar(
+        "SELECT COALESCE(sum(GREATEST(d.amount - GREATEST(r.refunded - d.refunded_before, 0), 0)
+                             - GREATEST(d.amount - r.refunded, 0)), 0)
+         FROM payment_disputes d
+         JOIN payment_orders po ON po.id = d.payment_order_id
+         JOIN payment_sessions s ON s.gateway = po.gateway AND s.session_id = po.session_id
+         JOIN order_money o ON o.number = s.order_number
+         CROSS JOIN LATERAL (SELECT COALESCE(sum(x.amount), 0) AS refunded
+                             FROM payment_refunds x WHERE x.payment_order_id = po.id) r
+         WHERE o.seller_id = $1::uuid AND d.currency = $2 AND d.status = 'refunded'
+           AND d.refunded_before > 0 AND d.updated_at > now() - interval '30 days'",
+    )
+    .bind(seller)
+    .bind(currency.as_str())
+    .fetch_one(&mut *tx)
+    .await?;
+    Ok(requests + disputed)
 }
 
 /// The bank confirmed (`failure` None) or refused the payout. Once: a decided payout stays, the

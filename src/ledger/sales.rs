@@ -304,9 +304,6 @@ pub enum TakeBack {
         dispute_id: String,
         amount: Money,
         status: DisputeStatus,
-        /// What the payment's refunds recorded before the dispute had given back: those are
-        /// never the refund that ends it.
-        refunded_before: Money,
     },
 }
 
@@ -322,7 +319,7 @@ struct Step {
 /// Brings the ledger in line with everything taken back from a sale (refunds and disputes, in
 /// any order, seen any number of times). What the sale owes back is
 /// `T = min(total, refunds + disputes open or lost + what of disputes ended as a refund the
-/// refunds recorded after them do not cover)`: never more than was paid, however a
+/// recorded refunds do not cover, each refund covering one)`: never more than was paid, however a
 /// gateway's refunds and chargebacks add up (an overage is the consistency check
 /// `taken_back_beyond_payment`'s, for an operator, not a second debit of the seller). The seller
 /// bears `share(T)` (rounded half-even on that running total, so partial amounts never drift and
@@ -331,9 +328,8 @@ struct Step {
 /// Each fact has its posting key (`refund:<channel>:<id>`, `dispute:...`, `dispute_reversal:...`);
 /// the first key not posted yet carries the difference between that target and what the sale's
 /// postings took so far. A key is posted once; a key whose difference is nothing posts nothing
-/// and finds nothing to do when looked at again. So the same facts, repeated, end in the same
-/// balances, whatever their order, but for one thing order decides: whether a refund was
-/// recorded before a dispute (it cannot be the refund that ends it) or after.
+/// and finds nothing to do when looked at again. So the same facts, arriving in any order and
+/// repeated, end in the same balances.
 pub async fn settle_take_backs(
     tx: &mut PgConnection,
     sale: &Sale,
@@ -354,9 +350,12 @@ pub async fn settle_take_backs(
     // A dispute that ended as a refund gave the buyer the money through that refund: until the
     // refund is recorded (its event may come later, or be lost), the dispute keeps what the
     // recorded refunds do not cover, so the seller is never given back, and paid out, money
-    // the buyer already has. Only refunds recorded after the dispute cover it (one made before
-    // it opened gave back other money), and each covers one dispute: the disputes, in the
-    // order recorded, take what is left of them in turn.
+    // the buyer already has. A refund covers one dispute: the disputes, in the order recorded,
+    // take what is left of the refunds in turn. Which refunds came before a dispute opened (and
+    // gave the buyer other money) is not decided here: our order of recording is not the
+    // gateway's, and a refund wrongly taken for an earlier one would leave its dispute taken
+    // from the seller for ever. The payouts hold that part back instead, for a while
+    // (`ledger::payouts`, `payment_disputes.refunded_before`).
     let mut refunded = Decimal::ZERO;
     let mut covering_taken = Decimal::ZERO;
     for fact in facts {
@@ -379,7 +378,6 @@ pub async fn settle_take_backs(
                 dispute_id,
                 amount,
                 status,
-                refunded_before,
             } => {
                 steps.push(Step {
                     key: format!("dispute:{channel}:{dispute_id}"),
@@ -388,8 +386,7 @@ pub async fn settle_take_backs(
                     kinds: (TransferKind::DisputeDebit, TransferKind::DisputeFeeDebit),
                 });
                 if *status == DisputeStatus::Refunded {
-                    let after =
-                        (refunded - refunded_before.amount() - covering_taken).max(Decimal::ZERO);
+                    let after = (refunded - covering_taken).max(Decimal::ZERO);
                     let covered = after.min(amount.amount());
                     covering_taken += covered;
                     let uncovered = amount.amount() - covered;

@@ -807,10 +807,11 @@ async fn record_dispute(
                 }
             }
             // An order's dispute keeps what its payment's recorded refunds had given back when
-            // it was first recorded: only refunds recorded after it can be the refund that ends
-            // it (`ledger::sales::settle_take_backs`). First heard of as ended by a refund (its
+            // it was first recorded: ended as a refund, the part of it those earlier refunds
+            // would cover is held back from the seller's payouts until refunds recorded after
+            // it cover it (`ledger::payouts`). First heard of as ended by a refund (its
             // opening never came, or came later), its refund may be among those recorded
-            // already, so they count as its refund up to its amount, as they did before.
+            // already, so they count as its refund up to its amount.
             let status = status.unwrap_or(DisputeStatus::Open);
             let (before_column, before_value) = match of {
                 DisputeOf::Order(_) => (
@@ -1100,13 +1101,11 @@ async fn sync_ledger(
     // Refunds, then disputes, each in the order recorded: the first key not posted carries what
     // is left to take (`settle_take_backs`).
     let taken: Vec<TakenBackRow> = sqlx::query_as(
-        "SELECT id, amount, status, refunded_before FROM (
-             SELECT 0 AS source, id AS seq, refund_id AS id, amount, NULL::text AS status,
-                    NULL::numeric AS refunded_before
+        "SELECT id, amount, status FROM (
+             SELECT 0 AS source, id AS seq, refund_id AS id, amount, NULL::text AS status
              FROM payment_refunds WHERE payment_order_id = $1
              UNION ALL
-             SELECT 1, id, dispute_id, amount, status, refunded_before
-             FROM payment_disputes WHERE payment_order_id = $1
+             SELECT 1, id, dispute_id, amount, status FROM payment_disputes WHERE payment_order_id = $1
          ) t ORDER BY source, seq",
     )
     .bind(po_id)
@@ -1134,7 +1133,6 @@ async fn sync_ledger(
                 dispute_id: t.id,
                 amount: money(t.amount)?,
                 status,
-                refunded_before: money(t.refunded_before.unwrap_or_default())?,
             },
         });
     }
@@ -1149,9 +1147,6 @@ struct TakenBackRow {
     amount: Decimal,
     /// `None`: a refund.
     status: Option<DisputeStatus>,
-    /// A dispute's: what the refunds recorded before it had given back (`None`: recorded
-    /// before migration 0086, or a refund).
-    refunded_before: Option<Decimal>,
 }
 
 /// A payment no checkout asked for: kept for an operator, with its latest state.

@@ -360,8 +360,9 @@ impl Processor {
     /// 2025-03-31) is asked of its gateway first, outside the transaction: the period's refunds
     /// and disputes name only that payment, and would otherwise find no sale to take back
     /// from; and the fee the gateway took on it is the commission recorded. A gateway that
-    /// cannot be asked now is asked again on the job's retry; one that names no payment leaves
-    /// the renewal recorded without it, as before, and logged.
+    /// cannot be asked now is asked again on the job's retry; one that refuses our credentials
+    /// leaves the event rejected, to replay once they are mended; one that names no payment, or
+    /// refuses the question, leaves the renewal recorded without it, as before, and logged.
     async fn invoice_payment(
         &self,
         of: GatewayName,
@@ -385,6 +386,7 @@ impl Processor {
             return Ok(());
         };
         let Some(g) = self.gateways.get(of) else {
+            tracing::warn!(gateway = %of, invoice, "the gateway is not enabled in this worker to ask for the invoice's payment: its renewal is recorded without one");
             return Ok(());
         };
         #[derive(serde::Deserialize)]
@@ -406,7 +408,10 @@ impl Processor {
                 tracing::warn!(gateway = %of, invoice, "the gateway names no paid payment of this invoice: its renewal is recorded without one");
                 Ok(())
             }
-            Err(e) if e.is_transient() => Err(ProcessError::Gateway(e)),
+            // Our credentials refused, or an answer we cannot read, is ours to mend: the event is
+            // rejected (listed, replayable once mended), not recorded without the payment its
+            // refunds will name. An outage is retried.
+            Err(e) if e.is_transient() || e.is_the_platforms() => Err(ProcessError::Gateway(e)),
             Err(e) => {
                 tracing::warn!(gateway = %of, invoice, error = %e, "the invoice's payment could not be asked for: its renewal is recorded without one");
                 Ok(())

@@ -367,8 +367,18 @@ fn basil_invoice(event: &str, invoice: &str, reason: &str, start: i64) -> String
 /// attempted twice: its first PaymentIntent failed, its second paid with an application fee of
 /// 1.50 (not what the platform's percentage would make of 19.90).
 fn stripe_with_invoice_payments() -> Router<Log> {
-    async fn list(axum::extract::RawQuery(query): axum::extract::RawQuery) -> axum::Json<Value> {
+    async fn list(
+        axum::extract::RawQuery(query): axum::extract::RawQuery,
+    ) -> (StatusCode, axum::Json<Value>) {
         let query = query.unwrap_or_default();
+        // Asked about `in_3` after the platform's key was rotated.
+        if query.contains("invoice=in_3") {
+            return (
+                StatusCode::UNAUTHORIZED,
+                axum::Json(json!({"error": {"type": "invalid_request_error",
+                    "message": "Invalid API Key provided: sk_live_****1234"}})),
+            );
+        }
         let expanded = query.contains("expand%5B%5D=data.payment.payment_intent")
             || query.contains("expand[]=data.payment.payment_intent");
         let intent = |id: &str, fee: i64| {
@@ -392,7 +402,10 @@ fn stripe_with_invoice_payments() -> Router<Log> {
         } else {
             vec![]
         };
-        axum::Json(json!({"object": "list", "data": data, "has_more": false}))
+        (
+            StatusCode::OK,
+            axum::Json(json!({"object": "list", "data": data, "has_more": false})),
+        )
     }
     stripe_api().route("/v1/invoice_payments", axum::routing::get(list))
 }
@@ -468,6 +481,12 @@ async fn a_basil_invoice_learns_its_payment_and_fee_from_stripe(pool: PgPool) {
     .await
     .unwrap();
     assert_eq!(disputes, 1);
+    // Asked with a key Stripe refuses: the event is rejected, to replay once the key is
+    // mended, not recorded without the payment its refunds will name.
+    let third = basil_invoice("evt_in3", "in_3", "subscription_cycle", t0 + 2 * MONTH);
+    deliver(&shop, &stripe(&third, now())).await;
+    assert_eq!(outcome(&pool, "stripe", "evt_in3").await.0, "rejected");
+    assert_eq!(renewals(&pool).await.len(), 1);
 }
 
 /// The Stripe stand-in, with its subscriptions' cancellation (`POST` with
