@@ -62,6 +62,10 @@
 //!   it ended, until a refund of the same payment and amount that no other request made is
 //!   recorded since its first ask (the gateway's event records one it made); an operator looks
 //!   at the gateway and, if none was made, asks for a new refund.
+//! - `dispute_refund_unrecorded`: a payment's disputes ended as a refund, a week after the last
+//!   ended, part of which only refunds recorded before them cover (migration 0088): the refund
+//!   that ended them is not recorded. The payouts hold that part back for 30 days after they
+//!   ended; an operator looks at the gateway for the refund, whose event records it.
 //! - `payout_undecided`: a payout still waiting for the bank's answer a week after it was made
 //!   ([`PAYOUT_DECIDED_WITHIN`]): its amount is in transit, neither the seller's to spend nor
 //!   known to have reached them; an operator confirms it with the bank and records the answer
@@ -105,6 +109,7 @@ pub const CHECKS: &[&str] = &[
     "payment_not_given_back",
     "coin_reservation_unsettled",
     "payout_undecided",
+    "dispute_refund_unrecorded",
 ];
 
 /// The checks' settings.
@@ -478,6 +483,22 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .fetch_all(pool)
     .await?;
     found.extend(violations("payout_undecided", rows));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT format('order %s, %s session %s', s.order_number, po.gateway, po.session_id),
+                format('%s %s of its disputes ended as a refund is covered only by refunds recorded before them, and the refund that ended them is not recorded, a week after: the payouts hold it back for 30 days after they ended, then pay it. Look at %s for that refund: its event records it, and this finding goes',
+                       payment_dispute_refund_unrecorded(po.id), po.currency, po.gateway)
+         FROM payment_orders po
+         JOIN payment_sessions s ON s.gateway = po.gateway AND s.session_id = po.session_id
+         WHERE po.id IN (SELECT d.payment_order_id FROM payment_disputes d
+                         WHERE d.status = 'refunded' AND d.refunded_before > 0
+                         GROUP BY d.payment_order_id
+                         HAVING max(d.updated_at) < now() - interval '7 days')
+           AND payment_dispute_refund_unrecorded(po.id) > 0
+         ORDER BY po.id LIMIT 1000",
+    )
+    .fetch_all(pool)
+    .await?;
+    found.extend(violations("dispute_refund_unrecorded", rows));
     Ok(found)
 }
 

@@ -215,11 +215,13 @@ pub async fn hold_against_payouts(
 /// have made it, and its event would then take the seller's share, for as long as the
 /// consistency check `refund_unconfirmed` reports it.
 ///
-/// And a dispute ended as a refund, for 30 days after it ended, holds back the part of it that
-/// only refunds recorded before it cover: the ledger counts every recorded refund as covering
-/// it (`sales::settle_take_backs`: our order of recording is not the gateway's), but a partial
-/// refund made before the dispute opened gave the buyer other money, and until the dispute's
-/// own refund is recorded that part may be money the buyer has (migration 0086).
+/// And a payment's disputes ended as a refund, for 30 days after one ended, hold back the part
+/// of them that only refunds recorded before them cover: the ledger counts every recorded
+/// refund as covering them (`sales::settle_take_backs`: our order of recording is not the
+/// gateway's), but a partial refund made before a dispute opened gave the buyer other money,
+/// and until the dispute's own refund is recorded that part may be money the buyer has
+/// (`payment_dispute_refund_unrecorded`, migrations 0086 and 0088: per payment, as the ledger
+/// counts it, never beyond what the sale can still give back).
 async fn refunds_under_way(
     tx: &mut sqlx::PgConnection,
     seller: &str,
@@ -239,19 +241,16 @@ async fn refunds_under_way(
     .bind(currency.as_str())
     .fetch_one(&mut *tx)
     .await?;
-    // What each such dispute leaves uncovered counting only the refunds recorded after it,
-    // less what it leaves uncovered counting them all (the ledger's).
+    // Per payment, as the ledger counts its take-backs (migration 0088).
     let disputed: Decimal = sqlx::query_scalar(
-        "SELECT COALESCE(sum(GREATEST(d.amount - GREATEST(r.refunded - d.refunded_before, 0), 0)
-                             - GREATEST(d.amount - r.refunded, 0)), 0)
-         FROM payment_disputes d
-         JOIN payment_orders po ON po.id = d.payment_order_id
+        "SELECT COALESCE(sum(payment_dispute_refund_unrecorded(po.id)), 0)
+         FROM payment_orders po
          JOIN payment_sessions s ON s.gateway = po.gateway AND s.session_id = po.session_id
          JOIN order_money o ON o.number = s.order_number
-         CROSS JOIN LATERAL (SELECT COALESCE(sum(x.amount), 0) AS refunded
-                             FROM payment_refunds x WHERE x.payment_order_id = po.id) r
-         WHERE o.seller_id = $1::uuid AND d.currency = $2 AND d.status = 'refunded'
-           AND d.refunded_before > 0 AND d.updated_at > now() - interval '30 days'",
+         WHERE o.seller_id = $1::uuid AND o.currency = $2
+           AND po.id IN (SELECT d.payment_order_id FROM payment_disputes d
+                         WHERE d.status = 'refunded' AND d.refunded_before > 0
+                           AND d.updated_at > now() - interval '30 days')",
     )
     .bind(seller)
     .bind(currency.as_str())

@@ -481,11 +481,28 @@ async fn a_partial_refund_before_a_dispute_does_not_pay_out_the_disputes_money(p
     assert_eq!(made.len(), 1);
     let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
     assert_eq!(list["payouts"][0]["amount"], "24.00", "{list}");
+    // A week on, its refund still not recorded: shown to an operator.
+    sqlx::query("UPDATE payment_disputes SET updated_at = now() - interval '8 days'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let found = findings_of(&pool, "dispute_refund_unrecorded").await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].1.starts_with("30.0000 BRL"), "{found:?}");
+    sqlx::query("UPDATE payment_disputes SET updated_at = now()")
+        .execute(&pool)
+        .await
+        .unwrap();
     // The dispute's own refund: the seller bears it from what was held back, and nothing is
     // held any longer.
     send_refund(&shop, "msg_refund_1", &session, "rf_1", "40.00").await;
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("3.00")));
+    assert!(
+        findings_of(&pool, "dispute_refund_unrecorded")
+            .await
+            .is_empty()
+    );
     let made = payouts::run(
         &pool,
         (Utc::now() + chrono::Duration::days(80)).date_naive(),
@@ -493,6 +510,59 @@ async fn a_partial_refund_before_a_dispute_does_not_pay_out_the_disputes_money(p
     .await
     .unwrap();
     assert_eq!(made.len(), 1, "{made:?}");
+    invariants_hold(&pool).await;
+}
+
+/// The payouts hold back only what the sale could still give back: a dispute ended as a refund
+/// of a payment refunded whole holds nothing back (the ledger took all it can); and a dispute
+/// first heard of as ended by a refund, after a partial refund smaller than it, holds back what
+/// that earlier refund covers (the refund that ended it cannot be among those recorded).
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_dispute_ended_as_a_refund_holds_back_only_what_the_sale_can_still_give_back(
+    pool: PgPool,
+) {
+    let (shop, seller, _, whole) = one_sale(&pool).await;
+    let product = shop.product(&seller, "100.00", "BRL").await;
+    let other = shop.checkout_one("k2", "buyer", &product, 1).await;
+    let partial = other["payment"]["session_id"].as_str().unwrap().to_owned();
+    send_paid(&shop, "msg_paid", &whole, "100.00").await;
+    send_paid(&shop, "msg_paid_2", &partial, "100.00").await;
+    process_all(&pool, &shop).await;
+    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
+        .await
+        .unwrap();
+    // Refunded whole, then disputed and the dispute ended as a refund.
+    send_refund(&shop, "msg_whole", &whole, "rf_whole", "100.00").await;
+    process_all(&pool, &shop).await;
+    for kind in ["dispute.created", "dispute.refunded"] {
+        let body = event(
+            kind,
+            &whole,
+            json!({"dispute_id": "dp_whole", "amount": "100.00"}),
+        );
+        send(&shop, &format!("msg_whole_{kind}"), &body).await;
+        process_all(&pool, &shop).await;
+    }
+    // Refunded in part, then a dispute of 40.00 first heard of as ended by a refund.
+    send_refund(&shop, "msg_part", &partial, "rf_part", "30.00").await;
+    process_all(&pool, &shop).await;
+    let body = event(
+        "dispute.refunded",
+        &partial,
+        json!({"dispute_id": "dp_part", "amount": "40.00"}),
+    );
+    send(&shop, "msg_part_end", &body).await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("54.00")));
+    let made = payouts::run(
+        &pool,
+        (Utc::now() + chrono::Duration::days(40)).date_naive(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(made.len(), 1);
+    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
+    assert_eq!(list["payouts"][0]["amount"], "24.00", "{list}");
     invariants_hold(&pool).await;
 }
 
