@@ -62,10 +62,11 @@
 //!   it ended, until a refund of the same payment and amount that no other request made is
 //!   recorded since its first ask (the gateway's event records one it made); an operator looks
 //!   at the gateway and, if none was made, asks for a new refund.
-//! - `dispute_refund_unrecorded`: a payment's disputes ended as a refund, a week after the last
-//!   ended, part of which only refunds recorded before them cover (migration 0088): the refund
-//!   that ended them is not recorded. The payouts hold that part back for 30 days after they
-//!   ended; an operator looks at the gateway for the refund, whose event records it.
+//! - `dispute_refund_unrecorded`: a payment (through the platform) whose disputes ended as a
+//!   refund, from a week after the last ended to 30 days after, part of which only refunds
+//!   recorded before them cover (migration 0088): the refund that ended them is not recorded.
+//!   The payouts hold that part back until 30 days after they ended; an operator looks at the
+//!   gateway for the refund, whose event records it.
 //! - `payout_undecided`: a payout still waiting for the bank's answer a week after it was made
 //!   ([`PAYOUT_DECIDED_WITHIN`]): its amount is in transit, neither the seller's to spend nor
 //!   known to have reached them; an operator confirms it with the bank and records the answer
@@ -154,15 +155,6 @@ fn give_back_keys(gateway: &str, session: &str, payment: &Option<String>) -> Vec
     keys
 }
 
-/// The gateways whose sales the ledger credits to the seller (the money reached the platform).
-fn through_platform() -> Vec<&'static str> {
-    GatewayName::ALL
-        .iter()
-        .filter(|g| crate::gateways::format(**g).settles_through_platform())
-        .map(|g| g.as_str())
-        .collect()
-}
-
 /// Looks at every invariant now. `grace`: how long work in flight may take before it counts.
 pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sqlx::Error> {
     let grace_secs = grace.as_secs_f64();
@@ -202,7 +194,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
            AND NOT EXISTS (SELECT 1 FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number)",
     )
     .bind(grace_secs)
-    .bind(through_platform())
+    .bind(crate::gateways::through_platform())
     .fetch_all(pool)
     .await?;
     found.extend(violations("sale_without_credit", rows));
@@ -485,17 +477,20 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     found.extend(violations("payout_undecided", rows));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('order %s, %s session %s', s.order_number, po.gateway, po.session_id),
-                format('%s %s of its disputes ended as a refund is covered only by refunds recorded before them, and the refund that ended them is not recorded, a week after: the payouts hold it back for 30 days after they ended, then pay it. Look at %s for that refund: its event records it, and this finding goes',
+                format('%s %s of its disputes ended as a refund is covered only by refunds recorded before them, and the refund that ended them is not recorded, a week after: the payouts hold it back until 30 days after they ended, then pay it, and this finding goes then too. Look at %s for that refund: its event records it, and this finding goes',
                        payment_dispute_refund_unrecorded(po.id), po.currency, po.gateway)
          FROM payment_orders po
          JOIN payment_sessions s ON s.gateway = po.gateway AND s.session_id = po.session_id
-         WHERE po.id IN (SELECT d.payment_order_id FROM payment_disputes d
+         WHERE po.gateway = ANY($1)
+           AND po.id IN (SELECT d.payment_order_id FROM payment_disputes d
                          WHERE d.status = 'refunded' AND d.refunded_before > 0
+                           AND d.updated_at > now() - interval '30 days'
                          GROUP BY d.payment_order_id
                          HAVING max(d.updated_at) < now() - interval '7 days')
            AND payment_dispute_refund_unrecorded(po.id) > 0
          ORDER BY po.id LIMIT 1000",
     )
+    .bind(crate::gateways::through_platform())
     .fetch_all(pool)
     .await?;
     found.extend(violations("dispute_refund_unrecorded", rows));

@@ -355,6 +355,16 @@ pub trait EventFormat: Send + Sync {
     }
 }
 
+/// The gateways whose sales the ledger credits to the seller (the money reached the platform):
+/// their names, as the tables keep them.
+pub fn through_platform() -> Vec<&'static str> {
+    GatewayName::ALL
+        .iter()
+        .filter(|g| format(**g).settles_through_platform())
+        .map(|g| g.as_str())
+        .collect()
+}
+
 /// The event format of a gateway. The one place that names every gateway.
 pub fn format(gateway: GatewayName) -> &'static dyn EventFormat {
     match gateway {

@@ -133,6 +133,9 @@ pub async fn run(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, PayoutErro
         let held = refunds_under_way(&mut tx, &seller, c).await?;
         let balance = balance - held;
         if balance <= Decimal::ZERO || balance < minimum {
+            if held > Decimal::ZERO {
+                tracing::info!(%seller, currency = %c, %held, "no payout: refunds and disputes under way hold back the seller's available balance");
+            }
             continue;
         }
         let period = period_start(frequency, today);
@@ -221,7 +224,8 @@ pub async fn hold_against_payouts(
 /// gateway's), but a partial refund made before a dispute opened gave the buyer other money,
 /// and until the dispute's own refund is recorded that part may be money the buyer has
 /// (`payment_dispute_refund_unrecorded`, migrations 0086 and 0088: per payment, as the ledger
-/// counts it, never beyond what the sale can still give back).
+/// counts it, never beyond what the sale can still give back). Only for the gateways whose
+/// money reaches the platform: the others' take-backs never touch what is paid out.
 async fn refunds_under_way(
     tx: &mut sqlx::PgConnection,
     seller: &str,
@@ -247,13 +251,14 @@ async fn refunds_under_way(
          FROM payment_orders po
          JOIN payment_sessions s ON s.gateway = po.gateway AND s.session_id = po.session_id
          JOIN order_money o ON o.number = s.order_number
-         WHERE o.seller_id = $1::uuid AND o.currency = $2
+         WHERE o.seller_id = $1::uuid AND o.currency = $2 AND po.gateway = ANY($3)
            AND po.id IN (SELECT d.payment_order_id FROM payment_disputes d
                          WHERE d.status = 'refunded' AND d.refunded_before > 0
                            AND d.updated_at > now() - interval '30 days')",
     )
     .bind(seller)
     .bind(currency.as_str())
+    .bind(crate::gateways::through_platform())
     .fetch_one(&mut *tx)
     .await?;
     Ok(requests + disputed)

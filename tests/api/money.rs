@@ -566,6 +566,62 @@ async fn a_dispute_ended_as_a_refund_holds_back_only_what_the_sale_can_still_giv
     invariants_hold(&pool).await;
 }
 
+/// A dispute opened before a refund ending as a refund after another one opened after it does
+/// not release the later one's hold: only refunds recorded after the latest of them count as
+/// theirs.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_later_dispute_ending_does_not_release_an_earlier_holds(pool: PgPool) {
+    let (shop, seller, _, session) = one_sale(&pool).await;
+    send_paid(&shop, "msg_paid", &session, "100.00").await;
+    process_all(&pool, &shop).await;
+    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
+        .await
+        .unwrap();
+    let dispute = |kind: &str, id: &str, amount: &str| {
+        event(kind, &session, json!({"dispute_id": id, "amount": amount}))
+    };
+    send(
+        &shop,
+        "a_open",
+        &dispute("dispute.created", "dp_a", "20.00"),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    send_refund(&shop, "msg_refund", &session, "rf_1", "30.00").await;
+    process_all(&pool, &shop).await;
+    send(
+        &shop,
+        "b_open",
+        &dispute("dispute.created", "dp_b", "40.00"),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    send(
+        &shop,
+        "b_end",
+        &dispute("dispute.refunded", "dp_b", "40.00"),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    send(
+        &shop,
+        "a_end",
+        &dispute("dispute.refunded", "dp_a", "20.00"),
+    )
+    .await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("36.00")));
+    let made = payouts::run(
+        &pool,
+        (Utc::now() + chrono::Duration::days(40)).date_naive(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(made.len(), 1);
+    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
+    assert_eq!(list["payouts"][0]["amount"], "6.00", "{list}");
+}
+
 /// Of two disputes ended as refunds, one recorded refund covers one of them, not both: the
 /// other stays taken from the seller until its own refund is recorded.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
