@@ -225,6 +225,10 @@ async fn utf8_path(
     next.run(req).await
 }
 
+/// A request's id as the server gave it before routing (`server`), for the request span.
+#[derive(Clone)]
+pub(super) struct RequestId(pub(super) String);
+
 /// A request's id: the caller's `x-request-id` when it sends a sane one, else a new one.
 pub(super) fn request_id(headers: &axum::http::HeaderMap) -> String {
     headers
@@ -244,7 +248,11 @@ async fn request_span(
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     let started = std::time::Instant::now();
-    let id = request_id(req.headers());
+    let id = req
+        .extensions()
+        .get::<RequestId>()
+        .map(|r| r.0.clone())
+        .unwrap_or_else(|| request_id(req.headers()));
     let route = req
         .extensions()
         .get::<axum::extract::MatchedPath>()

@@ -196,11 +196,11 @@ pub async fn serve(
             let mut req = req.map(|b| Body::new(DeadlineBody::new(b, body_timeout)));
             req.extensions_mut().insert(ConnectInfo(peer));
             // The request's id, given here so that an answer the handler never gave (the
-            // answer timeout's) carries the same id as its logs.
+            // answer timeout's) carries the same id as its logs. Kept beside the request, never
+            // written over its headers: a gateway signs its own (Mercado Pago's
+            // `x-request-id`, up to 256 bytes).
             let id = super::request_id(req.headers());
-            if let Ok(v) = axum::http::HeaderValue::from_str(&id) {
-                req.headers_mut().insert("x-request-id", v);
-            }
+            req.extensions_mut().insert(super::RequestId(id.clone()));
             let (method, path) = (req.method().clone(), req.uri().path().to_owned());
             async move {
                 let answer = tokio::time::timeout(
@@ -548,6 +548,17 @@ mod tests {
             )
             // A handler held for ever (a lock never granted).
             .route("/held", axum::routing::get(std::future::pending::<()>))
+            // The request's `x-request-id` as the handler sees it.
+            .route(
+                "/id",
+                axum::routing::get(|headers: axum::http::HeaderMap| async move {
+                    headers
+                        .get("x-request-id")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("none")
+                        .to_owned()
+                }),
+            )
             // An answer larger than what the sockets between us buffer.
             .route(
                 "/large",
@@ -587,6 +598,28 @@ mod tests {
 
     /// A handler that never answers (a lock a partitioned worker holds) is answered 503 in the
     /// one error shape at the answer timeout, and the connection serves the next request.
+    /// The id the server gives a request is kept beside it: the request's own `x-request-id`,
+    /// which a gateway may sign (Mercado Pago's, up to 256 bytes), reaches the handler as sent,
+    /// however long, and a request without one gets none written in.
+    #[tokio::test]
+    async fn the_callers_request_id_header_reaches_the_handler_untouched() {
+        let addr = start(limits(100)).await;
+        let long = "a".repeat(200);
+        for (sent, seen) in [(Some(long.as_str()), long.as_str()), (None, "none")] {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let header = sent.map_or(String::new(), |v| format!("x-request-id: {v}\r\n"));
+            s.write_all(
+                format!("GET /id HTTP/1.1\r\nHost: x\r\n{header}Connection: close\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await
+            .unwrap();
+            let (answer, _) = until_closed(&mut s).await;
+            assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+            assert!(answer.ends_with(seen), "{answer}");
+        }
+    }
+
     #[tokio::test]
     async fn a_handler_that_never_answers_is_answered_503_at_the_answer_timeout() {
         let addr = start(limits(100)).await;

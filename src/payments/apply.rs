@@ -811,13 +811,13 @@ async fn record_dispute(
             // would cover is held back from the seller's payouts until refunds recorded after
             // it cover it (`ledger::payouts`). First heard of as ended by a refund (its
             // opening never came, or came later), its refund may be among those recorded
-            // already when they reach its amount, so its amount of them counts as its own.
+            // already: a recorded refund of exactly its amount counts as its own.
             let status = status.unwrap_or(DisputeStatus::Open);
             let (before_column, before_value) = match of {
                 DisputeOf::Order(_) => (
                     ", refunded_before",
-                    ", (SELECT CASE WHEN $4 = 'refunded' AND COALESCE(sum(r.amount), 0) >= $5
-                                    THEN COALESCE(sum(r.amount), 0) - $5
+                    ", (SELECT CASE WHEN $4 = 'refunded' AND bool_or(r.amount = $5)
+                                    THEN sum(r.amount) - $5
                                     ELSE COALESCE(sum(r.amount), 0) END
                         FROM payment_refunds r WHERE r.payment_order_id = $1)",
                 ),

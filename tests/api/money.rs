@@ -510,6 +510,8 @@ async fn a_partial_refund_before_a_dispute_does_not_pay_out_the_disputes_money(p
     .await
     .unwrap();
     assert_eq!(made.len(), 1, "{made:?}");
+    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
+    assert_eq!(list["payouts"][0]["amount"], "3.00", "{list}");
     invariants_hold(&pool).await;
 }
 
@@ -564,6 +566,38 @@ async fn a_dispute_ended_as_a_refund_holds_back_only_what_the_sale_can_still_giv
     let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
     assert_eq!(list["payouts"][0]["amount"], "24.00", "{list}");
     invariants_hold(&pool).await;
+}
+
+/// A dispute first heard of as already ended by a refund (its opening lost) counts a recorded
+/// refund as its own only if one is of its amount: an earlier refund of 50.00 is not a dispute's
+/// of 40.00, and the dispute's money is held back from payouts until its own refund comes.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_dispute_first_heard_of_as_ended_is_not_covered_by_a_larger_earlier_refund(pool: PgPool) {
+    let (shop, seller, _, session) = one_sale(&pool).await;
+    send_paid(&shop, "msg_paid", &session, "100.00").await;
+    process_all(&pool, &shop).await;
+    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
+        .await
+        .unwrap();
+    send_refund(&shop, "msg_refund_0", &session, "rf_0", "50.00").await;
+    process_all(&pool, &shop).await;
+    let ended = event(
+        "dispute.refunded",
+        &session,
+        json!({"dispute_id": "dp_1", "amount": "40.00"}),
+    );
+    send(&shop, "msg_ended", &ended).await;
+    process_all(&pool, &shop).await;
+    assert_eq!(shop.balance(&seller).await, (d("0.00"), d("45.00")));
+    let made = payouts::run(
+        &pool,
+        (Utc::now() + chrono::Duration::days(40)).date_naive(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(made.len(), 1);
+    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
+    assert_eq!(list["payouts"][0]["amount"], "5.00", "{list}");
 }
 
 /// A dispute opened before a refund ending as a refund after another one opened after it does
@@ -805,6 +839,8 @@ async fn a_refund_ended_unanswered_is_still_held_back_from_payouts(pool: PgPool)
     .await
     .unwrap();
     assert_eq!(made.len(), 1, "{made:?}");
+    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
+    assert_eq!(list["payouts"][0]["amount"], "5.00", "{list}");
     invariants_hold(&pool).await;
 }
 
