@@ -278,6 +278,30 @@ async fn one_sale(pool: &PgPool) -> (Shop, String, i64, String) {
     (shop, seller, order["number"].as_i64().unwrap(), session)
 }
 
+/// [`one_sale`], paid 100.00 and released to the seller's available balance (90.00).
+async fn released_sale(pool: &PgPool) -> (Shop, String, i64, String) {
+    let (shop, seller, n, session) = one_sale(pool).await;
+    send_paid(&shop, "msg_paid", &session, "100.00").await;
+    process_all(pool, &shop).await;
+    sales::release_matured(pool, Utc::now() + chrono::Duration::days(15))
+        .await
+        .unwrap();
+    (shop, seller, n, session)
+}
+
+/// The payout run `days` from now, which makes the seller's one payout: its amount.
+async fn paid_out(pool: &PgPool, shop: &Shop, seller: &str, days: i64) -> String {
+    let made = payouts::run(
+        pool,
+        (Utc::now() + chrono::Duration::days(days)).date_naive(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(made.len(), 1, "{made:?}");
+    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
+    list["payouts"][0]["amount"].as_str().unwrap().to_owned()
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_refund_debits_once_whether_it_comes_first_twice_or_re_emitted(pool: PgPool) {
     let (shop, seller, n, session) = one_sale(&pool).await;
@@ -402,12 +426,7 @@ async fn a_dispute_debits_once_and_is_reversed_once_when_won(pool: PgPool) {
 async fn a_dispute_ended_as_a_refund_keeps_the_money_taken_until_that_refund_is_recorded(
     pool: PgPool,
 ) {
-    let (shop, seller, _, session) = one_sale(&pool).await;
-    send_paid(&shop, "msg_paid", &session, "100.00").await;
-    process_all(&pool, &shop).await;
-    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
-        .await
-        .unwrap();
+    let (shop, seller, _, session) = released_sale(&pool).await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("90.00")));
     let dispute = |kind: &str| {
         event(
@@ -449,12 +468,7 @@ async fn a_dispute_ended_as_a_refund_keeps_the_money_taken_until_that_refund_is_
 /// refund covers until the dispute's own refund is recorded: none of it is paid out meanwhile.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_partial_refund_before_a_dispute_does_not_pay_out_the_disputes_money(pool: PgPool) {
-    let (shop, seller, _, session) = one_sale(&pool).await;
-    send_paid(&shop, "msg_paid", &session, "100.00").await;
-    process_all(&pool, &shop).await;
-    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
-        .await
-        .unwrap();
+    let (shop, seller, _, session) = released_sale(&pool).await;
     send_refund(&shop, "msg_refund_0", &session, "rf_0", "30.00").await;
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("63.00")));
@@ -472,15 +486,7 @@ async fn a_partial_refund_before_a_dispute_does_not_pay_out_the_disputes_money(p
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("54.00")));
     // 30.00 of the dispute is covered only by the refund made before it: held back.
-    let made = payouts::run(
-        &pool,
-        (Utc::now() + chrono::Duration::days(40)).date_naive(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(made.len(), 1);
-    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
-    assert_eq!(list["payouts"][0]["amount"], "24.00", "{list}");
+    assert_eq!(paid_out(&pool, &shop, &seller, 40).await, "24.00");
     // A week on, its refund still not recorded: shown to an operator.
     sqlx::query("UPDATE payment_disputes SET updated_at = now() - interval '8 days'")
         .execute(&pool)
@@ -503,15 +509,7 @@ async fn a_partial_refund_before_a_dispute_does_not_pay_out_the_disputes_money(p
             .await
             .is_empty()
     );
-    let made = payouts::run(
-        &pool,
-        (Utc::now() + chrono::Duration::days(80)).date_naive(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(made.len(), 1, "{made:?}");
-    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
-    assert_eq!(list["payouts"][0]["amount"], "3.00", "{list}");
+    assert_eq!(paid_out(&pool, &shop, &seller, 80).await, "3.00");
     invariants_hold(&pool).await;
 }
 
@@ -556,15 +554,7 @@ async fn a_dispute_ended_as_a_refund_holds_back_only_what_the_sale_can_still_giv
     send(&shop, "msg_part_end", &body).await;
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("54.00")));
-    let made = payouts::run(
-        &pool,
-        (Utc::now() + chrono::Duration::days(40)).date_naive(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(made.len(), 1);
-    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
-    assert_eq!(list["payouts"][0]["amount"], "24.00", "{list}");
+    assert_eq!(paid_out(&pool, &shop, &seller, 40).await, "24.00");
     invariants_hold(&pool).await;
 }
 
@@ -573,12 +563,7 @@ async fn a_dispute_ended_as_a_refund_holds_back_only_what_the_sale_can_still_giv
 /// of 40.00, and the dispute's money is held back from payouts until its own refund comes.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_dispute_first_heard_of_as_ended_is_not_covered_by_a_larger_earlier_refund(pool: PgPool) {
-    let (shop, seller, _, session) = one_sale(&pool).await;
-    send_paid(&shop, "msg_paid", &session, "100.00").await;
-    process_all(&pool, &shop).await;
-    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
-        .await
-        .unwrap();
+    let (shop, seller, _, session) = released_sale(&pool).await;
     send_refund(&shop, "msg_refund_0", &session, "rf_0", "50.00").await;
     process_all(&pool, &shop).await;
     let ended = event(
@@ -589,15 +574,7 @@ async fn a_dispute_first_heard_of_as_ended_is_not_covered_by_a_larger_earlier_re
     send(&shop, "msg_ended", &ended).await;
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("45.00")));
-    let made = payouts::run(
-        &pool,
-        (Utc::now() + chrono::Duration::days(40)).date_naive(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(made.len(), 1);
-    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
-    assert_eq!(list["payouts"][0]["amount"], "5.00", "{list}");
+    assert_eq!(paid_out(&pool, &shop, &seller, 40).await, "5.00");
 }
 
 /// A dispute opened before a refund ending as a refund after another one opened after it does
@@ -605,12 +582,7 @@ async fn a_dispute_first_heard_of_as_ended_is_not_covered_by_a_larger_earlier_re
 /// theirs.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_later_dispute_ending_does_not_release_an_earlier_holds(pool: PgPool) {
-    let (shop, seller, _, session) = one_sale(&pool).await;
-    send_paid(&shop, "msg_paid", &session, "100.00").await;
-    process_all(&pool, &shop).await;
-    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
-        .await
-        .unwrap();
+    let (shop, seller, _, session) = released_sale(&pool).await;
     let dispute = |kind: &str, id: &str, amount: &str| {
         event(kind, &session, json!({"dispute_id": id, "amount": amount}))
     };
@@ -645,27 +617,14 @@ async fn a_later_dispute_ending_does_not_release_an_earlier_holds(pool: PgPool) 
     .await;
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("36.00")));
-    let made = payouts::run(
-        &pool,
-        (Utc::now() + chrono::Duration::days(40)).date_naive(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(made.len(), 1);
-    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
-    assert_eq!(list["payouts"][0]["amount"], "6.00", "{list}");
+    assert_eq!(paid_out(&pool, &shop, &seller, 40).await, "6.00");
 }
 
 /// Of two disputes ended as refunds, one recorded refund covers one of them, not both: the
 /// other stays taken from the seller until its own refund is recorded.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn one_refund_covers_one_dispute_ended_as_a_refund(pool: PgPool) {
-    let (shop, seller, _, session) = one_sale(&pool).await;
-    send_paid(&shop, "msg_paid", &session, "100.00").await;
-    process_all(&pool, &shop).await;
-    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
-        .await
-        .unwrap();
+    let (shop, seller, _, session) = released_sale(&pool).await;
     for id in ["dp_1", "dp_2"] {
         for kind in ["dispute.created", "dispute.refunded"] {
             let body = event(kind, &session, json!({"dispute_id": id, "amount": "30.00"}));
@@ -693,12 +652,7 @@ async fn one_refund_covers_one_dispute_ended_as_a_refund(pool: PgPool) {
 /// payout being made, so it is either seen by the payout or written after it.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_refund_request_waits_for_a_payout_being_made_of_its_sellers_money(pool: PgPool) {
-    let (shop, seller, n, session) = one_sale(&pool).await;
-    send_paid(&shop, "msg_paid", &session, "100.00").await;
-    process_all(&pool, &shop).await;
-    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
-        .await
-        .unwrap();
+    let (shop, seller, n, _) = released_sale(&pool).await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("90.00")));
     // A payout being made: it holds the seller's available account until it commits.
     let mut payout = pool.begin().await.unwrap();
@@ -770,15 +724,7 @@ async fn a_refund_held_by_an_open_dispute_is_still_held_back_from_payouts(pool: 
     .await;
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("162.00")));
-    let made = payouts::run(
-        &pool,
-        (Utc::now() + chrono::Duration::days(40)).date_naive(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(made.len(), 1);
-    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
-    assert_eq!(list["payouts"][0]["amount"], "82.00", "{list}");
+    assert_eq!(paid_out(&pool, &shop, &seller, 40).await, "82.00");
 }
 
 /// A refund request whose gateway answer never came, ended unanswered past the gateway's
@@ -786,12 +732,7 @@ async fn a_refund_held_by_an_open_dispute_is_still_held_back_from_payouts(pool: 
 /// refund under way is, so the refund's late event takes its share from money not paid out.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_refund_ended_unanswered_is_still_held_back_from_payouts(pool: PgPool) {
-    let (shop, seller, n, session) = one_sale(&pool).await;
-    send_paid(&shop, "msg_paid", &session, "100.00").await;
-    process_all(&pool, &shop).await;
-    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
-        .await
-        .unwrap();
+    let (shop, seller, n, session) = released_sale(&pool).await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("90.00")));
     let new = payfleet::payments::order_refunds::NewRefund {
         amount: Some("50.00".into()),
@@ -818,29 +759,13 @@ async fn a_refund_ended_unanswered_is_still_held_back_from_payouts(pool: PgPool)
         .await
         .unwrap();
     assert_eq!(state, "failed");
-    let made = payouts::run(
-        &pool,
-        (Utc::now() + chrono::Duration::days(40)).date_naive(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(made.len(), 1);
-    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
-    assert_eq!(list["payouts"][0]["amount"], "40.00", "{list}");
+    assert_eq!(paid_out(&pool, &shop, &seller, 40).await, "40.00");
     // The gateway had made it: its event takes the seller's share from what was held back.
     send_refund(&shop, "msg_refund", &session, "rf_late", "50.00").await;
     process_all(&pool, &shop).await;
     assert_eq!(shop.balance(&seller).await, (d("0.00"), d("5.00")));
     // Recorded, it is no longer held: the next period pays what is left.
-    let made = payouts::run(
-        &pool,
-        (Utc::now() + chrono::Duration::days(80)).date_naive(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(made.len(), 1, "{made:?}");
-    let (_, list) = shop.json(&format!("/sellers/{seller}/payouts")).await;
-    assert_eq!(list["payouts"][0]["amount"], "5.00", "{list}");
+    assert_eq!(paid_out(&pool, &shop, &seller, 80).await, "5.00");
     invariants_hold(&pool).await;
 }
 
@@ -948,12 +873,7 @@ async fn matured_sales_are_released_many_to_a_transaction_one_seller_at_a_time(p
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn payouts_are_made_once_per_period_and_a_failure_credits_back_once(pool: PgPool) {
-    let (shop, seller, _, session) = one_sale(&pool).await;
-    send_paid(&shop, "msg_paid", &session, "100.00").await;
-    process_all(&pool, &shop).await;
-    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
-        .await
-        .unwrap();
+    let (shop, seller, _, _) = released_sale(&pool).await;
     // Two workers run the same period's payouts at once: one payout.
     let monday = chrono::NaiveDate::from_isoywd_opt(2027, 10, chrono::Weekday::Mon).unwrap();
     let runs: Vec<_> = (0..3)

@@ -71,6 +71,13 @@ struct Payment {
     point_of_interaction: Option<Value>,
 }
 
+/// An amount as Mercado Pago writes it (a number and a currency id), where both are there and
+/// read.
+fn amount_of(amount: Option<&Value>, currency: Option<&str>) -> Option<Money> {
+    let d = decimal(amount?).ok()?;
+    Money::new(d, currency?.parse().ok()?).ok()
+}
+
 /// How a renewal's session names its preapproval charge: `authorized_payment:{id}`.
 const AUTHORIZED_PAYMENT: &str = "authorized_payment:";
 
@@ -499,12 +506,7 @@ impl MercadoPagoClient {
                 subscription: None,
             });
         };
-        let amount = match (&p.transaction_amount, p.currency_id.as_deref()) {
-            (Some(a), Some(c)) => decimal(a)
-                .ok()
-                .and_then(|d| Money::new(d, c.parse().ok()?).ok()),
-            _ => None,
-        };
+        let amount = amount_of(p.transaction_amount.as_ref(), p.currency_id.as_deref());
         Ok(PaymentState {
             status: self.map(&p.status),
             payment_id: Some(id_text(&p.id)),
@@ -534,12 +536,7 @@ impl MercadoPagoClient {
                 subscription: None,
             });
         };
-        let amount = match (&a.transaction_amount, a.currency_id.as_deref()) {
-            (Some(v), Some(c)) => decimal(v)
-                .ok()
-                .and_then(|d| Money::new(d, c.parse().ok()?).ok()),
-            _ => None,
-        };
+        let amount = amount_of(a.transaction_amount.as_ref(), a.currency_id.as_deref());
         Ok(PaymentState {
             status: self.map(&charged.status),
             payment_id: Some(id_text(&charged.id)),
