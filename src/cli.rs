@@ -305,6 +305,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
 
 /// `serve` and `work`: connect, start the roles, run until SIGTERM.
 async fn serve(config: Config, roles: Roles) -> anyhow::Result<()> {
+    // Settings unsafe together (the simulator beside live credentials, say) stop the process
+    // before it touches any database.
+    config.gateways.check()?;
     let pool = db::connect(&config.database_url, config.db_pool_size, roles.name()).await?;
     let bind = if roles.serve {
         Some(config.bind)

@@ -547,19 +547,22 @@ async fn the_simulator_never_runs_beside_a_gateways_live_credentials(pool: PgPoo
         payfleet::startup::start(&config, pool.clone(), payfleet::startup::Roles::SERVE, None)
             .unwrap();
     running.stop().await;
-    // The command says so and stops.
-    let out = payfleet(&pool, &["serve"])
-        .env("INTERNAL_WEBHOOK_SECRET", INTERNAL_SECRET)
-        .env("PAYFLEET_PAYMENT_SIMULATOR", "on")
-        .env("STRIPE_WEBHOOK_SECRET", "whsec_x")
-        .env("STRIPE_SECRET_KEY", "sk_live_x")
-        .env("PAYFLEET_BIND", "127.0.0.1:0")
-        .output()
-        .await
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("live credentials"), "{stderr}");
+    // The command says so and stops, before it touches any database (none answers here).
+    for role in ["serve", "work"] {
+        let out = payfleet(&pool, &[role])
+            .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/none")
+            .env("INTERNAL_WEBHOOK_SECRET", INTERNAL_SECRET)
+            .env("PAYFLEET_PAYMENT_SIMULATOR", "on")
+            .env("STRIPE_WEBHOOK_SECRET", "whsec_x")
+            .env("STRIPE_SECRET_KEY", "sk_live_x")
+            .env("PAYFLEET_BIND", "127.0.0.1:0")
+            .output()
+            .await
+            .unwrap();
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("live credentials"), "{role}: {stderr}");
+    }
 }
 
 #[tokio::test]
