@@ -525,19 +525,30 @@ mod tests {
     /// database's words (a constraint's name, the server's message) stay in the log.
     #[sqlx::test(migrator = "crate::db::MIGRATOR")]
     async fn our_database_refusing_a_session_is_not_shown_as_the_gateways_refusal(pool: PgPool) {
+        let (code, message, retryable) = failed_with(&pool, ours_refused).await;
+        assert_eq!(code, "session_not_kept");
+        assert!(!retryable, "a refusal, not an outage: {message}");
+        assert!(!message.contains("constraint"), "{message}");
+    }
+
+    /// The payment side's reply to a link the gateway fails with `error`: (code, message,
+    /// retryable).
+    async fn failed_with(
+        pool: &PgPool,
+        error: fn() -> crate::gateways::GatewayError,
+    ) -> (String, String, bool) {
         let mut gateways = GatewayRegistry::default();
-        gateways.register(Arc::new(Failing(ours_refused))).unwrap();
-        let service = LinkService { pool, gateways };
+        gateways.register(Arc::new(Failing(error))).unwrap();
+        let service = LinkService {
+            pool: pool.clone(),
+            gateways,
+        };
         match service.link(request(7)).await {
             PaymentLinkReply::Failed {
                 code,
                 message,
                 retryable,
-            } => {
-                assert_eq!(code, "session_not_kept");
-                assert!(!retryable, "a refusal, not an outage: {message}");
-                assert!(!message.contains("constraint"), "{message}");
-            }
+            } => (code, message, retryable),
             other => panic!("{other:?}"),
         }
     }
@@ -574,26 +585,12 @@ mod tests {
             (unreadable, ("gateway_unavailable", true)),
             (amount_refused, ("amount_too_small", false)),
         ] {
-            let mut gateways = GatewayRegistry::default();
-            gateways.register(Arc::new(Failing(error))).unwrap();
-            let service = LinkService {
-                pool: pool.clone(),
-                gateways,
-            };
-            match service.link(request(7)).await {
-                PaymentLinkReply::Failed {
-                    code,
-                    message,
-                    retryable,
-                } => {
-                    assert_eq!((code.as_str(), retryable), expected, "{message}");
-                    assert!(
-                        !message.contains("sk_live") && !message.contains("acct_"),
-                        "{message}"
-                    );
-                }
-                other => panic!("{other:?}"),
-            }
+            let (code, message, retryable) = failed_with(&pool, error).await;
+            assert_eq!((code.as_str(), retryable), expected, "{message}");
+            assert!(
+                !message.contains("sk_live") && !message.contains("acct_"),
+                "{message}"
+            );
         }
     }
 

@@ -199,6 +199,20 @@ struct EventRow {
     received_at: chrono::DateTime<chrono::Utc>,
 }
 
+impl EventRow {
+    /// The connected account a Stripe event names (its `account`): `Some(None)` for an event
+    /// on the platform's own account, `None` for a body that does not read as an event.
+    fn account(&self) -> Option<Option<String>> {
+        #[derive(serde::Deserialize)]
+        struct Account {
+            account: Option<String>,
+        }
+        serde_json::from_slice::<Account>(&self.raw_body)
+            .ok()
+            .map(|a| a.account)
+    }
+}
+
 impl Processor {
     /// Processes a stored event. Safe to run any number of times, concurrently too: the event row
     /// is locked, and the effects commit with its outcome or not at all. Returns an error only
@@ -266,16 +280,9 @@ impl Processor {
     /// platform's own account (no `account` field): the internal gateway's subscriptions are
     /// billed there.
     fn subscription_gateway(&self, gateway: GatewayName, row: &EventRow) -> GatewayName {
-        #[derive(serde::Deserialize)]
-        struct Account {
-            account: Option<String>,
-        }
         let platform = Some(gateway) == self.internal_acquirer
             && row.source != "reconciliation"
-            && matches!(
-                serde_json::from_slice::<Account>(&row.raw_body),
-                Ok(Account { account: None })
-            );
+            && matches!(row.account(), Some(None));
         if platform {
             GatewayName::Internal
         } else {
@@ -389,13 +396,7 @@ impl Processor {
             tracing::warn!(gateway = %of, invoice, "the gateway is not enabled in this worker to ask for the invoice's payment: its renewal is recorded without one");
             return Ok(());
         };
-        #[derive(serde::Deserialize)]
-        struct Account {
-            account: Option<String>,
-        }
-        let account = serde_json::from_slice::<Account>(&row.raw_body)
-            .ok()
-            .and_then(|a| a.account);
+        let account = row.account().flatten();
         match g.invoice_payment(invoice, account.as_deref()).await {
             Ok(Some(found)) => {
                 payment.payment_id = Some(found.payment_id);

@@ -131,6 +131,15 @@ fn with_stripe(base: String) -> impl FnOnce(&mut Config) {
     }
 }
 
+fn with_mercadopago(base: String) -> impl FnOnce(&mut Config) {
+    move |config: &mut Config| {
+        config.gateways.mercadopago.api = Some(payfleet::gateways::mercadopago::Api {
+            base_url: base,
+            access_token: Secret::new("TEST-token"),
+        });
+    }
+}
+
 /// A Stripe invoice event of subscription `sub_1` (on the seller's connected account).
 fn invoice(event: &str, kind: &str, invoice: &str, pi: &str, reason: &str, start: i64) -> String {
     json!({"id": event, "type": kind, "account": "acct_seller1", "data": {"object": {
@@ -1470,13 +1479,8 @@ async fn a_mercadopago_preapproval_charge_is_one_renewal_and_its_payment_no_seco
             )
     };
     let base = stand_in(api, Log::default()).await;
-    let (shop, order) = subscription_order(&pool, "mercadopago", "BRL", |config| {
-        config.gateways.mercadopago.api = Some(payfleet::gateways::mercadopago::Api {
-            base_url: base,
-            access_token: Secret::new("TEST-token"),
-        });
-    })
-    .await;
+    let (shop, order) =
+        subscription_order(&pool, "mercadopago", "BRL", with_mercadopago(base)).await;
     let number = order["number"].as_i64().unwrap();
     let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
     *first.lock().unwrap() = session.clone();
@@ -1654,13 +1658,8 @@ async fn a_mercadopago_renewal_retried_and_paid_unannounced_is_found_by_reconcil
             )
     };
     let base = stand_in(api, Log::default()).await;
-    let (shop, order) = subscription_order(&pool, "mercadopago", "BRL", |config| {
-        config.gateways.mercadopago.api = Some(payfleet::gateways::mercadopago::Api {
-            base_url: base,
-            access_token: Secret::new("TEST-token"),
-        });
-    })
-    .await;
+    let (shop, order) =
+        subscription_order(&pool, "mercadopago", "BRL", with_mercadopago(base)).await;
     let number = order["number"].as_i64().unwrap();
     let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
     *first.lock().unwrap() = session.clone();
