@@ -197,6 +197,21 @@ impl GatewayError {
         )
     }
 
+    /// The gateway refused the request outright (a 4xx of its own, not a conflict over the
+    /// idempotency key nor a rate limit): nothing was done, whatever was asked. Not an answer
+    /// we could not read, nor our own refusal after the request: either may hide what the
+    /// gateway did.
+    pub fn refused_outright(&self) -> bool {
+        match self {
+            Self::Api { status, code, .. } => {
+                (400..500).contains(status)
+                    && !matches!(status, 409 | 429)
+                    && code.as_deref() != Some("idempotency_error")
+            }
+            _ => false,
+        }
+    }
+
     /// A short machine-readable code.
     pub fn code(&self) -> &str {
         match self {
@@ -266,6 +281,20 @@ pub trait PaymentGateway: Send + Sync {
         _invoice: &'a str,
         _seller_account: Option<&'a str>,
     ) -> GatewayFuture<'a, Option<InvoicePayment>> {
+        Box::pin(async { Ok(None) })
+    }
+    /// The charges its billing made for a subscription it bills (`subscription`: its id there)
+    /// since `since`, on the seller's account when given: each paid or failed one as the
+    /// webhook event that reports it, its id of its own, for the gateway named beside them
+    /// (whose endpoint receives such events). Asked by reconciliation for a period that ended
+    /// with nothing reported since: its renewal's event was lost. `None`: the gateway keeps no
+    /// such list to ask.
+    fn period_charges<'a>(
+        &'a self,
+        _subscription: &'a str,
+        _seller_account: Option<&'a str>,
+        _since: chrono::DateTime<chrono::Utc>,
+    ) -> GatewayFuture<'a, Option<(GatewayName, Vec<UndeliveredEvent>)>> {
         Box::pin(async { Ok(None) })
     }
     /// Cancels a subscription it bills (`subscription`: its id there), now or at the end of
@@ -387,6 +416,18 @@ macro_rules! payment_gateway {
                 seller_account: Option<&'a str>,
             ) -> $crate::gateways::api::GatewayFuture<'a, Option<$crate::gateways::api::InvoicePayment>> {
                 Box::pin(self.invoice_paid_by(invoice, seller_account))
+            }
+
+            fn period_charges<'a>(
+                &'a self,
+                subscription: &'a str,
+                seller_account: Option<&'a str>,
+                since: chrono::DateTime<chrono::Utc>,
+            ) -> $crate::gateways::api::GatewayFuture<
+                'a,
+                Option<($crate::gateways::GatewayName, Vec<$crate::gateways::api::UndeliveredEvent>)>,
+            > {
+                Box::pin(self.subscription_charges(subscription, seller_account, since))
             }
 
             $crate::gateways::api::payment_gateway!(@cancel);

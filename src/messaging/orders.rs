@@ -835,11 +835,16 @@ where
     H: for<'c> Fn(OrderMessage, &'c mut PgConnection) -> Handled<'c> + Send + Sync + 'static,
 {
     let mut tx = pool.begin().await?;
+    // Handled now: a failure kept of an earlier delivery (dead, or on its way to it) is no
+    // longer one, and would be listed and reported as a message no one handled. Only if the
+    // handler commits. The dead-lettered consumer's "handling" is the keeping of that record.
     let first = sqlx::query(
-        "INSERT INTO consumed_messages (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+        "WITH handled AS (DELETE FROM message_failures WHERE consumer = $1 AND message_id = $2 AND $1 <> $3)
+         INSERT INTO consumed_messages (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
     )
     .bind(consumer)
     .bind(&message.message_id)
+    .bind(DEAD_LETTERED)
     .execute(&mut *tx)
     .await?
     .rows_affected()

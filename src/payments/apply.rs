@@ -607,7 +607,14 @@ async fn record_refund(
             .bind(refund_id)
             .fetch_optional(&mut *tx)
             .await?;
-    if known.is_some() || refund_ended(tx, gateway, refund_id).await? {
+    if refund_ended(tx, gateway, refund_id).await? {
+        return Ok(false);
+    }
+    if known.is_some() {
+        // Recorded already, by an event whose transaction ran beside the one that stored the
+        // gateway's `pending` answer on the request: neither saw the other's row, and the
+        // request was left `accepted` with its refund done. Asking about it again ends here.
+        request_done(tx, gateway, refund_id).await?;
         return Ok(false);
     }
     same_currency("refund", refund_id, amount, &paid)?;
@@ -644,7 +651,16 @@ async fn record_refund(
     .bind(event_id)
     .execute(&mut *tx)
     .await?;
-    // An operator's refund the gateway had only accepted is done now.
+    request_done(tx, gateway, refund_id).await?;
+    Ok(true)
+}
+
+/// An operator's refund the gateway had only accepted is done now.
+async fn request_done(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    refund_id: &str,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
         "UPDATE refund_requests SET state = 'succeeded', updated_at = now()
          WHERE gateway = $1 AND refund_id = $2 AND state = 'accepted'",
@@ -653,7 +669,7 @@ async fn record_refund(
     .bind(refund_id)
     .execute(&mut *tx)
     .await?;
-    Ok(true)
+    Ok(())
 }
 
 /// A refund the gateway took ends without moving money: its request ends `failed` or

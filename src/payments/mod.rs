@@ -278,10 +278,12 @@ impl Processor {
     /// Whose subscription an event about a gateway-billed subscription is: its gateway's,
     /// except, when the internal gateway collects through Stripe, a Stripe event on the
     /// platform's own account (no `account` field): the internal gateway's subscriptions are
-    /// billed there.
+    /// billed there. Reconciliation's own answers (`reconcile::EVENT_TYPE`) name no account
+    /// either, and stay the gateway's; the gateway's events it stores (a subscription's
+    /// charges listed) name it as their webhooks would.
     fn subscription_gateway(&self, gateway: GatewayName, row: &EventRow) -> GatewayName {
         let platform = Some(gateway) == self.internal_acquirer
-            && row.source != "reconciliation"
+            && row.event_type.as_deref() != Some(reconcile::EVENT_TYPE)
             && matches!(row.account(), Some(None));
         if platform {
             GatewayName::Internal

@@ -606,13 +606,21 @@ pub async fn carry_out(
         Disputed::No => {}
         Disputed::Open => return Ok(CarriedOut::Held(view)),
         Disputed::Ended(status) => {
+            // Asked of the gateway already, its answer lost: the refund may have been made
+            // before the dispute took the money too. Ended unanswered, so that it is reported
+            // and held back from payouts as any unanswered refund is (`refund_unconfirmed`),
+            // not ended as a refund that was never made.
             let ended = sqlx::query(
                 "UPDATE refund_requests SET state = 'failed', updated_at = now(),
-                        failure = 'the payment was disputed after the refund was asked for, and the dispute ended ' || $2 || ': the buyer has that money back through it, and what is left of the payment does not cover this refund'
+                        failure = CASE WHEN first_asked_at IS NULL
+                            THEN 'the payment was disputed after the refund was asked for, and the dispute ended ' || $2 || ': the buyer has that money back through it, and what is left of the payment does not cover this refund'
+                            ELSE $3 || ', first asked for at ' || first_asked_at || ', before its payment''s dispute ended ' || $2 || ': it may have been made, and asking again could give the buyer the disputed money a second time, so it is not asked again. If the gateway made it, its refund event records it (see the order''s refunds)'
+                        END
                  WHERE id = $1 AND state = 'requested'",
             )
             .bind(id)
             .bind(&status)
+            .bind(UNANSWERED)
             .execute(pool)
             .await?;
             if ended.rows_affected() == 1 {

@@ -18,6 +18,11 @@
 //! event and processed like the webhook that was lost; each open dispute is asked at most daily
 //! (and, open past any network's deadline, it is the consistency check `dispute_undecided`'s).
 //!
+//! A subscription the gateway bills whose period ended with nothing reported since (its
+//! renewal's first event lost: no session to ask about) has its gateway asked for the charges
+//! its billing made since ([`PERIOD_ASK_AFTER`] to [`PERIOD_WINDOW`] after the period's end,
+//! every [`PERIOD_EVERY`] at most): each is stored as the event that would have reported it.
+//!
 //! A session whose order expired is asked about for a day as often as a pending one, then up to
 //! [`LATE_WINDOW`] after the expiry, every [`LATE_EVERY`] at most and in a quarter of a run's
 //! share: a voucher paid days late whose webhooks were all lost is still found, and given back.
@@ -203,7 +208,13 @@ pub async fn run(
     settings: &Settings,
 ) -> Result<Report, QueueError> {
     let names: Vec<&str> = gateways.names().iter().map(|g| g.as_str()).collect();
-    // A failed session is asked about again only where a later attempt may still succeed.
+    // A failed session is asked about again only where a later attempt may still succeed: on
+    // gateways whose sessions take several attempts, and a renewal's session anywhere (its
+    // `subscription` in the metadata) for [`PERIOD_WINDOW`] after it was opened: the gateway's
+    // own billing retries the period's charge (Stripe's Smart Retries charge the same invoice
+    // again, for weeks), and a retry that succeeded with its event lost would leave the
+    // subscription past due and the period without its sale. Renewals never expire here (the
+    // gateway's dunning decides), so the window is what ends the asking.
     let attempts: Vec<&str> = gateways
         .names()
         .iter()
@@ -230,7 +241,9 @@ pub async fn run(
                     OR (o.expired_at > now() - make_interval(secs => $5)
                         AND (s.checked_at IS NULL OR s.checked_at < now() - make_interval(secs => $6))))
                AND (po.id IS NULL OR (po.succeeded_at IS NULL
-                                      AND (po.failed_at IS NULL OR s.gateway = ANY($4))))
+                                      AND (po.failed_at IS NULL OR s.gateway = ANY($4)
+                                           OR (s.metadata ? 'subscription'
+                                               AND s.created_at > now() - make_interval(secs => $7)))))
          ) due WHERE n <= $3
          ORDER BY gateway, late, n",
     )
@@ -240,6 +253,7 @@ pub async fn run(
     .bind(&attempts)
     .bind(LATE_WINDOW.num_seconds() as f64)
     .bind(LATE_EVERY.num_seconds() as f64)
+    .bind(PERIOD_WINDOW.num_seconds() as f64)
     .fetch_all(pool)
     .await?;
     let mut report = Report::default();
@@ -262,15 +276,171 @@ pub async fn run(
             report.unreachable.push(name);
         }
     }
-    let (asked, found, unreachable) = ask_about_disputes(pool, gateways, settings).await?;
-    report.asked += asked;
-    report.found += found;
-    for name in unreachable {
-        if !report.unreachable.contains(&name) {
-            report.unreachable.push(name);
+    for pass in [
+        ask_about_disputes(pool, gateways, settings).await?,
+        ask_about_periods(pool, gateways, settings).await?,
+    ] {
+        let (asked, found, unreachable) = pass;
+        report.asked += asked;
+        report.found += found;
+        for name in unreachable {
+            if !report.unreachable.contains(&name) {
+                report.unreachable.push(name);
+            }
         }
     }
     Ok(report)
+}
+
+/// How long after a gateway-billed subscription's period ended, with nothing reported since
+/// (neither its renewal, paid or failed, nor its end), its gateway is asked about the charges
+/// its billing made: Stripe finalizes a period's invoice about an hour after the period ends,
+/// and charges it then.
+pub const PERIOD_ASK_AFTER: chrono::Duration = chrono::Duration::hours(2);
+/// How long after the period's end it is still asked about: Stripe keeps retrying a failed
+/// charge for weeks (Smart Retries), and its events 30 days.
+pub const PERIOD_WINDOW: chrono::Duration = chrono::Duration::days(30);
+/// How often one period is asked about, at most.
+pub const PERIOD_EVERY: chrono::Duration = chrono::Duration::hours(1);
+
+#[derive(sqlx::FromRow)]
+struct OverduePeriod {
+    subscription_id: uuid::Uuid,
+    period_end: DateTime<Utc>,
+    gateway: GatewayName,
+    order_number: i64,
+    subscription_ref: String,
+    seller_account: Option<String>,
+}
+
+/// Asks each gateway that bills subscriptions about the charges of those whose period ended
+/// [`PERIOD_ASK_AFTER`] ago or more (within [`PERIOD_WINDOW`]) with nothing reported since:
+/// the gateway's `PaymentGateway::period_charges`, each charge as the event that would have
+/// reported it, stored under its own id and processed as that webhook is (the period's
+/// renewal order, its sale once paid; the webhook arriving too changes nothing twice).
+/// Least recently asked first, at most every [`PERIOD_EVERY`], `per_run` per run, `pace`
+/// apart. Returns (asked, found, unreachable). The consistency check
+/// `subscription_period_overdue` still reports a period nothing was found for after a day.
+async fn ask_about_periods(
+    pool: &PgPool,
+    gateways: &GatewayRegistry,
+    settings: &Settings,
+) -> Result<(usize, usize, Vec<GatewayName>), QueueError> {
+    let now = Utc::now();
+    let overdue: Vec<_> = crate::orders::subscriptions::overdue(pool, now - PERIOD_ASK_AFTER, 1000)
+        .await?
+        .into_iter()
+        .filter(|o| o.current_period_end > now - PERIOD_WINDOW)
+        .filter(|o| {
+            o.gateway
+                .parse::<GatewayName>()
+                .is_ok_and(|g| gateways.get(g).is_some())
+        })
+        .collect();
+    if overdue.is_empty() {
+        return Ok((0, 0, Vec::new()));
+    }
+    // Each one's subscription at its gateway: what its first payment started.
+    let due: Vec<OverduePeriod> = sqlx::query_as(
+        "SELECT o.id AS subscription_id, o.period_end, s.gateway, o.number AS order_number,
+                po.subscription_ref, s.metadata ->> 'seller_account' AS seller_account
+         FROM unnest($1::uuid[], $2::bigint[], $3::timestamptz[], $4::text[]) AS o(id, number, period_end, gateway)
+         JOIN payment_sessions s ON s.order_number = o.number AND s.gateway = o.gateway
+         JOIN payment_orders po ON po.gateway = s.gateway AND po.session_id = s.session_id
+                               AND po.subscription_ref IS NOT NULL
+         LEFT JOIN subscription_period_checks c ON c.subscription_id = o.id AND c.period_end = o.period_end
+         WHERE c.checked_at IS NULL OR c.checked_at < now() - make_interval(secs => $5)
+         ORDER BY c.checked_at NULLS FIRST, o.period_end
+         LIMIT $6",
+    )
+    .bind(overdue.iter().map(|o| o.id.0).collect::<Vec<_>>())
+    .bind(overdue.iter().map(|o| o.order_number).collect::<Vec<_>>())
+    .bind(overdue.iter().map(|o| o.current_period_end).collect::<Vec<_>>())
+    .bind(overdue.iter().map(|o| o.gateway.as_str()).collect::<Vec<_>>())
+    .bind(PERIOD_EVERY.num_seconds() as f64)
+    .bind(settings.per_run as i64)
+    .fetch_all(pool)
+    .await?;
+    let (mut asked, mut found, mut unreachable) = (0, 0, Vec::new());
+    for d in due {
+        if unreachable.contains(&d.gateway) {
+            continue;
+        }
+        let Some(gateway) = gateways.get(d.gateway) else {
+            continue;
+        };
+        if asked > 0 {
+            tokio::time::sleep(settings.pace).await;
+        }
+        let p = Pending {
+            gateway: d.gateway,
+            session_id: d.subscription_ref.clone(),
+            order_number: d.order_number,
+            seller_account: d.seller_account.clone(),
+            failed_before: false,
+            late: false,
+        };
+        // From a day before the period's end: an invoice Stripe made early is the period's too.
+        let since = d.period_end - chrono::Duration::days(1);
+        let charges = gateway
+            .period_charges(&d.subscription_ref, d.seller_account.as_deref(), since)
+            .await;
+        let (events_gateway, events) = match charges {
+            // No such list at this gateway: nothing asked.
+            Ok(None) => continue,
+            Ok(Some(charges)) => charges,
+            Err(e) if e.is_transient() => {
+                asked += 1;
+                tracing::warn!(gateway = %d.gateway, subscription = %d.subscription_ref, error = %e, "reconciliation: the gateway does not answer about a subscription's charges; trying again next run");
+                finding(pool, d.gateway, &p, "unreachable", &e.to_string()).await?;
+                unreachable.push(d.gateway);
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(gateway = %d.gateway, subscription = %d.subscription_ref, error = %e, "reconciliation: the gateway refused to list a subscription's charges");
+                finding(pool, d.gateway, &p, "refused", &e.to_string()).await?;
+                (d.gateway, Vec::new())
+            }
+        };
+        asked += 1;
+        let mut tx = pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO subscription_period_checks (subscription_id, period_end) VALUES ($1, $2)
+             ON CONFLICT (subscription_id, period_end) DO UPDATE SET checked_at = now()",
+        )
+        .bind(d.subscription_id)
+        .bind(d.period_end)
+        .execute(&mut *tx)
+        .await?;
+        for event in &events {
+            if !store_event(
+                &mut tx,
+                events_gateway,
+                &event.event_id,
+                &event.event_type,
+                &event.body,
+            )
+            .await?
+            {
+                continue;
+            }
+            found += 1;
+            let outcome = if event.event_id.ends_with(":failed") {
+                "failed"
+            } else {
+                "succeeded"
+            };
+            let detail = format!(
+                "the period ending {} had nothing reported; the gateway lists {} ({}), stored as event {}",
+                d.period_end, event.event_type, d.subscription_ref, event.event_id
+            );
+            finding(&mut *tx, d.gateway, &p, outcome, &detail).await?;
+            tracing::warn!(gateway = %d.gateway, subscription = %d.subscription_ref, event = %event.event_id, order = d.order_number,
+                "reconciliation found a subscription's charge no webhook reported");
+        }
+        tx.commit().await?;
+    }
+    Ok((asked, found, unreachable))
 }
 
 /// How long a dispute stays open before its gateway is asked whether it was decided (and then

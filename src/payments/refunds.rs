@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use rust_decimal::Decimal;
 use sqlx::PgPool;
 
-use crate::gateways::api::{RefundOutcome, RefundQuery, RefundRequest};
+use crate::gateways::api::{GatewayError, RefundOutcome, RefundQuery, RefundRequest};
 use crate::gateways::{Fact, GatewayName, GatewayRegistry, PaymentRef};
 use crate::money::Money;
 use payfleet_queue::{self as queue, Job, JobContext, JobError, NewJob, QueueError, Worker};
@@ -139,7 +139,7 @@ impl RefundPayment {
             payment_id: payment_id.clone(),
             amount,
             seller_account: self.seller_account.clone(),
-            idempotency_key: format!("payfleet-refund-{}-{}", self.gateway, self.subject()),
+            idempotency_key: self.idempotency_key(pool).await?,
         };
         match gateway.refund(&request).await {
             Ok(receipt) => {
@@ -172,9 +172,71 @@ impl RefundPayment {
                 tx.commit().await?;
                 Ok(())
             }
-            Err(e) if e.is_transient() => Err(JobError::retry(e)),
-            Err(e) => Err(JobError::fail(e)),
+            Err(e) if e.is_transient() => {
+                self.pin_key(pool).await?;
+                Err(JobError::retry(e))
+            }
+            Err(e) => {
+                if e.refused_outright() {
+                    self.refused(pool, &e).await?;
+                } else {
+                    self.pin_key(pool).await?;
+                }
+                Err(JobError::fail(e))
+            }
         }
+    }
+
+    /// The gateway's idempotency key for this give-back (migration 0089): one per payment,
+    /// so that a retry after a timeout never refunds twice, and a new one after each refusal
+    /// the gateway gave outright, which it would otherwise answer again to an operator's
+    /// re-drive for as long as it keeps the key.
+    async fn idempotency_key(&self, pool: &PgPool) -> Result<String, sqlx::Error> {
+        let refusals: Option<i32> = sqlx::query_scalar(
+            "SELECT refusals FROM give_back_keys WHERE gateway = $1 AND subject = $2",
+        )
+        .bind(self.gateway)
+        .bind(self.subject())
+        .fetch_optional(pool)
+        .await?;
+        let key = format!("payfleet-refund-{}-{}", self.gateway, self.subject());
+        Ok(match refusals {
+            Some(n) if n > 0 => format!("{key}-{n}"),
+            _ => key,
+        })
+    }
+
+    /// Keeps the current key for good: an ask under it ended without a clear answer, so the
+    /// gateway may have made the refund under it.
+    async fn pin_key(&self, pool: &PgPool) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO give_back_keys (gateway, subject, pinned) VALUES ($1, $2, true)
+             ON CONFLICT (gateway, subject) DO UPDATE SET pinned = true, updated_at = now()
+             WHERE NOT give_back_keys.pinned",
+        )
+        .bind(self.gateway)
+        .bind(self.subject())
+        .execute(pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Counts a refusal the gateway gave outright: nothing was refunded under its key, unless
+    /// the key is pinned (an earlier ask under it may have refunded; the refusal may only say
+    /// that this request differs from that one).
+    async fn refused(&self, pool: &PgPool, e: &GatewayError) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO give_back_keys (gateway, subject, refusals, last_refusal) VALUES ($1, $2, 1, $3)
+             ON CONFLICT (gateway, subject) DO UPDATE
+             SET refusals = give_back_keys.refusals + CASE WHEN give_back_keys.pinned THEN 0 ELSE 1 END,
+                 last_refusal = EXCLUDED.last_refusal, updated_at = now()",
+        )
+        .bind(self.gateway)
+        .bind(self.subject())
+        .bind(e.to_string())
+        .execute(pool)
+        .await?;
+        Ok(())
     }
 }
 

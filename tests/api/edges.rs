@@ -1207,6 +1207,84 @@ async fn a_refund_asked_for_before_a_dispute_waits_for_its_end(pool: PgPool) {
     assert_eq!(refunds().await, 2, "the lost dispute's refund was not made");
 }
 
+/// A refund asked of the gateway whose answer was lost, and then a dispute of the payment that
+/// the seller lost: the refund may have been made before the chargeback took the money too. The
+/// request is not asked again (that could give the buyer the money a second time), and it is
+/// not ended as a refund never made either: it ends unanswered, reported for an operator and
+/// held back from the seller's payouts as every unanswered refund is.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refund_asked_unanswered_before_a_lost_dispute_stays_reported(pool: PgPool) {
+    use payfleet::payments::order_refunds::{self, CarriedOut, NewRefund};
+    let shop = crate::checkout::shop(pool.clone()).await;
+    let order = shop.one_order("20.00").await;
+    pay_and_wait(&shop, &order).await;
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    let new = NewRefund {
+        amount: Some("5.00".into()),
+        reason: String::new(),
+    };
+    let (request, _) = order_refunds::request(&pool, 1, "rf-lost-ask", &new)
+        .await
+        .unwrap();
+    // Asked an hour ago, its answer lost; its job is not running now.
+    sqlx::query("DELETE FROM jobs WHERE kind = 'carry_out_refund'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE refund_requests SET first_asked_at = now() - interval '1 hour' WHERE id = $1",
+    )
+    .bind(request.id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let payment: String =
+        sqlx::query_scalar("SELECT payment_id FROM internal_payments WHERE session_id = $1")
+            .bind(&session)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    for (id, kind) in [("dp-open", "dispute.created"), ("dp-lost", "dispute.lost")] {
+        let body = about_with(
+            kind,
+            &session,
+            &payment,
+            json!({"dispute_id": "dp_1", "amount": "20.00", "currency": "BRL"}),
+        );
+        deliver(&shop.app, id, &body).await;
+    }
+    wait_for(
+        "the dispute lost",
+        std::time::Duration::from_secs(30),
+        async || {
+            sqlx::query_scalar::<_, String>("SELECT status FROM payment_disputes")
+                .fetch_optional(&pool)
+                .await
+                .unwrap()
+                .as_deref()
+                == Some("lost")
+        },
+    )
+    .await;
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, &pool).unwrap();
+    let view = match order_refunds::carry_out(&pool, &gateways, request.id)
+        .await
+        .unwrap()
+    {
+        CarriedOut::Answered(view) => view,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(view.state.as_str(), "failed", "{view:?}");
+    assert!(view.unanswered(), "{view:?}");
+    let refunds: i64 = sqlx::query_scalar("SELECT count(*) FROM internal_refunds")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(refunds, 0, "the gateway was asked again");
+    let found = findings_of(&pool, "refund_unconfirmed").await;
+    assert_eq!(found.len(), 1, "{found:?}");
+}
+
 /// A refund the gateway took but kept pending past its settling job's attempts, whose event was
 /// then lost, stays `accepted`, its amount held from the seller's payouts. Asking for it again
 /// (its Idempotency-Key) re-drives it: the gateway is asked about it again.

@@ -1714,7 +1714,16 @@ const PLATFORM_SECRET: &str = "whsec_platform_endpoint_secret";
 /// A subscription order on the internal gateway collected through Stripe on the platform's
 /// account (its stand-in's requests in `log`): the shop and the order.
 async fn acquirer_subscription_order(pool: &PgPool, log: &Log) -> (Shop, Value) {
-    let base = stand_in(stripe_with_subscriptions(Arc::default()), log.clone()).await;
+    acquirer_subscription_order_on(pool, log, stripe_with_subscriptions(Arc::default())).await
+}
+
+/// [`acquirer_subscription_order`] against the stand-in `api`.
+async fn acquirer_subscription_order_on(
+    pool: &PgPool,
+    log: &Log,
+    api: Router<Log>,
+) -> (Shop, Value) {
+    let base = stand_in(api, log.clone()).await;
     subscription_order(pool, "internal", "BRL", |config| {
         with_stripe(base)(config);
         config.gateways.hosted.internal_acquirer =
@@ -1903,4 +1912,376 @@ async fn a_coupon_on_a_stripe_subscription_discounts_its_first_period_only(pool:
         .form();
     assert_eq!(session["line_items[0][price_data][unit_amount]"], "1990");
     assert!(session.contains_key("discounts[0][coupon]"), "{session:?}");
+}
+
+/// `api` answering `GET /v1/invoices/{id}` with `invoice` (its `id` the one asked for), as
+/// Stripe's billing has it now.
+fn with_invoice(api: Router<Log>, invoice: Arc<Mutex<Value>>) -> Router<Log> {
+    api.route(
+        "/v1/invoices/{id}",
+        axum::routing::get(move |Path(id): Path<String>| {
+            let mut answer = invoice.lock().unwrap().clone();
+            async move {
+                answer["id"] = json!(id);
+                answer["object"] = json!("invoice");
+                axum::Json(answer)
+            }
+        }),
+    )
+}
+
+/// Stripe's retry of a period's failed charge (Smart Retries charge the same invoice again)
+/// succeeds, and its `invoice.paid` is lost. Renewal `number + 1` failed, its subscription
+/// past due; `invoice` is what the stand-in says of `in_2`; `signed` signs an event as the
+/// endpoint expects, `on` places it on the account it comes from. Reconciliation asks Stripe
+/// about the renewal's invoice, not about a Checkout Session: while it is open, nothing is
+/// found; once paid, its payment is the period's one sale and the subscription is active
+/// again; the late `invoice.paid` changes nothing.
+async fn a_retried_renewal_is_found_paid(
+    pool: &PgPool,
+    shop: &Shop,
+    number: i64,
+    invoice: &Mutex<Value>,
+    log: &Log,
+    signed: impl Fn(&str) -> crate::helpers::Delivery,
+    on: impl Fn(String) -> String,
+) {
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, pool).unwrap();
+    let reconcile = async || {
+        payfleet::payments::reconcile::run(pool, &gateways, &crate::reconcile::settings(10, 0))
+            .await
+            .unwrap()
+    };
+    // Still open: Stripe will retry it; nothing to find.
+    *invoice.lock().unwrap() =
+        json!({"status": "open", "amount_paid": 0, "currency": "brl", "payment_intent": "pi_2a"});
+    let report = reconcile().await;
+    assert_eq!(report.found, 0, "{report:?}");
+    assert!(
+        log.lock()
+            .unwrap()
+            .iter()
+            .any(|s| s.method == Method::GET && s.uri.starts_with("/v1/invoices/in_2")),
+        "the renewal's invoice was asked about"
+    );
+    assert!(
+        !log.lock()
+            .unwrap()
+            .iter()
+            .any(|s| s.uri.starts_with("/v1/checkout/sessions/in_")),
+        "an invoice is no Checkout Session"
+    );
+    // The retry succeeded; its event never came.
+    *invoice.lock().unwrap() = json!({"status": "paid", "amount_paid": 1990, "currency": "brl", "payment_intent": "pi_2b"});
+    let report = reconcile().await;
+    assert_eq!(report.found, 1, "{report:?}");
+    wait_subscription(shop, number, "active again", |s| s["status"] == "active").await;
+    let paid = renewals(pool).await;
+    assert_eq!(
+        (paid.len(), paid[0].0, paid[0].1.as_str(), paid[0].4),
+        (1, number + 1, "paid", 1),
+        "{paid:?}"
+    );
+    let payment: Option<String> = sqlx::query_scalar(
+        "SELECT payment_id FROM payment_orders WHERE session_id = 'in_2' AND succeeded_at IS NOT NULL",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        payment.as_deref(),
+        Some("pi_2b"),
+        "what the period's refunds name"
+    );
+    // The lost event after all: the same payment, no second sale, nothing given back.
+    let late = on(invoice_event("evt_late", "invoice.paid", "in_2", "pi_2b"));
+    deliver(shop, &signed(&late)).await;
+    outcome(pool, "stripe", "evt_late").await;
+    let (sales, unmatched, refunds): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM ledger_transfers WHERE source_key = 'sale:' || $1::bigint),
+                (SELECT count(*) FROM unmatched_payments),
+                (SELECT count(*) FROM jobs WHERE kind = 'refund_payment')",
+    )
+    .bind(number + 1)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!((sales, unmatched, refunds), (1, 0, 0));
+    // Paid: not asked about again.
+    let report = reconcile().await;
+    assert_eq!(report.asked, 0, "{report:?}");
+}
+
+/// The second period's invoice event on the seller's account (its period a month from now).
+fn invoice_event(event: &str, kind: &str, invoice: &str, pi: &str) -> String {
+    let start = chrono::Utc::now().timestamp() + MONTH;
+    self::invoice(event, kind, invoice, pi, "subscription_cycle", start)
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_stripe_renewal_retried_and_paid_unannounced_is_found_by_reconciliation(pool: PgPool) {
+    let log = Log::default();
+    let invoice: Arc<Mutex<Value>> = Arc::default();
+    let base = stand_in(with_invoice(stripe_api(), invoice.clone()), log.clone()).await;
+    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    deliver(
+        &shop,
+        &stripe(&session_completed("evt_1", &session, Some("sub_1")), now()),
+    )
+    .await;
+    subscription_of(&shop, number).await;
+    let failed = invoice_event("evt_f", "invoice.payment_failed", "in_2", "pi_2a");
+    deliver(&shop, &stripe(&failed, now())).await;
+    wait_subscription(&shop, number, "past due", |s| s["status"] == "past_due").await;
+    a_retried_renewal_is_found_paid(
+        &pool,
+        &shop,
+        number,
+        &invoice,
+        &log,
+        |b| stripe(b, now()),
+        |e| e,
+    )
+    .await;
+    let asked = log
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|s| s.uri.starts_with("/v1/invoices/in_2"))
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        asked.header("stripe-account"),
+        Some("acct_seller1"),
+        "the seller's account"
+    );
+}
+
+/// The same for the internal gateway collecting through Stripe, on the platform's account.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_acquirer_billed_renewal_retried_and_paid_unannounced_is_found_by_reconciliation(
+    pool: PgPool,
+) {
+    let log = Log::default();
+    let invoice: Arc<Mutex<Value>> = Arc::default();
+    let api = with_invoice(stripe_with_subscriptions(Arc::default()), invoice.clone());
+    let (shop, order) = acquirer_subscription_order_on(&pool, &log, api).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    let signed = |body: &str| stripe_signed(PLATFORM_SECRET, body, now());
+    let completed = on_platform(&session_completed("evt_1", &session, Some("sub_1")));
+    deliver(&shop, &signed(&completed)).await;
+    subscription_of(&shop, number).await;
+    let failed = on_platform(&invoice_event(
+        "evt_f",
+        "invoice.payment_failed",
+        "in_2",
+        "pi_2a",
+    ));
+    deliver(&shop, &signed(&failed)).await;
+    wait_subscription(&shop, number, "past due", |s| s["status"] == "past_due").await;
+    a_retried_renewal_is_found_paid(&pool, &shop, number, &invoice, &log, signed, |e| {
+        on_platform(&e)
+    })
+    .await;
+    let asked = log
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|s| s.uri.starts_with("/v1/invoices/in_2"))
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        asked.header("stripe-account"),
+        None,
+        "the platform's account"
+    );
+}
+
+/// `api` answering Stripe's invoices list (`GET /v1/invoices?subscription=…`) with `invoices`.
+fn with_invoice_list(api: Router<Log>, invoices: Arc<Mutex<Vec<Value>>>) -> Router<Log> {
+    api.route(
+        "/v1/invoices",
+        axum::routing::get(move || {
+            let data = invoices.lock().unwrap().clone();
+            async move { axum::Json(json!({"object": "list", "data": data, "has_more": false})) }
+        }),
+    )
+}
+
+/// The Invoice object of `event` (an invoice event as `on` places it), as Stripe's invoices
+/// list shows it: `status`, charged `attempts` times.
+fn listed(event: String, status: &str, attempts: i64) -> Value {
+    let event: Value = serde_json::from_str(&event).unwrap();
+    let mut invoice = event["data"]["object"].clone();
+    invoice["status"] = json!(status);
+    invoice["attempt_count"] = json!(attempts);
+    invoice
+}
+
+/// A subscription's period ended three hours ago and its renewal's `invoice.paid` was lost: no
+/// renewal order, no sale, nothing pending to ask about. Reconciliation asks Stripe for the
+/// subscription's invoices since the period ended, stores the paid one as the event that was
+/// lost, and the period gets its renewal and its one sale; the webhook arriving after all
+/// changes nothing. Renewal `number + 1`; `signed` and `on` as for
+/// [`a_retried_renewal_is_found_paid`].
+async fn a_lost_renewal_is_found_by_asking_about_its_period(
+    pool: &PgPool,
+    shop: &Shop,
+    number: i64,
+    invoices: &Mutex<Vec<Value>>,
+    signed: impl Fn(&str) -> crate::helpers::Delivery,
+    on: impl Fn(String) -> String,
+) {
+    let end: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
+        "UPDATE subscriptions SET current_period_start = now() - interval '1 month 3 hours',
+                current_period_end = date_trunc('second', now() - interval '3 hours')
+         WHERE order_number = $1 RETURNING current_period_end",
+    )
+    .bind(number)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let start = end.timestamp();
+    let first = on(self::invoice(
+        "evt_x1",
+        "invoice.paid",
+        "in_1",
+        "pi_1",
+        "subscription_create",
+        start - MONTH,
+    ));
+    let renewal = on(self::invoice(
+        "evt_x2",
+        "invoice.paid",
+        "in_2",
+        "pi_2",
+        "subscription_cycle",
+        start,
+    ));
+    *invoices.lock().unwrap() = vec![listed(renewal.clone(), "paid", 1), listed(first, "paid", 1)];
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, pool).unwrap();
+    let reconcile = async || {
+        payfleet::payments::reconcile::run(pool, &gateways, &crate::reconcile::settings(10, 0))
+            .await
+            .unwrap()
+    };
+    let report = reconcile().await;
+    assert_eq!(report.found, 1, "{report:?}");
+    wait_subscription(shop, number, "the period renewed", |s| {
+        s["renewals"][0]["state"] == "paid"
+    })
+    .await;
+    let paid = renewals(pool).await;
+    assert_eq!(
+        (paid.len(), paid[0].0, paid[0].1.as_str(), paid[0].4),
+        (1, number + 1, "paid", 1),
+        "{paid:?}"
+    );
+    let moved: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
+        "SELECT current_period_start FROM subscriptions WHERE order_number = $1",
+    )
+    .bind(number)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(moved, end, "the subscription is in its new period");
+    // The lost webhook after all: the same charge, no second sale, nothing given back.
+    deliver(shop, &signed(&renewal.replace("evt_x2", "evt_late"))).await;
+    outcome(pool, "stripe", "evt_late").await;
+    let (sales, unmatched, refunds): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM ledger_transfers WHERE source_key = 'sale:' || $1::bigint),
+                (SELECT count(*) FROM unmatched_payments),
+                (SELECT count(*) FROM jobs WHERE kind = 'refund_payment')",
+    )
+    .bind(number + 1)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!((sales, unmatched, refunds), (1, 0, 0));
+    // Renewed: the period is not asked about again.
+    assert_eq!(reconcile().await.found, 0);
+}
+
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_stripe_renewal_whose_event_was_lost_is_found_by_reconciliation(pool: PgPool) {
+    let log = Log::default();
+    let invoices: Arc<Mutex<Vec<Value>>> = Arc::default();
+    let base = stand_in(
+        with_invoice_list(stripe_api(), invoices.clone()),
+        log.clone(),
+    )
+    .await;
+    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    deliver(
+        &shop,
+        &stripe(&session_completed("evt_1", &session, Some("sub_1")), now()),
+    )
+    .await;
+    subscription_of(&shop, number).await;
+    a_lost_renewal_is_found_by_asking_about_its_period(
+        &pool,
+        &shop,
+        number,
+        &invoices,
+        |b| stripe(b, now()),
+        |e| e,
+    )
+    .await;
+    let asked = log
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|s| s.uri.starts_with("/v1/invoices?"))
+        .cloned()
+        .unwrap();
+    assert!(asked.uri.contains("subscription=sub_1"), "{}", asked.uri);
+    assert_eq!(
+        asked.header("stripe-account"),
+        Some("acct_seller1"),
+        "the seller's account"
+    );
+}
+
+/// The same for the internal gateway collecting through Stripe, billed on the platform's
+/// account: its charges are the internal gateway's renewals.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_acquirer_billed_renewal_whose_event_was_lost_is_found_by_reconciliation(pool: PgPool) {
+    let log = Log::default();
+    let invoices: Arc<Mutex<Vec<Value>>> = Arc::default();
+    let api = with_invoice_list(stripe_with_subscriptions(Arc::default()), invoices.clone());
+    let (shop, order) = acquirer_subscription_order_on(&pool, &log, api).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    let signed = |body: &str| stripe_signed(PLATFORM_SECRET, body, now());
+    let completed = on_platform(&session_completed("evt_1", &session, Some("sub_1")));
+    deliver(&shop, &signed(&completed)).await;
+    subscription_of(&shop, number).await;
+    a_lost_renewal_is_found_by_asking_about_its_period(
+        &pool,
+        &shop,
+        number,
+        &invoices,
+        signed,
+        |e| on_platform(&e),
+    )
+    .await;
+    let sub = subscription_of(&shop, number).await;
+    assert_eq!(sub["gateway"], "internal");
+    let asked = log
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|s| s.uri.starts_with("/v1/invoices?"))
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        asked.header("stripe-account"),
+        None,
+        "the platform's account"
+    );
 }

@@ -11,7 +11,7 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::IntoResponse;
 use payfleet::gateways::api::{GatewayError, PaymentState, RefundRequest, SessionRequest};
 use payfleet::gateways::{
-    MercadoPagoClient, PaymentGateway, PaymentStatus, RazorpayGateway, StripeConnect,
+    GatewayName, MercadoPagoClient, PaymentGateway, PaymentStatus, RazorpayGateway, StripeConnect,
 };
 use payfleet::money::Money;
 use payfleet::secret::Secret;
@@ -173,6 +173,15 @@ pub fn stripe_api() -> Router<Log> {
             // subscription it started (`sub_1`), no PaymentIntent (its first invoice has it).
             axum::routing::get(
                 |axum::extract::State(log): axum::extract::State<Log>, Path(id): Path<String>| async move {
+                    // Stripe's Checkout Session ids; anything else (an invoice's `in_…`) is
+                    // no session of this endpoint's.
+                    if !id.starts_with("cs_") {
+                        return (
+                            StatusCode::NOT_FOUND,
+                            axum::Json(json!({"error": {"type": "invalid_request_error", "code": "resource_missing",
+                                "message": format!("No such checkout.session: '{id}'")}})),
+                        );
+                    }
                     // As the latest request that made this session asked.
                     let subscription = log
                         .lock()
@@ -191,11 +200,11 @@ pub fn stripe_api() -> Router<Log> {
                         .is_some_and(|(_, form)| {
                             form.get("mode").map(String::as_str) == Some("subscription")
                         });
-                    axum::Json(if subscription {
+                    (StatusCode::OK, axum::Json(if subscription {
                         json!({"id": id, "object": "checkout.session", "mode": "subscription", "subscription": "sub_1", "payment_status": "paid", "payment_intent": null, "invoice": "in_1", "amount_total": 1990, "currency": "brl"})
                     } else {
                         json!({"id": id, "object": "checkout.session", "mode": "payment", "payment_status": "paid", "payment_intent": "pi_1", "amount_total": 1990, "currency": "brl"})
-                    })
+                    }))
                 },
             ),
         )
@@ -1191,6 +1200,71 @@ async fn a_refund_whose_outcome_never_arrives_is_asked_of_the_gateway(pool: PgPo
     );
 }
 
+/// A request the gateway answered `pending` while the refund's own event was being recorded:
+/// each transaction missed the other's row, so the event recorded the refund and the request
+/// stayed `accepted`. Nothing reported it, and an operator who took it for never done would
+/// refund again. Asking the gateway about it (its settle job) finds the refund recorded and
+/// ends the request.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_request_left_accepted_beside_its_recorded_refund_is_ended_when_asked_again(
+    pool: PgPool,
+) {
+    let outcome = Arc::new(Mutex::new("pending"));
+    let base = stand_in(pending_refunds(outcome.clone()), Log::default()).await;
+    let config = config_with_stripe(base);
+    let app = spawn_app_with(pool.clone(), config.clone()).await;
+    orders_for(&pool, "stripe", &["cs_1"], "10.00", "BRL").await;
+    let paid = r#"{"id":"evt_paid","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1000,"currency":"brl","payment_status":"paid"}}}"#;
+    assert_eq!(app.deliver(&stripe(paid, now())).await.0, 200);
+    process_events_with(&pool, &config).await;
+    let asked = app
+        .anon
+        .post(format!("http://{}/admin/orders/1/refunds", app.addr))
+        .bearer_auth(ADMIN_TOKEN)
+        .header("idempotency-key", "rf-race")
+        .json(&json!({"amount": "4.00"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(asked.status(), 202);
+    let refund_id: String = sqlx::query_scalar(
+        "SELECT refund_id FROM refund_requests WHERE idempotency_key = 'rf-race'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let refunded = json!({"id": "evt_re", "type": "refund.updated", "data": {"object": {
+        "id": refund_id, "payment_intent": "pi_1", "amount": 400, "currency": "brl", "status": "succeeded"}}});
+    assert_eq!(
+        app.deliver(&stripe(&refunded.to_string(), now())).await.0,
+        200
+    );
+    process_events_with(&pool, &config).await;
+    // The race's outcome: the refund recorded, its request still `accepted`.
+    sqlx::query("UPDATE refund_requests SET state = 'accepted' WHERE idempotency_key = 'rf-race'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    *outcome.lock().unwrap() = "succeeded";
+    sqlx::query("UPDATE jobs SET run_at = now() WHERE kind = 'settle_refund'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    step(&pool, &config, "payments").await;
+    let (state, refunds, refunded): (String, i64, String) = sqlx::query_as(
+        "SELECT (SELECT state FROM refund_requests WHERE idempotency_key = 'rf-race'),
+                (SELECT count(*) FROM payment_refunds),
+                (SELECT amount_refunded::text FROM orders WHERE number = 1)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (state.as_str(), refunds, refunded.as_str()),
+        ("succeeded", 1, "4.0000")
+    );
+}
+
 /// A payment given back (here a late one) whose refund the gateway took as pending and then
 /// failed: the buyer does not have the money back and no one's request says so. The job that
 /// settles it ends dead, listed for an operator with what to do, never completed in silence.
@@ -1232,6 +1306,159 @@ async fn a_payment_given_back_whose_refund_fails_is_left_for_an_operator(pool: P
         error.contains("does not have it back") && error.contains("by hand"),
         "{error}"
     );
+}
+
+/// A late payment of order 1 (session `cs_1`, 10.00 BRL, Stripe) to give back, against a
+/// stand-in whose `/v1/refunds` answers as `refunds` does: the config and the stand-in's log.
+/// Its give-back's job has not run yet.
+async fn a_late_payment_to_give_back(
+    pool: &PgPool,
+    refunds: Router<Log>,
+) -> (payfleet::config::Config, Log) {
+    let log = Log::default();
+    let base = stand_in(refunds, log.clone()).await;
+    let config = config_with_stripe(base);
+    let app = spawn_app_with(pool.clone(), config.clone()).await;
+    orders_for(pool, "stripe", &["cs_1"], "10.00", "BRL").await;
+    payfleet::orders::expire_now(pool, 1).await.unwrap();
+    step(pool, &config, "orders").await;
+    let paid = r#"{"id":"evt_late","type":"checkout.session.completed","data":{"object":{"id":"cs_1","payment_intent":"pi_1","amount_total":1000,"currency":"brl","payment_status":"paid"}}}"#;
+    assert_eq!(app.deliver(&stripe(paid, now())).await.0, 200);
+    process_events_with(pool, &config).await;
+    (config, log)
+}
+
+/// Stripe's answer to a refund that could not be made: the balance too low.
+fn balance_insufficient() -> (u16, Value) {
+    (
+        400,
+        json!({"error": {"type": "invalid_request_error", "code": "balance_insufficient",
+            "message": "Insufficient funds in the connected account's balance."}}),
+    )
+}
+
+/// The idempotency keys the give-backs asked for refunds under, in order.
+fn refund_keys(log: &Log) -> Vec<String> {
+    log.lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.uri == "/v1/refunds")
+        .filter_map(|s| s.header("idempotency-key").map(str::to_owned))
+        .collect()
+}
+
+/// Its give-back job ended dead; the operator, the cause mended, deletes it and gives the
+/// payment back again (`payfleet money give-back`), and the job runs.
+async fn give_back_again_by_hand(pool: &PgPool, config: &payfleet::config::Config) {
+    let state: String = sqlx::query_scalar("SELECT state FROM jobs WHERE kind = 'refund_payment'")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(state, "discarded");
+    sqlx::query("DELETE FROM jobs WHERE kind = 'refund_payment'")
+        .execute(pool)
+        .await
+        .unwrap();
+    payfleet::payments::give_back_again(pool, GatewayName::Stripe, "cs_1", None)
+        .await
+        .unwrap();
+    step(pool, config, "payments").await;
+}
+
+async fn refunded(pool: &PgPool) -> (i64, String) {
+    sqlx::query_as("SELECT count(*), COALESCE(sum(amount), 0)::text FROM payment_refunds")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A give-back the gateway refused outright (here: the seller's balance too low to refund),
+/// its job ended dead. Stripe keeps its answer under the request's idempotency key, so the
+/// operator's re-drive once the cause is mended (`payfleet money give-back`) under the same key
+/// would get the same refusal back for a day or more: it goes under a key of its own, and the
+/// buyer gets the money back once.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_give_back_refused_outright_is_asked_again_under_a_new_key(pool: PgPool) {
+    // Stripe's refunds, each key's first answer kept and given again for that key.
+    let mended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let answers: Arc<Mutex<HashMap<String, (u16, Value)>>> = Arc::default();
+    let (m, kept) = (mended.clone(), answers.clone());
+    let api = Router::new().route(
+        "/v1/refunds",
+        axum::routing::post(move |headers: HeaderMap| {
+            let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+            let mut kept = kept.lock().unwrap();
+            let n = kept.len();
+            let (status, body) = kept
+                .entry(key)
+                .or_insert_with(|| {
+                    if m.load(std::sync::atomic::Ordering::SeqCst) {
+                        (200, json!({"id": format!("re_{n}"), "object": "refund", "status": "succeeded"}))
+                    } else {
+                        balance_insufficient()
+                    }
+                })
+                .clone();
+            async move { (StatusCode::from_u16(status).unwrap(), axum::Json(body)) }
+        }),
+    );
+    let (config, log) = a_late_payment_to_give_back(&pool, api).await;
+    // Refused: dead, for an operator.
+    step(&pool, &config, "payments").await;
+    mended.store(true, std::sync::atomic::Ordering::SeqCst);
+    give_back_again_by_hand(&pool, &config).await;
+    assert_eq!(
+        refunded(&pool).await,
+        (1, "10.0000".to_owned()),
+        "given back once mended"
+    );
+    let keys = refund_keys(&log);
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert_ne!(keys[0], keys[1], "a key of its own after the refusal");
+}
+
+/// A give-back whose ask timed out (here a 5xx) may have been made at the gateway under its
+/// key: a refusal under that key afterwards (Razorpay's "different request with the same
+/// idempotency key", say) does not move the key on, so no ask can make the refund a second
+/// time. Every ask of it goes under the one key.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_give_back_asked_without_a_clear_answer_keeps_its_key(pool: PgPool) {
+    // The gateway's answers, in turn: its trouble, a refusal, then the refund.
+    let answers = Arc::new(Mutex::new(vec![
+        (
+            500,
+            json!({"error": {"type": "api_error", "message": "try again"}}),
+        ),
+        balance_insufficient(),
+        (
+            200,
+            json!({"id": "re_1", "object": "refund", "status": "succeeded"}),
+        ),
+    ]));
+    let api = Router::new().route(
+        "/v1/refunds",
+        axum::routing::post(move || {
+            let (status, body) = answers.lock().unwrap().remove(0);
+            async move { (StatusCode::from_u16(status).unwrap(), axum::Json(body)) }
+        }),
+    );
+    let (config, log) = a_late_payment_to_give_back(&pool, api).await;
+    step(&pool, &config, "payments").await;
+    let state: String = sqlx::query_scalar("SELECT state FROM jobs WHERE kind = 'refund_payment'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(state, "retryable", "the gateway's trouble is asked again");
+    sqlx::query("UPDATE jobs SET run_at = now() WHERE kind = 'refund_payment'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    step(&pool, &config, "payments").await;
+    give_back_again_by_hand(&pool, &config).await;
+    assert_eq!(refunded(&pool).await, (1, "10.0000".to_owned()));
+    let keys = refund_keys(&log);
+    assert_eq!(keys.len(), 3, "{keys:?}");
+    assert!(keys.iter().all(|k| *k == keys[0]), "{keys:?}");
 }
 
 /// Where a dispute stands, asked of each gateway as its API documents it: Stripe's and

@@ -556,6 +556,59 @@ async fn a_message_its_consumer_always_fails_is_kept_dead_and_replayed_after_a_f
     assert!(orders::dead_messages(&pool, 10).await.unwrap().is_empty());
 }
 
+/// A message whose handler failed and then handled it leaves no failure behind: it is neither
+/// listed among the dead nor reported as one no service handled.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_message_handled_after_failing_leaves_no_failure_behind(pool: PgPool) {
+    let config = test_config();
+    let attempts = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let broker = Broker::start(
+        config.amqp_url.clone(),
+        &config.messaging.namespace,
+        config.messaging.queue_ttl_ms,
+    );
+    let counter = attempts.clone();
+    tokio::spawn(orders::consume(
+        broker.clone(),
+        pool.clone(),
+        "fulfilment".into(),
+        "test-flaky".into(),
+        move |_m: OrderMessage, tx: &mut PgConnection| -> Handled<'_> {
+            let counter = counter.clone();
+            Box::pin(async move {
+                // Its first two deliveries fail (a bug met and mended, a constraint's race).
+                if counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < 2 {
+                    sqlx::query("SELECT 1 / 0").execute(&mut *tx).await?;
+                }
+                Ok(())
+            })
+        },
+    ));
+    let _worker = spawn_roles(pool.clone(), config.clone(), Roles::WORK).await;
+    order_events(&pool, 1).await;
+    wait_for(
+        "the message to be handled",
+        Duration::from_secs(30),
+        async || {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM consumed_messages WHERE consumer = 'test-flaky'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            n == 1
+        },
+    )
+    .await;
+    assert_eq!(attempts.load(std::sync::atomic::Ordering::SeqCst), 3);
+    let failures: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM message_failures WHERE consumer = 'test-flaky'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(failures, 0);
+}
+
 /// A broker client for `config`'s namespace and queues.
 fn broker_of(config: &payfleet::config::Config) -> Broker {
     Broker::start_with(

@@ -321,25 +321,20 @@ impl StripeConnect {
         session_id: &str,
         seller_account: Option<&str>,
     ) -> Result<PaymentState, GatewayError> {
-        let account = self.account(seller_account);
-        let mut req = self
-            .http
-            .get(format!("{}/v1/checkout/sessions/{session_id}", self.api))
-            .bearer_auth(self.secret_key.expose());
-        if let Some(a) = account {
-            req = req.header("Stripe-Account", a);
+        // A renewal's session is the invoice Stripe's billing made for the period.
+        if session_id.starts_with(INVOICE_PREFIX) {
+            return self.read_invoice(session_id, seller_account).await;
         }
+        let req = self.get(
+            &format!("/v1/checkout/sessions/{session_id}"),
+            seller_account,
+        );
         let s: CheckoutSession = read_json(NAME, req.send().await, stripe_error).await?;
         let amount = match (s.amount_total, s.currency.as_deref()) {
             (Some(units), Some(c)) => Some(
                 Money::from_minor(units, c)
                     .map_err(|e| GatewayError::Refused(format!("Stripe's amount: {e}")))?,
             ),
-            _ => None,
-        };
-        let id_of = |v: Option<Value>| match v {
-            Some(Value::String(id)) => Some(id),
-            Some(Value::Object(o)) => o.get("id").and_then(Value::as_str).map(str::to_owned),
             _ => None,
         };
         let subscription = if s.mode.as_deref() == Some("subscription") {
@@ -383,14 +378,7 @@ impl StripeConnect {
             if let Some(a) = &after {
                 query.push(("starting_after".to_owned(), a.clone()));
             }
-            let mut req = self
-                .http
-                .get(format!("{}/v1/events", self.api))
-                .bearer_auth(self.secret_key.expose())
-                .query(&query);
-            if let Some(a) = account {
-                req = req.header("Stripe-Account", a);
-            }
+            let req = self.get("/v1/events", account).query(&query);
             let page: EventPage = read_json(NAME, req.send().await, stripe_error).await?;
             for event in &page.data {
                 let (Some(id), Some(kind)) = (event["id"].as_str(), event["type"].as_str()) else {
@@ -445,13 +433,10 @@ impl StripeConnect {
 
 impl StripeConnect {
     async fn refund_state(&self, q: &RefundQuery) -> Result<RefundOutcome, GatewayError> {
-        let mut req = self
-            .http
-            .get(format!("{}/v1/refunds/{}", self.api, q.refund_id))
-            .bearer_auth(self.secret_key.expose());
-        if let Some(a) = self.account(q.seller_account.as_deref()) {
-            req = req.header("Stripe-Account", a);
-        }
+        let req = self.get(
+            &format!("/v1/refunds/{}", q.refund_id),
+            q.seller_account.as_deref(),
+        );
         let refund: StripeRefund = read_json(NAME, req.send().await, stripe_error).await?;
         Ok(match refund.status.as_deref() {
             Some("succeeded") => RefundOutcome::Succeeded,
@@ -465,13 +450,10 @@ impl StripeConnect {
 impl StripeConnect {
     /// The Dispute object (`GET /v1/disputes/{id}`), on the seller's account for direct charges.
     async fn dispute_state(&self, q: &DisputeQuery) -> Result<Option<DisputeStatus>, GatewayError> {
-        let mut req = self
-            .http
-            .get(format!("{}/v1/disputes/{}", self.api, q.dispute_id))
-            .bearer_auth(self.secret_key.expose());
-        if let Some(a) = self.account(q.seller_account.as_deref()) {
-            req = req.header("Stripe-Account", a);
-        }
+        let req = self.get(
+            &format!("/v1/disputes/{}", q.dispute_id),
+            q.seller_account.as_deref(),
+        );
         let dispute: StripeDispute = read_json(NAME, req.send().await, stripe_error).await?;
         Ok(dispute
             .status
@@ -500,7 +482,169 @@ struct InvoicePaymentRef {
     payment_intent: Option<Value>,
 }
 
+/// How Stripe's invoice ids begin: a renewal's session is its period's invoice.
+const INVOICE_PREFIX: &str = "in_";
+
+/// An invoice (`GET /v1/invoices/{id}`), as far as reconciliation reads it.
+#[derive(Deserialize)]
+struct Invoice {
+    /// `draft`, `open` (unpaid so far: Stripe's billing may retry it), `paid`, `void`,
+    /// `uncollectible`.
+    status: Option<String>,
+    amount_paid: Option<i64>,
+    currency: Option<String>,
+    /// Before API version 2025-03-31: the PaymentIntent that pays it (its id, or the object if
+    /// expanded). Since, the invoice's payments are a list of their own.
+    payment_intent: Option<Value>,
+}
+
+/// An expandable field's id: the id itself, or the expanded object's.
+fn id_of(v: Option<Value>) -> Option<String> {
+    match v {
+        Some(Value::String(id)) => Some(id),
+        Some(Value::Object(o)) => o.get("id").and_then(Value::as_str).map(str::to_owned),
+        _ => None,
+    }
+}
+
 impl StripeConnect {
+    /// A `GET` of the API's `path`, on the seller's account for direct charges.
+    fn get(&self, path: &str, seller_account: Option<&str>) -> reqwest::RequestBuilder {
+        let req = self
+            .http
+            .get(format!("{}{path}", self.api))
+            .bearer_auth(self.secret_key.expose());
+        match self.account(seller_account) {
+            Some(a) => req.header("Stripe-Account", a),
+            None => req,
+        }
+    }
+
+    /// A renewal's state, from the invoice Stripe's billing made for its period: what
+    /// reconciliation asks when the invoice's `invoice.paid` never came, the first one or a
+    /// retry's after a failure Stripe reported (Smart Retries charge the same invoice again,
+    /// days later). Paid: with the PaymentIntent that paid it, which the period's refunds and
+    /// disputes name (on API versions since 2025-03-31, from the invoice's payments). Open (a
+    /// retry may still come) or a draft: pending; voided or uncollectible: failed. An invoice
+    /// paid with nothing charged (a credit, a 100 % coupon) has no payment to record: pending,
+    /// as its webhook is ignored.
+    async fn read_invoice(
+        &self,
+        invoice: &str,
+        seller_account: Option<&str>,
+    ) -> Result<PaymentState, GatewayError> {
+        let req = self.get(&format!("/v1/invoices/{invoice}"), seller_account);
+        let i: Invoice = read_json(NAME, req.send().await, stripe_error).await?;
+        let pending = PaymentState {
+            status: PaymentStatus::Pending,
+            payment_id: None,
+            amount: None,
+            subscription: None,
+        };
+        match i.status.as_deref().unwrap_or("") {
+            "paid" => {}
+            "void" | "uncollectible" => {
+                return Ok(PaymentState {
+                    status: PaymentStatus::Failed,
+                    ..pending
+                });
+            }
+            "open" | "draft" => return Ok(pending),
+            other => {
+                return Ok(PaymentState {
+                    status: unknown_status(NAME, other),
+                    ..pending
+                });
+            }
+        }
+        let amount = match (i.amount_paid, i.currency.as_deref()) {
+            (Some(units), Some(c)) if units > 0 => Money::from_minor(units, c)
+                .map_err(|e| GatewayError::Refused(format!("Stripe's amount: {e}")))?,
+            _ => return Ok(pending),
+        };
+        let payment_id = match id_of(i.payment_intent) {
+            Some(id) => id,
+            None => self
+                .invoice_paid_by(invoice, seller_account)
+                .await?
+                .map(|p| p.payment_id)
+                // Recorded without it, the period's refunds and disputes would wait for ever:
+                // refused (a finding), and asked again at a later run.
+                .ok_or_else(|| {
+                    GatewayError::Refused(format!(
+                        "Stripe says invoice {invoice} is paid but names no payment that paid it"
+                    ))
+                })?,
+        };
+        // Not the subscription: a renewal's payment does not start one.
+        Ok(PaymentState {
+            status: PaymentStatus::Succeeded,
+            payment_id: Some(payment_id),
+            amount: Some(amount),
+            subscription: None,
+        })
+    }
+
+    /// The invoices Stripe's billing made for `subscription` since `since` (`GET
+    /// /v1/invoices?subscription=…&created[gte]=…`, on the seller's account for direct
+    /// charges), each paid or charged and failed as the event that reports it: `invoice.paid`,
+    /// or `invoice.payment_failed` for one still open, voided or uncollectible after an attempt,
+    /// under an id of its own (`reconciled_invoice:<invoice>:<paid|failed>`), with `account` as
+    /// Stripe writes it on a connected account's events. The Invoice object is what the event
+    /// carries. The first invoice (`subscription_create`) is its checkout's, reported by it; a
+    /// draft or an invoice not attempted yet reports nothing. For the platform's endpoint
+    /// ([`NAME`]) either way: the internal gateway's subscriptions are billed on its account.
+    async fn subscription_charges(
+        &self,
+        subscription: &str,
+        seller_account: Option<&str>,
+        since: chrono::DateTime<chrono::Utc>,
+    ) -> Result<Option<(GatewayName, Vec<UndeliveredEvent>)>, GatewayError> {
+        let created = since.timestamp().to_string();
+        let req = self.get("/v1/invoices", seller_account).query(&[
+            ("subscription", subscription),
+            ("created[gte]", created.as_str()),
+            ("limit", "20"),
+        ]);
+        let page: EventPage = read_json(NAME, req.send().await, stripe_error).await?;
+        let account = self.account(seller_account);
+        let mut events = Vec::new();
+        for invoice in page.data {
+            let Some(id) = invoice["id"].as_str().map(str::to_owned) else {
+                return Err(GatewayError::Refused(
+                    "Stripe listed an invoice without an id".into(),
+                ));
+            };
+            if invoice["billing_reason"].as_str() == Some("subscription_create") {
+                continue;
+            }
+            let attempted = invoice["attempt_count"].as_i64().is_some_and(|n| n > 0);
+            let (kind, outcome) = match invoice["status"].as_str() {
+                Some("paid") => ("invoice.paid", "paid"),
+                Some("open" | "void" | "uncollectible") if attempted => {
+                    ("invoice.payment_failed", "failed")
+                }
+                _ => continue,
+            };
+            let event_id = format!("reconciled_invoice:{id}:{outcome}");
+            let mut event = serde_json::json!({
+                "id": event_id, "object": "event", "type": kind, "data": {"object": invoice},
+            });
+            if let (Some(a), Some(fields)) = (account, event.as_object_mut()) {
+                fields.insert("account".into(), Value::String(a.to_owned()));
+            }
+            events.push(UndeliveredEvent {
+                event_id,
+                event_type: kind.to_owned(),
+                body: serde_json::to_vec(&event).map_err(|source| GatewayError::Decode {
+                    gateway: NAME,
+                    source,
+                })?,
+            });
+        }
+        Ok(Some((NAME, events)))
+    }
+
     /// The PaymentIntent that paid a subscription's invoice, with the application fee Stripe
     /// took on it: `GET /v1/invoice_payments?invoice=…` with the PaymentIntent expanded, on
     /// the seller's account for direct charges. Since API version 2025-03-31 an Invoice names
@@ -512,17 +656,10 @@ impl StripeConnect {
         invoice: &str,
         seller_account: Option<&str>,
     ) -> Result<Option<InvoicePayment>, GatewayError> {
-        let mut req = self
-            .http
-            .get(format!("{}/v1/invoice_payments", self.api))
-            .query(&[
-                ("invoice", invoice),
-                ("expand[]", "data.payment.payment_intent"),
-            ])
-            .bearer_auth(self.secret_key.expose());
-        if let Some(a) = self.account(seller_account) {
-            req = req.header("Stripe-Account", a);
-        }
+        let req = self.get("/v1/invoice_payments", seller_account).query(&[
+            ("invoice", invoice),
+            ("expand[]", "data.payment.payment_intent"),
+        ]);
         let page: InvoicePayments = read_json(NAME, req.send().await, stripe_error).await?;
         let Some(intent) = page
             .data
@@ -589,13 +726,7 @@ impl StripeConnect {
         struct Subscription {
             status: Option<String>,
         }
-        let mut req = self
-            .http
-            .get(format!("{}/v1/subscriptions/{subscription}", self.api))
-            .bearer_auth(self.secret_key.expose());
-        if let Some(a) = self.account(seller_account) {
-            req = req.header("Stripe-Account", a);
-        }
+        let req = self.get(&format!("/v1/subscriptions/{subscription}"), seller_account);
         let s: Subscription = read_json(NAME, req.send().await, stripe_error).await?;
         Ok(matches!(
             s.status.as_deref(),
