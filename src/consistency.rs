@@ -321,9 +321,13 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .await?;
     found.extend(violations("refund_failed_after_done", rows));
     // A day past the period's end: a gateway charges at the end, or within the hour after.
-    let overdue =
-        crate::orders::subscriptions::overdue(pool, Utc::now() - chrono::Duration::days(1), 1000)
-            .await?;
+    let overdue = crate::orders::subscriptions::overdue(
+        pool,
+        DateTime::<Utc>::UNIX_EPOCH..Utc::now() - chrono::Duration::days(1),
+        None,
+        1000,
+    )
+    .await?;
     found.extend(overdue.into_iter().map(|s| Violation {
         check: "subscription_period_overdue",
         subject: format!(

@@ -192,7 +192,8 @@ pub fn recurring_tasks(
 }
 
 /// The housekeeping: finished jobs past their retention, the consumers' records of the order
-/// messages they handled, and the first askings of payment links.
+/// messages they handled, the first askings of payment links, and the askings about overdue
+/// subscription periods.
 async fn prune(pool: PgPool, completed_secs: u64, discarded_secs: u64) -> Result<(), JobError> {
     let n = payfleet_queue::prune(&pool, completed_secs, discarded_secs).await?;
     if n > 0 {
@@ -205,6 +206,13 @@ async fn prune(pool: PgPool, completed_secs: u64, discarded_secs: u64) -> Result
     let n = payments::links::prune_asks(&pool).await?;
     if n > 0 {
         tracing::info!(links = n, "pruned the first askings of payment links");
+    }
+    let n = payments::reconcile::prune_period_checks(&pool).await?;
+    if n > 0 {
+        tracing::info!(
+            periods = n,
+            "pruned the askings about overdue subscription periods"
+        );
     }
     Ok(())
 }

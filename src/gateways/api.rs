@@ -283,6 +283,10 @@ pub trait PaymentGateway: Send + Sync {
     ) -> GatewayFuture<'a, Option<InvoicePayment>> {
         Box::pin(async { Ok(None) })
     }
+    /// Whether [`Self::period_charges`] asks the gateway (it keeps such a list).
+    fn lists_period_charges(&self) -> bool {
+        false
+    }
     /// The charges its billing made for a subscription it bills (`subscription`: its id there)
     /// since `since`, on the seller's account when given: each paid or failed one as the
     /// webhook event that reports it, its id of its own, for the gateway named beside them
@@ -428,6 +432,10 @@ macro_rules! payment_gateway {
                 Option<($crate::gateways::GatewayName, Vec<$crate::gateways::api::UndeliveredEvent>)>,
             > {
                 Box::pin(self.subscription_charges(subscription, seller_account, since))
+            }
+
+            fn lists_period_charges(&self) -> bool {
+                true
             }
 
             $crate::gateways::api::payment_gateway!(@cancel);

@@ -865,20 +865,25 @@ pub struct Overdue {
     pub current_period_end: DateTime<Utc>,
 }
 
-/// The live subscriptions whose current period ended before `ended_before`, oldest first:
-/// every renewal reported (paid or failed) and the fleet's own billing move the current period
-/// on, and an end cancels, so these had their renewal's or their end's report lost.
+/// The live subscriptions whose current period ended within `ended` (on `gateways` only, when
+/// given), oldest first: every renewal reported (paid or failed) and the fleet's own billing
+/// move the current period on, and an end cancels, so these had their renewal's or their
+/// end's report lost.
 pub async fn overdue(
     pool: &PgPool,
-    ended_before: DateTime<Utc>,
+    ended: std::ops::Range<DateTime<Utc>>,
+    gateways: Option<&[&str]>,
     limit: i64,
 ) -> Result<Vec<Overdue>, sqlx::Error> {
     sqlx::query_as(
         "SELECT id, order_number, gateway, current_period_end FROM subscriptions
-         WHERE status <> 'canceled' AND current_period_end < $1
-         ORDER BY current_period_end LIMIT $2",
+         WHERE status <> 'canceled' AND current_period_end >= $1 AND current_period_end < $2
+           AND ($3::text[] IS NULL OR gateway = ANY($3))
+         ORDER BY current_period_end LIMIT $4",
     )
-    .bind(ended_before)
+    .bind(ended.start)
+    .bind(ended.end)
+    .bind(gateways)
     .bind(limit)
     .fetch_all(pool)
     .await

@@ -302,6 +302,21 @@ pub const PERIOD_ASK_AFTER: chrono::Duration = chrono::Duration::hours(2);
 pub const PERIOD_WINDOW: chrono::Duration = chrono::Duration::days(30);
 /// How often one period is asked about, at most.
 pub const PERIOD_EVERY: chrono::Duration = chrono::Duration::hours(1);
+/// Most overdue periods read per run, oldest first within [`PERIOD_WINDOW`] (of which
+/// `per_run` are asked, the least recently asked first).
+const OVERDUE_READ: i64 = 10_000;
+
+/// Forgets when periods ended longer ago than [`PERIOD_WINDOW`] (and then some) were asked
+/// about: they are not asked about again.
+pub async fn prune_period_checks(pool: &PgPool) -> Result<u64, sqlx::Error> {
+    Ok(sqlx::query(
+        "DELETE FROM subscription_period_checks WHERE period_end < now() - make_interval(secs => $1)",
+    )
+    .bind((PERIOD_WINDOW + chrono::Duration::days(1)).num_seconds() as f64)
+    .execute(pool)
+    .await?
+    .rows_affected())
+}
 
 #[derive(sqlx::FromRow)]
 struct OverduePeriod {
@@ -318,36 +333,47 @@ struct OverduePeriod {
 /// the gateway's `PaymentGateway::period_charges`, each charge as the event that would have
 /// reported it, stored under its own id and processed as that webhook is (the period's
 /// renewal order, its sale once paid; the webhook arriving too changes nothing twice).
-/// Least recently asked first, at most every [`PERIOD_EVERY`], `per_run` per run, `pace`
-/// apart. Returns (asked, found, unreachable). The consistency check
+/// Least recently asked first, at most every [`PERIOD_EVERY`], `per_run` per run (all
+/// gateways together), `pace` apart. Returns (asked, found, unreachable). The consistency check
 /// `subscription_period_overdue` still reports a period nothing was found for after a day.
 async fn ask_about_periods(
     pool: &PgPool,
     gateways: &GatewayRegistry,
     settings: &Settings,
 ) -> Result<(usize, usize, Vec<GatewayName>), QueueError> {
-    let now = Utc::now();
-    let overdue: Vec<_> = crate::orders::subscriptions::overdue(pool, now - PERIOD_ASK_AFTER, 1000)
-        .await?
-        .into_iter()
-        .filter(|o| o.current_period_end > now - PERIOD_WINDOW)
-        .filter(|o| {
-            o.gateway
-                .parse::<GatewayName>()
-                .is_ok_and(|g| gateways.get(g).is_some())
-        })
+    // Only the gateways that keep such a list: the others' periods would take a run's share
+    // and never be asked.
+    let listing: Vec<&str> = gateways
+        .names()
+        .iter()
+        .filter(|g| gateways.get(**g).is_some_and(|g| g.lists_period_charges()))
+        .map(|g| g.as_str())
         .collect();
+    if listing.is_empty() {
+        return Ok((0, 0, Vec::new()));
+    }
+    let now = Utc::now();
+    let overdue = crate::orders::subscriptions::overdue(
+        pool,
+        now - PERIOD_WINDOW..now - PERIOD_ASK_AFTER,
+        Some(&listing),
+        OVERDUE_READ,
+    )
+    .await?;
     if overdue.is_empty() {
         return Ok((0, 0, Vec::new()));
     }
     // Each one's subscription at its gateway: what its first payment started.
     let due: Vec<OverduePeriod> = sqlx::query_as(
-        "SELECT o.id AS subscription_id, o.period_end, s.gateway, o.number AS order_number,
-                po.subscription_ref, s.metadata ->> 'seller_account' AS seller_account
+        "SELECT o.id AS subscription_id, o.period_end, r.gateway, o.number AS order_number,
+                r.subscription_ref, r.seller_account
          FROM unnest($1::uuid[], $2::bigint[], $3::timestamptz[], $4::text[]) AS o(id, number, period_end, gateway)
-         JOIN payment_sessions s ON s.order_number = o.number AND s.gateway = o.gateway
-         JOIN payment_orders po ON po.gateway = s.gateway AND po.session_id = s.session_id
-                               AND po.subscription_ref IS NOT NULL
+         CROSS JOIN LATERAL (
+             SELECT s.gateway, po.subscription_ref, s.metadata ->> 'seller_account' AS seller_account
+             FROM payment_sessions s
+             JOIN payment_orders po ON po.gateway = s.gateway AND po.session_id = s.session_id
+             WHERE s.order_number = o.number AND s.gateway = o.gateway AND po.subscription_ref IS NOT NULL
+             ORDER BY po.id LIMIT 1) r
          LEFT JOIN subscription_period_checks c ON c.subscription_id = o.id AND c.period_end = o.period_end
          WHERE c.checked_at IS NULL OR c.checked_at < now() - make_interval(secs => $5)
          ORDER BY c.checked_at NULLS FIRST, o.period_end
@@ -386,9 +412,8 @@ async fn ask_about_periods(
             .period_charges(&d.subscription_ref, d.seller_account.as_deref(), since)
             .await;
         let (events_gateway, events) = match charges {
-            // No such list at this gateway: nothing asked.
-            Ok(None) => continue,
             Ok(Some(charges)) => charges,
+            Ok(None) => (d.gateway, Vec::new()),
             Err(e) if e.is_transient() => {
                 asked += 1;
                 tracing::warn!(gateway = %d.gateway, subscription = %d.subscription_ref, error = %e, "reconciliation: the gateway does not answer about a subscription's charges; trying again next run");

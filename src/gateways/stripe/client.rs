@@ -386,10 +386,18 @@ impl StripeConnect {
                         "Stripe listed an event without an id or type".into(),
                     ));
                 };
+                // Stored as its webhook would have come: a connected account's event names it
+                // (its routing reads `account`), whether or not the list wrote it.
+                let mut event = event.clone();
+                if let (Some(a), Some(fields)) = (account, event.as_object_mut()) {
+                    fields
+                        .entry("account")
+                        .or_insert_with(|| Value::String(a.to_owned()));
+                }
                 events.push(UndeliveredEvent {
                     event_id: id.to_owned(),
                     event_type: kind.to_owned(),
-                    body: serde_json::to_vec(event).map_err(|e| {
+                    body: serde_json::to_vec(&event).map_err(|e| {
                         GatewayError::Refused(format!("Stripe's event does not encode: {e}"))
                     })?,
                 });
@@ -585,15 +593,19 @@ impl StripeConnect {
         })
     }
 
-    /// The invoices Stripe's billing made for `subscription` since `since` (`GET
+    /// The invoices Stripe's billing made for `subscription`'s periods since `since` (`GET
     /// /v1/invoices?subscription=…&created[gte]=…`, on the seller's account for direct
-    /// charges), each paid or charged and failed as the event that reports it: `invoice.paid`,
-    /// or `invoice.payment_failed` for one still open, voided or uncollectible after an attempt,
-    /// under an id of its own (`reconciled_invoice:<invoice>:<paid|failed>`), with `account` as
-    /// Stripe writes it on a connected account's events. The Invoice object is what the event
-    /// carries. The first invoice (`subscription_create`) is its checkout's, reported by it; a
-    /// draft or an invoice not attempted yet reports nothing. For the platform's endpoint
-    /// ([`NAME`]) either way: the internal gateway's subscriptions are billed on its account.
+    /// charges), each paid or failed for good as the event that reports it: `invoice.paid`, or
+    /// `invoice.payment_failed` for one voided or uncollectible after an attempt, under an id
+    /// of its own (`reconciled_invoice:<invoice>:<paid|failed>`), with `account` as Stripe
+    /// writes it on a connected account's events. The Invoice object is what the event carries.
+    /// Only a period's own invoice (`subscription_cycle`): the first is its checkout's, reported
+    /// by it, and one for a change within a period (prorations, a threshold) is no period's. An
+    /// invoice still open reports nothing, even after an attempt: a bank debit is open while its
+    /// payment is processing, and a failure the fleet invented would make the subscription past
+    /// due while the money is on its way (its payment, or its end, is found later). For the
+    /// platform's endpoint ([`NAME`]) either way: the internal gateway's subscriptions are
+    /// billed on its account.
     async fn subscription_charges(
         &self,
         subscription: &str,
@@ -604,7 +616,7 @@ impl StripeConnect {
         let req = self.get("/v1/invoices", seller_account).query(&[
             ("subscription", subscription),
             ("created[gte]", created.as_str()),
-            ("limit", "20"),
+            ("limit", "100"),
         ]);
         let page: EventPage = read_json(NAME, req.send().await, stripe_error).await?;
         let account = self.account(seller_account);
@@ -615,15 +627,13 @@ impl StripeConnect {
                     "Stripe listed an invoice without an id".into(),
                 ));
             };
-            if invoice["billing_reason"].as_str() == Some("subscription_create") {
+            if invoice["billing_reason"].as_str() != Some("subscription_cycle") {
                 continue;
             }
             let attempted = invoice["attempt_count"].as_i64().is_some_and(|n| n > 0);
             let (kind, outcome) = match invoice["status"].as_str() {
                 Some("paid") => ("invoice.paid", "paid"),
-                Some("open" | "void" | "uncollectible") if attempted => {
-                    ("invoice.payment_failed", "failed")
-                }
+                Some("void" | "uncollectible") if attempted => ("invoice.payment_failed", "failed"),
                 _ => continue,
             };
             let event_id = format!("reconciled_invoice:{id}:{outcome}");

@@ -303,12 +303,28 @@ fn invoice(o: &Value, failed: bool) -> Result<Interpretation, EventError> {
     let period = if first {
         None
     } else {
-        let line = o
-            .pointer("/lines/data/0/period")
-            .ok_or(EventError::Missing("lines.data[0].period"))?;
+        // The period's own line: a period's invoice lists the prorations of a change made
+        // within the period before it (their periods are the change's remainder, not the
+        // period billed).
+        let lines = o
+            .pointer("/lines/data")
+            .and_then(Value::as_array)
+            .ok_or(EventError::Missing("lines.data"))?;
+        let proration = |l: &&Value| {
+            l.get("proration").and_then(Value::as_bool) == Some(true)
+                || l.pointer("/parent/subscription_item_details/proration")
+                    .and_then(Value::as_bool)
+                    == Some(true)
+        };
+        let line = lines
+            .iter()
+            .find(|l| !proration(l))
+            .or(lines.first())
+            .and_then(|l| l.get("period"))
+            .ok_or(EventError::Missing("lines.data[].period"))?;
         Some(Period {
-            start: timestamp(line.get("start"), "lines.data[0].period.start")?,
-            end: Some(timestamp(line.get("end"), "lines.data[0].period.end")?),
+            start: timestamp(line.get("start"), "lines.data[].period.start")?,
+            end: Some(timestamp(line.get("end"), "lines.data[].period.end")?),
         })
     };
     let fee = match o.get("application_fee_amount") {
@@ -405,6 +421,33 @@ mod tests {
                 facts,
             } => (renewal, payment, facts),
             other => panic!("not a renewal: {other:?}"),
+        }
+    }
+
+    /// A period's invoice after a change within the period (a plan upgraded) lists the
+    /// change's prorations first: the renewal is the period billed, not the remainder the
+    /// prorations cover (that would open a second renewal inside the current period).
+    #[test]
+    fn a_periods_invoice_is_the_period_billed_not_its_prorations() {
+        let at = |t| chrono::DateTime::from_timestamp(t, 0).unwrap();
+        let proration = |marked: &str| {
+            format!(
+                r#"{{"id":"evt_3","type":"invoice.paid","account":"acct_1","data":{{"object":{{"id":"in_3","subscription":"sub_1","billing_reason":"subscription_cycle","payment_intent":"pi_3","amount_paid":2990,"currency":"brl","lines":{{"data":[{{{marked},"period":{{"start":1768000000,"end":1769904000}}}},{{"period":{{"start":1769904000,"end":1772323200}}}}]}}}}}}}}"#
+            )
+        };
+        // Before API version 2025-03-31 (`proration` on the line), and after it (under `parent`).
+        for marked in [
+            r#""proration":true"#,
+            r#""parent":{"type":"subscription_item_details","subscription_item_details":{"proration":true}}"#,
+        ] {
+            let (renewal, _, _) = renewal_of(&proration(marked));
+            assert_eq!(
+                renewal.period,
+                Some(Period {
+                    start: at(1769904000),
+                    end: Some(at(1772323200))
+                })
+            );
         }
     }
 
