@@ -35,9 +35,9 @@
 //!   says so (`payfleet money refund-repaid`);
 //! - `subscription_period_overdue`: a live subscription whose period ended more than a day
 //!   ago with no renewal reported for the next one, paid or failed, nor its end: the gateway's
-//!   invoice or cancellation event was lost (reconciliation asks Stripe about such a period's
-//!   charges from two hours after its end, and found none; other gateways are not asked), or
-//!   the fleet's own billing is stuck;
+//!   invoice or cancellation event was lost (reconciliation asks Stripe and Mercado Pago
+//!   about such a period's charges from two hours after its end, and found none; Razorpay is
+//!   not asked), or the fleet's own billing is stuck;
 //! - `payment_not_given_back`: a payment its order could not take because the order was paid
 //!   already (a second payment on its session, another session's), recorded past the grace
 //!   period and not given back whole (by refunds, or taken back by lost disputes), with no

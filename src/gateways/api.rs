@@ -422,21 +422,7 @@ macro_rules! payment_gateway {
                 Box::pin(self.invoice_paid_by(invoice, seller_account))
             }
 
-            fn period_charges<'a>(
-                &'a self,
-                subscription: &'a str,
-                seller_account: Option<&'a str>,
-                since: chrono::DateTime<chrono::Utc>,
-            ) -> $crate::gateways::api::GatewayFuture<
-                'a,
-                Option<($crate::gateways::GatewayName, Vec<$crate::gateways::api::UndeliveredEvent>)>,
-            > {
-                Box::pin(self.subscription_charges(subscription, seller_account, since))
-            }
-
-            fn lists_period_charges(&self) -> bool {
-                true
-            }
+            $crate::gateways::api::payment_gateway!(@period_charges);
 
             $crate::gateways::api::payment_gateway!(@cancel);
         );
@@ -444,6 +430,14 @@ macro_rules! payment_gateway {
     ($ty:ty, subscriptions) => {
         $crate::gateways::api::payment_gateway!(@impl $ty,
             $crate::gateways::api::payment_gateway!(@cancel);
+        );
+    };
+    // Subscriptions it bills and cancels, and the charges of their periods listed (an inherent
+    // `subscription_charges`).
+    ($ty:ty, subscriptions, period_charges) => {
+        $crate::gateways::api::payment_gateway!(@impl $ty,
+            $crate::gateways::api::payment_gateway!(@cancel);
+            $crate::gateways::api::payment_gateway!(@period_charges);
         );
     };
     ($ty:ty) => {
@@ -463,6 +457,23 @@ macro_rules! payment_gateway {
                 true
             }
         );
+    };
+    (@period_charges) => {
+        fn period_charges<'a>(
+            &'a self,
+            subscription: &'a str,
+            seller_account: Option<&'a str>,
+            since: chrono::DateTime<chrono::Utc>,
+        ) -> $crate::gateways::api::GatewayFuture<
+            'a,
+            Option<($crate::gateways::GatewayName, Vec<$crate::gateways::api::UndeliveredEvent>)>,
+        > {
+            Box::pin(self.subscription_charges(subscription, seller_account, since))
+        }
+
+        fn lists_period_charges(&self) -> bool {
+            true
+        }
     };
     (@cancel) => {
         fn cancel_subscription<'a>(

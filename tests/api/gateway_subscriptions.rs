@@ -2317,3 +2317,121 @@ async fn an_acquirer_billed_renewal_whose_event_was_lost_is_found_by_reconciliat
         "the platform's account"
     );
 }
+
+/// A Mercado Pago preapproval's period ended three hours ago and the notification of its
+/// charge was lost: nothing names the authorized payment to look up. Reconciliation lists the
+/// preapproval's charges since the period ended and stores the approved one as the
+/// notification that was lost: looked up and read as the period's renewal, one sale.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_mercadopago_renewal_whose_notification_was_lost_is_found_by_reconciliation(
+    pool: PgPool,
+) {
+    let first: Arc<Mutex<String>> = Arc::default();
+    let debit: Arc<Mutex<String>> = Arc::default();
+    let log = Log::default();
+    let api = {
+        let (f1, f2, f3) = (first.clone(), first.clone(), first.clone());
+        let (d1, d2) = (debit.clone(), debit.clone());
+        // The period's charge, approved, as both the search and the lookup show it.
+        let charge = move |reference: String, debit: String| {
+            json!({"id": 7002, "type": "scheduled", "preapproval_id": "pre_1", "status": "processed",
+                "external_reference": reference, "transaction_amount": 19.9, "currency_id": "BRL",
+                "debit_date": debit, "payment": {"id": 5002, "status": "approved"}})
+        };
+        Router::new()
+            .route(
+                "/checkout/preferences",
+                axum::routing::post(|| async { axum::Json(json!({"id": "pref-1", "init_point": "https://mp.test/checkout?pref_id=pref-1"})) }),
+            )
+            .route(
+                "/v1/payments/{id}",
+                axum::routing::get(move |Path(id): Path<String>| {
+                    let reference = f1.lock().unwrap().clone();
+                    async move {
+                        axum::Json(json!({"id": id.parse::<i64>().unwrap(), "status": "approved", "transaction_amount": 19.9,
+                            "currency_id": "BRL", "external_reference": reference}))
+                    }
+                }),
+            )
+            .route(
+                "/authorized_payments/search",
+                axum::routing::get(move || {
+                    let found = charge(f2.lock().unwrap().clone(), d1.lock().unwrap().clone());
+                    async move {
+                        axum::Json(json!({"paging": {"offset": 0, "limit": 50, "total": 1}, "results": [found]}))
+                    }
+                }),
+            )
+            .route(
+                "/authorized_payments/{id}",
+                axum::routing::get(move |Path(_id): Path<String>| {
+                    let found = charge(f3.lock().unwrap().clone(), d2.lock().unwrap().clone());
+                    async move { axum::Json(found) }
+                }),
+            )
+    };
+    let base = stand_in(api, log.clone()).await;
+    let (shop, order) =
+        subscription_order(&pool, "mercadopago", "BRL", with_mercadopago(base)).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    *first.lock().unwrap() = session.clone();
+    let ts = chrono::Utc::now().timestamp_millis();
+    deliver(&shop, &mercadopago("5001", "req-1", ts)).await;
+    subscription_of(&shop, number).await;
+    // Its preapproval known, as an earlier period's charge named it (a first payment's
+    // notification does not: until a charge or the preapproval's own notification names it,
+    // there is nothing to list, and the period is `subscription_period_overdue`'s).
+    sqlx::query("UPDATE payment_orders SET subscription_ref = 'pre_1'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let end: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
+        "UPDATE subscriptions SET current_period_start = now() - interval '1 month 3 hours',
+                current_period_end = date_trunc('second', now() - interval '3 hours')
+         WHERE order_number = $1 RETURNING current_period_end",
+    )
+    .bind(number)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    *debit.lock().unwrap() = end.to_rfc3339();
+    let (gateways, _) = payfleet::startup::gateways(&shop.app.config, &pool).unwrap();
+    let report =
+        payfleet::payments::reconcile::run(&pool, &gateways, &crate::reconcile::settings(10, 0))
+            .await
+            .unwrap();
+    assert_eq!(report.found, 1, "{report:?}");
+    wait_subscription(&shop, number, "the period renewed", |s| {
+        s["renewals"][0]["state"] == "paid"
+    })
+    .await;
+    let paid = renewals(&pool).await;
+    assert_eq!(
+        (paid.len(), paid[0].0, paid[0].1.as_str(), paid[0].4),
+        (1, number + 1, "paid", 1),
+        "{paid:?}"
+    );
+    assert!(
+        log.lock().unwrap().iter().any(|s| s
+            .uri
+            .starts_with("/authorized_payments/search?preapproval_id=pre_1")),
+        "the preapproval's charges were listed"
+    );
+    // The lost notification after all: the same charge, no second sale.
+    deliver(
+        &shop,
+        &mercadopago_topic("subscription_authorized_payment", "7002", "req-late", ts),
+    )
+    .await;
+    wait_for("the late notification processed", Duration::from_secs(30), async || {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT bool_and(outcome IS NOT NULL) FROM payment_events WHERE gateway = 'mercadopago'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    assert_eq!(renewals(&pool).await[0].4, 1, "one sale");
+}

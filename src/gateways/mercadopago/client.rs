@@ -9,8 +9,8 @@ use serde_json::Value;
 use super::events::payment_status;
 use crate::gateways::api::{
     DisputeQuery, GatewayError, PaymentState, RefundOutcome, RefundQuery, RefundReceipt,
-    RefundRequest, Session, SessionRequest, SubscriptionEnd, end_checked, read_json,
-    unknown_status,
+    RefundRequest, Session, SessionRequest, SubscriptionEnd, UndeliveredEvent, end_checked,
+    read_json, unknown_status,
 };
 use crate::gateways::{
     DisputeStatus, EventError, Fact, GatewayName, Interpretation, LookupResource, PaymentRef,
@@ -98,6 +98,23 @@ struct ChargedPayment {
     id: Value,
     status: String,
 }
+
+/// A page of a preapproval's charges (`GET /authorized_payments/search`).
+#[derive(Deserialize)]
+struct AuthorizedPage {
+    paging: Option<Paging>,
+    results: Vec<AuthorizedPayment>,
+}
+
+#[derive(Deserialize)]
+struct Paging {
+    total: Option<i64>,
+}
+
+/// Most pages of a preapproval's charges read when one of its periods is asked about.
+const AUTHORIZED_PAGES: i64 = 10;
+/// Charges a page.
+const AUTHORIZED_PAGE: i64 = 50;
 
 /// A preapproval (`GET /preapproval/{id}`).
 #[derive(Deserialize)]
@@ -517,6 +534,75 @@ impl MercadoPagoClient {
 
     /// Where a preapproval's charge stands (`GET /authorized_payments/{id}`): its payment's
     /// status, id and amount; not charged yet, pending.
+    /// A preapproval's charges debited since `since` (`GET
+    /// /authorized_payments/search?preapproval_id=…`, page by page), each charged one, approved
+    /// or rejected, as the `subscription_authorized_payment` notification that reports it
+    /// (processed as that notification is: the authorized payment looked up and read as its
+    /// period's renewal), under an id of its own
+    /// (`reconciled_authorized_payment:<id>:<paid|failed>`). One not charged yet, or whose
+    /// charge is under way, reports nothing. Mercado Pago's collector is the seller's token,
+    /// not an account header: `_seller_account` is not read.
+    async fn subscription_charges(
+        &self,
+        preapproval: &str,
+        _seller_account: Option<&str>,
+        since: chrono::DateTime<chrono::Utc>,
+    ) -> Result<Option<(GatewayName, Vec<UndeliveredEvent>)>, GatewayError> {
+        let mut events = Vec::new();
+        for page in 0..AUTHORIZED_PAGES {
+            let offset = page * AUTHORIZED_PAGE;
+            let found: AuthorizedPage = read_json(
+                NAME,
+                self.http
+                    .get(format!("{}/authorized_payments/search", self.base_url))
+                    .query(&[
+                        ("preapproval_id", preapproval.to_owned()),
+                        ("offset", offset.to_string()),
+                        ("limit", AUTHORIZED_PAGE.to_string()),
+                    ])
+                    .bearer_auth(self.access_token.expose())
+                    .send()
+                    .await,
+                mp_error,
+            )
+            .await?;
+            let listed = found.results.len() as i64;
+            for a in found.results {
+                let debited = a
+                    .debit_date
+                    .as_deref()
+                    .and_then(|d| chrono::DateTime::parse_from_rfc3339(d).ok());
+                if debited.is_none_or(|d| d < since) {
+                    continue;
+                }
+                let outcome = match a.payment.as_ref().map(|p| payment_status(&p.status)) {
+                    Some(PaymentStatus::Succeeded) => "paid",
+                    Some(PaymentStatus::Failed) => "failed",
+                    _ => continue,
+                };
+                let id = id_text(&a.id);
+                let event_id = format!("reconciled_authorized_payment:{id}:{outcome}");
+                let body = serde_json::json!({
+                    "id": event_id, "type": "subscription_authorized_payment",
+                    "action": "updated", "data": {"id": id},
+                });
+                events.push(UndeliveredEvent {
+                    event_id,
+                    event_type: "subscription_authorized_payment".to_owned(),
+                    body: serde_json::to_vec(&body).map_err(|source| GatewayError::Decode {
+                        gateway: NAME,
+                        source,
+                    })?,
+                });
+            }
+            let total = found.paging.and_then(|p| p.total).unwrap_or(0);
+            if listed < AUTHORIZED_PAGE || offset + listed >= total {
+                break;
+            }
+        }
+        Ok(Some((NAME, events)))
+    }
+
     async fn read_authorized(&self, id: &str) -> Result<PaymentState, GatewayError> {
         let a: AuthorizedPayment = read_json(
             NAME,
@@ -673,7 +759,7 @@ impl MercadoPagoClient {
     }
 }
 
-crate::gateways::api::payment_gateway!(MercadoPagoClient, subscriptions);
+crate::gateways::api::payment_gateway!(MercadoPagoClient, subscriptions, period_charges);
 
 impl MercadoPagoClient {
     fn gateway(&self) -> GatewayName {
