@@ -379,6 +379,22 @@ pub async fn extra_payments(
     .await
 }
 
+/// Whether order `number` was paid through `session`: the payment its order took, not a late
+/// or extra one on another of its sessions.
+pub async fn paid_through(
+    tx: &mut PgConnection,
+    number: i64,
+    session: &str,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM orders WHERE number = $1 AND session_id = $2 AND paid_at IS NOT NULL)",
+    )
+    .bind(number)
+    .bind(session)
+    .fetch_one(&mut *tx)
+    .await
+}
+
 /// Order `number`'s late or extra payment on `session` (and `payment`, when given: a message
 /// that named no payment matches any), the first recorded.
 pub async fn payment_not_taken(

@@ -435,6 +435,8 @@ pub struct Reported {
     /// The platform's commission the gateway took on it; `None`: `fee_percent` of the amount.
     pub fee: Option<crate::money::Money>,
     pub fee_percent: Decimal,
+    /// The gateway reports the period's charge failed (not paid).
+    pub failed: bool,
 }
 
 /// Where a reported renewal goes.
@@ -566,7 +568,11 @@ pub async fn open_reported(
             fee,
             // Not scheduled: the gateway's dunning decides, not our clock.
             expires_at: end,
-            cancelled: canceled_at.is_some_and(|at| at <= start),
+            // A period after the end; or one whose failed charge is first heard of after the
+            // end, which ended its unpaid renewal (`expire_unpaid`) had the failure come first:
+            // a payment for it is then a late one, given back, whatever order the reports
+            // came in.
+            cancelled: canceled_at.is_some_and(|at| at <= start || r.failed),
         },
     )
     .await?

@@ -35,11 +35,18 @@ struct FirstPayment {
     subscription_ref: Option<String>,
     order_number: i64,
     metadata: serde_json::Value,
+    /// The payment started the order's subscription: its order took it, and it started no
+    /// other gateway subscription. Else the gateway's subscription is a second one for the
+    /// same order (a second paid checkout of it, a subscription made twice at the gateway
+    /// naming the same first payment): it started nothing here.
+    #[sqlx(skip)]
+    started: bool,
 }
 
 /// The succeeded first payment of the gateway's subscription `subscription`, found by the id
 /// its own event recorded or, where the event names it, by its session. Found by its session,
-/// it records the subscription's id for the events that name only that.
+/// and the subscription's starter, it records the subscription's id for the events that name
+/// only that.
 async fn first_payment(
     tx: &mut PgConnection,
     gateway: GatewayName,
@@ -59,9 +66,15 @@ async fn first_payment(
     .bind(first_session)
     .fetch_optional(&mut *tx)
     .await?;
-    if let Some(first) = &found
-        && first.subscription_ref.is_none()
-    {
+    let Some(mut first) = found else {
+        return Ok(None);
+    };
+    first.started = first
+        .subscription_ref
+        .as_deref()
+        .is_none_or(|r| r == subscription)
+        && crate::orders::paid_through(tx, first.order_number, &first.session_id).await?;
+    if first.started && first.subscription_ref.is_none() {
         sqlx::query(
             "UPDATE payment_orders SET subscription_ref = $2, updated_at = now()
              WHERE id = $1 AND subscription_ref IS NULL",
@@ -71,7 +84,7 @@ async fn first_payment(
         .execute(&mut *tx)
         .await?;
     }
-    Ok(found)
+    Ok(Some(first))
 }
 
 /// What an event waits on while its subscription's first payment is not known: that payment's
@@ -126,6 +139,23 @@ pub(super) async fn renewal(
         } => Some(*m),
         _ => None,
     });
+    if !first.started {
+        let reason = format!(
+            "a charge of subscription {}, a second one for order {}: the payment it names started another subscription, or is not the one its order took",
+            renewal.subscription, first.order_number
+        );
+        return unstarted(
+            tx,
+            gateway,
+            &renewal.subscription,
+            payment,
+            facts,
+            event_id,
+            &first,
+            reason,
+        )
+        .await;
+    }
     if known_renewal(tx, gateway, session).await? {
         return apply::apply(tx, gateway, payment, facts, event_id).await;
     }
@@ -142,6 +172,15 @@ pub(super) async fn renewal(
         amount,
         fee: renewal.fee,
         fee_percent,
+        failed: facts.iter().any(|f| {
+            matches!(
+                f,
+                Fact::Payment {
+                    status: PaymentStatus::Failed,
+                    ..
+                }
+            )
+        }),
     };
     let (number, attempt, total, fee) = match subscriptions::open_reported(
         tx,
@@ -158,36 +197,22 @@ pub(super) async fn renewal(
         } => (number, attempt, total, fee),
         ReportedRenewal::NoSubscription => {
             // Its first payment confirmed no order (given back, and the gateway asked to
-            // stop billing): a renewal charged anyway (before the gateway stopped, or
-            // because it could not be stopped) is a payment no order takes, recorded as
-            // unmatched and given back to the buyer, once.
-            let outcome = apply::apply(tx, gateway, payment, facts, event_id).await?;
-            if paid.is_some() {
-                let refund = RefundPayment {
-                    gateway,
-                    order_number: None,
-                    session_id: session.clone(),
-                    payment_id: payment.payment_id.clone(),
-                    amount: paid,
-                    seller_account: super::seller_account(&first.metadata),
-                    reason: format!(
-                        "a renewal of subscription {}, which started no subscription here (its first payment, of order {}, was given back)",
-                        renewal.subscription, first.order_number
-                    ),
-                    of_payment: false,
-                };
-                if apply::give_back_unmatched(tx, &refund).await? {
-                    let stop = StopUnstartedSubscription {
-                        gateway,
-                        subscription: renewal.subscription.clone(),
-                        seller_account: refund.seller_account.clone(),
-                        reason: refund.reason.clone(),
-                    };
-                    queue::enqueue(&mut *tx, stop.job_after(session)?).await?;
-                    tracing::warn!(%gateway, subscription = %renewal.subscription, session = %session, "a renewal of a subscription that never started here: giving it back and asking the gateway again to stop it");
-                }
-            }
-            return Ok(outcome);
+            // stop billing).
+            let reason = format!(
+                "a renewal of subscription {}, which started no subscription here (its first payment, of order {}, was given back)",
+                renewal.subscription, first.order_number
+            );
+            return unstarted(
+                tx,
+                gateway,
+                &renewal.subscription,
+                payment,
+                facts,
+                event_id,
+                &first,
+                reason,
+            )
+            .await;
         }
     };
     // Another charge of a period that has its renewal already (a reissued or manual invoice of
@@ -233,6 +258,54 @@ pub(super) async fn renewal(
     apply::apply(tx, gateway, payment, facts, event_id).await
 }
 
+/// A charge of a gateway subscription that started nothing here (its first payment was given
+/// back, or started another subscription): charged anyway (before the gateway stopped, or
+/// because it could not be stopped), it is a payment no order takes, recorded as unmatched and
+/// given back to the buyer, once, and the gateway is asked again to stop billing it.
+#[allow(clippy::too_many_arguments)]
+async fn unstarted(
+    tx: &mut PgConnection,
+    gateway: GatewayName,
+    subscription: &str,
+    payment: &PaymentRef,
+    facts: &[Fact],
+    event_id: Option<i64>,
+    first: &FirstPayment,
+    reason: String,
+) -> Result<Outcome, ProcessError> {
+    let outcome = apply::apply(tx, gateway, payment, facts, event_id).await?;
+    let paid = facts.iter().find_map(|f| match f {
+        Fact::Payment {
+            status: PaymentStatus::Succeeded,
+            amount: Some(m),
+        } => Some(*m),
+        _ => None,
+    });
+    if let (Some(paid), Some(session)) = (paid, &payment.session_id) {
+        let refund = RefundPayment {
+            gateway,
+            order_number: None,
+            session_id: session.clone(),
+            payment_id: payment.payment_id.clone(),
+            amount: Some(paid),
+            seller_account: super::seller_account(&first.metadata),
+            reason,
+            of_payment: false,
+        };
+        if apply::give_back_unmatched(tx, &refund).await? {
+            let stop = StopUnstartedSubscription {
+                gateway,
+                subscription: subscription.to_owned(),
+                seller_account: refund.seller_account.clone(),
+                reason: refund.reason.clone(),
+            };
+            queue::enqueue(&mut *tx, stop.job_after(session)?).await?;
+            tracing::warn!(%gateway, %subscription, session = %session, "a charge of a subscription that started nothing here: giving it back and asking the gateway again to stop it");
+        }
+    }
+    Ok(outcome)
+}
+
 /// Whether a renewal's session (Stripe's invoice, ...) is recorded already: a retried charge
 /// of the same invoice is the same renewal, whatever its period says.
 async fn known_renewal(
@@ -262,6 +335,11 @@ pub(super) async fn change(
     let Some(first) = first_payment(tx, gateway, subscription, first_session).await? else {
         return Ok(Applied::Waiting(key));
     };
+    // A second gateway subscription for the order (its charges given back, and it stopped):
+    // its end is not the subscription's here.
+    if !first.started {
+        return Ok(Applied::Unchanged);
+    }
     Ok(
         match subscriptions::apply_change(tx, first.order_number, change).await? {
             Some(true) => Applied::Changed,
@@ -308,16 +386,28 @@ pub async fn cancel(
     if sub.status == SubscriptionStatus::Canceled {
         return Ok(sub);
     }
-    let found: Option<(String, Option<String>)> = sqlx::query_as(
-        "SELECT po.subscription_ref, ps.metadata->>'seller_account'
+    // The gateway's subscription its order's own payment started (a second paid checkout of
+    // the order started one too, stopped at the gateway: not this one).
+    let started: Vec<(String, Option<String>, String)> = sqlx::query_as(
+        "SELECT po.subscription_ref, ps.metadata->>'seller_account', po.session_id
          FROM payment_sessions ps
          JOIN payment_orders po ON po.gateway = ps.gateway AND po.session_id = ps.session_id
-         WHERE ps.gateway = $1 AND ps.order_number = $2 AND po.subscription_ref IS NOT NULL",
+         WHERE ps.gateway = $1 AND ps.order_number = $2 AND po.subscription_ref IS NOT NULL
+         ORDER BY po.id",
     )
     .bind(sub.gateway)
     .bind(sub.order_number)
-    .fetch_optional(pool)
+    .fetch_all(pool)
     .await?;
+    let mut found = None;
+    let mut conn = pool.acquire().await?;
+    for (reference, account, session) in started {
+        if crate::orders::paid_through(&mut conn, sub.order_number, &session).await? {
+            found = Some((reference, account));
+            break;
+        }
+    }
+    drop(conn);
     let not_cancellable = |why: &str| CancelAtGatewayError::NotCancellable {
         id,
         gateway: sub.gateway,

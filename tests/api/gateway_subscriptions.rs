@@ -1221,6 +1221,81 @@ async fn razorpay_subscription_order(
     .await
 }
 
+/// A second subscription made at Razorpay for the same order (the front end's create call
+/// retried), naming the same first payment: that payment started the order's subscription,
+/// `sub_R1`, not this one. Its charges are given back, not booked as a second sale each cycle,
+/// Razorpay is asked to stop it, and its end does not cancel the buyer's subscription here.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_second_gateway_subscription_naming_the_same_first_payment_starts_nothing(pool: PgPool) {
+    let log = Log::default();
+    let (shop, order) = razorpay_subscription_order(&pool, &log, Arc::default()).await;
+    let number = order["number"].as_i64().unwrap();
+    let next = chrono::Utc::now().timestamp() + MONTH;
+    let captured = json!({"entity": "event", "event": "payment.captured", "contains": ["payment"], "created_at": 90,
+        "payload": {"payment": {"entity": {"id": "pay_1", "entity": "payment", "amount": 1990, "currency": "INR",
+            "status": "captured", "order_id": "order_first"}}}})
+    .to_string();
+    deliver(&shop, &razorpay("rzp-evt-0", &captured)).await;
+    let charged = razorpay_subscription(
+        "subscription.charged",
+        100,
+        "order_first",
+        Some(("order_c2", "pay_2", next)),
+    );
+    deliver(&shop, &razorpay("rzp-evt-1", &charged)).await;
+    wait_subscription(&shop, number, "the renewal paid", |s| {
+        s["renewals"][0]["state"] == "paid"
+    })
+    .await;
+    // The second subscription's charge, of its own cycle (made three days after the first).
+    let second = |event: &str, created_at: i64, charge: Option<(&str, &str, i64)>| {
+        razorpay_subscription(event, created_at, "order_first", charge)
+            .replace("sub_R1", "sub_R2")
+            .replace("inv_2", "inv_r2")
+    };
+    let charged_twice = second(
+        "subscription.charged",
+        110,
+        Some(("order_r2", "pay_r2", next + 3 * 86_400)),
+    );
+    deliver(&shop, &razorpay("rzp-evt-2", &charged_twice)).await;
+    assert_eq!(
+        outcome(&pool, "razorpay", "subscription.charged:sub_R2:110")
+            .await
+            .0,
+        "applied"
+    );
+    let paid = renewals(&pool).await;
+    assert_eq!(
+        (paid.len(), paid[0].4),
+        (1, 1),
+        "one renewal, one sale: {paid:?}"
+    );
+    wait_for("the second subscription's charge given back", Duration::from_secs(30), async || {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM jobs WHERE kind = 'refund_payment' AND key LIKE '%order_r2%')
+                 OR EXISTS (SELECT 1 FROM payment_refunds r JOIN payment_orders po ON po.id = r.payment_order_id
+                            WHERE po.session_id = 'order_r2')",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    // Its end is its own: the buyer's subscription stays.
+    let halted = second("subscription.halted", 111, None);
+    deliver(&shop, &razorpay("rzp-evt-3", &halted)).await;
+    outcome(&pool, "razorpay", "subscription.halted:sub_R2:111").await;
+    assert_eq!(subscription_of(&shop, number).await["status"], "active");
+    let reference: Option<String> = sqlx::query_scalar(
+        "SELECT subscription_ref FROM payment_orders WHERE session_id = 'order_first'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(reference.as_deref(), Some("sub_R1"));
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_razorpay_subscription_charge_is_one_renewal_and_waits_for_the_first_payment(
     pool: PgPool,
@@ -1417,6 +1492,63 @@ async fn a_charge_after_the_end_found_by_reconciliation_stops_the_subscription_t
     .await;
     let sold: Vec<i64> = renewals(&pool).await.into_iter().map(|r| r.4).collect();
     assert_eq!(sold, [0], "no sale of a cycle after the end");
+}
+
+/// The same facts in the other order: Razorpay halts the subscription, and only then is the
+/// failed charge of the cycle that began before the halt heard of (its webhook delayed). Had
+/// the failure come first, the halt would have ended that unpaid renewal and a later payment of
+/// it would be given back; so it is here: the buyer's payment after the end is given back, and
+/// Razorpay asked to stop, not kept as a sale of a cancelled subscription.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_failed_charge_heard_of_after_the_end_leaves_no_sale_of_its_cycle(pool: PgPool) {
+    let log = Log::default();
+    let (shop, order) = razorpay_subscription_order(&pool, &log, Arc::default()).await;
+    let number = order["number"].as_i64().unwrap();
+    let captured = json!({"entity": "event", "event": "payment.captured", "contains": ["payment"], "created_at": 90,
+        "payload": {"payment": {"entity": {"id": "pay_1", "entity": "payment", "amount": 1990, "currency": "INR",
+            "status": "captured", "order_id": "order_first"}}}})
+    .to_string();
+    deliver(&shop, &razorpay("rzp-evt-0", &captured)).await;
+    subscription_of(&shop, number).await;
+    // The first period ended an hour ago; the next cycle began then.
+    let end: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
+        "UPDATE subscriptions SET current_period_start = now() - interval '1 month 1 hour',
+                current_period_end = date_trunc('second', now() - interval '1 hour')
+         WHERE order_number = $1 RETURNING current_period_end",
+    )
+    .bind(number)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let cycle = Some(("order_c2", "pay_2b", end.timestamp()));
+    let halted = razorpay_subscription("subscription.halted", 103, "order_first", None);
+    deliver(&shop, &razorpay("rzp-evt-2", &halted)).await;
+    wait_subscription(&shop, number, "canceled", |s| s["status"] == "canceled").await;
+    let failed = razorpay_subscription("subscription.pending", 100, "order_first", cycle);
+    deliver(&shop, &razorpay("rzp-evt-1", &failed)).await;
+    outcome(&pool, "razorpay", "subscription.pending:sub_R1:100").await;
+    // The buyer takes it up again, and Razorpay charges the cycle.
+    let charged = razorpay_subscription("subscription.charged", 104, "order_first", cycle);
+    deliver(&shop, &razorpay("rzp-evt-3", &charged)).await;
+    outcome(&pool, "razorpay", "subscription.charged:sub_R1:104").await;
+    let asked = |uri: &'static str| {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.method == Method::POST && s.uri.starts_with(uri))
+            .count()
+    };
+    wait_for(
+        "given back, and the stop asked",
+        Duration::from_secs(30),
+        async || {
+            asked("/v1/payments/pay_2b/refund") == 1
+                && asked("/v1/subscriptions/sub_R1/cancel") == 1
+        },
+    )
+    .await;
+    let sold: Vec<i64> = renewals(&pool).await.into_iter().map(|r| r.4).collect();
+    assert_eq!(sold, [0], "no sale of a cycle of a cancelled subscription");
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
