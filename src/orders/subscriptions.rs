@@ -435,8 +435,6 @@ pub struct Reported {
     /// The platform's commission the gateway took on it; `None`: `fee_percent` of the amount.
     pub fee: Option<crate::money::Money>,
     pub fee_percent: Decimal,
-    /// The gateway reports the period's charge failed (not paid).
-    pub failed: bool,
 }
 
 /// Where a reported renewal goes.
@@ -568,11 +566,7 @@ pub async fn open_reported(
             fee,
             // Not scheduled: the gateway's dunning decides, not our clock.
             expires_at: end,
-            // A period after the end; or one whose failed charge is first heard of after the
-            // end, which ended its unpaid renewal (`expire_unpaid`) had the failure come first:
-            // a payment for it is then a late one, given back, whatever order the reports
-            // came in.
-            cancelled: canceled_at.is_some_and(|at| at <= start || r.failed),
+            cancelled: canceled_at.is_some_and(|at| at <= start),
         },
     )
     .await?
@@ -869,6 +863,8 @@ pub struct Overdue {
     pub order_number: i64,
     pub gateway: String,
     pub current_period_end: DateTime<Utc>,
+    /// The session its first order was paid through: the payment that started it.
+    pub first_session: Option<String>,
 }
 
 /// The live subscriptions whose current period ended within `ended` (on `gateways` only, when
@@ -882,10 +878,11 @@ pub async fn overdue(
     limit: i64,
 ) -> Result<Vec<Overdue>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT id, order_number, gateway, current_period_end FROM subscriptions
-         WHERE status <> 'canceled' AND current_period_end >= $1 AND current_period_end < $2
-           AND ($3::text[] IS NULL OR gateway = ANY($3))
-         ORDER BY current_period_end LIMIT $4",
+        "SELECT s.id, s.order_number, s.gateway, s.current_period_end, o.session_id AS first_session
+         FROM subscriptions s LEFT JOIN orders o ON o.number = s.order_number
+         WHERE s.status <> 'canceled' AND s.current_period_end >= $1 AND s.current_period_end < $2
+           AND ($3::text[] IS NULL OR s.gateway = ANY($3))
+         ORDER BY s.current_period_end LIMIT $4",
     )
     .bind(ended.start)
     .bind(ended.end)

@@ -363,17 +363,19 @@ async fn ask_about_periods(
     if overdue.is_empty() {
         return Ok((0, 0, Vec::new()));
     }
-    // Each one's subscription at its gateway: what its first payment started.
+    // Each one's subscription at its gateway: what the payment its first order took started
+    // (another attempt's session may name a subscription that never started).
     let due: Vec<OverduePeriod> = sqlx::query_as(
         "SELECT o.id AS subscription_id, o.period_end, r.gateway, o.number AS order_number,
                 r.subscription_ref, r.seller_account
-         FROM unnest($1::uuid[], $2::bigint[], $3::timestamptz[], $4::text[]) AS o(id, number, period_end, gateway)
+         FROM unnest($1::uuid[], $2::bigint[], $3::timestamptz[], $4::text[], $7::text[])
+                AS o(id, number, period_end, gateway, first_session)
          CROSS JOIN LATERAL (
              SELECT s.gateway, po.subscription_ref, s.metadata ->> 'seller_account' AS seller_account
              FROM payment_sessions s
              JOIN payment_orders po ON po.gateway = s.gateway AND po.session_id = s.session_id
-             WHERE s.order_number = o.number AND s.gateway = o.gateway AND po.subscription_ref IS NOT NULL
-             ORDER BY po.id LIMIT 1) r
+             WHERE s.order_number = o.number AND s.gateway = o.gateway AND s.session_id = o.first_session
+               AND po.subscription_ref IS NOT NULL) r
          LEFT JOIN subscription_period_checks c ON c.subscription_id = o.id AND c.period_end = o.period_end
          WHERE c.checked_at IS NULL OR c.checked_at < now() - make_interval(secs => $5)
          ORDER BY c.checked_at NULLS FIRST, o.period_end
@@ -385,6 +387,12 @@ async fn ask_about_periods(
     .bind(overdue.iter().map(|o| o.gateway.as_str()).collect::<Vec<_>>())
     .bind(PERIOD_EVERY.num_seconds() as f64)
     .bind(settings.per_run as i64)
+    .bind(
+        overdue
+            .iter()
+            .map(|o| o.first_session.as_deref())
+            .collect::<Vec<_>>(),
+    )
     .fetch_all(pool)
     .await?;
     let (mut asked, mut found, mut unreachable) = (0, 0, Vec::new());

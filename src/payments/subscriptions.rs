@@ -172,15 +172,6 @@ pub(super) async fn renewal(
         amount,
         fee: renewal.fee,
         fee_percent,
-        failed: facts.iter().any(|f| {
-            matches!(
-                f,
-                Fact::Payment {
-                    status: PaymentStatus::Failed,
-                    ..
-                }
-            )
-        }),
     };
     let (number, attempt, total, fee) = match subscriptions::open_reported(
         tx,

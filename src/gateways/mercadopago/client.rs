@@ -532,8 +532,6 @@ impl MercadoPagoClient {
         })
     }
 
-    /// Where a preapproval's charge stands (`GET /authorized_payments/{id}`): its payment's
-    /// status, id and amount; not charged yet, pending.
     /// A preapproval's charges debited since `since` (`GET
     /// /authorized_payments/search?preapproval_id=…`, page by page), each charged one, approved
     /// or rejected, as the `subscription_authorized_payment` notification that reports it
@@ -603,6 +601,8 @@ impl MercadoPagoClient {
         Ok(Some((NAME, events)))
     }
 
+    /// Where a preapproval's charge stands (`GET /authorized_payments/{id}`): its payment's
+    /// status, id and amount; not charged yet, pending.
     async fn read_authorized(&self, id: &str) -> Result<PaymentState, GatewayError> {
         let a: AuthorizedPayment = read_json(
             NAME,

@@ -280,6 +280,20 @@ fn invoice(o: &Value, failed: bool) -> Result<Interpretation, EventError> {
             .and_then(Value::as_str)
     });
     let first = str_at(o, "billing_reason") == Some("subscription_create");
+    // A period's invoice, or the first one. An invoice for a change within a period (a plan
+    // changed and invoiced at once, a usage threshold, one made by hand) is no period's: read
+    // as a renewal, it opened a second renewal inside the current period, with a sale, and
+    // moved the period on. It is left for an operator (ignored, with why, in the events list).
+    if let Some(reason) = str_at(o, "billing_reason").filter(|r| {
+        !matches!(
+            *r,
+            "subscription_cycle" | "subscription_create" | "subscription"
+        )
+    }) {
+        return Ok(Interpretation::Ignore(format!(
+            "invoice {id} of subscription {subscription} is billed for {reason}, not for a period"
+        )));
+    }
     let status = if failed {
         if first {
             return Ok(Interpretation::Ignore(
@@ -421,6 +435,17 @@ mod tests {
                 facts,
             } => (renewal, payment, facts),
             other => panic!("not a renewal: {other:?}"),
+        }
+    }
+
+    /// An invoice for a change within a period (an upgrade invoiced at once) is no period's
+    /// renewal: it opens no second renewal inside the current period.
+    #[test]
+    fn an_invoice_for_a_change_within_a_period_is_no_renewal() {
+        let body = r#"{"id":"evt_4","type":"invoice.paid","account":"acct_1","data":{"object":{"id":"in_4","subscription":"sub_1","billing_reason":"subscription_update","payment_intent":"pi_4","amount_paid":500,"currency":"brl","lines":{"data":[{"proration":true,"period":{"start":1768000000,"end":1769904000}}]}}}}"#;
+        match interpret(body.as_bytes()).unwrap() {
+            Interpretation::Ignore(why) => assert!(why.contains("subscription_update"), "{why}"),
+            other => panic!("{other:?}"),
         }
     }
 
