@@ -397,15 +397,11 @@ async fn ask_about_periods(
     .await?;
     let (mut asked, mut found, mut unreachable) = (0, 0, Vec::new());
     for d in due {
-        if unreachable.contains(&d.gateway) {
-            continue;
-        }
-        let Some(gateway) = gateways.get(d.gateway) else {
+        let Some(gateway) =
+            gateway_to_ask(gateways, &unreachable, d.gateway, asked, settings).await
+        else {
             continue;
         };
-        if asked > 0 {
-            tokio::time::sleep(settings.pace).await;
-        }
         let p = Pending {
             gateway: d.gateway,
             session_id: d.subscription_ref.clone(),
@@ -476,6 +472,25 @@ async fn ask_about_periods(
     Ok((asked, found, unreachable))
 }
 
+/// The gateway to ask the next question of `name`'s, `pace` after the run's previous one:
+/// none while it does not answer this run, or is not enabled here.
+async fn gateway_to_ask(
+    gateways: &GatewayRegistry,
+    unreachable: &[GatewayName],
+    name: GatewayName,
+    asked: usize,
+    settings: &Settings,
+) -> Option<std::sync::Arc<dyn crate::gateways::PaymentGateway>> {
+    if unreachable.contains(&name) {
+        return None;
+    }
+    let gateway = gateways.get(name)?;
+    if asked > 0 {
+        tokio::time::sleep(settings.pace).await;
+    }
+    Some(gateway)
+}
+
 /// How long a dispute stays open before its gateway is asked whether it was decided (and then
 /// at most daily). Most are decided within weeks, and their decision's event comes at once.
 pub const DISPUTE_ASK_AFTER: chrono::Duration = chrono::Duration::days(7);
@@ -518,15 +533,11 @@ async fn ask_about_disputes(
     .await?;
     let (mut asked, mut decided, mut unreachable) = (0, 0, Vec::new());
     for d in open {
-        if unreachable.contains(&d.gateway) {
-            continue;
-        }
-        let Some(gateway) = gateways.get(d.gateway) else {
+        let Some(gateway) =
+            gateway_to_ask(gateways, &unreachable, d.gateway, asked, settings).await
+        else {
             continue;
         };
-        if asked > 0 {
-            tokio::time::sleep(settings.pace).await;
-        }
         asked += 1;
         let p = Pending {
             gateway: d.gateway,

@@ -132,13 +132,7 @@ pub(super) async fn renewal(
     };
     // What the period costs: the charge a success reports, else (a failure) what the failure
     // says is due, else what the subscription charges.
-    let paid = facts.iter().find_map(|f| match f {
-        Fact::Payment {
-            status: PaymentStatus::Succeeded,
-            amount: Some(m),
-        } => Some(*m),
-        _ => None,
-    });
+    let paid = paid_of(facts);
     if !first.started {
         let reason = format!(
             "a charge of subscription {}, a second one for order {}: the payment it names started another subscription, or is not the one its order took",
@@ -249,6 +243,17 @@ pub(super) async fn renewal(
     apply::apply(tx, gateway, payment, facts, event_id).await
 }
 
+/// What a charge's facts say was paid: its success's amount.
+fn paid_of(facts: &[Fact]) -> Option<crate::money::Money> {
+    facts.iter().find_map(|f| match f {
+        Fact::Payment {
+            status: PaymentStatus::Succeeded,
+            amount: Some(m),
+        } => Some(*m),
+        _ => None,
+    })
+}
+
 /// A charge of a gateway subscription that started nothing here (its first payment was given
 /// back, or started another subscription): charged anyway (before the gateway stopped, or
 /// because it could not be stopped), it is a payment no order takes, recorded as unmatched and
@@ -265,14 +270,7 @@ async fn unstarted(
     reason: String,
 ) -> Result<Outcome, ProcessError> {
     let outcome = apply::apply(tx, gateway, payment, facts, event_id).await?;
-    let paid = facts.iter().find_map(|f| match f {
-        Fact::Payment {
-            status: PaymentStatus::Succeeded,
-            amount: Some(m),
-        } => Some(*m),
-        _ => None,
-    });
-    if let (Some(paid), Some(session)) = (paid, &payment.session_id) {
+    if let (Some(paid), Some(session)) = (paid_of(facts), &payment.session_id) {
         let refund = RefundPayment {
             gateway,
             order_number: None,

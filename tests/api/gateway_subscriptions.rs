@@ -1695,23 +1695,9 @@ async fn a_mercadopago_renewal_retried_and_paid_unannounced_is_found_by_reconcil
         Arc::new(Mutex::new(json!({"id": 5002, "status": "rejected"})));
     let debit = (chrono::Utc::now() + chrono::Duration::days(30)).to_rfc3339();
     let api = {
-        let (f1, f2) = (first.clone(), first.clone());
+        let f2 = first.clone();
         let state = charged.clone();
-        Router::new()
-            .route(
-                "/checkout/preferences",
-                axum::routing::post(|| async { axum::Json(json!({"id": "pref-1", "init_point": "https://mp.test/checkout?pref_id=pref-1"})) }),
-            )
-            .route(
-                "/v1/payments/{id}",
-                axum::routing::get(move |Path(id): Path<String>| {
-                    let reference = f1.lock().unwrap().clone();
-                    async move {
-                        axum::Json(json!({"id": id.parse::<i64>().unwrap(), "status": "approved", "transaction_amount": 19.9,
-                            "currency_id": "BRL", "external_reference": reference}))
-                    }
-                }),
-            )
+        mercadopago_checkout(first.clone())
             // A search by the renewal's session finds nothing: its charges carry the
             // subscription's reference.
             .route(
@@ -1770,6 +1756,26 @@ async fn a_mercadopago_renewal_retried_and_paid_unannounced_is_found_by_reconcil
     .await
     .unwrap();
     assert_eq!(payment.as_deref(), Some("5003"));
+}
+
+/// Mercado Pago's stand-in for a subscription order's checkout: its preference, and its first
+/// payments, approved, naming `first` (the first order's session, once the checkout made it).
+fn mercadopago_checkout(first: Arc<Mutex<String>>) -> Router<Log> {
+    Router::new()
+        .route(
+            "/checkout/preferences",
+            axum::routing::post(|| async { axum::Json(json!({"id": "pref-1", "init_point": "https://mp.test/checkout?pref_id=pref-1"})) }),
+        )
+        .route(
+            "/v1/payments/{id}",
+            axum::routing::get(move |Path(id): Path<String>| {
+                let reference = first.lock().unwrap().clone();
+                async move {
+                    axum::Json(json!({"id": id.parse::<i64>().unwrap(), "status": "approved", "transaction_amount": 19.9,
+                        "currency_id": "BRL", "external_reference": reference}))
+                }
+            }),
+        )
 }
 
 /// Without the `account` of a connected account: an event on the platform's own Stripe
@@ -2405,7 +2411,7 @@ async fn a_mercadopago_renewal_whose_notification_was_lost_is_found_by_reconcili
     let debit: Arc<Mutex<String>> = Arc::default();
     let log = Log::default();
     let api = {
-        let (f1, f2, f3) = (first.clone(), first.clone(), first.clone());
+        let (f2, f3) = (first.clone(), first.clone());
         let (d1, d2) = (debit.clone(), debit.clone());
         // The period's charge, approved, as both the search and the lookup show it.
         let charge = move |reference: String, debit: String| {
@@ -2413,21 +2419,7 @@ async fn a_mercadopago_renewal_whose_notification_was_lost_is_found_by_reconcili
                 "external_reference": reference, "transaction_amount": 19.9, "currency_id": "BRL",
                 "debit_date": debit, "payment": {"id": 5002, "status": "approved"}})
         };
-        Router::new()
-            .route(
-                "/checkout/preferences",
-                axum::routing::post(|| async { axum::Json(json!({"id": "pref-1", "init_point": "https://mp.test/checkout?pref_id=pref-1"})) }),
-            )
-            .route(
-                "/v1/payments/{id}",
-                axum::routing::get(move |Path(id): Path<String>| {
-                    let reference = f1.lock().unwrap().clone();
-                    async move {
-                        axum::Json(json!({"id": id.parse::<i64>().unwrap(), "status": "approved", "transaction_amount": 19.9,
-                            "currency_id": "BRL", "external_reference": reference}))
-                    }
-                }),
-            )
+        mercadopago_checkout(first.clone())
             .route(
                 "/authorized_payments/search",
                 axum::routing::get(move || {
