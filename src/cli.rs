@@ -183,7 +183,8 @@ enum MoneyAction {
     Check,
     /// Give back again a payment its order could not take (late, or extra: the order paid
     /// already) whose give-back ended dead (`payment_not_given_back`): its job again, asking the
-    /// gateway under the same idempotency key.
+    /// gateway under the give-back's idempotency key (a new one after the gateway refused it
+    /// outright).
     GiveBack {
         gateway: String,
         session: String,
@@ -667,7 +668,7 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
             pool.close().await;
             let job = given?;
             println!(
-                "{gateway} session {session}: its give-back is job {job} (payfleet jobs counts; the gateway is asked under the first give-back's idempotency key)"
+                "{gateway} session {session}: its give-back is job {job} (payfleet jobs counts; the gateway is asked under the give-back's idempotency key, a new one after an outright refusal)"
             );
             return Ok(());
         }

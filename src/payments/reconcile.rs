@@ -427,7 +427,19 @@ async fn ask_about_periods(
             }
             Err(e) => {
                 tracing::warn!(gateway = %d.gateway, subscription = %d.subscription_ref, error = %e, "reconciliation: the gateway refused to list a subscription's charges");
-                finding(pool, d.gateway, &p, "refused", &e.to_string()).await?;
+                // Reported once a day at most: a disconnected account refuses every hour.
+                let reported: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM reconciliation_findings
+                                    WHERE gateway = $1 AND session_id = $2 AND outcome = 'refused'
+                                      AND found_at > now() - interval '1 day')",
+                )
+                .bind(d.gateway)
+                .bind(&d.subscription_ref)
+                .fetch_one(pool)
+                .await?;
+                if !reported {
+                    finding(pool, d.gateway, &p, "refused", &e.to_string()).await?;
+                }
                 (d.gateway, Vec::new())
             }
         };

@@ -177,10 +177,15 @@ impl RefundPayment {
                 Err(JobError::retry(e))
             }
             Err(e) => {
-                if e.refused_outright() {
-                    self.refused(pool, &e).await?;
-                } else {
+                if !e.refused_outright() {
                     self.pin_key(pool).await?;
+                } else if self.refused(pool, &e).await? {
+                    // Its key kept after an ask without a clear answer: asked again under it,
+                    // the gateway may answer this refusal for as long as it keeps the key.
+                    return Err(JobError::fail(format!(
+                        "{e}; the give-back's idempotency key {} is kept since an earlier ask got no clear answer, so the gateway may have refunded under it: look at the gateway for a refund of payment {payment_id} of session {}, and if there is none, refund it there by hand",
+                        request.idempotency_key, self.session_id
+                    )));
                 }
                 Err(JobError::fail(e))
             }
@@ -223,20 +228,20 @@ impl RefundPayment {
 
     /// Counts a refusal the gateway gave outright: nothing was refunded under its key, unless
     /// the key is pinned (an earlier ask under it may have refunded; the refusal may only say
-    /// that this request differs from that one).
-    async fn refused(&self, pool: &PgPool, e: &GatewayError) -> Result<(), sqlx::Error> {
-        sqlx::query(
+    /// that this request differs from that one). Returns whether it is pinned.
+    async fn refused(&self, pool: &PgPool, e: &GatewayError) -> Result<bool, sqlx::Error> {
+        sqlx::query_scalar(
             "INSERT INTO give_back_keys (gateway, subject, refusals, last_refusal) VALUES ($1, $2, 1, $3)
              ON CONFLICT (gateway, subject) DO UPDATE
              SET refusals = give_back_keys.refusals + CASE WHEN give_back_keys.pinned THEN 0 ELSE 1 END,
-                 last_refusal = EXCLUDED.last_refusal, updated_at = now()",
+                 last_refusal = EXCLUDED.last_refusal, updated_at = now()
+             RETURNING pinned",
         )
         .bind(self.gateway)
         .bind(self.subject())
         .bind(e.to_string())
-        .execute(pool)
-        .await?;
-        Ok(())
+        .fetch_one(pool)
+        .await
     }
 }
 
@@ -306,7 +311,8 @@ pub enum GiveBackError {
 /// wrong amount or for a subscription that never started, given back once as it came), for an
 /// operator once its give-back job ended dead (`payment_not_given_back`,
 /// `captured_payment_unconfirmed`): a job keyed as the first, which asks the
-/// gateway under the same idempotency key, so what was given already is not given twice, and
+/// gateway under the give-back's idempotency key (the same one, unless the gateway refused it
+/// outright: [`RefundPayment::idempotency_key`]), so what was given already is not given twice, and
 /// which looks at the payment as recorded when it runs (refunds and disputes since). Returns the
 /// job's id.
 pub async fn give_back_again(

@@ -2318,6 +2318,54 @@ async fn a_lost_renewal_is_found_by_asking_about_its_period(
     assert_eq!(report.asked, 0, "{report:?}");
 }
 
+/// An invoice Stripe bills for a change within a period (a plan upgraded and invoiced at once)
+/// is no period's renewal: it opens no second renewal, books no sale and leaves the period as
+/// it is. Its payment is one no order asked for, kept for an operator (not given back: it is
+/// the seller's), and reported.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_invoice_for_a_change_within_a_period_is_kept_for_an_operator_not_a_renewal(
+    pool: PgPool,
+) {
+    let base = stand_in(stripe_api(), Log::default()).await;
+    let (shop, order) = subscription_order(&pool, "stripe", "BRL", with_stripe(base)).await;
+    let number = order["number"].as_i64().unwrap();
+    let session = order["payment"]["session_id"].as_str().unwrap().to_owned();
+    deliver(
+        &shop,
+        &stripe(&session_completed("evt_1", &session, Some("sub_1")), now()),
+    )
+    .await;
+    let before = subscription_of(&shop, number).await;
+    let upgrade = invoice_event("evt_up", "invoice.paid", "in_up", "pi_up")
+        .replace("subscription_cycle", "subscription_update");
+    deliver(&shop, &stripe(&upgrade, now())).await;
+    assert_eq!(outcome(&pool, "stripe", "evt_up").await.0, "applied");
+    assert!(renewals(&pool).await.is_empty(), "no renewal");
+    let after = subscription_of(&shop, number).await;
+    assert_eq!(
+        after["current_period_start"],
+        before["current_period_start"]
+    );
+    let (unmatched, given_back, refunds): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM unmatched_payments WHERE session_id = 'in_up'),
+                (SELECT count(*) FROM unmatched_payments WHERE given_back_at IS NOT NULL),
+                (SELECT count(*) FROM jobs WHERE kind = 'refund_payment')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((unmatched, given_back, refunds), (1, 0, 0));
+    let found = payfleet::consistency::check(&pool, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(
+        found
+            .iter()
+            .any(|f| f.check == "captured_payment_unconfirmed" && f.subject.contains("in_up")),
+        "{found:?}"
+    );
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_stripe_renewal_whose_event_was_lost_is_found_by_reconciliation(pool: PgPool) {
     let log = Log::default();

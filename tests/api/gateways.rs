@@ -896,6 +896,17 @@ async fn razorpay_orders_payments_and_refunds_as_documented() {
             axum::routing::post(|| async {
                 (StatusCode::BAD_REQUEST, axum::Json(json!({"error": {"code": "BAD_REQUEST_ERROR", "description": "The refund amount exceeds the captured amount"}})))
             }),
+        )
+        // A subscription's invoices: inv_Rz2 paid, inv_Rz3 issued and not charged yet.
+        .route(
+            "/v1/invoices/{id}",
+            axum::routing::get(|Path(id): Path<String>| async move {
+                let paid = id == "inv_Rz2";
+                axum::Json(json!({"id": id, "entity": "invoice", "subscription_id": "sub_Rz",
+                    "status": if paid { "paid" } else { "issued" },
+                    "payment_id": if paid { json!("pay_Rz2") } else { Value::Null },
+                    "amount": 1990, "amount_paid": if paid { 1990 } else { 0 }, "currency": "INR"}))
+            }),
         );
     let base = stand_in(api, log.clone()).await;
     let rzp = RazorpayGateway::new(
@@ -927,6 +938,22 @@ async fn razorpay_orders_payments_and_refunds_as_documented() {
         (state.status, state.payment_id.as_deref()),
         (PaymentStatus::Succeeded, Some("pay_Rz1"))
     );
+    // A renewal charged without an order is named by its invoice: asked as one.
+    let state = rzp.status("inv_Rz2", None).await.unwrap();
+    assert_eq!(
+        (state.status, state.payment_id.as_deref(), state.amount),
+        (
+            PaymentStatus::Succeeded,
+            Some("pay_Rz2"),
+            Some(Money::from_minor(1990, "INR").unwrap())
+        )
+    );
+    let state = rzp.status("inv_Rz3", None).await.unwrap();
+    assert_eq!(
+        state.status,
+        PaymentStatus::Pending,
+        "issued: Razorpay may still charge it"
+    );
     let e = rzp
         .refund(&RefundRequest {
             session_id: "order_Rz1".into(),
@@ -945,8 +972,12 @@ async fn razorpay_orders_payments_and_refunds_as_documented() {
     // The refund's idempotency key in Razorpay's documented alphabet: ten characters or more,
     // letters, digits, hyphens and underscores only (a second payment's give-back is keyed
     // `<session>:<payment>`; sent as it is, Razorpay refuses it, and the buyer is never paid back).
-    let key = log.lock().unwrap()[2]
-        .header("x-refund-idempotency")
+    let key = log
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|s| s.uri.ends_with("/refund"))
+        .and_then(|s| s.header("x-refund-idempotency"))
         .map(str::to_owned);
     let key = key.expect("the refund carries its idempotency key");
     assert!(
@@ -966,7 +997,11 @@ async fn razorpay_orders_payments_and_refunds_as_documented() {
     .await
     .unwrap_err();
     assert_eq!(
-        log.lock().unwrap()[3].header("x-refund-idempotency"),
+        log.lock()
+            .unwrap()
+            .iter()
+            .rfind(|s| s.uri.ends_with("/refund"))
+            .and_then(|s| s.header("x-refund-idempotency")),
         Some("payfleet-refund-razorpay-order_Rz1--pay_Rz2")
     );
 }
@@ -1454,6 +1489,18 @@ async fn a_give_back_asked_without_a_clear_answer_keeps_its_key(pool: PgPool) {
         .await
         .unwrap();
     step(&pool, &config, "payments").await;
+    // Refused under the kept key: dead, saying what to look at.
+    let error: String = sqlx::query_scalar(
+        "SELECT errors -> -1 ->> 'error' FROM jobs WHERE kind = 'refund_payment'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        error.contains("is kept since an earlier ask got no clear answer")
+            && error.contains("by hand"),
+        "{error}"
+    );
     give_back_again_by_hand(&pool, &config).await;
     assert_eq!(refunded(&pool).await, (1, "10.0000".to_owned()));
     let keys = refund_keys(&log);

@@ -43,6 +43,16 @@ struct RzpOrder {
     id: String,
 }
 
+/// A subscription's invoice (`GET /v1/invoices/{id}`), as far as it is read.
+#[derive(Deserialize)]
+struct RzpInvoice {
+    /// `issued`, `paid`, `partially_paid`, `expired`, `cancelled`.
+    status: Option<String>,
+    payment_id: Option<String>,
+    amount_paid: Option<i64>,
+    currency: Option<String>,
+}
+
 #[derive(Deserialize)]
 struct RzpPayments {
     #[serde(default)]
@@ -144,6 +154,10 @@ impl RazorpayGateway {
         session_id: &str,
         _seller_account: Option<&str>,
     ) -> Result<PaymentState, GatewayError> {
+        // A renewal charged without an order is named by its invoice.
+        if session_id.starts_with("inv_") {
+            return self.read_invoice(session_id).await;
+        }
         let payments: RzpPayments = read_json(
             NAME,
             self.http
@@ -172,6 +186,44 @@ impl RazorpayGateway {
                 amount: None,
                 subscription: None,
             },
+        })
+    }
+
+    /// A subscription's invoice (`GET /v1/invoices/{id}`), the session of a renewal charged
+    /// without an order of its own: `paid`, with the payment that paid it and what it paid;
+    /// `expired` or `cancelled`, failed; else (issued: Razorpay may still charge it) pending.
+    async fn read_invoice(&self, invoice: &str) -> Result<PaymentState, GatewayError> {
+        let i: RzpInvoice = read_json(
+            NAME,
+            self.http
+                .get(format!("{}/v1/invoices/{invoice}", self.api))
+                .basic_auth(&self.key_id, Some(self.key_secret.expose()))
+                .send()
+                .await,
+            rzp_error,
+        )
+        .await?;
+        let pending = PaymentState {
+            status: PaymentStatus::Pending,
+            payment_id: None,
+            amount: None,
+            subscription: None,
+        };
+        Ok(match i.status.as_deref() {
+            Some("paid") => PaymentState {
+                status: PaymentStatus::Succeeded,
+                payment_id: i.payment_id,
+                amount: match (i.amount_paid, i.currency.as_deref()) {
+                    (Some(units), Some(c)) => Money::from_minor(units, c).ok(),
+                    _ => None,
+                },
+                subscription: None,
+            },
+            Some("expired" | "cancelled") => PaymentState {
+                status: PaymentStatus::Failed,
+                ..pending
+            },
+            _ => pending,
         })
     }
 

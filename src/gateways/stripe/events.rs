@@ -280,20 +280,6 @@ fn invoice(o: &Value, failed: bool) -> Result<Interpretation, EventError> {
             .and_then(Value::as_str)
     });
     let first = str_at(o, "billing_reason") == Some("subscription_create");
-    // A period's invoice, or the first one. An invoice for a change within a period (a plan
-    // changed and invoiced at once, a usage threshold, one made by hand) is no period's: read
-    // as a renewal, it opened a second renewal inside the current period, with a sale, and
-    // moved the period on. It is left for an operator (ignored, with why, in the events list).
-    if let Some(reason) = str_at(o, "billing_reason").filter(|r| {
-        !matches!(
-            *r,
-            "subscription_cycle" | "subscription_create" | "subscription"
-        )
-    }) {
-        return Ok(Interpretation::Ignore(format!(
-            "invoice {id} of subscription {subscription} is billed for {reason}, not for a period"
-        )));
-    }
     let status = if failed {
         if first {
             return Ok(Interpretation::Ignore(
@@ -314,6 +300,26 @@ fn invoice(o: &Value, failed: bool) -> Result<Interpretation, EventError> {
         }
         _ => None,
     };
+    // A period's invoice, or the first one. An invoice for a change within a period (a plan
+    // changed and invoiced at once, a usage threshold, one made by hand) is no period's: read
+    // as a renewal, it opened a second renewal inside the current period, with a sale, and
+    // moved the period on. Its payment is one no order asked for: recorded as unmatched (not
+    // given back), so that a success is the finding `captured_payment_unconfirmed`, for an
+    // operator to decide.
+    if str_at(o, "billing_reason").is_some_and(|r| {
+        !matches!(
+            r,
+            "subscription_cycle" | "subscription_create" | "subscription"
+        )
+    }) {
+        return Ok(Interpretation::Update {
+            payment: PaymentRef {
+                session_id: Some(id.to_owned()),
+                payment_id: payment_id.map(str::to_owned),
+            },
+            facts: vec![Fact::Payment { status, amount }],
+        });
+    }
     let period = if first {
         None
     } else {
@@ -439,12 +445,28 @@ mod tests {
     }
 
     /// An invoice for a change within a period (an upgrade invoiced at once) is no period's
-    /// renewal: it opens no second renewal inside the current period.
+    /// renewal: it opens no second renewal inside the current period. Its payment is one no
+    /// order asked for (recorded as such, for an operator).
     #[test]
     fn an_invoice_for_a_change_within_a_period_is_no_renewal() {
         let body = r#"{"id":"evt_4","type":"invoice.paid","account":"acct_1","data":{"object":{"id":"in_4","subscription":"sub_1","billing_reason":"subscription_update","payment_intent":"pi_4","amount_paid":500,"currency":"brl","lines":{"data":[{"proration":true,"period":{"start":1768000000,"end":1769904000}}]}}}}"#;
         match interpret(body.as_bytes()).unwrap() {
-            Interpretation::Ignore(why) => assert!(why.contains("subscription_update"), "{why}"),
+            Interpretation::Update { payment, facts } => {
+                assert_eq!(
+                    payment,
+                    PaymentRef {
+                        session_id: Some("in_4".into()),
+                        payment_id: Some("pi_4".into())
+                    }
+                );
+                assert_eq!(
+                    facts,
+                    vec![Fact::Payment {
+                        status: PaymentStatus::Succeeded,
+                        amount: Some(Money::parse("5.00", "BRL").unwrap())
+                    }]
+                );
+            }
             other => panic!("{other:?}"),
         }
     }
