@@ -79,11 +79,26 @@ pub fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
     Ok(out)
 }
 
-/// A free port on the loopback interface, for a child process to listen on.
+/// A free port on the loopback interface, for a child process to listen on, and never one this
+/// process handed out before: the listener that found it is closed at once, so the system may
+/// give the same port to the next bind, and two children (the soak's receiver and a worker's
+/// health server) were once given one port: the second to start could not listen, and the first
+/// answered the other's requests.
 pub fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    for _ in 0..100 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let mut given = GIVEN
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the ports handed out are poisoned"))?;
+        if given.insert(port) {
+            return Ok(port);
+        }
+    }
+    anyhow::bail!("the system gave back only ports handed out already")
 }
 
 /// `payfleet <role>` with `env`; its log appended to `log` (else discarded).
@@ -156,5 +171,17 @@ pub async fn wait_ready(port: u16) -> anyhow::Result<()> {
             bail!("the process on port {port} was not ready within 60 s");
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every port handed out is one no child was given before, whatever the system's binds
+    /// give back.
+    #[test]
+    fn free_ports_are_never_handed_out_twice() {
+        let ports: Vec<u16> = (0..200).map(|_| super::free_port().unwrap()).collect();
+        let distinct: std::collections::BTreeSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), ports.len());
     }
 }
