@@ -683,7 +683,8 @@ async fn bank(api: Api, seed: u64, calm: tokio::sync::watch::Receiver<bool>) -> 
 
 /// Waits until nothing moves any more: every event processed, no order waiting for payment,
 /// no job due or retrying, every order message published and handled, no refund or payout
-/// waiting, no sale waiting for its poster. False if `within` passes first.
+/// waiting, no sale waiting for its poster, no charge the gateway made that the fleet has not
+/// heard of yet. False if `within` passes first.
 async fn settle(pool: &PgPool, api: &Api, within: Duration) -> anyhow::Result<bool> {
     let started = Instant::now();
     let mut quiet_polls = 0;
@@ -699,7 +700,17 @@ async fn settle(pool: &PgPool, api: &Api, within: Duration) -> anyhow::Result<bo
                     OR (state IN ('available', 'running') AND run_at < now() - interval '5 seconds'))),
                ('refunds in flight', (SELECT count(*) FROM refund_requests WHERE state NOT IN ('succeeded', 'failed', 'canceled'))),
                ('payouts waiting', (SELECT count(*) FROM payouts WHERE state = 'pending')),
-               ('sales due', (SELECT count(*) FROM ledger_sales_due))
+               ('sales due', (SELECT count(*) FROM ledger_sales_due)),
+               -- A charge whose every delivery the relay withheld is the fleet's once
+               -- reconciliation asks about it, a grace period after it was made: a renewal
+               -- charged as the subscriptions were cancelled at the end is otherwise unknown
+               -- when the checks run, and not given back.
+               ('gateway payments not known yet', (SELECT count(*) FROM internal_payments p
+                    WHERE p.status = 'succeeded'
+                      AND NOT EXISTS (SELECT 1 FROM payment_orders po WHERE po.gateway = p.gateway
+                                        AND po.session_id = p.session_id AND po.succeeded_at IS NOT NULL)
+                      AND NOT EXISTS (SELECT 1 FROM unmatched_payments u WHERE u.gateway = p.gateway
+                                        AND u.session_id = p.session_id)))
              ) AS m(what, n) WHERE n > 0",
         )
         .fetch_all(pool)
