@@ -42,6 +42,23 @@ async fn deliver(app: &TestApp, id: &str, body: &str) {
 }
 
 /// Pays `order` on its payment page and waits until it is paid.
+/// Refund request `id` as if asked of its gateway `hours` ago with its answer lost, its job
+/// not running now.
+async fn asked_unanswered(pool: &PgPool, id: i64, hours: i32) {
+    sqlx::query("DELETE FROM jobs WHERE kind = 'carry_out_refund'")
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE refund_requests SET first_asked_at = now() - $2 * interval '1 hour' WHERE id = $1",
+    )
+    .bind(id)
+    .bind(hours)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 async fn pay_and_wait(shop: &crate::checkout::Shop, order: &serde_json::Value) {
     let number = order["number"].as_i64().unwrap();
     let url = order["payment"]["url"].as_str().unwrap();
@@ -1227,17 +1244,7 @@ async fn a_refund_asked_unanswered_before_a_lost_dispute_stays_reported(pool: Pg
         .await
         .unwrap();
     // Asked an hour ago, its answer lost; its job is not running now.
-    sqlx::query("DELETE FROM jobs WHERE kind = 'carry_out_refund'")
-        .execute(&pool)
-        .await
-        .unwrap();
-    sqlx::query(
-        "UPDATE refund_requests SET first_asked_at = now() - interval '1 hour' WHERE id = $1",
-    )
-    .bind(request.id)
-    .execute(&pool)
-    .await
-    .unwrap();
+    asked_unanswered(&pool, request.id, 1).await;
     let payment: String =
         sqlx::query_scalar("SELECT payment_id FROM internal_payments WHERE session_id = $1")
             .bind(&session)
@@ -1378,18 +1385,7 @@ async fn a_refund_whose_answer_never_came_is_not_asked_again_once_the_gateway_ma
             payfleet::payments::order_refunds::request(&pool, 1, &format!("rf-lost-{hours}"), &new)
                 .await
                 .unwrap();
-        sqlx::query("DELETE FROM jobs WHERE kind = 'carry_out_refund'")
-            .execute(&pool)
-            .await
-            .unwrap();
-        sqlx::query(
-            "UPDATE refund_requests SET first_asked_at = now() - $2 * interval '1 hour' WHERE id = $1",
-        )
-        .bind(request.id)
-        .bind(hours)
-        .execute(&pool)
-        .await
-        .unwrap();
+        asked_unanswered(&pool, request.id, hours).await;
         requests.push(request.id);
     }
     let state_of = async |id: i64| -> (String, Option<String>) {

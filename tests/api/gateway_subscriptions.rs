@@ -1039,17 +1039,7 @@ async fn a_renewal_that_fails_first_costs_what_stripe_says_is_due(pool: PgPool) 
         "the second charge of the period is an extra payment"
     );
     // Its give-back under way (its job) or done (its refund recorded).
-    wait_for("the second charge given back", Duration::from_secs(30), async || {
-        sqlx::query_scalar::<_, bool>(
-            "SELECT EXISTS (SELECT 1 FROM jobs WHERE kind = 'refund_payment' AND key LIKE '%in_2x%')
-                 OR EXISTS (SELECT 1 FROM payment_refunds r JOIN payment_orders po ON po.id = r.payment_order_id
-                            WHERE po.session_id = 'in_2x')",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    })
-    .await;
+    given_back(&pool, "in_2x").await;
     let unmatched: i64 = sqlx::query_scalar("SELECT count(*) FROM unmatched_payments")
         .fetch_one(&pool)
         .await
@@ -1271,17 +1261,7 @@ async fn a_second_gateway_subscription_naming_the_same_first_payment_starts_noth
         (1, 1),
         "one renewal, one sale: {paid:?}"
     );
-    wait_for("the second subscription's charge given back", Duration::from_secs(30), async || {
-        sqlx::query_scalar::<_, bool>(
-            "SELECT EXISTS (SELECT 1 FROM jobs WHERE kind = 'refund_payment' AND key LIKE '%order_r2%')
-                 OR EXISTS (SELECT 1 FROM payment_refunds r JOIN payment_orders po ON po.id = r.payment_order_id
-                            WHERE po.session_id = 'order_r2')",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    })
-    .await;
+    given_back(&pool, "order_r2").await;
     // Its end is its own: the buyer's subscription stays.
     let halted = second("subscription.halted", 111, None);
     deliver(&shop, &razorpay("rzp-evt-3", &halted)).await;
@@ -1756,6 +1736,27 @@ async fn a_mercadopago_renewal_retried_and_paid_unannounced_is_found_by_reconcil
     .await
     .unwrap();
     assert_eq!(payment.as_deref(), Some("5003"));
+}
+
+/// Waits until the payment on `session` is being given back (its job) or was (its refund
+/// recorded).
+async fn given_back(pool: &PgPool, session: &str) {
+    wait_for(
+        &format!("the payment on {session} given back"),
+        Duration::from_secs(30),
+        async || {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM jobs WHERE kind = 'refund_payment' AND key LIKE '%' || $1 || '%')
+                     OR EXISTS (SELECT 1 FROM payment_refunds r JOIN payment_orders po ON po.id = r.payment_order_id
+                                WHERE po.session_id = $1)",
+            )
+            .bind(session)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+        },
+    )
+    .await;
 }
 
 /// Mercado Pago's stand-in for a subscription order's checkout: its preference, and its first
