@@ -7,8 +7,9 @@
 //! The checks (each given a grace period, so work in flight is not reported):
 //! - `captured_payment_unconfirmed`: a captured payment whose order is not confirmed (nor the
 //!   payment refunded), or a captured payment no checkout asked for that is not refunded;
-//! - `sale_without_credit`: a confirmed order paid through the platform (internal, mock,
-//!   Razorpay, coins) without its ledger credit;
+//! - `sale_without_credit`: a paid order kept as a sale without its sale posted in the ledger
+//!   (its credit, to the seller's pending balance or, paid to the seller directly, its
+//!   connected one; its commission posted with it), with the ledger's reason when it refused it;
 //! - `ledger_entries_differ`: an account whose entries do not sum to its balance, or a currency
 //!   whose balances do not sum to zero;
 //! - `coin_wallet_negative`: a coin wallet or reservation balance below zero;
@@ -191,11 +192,9 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
          FROM order_money o LEFT JOIN ledger_sales_due d ON d.order_number = o.number
          WHERE o.paid_at < now() - make_interval(secs => $1)
            AND o.is_sale
-           AND (o.paid_with_coins OR o.gateway = ANY($2))
            AND NOT EXISTS (SELECT 1 FROM ledger_transfers t WHERE t.source_key = 'sale:' || o.number)",
     )
     .bind(grace_secs)
-    .bind(crate::gateways::through_platform())
     .fetch_all(pool)
     .await?;
     found.extend(violations("sale_without_credit", rows));

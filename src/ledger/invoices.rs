@@ -8,6 +8,9 @@
 //! month runs from its first midnight there to the next month's, and a run never invoices a
 //! month that has not ended there, [`SETTLED_AFTER`] before. (The run's own schedule may be in another zone: an invoice
 //! made once must hold all of its month, so the month cannot depend on when the run happens.)
+//! The zone is recorded with the first invoice (`invoice_calendar`), and a run in another one is
+//! refused ([`InvoiceError::OtherZone`]): its months would overlap the months invoiced, the fees
+//! in between invoiced twice, or leave hours out, their fees never invoiced.
 
 use chrono::{DateTime, Datelike, NaiveDate, TimeZone, Utc};
 use chrono_tz::Tz;
@@ -17,6 +20,30 @@ use sqlx::{PgConnection, PgPool};
 
 use super::decimal_text;
 use crate::catalogue::SellerId;
+
+#[derive(Debug, thiserror::Error)]
+pub enum InvoiceError {
+    #[error(
+        "commission invoices are made in months of {recorded} (recorded with the first invoice), not of {configured}: set PAYFLEET_INVOICE_TIMEZONE={recorded}; months of two zones overlap (their fees invoiced twice) or leave hours out (never invoiced)"
+    )]
+    OtherZone {
+        recorded: String,
+        configured: String,
+    },
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+impl From<InvoiceError> for payfleet_queue::JobError {
+    fn from(e: InvoiceError) -> Self {
+        match e {
+            InvoiceError::Database(e) => e.into(),
+            // A configuration the run cannot mend: dead, on the dashboard's failed jobs, until
+            // the fleet runs with the recorded zone (the next run then invoices the month).
+            other => Self::fail(other),
+        }
+    }
+}
 
 /// The calendar month before the one `today` falls in: the period a monthly run invoices.
 pub fn previous_month(today: NaiveDate) -> (NaiveDate, NaiveDate) {
@@ -75,7 +102,7 @@ pub async fn run(
     start: NaiveDate,
     end: NaiveDate,
     zone: Tz,
-) -> Result<Vec<i64>, sqlx::Error> {
+) -> Result<Vec<i64>, InvoiceError> {
     let sellers: Vec<String> = sqlx::query_scalar(
         "SELECT DISTINCT a.owner FROM ledger_transfers t
          JOIN ledger_accounts a ON a.kind = 'platform_revenue' AND a.id IN (t.from_account, t.to_account)
@@ -112,7 +139,7 @@ pub const CATCH_UP_MONTHS: u32 = 12;
 /// Invoices every month of `zone` that had ended [`SETTLED_AFTER`] before `at`, since
 /// [`CATCH_UP_MONTHS`] ago, in which a seller earned commission and has no invoice yet: last
 /// month, and any month a run missed. Returns the numbers made.
-pub async fn run_due(pool: &PgPool, at: DateTime<Utc>, zone: Tz) -> Result<Vec<i64>, sqlx::Error> {
+pub async fn run_due(pool: &PgPool, at: DateTime<Utc>, zone: Tz) -> Result<Vec<i64>, InvoiceError> {
     let today = (at - SETTLED_AFTER).with_timezone(&zone).date_naive();
     let this_month = today.with_day(1).unwrap_or(today);
     let since = this_month
@@ -153,13 +180,29 @@ pub async fn create(
     start: NaiveDate,
     end: NaiveDate,
     zone: Tz,
-) -> Result<Option<i64>, sqlx::Error> {
+) -> Result<Option<i64>, InvoiceError> {
     let mut tx = pool.begin().await?;
     // One invoice of a seller is made at a time: a concurrent run waits, then finds it.
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('invoice:' || $1, 0))")
         .bind(seller)
         .execute(&mut *tx)
         .await?;
+    // The zone of every invoice: recorded by the first (the conflict's update returns the row
+    // recorded, and holds it until this invoice commits).
+    let recorded: String = sqlx::query_scalar(
+        "INSERT INTO invoice_calendar (timezone) VALUES ($1)
+         ON CONFLICT (singleton) DO UPDATE SET timezone = invoice_calendar.timezone
+         RETURNING timezone",
+    )
+    .bind(zone.name())
+    .fetch_one(&mut *tx)
+    .await?;
+    if recorded != zone.name() {
+        return Err(InvoiceError::OtherZone {
+            recorded,
+            configured: zone.name().to_owned(),
+        });
+    }
     let existing: Option<i64> = sqlx::query_scalar(
         "SELECT number FROM invoices WHERE seller_id = $1::uuid AND period_start = $2",
     )

@@ -1246,6 +1246,88 @@ async fn a_month_is_invoiced_only_once_it_has_ended_in_the_invoices_time_zone(po
     );
 }
 
+/// The months invoiced are one zone's: a run in another zone (an operator's shell without the
+/// fleet's `PAYFLEET_INVOICE_TIMEZONE`, a changed setting) would invoice a month overlapping
+/// the ones made, its fees twice, or leave hours between them never invoiced. It is refused,
+/// and makes nothing.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn invoices_are_made_in_the_time_zone_of_the_first(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let mut sellers = Vec::new();
+    for (i, key) in ["k1", "k2"].iter().enumerate() {
+        let s = shop
+            .seller_with(&format!("S{i}"), "monthly", "1.00", 0)
+            .await;
+        let p = shop.product(&s, "10.00", "BRL").await;
+        let o = shop.checkout_one(key, "b", &p, 1).await;
+        let session = o["payment"]["session_id"].as_str().unwrap();
+        send(
+            &shop,
+            &format!("m{i}"),
+            &event("payment.succeeded", session, json!({"amount": "10.00"})),
+        )
+        .await;
+        sellers.push(s);
+    }
+    process_all(&pool, &shop).await;
+    let sao_paulo: chrono_tz::Tz = "America/Sao_Paulo".parse().unwrap();
+    // Two months around now (the test may cross a month's end).
+    let this_month = Utc::now().date_naive().with_day(1).unwrap();
+    let start = this_month
+        .checked_sub_months(chrono::Months::new(1))
+        .unwrap();
+    let end = this_month
+        .checked_add_months(chrono::Months::new(1))
+        .unwrap();
+    let first = invoices::create(&pool, &sellers[0], start, end, sao_paulo)
+        .await
+        .unwrap();
+    assert_eq!(first, Some(1));
+    // The other seller's invoice in UTC: refused, saying which zone to run in; nothing made,
+    // no number used. The same in the recurring job's run, which ends dead (a configuration
+    // no retry mends).
+    let refused = invoices::run(&pool, start, end, chrono_tz::UTC)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, invoices::InvoiceError::OtherZone { recorded, configured }
+            if recorded == "America/Sao_Paulo" && configured == "UTC"),
+        "{refused:?}"
+    );
+    assert!(
+        refused
+            .to_string()
+            .contains("PAYFLEET_INVOICE_TIMEZONE=America/Sao_Paulo"),
+        "{refused}"
+    );
+    let months_on = Utc::now() + chrono::Duration::days(62);
+    let job = ledger::jobs::invoices(
+        pool.clone(),
+        months_on.with_timezone(&chrono_tz::UTC),
+        chrono_tz::UTC,
+    )
+    .await;
+    assert!(
+        matches!(&job, Err(payfleet_queue::JobError::Fail(_))),
+        "a run in another zone ends dead: {job:?}"
+    );
+    let made: Vec<(i64, String)> =
+        sqlx::query_as("SELECT number, seller_id::text FROM invoices ORDER BY number")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(made, vec![(1, sellers[0].clone())]);
+    let last: i64 = sqlx::query_scalar("SELECT last FROM invoice_numbers")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(last, 1);
+    // In the recorded zone: made, numbered next.
+    let mut numbers = invoices::run(&pool, start, end, sao_paulo).await.unwrap();
+    numbers.sort();
+    assert_eq!(numbers, vec![1, 2]);
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn concurrent_reservations_beyond_the_balance_fail_cleanly(pool: PgPool) {
     let hundred = Money::parse("100.00", "BRL").unwrap();
@@ -2666,6 +2748,52 @@ async fn a_due_row_for_a_sale_already_posted_posts_nothing_more(pool: PgPool) {
     assert_eq!(shop.balance(&seller).await, (d("90.00"), d("0")));
     assert_eq!(posting_transactions(&pool, &[n]).await.0, 1);
     invariants_hold(&pool).await;
+}
+
+/// A sale paid to the seller directly (Stripe Connect, Mercado Pago) is posted too (its
+/// connected credit and the platform's commission, which the invoices bill): one the ledger
+/// refused is reported as any other, or its commission would be missing from every invoice
+/// with nothing naming the order.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_refused_sale_paid_to_the_seller_directly_is_reported(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let seller = shop.seller_with("Direct", "weekly", "1.00", 14).await;
+    let numbers = sales_left_due(&shop, &pool, &seller, 2).await;
+    for (number, gateway) in numbers.iter().zip(["stripe", "mercadopago"]) {
+        sqlx::query("UPDATE orders SET gateway = $2 WHERE number = $1")
+            .bind(number)
+            .bind(gateway)
+            .execute(&pool)
+            .await
+            .unwrap();
+        sqlx::query("UPDATE ledger_sales_due SET channel = 'nowhere' WHERE order_number = $1")
+            .bind(number)
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    ledger::poster::post_due(&pool, &seller, None)
+        .await
+        .unwrap();
+    assert_eq!(ledger::poster::due(&pool).await.unwrap().1, 2);
+    payfleet::consistency::run(&pool, Duration::ZERO)
+        .await
+        .unwrap();
+    let mut reported: Vec<(String, bool)> = payfleet::consistency::open(&pool, 50)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|f| f.check_name == "sale_without_credit")
+        .map(|f| (f.subject, f.detail.contains("the ledger refused it")))
+        .collect();
+    reported.sort();
+    assert_eq!(
+        reported,
+        numbers
+            .iter()
+            .map(|n| (format!("order {n}"), true))
+            .collect::<Vec<_>>()
+    );
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
