@@ -166,7 +166,8 @@ enum MessagesAction {
 enum MoneyAction {
     /// Move the sales whose holding period has passed from pending to available.
     Release,
-    /// Pay every seller due on DATE (default today, UTC): once per seller and period.
+    /// Pay every seller due on DATE (default today, UTC; not a date to come): once per seller
+    /// and period.
     Payouts {
         #[arg(long)]
         date: Option<chrono::NaiveDate>,
@@ -600,6 +601,18 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
                 );
             }
             Some((start, end))
+        }
+        MoneyAction::Payouts { date: Some(date) } => {
+            // A run pays each seller once per period (the period its date falls in): a date to
+            // come would use up that period before it has come, and its sales since then would
+            // wait for the next. The latest date anywhere (UTC+14) is no later than today.
+            let latest = (chrono::Utc::now() + chrono::Duration::hours(14)).date_naive();
+            if *date > latest {
+                anyhow::bail!(
+                    "--date {date} has not come yet: a payout run pays each seller once per period, so a date to come would pay that period before its sales are made"
+                );
+            }
+            None
         }
         _ => None,
     };

@@ -224,8 +224,9 @@ pub async fn hold_against_payouts(
 /// gateway's), but a partial refund made before a dispute opened gave the buyer other money,
 /// and until the dispute's own refund is recorded that part may be money the buyer has
 /// (`payment_dispute_refund_unrecorded`, migrations 0086 and 0088: per payment, as the ledger
-/// counts it, never beyond what the sale can still give back). Only for the gateways whose
-/// money reaches the platform: the others' take-backs never touch what is paid out.
+/// counts it, never beyond what the sale can still give back). Requests and disputes alike,
+/// only for the gateways whose money reaches the platform: the others' take-backs (a Stripe
+/// Connect refund) come out of the seller's connected money, never what is paid out.
 async fn refunds_under_way(
     tx: &mut sqlx::PgConnection,
     seller: &str,
@@ -234,7 +235,7 @@ async fn refunds_under_way(
     let requests: Decimal = sqlx::query_scalar(
         "SELECT COALESCE(sum(q.amount), 0) FROM refund_requests q
          JOIN order_money o ON o.number = q.order_number
-         WHERE o.seller_id = $1::uuid AND q.currency = $2
+         WHERE o.seller_id = $1::uuid AND q.currency = $2 AND q.gateway = ANY($3)
            AND (q.state IN ('requested', 'accepted')
                 AND NOT EXISTS (SELECT 1 FROM payment_refunds r
                                  WHERE r.gateway = q.gateway AND r.refund_id = q.refund_id)
@@ -243,6 +244,7 @@ async fn refunds_under_way(
     )
     .bind(seller)
     .bind(currency.as_str())
+    .bind(crate::gateways::through_platform())
     .fetch_one(&mut *tx)
     .await?;
     // Per payment, as the ledger counts its take-backs (migration 0088).

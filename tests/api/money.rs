@@ -996,6 +996,31 @@ async fn a_payout_holds_back_what_refunds_under_way_may_take(pool: PgPool) {
     .execute(&pool)
     .await
     .unwrap();
+    // A refund under way of a sale paid to the seller directly (Stripe Connect) takes from
+    // the seller's connected money, never from what the platform pays out: not held back.
+    let other = shop
+        .checkout_one(
+            "k-direct",
+            "b",
+            &shop.product(&seller, "80.00", "BRL").await,
+            1,
+        )
+        .await;
+    sqlx::query(
+        "INSERT INTO payment_orders (gateway, session_id, payment_id, status, amount, currency, succeeded_at)
+         VALUES ('stripe', 'cs_direct', 'pi_direct', 'succeeded', 80, 'BRL', now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO refund_requests (idempotency_key, order_number, gateway, session_id, payment_id, amount, currency, state, refund_id)
+         VALUES ('r2', $1, 'stripe', 'cs_direct', 'pi_direct', 50, 'BRL', 'accepted', 're_direct')",
+    )
+    .bind(other["number"].as_i64().unwrap())
+    .execute(&pool)
+    .await
+    .unwrap();
     let monday = chrono::NaiveDate::from_isoywd_opt(2027, 10, chrono::Weekday::Mon).unwrap();
     let made = payouts::run(&pool, monday).await.unwrap();
     assert_eq!(made.len(), 1);
@@ -2506,7 +2531,7 @@ async fn a_late_success_of_an_earlier_attempt_makes_the_new_attempts_payment_the
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn the_money_command_checks_the_ledger_and_refuses_a_month_not_ended(pool: PgPool) {
+async fn the_money_command_checks_the_ledger_and_refuses_periods_to_come(pool: PgPool) {
     let out = payfleet(&pool, &["money", "check"]).output().await.unwrap();
     assert!(
         out.status.success(),
@@ -2531,6 +2556,28 @@ async fn the_money_command_checks_the_ledger_and_refuses_a_month_not_ended(pool:
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("YYYY-MM"));
+    // A payout date to come would use up its period before its sales are made: refused, and
+    // nothing paid.
+    let (shop, seller, _, session) = one_sale(&pool).await;
+    send_paid(&shop, "msg_paid", &session, "100.00").await;
+    process_all(&pool, &shop).await;
+    sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
+        .await
+        .unwrap();
+    let next_month = (Utc::now() + chrono::Duration::days(31))
+        .date_naive()
+        .to_string();
+    let out = payfleet(&pool, &["money", "payouts", "--date", &next_month])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("has not come yet"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(payouts::list(&pool, &seller).await.unwrap().is_empty());
 }
 
 /// `payfleet money invoices` with no month invoices what the recurring job would: every ended
