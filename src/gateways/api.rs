@@ -40,7 +40,9 @@ pub struct SessionRequest {
     pub idempotency_key: String,
     /// Names the session where a gateway wants our own reference (Mercado Pago).
     pub reference: String,
-    /// When the order stops waiting: a gateway that can, stops taking payment then.
+    /// When the order stops waiting: a gateway that can, stops taking payment then. The
+    /// order's expiry at the first asking, at every retry too (a reopened order's has moved on,
+    /// and a retry under the same idempotency key must ask the same).
     pub expires_at: chrono::DateTime<chrono::Utc>,
     /// When the payment side first asked for this order attempt's session: the same at every
     /// retry, so a gateway that bounds an expiry by the session's creation (Stripe) asks the

@@ -119,11 +119,12 @@ impl LinkService {
             let sessions: Vec<SessionRequest> = of
                 .iter()
                 .map(|i| {
+                    let r = &requests[*i];
                     let asked = first_asked
                         .iter()
-                        .find(|(k, _)| k == i)
-                        .map_or(now, |(_, at)| *at);
-                    session_request(&requests[*i], asked)
+                        .find(|(k, _, _)| k == i)
+                        .map_or((now, r.expires_at), |(_, at, expires)| (*at, *expires));
+                    session_request(r, asked)
                 })
                 .collect();
             Some(async move {
@@ -291,13 +292,23 @@ impl LinkService {
         Ok(stored)
     }
 
-    /// When each of `requests` at the places `of` was first asked of its gateway: recorded now
-    /// if this is the first time. Returns (place, time) pairs.
+    /// When each of `requests` at the places `of` was first asked of its gateway, and the
+    /// order's expiry it was asked with: recorded now if this is the first time (an order
+    /// reopened since has another expiry, which its retry must not send). Returns (place,
+    /// time, expiry) triples.
+    #[allow(clippy::type_complexity)]
     async fn first_asked(
         &self,
         requests: &[PaymentLinkRequest],
         of: &[usize],
-    ) -> Result<Vec<(usize, chrono::DateTime<chrono::Utc>)>, sqlx::Error> {
+    ) -> Result<
+        Vec<(
+            usize,
+            chrono::DateTime<chrono::Utc>,
+            chrono::DateTime<chrono::Utc>,
+        )>,
+        sqlx::Error,
+    > {
         if of.is_empty() {
             return Ok(Vec::new());
         }
@@ -306,17 +317,27 @@ impl LinkService {
             .map(|i| requests[*i].gateway.to_string())
             .collect();
         let keys: Vec<&str> = of.iter().map(|i| requests[*i].link_key.as_str()).collect();
+        let expiries: Vec<chrono::DateTime<chrono::Utc>> =
+            of.iter().map(|i| requests[*i].expires_at).collect();
         // The update of a row already there changes nothing but returns it: a request racing
-        // the first one waits for it and gets its time. The same link asked twice in one batch
-        // is one row (an upsert may not touch a row twice).
-        let asked: Vec<(String, String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
-            "INSERT INTO payment_link_asks (gateway, link_key)
-             SELECT DISTINCT * FROM unnest($1::text[], $2::text[])
+        // the first one waits for it and gets its time and expiry. The same link asked twice
+        // in one batch is one row (an upsert may not touch a row twice).
+        #[allow(clippy::type_complexity)]
+        let asked: Vec<(
+            String,
+            String,
+            chrono::DateTime<chrono::Utc>,
+            Option<chrono::DateTime<chrono::Utc>>,
+        )> = sqlx::query_as(
+            "INSERT INTO payment_link_asks (gateway, link_key, expires_at)
+             SELECT DISTINCT ON (gateway, link_key) *
+             FROM unnest($1::text[], $2::text[], $3::timestamptz[]) AS a(gateway, link_key, expires_at)
              ON CONFLICT (gateway, link_key) DO UPDATE SET link_key = EXCLUDED.link_key
-             RETURNING gateway, link_key, first_asked_at",
+             RETURNING gateway, link_key, first_asked_at, expires_at",
         )
         .bind(&gateways)
         .bind(&keys)
+        .bind(&expiries)
         .fetch_all(&self.pool)
         .await?;
         Ok(of
@@ -325,8 +346,8 @@ impl LinkService {
                 let r = &requests[*i];
                 asked
                     .iter()
-                    .find(|(g, k, _)| *g == r.gateway.as_str() && *k == r.link_key)
-                    .map(|(_, _, at)| (*i, *at))
+                    .find(|(g, k, _, _)| *g == r.gateway.as_str() && *k == r.link_key)
+                    .map(|(_, _, at, expires)| (*i, *at, expires.unwrap_or(r.expires_at)))
             })
             .collect())
     }
@@ -364,7 +385,7 @@ impl LinkService {
 /// keys made of the link's key (the same for the same order and attempt).
 fn session_request(
     r: &PaymentLinkRequest,
-    first_asked_at: chrono::DateTime<chrono::Utc>,
+    (first_asked_at, expires_at): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>),
 ) -> SessionRequest {
     let mut metadata = BTreeMap::new();
     metadata.insert("order_number".to_owned(), r.order_number.to_string());
@@ -392,7 +413,7 @@ fn session_request(
         metadata,
         idempotency_key: format!("payfleet-{}", r.link_key),
         reference: format!("pf-{}", r.link_key),
-        expires_at: r.expires_at,
+        expires_at,
         first_asked_at,
     }
 }

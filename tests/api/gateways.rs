@@ -533,6 +533,75 @@ async fn a_stripe_link_asked_again_asks_exactly_the_same(pool: PgPool) {
     assert!((28..=31).contains(&in_minutes), "{in_minutes}");
 }
 
+/// The same, when the buyer reopens the order (as the 503 says to) rather than repeating the
+/// checkout: the reopening moves the order's expiry on, and a retry sending the new one under
+/// the same key would be refused by Stripe for a day (`idempotency_error`), the order never
+/// getting its link. The retry sends the expiry of the first asking.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_stripe_link_asked_again_for_a_reopened_order_asks_exactly_the_same(pool: PgPool) {
+    let log = Log::default();
+    let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let api = Router::new().route(
+        "/v1/checkout/sessions",
+        axum::routing::post(move || {
+            let first = first.clone();
+            async move {
+                if first.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                    return (
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        axum::Json(json!({"error": {"type": "api_error", "message": "try again"}})),
+                    );
+                }
+                (
+                    StatusCode::OK,
+                    axum::Json(json!({"id": "cs_test_1", "object": "checkout.session",
+                        "url": "https://checkout.stripe.test/c/pay/cs_test_1", "payment_status": "unpaid"})),
+                )
+            }
+        }),
+    );
+    let base = stand_in(api, log.clone()).await;
+    let mut config = config_with_stripe(base);
+    // Orders wait two hours: an expiry Stripe takes as it is, to the second.
+    config.orders.expiry = std::time::Duration::from_secs(2 * 3600);
+    let shop = Shop {
+        app: Arc::new(spawn_fleet(pool.clone(), config).await),
+    };
+    let product = connected_product(&shop).await;
+    let asked = || {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.uri == "/v1/checkout/sessions")
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    let (status, answer) = shop.checkout(Some("k"), stripe_cart(&product)).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (503, Some("payment_link_unavailable")),
+        "{answer}"
+    );
+    assert_eq!(asked().len(), 1);
+    let number: i64 = sqlx::query_scalar("SELECT max(number) FROM orders")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(1_500)).await;
+    let (status, order) = shop
+        .post(&format!("/orders/{number}/payment"), None, json!({}))
+        .await;
+    assert_eq!(status, 200, "{order}");
+    assert_eq!(order["payment"]["session_id"], "cs_test_1", "{order}");
+    let sent = asked();
+    assert_eq!(sent.len(), 2);
+    assert_eq!(
+        sent[0].header("idempotency-key"),
+        sent[1].header("idempotency-key")
+    );
+    assert_eq!(sent[0].form(), sent[1].form());
+}
+
 async fn wait_until_paid(shop: &Shop, number: i64) {
     let start = std::time::Instant::now();
     while shop.order(number).await["status"] != "paid" {
