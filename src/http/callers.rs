@@ -364,6 +364,14 @@ where
         if tokens.iter().flatten().any(|t| t.matches(given)) {
             return Ok(MetricsReader);
         }
+        // One of our own API keys (a scraper set up with the wrong credential) is no guess: as
+        // for the admin API, it is refused without locking its address out.
+        let (lookup, _attempt) = callers.key(client, given).await?;
+        if lookup != Lookup::Unknown {
+            return Err(ApiError::Forbidden(
+                "an API key cannot read metrics: they take PAYFLEET_METRICS_TOKEN or the admin token".into(),
+            ));
+        }
         callers.failed(client, &route(parts), "wrong metrics token");
         Err(ApiError::Forbidden("wrong metrics token".into()))
     }

@@ -319,6 +319,13 @@ async fn decide(
     ))
 }
 
+/// Razorpay's order ids: `order_` then letters and digits (14 of them today).
+fn razorpay_order_id(id: &str) -> bool {
+    id.strip_prefix("order_").is_some_and(|rest| {
+        (1..=40).contains(&rest.len()) && rest.bytes().all(|b| b.is_ascii_alphanumeric())
+    })
+}
+
 #[utoipa::path(
     get,
     path = "/pay/razorpay/{order_id}",
@@ -340,12 +347,23 @@ async fn razorpay_page(
         .razorpay_key_id
         .clone()
         .ok_or_else(|| ApiError::NotFound("gateway razorpay is not enabled".into()))?;
+    // Only Razorpay's own shape of order id (`order_` and letters and digits) is put in the
+    // page's script: anything else any sender made up is no order of ours.
+    if !razorpay_order_id(&order_id) {
+        return Err(ApiError::NotFound("no such Razorpay order".into()));
+    }
+    // The values as JavaScript strings (JSON, `<` escaped so no `</script>` can end the block).
+    let js = |v: &str| {
+        serde_json::Value::from(v)
+            .to_string()
+            .replace('<', "\\u003c")
+    };
     let body = format!(
         "<p>Opening Razorpay Checkout…</p>\
          <script src=\"https://checkout.razorpay.com/v1/checkout.js\"></script>\
-         <script>new Razorpay({{key:\"{k}\",order_id:\"{o}\",callback_url:\"/orders/paid\"}}).open();</script>",
-        k = escape(&key_id),
-        o = escape(&order_id)
+         <script>new Razorpay({{key:{k},order_id:{o},callback_url:\"/orders/paid\"}}).open();</script>",
+        k = js(&key_id),
+        o = js(&order_id)
     );
     Ok(guarded(
         StatusCode::OK,

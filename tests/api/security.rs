@@ -708,6 +708,98 @@ async fn an_oversized_cart_is_refused_before_anything_is_stored(pool: PgPool) {
     assert_eq!(items, 100);
 }
 
+/// Razorpay's payment page opens Checkout with the order id of its path inside a script: only
+/// Razorpay's shape of id is put there, as a JavaScript string; anything else is no order.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_razorpay_page_puts_only_a_razorpay_order_id_in_its_script(pool: PgPool) {
+    let mut config = test_config();
+    config.gateways.razorpay.api = Some(payfleet::gateways::razorpay::Api {
+        base_url: "http://127.0.0.1:9".into(),
+        key_id: "rzp_test_AbCdEf".into(),
+        key_secret: payfleet::secret::Secret::new("s"),
+    });
+    let app = spawn_app_with(pool.clone(), config).await;
+    let page = |id: &'static str| {
+        let req = app
+            .anon
+            .get(format!("http://{}/pay/razorpay/{id}", app.addr));
+        async move {
+            let resp = req.send().await.unwrap();
+            (resp.status().as_u16(), resp.text().await.unwrap())
+        }
+    };
+    let (status, body) = page("order_N8CkWcXvT2pLqQ").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains(r#"new Razorpay({key:"rzp_test_AbCdEf",order_id:"order_N8CkWcXvT2pLqQ","#),
+        "{body}"
+    );
+    for made_up in [
+        "x%5C",
+        "order_a%5C",
+        "order_a%22%2Calert(1)%2C%22",
+        "order_%3C%2Fscript%3E",
+        "order_",
+        "pay_N8CkWcXvT2pLqQ",
+    ] {
+        let (status, body) = page(made_up).await;
+        assert_eq!(status, 404, "{made_up}: {body}");
+        assert!(!body.contains("Razorpay("), "{made_up}: {body}");
+    }
+}
+
+/// A scraper set up with one of our API keys instead of the metrics token is refused, and is no
+/// guess: its address (shared with the operators' tools) is not locked out of the admin API.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_api_key_at_the_metrics_is_refused_not_counted_as_a_guess(pool: PgPool) {
+    let app = spawn_app(pool.clone()).await;
+    for i in 0..15 {
+        let resp = app
+            .anon
+            .get(format!("http://{}/metrics", app.addr))
+            .bearer_auth(&app.api_key)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 403, "scrape {i}");
+        let body: serde_json::Value = resp.json().await.unwrap();
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("an API key cannot read metrics"),
+            "{body}"
+        );
+    }
+    let resp = app
+        .anon
+        .get(format!("http://{}/admin/api-keys", app.addr))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "the address is not locked out");
+    // A wrong token is still a guess: ten lock the address out.
+    for _ in 0..10 {
+        let resp = app
+            .anon
+            .get(format!("http://{}/metrics", app.addr))
+            .bearer_auth("not-the-metrics-token-at-all-0123456789")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 403);
+    }
+    let resp = app
+        .anon
+        .get(format!("http://{}/metrics", app.addr))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn guessing_tokens_locks_the_address_out_for_its_window(pool: PgPool) {
     let mut config = test_config();
