@@ -280,6 +280,13 @@ async fn gauges(pool: &PgPool, out: &mut String) -> Result<(), sqlx::Error> {
         "payfleet_outbox_oldest_unpublished_seconds {:.3}",
         backlog.oldest_secs
     );
+    out.push_str("# HELP payfleet_recurring_runs_troubled Periods of the last week of each recurring job that failed (with no later period completed), retry after an error, or are unfinished an hour after they were scheduled (GET /admin/recurring/{name}/runs shows why).\n# TYPE payfleet_recurring_runs_troubled gauge\n");
+    for (name, n) in crate::recurring::troubled(pool).await? {
+        let _ = writeln!(
+            out,
+            "payfleet_recurring_runs_troubled{{name=\"{name}\"}} {n}"
+        );
+    }
     out.push_str("# HELP payfleet_outbox_refused Unpublished order messages the broker refused, each waiting for its next attempt (payfleet messages unpublished).\n# TYPE payfleet_outbox_refused gauge\n");
     let _ = writeln!(out, "payfleet_outbox_refused {}", backlog.refused);
     Ok(())

@@ -258,6 +258,20 @@ async fn run(
         Ok(()) => ("completed", None),
         Err(JobError::Fail(e)) => ("failed", Some(e.to_string())),
         Err(e @ JobError::Retry { .. }) if last => ("failed", Some(e.to_string())),
+        Err(e @ JobError::Retry { .. }) => {
+            // Retried with backoff (up to an hour between attempts): the period stays running,
+            // and says why, for the admin API and the `payfleet_recurring_runs_troubled` gauge.
+            sqlx::query("UPDATE recurring_runs SET error = $3 WHERE name = $1 AND period = $2")
+                .bind(&job.name)
+                .bind(job.period)
+                .bind(format!(
+                    "attempt {} of {} failed, to be tried again: {e}",
+                    ctx.attempt, ctx.max_attempts
+                ))
+                .execute(&ctx.pool)
+                .await?;
+            return result;
+        }
         Err(_) => return result,
     };
     sqlx::query(
@@ -321,6 +335,25 @@ pub async fn overview(
         });
     }
     Ok(out)
+}
+
+/// The periods of the last week an operator should look at, by recurring job name: failed
+/// (unless a later period of the same job has completed since), retrying after an error, or
+/// unfinished an hour after they were scheduled (a run lasts minutes: its job died by its
+/// timeout, a lost lease or a kill on its last attempt, leaving the period running).
+pub async fn troubled(pool: &PgPool) -> Result<Vec<(String, i64)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT r.name, count(*) FROM recurring_runs r
+         WHERE r.period > now() - interval '7 days'
+           AND (r.state IN ('scheduled', 'running')
+                    AND (r.error IS NOT NULL OR r.created_at < now() - interval '1 hour')
+                OR r.state = 'failed'
+                    AND NOT EXISTS (SELECT 1 FROM recurring_runs l
+                                    WHERE l.name = r.name AND l.period > r.period AND l.state = 'completed'))
+         GROUP BY r.name ORDER BY r.name",
+    )
+    .fetch_all(pool)
+    .await
 }
 
 /// A recurring job's runs, newest first.

@@ -119,6 +119,95 @@ async fn a_run_that_outlasts_its_period_is_not_started_twice(pool: PgPool) {
     assert_eq!(jobs, 1);
 }
 
+/// A run that fails is retried with backoff for hours before its job is dead: meanwhile its
+/// period says why, and it is counted as troubled (the alert's gauge) until a run completes.
+/// A period left running an hour after it came (its job died by a timeout or a kill) is too.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_failing_run_says_why_and_is_counted_until_one_completes(pool: PgPool) {
+    let s = schedules("[payouts]\ncron = \"0 0 * * * *\"\ncatch_up_secs = 7200\n");
+    let failing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let mut tasks = recurring::Tasks::default();
+    let f = failing.clone();
+    tasks.add("payouts", move |_pool, _period| {
+        let fail = f.load(std::sync::atomic::Ordering::SeqCst);
+        async move {
+            if fail {
+                Err(payfleet_queue::JobError::retry("the bank's API is down"))
+            } else {
+                Ok(())
+            }
+        }
+    });
+    let mut registry = payfleet_queue::Registry::default();
+    recurring::register(
+        &mut registry,
+        recurring::Runner {
+            tasks,
+            schedules: s.clone(),
+        },
+    )
+    .unwrap();
+    let settings = payfleet_queue::QueueSettings {
+        concurrency: 1,
+        timeout_ms: 30_000,
+        claimers: 1,
+        fetch_cooldown_ms: 0,
+        claim_batch: None,
+    };
+    let now = Utc::now();
+    recurring::tick(&pool, &s.list[0], now).await.unwrap();
+    assert!(recurring::troubled(&pool).await.unwrap().is_empty());
+    payfleet_queue::work_until_idle(&pool, &registry, "recurring", &settings)
+        .await
+        .unwrap();
+    let (state, error): (String, Option<String>) =
+        sqlx::query_as("SELECT state, error FROM recurring_runs")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(state, "running");
+    let error = error.unwrap_or_default();
+    assert!(
+        error.contains("attempt 1 of 25 failed, to be tried again: the bank's API is down"),
+        "{error}"
+    );
+    assert_eq!(
+        recurring::troubled(&pool).await.unwrap(),
+        vec![("payouts".to_owned(), 1)]
+    );
+    // Its next attempt, due now, completes: nothing troubled.
+    failing.store(false, std::sync::atomic::Ordering::SeqCst);
+    sqlx::query("UPDATE jobs SET run_at = now() WHERE kind = 'recurring_run'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    payfleet_queue::work_until_idle(&pool, &registry, "recurring", &settings)
+        .await
+        .unwrap();
+    assert_eq!(
+        rows(&pool)
+            .await
+            .into_iter()
+            .map(|r| r.2)
+            .collect::<Vec<_>>(),
+        vec!["completed"]
+    );
+    assert!(recurring::troubled(&pool).await.unwrap().is_empty());
+    // A period whose job died on its last attempt without ending it (a timeout, a kill) stays
+    // running: an hour on, it is counted.
+    sqlx::query(
+        "INSERT INTO recurring_runs (name, period, state, started_at, created_at)
+         VALUES ('payouts', now() - interval '2 hours', 'running', now() - interval '2 hours', now() - interval '2 hours')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        recurring::troubled(&pool).await.unwrap(),
+        vec![("payouts".to_owned(), 1)]
+    );
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_missed_period_is_caught_up_once_within_its_limit(pool: PgPool) {
     // Hourly, caught up within two hours: the fleet comes back at 13:40 after being down since
