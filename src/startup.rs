@@ -145,6 +145,7 @@ pub fn biller(
         links: LinkService {
             pool: pool.clone(),
             gateways: gateways.clone(),
+            in_flight: Default::default(),
         },
         internal: hosted
             .iter()
@@ -360,6 +361,7 @@ pub fn start(
         let links = Arc::new(LinkService {
             pool: pool.clone(),
             gateways: gateways.clone(),
+            in_flight: Default::default(),
         });
         rpc_servers = payments::links::serve(&broker, links, 16);
         let coins = Arc::new(CoinService { pool: pool.clone() });
@@ -421,7 +423,10 @@ pub fn start(
         rpc_client = Some(rpc.clone());
         let checkout = Checkout {
             pool: pool.clone(),
-            links: Arc::new(rpc::BatchedLinks::start(rpc.clone())),
+            links: Arc::new(rpc::BatchedLinks::start(
+                rpc.clone(),
+                rpc::BatchedLinks::together(config.gateways.internal_acquirer()),
+            )),
             fee_percent: config.orders.platform_fee_percent,
             expiry: config.orders.expiry,
             gateways: gateways.names(),

@@ -132,6 +132,12 @@ pub struct PaymentLinkRequest {
     /// the first period only): what each later period charges. `amount` is the first's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub renews_at: Option<Money>,
+    /// How long the caller waits for the answer (its RPC timeout): the payment side stops
+    /// waiting for an outside gateway then, counted from the request's receipt (a clock of its
+    /// own, never compared with the caller's), instead of holding a consumer's slot for the
+    /// gateway's own longer timeout for a caller gone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer_within_ms: Option<u64>,
 }
 
 /// The payment side's answer.
@@ -427,19 +433,31 @@ struct LinkCall {
 /// concurrent checkouts each link was a request and a reply through the broker, and three
 /// statements on the payment side; together they are one message each way and three
 /// statements per batch. Each link still gets its own answer (or its own refusal), and each
-/// is counted as a `payment_links` call. Only the hosted gateways' links (internal, mock: their
-/// sessions are rows in our database) travel together; an outside gateway's link is still
-/// one request of its own ([`PaymentLink`]), so a slow gateway holds up no other link. Cheap
-/// to clone.
+/// is counted as a `payment_links` call. Only the links whose sessions are rows in our
+/// database travel together (`together`: the hosted gateways', but not the internal gateway's
+/// where it collects through an acquirer, whose sessions are Stripe's); an outside gateway's
+/// link is still one request of its own ([`PaymentLink`]), so a slow gateway holds up no
+/// other link, and no batch waits for its slowest call. Cheap to clone.
 #[derive(Clone)]
 pub struct BatchedLinks {
     client: RpcClient,
     queue: mpsc::Sender<LinkCall>,
+    together: Arc<[GatewayName]>,
 }
 
 impl BatchedLinks {
+    /// The gateways whose links may travel together: the hosted ones, but the internal gateway
+    /// only while it collects no real money through `acquirer`.
+    pub fn together(acquirer: Option<GatewayName>) -> Vec<GatewayName> {
+        [GatewayName::Internal, GatewayName::Mock]
+            .into_iter()
+            .filter(|g| !(*g == GatewayName::Internal && acquirer.is_some()))
+            .collect()
+    }
+
     /// Starts the batches' task on the current runtime; it ends when every handle is dropped.
-    pub fn start(client: RpcClient) -> Self {
+    /// `together`: the gateways whose links are batched ([`Self::together`]).
+    pub fn start(client: RpcClient, together: Vec<GatewayName>) -> Self {
         // Declared by the asking side too, before its first request: a request sent before any
         // payment side has declared the queue (a fleet starting, an upgrade whose workers are
         // not replaced yet) waits in it, until it expires with its caller's patience, instead
@@ -471,16 +489,24 @@ impl BatchedLinks {
             LINK_BATCHES_IN_FLIGHT,
             move |batch| ask_links(asking.clone(), declared.clone(), batch),
         ));
-        Self { client, queue }
+        Self {
+            client,
+            queue,
+            together: together.into(),
+        }
     }
 
     async fn ask(&self, request: &PaymentLinkRequest) -> Result<PaymentLinkReply, RpcError> {
-        if !matches!(request.gateway, GatewayName::Internal | GatewayName::Mock) {
-            return self.client.call::<PaymentLink>(request).await;
+        let request = PaymentLinkRequest {
+            answer_within_ms: u64::try_from(self.client.timeout.as_millis()).ok(),
+            ..request.clone()
+        };
+        if !self.together.contains(&request.gateway) {
+            return self.client.call::<PaymentLink>(&request).await;
         }
         let (reply, answer) = oneshot::channel();
         let call = LinkCall {
-            request: request.clone(),
+            request,
             traceparent: crate::traces::traceparent(),
             reply,
         };

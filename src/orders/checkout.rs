@@ -1478,6 +1478,8 @@ async fn ask_link(
         } else {
             None
         },
+        // Set by the RPC's client, which knows its timeout (`messaging::rpc::BatchedLinks`).
+        answer_within_ms: None,
     };
     match links.create(&request).await {
         Ok(PaymentLinkReply::Created { session_id, url }) => Ok(PaymentLinkView {

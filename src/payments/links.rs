@@ -23,6 +23,54 @@ use crate::messaging::rpc::{
 pub struct LinkService {
     pub pool: PgPool,
     pub gateways: GatewayRegistry,
+    /// The links each outside gateway is making at once in this process.
+    pub in_flight: InFlight,
+}
+
+/// Links an outside gateway may be making at once in one process: half of what the link RPC's
+/// consumer takes at once (16), so a gateway that hangs leaves the other half to the others.
+pub const GATEWAY_SHARE: usize = 8;
+
+/// The links each outside gateway is making at once in this process ([`GATEWAY_SHARE`]).
+#[derive(Debug, Default)]
+pub struct InFlight(std::sync::Mutex<std::collections::HashMap<GatewayName, usize>>);
+
+/// Places taken by links being made; given back when dropped.
+struct Places<'a> {
+    of: &'a InFlight,
+    gateway: GatewayName,
+    n: usize,
+}
+
+impl InFlight {
+    fn counts(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<GatewayName, usize>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `n` places for `gateway`, unless it has its share taken already.
+    fn take(&self, gateway: GatewayName, n: usize) -> Option<Places<'_>> {
+        let mut counts = self.counts();
+        let held = counts.entry(gateway).or_default();
+        if *held > 0 && *held + n > GATEWAY_SHARE {
+            return None;
+        }
+        *held += n;
+        Some(Places {
+            of: self,
+            gateway,
+            n,
+        })
+    }
+}
+
+impl Drop for Places<'_> {
+    fn drop(&mut self) {
+        if let Some(held) = self.of.counts().get_mut(&self.gateway) {
+            *held = held.saturating_sub(self.n);
+        }
+    }
 }
 
 fn failed(code: &str, message: impl Into<String>, retryable: bool) -> PaymentLinkReply {
@@ -114,8 +162,15 @@ impl LinkService {
             }
         };
         let now = chrono::Utc::now();
+        let received = tokio::time::Instant::now();
         let made = futures_util::future::join_all(asking.into_iter().filter_map(|(g, of)| {
             let gateway = self.gateways.get(g)?;
+            // The callers stop waiting then: the earliest of theirs.
+            let answer_by = of
+                .iter()
+                .filter_map(|i| requests[*i].answer_within_ms)
+                .min()
+                .map(|ms| received + std::time::Duration::from_millis(ms));
             let sessions: Vec<SessionRequest> = of
                 .iter()
                 .map(|i| {
@@ -128,13 +183,27 @@ impl LinkService {
                 })
                 .collect();
             Some(async move {
-                let made = gateway.create_sessions(&sessions).await;
+                let made = if gateway.sessions_are_ours() {
+                    Ok(gateway.create_sessions(&sessions).await)
+                } else {
+                    self.ask_outside(g, gateway.as_ref(), &sessions, answer_by)
+                        .await
+                };
                 (of, sessions, made)
             })
         }))
         .await;
         let mut to_store: Vec<(usize, SessionRequest, Session)> = Vec::new();
         for (of, sessions, made) in made {
+            let made = match made {
+                Ok(made) => made,
+                Err(reply) => {
+                    for i in of {
+                        replies[i] = Some(reply.clone());
+                    }
+                    continue;
+                }
+            };
             for ((i, request), made) in of.into_iter().zip(sessions).zip(made) {
                 match made {
                     Ok(session) => to_store.push((i, request, session)),
@@ -290,6 +359,43 @@ impl LinkService {
             }
         }
         Ok(stored)
+    }
+
+    /// An outside gateway's sessions: asked only while it has places left in this process
+    /// ([`GATEWAY_SHARE`]), and waited for until the callers stop waiting (`answer_by`), not for
+    /// the gateway's own longer timeout. A gateway that hangs thus holds at most its share of
+    /// the consumer's slots, each for a caller's patience at most, and the others' links go on.
+    /// A session the gateway made after we stopped waiting is found by the next asking (the
+    /// same idempotency key). The reply for all of them when not asked or not answered in time.
+    async fn ask_outside(
+        &self,
+        name: GatewayName,
+        gateway: &dyn crate::gateways::api::PaymentGateway,
+        sessions: &[SessionRequest],
+        answer_by: Option<tokio::time::Instant>,
+    ) -> Result<Vec<Result<Session, crate::gateways::GatewayError>>, PaymentLinkReply> {
+        let Some(_places) = self.in_flight.take(name, sessions.len()) else {
+            tracing::warn!(gateway = %name, links = sessions.len(), "the gateway is answering slowly: its share of links is taken; refused for now");
+            return Err(failed(
+                "unavailable",
+                format!(
+                    "{name} is answering slowly: {GATEWAY_SHARE} links wait for it here already"
+                ),
+                true,
+            ));
+        };
+        let asked = gateway.create_sessions(sessions);
+        match answer_by {
+            Some(at) => tokio::time::timeout_at(at, asked).await.map_err(|_| {
+                tracing::warn!(gateway = %name, links = sessions.len(), "the gateway did not answer before its callers stopped waiting");
+                failed(
+                    "unavailable",
+                    format!("{name} did not answer in time"),
+                    true,
+                )
+            }),
+            None => Ok(asked.await),
+        }
     }
 
     /// When each of `requests` at the places `of` was first asked of its gateway, and the
@@ -484,6 +590,7 @@ mod tests {
             link_key: format!("link-{order_number}"),
             expires_at: chrono::Utc::now(),
             renews_at: None,
+            answer_within_ms: None,
         }
     }
 
@@ -563,6 +670,7 @@ mod tests {
         let service = LinkService {
             pool: pool.clone(),
             gateways,
+            in_flight: Default::default(),
         };
         match service.link(request(7)).await {
             PaymentLinkReply::Failed {
@@ -634,6 +742,7 @@ mod tests {
         let service = LinkService {
             pool: one_connection(&pool).await,
             gateways: GatewayRegistry::default(),
+            in_flight: Default::default(),
         };
         for n in [1, 3, 1, 2, 5, 1, 4, 2] {
             // Each found in its place: order 1000·i + n's session.

@@ -779,6 +779,7 @@ pub fn payment_side(
     let links = Arc::new(payfleet::payments::links::LinkService {
         pool: pool.clone(),
         gateways,
+        in_flight: Default::default(),
     });
     payfleet::payments::links::serve(&broker, links, 4);
     // Kept (with the broker) until the test ends.
@@ -1166,6 +1167,7 @@ async fn the_payment_side_answers_a_batch_of_links_each_in_its_place(pool: PgPoo
     let service = payfleet::payments::links::LinkService {
         pool: pool.clone(),
         gateways,
+        in_flight: Default::default(),
     };
     let request = |number: i64, amount: &str, gateway: GatewayName| PaymentLinkRequest {
         order_number: number,
@@ -1181,6 +1183,7 @@ async fn the_payment_side_answers_a_batch_of_links_each_in_its_place(pool: PgPoo
         link_key: format!("key-{number}"),
         expires_at: chrono::Utc::now() + chrono::Duration::minutes(30),
         renews_at: None,
+        answer_within_ms: None,
     };
     let created = |reply: &PaymentLinkReply| match reply {
         PaymentLinkReply::Created { session_id, .. } => session_id.clone(),

@@ -709,6 +709,183 @@ async fn a_payment_intent_naming_a_session_in_its_metadata_confirms_no_order(poo
     );
 }
 
+/// With the internal gateway collecting through Stripe, its links are Stripe's sessions: each is
+/// asked on its own, as an outside gateway's, and not batched with others, where one slow
+/// Stripe call would hold up (and time out) every checkout in its batch and the ones queued
+/// behind it.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_acquirers_slow_link_holds_up_no_other_checkout(pool: PgPool) {
+    let made = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let api = Router::new().route(
+        "/v1/checkout/sessions",
+        axum::routing::post(move |body: String| {
+            let made = made.clone();
+            async move {
+                // A 29.90 order's session takes Stripe six seconds.
+                if body.contains("=2990") {
+                    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+                }
+                let n = made.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                axum::Json(json!({"id": format!("cs_test_{n}"), "object": "checkout.session",
+                    "url": format!("https://checkout.stripe.test/c/pay/cs_test_{n}"), "payment_status": "unpaid"}))
+            }
+        }),
+    );
+    let base = stand_in(api, Log::default()).await;
+    let mut config = test_config();
+    config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
+        base_url: base,
+        secret_key: Secret::new("sk_test_platform"),
+    });
+    config.gateways.hosted.internal_acquirer = payfleet::gateways::hosted::InternalAcquirer::Stripe;
+    config.gateways.hosted.internal = None;
+    config.gateways.stripe.platform_webhook_secret = Some(Secret::new("whsec_platform"));
+    config.messaging.rpc_timeout = std::time::Duration::from_secs(4);
+    let shop = Arc::new(Shop {
+        app: Arc::new(spawn_fleet(pool.clone(), config).await),
+    });
+    let seller = shop.seller("Merchant of record's seller").await;
+    let cart = |p: &str| json!({"buyer_id": "b", "gateway": "internal", "items": [{"product_id": p, "quantity": 1}]});
+    let p = shop.product(&seller, "19.90", "BRL").await;
+    let slow_product = shop.product(&seller, "29.90", "BRL").await;
+    // The payment side's consumers are up once a first link is made.
+    for i in 0.. {
+        let (status, _) = shop.checkout(Some(&format!("first-{i}")), cart(&p)).await;
+        if status == 201 {
+            break;
+        }
+        assert!(i < 50, "no payment side");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let slow = {
+        let shop = shop.clone();
+        let cart = cart(&slow_product);
+        tokio::spawn(async move { shop.checkout(Some("slow"), cart).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let others = futures_util::future::join_all((0..4).map(|i| {
+        let shop = shop.clone();
+        let cart = cart(&p);
+        async move {
+            let asked = std::time::Instant::now();
+            let answer = shop.checkout(Some(&format!("fast-{i}")), cart).await;
+            (answer, asked.elapsed())
+        }
+    }))
+    .await;
+    for ((status, answer), took) in &others {
+        assert_eq!(*status, 201, "{answer}");
+        // Batched behind the slow link, each would wait for its batch's timeout (4 s).
+        assert!(
+            *took < std::time::Duration::from_secs(2),
+            "{took:?}: held up by another checkout's link"
+        );
+    }
+    let (status, answer) = slow.await.unwrap();
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (503, Some("payment_link_unavailable")),
+        "{answer}"
+    );
+}
+
+/// Stripe hangs: each of its links is waited for only as long as its caller waits (not Stripe's
+/// own longer timeout), and it holds at most its share of the payment side's places, so
+/// another gateway's links are made meanwhile.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_hung_gateway_holds_its_share_of_the_payment_side_and_no_more(pool: PgPool) {
+    use payfleet::messaging::rpc::{PaymentLinkReply, PaymentLinkRequest};
+    let hung = Router::new().route(
+        "/v1/checkout/sessions",
+        axum::routing::post(|| async {
+            tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+            StatusCode::GATEWAY_TIMEOUT
+        }),
+    );
+    let mp = Router::new().route(
+        "/checkout/preferences",
+        axum::routing::post(|| async {
+            axum::Json(
+                json!({"id": "pref-1", "init_point": "https://mp.test/checkout?pref_id=pref-1"}),
+            )
+        }),
+    );
+    let mut config = config_with_stripe(stand_in(hung, Log::default()).await);
+    config.gateways.mercadopago.api = Some(payfleet::gateways::mercadopago::Api {
+        base_url: stand_in(mp, Log::default()).await,
+        access_token: Secret::new("TEST-123"),
+    });
+    let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
+    let service = Arc::new(payfleet::payments::links::LinkService {
+        pool: pool.clone(),
+        gateways,
+        in_flight: Default::default(),
+    });
+    let request = |number: i64, gateway: GatewayName| PaymentLinkRequest {
+        order_number: number,
+        gateway,
+        amount: Money::parse("10.00", "BRL").unwrap(),
+        platform_fee: Money::parse("1.00", "BRL").unwrap(),
+        seller_id: "seller".into(),
+        seller_account: Some("acct_seller1".into()),
+        buyer_id: "buyer".into(),
+        description: format!("Order {number}"),
+        recurring_interval: None,
+        attempt: 1,
+        link_key: format!("key-{number}"),
+        expires_at: chrono::Utc::now() + chrono::Duration::minutes(30),
+        renews_at: None,
+        answer_within_ms: Some(1_500),
+    };
+    let share = payfleet::payments::links::GATEWAY_SHARE;
+    let started = std::time::Instant::now();
+    let stripes: Vec<_> = (0..share as i64)
+        .map(|n| {
+            let service = service.clone();
+            let r = request(n + 1, GatewayName::Stripe);
+            tokio::spawn(async move { service.link(r).await })
+        })
+        .collect();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // Its share taken: another Stripe link is refused at once, asking again later.
+    let refused = service.link(request(100, GatewayName::Stripe)).await;
+    assert!(
+        matches!(&refused, PaymentLinkReply::Failed { code, retryable: true, message } if code == "unavailable" && message.contains("answering slowly")),
+        "{refused:?}"
+    );
+    // Mercado Pago's links are made meanwhile.
+    let made = service.link(request(200, GatewayName::MercadoPago)).await;
+    assert!(
+        matches!(&made, PaymentLinkReply::Created { url, .. } if url.contains("pref-1")),
+        "{made:?}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_millis(1_400));
+    // Each Stripe link is given up when its caller stops waiting, not after Stripe's own 15 s.
+    for s in stripes {
+        let reply = s.await.unwrap();
+        assert!(
+            matches!(&reply, PaymentLinkReply::Failed { code, retryable: true, message } if code == "unavailable" && message.contains("did not answer in time")),
+            "{reply:?}"
+        );
+    }
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    // Its places are given back: the next Stripe link is asked (and waited for) again.
+    let again = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        service.link(request(300, GatewayName::Stripe)),
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(&again, PaymentLinkReply::Failed { message, .. } if message.contains("did not answer in time")),
+        "{again:?}"
+    );
+}
+
 /// `PAYFLEET_INTERNAL_ACQUIRER=stripe`: the internal gateway (the platform as merchant of
 /// record) collects on the platform's own Stripe account, and Stripe's events on that account
 /// confirm, refund and dispute through the same processing path, settled in the seller's ledger.
