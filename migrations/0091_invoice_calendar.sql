@@ -2,7 +2,8 @@
 -- invoice made and checked by every one after it (ledger::invoices): a month of another zone
 -- would overlap the months already invoiced (the fees in the overlap invoiced twice) or leave
 -- hours between them (their fees never invoiced). A deployment upgraded with invoices made
--- records the zone of its first run after the upgrade.
+-- has its zone recorded by the fleet's next `invoices` job (the zone those were made in); a
+-- run by hand before that is refused.
 CREATE TABLE invoice_calendar (
     singleton   boolean PRIMARY KEY DEFAULT true CHECK (singleton),
     timezone    text NOT NULL CHECK (timezone <> ''),

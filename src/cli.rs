@@ -166,8 +166,8 @@ enum MessagesAction {
 enum MoneyAction {
     /// Move the sales whose holding period has passed from pending to available.
     Release,
-    /// Pay every seller due on DATE (default today, UTC; not a date to come): once per seller
-    /// and period.
+    /// Pay every seller due on DATE (default today in the `payouts` schedule's time zone; not a
+    /// date to come): once per seller and period.
     Payouts {
         #[arg(long)]
         date: Option<chrono::NaiveDate>,
@@ -588,6 +588,15 @@ fn month(text: &str) -> anyhow::Result<(chrono::NaiveDate, chrono::NaiveDate)> {
 
 async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()> {
     use payfleet::ledger::{self, invoices, payouts, sales};
+    // The payout run's day, as its recurring schedule counts days (its time zone).
+    let payout_today = chrono::Utc::now()
+        .with_timezone(
+            &config
+                .recurring
+                .get("payouts")
+                .map_or(chrono_tz::UTC, |s| s.timezone),
+        )
+        .date_naive();
     // Checked before connecting: a typo gets its message without a database.
     let period = match &action {
         MoneyAction::Invoices { month: Some(m) } => {
@@ -605,11 +614,10 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
         MoneyAction::Payouts { date: Some(date) } => {
             // A run pays each seller once per period (the period its date falls in): a date to
             // come would use up that period before it has come, and its sales since then would
-            // wait for the next. The latest date anywhere (UTC+14) is no later than today.
-            let latest = (chrono::Utc::now() + chrono::Duration::hours(14)).date_naive();
-            if *date > latest {
+            // wait for the next.
+            if *date > payout_today {
                 anyhow::bail!(
-                    "--date {date} has not come yet: a payout run pays each seller once per period, so a date to come would pay that period before its sales are made"
+                    "--date {date} has not come yet (today is {payout_today} in the payouts schedule's time zone): a payout run pays each seller once per period, so a date to come would pay that period before its sales are made"
                 );
             }
             None
@@ -623,7 +631,7 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
             println!("{n} matured sales released to available");
         }
         MoneyAction::Payouts { date } => {
-            let date = date.unwrap_or_else(|| chrono::Utc::now().date_naive());
+            let date = date.unwrap_or(payout_today);
             let made = payouts::run(&pool, date).await?;
             println!("{} payouts made for {date}: {made:?}", made.len());
         }

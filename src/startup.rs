@@ -361,9 +361,9 @@ pub fn start(
         let links = Arc::new(LinkService {
             pool: pool.clone(),
             gateways: gateways.clone(),
-            in_flight: Default::default(),
+            in_flight: payments::links::InFlight::new(config.gateways.internal_acquirer()),
         });
-        rpc_servers = payments::links::serve(&broker, links, 16);
+        rpc_servers = payments::links::serve(&broker, links, payments::links::LINK_SLOTS);
         let coins = Arc::new(CoinService { pool: pool.clone() });
         tokio::spawn(rpc::serve::<rpc::Coins>(broker.clone(), coins, 16));
         rpc_servers += 1;

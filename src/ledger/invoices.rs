@@ -30,6 +30,10 @@ pub enum InvoiceError {
         recorded: String,
         configured: String,
     },
+    #[error(
+        "invoices were made before their time zone was recorded: the fleet's `invoices` job records its own (PAYFLEET_INVOICE_TIMEZONE) at its next run, and this run's ({configured}) is not taken in its place, as it may not be the one those invoices were made in"
+    )]
+    ZoneUnrecorded { configured: String },
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
@@ -43,6 +47,18 @@ impl From<InvoiceError> for payfleet_queue::JobError {
             other => Self::fail(other),
         }
     }
+}
+
+/// Records `zone` as the invoices' time zone unless one is: the fleet's `invoices` job, whose
+/// zone is the one every invoice so far was made in (a deployment upgraded with invoices made).
+pub async fn record_zone(pool: &PgPool, zone: Tz) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO invoice_calendar (timezone) VALUES ($1) ON CONFLICT (singleton) DO NOTHING",
+    )
+    .bind(zone.name())
+    .execute(pool)
+    .await?;
+    Ok(())
 }
 
 /// The calendar month before the one `today` falls in: the period a monthly run invoices.
@@ -187,21 +203,33 @@ pub async fn create(
         .bind(seller)
         .execute(&mut *tx)
         .await?;
-    // The zone of every invoice: recorded by the first (the conflict's update returns the row
-    // recorded, and holds it until this invoice commits).
-    let recorded: String = sqlx::query_scalar(
-        "INSERT INTO invoice_calendar (timezone) VALUES ($1)
-         ON CONFLICT (singleton) DO UPDATE SET timezone = invoice_calendar.timezone
-         RETURNING timezone",
+    // The zone of every invoice: recorded by the very first (a racing first insert is waited
+    // for; the row is never changed, so no invoice waits for another's). Where invoices were
+    // made before the zone was recorded (an upgraded deployment), only the fleet's own run
+    // records it ([`record_zone`]): an operator's shell may have another.
+    sqlx::query(
+        "INSERT INTO invoice_calendar (timezone) SELECT $1 WHERE NOT EXISTS (SELECT 1 FROM invoices)
+         ON CONFLICT (singleton) DO NOTHING",
     )
     .bind(zone.name())
-    .fetch_one(&mut *tx)
+    .execute(&mut *tx)
     .await?;
-    if recorded != zone.name() {
-        return Err(InvoiceError::OtherZone {
-            recorded,
-            configured: zone.name().to_owned(),
-        });
+    let recorded: Option<String> = sqlx::query_scalar("SELECT timezone FROM invoice_calendar")
+        .fetch_optional(&mut *tx)
+        .await?;
+    match recorded {
+        Some(recorded) if recorded == zone.name() => {}
+        Some(recorded) => {
+            return Err(InvoiceError::OtherZone {
+                recorded,
+                configured: zone.name().to_owned(),
+            });
+        }
+        None => {
+            return Err(InvoiceError::ZoneUnrecorded {
+                configured: zone.name().to_owned(),
+            });
+        }
     }
     let existing: Option<i64> = sqlx::query_scalar(
         "SELECT number FROM invoices WHERE seller_id = $1::uuid AND period_start = $2",

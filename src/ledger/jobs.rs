@@ -36,6 +36,7 @@ pub async fn payouts(pool: PgPool, period: DateTime<Tz>) -> Result<(), JobError>
 /// instant, not its date in the schedule's own time zone: a run at 01:00 in Tokyo is still the
 /// day before in UTC).
 pub async fn invoices(pool: PgPool, period: DateTime<Tz>, zone: Tz) -> Result<(), JobError> {
+    invoices::record_zone(&pool, zone).await?;
     let numbers = invoices::run_due(&pool, period.with_timezone(&Utc), zone).await?;
     tracing::info!(invoices = numbers.len(), "invoice run done");
     Ok(())

@@ -27,15 +27,23 @@ pub struct LinkService {
     pub in_flight: InFlight,
 }
 
-/// Links an outside gateway may be making at once in one process: half of what the link RPC's
-/// consumer takes at once (16), so a gateway that hangs leaves the other half to the others.
-pub const GATEWAY_SHARE: usize = 8;
+/// What the link RPC's consumer takes at once in a worker process (its prefetch).
+pub const LINK_SLOTS: u16 = 16;
 
-/// The links each outside gateway is making at once in this process ([`GATEWAY_SHARE`]).
+/// Links an outside gateway may be making at once in one process: half of [`LINK_SLOTS`], so a
+/// gateway that hangs leaves the other half to the others.
+pub const GATEWAY_SHARE: usize = LINK_SLOTS as usize / 2;
+
+/// The links each outside gateway's API is making at once in this process ([`GATEWAY_SHARE`]).
+/// The internal gateway collecting through an acquirer counts as that acquirer: its sessions
+/// are that API's calls, and a share each would let one API's outage take every slot.
 #[derive(Debug, Default)]
-pub struct InFlight(std::sync::Mutex<std::collections::HashMap<GatewayName, usize>>);
+pub struct InFlight {
+    counts: std::sync::Mutex<std::collections::HashMap<GatewayName, usize>>,
+    acquirer: Option<GatewayName>,
+}
 
-/// Places taken by links being made; given back when dropped.
+/// Places taken by links being made; given back when dropped (a call given up included).
 struct Places<'a> {
     of: &'a InFlight,
     gateway: GatewayName,
@@ -43,25 +51,35 @@ struct Places<'a> {
 }
 
 impl InFlight {
+    /// Counting the internal gateway's links as `acquirer`'s, where it collects through one.
+    pub fn new(acquirer: Option<GatewayName>) -> Self {
+        Self {
+            counts: Default::default(),
+            acquirer,
+        }
+    }
+
     fn counts(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<GatewayName, usize>> {
-        self.0
+        self.counts
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// `n` places for `gateway`, unless it has its share taken already.
-    fn take(&self, gateway: GatewayName, n: usize) -> Option<Places<'_>> {
+    /// Up to `n` places for `gateway`'s API, as many as its share has left.
+    fn take(&self, gateway: GatewayName, n: usize) -> Places<'_> {
+        let gateway = match (gateway, self.acquirer) {
+            (GatewayName::Internal, Some(acquirer)) => acquirer,
+            (g, _) => g,
+        };
         let mut counts = self.counts();
         let held = counts.entry(gateway).or_default();
-        if *held > 0 && *held + n > GATEWAY_SHARE {
-            return None;
-        }
+        let n = n.min(GATEWAY_SHARE.saturating_sub(*held));
         *held += n;
-        Some(Places {
+        Places {
             of: self,
             gateway,
             n,
-        })
+        }
     }
 }
 
@@ -96,6 +114,8 @@ impl LinkService {
     /// gateways) is asked without looking first: it gives the session it made before, and a
     /// link asked twice is stored once either way.
     pub async fn links(&self, requests: Vec<PaymentLinkRequest>) -> Vec<PaymentLinkReply> {
+        // The callers' patience counts from here (the request just read off the queue).
+        let received = tokio::time::Instant::now();
         let mut replies: Vec<Option<PaymentLinkReply>> = vec![None; requests.len()];
         let looked_for: Vec<usize> = (0..requests.len())
             .filter(|i| {
@@ -162,7 +182,6 @@ impl LinkService {
             }
         };
         let now = chrono::Utc::now();
-        let received = tokio::time::Instant::now();
         let made = futures_util::future::join_all(asking.into_iter().filter_map(|(g, of)| {
             let gateway = self.gateways.get(g)?;
             // The callers stop waiting then: the earliest of theirs.
@@ -184,7 +203,12 @@ impl LinkService {
                 .collect();
             Some(async move {
                 let made = if gateway.sessions_are_ours() {
-                    Ok(gateway.create_sessions(&sessions).await)
+                    gateway
+                        .create_sessions(&sessions)
+                        .await
+                        .into_iter()
+                        .map(Ok)
+                        .collect()
                 } else {
                     self.ask_outside(g, gateway.as_ref(), &sessions, answer_by)
                         .await
@@ -195,16 +219,14 @@ impl LinkService {
         .await;
         let mut to_store: Vec<(usize, SessionRequest, Session)> = Vec::new();
         for (of, sessions, made) in made {
-            let made = match made {
-                Ok(made) => made,
-                Err(reply) => {
-                    for i in of {
-                        replies[i] = Some(reply.clone());
-                    }
-                    continue;
-                }
-            };
             for ((i, request), made) in of.into_iter().zip(sessions).zip(made) {
+                let made = match made {
+                    Ok(made) => made,
+                    Err(reply) => {
+                        replies[i] = Some(reply);
+                        continue;
+                    }
+                };
                 match made {
                     Ok(session) => to_store.push((i, request, session)),
                     Err(e) => {
@@ -361,41 +383,60 @@ impl LinkService {
         Ok(stored)
     }
 
-    /// An outside gateway's sessions: asked only while it has places left in this process
-    /// ([`GATEWAY_SHARE`]), and waited for until the callers stop waiting (`answer_by`), not for
-    /// the gateway's own longer timeout. A gateway that hangs thus holds at most its share of
-    /// the consumer's slots, each for a caller's patience at most, and the others' links go on.
-    /// A session the gateway made after we stopped waiting is found by the next asking (the
-    /// same idempotency key). The reply for all of them when not asked or not answered in time.
+    /// An outside gateway's sessions: asked only while its API has places left in this process
+    /// ([`GATEWAY_SHARE`]; the links beyond them are refused for now, each), and waited for
+    /// until the callers stop waiting (`answer_by`), not for the gateway's own longer timeout.
+    /// A gateway that hangs thus holds at most its share of the consumer's slots, each for a
+    /// caller's patience at most, and the others' links go on. A session the gateway made after
+    /// we stopped waiting is found by the next asking (the same idempotency key). Each link's
+    /// outcome: the gateway's answer, or the reply when it was not asked or not answered.
     async fn ask_outside(
         &self,
         name: GatewayName,
         gateway: &dyn crate::gateways::api::PaymentGateway,
         sessions: &[SessionRequest],
         answer_by: Option<tokio::time::Instant>,
-    ) -> Result<Vec<Result<Session, crate::gateways::GatewayError>>, PaymentLinkReply> {
-        let Some(_places) = self.in_flight.take(name, sessions.len()) else {
-            tracing::warn!(gateway = %name, links = sessions.len(), "the gateway is answering slowly: its share of links is taken; refused for now");
-            return Err(failed(
+    ) -> Vec<Result<Result<Session, crate::gateways::GatewayError>, PaymentLinkReply>> {
+        let places = self.in_flight.take(name, sessions.len());
+        let (asked, beyond) = sessions.split_at(places.n);
+        if !beyond.is_empty() {
+            tracing::warn!(gateway = %name, links = beyond.len(), "the gateway is answering slowly: its share of links is taken; refused for now");
+        }
+        let refused = beyond.iter().map(|_| {
+            Err(failed(
                 "unavailable",
                 format!(
                     "{name} is answering slowly: {GATEWAY_SHARE} links wait for it here already"
                 ),
                 true,
-            ));
-        };
-        let asked = gateway.create_sessions(sessions);
-        match answer_by {
-            Some(at) => tokio::time::timeout_at(at, asked).await.map_err(|_| {
-                tracing::warn!(gateway = %name, links = sessions.len(), "the gateway did not answer before its callers stopped waiting");
-                failed(
-                    "unavailable",
-                    format!("{name} did not answer in time"),
-                    true,
-                )
-            }),
-            None => Ok(asked.await),
+            ))
+        });
+        if asked.is_empty() {
+            return refused.collect();
         }
+        let calls = gateway.create_sessions(asked);
+        let made = match answer_by {
+            Some(at) => tokio::time::timeout_at(at, calls).await.ok(),
+            None => Some(calls.await),
+        };
+        drop(places);
+        let answered: Vec<_> = match made {
+            Some(made) => made.into_iter().map(Ok).collect(),
+            None => {
+                tracing::warn!(gateway = %name, links = asked.len(), "the gateway did not answer before its callers stopped waiting");
+                asked
+                    .iter()
+                    .map(|_| {
+                        Err(failed(
+                            "unavailable",
+                            format!("{name} did not answer in time"),
+                            true,
+                        ))
+                    })
+                    .collect()
+            }
+        };
+        answered.into_iter().chain(refused).collect()
     }
 
     /// When each of `requests` at the places `of` was first asked of its gateway, and the

@@ -337,19 +337,20 @@ pub async fn overview(
     Ok(out)
 }
 
-/// The periods of the last week an operator should look at, by recurring job name: failed
-/// (unless a later period of the same job has completed since), retrying after an error, or
-/// unfinished an hour after they were scheduled (a run lasts minutes: its job died by its
-/// timeout, a lost lease or a kill on its last attempt, leaving the period running).
+/// The periods of the last week an operator should look at, by recurring job name: failed,
+/// retrying after an error, or unfinished an hour after they were scheduled (a run lasts
+/// minutes: its job died by its timeout, a lost lease or a kill on its last attempt, leaving the
+/// period running); unless a later period of the same job has completed since (its job has a
+/// fixed key, so a later one runs only once the earlier's job is gone).
 pub async fn troubled(pool: &PgPool) -> Result<Vec<(String, i64)>, sqlx::Error> {
     sqlx::query_as(
         "SELECT r.name, count(*) FROM recurring_runs r
          WHERE r.period > now() - interval '7 days'
            AND (r.state IN ('scheduled', 'running')
                     AND (r.error IS NOT NULL OR r.created_at < now() - interval '1 hour')
-                OR r.state = 'failed'
-                    AND NOT EXISTS (SELECT 1 FROM recurring_runs l
-                                    WHERE l.name = r.name AND l.period > r.period AND l.state = 'completed'))
+                OR r.state = 'failed')
+           AND NOT EXISTS (SELECT 1 FROM recurring_runs l
+                           WHERE l.name = r.name AND l.period > r.period AND l.state = 'completed')
          GROUP BY r.name ORDER BY r.name",
     )
     .fetch_all(pool)

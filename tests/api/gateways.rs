@@ -884,6 +884,39 @@ async fn a_hung_gateway_holds_its_share_of_the_payment_side_and_no_more(pool: Pg
         matches!(&again, PaymentLinkReply::Failed { message, .. } if message.contains("did not answer in time")),
         "{again:?}"
     );
+
+    // The internal gateway collecting through Stripe is Stripe's calls too: its links count in
+    // Stripe's share, or a Stripe outage would take two shares, every slot.
+    let mut config = config;
+    config.gateways.hosted.internal_acquirer = payfleet::gateways::hosted::InternalAcquirer::Stripe;
+    config.gateways.hosted.internal = None;
+    config.gateways.stripe.platform_webhook_secret = Some(Secret::new("whsec_platform"));
+    let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
+    let service = Arc::new(payfleet::payments::links::LinkService {
+        pool: pool.clone(),
+        gateways,
+        in_flight: payfleet::payments::links::InFlight::new(Some(GatewayName::Stripe)),
+    });
+    let stripes: Vec<_> = (0..share as i64)
+        .map(|n| {
+            let service = service.clone();
+            let r = request(400 + n, GatewayName::Stripe);
+            tokio::spawn(async move { service.link(r).await })
+        })
+        .collect();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let internal = PaymentLinkRequest {
+        seller_account: None,
+        ..request(500, GatewayName::Internal)
+    };
+    let refused = service.link(internal).await;
+    assert!(
+        matches!(&refused, PaymentLinkReply::Failed { message, .. } if message.contains("answering slowly")),
+        "{refused:?}"
+    );
+    for s in stripes {
+        s.await.unwrap();
+    }
 }
 
 /// `PAYFLEET_INTERNAL_ACQUIRER=stripe`: the internal gateway (the platform as merchant of

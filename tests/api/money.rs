@@ -1351,6 +1351,31 @@ async fn invoices_are_made_in_the_time_zone_of_the_first(pool: PgPool) {
     let mut numbers = invoices::run(&pool, start, end, sao_paulo).await.unwrap();
     numbers.sort();
     assert_eq!(numbers, vec![1, 2]);
+    // A deployment upgraded with invoices made before the zone was recorded: a run by hand is
+    // refused (its shell's zone may not be theirs); the fleet's own job records its zone.
+    sqlx::query("DELETE FROM invoice_calendar")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let refused = invoices::run(&pool, start, end, chrono_tz::UTC)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, invoices::InvoiceError::ZoneUnrecorded { .. }),
+        "{refused:?}"
+    );
+    ledger::jobs::invoices(
+        pool.clone(),
+        Utc::now().with_timezone(&sao_paulo),
+        sao_paulo,
+    )
+    .await
+    .unwrap();
+    let recorded: String = sqlx::query_scalar("SELECT timezone FROM invoice_calendar")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(recorded, "America/Sao_Paulo");
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -2564,19 +2589,22 @@ async fn the_money_command_checks_the_ledger_and_refuses_periods_to_come(pool: P
     sales::release_matured(&pool, Utc::now() + chrono::Duration::days(15))
         .await
         .unwrap();
-    let next_month = (Utc::now() + chrono::Duration::days(31))
-        .date_naive()
-        .to_string();
-    let out = payfleet(&pool, &["money", "payouts", "--date", &next_month])
-        .output()
-        .await
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("has not come yet"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // Tomorrow, in the payouts schedule's zone (UTC by default), is to come too.
+    for ahead in [1, 31] {
+        let date = (Utc::now() + chrono::Duration::days(ahead))
+            .date_naive()
+            .to_string();
+        let out = payfleet(&pool, &["money", "payouts", "--date", &date])
+            .output()
+            .await
+            .unwrap();
+        assert!(!out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("has not come yet"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     assert!(payouts::list(&pool, &seller).await.unwrap().is_empty());
 }
 

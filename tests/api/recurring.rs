@@ -194,18 +194,26 @@ async fn a_failing_run_says_why_and_is_counted_until_one_completes(pool: PgPool)
     );
     assert!(recurring::troubled(&pool).await.unwrap().is_empty());
     // A period whose job died on its last attempt without ending it (a timeout, a kill) stays
-    // running: an hour on, it is counted.
+    // running: an hour on, it is counted, until a later period of its job completes.
     sqlx::query(
         "INSERT INTO recurring_runs (name, period, state, started_at, created_at)
-         VALUES ('payouts', now() - interval '2 hours', 'running', now() - interval '2 hours', now() - interval '2 hours')",
+         VALUES ('invoices', now() - interval '2 hours', 'running', now() - interval '2 hours', now() - interval '2 hours')",
     )
     .execute(&pool)
     .await
     .unwrap();
     assert_eq!(
         recurring::troubled(&pool).await.unwrap(),
-        vec![("payouts".to_owned(), 1)]
+        vec![("invoices".to_owned(), 1)]
     );
+    sqlx::query(
+        "INSERT INTO recurring_runs (name, period, state, started_at, finished_at)
+         VALUES ('invoices', now() - interval '1 hour', 'completed', now(), now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(recurring::troubled(&pool).await.unwrap().is_empty());
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
