@@ -117,10 +117,11 @@ async fn order(
 ) -> Result<Json<OrderView>, ApiError> {
     let n = number(&raw)?;
     let no_order = || ApiError::NotFound(format!("no order {n}"));
-    let order = orders::view(&state.pool, n).await?.ok_or_else(no_order)?;
-    // Another seller's order is "no order", as a missing one: a seller's key cannot tell which
-    // numbers exist (numbers run 1, 2, 3: they would tell other sellers' volume).
-    caller.may_read(order.seller_id).map_err(|_| no_order())?;
+    // Another seller's order is "no order", as a missing one, read by the same one statement:
+    // a seller's key cannot tell which numbers exist, by the answer or by its time.
+    let order = orders::view_of_seller(&state.pool, n, caller.seller())
+        .await?
+        .ok_or_else(no_order)?;
     Ok(Json(order))
 }
 

@@ -799,10 +799,21 @@ pub async fn journey(pool: &sqlx::PgPool, number: i64) -> Result<Vec<JourneyStep
 
 /// Order `number`, as clients see it.
 pub async fn view(pool: &sqlx::PgPool, number: i64) -> Result<Option<OrderView>, sqlx::Error> {
+    view_of_seller(pool, number, None).await
+}
+
+/// Order `number` if it is `seller`'s (any seller's: None). Another seller's is not read at all:
+/// its answer and its time are a missing order's.
+pub async fn view_of_seller(
+    pool: &sqlx::PgPool,
+    number: i64,
+    seller: Option<SellerId>,
+) -> Result<Option<OrderView>, sqlx::Error> {
     let row: Option<OrderRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {ORDER_COLUMNS} FROM orders WHERE number = $1"
+        "SELECT {ORDER_COLUMNS} FROM orders WHERE number = $1 AND ($2::uuid IS NULL OR seller_id = $2)"
     )))
     .bind(number)
+    .bind(seller)
     .fetch_optional(pool)
     .await?;
     let Some(row) = row else { return Ok(None) };
