@@ -617,7 +617,7 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
             // wait for the next.
             if *date > payout_today {
                 anyhow::bail!(
-                    "--date {date} has not come yet (today is {payout_today} in the payouts schedule's time zone): a payout run pays each seller once per period, so a date to come would pay that period before its sales are made"
+                    "--date {date} has not come yet (today is {payout_today} in the payouts schedule's time zone, UTC without one): a payout run pays each seller once per period, so a date to come would pay that period before its sales are made"
                 );
             }
             None

@@ -357,6 +357,14 @@ pub fn start(
         .listen(listen)
         .observe(Arc::new(telemetry.clone()))
         .start();
+        // The invoices' time zone is the fleet's: recorded as a worker starts (once; a database
+        // not reachable yet is left to the `invoices` job, which records it too).
+        let (recording, zone) = (pool.clone(), config.ledger.invoice_timezone);
+        tokio::spawn(async move {
+            if let Err(e) = crate::ledger::invoices::record_zone(&recording, zone).await {
+                tracing::warn!(error = %e, "the invoices' time zone was not recorded at start; the invoices job records it");
+            }
+        });
         // The payment side of the payment-link RPC lives in the workers.
         let links = Arc::new(LinkService {
             pool: pool.clone(),

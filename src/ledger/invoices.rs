@@ -31,7 +31,7 @@ pub enum InvoiceError {
         configured: String,
     },
     #[error(
-        "invoices were made before their time zone was recorded: the fleet's `invoices` job records its own (PAYFLEET_INVOICE_TIMEZONE) at its next run, and this run's ({configured}) is not taken in its place, as it may not be the one those invoices were made in"
+        "invoices were made before their time zone was recorded: the fleet's workers record theirs (PAYFLEET_INVOICE_TIMEZONE) as they start, and this run's ({configured}) is not taken in its place, as it may not be the one those invoices were made in; start a worker (payfleet work) first"
     )]
     ZoneUnrecorded { configured: String },
     #[error(transparent)]
@@ -49,8 +49,9 @@ impl From<InvoiceError> for payfleet_queue::JobError {
     }
 }
 
-/// Records `zone` as the invoices' time zone unless one is: the fleet's `invoices` job, whose
-/// zone is the one every invoice so far was made in (a deployment upgraded with invoices made).
+/// Records `zone` as the invoices' time zone unless one is: the fleet's (its workers as they
+/// start, its `invoices` job), whose zone is the one every invoice so far was made in (a
+/// deployment upgraded with invoices made).
 pub async fn record_zone(pool: &PgPool, zone: Tz) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO invoice_calendar (timezone) VALUES ($1) ON CONFLICT (singleton) DO NOTHING",
@@ -203,10 +204,11 @@ pub async fn create(
         .bind(seller)
         .execute(&mut *tx)
         .await?;
-    // The zone of every invoice: recorded by the very first (a racing first insert is waited
-    // for; the row is never changed, so no invoice waits for another's). Where invoices were
-    // made before the zone was recorded (an upgraded deployment), only the fleet's own run
-    // records it ([`record_zone`]): an operator's shell may have another.
+    // The zone of every invoice: the fleet's workers record theirs as they start, and the
+    // `invoices` job before each run ([`record_zone`]); else the very first invoice records its
+    // own (a racing first insert is waited for; the row is never changed, so no invoice waits
+    // for another's). Where invoices were made before the zone was recorded (an upgraded
+    // deployment), only the fleet records it: an operator's shell may have another zone.
     sqlx::query(
         "INSERT INTO invoice_calendar (timezone) SELECT $1 WHERE NOT EXISTS (SELECT 1 FROM invoices)
          ON CONFLICT (singleton) DO NOTHING",

@@ -34,60 +34,55 @@ pub const LINK_SLOTS: u16 = 16;
 /// gateway that hangs leaves the other half to the others.
 pub const GATEWAY_SHARE: usize = LINK_SLOTS as usize / 2;
 
-/// The links each outside gateway's API is making at once in this process ([`GATEWAY_SHARE`]).
-/// The internal gateway collecting through an acquirer counts as that acquirer: its sessions
-/// are that API's calls, and a share each would let one API's outage take every slot.
+/// The links each outside gateway's API is making at once in this process ([`GATEWAY_SHARE`]):
+/// a link waits for a place until its caller stops waiting. The internal gateway collecting
+/// through an acquirer counts as that acquirer: its sessions are that API's calls, and a share
+/// each would let one API's outage take every slot.
 #[derive(Debug, Default)]
 pub struct InFlight {
-    counts: std::sync::Mutex<std::collections::HashMap<GatewayName, usize>>,
+    places: std::sync::Mutex<std::collections::HashMap<GatewayName, Arc<tokio::sync::Semaphore>>>,
     acquirer: Option<GatewayName>,
 }
 
-/// Places taken by links being made; given back when dropped (a call given up included).
-struct Places<'a> {
-    of: &'a InFlight,
-    gateway: GatewayName,
-    n: usize,
-}
+/// How long a link asked without its caller's patience (a receiver of an earlier release, the
+/// renewals' biller) waits for a place: the RPC's default timeout.
+const PLACE_WAIT_DEFAULT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl InFlight {
     /// Counting the internal gateway's links as `acquirer`'s, where it collects through one.
     pub fn new(acquirer: Option<GatewayName>) -> Self {
         Self {
-            counts: Default::default(),
+            places: Default::default(),
             acquirer,
         }
     }
 
-    fn counts(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<GatewayName, usize>> {
-        self.counts
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Up to `n` places for `gateway`'s API, as many as its share has left.
-    fn take(&self, gateway: GatewayName, n: usize) -> Places<'_> {
+    fn of(&self, gateway: GatewayName) -> Arc<tokio::sync::Semaphore> {
         let gateway = match (gateway, self.acquirer) {
             (GatewayName::Internal, Some(acquirer)) => acquirer,
             (g, _) => g,
         };
-        let mut counts = self.counts();
-        let held = counts.entry(gateway).or_default();
-        let n = n.min(GATEWAY_SHARE.saturating_sub(*held));
-        *held += n;
-        Places {
-            of: self,
-            gateway,
-            n,
-        }
+        self.places
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(gateway)
+            .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(GATEWAY_SHARE)))
+            .clone()
     }
-}
 
-impl Drop for Places<'_> {
-    fn drop(&mut self) {
-        if let Some(held) = self.of.counts().get_mut(&self.gateway) {
-            *held = held.saturating_sub(self.n);
-        }
+    /// `n` places for `gateway`'s API (its whole share at most), waited for until `by`; given
+    /// back when dropped (a call given up included). None: none came in time.
+    async fn take(
+        &self,
+        gateway: GatewayName,
+        n: usize,
+        by: tokio::time::Instant,
+    ) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let n = u32::try_from(n.min(GATEWAY_SHARE)).ok()?;
+        tokio::time::timeout_at(by, self.of(gateway).acquire_many_owned(n))
+            .await
+            .ok()?
+            .ok()
     }
 }
 
@@ -383,13 +378,13 @@ impl LinkService {
         Ok(stored)
     }
 
-    /// An outside gateway's sessions: asked only while its API has places left in this process
-    /// ([`GATEWAY_SHARE`]; the links beyond them are refused for now, each), and waited for
-    /// until the callers stop waiting (`answer_by`), not for the gateway's own longer timeout.
-    /// A gateway that hangs thus holds at most its share of the consumer's slots, each for a
-    /// caller's patience at most, and the others' links go on. A session the gateway made after
-    /// we stopped waiting is found by the next asking (the same idempotency key). Each link's
-    /// outcome: the gateway's answer, or the reply when it was not asked or not answered.
+    /// An outside gateway's sessions: asked once its API has places for them in this process
+    /// ([`GATEWAY_SHARE`], waited for until the callers stop waiting), and waited for until
+    /// then, not for the gateway's own longer timeout. A gateway that hangs thus holds at most
+    /// its share of the consumer's slots, each for a caller's patience at most, and the others'
+    /// links go on. A session the gateway made after we stopped waiting is found by the next
+    /// asking (the same idempotency key). Each link's outcome: the gateway's answer, or the
+    /// reply when it was not asked or not answered in time.
     async fn ask_outside(
         &self,
         name: GatewayName,
@@ -397,46 +392,42 @@ impl LinkService {
         sessions: &[SessionRequest],
         answer_by: Option<tokio::time::Instant>,
     ) -> Vec<Result<Result<Session, crate::gateways::GatewayError>, PaymentLinkReply>> {
-        let places = self.in_flight.take(name, sessions.len());
-        let (asked, beyond) = sessions.split_at(places.n);
-        if !beyond.is_empty() {
-            tracing::warn!(gateway = %name, links = beyond.len(), "the gateway is answering slowly: its share of links is taken; refused for now");
-        }
-        let refused = beyond.iter().map(|_| {
-            Err(failed(
-                "unavailable",
-                format!(
-                    "{name} is answering slowly: {GATEWAY_SHARE} links wait for it here already"
-                ),
-                true,
-            ))
-        });
-        if asked.is_empty() {
-            return refused.collect();
-        }
-        let calls = gateway.create_sessions(asked);
-        let made = match answer_by {
-            Some(at) => tokio::time::timeout_at(at, calls).await.ok(),
-            None => Some(calls.await),
+        type Outcome = Result<Result<Session, crate::gateways::GatewayError>, PaymentLinkReply>;
+        let not_in_time = |why: String, n: usize| -> Vec<Outcome> {
+            tracing::warn!(gateway = %name, links = n, "{why}");
+            (0..n)
+                .map(|_| Err(failed("unavailable", why.clone(), true)))
+                .collect()
         };
-        drop(places);
-        let answered: Vec<_> = match made {
-            Some(made) => made.into_iter().map(Ok).collect(),
-            None => {
-                tracing::warn!(gateway = %name, links = asked.len(), "the gateway did not answer before its callers stopped waiting");
-                asked
-                    .iter()
-                    .map(|_| {
-                        Err(failed(
-                            "unavailable",
-                            format!("{name} did not answer in time"),
-                            true,
-                        ))
-                    })
-                    .collect()
+        let wait = answer_by.unwrap_or_else(|| tokio::time::Instant::now() + PLACE_WAIT_DEFAULT);
+        // A batch larger than the share (only a receiver of an earlier release sends one) is
+        // asked a share at a time.
+        let mut outcomes = Vec::with_capacity(sessions.len());
+        for part in sessions.chunks(GATEWAY_SHARE) {
+            let Some(places) = self.in_flight.take(name, part.len(), wait).await else {
+                outcomes.extend(not_in_time(
+                    format!(
+                        "{name} is answering slowly: {GATEWAY_SHARE} links were waiting for it here until the caller stopped waiting"
+                    ),
+                    part.len(),
+                ));
+                continue;
+            };
+            let calls = gateway.create_sessions(part);
+            let made = match answer_by {
+                Some(at) => tokio::time::timeout_at(at, calls).await.ok(),
+                None => Some(calls.await),
+            };
+            drop(places);
+            match made {
+                Some(made) => outcomes.extend(made.into_iter().map(Ok)),
+                None => outcomes.extend(not_in_time(
+                    format!("{name} did not answer in time"),
+                    part.len(),
+                )),
             }
-        };
-        answered.into_iter().chain(refused).collect()
+        }
+        outcomes
     }
 
     /// When each of `requests` at the places `of` was first asked of its gateway, and the

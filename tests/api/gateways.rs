@@ -847,19 +847,34 @@ async fn a_hung_gateway_holds_its_share_of_the_payment_side_and_no_more(pool: Pg
         })
         .collect();
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    // Its share taken: another Stripe link is refused at once, asking again later.
-    let refused = service.link(request(100, GatewayName::Stripe)).await;
+    // Its share taken: another Stripe link waits for a place until its caller stops waiting
+    // (a second here), then is refused, to be asked again later.
+    let waiting = {
+        let service = service.clone();
+        let r = PaymentLinkRequest {
+            answer_within_ms: Some(1_000),
+            ..request(100, GatewayName::Stripe)
+        };
+        tokio::spawn(async move { service.link(r).await })
+    };
+    // Mercado Pago's links are made meanwhile, more at once than a share: they wait for a
+    // place, not refused.
+    let made = futures_util::future::join_all(
+        (0..12).map(|n| service.link(request(200 + n, GatewayName::MercadoPago))),
+    )
+    .await;
+    for made in &made {
+        assert!(
+            matches!(made, PaymentLinkReply::Created { url, .. } if url.contains("pref-1")),
+            "{made:?}"
+        );
+    }
+    assert!(started.elapsed() < std::time::Duration::from_millis(1_200));
+    let refused = waiting.await.unwrap();
     assert!(
         matches!(&refused, PaymentLinkReply::Failed { code, retryable: true, message } if code == "unavailable" && message.contains("answering slowly")),
         "{refused:?}"
     );
-    // Mercado Pago's links are made meanwhile.
-    let made = service.link(request(200, GatewayName::MercadoPago)).await;
-    assert!(
-        matches!(&made, PaymentLinkReply::Created { url, .. } if url.contains("pref-1")),
-        "{made:?}"
-    );
-    assert!(started.elapsed() < std::time::Duration::from_millis(1_400));
     // Each Stripe link is given up when its caller stops waiting, not after Stripe's own 15 s.
     for s in stripes {
         let reply = s.await.unwrap();
@@ -907,6 +922,7 @@ async fn a_hung_gateway_holds_its_share_of_the_payment_side_and_no_more(pool: Pg
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     let internal = PaymentLinkRequest {
         seller_account: None,
+        answer_within_ms: Some(1_000),
         ..request(500, GatewayName::Internal)
     };
     let refused = service.link(internal).await;
