@@ -463,15 +463,11 @@ async fn stripe_checkout(shop: &Shop, product: &str) -> Value {
     answer
 }
 
-/// A link whose first asking got no answer (Stripe may have made the session, and the answer
-/// was lost) is asked again, later, with the same idempotency key and exactly the same
-/// parameters: Stripe answers that with the session it made, where a key reused with other
-/// parameters (an expiry counted from each call's own time) is refused for a day.
-#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
-async fn a_stripe_link_asked_again_asks_exactly_the_same(pool: PgPool) {
-    let log = Log::default();
+/// Stripe's Checkout Sessions, failing the first asking (a 500: it may have made the session)
+/// and answering `cs_test_1` to every one after it.
+fn failing_once() -> Router<Log> {
     let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let api = Router::new().route(
+    Router::new().route(
         "/v1/checkout/sessions",
         axum::routing::post(move || {
             let first = first.clone();
@@ -489,8 +485,17 @@ async fn a_stripe_link_asked_again_asks_exactly_the_same(pool: PgPool) {
                 )
             }
         }),
-    );
-    let base = stand_in(api, log.clone()).await;
+    )
+}
+
+/// A link whose first asking got no answer (Stripe may have made the session, and the answer
+/// was lost) is asked again, later, with the same idempotency key and exactly the same
+/// parameters: Stripe answers that with the session it made, where a key reused with other
+/// parameters (an expiry counted from each call's own time) is refused for a day.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_stripe_link_asked_again_asks_exactly_the_same(pool: PgPool) {
+    let log = Log::default();
+    let base = stand_in(failing_once(), log.clone()).await;
     let shop = Shop {
         app: Arc::new(spawn_fleet(pool.clone(), config_with_stripe(base)).await),
     };
@@ -540,27 +545,7 @@ async fn a_stripe_link_asked_again_asks_exactly_the_same(pool: PgPool) {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_stripe_link_asked_again_for_a_reopened_order_asks_exactly_the_same(pool: PgPool) {
     let log = Log::default();
-    let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let api = Router::new().route(
-        "/v1/checkout/sessions",
-        axum::routing::post(move || {
-            let first = first.clone();
-            async move {
-                if first.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                    return (
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        axum::Json(json!({"error": {"type": "api_error", "message": "try again"}})),
-                    );
-                }
-                (
-                    StatusCode::OK,
-                    axum::Json(json!({"id": "cs_test_1", "object": "checkout.session",
-                        "url": "https://checkout.stripe.test/c/pay/cs_test_1", "payment_status": "unpaid"})),
-                )
-            }
-        }),
-    );
-    let base = stand_in(api, log.clone()).await;
+    let base = stand_in(failing_once(), log.clone()).await;
     let mut config = config_with_stripe(base);
     // Orders wait two hours: an expiry Stripe takes as it is, to the second.
     config.orders.expiry = std::time::Duration::from_secs(2 * 3600);

@@ -2565,22 +2565,18 @@ async fn the_money_command_checks_the_ledger_and_refuses_periods_to_come(pool: P
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("the ledger holds"));
     let month = Utc::now().format("%Y-%m").to_string();
-    let out = payfleet(&pool, &["money", "invoices", "--month", &month])
-        .output()
-        .await
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("has not ended"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let out = payfleet(&pool, &["money", "invoices", "--month", "2026-13"])
-        .output()
-        .await
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("YYYY-MM"));
+    refused_saying(
+        &pool,
+        &["money", "invoices", "--month", &month],
+        "has not ended",
+    )
+    .await;
+    refused_saying(
+        &pool,
+        &["money", "invoices", "--month", "2026-13"],
+        "YYYY-MM",
+    )
+    .await;
     // A payout date to come would use up its period before its sales are made: refused, and
     // nothing paid.
     let (shop, seller, _, session) = one_sale(&pool).await;
@@ -2594,18 +2590,22 @@ async fn the_money_command_checks_the_ledger_and_refuses_periods_to_come(pool: P
         let date = (Utc::now() + chrono::Duration::days(ahead))
             .date_naive()
             .to_string();
-        let out = payfleet(&pool, &["money", "payouts", "--date", &date])
-            .output()
-            .await
-            .unwrap();
-        assert!(!out.status.success());
-        assert!(
-            String::from_utf8_lossy(&out.stderr).contains("has not come yet"),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        refused_saying(
+            &pool,
+            &["money", "payouts", "--date", &date],
+            "has not come yet",
+        )
+        .await;
     }
     assert!(payouts::list(&pool, &seller).await.unwrap().is_empty());
+}
+
+/// `payfleet args` fails, saying `text` on its standard error.
+async fn refused_saying(pool: &PgPool, args: &[&str], text: &str) {
+    let out = payfleet(pool, args).output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} succeeded: {stderr}");
+    assert!(stderr.contains(text), "{args:?}: {stderr}");
 }
 
 /// `payfleet money invoices` with no month invoices what the recurring job would: every ended
