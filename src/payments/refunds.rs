@@ -297,6 +297,15 @@ pub enum GiveBackError {
         payment: Option<String>,
     },
     #[error(
+        "payment {payment} is not one of {gateway} session {session}'s ({why}): a give-back refunds only a payment of the session it names, and the gateway would refund whichever payment it is told; find the session's own payment at the gateway"
+    )]
+    NotTheSessions {
+        gateway: GatewayName,
+        session: String,
+        payment: String,
+        why: String,
+    },
+    #[error(
         "a give-back of it is under way already: asked, retried, or accepted by the gateway and settling (payfleet jobs counts)"
     )]
     UnderWay,
@@ -376,6 +385,41 @@ pub async fn give_back_again(
             });
         }
     };
+    // A payment the operator names (its event may have named none: a Stripe subscription-mode
+    // session's PaymentIntent comes later) goes to the gateway as it is: it must not be a payment
+    // recorded for another session (the order's own, another order's), nor other than the ones
+    // this session has recorded. A mistyped id would refund someone else's money.
+    if let Some(named) = payment {
+        let (elsewhere, here, this_one): (Option<String>, bool, bool) = sqlx::query_as(
+            "WITH recorded AS (
+                 SELECT session_id, payment_id FROM payment_orders WHERE gateway = $1 AND (payment_id = $2 OR session_id = $3)
+                 UNION ALL SELECT session_id, payment_id FROM second_payments WHERE gateway = $1 AND (payment_id = $2 OR session_id = $3)
+                 UNION ALL SELECT session_id, payment_id FROM unmatched_payments WHERE gateway = $1 AND (payment_id = $2 OR session_id = $3))
+             SELECT (SELECT min(session_id) FROM recorded WHERE payment_id = $2 AND session_id <> $3),
+                    EXISTS (SELECT 1 FROM recorded WHERE session_id = $3 AND payment_id IS NOT NULL),
+                    EXISTS (SELECT 1 FROM recorded WHERE session_id = $3 AND payment_id = $2)",
+        )
+        .bind(gateway)
+        .bind(named)
+        .bind(session)
+        .fetch_one(pool)
+        .await?;
+        let why = match elsewhere {
+            Some(other) => Some(format!("it is session {other}'s")),
+            None if here && !this_one => {
+                Some("the session's payments recorded here are others".to_owned())
+            }
+            None => None,
+        };
+        if let Some(why) = why {
+            return Err(GiveBackError::NotTheSessions {
+                gateway,
+                session: session.to_owned(),
+                payment: named.to_owned(),
+                why,
+            });
+        }
+    }
     // A refund of it the gateway accepted and has not settled: asking again now would be a
     // second refund once the gateway's idempotency window has passed.
     let settling =

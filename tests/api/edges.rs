@@ -1953,6 +1953,31 @@ async fn a_payment_not_given_back_is_shown_and_given_back_again_by_an_operator(p
             other => panic!("{session} {payment:?}: {other:?}"),
         }
     }
+    // An extra payment whose event named no payment (as a Stripe subscription-mode session's
+    // completion does): the operator names it, and the gateway would refund whatever id it is
+    // told. Another session's payment (the order's own) or one the session does not have is
+    // refused; nothing is asked.
+    sqlx::query(
+        "UPDATE order_events SET payload = payload - 'payment_id' WHERE payload ->> 'session_id' = 'sess_b'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for (named, why) in [
+        ("pay_first", "it is session sess_a's"),
+        (
+            "pay_made_up",
+            "the session's payments recorded here are others",
+        ),
+    ] {
+        match give_back_again(&pool, GatewayName::Internal, "sess_b", Some(named)).await {
+            Err(e @ GiveBackError::NotTheSessions { .. }) => {
+                assert!(e.to_string().contains(why), "{e}")
+            }
+            other => panic!("{named}: {other:?}"),
+        }
+    }
+    assert!(refund_jobs(&pool).await.is_empty());
     give_back_again(&pool, GatewayName::Internal, "sess_a", Some("pay_second"))
         .await
         .unwrap();
