@@ -58,6 +58,10 @@
 //!   again (a `requested` one whose answer never came, first asked longer ago than the gateway
 //!   keeps its idempotency key, is not asked: it ends `failed`, for an operator to look at the
 //!   gateway: `payments::order_refunds::ASK_AGAIN_WITHIN`).
+//! - `order_expiry_overdue`: an order still waiting for its payment past its expiry by more
+//!   than the grace period: its expiry job did not run (an operator discarded it, or it ended
+//!   dead and was deleted with the dead jobs), so it would take a payment days later as its
+//!   own, and keeps its coupon redemption; `POST /admin/orders/{n}/expire` expires it now.
 //! - `refund_unconfirmed`: an operator's refund request ended `failed` because the gateway never
 //!   answered within `payments::order_refunds::ASK_AGAIN_WITHIN` of its first ask, so it was
 //!   not asked again: the gateway may have made the refund or not. Reported for 30 days after
@@ -113,6 +117,7 @@ pub const CHECKS: &[&str] = &[
     "coin_reservation_unsettled",
     "payout_undecided",
     "dispute_refund_unrecorded",
+    "order_expiry_overdue",
 ];
 
 /// The checks' settings.
@@ -319,6 +324,14 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .fetch_all(pool)
     .await?;
     found.extend(violations("refund_failed_after_done", rows));
+    let expired_not = crate::orders::expiry::overdue(pool, grace, 1000).await?;
+    found.extend(expired_not.into_iter().map(|(number, at)| Violation {
+        check: "order_expiry_overdue",
+        subject: format!("order {number}"),
+        detail: format!(
+            "still waiting for its payment, though it expired at {at}: its expiry job did not run (discarded, or dead); POST /admin/orders/{number}/expire expires it now"
+        ),
+    }));
     // A day past the period's end: a gateway charges at the end, or within the hour after.
     let overdue = crate::orders::subscriptions::overdue(
         pool,

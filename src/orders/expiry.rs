@@ -34,6 +34,27 @@ impl ExpireOrder {
     }
 }
 
+/// Orders still waiting for their payment longer than `grace` past their expiry: their expiry
+/// job did not run (discarded by an operator, or dead and deleted with the dead jobs a week
+/// later). Such an order would take a payment days later as its own, and keeps its coupon
+/// redemption. `POST /admin/orders/{n}/expire` expires it now. (Number, expiry), oldest first.
+pub async fn overdue(
+    pool: &PgPool,
+    grace: Duration,
+    limit: i64,
+) -> Result<Vec<(i64, DateTime<Utc>)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT number, expires_at FROM orders
+         WHERE status IN ('awaiting_payment', 'payment_failed')
+           AND expires_at < now() - make_interval(secs => $1)
+         ORDER BY expires_at LIMIT $2",
+    )
+    .bind(grace.as_secs_f64())
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
 /// Schedules (or moves) the expiry of order `number`, in the caller's transaction.
 pub async fn schedule(
     tx: &mut PgConnection,

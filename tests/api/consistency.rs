@@ -202,3 +202,45 @@ async fn every_violation_is_found_listed_counted_and_resolved_when_gone(pool: Pg
             .all(|v| v.check == "ledger_entries_differ" || v.check == "coin_wallet_negative")
     );
 }
+
+/// An order whose expiry job did not run (an operator discarded it; or it ended dead and was
+/// deleted a week later) would wait for its payment for ever: taking a payment days later as its
+/// own, keeping its coupon redemption. It is found, and expiring it by hand resolves it.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_order_whose_expiry_did_not_run_is_found_and_expired_by_hand(pool: PgPool) {
+    let shop = crate::checkout::Shop {
+        app: std::sync::Arc::new(spawn_app(pool.clone()).await),
+    };
+    orders_for(
+        &pool,
+        "internal",
+        &["s_waiting", "s_on_time"],
+        "10.00",
+        "BRL",
+    )
+    .await;
+    // Order 1's expiry passed an hour ago, and no job will expire it.
+    exec(
+        &pool,
+        "UPDATE orders SET expires_at = now() - interval '1 hour' WHERE number = 1",
+    )
+    .await;
+    let grace = Duration::from_secs(900);
+    let found: Vec<(&str, String)> = consistency::check(&pool, grace)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|v| (v.check, v.subject))
+        .collect();
+    assert_eq!(found, vec![("order_expiry_overdue", "order 1".to_owned())]);
+    let (status, answer) = shop
+        .post(
+            "/admin/orders/1/expire",
+            Some(ADMIN_TOKEN),
+            serde_json::json!({}),
+        )
+        .await;
+    assert_eq!(status, 202, "{answer}");
+    step(&pool, &shop.app.config, "orders").await;
+    assert_eq!(consistency::check(&pool, grace).await.unwrap(), vec![]);
+}
