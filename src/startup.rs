@@ -159,9 +159,6 @@ pub fn biller(
     }
 }
 
-/// How long a consumer remembers the order messages it handled.
-const CONSUMED_RETENTION: Duration = Duration::from_secs(30 * 24 * 3600);
-
 /// What each recurring job of `jobs/recurring.toml` does: the ledger's runs, reconciliation,
 /// the consistency checks and the housekeeping.
 pub fn recurring_tasks(
@@ -200,7 +197,7 @@ async fn prune(pool: PgPool, completed_secs: u64, discarded_secs: u64) -> Result
     if n > 0 {
         tracing::info!(jobs = n, "pruned finished jobs");
     }
-    let n = order_messages::prune_consumed(&pool, CONSUMED_RETENTION).await?;
+    let n = order_messages::prune_consumed(&pool, order_messages::CONSUMED_RETENTION).await?;
     if n > 0 {
         tracing::info!(messages = n, "pruned consumed order message records");
     }

@@ -171,6 +171,23 @@ pub trait Outbox: Send + Sync + 'static {
         tx: &mut PgConnection,
         id: i64,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    /// When a row was written (None: there is none).
+    fn written_at(
+        &self,
+        tx: &mut PgConnection,
+        id: i64,
+    ) -> impl Future<Output = Result<Option<chrono::DateTime<chrono::Utc>>, sqlx::Error>> + Send;
+}
+
+/// How long a consumer's record of a message it handled is kept (`consumed_messages`, pruned by
+/// the housekeeping): a message sent again within it is dropped by every consumer that handled
+/// it; one older is sent again only when the operator says so (`--force`), as it may be handled
+/// a second time.
+pub const CONSUMED_RETENTION: std::time::Duration = std::time::Duration::from_secs(30 * 24 * 3600);
+
+/// Whether a message written at `at` is older than the consumers' records of it may be.
+pub fn older_than_records(at: chrono::DateTime<chrono::Utc>) -> bool {
+    chrono::Duration::from_std(CONSUMED_RETENTION).is_ok_and(|kept| at < chrono::Utc::now() - kept)
 }
 
 impl Unpublished {
@@ -574,21 +591,39 @@ pub enum ReplayMessageError {
     },
     #[error("message {0} is not an order event's: it cannot be sent again from the outbox")]
     NotFromOutbox(String),
+    #[error(
+        "message {message_id} was written at {written_at}, longer ago than the consumers keep their records of the messages they handled: one that handled it would handle it again; send it with --force only once every consumer's side is checked"
+    )]
+    OlderThanRecords {
+        message_id: String,
+        written_at: chrono::DateTime<chrono::Utc>,
+    },
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
 
 /// Sends a dead message again (after a fix to its consumer): its failures are forgotten and its
-/// order event goes through the outbox once more. A consumer that handled it meanwhile drops it.
+/// order event goes through the outbox once more. A consumer that handled it meanwhile drops it,
+/// within [`CONSUMED_RETENTION`]; an older message is sent only with `force`.
 pub async fn replay_dead(
     pool: &PgPool,
     outbox: &impl Outbox,
     consumer: &str,
     message_id: &str,
+    force: bool,
 ) -> Result<(), ReplayMessageError> {
     let event = outbox_id(message_id)
         .ok_or_else(|| ReplayMessageError::NotFromOutbox(message_id.to_owned()))?;
     let mut tx = pool.begin().await?;
+    if let Some(written_at) = outbox.written_at(&mut tx, event).await?
+        && older_than_records(written_at)
+        && !force
+    {
+        return Err(ReplayMessageError::OlderThanRecords {
+            message_id: message_id.to_owned(),
+            written_at,
+        });
+    }
     let removed = sqlx::query(
         "DELETE FROM message_failures WHERE consumer = $1 AND message_id = $2 AND dead_at IS NOT NULL",
     )

@@ -74,6 +74,17 @@ impl Outbox for OrderOutbox {
         let done = sqlx::query(SEND_AGAIN).bind(id).execute(&mut *tx).await?;
         Ok(done.rows_affected() == 1)
     }
+
+    async fn written_at(
+        &self,
+        tx: &mut PgConnection,
+        id: i64,
+    ) -> Result<Option<chrono::DateTime<chrono::Utc>>, sqlx::Error> {
+        sqlx::query_scalar("SELECT created_at FROM order_events WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await
+    }
 }
 
 /// Counts a refusal of each row and puts it off: 2 s after the first, doubling up to two
@@ -204,6 +215,13 @@ pub enum SendError {
     NotAnOrderMessage(String),
     #[error("there is no order message {0}")]
     Unknown(String),
+    #[error(
+        "message {message_id} was published at {published_at}, longer ago than the consumers keep their records of the messages they handled: one that handled it would handle it again; send it with --force only once every consumer's side is checked"
+    )]
+    OlderThanRecords {
+        message_id: String,
+        published_at: chrono::DateTime<chrono::Utc>,
+    },
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
@@ -219,10 +237,25 @@ pub async fn send_refused_now(pool: &PgPool) -> Result<u64, sqlx::Error> {
 
 /// Sends an order message now: one the broker refused, without waiting for its next attempt
 /// (once its cause is gone), or one published already, again (to a service that binds its type
-/// since; a consumer that handled it drops it by its id).
-pub async fn send_now(pool: &PgPool, message_id: &str) -> Result<(), SendError> {
+/// since; a consumer that handled it drops it by its id, for as long as it keeps its records:
+/// one published longer ago is sent again only with `force`).
+pub async fn send_now(pool: &PgPool, message_id: &str, force: bool) -> Result<(), SendError> {
     let id = messages::outbox_id(message_id)
         .ok_or_else(|| SendError::NotAnOrderMessage(message_id.to_owned()))?;
+    let published_at: Option<Option<chrono::DateTime<chrono::Utc>>> =
+        sqlx::query_scalar("SELECT published_at FROM order_events WHERE id = $1")
+            .bind(id)
+            .fetch_optional(pool)
+            .await?;
+    if let Some(Some(published_at)) = published_at
+        && messages::older_than_records(published_at)
+        && !force
+    {
+        return Err(SendError::OlderThanRecords {
+            message_id: message_id.to_owned(),
+            published_at,
+        });
+    }
     let done = sqlx::query(SEND_AGAIN).bind(id).execute(pool).await?;
     if done.rows_affected() == 0 {
         return Err(SendError::Unknown(message_id.to_owned()));

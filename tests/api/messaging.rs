@@ -695,6 +695,7 @@ async fn a_message_its_consumer_keeps_refusing_is_dead_lettered_kept_and_replaye
         &payfleet::orders::outbox::OrderOutbox,
         orders::DEAD_LETTERED,
         &kept[0].message_id,
+        false,
     )
     .await
     .unwrap();
@@ -708,6 +709,36 @@ async fn a_message_its_consumer_keeps_refusing_is_dead_lettered_kept_and_replaye
         },
     )
     .await;
+    // A message written longer ago than the consumers keep their records of what they handled:
+    // replayed, a service that handled it would handle it again. Refused without --force, the
+    // dead message kept; with it, sent.
+    sqlx::query("UPDATE order_events SET created_at = now() - interval '31 days'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let old = orders::replay_dead(
+        &pool,
+        &payfleet::orders::outbox::OrderOutbox,
+        orders::DEAD_LETTERED,
+        &kept[0].message_id,
+        false,
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(old, orders::ReplayMessageError::OlderThanRecords { .. }),
+        "{old}"
+    );
+    assert_eq!(dead_lettered().await.len(), 1);
+    orders::replay_dead(
+        &pool,
+        &payfleet::orders::outbox::OrderOutbox,
+        orders::DEAD_LETTERED,
+        &kept[0].message_id,
+        true,
+    )
+    .await
+    .unwrap();
 }
 
 /// A database that answers but refuses writes (a storage-full instance turned read-only) refuses
@@ -1117,7 +1148,7 @@ async fn a_message_the_broker_keeps_refusing_holds_up_no_other_and_is_sent_again
         .unwrap();
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(unpublished_count(&pool).await, 1, "put off, not sent");
-    outbox::send_now(&pool, &message_id).await.unwrap();
+    outbox::send_now(&pool, &message_id, false).await.unwrap();
     wait_for("sent by hand", Duration::from_secs(5), async || {
         unpublished_count(&pool).await == 0
     })
@@ -1137,10 +1168,35 @@ async fn a_message_the_broker_keeps_refusing_holds_up_no_other_and_is_sent_again
             .all(|f| f.check != "order_message_refused")
     );
     // Bad input changes nothing, and says why.
-    let e = outbox::send_now(&pool, "order-event-999999999")
+    let e = outbox::send_now(&pool, "order-event-999999999", false)
         .await
         .unwrap_err();
     assert!(e.to_string().contains("no order message"), "{e}");
-    let e = outbox::send_now(&pool, "payment-7").await.unwrap_err();
+    let e = outbox::send_now(&pool, "payment-7", false)
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("not an order message"), "{e}");
+    // Published longer ago than the consumers keep their records: sent again only with
+    // --force (a consumer that handled it would handle it again), else left as it is.
+    sqlx::query("UPDATE order_events SET published_at = now() - interval '31 days' WHERE id = $1")
+        .bind(poison)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let e = outbox::send_now(&pool, &message_id, false)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("--force"), "{e}");
+    assert_eq!(unpublished_count(&pool).await, 0, "nothing sent");
+    outbox::send_now(&pool, &message_id, true).await.unwrap();
+    wait_for("sent by hand, forced", Duration::from_secs(5), async || {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT published_at > now() - interval '1 minute' FROM order_events WHERE id = $1",
+        )
+        .bind(poison)
+        .fetch_one(&pool)
+        .await
+        .unwrap_or(false)
+    })
+    .await;
 }
