@@ -139,10 +139,14 @@ enum MessagesAction {
         #[arg(long, default_value_t = 100)]
         limit: i64,
     },
-    /// Send a dead message again, once its consumer is fixed.
+    /// Send a dead message again, once its consumer is fixed (one written more than 30 days ago,
+    /// longer than consumers keep their records of the messages they handled, only with
+    /// `--force`: a consumer that handled it would handle it again).
     Replay {
         consumer: String,
         message_id: String,
+        #[arg(long)]
+        force: bool,
     },
     /// Messages not yet confirmed by the broker, oldest first: how often the broker refused
     /// each, its last answer, and when the relay tries it next.
@@ -152,13 +156,15 @@ enum MessagesAction {
     },
     /// Send an order message now: one the broker refused, without waiting for its next attempt
     /// (once the cause is gone), or one published already, again (to a service that binds its
-    /// type since; a consumer that handled it drops it by its id); `--refused`: every message
-    /// the broker refused.
+    /// type since; a consumer that handled it drops it by its id, for 30 days: one published
+    /// longer ago only with `--force`); `--refused`: every message the broker refused.
     Send {
         #[arg(required_unless_present = "refused", conflicts_with = "refused")]
         message_id: Option<String>,
         #[arg(long)]
         refused: bool,
+        #[arg(long, conflicts_with = "refused")]
+        force: bool,
     },
 }
 
@@ -443,6 +449,19 @@ async fn jobs(config: Config, action: JobsAction) -> anyhow::Result<()> {
             println!("job {id} discarded");
         }
         JobsAction::Pause { queue } => {
+            // A mistyped name would pause nothing while the operator believes the queue stopped.
+            if !config.queues.queues.contains_key(&queue) {
+                anyhow::bail!(
+                    "no queue {queue:?} in jobs/queues.toml: the fleet's queues are {}",
+                    config
+                        .queues
+                        .queues
+                        .keys()
+                        .map(String::as_str)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
             admin::pause(&pool, &queue).await?;
             println!("queue {queue} is paused: no worker claims from it within a second");
         }
@@ -523,12 +542,14 @@ async fn messages_command(config: Config, action: MessagesAction) -> anyhow::Res
         MessagesAction::Replay {
             consumer,
             message_id,
+            force,
         } => {
             messages::replay_dead(
                 &pool,
                 &payfleet::orders::outbox::OrderOutbox,
                 &consumer,
                 &message_id,
+                force,
             )
             .await?;
             println!("message {message_id} goes to {consumer} again");
@@ -560,9 +581,10 @@ async fn messages_command(config: Config, action: MessagesAction) -> anyhow::Res
         }
         MessagesAction::Send {
             message_id: Some(message_id),
+            force,
             ..
         } => {
-            payfleet::orders::outbox::send_now(&pool, &message_id).await?;
+            payfleet::orders::outbox::send_now(&pool, &message_id, force).await?;
             println!("message {message_id} goes with the relay's next batch");
         }
         MessagesAction::Send {

@@ -558,6 +558,8 @@ async fn payout_paid(
     Path(raw): Path<String>,
 ) -> Result<Json<payouts::Payout>, ApiError> {
     let payout = payouts::decide(&state.pool, payout_id(&raw)?, None).await?;
+    // Money's record of who said so: the admin token's holder, in this request's span.
+    tracing::info!(payout = payout.id, seller = %payout.seller_id, amount = %payout.amount, currency = %payout.currency, "an operator recorded the payout paid");
     Ok(Json(payout))
 }
 
@@ -598,6 +600,7 @@ async fn payout_failed(
         });
     }
     let payout = payouts::decide(&state.pool, payout_id(&raw)?, Some(reason)).await?;
+    tracing::info!(payout = payout.id, seller = %payout.seller_id, amount = %payout.amount, currency = %payout.currency, reason, "an operator recorded the payout failed");
     Ok(Json(payout))
 }
 
@@ -652,6 +655,7 @@ async fn grant_coins(
         });
     }
     let wallet = coins::grant(&state.pool, &buyer, amount, key).await?;
+    tracing::info!(%buyer, %amount, idempotency_key = key, "an operator granted coins");
     Ok((StatusCode::CREATED, Json(wallet)))
 }
 

@@ -177,6 +177,29 @@ async fn the_jobs_command_shows_counts_and_refuses_bad_ids_plainly(pool: PgPool)
         String::from_utf8(out.stdout).unwrap().trim(),
         "no dead jobs"
     );
+
+    // A mistyped queue is not paused (nothing would stop while the operator believes it did):
+    // refused, naming the fleet's queues; a real one is.
+    let out = run(&pool, &["jobs", "pause", "paymnts"]).await;
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("no queue \"paymnts\"") && err.contains("payments"),
+        "{err}"
+    );
+    let paused = async || -> Vec<String> {
+        sqlx::query_scalar("SELECT queue FROM queue_pauses")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    };
+    assert!(paused().await.is_empty());
+    let out = run(&pool, &["jobs", "pause", "payments"]).await;
+    assert!(out.status.success());
+    assert_eq!(paused().await, vec!["payments".to_owned()]);
+    let out = run(&pool, &["jobs", "resume", "payments"]).await;
+    assert!(out.status.success());
+    assert!(paused().await.is_empty());
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
