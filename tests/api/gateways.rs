@@ -463,6 +463,16 @@ async fn stripe_checkout(shop: &Shop, product: &str) -> Value {
     answer
 }
 
+/// The Checkout Sessions asked of the Stripe stand-in, in order.
+fn sessions_asked(log: &Log) -> Vec<Seen> {
+    log.lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.uri == "/v1/checkout/sessions")
+        .cloned()
+        .collect()
+}
+
 /// Stripe's Checkout Sessions, failing the first asking (a 500: it may have made the session)
 /// and answering `cs_test_1` to every one after it.
 fn failing_once() -> Router<Log> {
@@ -500,14 +510,7 @@ async fn a_stripe_link_asked_again_asks_exactly_the_same(pool: PgPool) {
         app: Arc::new(spawn_fleet(pool.clone(), config_with_stripe(base)).await),
     };
     let product = connected_product(&shop).await;
-    let asked = || {
-        log.lock()
-            .unwrap()
-            .iter()
-            .filter(|s| s.uri == "/v1/checkout/sessions")
-            .cloned()
-            .collect::<Vec<_>>()
-    };
+    let asked = || sessions_asked(&log);
     for _ in 0..50 {
         let (status, answer) = shop.checkout(Some("k"), stripe_cart(&product)).await;
         if !asked().is_empty() {
@@ -553,14 +556,7 @@ async fn a_stripe_link_asked_again_for_a_reopened_order_asks_exactly_the_same(po
         app: Arc::new(spawn_fleet(pool.clone(), config).await),
     };
     let product = connected_product(&shop).await;
-    let asked = || {
-        log.lock()
-            .unwrap()
-            .iter()
-            .filter(|s| s.uri == "/v1/checkout/sessions")
-            .cloned()
-            .collect::<Vec<_>>()
-    };
+    let asked = || sessions_asked(&log);
     let (status, answer) = shop.checkout(Some("k"), stripe_cart(&product)).await;
     assert_eq!(
         (status, answer["error"]["code"].as_str()),

@@ -690,15 +690,17 @@ async fn a_message_its_consumer_keeps_refusing_is_dead_lettered_kept_and_replaye
     );
     // ... and replays it: sent to the service again, which tries it again; dead-lettered once
     // more, it is kept again.
-    orders::replay_dead(
-        &pool,
-        &payfleet::orders::outbox::OrderOutbox,
-        orders::DEAD_LETTERED,
-        &kept[0].message_id,
-        false,
-    )
-    .await
-    .unwrap();
+    let replay = async |force: bool| {
+        orders::replay_dead(
+            &pool,
+            &payfleet::orders::outbox::OrderOutbox,
+            orders::DEAD_LETTERED,
+            &kept[0].message_id,
+            force,
+        )
+        .await
+    };
+    replay(false).await.unwrap();
     assert!(dead_lettered().await.is_empty());
     wait_for(
         "delivered again and kept again",
@@ -716,29 +718,13 @@ async fn a_message_its_consumer_keeps_refusing_is_dead_lettered_kept_and_replaye
         .execute(&pool)
         .await
         .unwrap();
-    let old = orders::replay_dead(
-        &pool,
-        &payfleet::orders::outbox::OrderOutbox,
-        orders::DEAD_LETTERED,
-        &kept[0].message_id,
-        false,
-    )
-    .await
-    .unwrap_err();
+    let old = replay(false).await.unwrap_err();
     assert!(
         matches!(old, orders::ReplayMessageError::OlderThanRecords { .. }),
         "{old}"
     );
     assert_eq!(dead_lettered().await.len(), 1);
-    orders::replay_dead(
-        &pool,
-        &payfleet::orders::outbox::OrderOutbox,
-        orders::DEAD_LETTERED,
-        &kept[0].message_id,
-        true,
-    )
-    .await
-    .unwrap();
+    replay(true).await.unwrap();
 }
 
 /// A database that answers but refuses writes (a storage-full instance turned read-only) refuses
