@@ -59,9 +59,11 @@
 //!   keeps its idempotency key, is not asked: it ends `failed`, for an operator to look at the
 //!   gateway: `payments::order_refunds::ASK_AGAIN_WITHIN`).
 //! - `order_expiry_overdue`: an order still waiting for its payment past its expiry by more
-//!   than the grace period: its expiry job did not run (an operator discarded it, or it ended
-//!   dead and was deleted with the dead jobs), so it would take a payment days later as its
-//!   own, and keeps its coupon redemption; `POST /admin/orders/{n}/expire` expires it now.
+//!   than the grace period, with no expiry job waiting: its job did not run (an operator
+//!   discarded it, or it ended dead and was deleted with the dead jobs), so it would take a
+//!   payment days later as its own, and keeps its coupon redemption; `POST
+//!   /admin/orders/{n}/expire` expires it now. (A renewal a gateway bills has no expiry job of
+//!   ours: the gateway's dunning decides it.)
 //! - `refund_unconfirmed`: an operator's refund request ended `failed` because the gateway never
 //!   answered within `payments::order_refunds::ASK_AGAIN_WITHIN` of its first ask, so it was
 //!   not asked again: the gateway may have made the refund or not. Reported for 30 days after
@@ -325,7 +327,16 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .await?;
     found.extend(violations("refund_failed_after_done", rows));
     let expired_not = crate::orders::expiry::overdue(pool, grace, 1000).await?;
-    found.extend(expired_not.into_iter().map(|(number, at)| Violation {
+    // Late, not lost: those whose expiry job is still to run (its queue paused, or behind).
+    let keys: Vec<String> = expired_not
+        .iter()
+        .map(|(n, _)| crate::orders::expiry::ExpireOrder::key(*n))
+        .collect();
+    let waiting = payfleet_queue::admin::unfinished_keys(pool, &keys).await?;
+    let expired_not = expired_not
+        .into_iter()
+        .filter(|(n, _)| !waiting.contains(&crate::orders::expiry::ExpireOrder::key(*n)));
+    found.extend(expired_not.map(|(number, at)| Violation {
         check: "order_expiry_overdue",
         subject: format!("order {number}"),
         detail: format!(

@@ -34,10 +34,13 @@ impl ExpireOrder {
     }
 }
 
-/// Orders still waiting for their payment longer than `grace` past their expiry: their expiry
-/// job did not run (discarded by an operator, or dead and deleted with the dead jobs a week
-/// later). Such an order would take a payment days later as its own, and keeps its coupon
-/// redemption. `POST /admin/orders/{n}/expire` expires it now. (Number, expiry), oldest first.
+/// Orders still waiting for their payment longer than `grace` past their expiry, for the caller
+/// to keep those whose expiry job is unfinished ([`ExpireOrder::key`]): the others' did not run
+/// (discarded by an operator, or dead and deleted with the dead jobs a week later). Such an
+/// order would take a payment days later as its own, and keeps its coupon redemption.
+/// `POST /admin/orders/{n}/expire` expires it now. A renewal a gateway bills is not one: it has
+/// no expiry job of ours (the gateway's dunning decides it, for weeks past its period's end).
+/// (Number, expiry), oldest first.
 pub async fn overdue(
     pool: &PgPool,
     grace: Duration,
@@ -45,7 +48,7 @@ pub async fn overdue(
 ) -> Result<Vec<(i64, DateTime<Utc>)>, sqlx::Error> {
     sqlx::query_as(
         "SELECT number, expires_at FROM orders
-         WHERE status IN ('awaiting_payment', 'payment_failed')
+         WHERE status IN ('awaiting_payment', 'payment_failed') AND renews IS NULL
            AND expires_at < now() - make_interval(secs => $1)
          ORDER BY expires_at LIMIT $2",
     )

@@ -216,11 +216,11 @@ pub enum SendError {
     #[error("there is no order message {0}")]
     Unknown(String),
     #[error(
-        "message {message_id} was published at {published_at}, longer ago than the consumers keep their records of the messages they handled: one that handled it would handle it again; send it with --force only once every consumer's side is checked"
+        "message {message_id} was written at {written_at} and published, longer ago than the consumers keep their records of the messages they handled: one that handled it would handle it again; send it with --force only once every consumer's side is checked"
     )]
     OlderThanRecords {
         message_id: String,
-        published_at: chrono::DateTime<chrono::Utc>,
+        written_at: chrono::DateTime<chrono::Utc>,
     },
     #[error(transparent)]
     Database(#[from] sqlx::Error),
@@ -242,18 +242,22 @@ pub async fn send_refused_now(pool: &PgPool) -> Result<u64, sqlx::Error> {
 pub async fn send_now(pool: &PgPool, message_id: &str, force: bool) -> Result<(), SendError> {
     let id = messages::outbox_id(message_id)
         .ok_or_else(|| SendError::NotAnOrderMessage(message_id.to_owned()))?;
-    let published_at: Option<Option<chrono::DateTime<chrono::Utc>>> =
-        sqlx::query_scalar("SELECT published_at FROM order_events WHERE id = $1")
-            .bind(id)
-            .fetch_optional(pool)
-            .await?;
-    if let Some(Some(published_at)) = published_at
-        && messages::older_than_records(published_at)
+    // A consumer keeps its record from the message's first handling (a repeat does not
+    // renew it): a message published before is judged by when it was written, not by its
+    // latest publishing. One never published (refused) reached no consumer.
+    let written_at: Option<Option<chrono::DateTime<chrono::Utc>>> = sqlx::query_scalar(
+        "SELECT CASE WHEN published_at IS NOT NULL THEN created_at END FROM order_events WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await?;
+    if let Some(Some(written_at)) = written_at
+        && messages::older_than_records(written_at)
         && !force
     {
         return Err(SendError::OlderThanRecords {
             message_id: message_id.to_owned(),
-            published_at,
+            written_at,
         });
     }
     let done = sqlx::query(SEND_AGAIN).bind(id).execute(pool).await?;

@@ -219,12 +219,18 @@ async fn an_order_whose_expiry_did_not_run_is_found_and_expired_by_hand(pool: Pg
         "BRL",
     )
     .await;
-    // Order 1's expiry passed an hour ago, and no job will expire it.
+    // Order 1's expiry passed an hour ago, and no job will expire it. Order 2's passed too, but
+    // its job is still to run (its queue paused, or behind): late, not lost.
     exec(
         &pool,
-        "UPDATE orders SET expires_at = now() - interval '1 hour' WHERE number = 1",
+        "UPDATE orders SET expires_at = now() - interval '1 hour'",
     )
     .await;
+    let mut tx = pool.begin().await.unwrap();
+    payfleet::orders::expiry::schedule(&mut tx, 2, chrono::Utc::now() + chrono::Duration::hours(1))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
     let grace = Duration::from_secs(900);
     let found: Vec<(&str, String)> = consistency::check(&pool, grace)
         .await

@@ -1162,9 +1162,10 @@ async fn a_message_the_broker_keeps_refusing_holds_up_no_other_and_is_sent_again
         .await
         .unwrap_err();
     assert!(e.to_string().contains("not an order message"), "{e}");
-    // Published longer ago than the consumers keep their records: sent again only with
-    // --force (a consumer that handled it would handle it again), else left as it is.
-    sqlx::query("UPDATE order_events SET published_at = now() - interval '31 days' WHERE id = $1")
+    // Written and published longer ago than the consumers keep their records (however
+    // recently it was sent again: a consumer's record is of its first handling): sent again
+    // only with --force (a consumer that handled it would handle it again), else left as it is.
+    sqlx::query("UPDATE order_events SET created_at = now() - interval '31 days' WHERE id = $1")
         .bind(poison)
         .execute(&pool)
         .await
