@@ -1827,10 +1827,7 @@ async fn acquirer_subscription_order_on(
     let base = stand_in(api, log.clone()).await;
     subscription_order(pool, "internal", "BRL", |config| {
         with_stripe(base)(config);
-        config.gateways.hosted.internal_acquirer =
-            payfleet::gateways::hosted::InternalAcquirer::Stripe;
-        config.gateways.hosted.internal = None;
-        config.gateways.stripe.platform_webhook_secret = Some(Secret::new(PLATFORM_SECRET));
+        crate::gateways::collecting_through_stripe(config, PLATFORM_SECRET);
     })
     .await
 }

@@ -406,6 +406,15 @@ async fn stripe_connect_speaks_stripes_documented_api() {
 }
 
 /// The tests' configuration with Stripe's API on a stand-in at `base`.
+/// `PAYFLEET_INTERNAL_ACQUIRER=stripe` on `config` (whose Stripe API is set): the internal
+/// gateway collects on the platform's Stripe account, its facts from Stripe only (no
+/// internal-gateway webhook secret), the platform endpoint's events signed with `secret`.
+pub fn collecting_through_stripe(config: &mut payfleet::config::Config, secret: &str) {
+    config.gateways.hosted.internal_acquirer = payfleet::gateways::hosted::InternalAcquirer::Stripe;
+    config.gateways.hosted.internal = None;
+    config.gateways.stripe.platform_webhook_secret = Some(Secret::new(secret));
+}
+
 pub fn config_with_stripe(base: String) -> payfleet::config::Config {
     let mut config = test_config();
     config.gateways.stripe.api = Some(payfleet::gateways::stripe::Api {
@@ -718,9 +727,7 @@ async fn an_acquirers_slow_link_holds_up_no_other_checkout(pool: PgPool) {
         base_url: base,
         secret_key: Secret::new("sk_test_platform"),
     });
-    config.gateways.hosted.internal_acquirer = payfleet::gateways::hosted::InternalAcquirer::Stripe;
-    config.gateways.hosted.internal = None;
-    config.gateways.stripe.platform_webhook_secret = Some(Secret::new("whsec_platform"));
+    collecting_through_stripe(&mut config, "whsec_platform");
     config.messaging.rpc_timeout = std::time::Duration::from_secs(4);
     let shop = Arc::new(Shop {
         app: Arc::new(spawn_fleet(pool.clone(), config).await),
@@ -884,9 +891,7 @@ async fn a_hung_gateway_holds_its_share_of_the_payment_side_and_no_more(pool: Pg
     // The internal gateway collecting through Stripe is Stripe's calls too: its links count in
     // Stripe's share, or a Stripe outage would take two shares, every slot.
     let mut config = config;
-    config.gateways.hosted.internal_acquirer = payfleet::gateways::hosted::InternalAcquirer::Stripe;
-    config.gateways.hosted.internal = None;
-    config.gateways.stripe.platform_webhook_secret = Some(Secret::new("whsec_platform"));
+    collecting_through_stripe(&mut config, "whsec_platform");
     let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
     let service = Arc::new(payfleet::payments::links::LinkService {
         pool: pool.clone(),
@@ -928,12 +933,9 @@ async fn the_internal_gateway_collects_through_stripe_on_the_platforms_account(p
         base_url: base,
         secret_key: Secret::new("sk_test_platform"),
     });
-    config.gateways.hosted.internal_acquirer = payfleet::gateways::hosted::InternalAcquirer::Stripe;
-    // Its facts come from Stripe only: no internal-gateway webhook secret.
-    config.gateways.hosted.internal = None;
     // The platform account's endpoint signs with a secret of its own.
     const PLATFORM_SECRET: &str = "whsec_platform_endpoint_secret";
-    config.gateways.stripe.platform_webhook_secret = Some(Secret::new(PLATFORM_SECRET));
+    collecting_through_stripe(&mut config, PLATFORM_SECRET);
     let shop = Shop {
         app: Arc::new(spawn_fleet(pool.clone(), config).await),
     };
