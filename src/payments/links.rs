@@ -46,6 +46,10 @@ pub struct InFlight {
 
 /// How long a link asked without its caller's patience (a receiver of an earlier release, the
 /// renewals' biller) waits for a place: the RPC's default timeout.
+/// What became of a session asked of an outside gateway: its answer, or the reply when it was
+/// not asked or not answered in time.
+type Outcome = Result<Result<Session, crate::gateways::GatewayError>, PaymentLinkReply>;
+
 const PLACE_WAIT_DEFAULT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl InFlight {
@@ -177,6 +181,7 @@ impl LinkService {
             }
         };
         let now = chrono::Utc::now();
+        let all: &[PaymentLinkRequest] = &requests;
         let made = futures_util::future::join_all(asking.into_iter().filter_map(|(g, of)| {
             let gateway = self.gateways.get(g)?;
             // The callers stop waiting then: the earliest of theirs.
@@ -185,7 +190,7 @@ impl LinkService {
                 .filter_map(|i| requests[*i].answer_within_ms)
                 .min()
                 .map(|ms| received + std::time::Duration::from_millis(ms));
-            let sessions: Vec<SessionRequest> = of
+            let mut sessions: Vec<SessionRequest> = of
                 .iter()
                 .map(|i| {
                     let r = &requests[*i];
@@ -205,8 +210,18 @@ impl LinkService {
                         .map(Ok)
                         .collect()
                 } else {
-                    self.ask_outside(g, gateway.as_ref(), &sessions, answer_by)
-                        .await
+                    let made = self
+                        .ask_outside(g, gateway.as_ref(), &sessions, answer_by)
+                        .await;
+                    self.asked_afresh(
+                        g,
+                        gateway.as_ref(),
+                        (all, &of),
+                        &mut sessions,
+                        made,
+                        answer_by,
+                    )
+                    .await
                 };
                 (of, sessions, made)
             })
@@ -378,6 +393,91 @@ impl LinkService {
         Ok(stored)
     }
 
+    /// `made` (the outcomes of `sessions`, asked for `requests` at the places `of`), with each
+    /// session the gateway refused outright that was first asked for a while ago asked afresh:
+    /// its first asking recorded again as now, with the order's expiry now (`sessions` gets the
+    /// new request). A refusal outright saves nothing under the idempotency key (Stripe keeps no
+    /// result for a request refused on its parameters), so the key is free for other
+    /// parameters. Without it, a link whose first asking never reached Stripe (an outage, a
+    /// rate limit) is refused for good a minute later: its expiry, counted from that first
+    /// asking, is then less than the 30 minutes Stripe asks of a new session.
+    async fn asked_afresh(
+        &self,
+        name: GatewayName,
+        gateway: &dyn crate::gateways::api::PaymentGateway,
+        (requests, of): (&[PaymentLinkRequest], &[usize]),
+        sessions: &mut [SessionRequest],
+        mut made: Vec<Outcome>,
+        answer_by: Option<tokio::time::Instant>,
+    ) -> Vec<Outcome> {
+        let refused: Vec<usize> = (0..made.len())
+            .filter(|k| matches!(&made[*k], Ok(Err(e)) if e.refused_outright()))
+            .collect();
+        if refused.is_empty() {
+            return made;
+        }
+        let keys: Vec<&str> = refused
+            .iter()
+            .map(|k| requests[of[*k]].link_key.as_str())
+            .collect();
+        let expiries: Vec<chrono::DateTime<chrono::Utc>> = refused
+            .iter()
+            .map(|k| requests[of[*k]].expires_at)
+            .collect();
+        let was: Vec<chrono::DateTime<chrono::Utc>> = refused
+            .iter()
+            .map(|k| sessions[*k].first_asked_at)
+            .collect();
+        // Only an asking older than half a minute: a fresh one refused is refused for what it
+        // asks, and asking again would change nothing. Guarded by the time read, so two
+        // refusals racing make it afresh once.
+        let renewed: Result<Vec<(String, chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)>, sqlx::Error> =
+            sqlx::query_as(
+                "UPDATE payment_link_asks a SET first_asked_at = now(), expires_at = x.expires_at
+                 FROM unnest($2::text[], $3::timestamptz[], $4::timestamptz[]) AS x(link_key, expires_at, was)
+                 WHERE a.gateway = $1 AND a.link_key = x.link_key AND a.first_asked_at = x.was
+                   AND a.first_asked_at < now() - interval '30 seconds'
+                 RETURNING a.link_key, a.first_asked_at, a.expires_at",
+            )
+            .bind(name.as_str())
+            .bind(&keys)
+            .bind(&expiries)
+            .bind(&was)
+            .fetch_all(&self.pool)
+            .await;
+        let renewed = match renewed {
+            Ok(renewed) => renewed,
+            Err(e) => {
+                tracing::warn!(gateway = %name, error = %e, "the refused links' first askings could not be made afresh");
+                return made;
+            }
+        };
+        let again: Vec<usize> = refused
+            .into_iter()
+            .filter(|k| {
+                let r = &requests[of[*k]];
+                if let Some((_, at, expires)) =
+                    renewed.iter().find(|(key, _, _)| *key == r.link_key)
+                {
+                    sessions[*k] = session_request(r, (*at, *expires));
+                    true
+                } else {
+                    false
+                }
+            })
+            .collect();
+        if again.is_empty() {
+            return made;
+        }
+        tracing::info!(gateway = %name, links = again.len(), "links refused under their first asking's expiry are asked afresh");
+        let asked: Vec<SessionRequest> = again.iter().map(|k| sessions[*k].clone()).collect();
+        let outcomes = self.ask_outside(name, gateway, &asked, answer_by).await;
+        for (k, outcome) in again.into_iter().zip(outcomes) {
+            made[k] = outcome;
+        }
+        made
+    }
+
     /// An outside gateway's sessions: asked once its API has places for them in this process
     /// ([`GATEWAY_SHARE`], waited for until the callers stop waiting), and waited for until
     /// then, not for the gateway's own longer timeout. A gateway that hangs thus holds at most
@@ -391,8 +491,7 @@ impl LinkService {
         gateway: &dyn crate::gateways::api::PaymentGateway,
         sessions: &[SessionRequest],
         answer_by: Option<tokio::time::Instant>,
-    ) -> Vec<Result<Result<Session, crate::gateways::GatewayError>, PaymentLinkReply>> {
-        type Outcome = Result<Result<Session, crate::gateways::GatewayError>, PaymentLinkReply>;
+    ) -> Vec<Outcome> {
         let not_in_time = |why: String, n: usize| -> Vec<Outcome> {
             tracing::warn!(gateway = %name, links = n, "{why}");
             (0..n)

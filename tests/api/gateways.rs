@@ -592,6 +592,102 @@ async fn a_stripe_link_asked_again_for_a_reopened_order_asks_exactly_the_same(po
     assert_eq!(sent[0].form(), sent[1].form());
 }
 
+/// Stripe's Checkout Sessions as they check a new session's expiry: at least 30 minutes after
+/// its creation by Stripe's clock, or a 400 that saves nothing under the idempotency key. The
+/// first asking fails without reaching the API (a 502 from a proxy: nothing made); every
+/// asking after it that passes the check answers `cs_test_1`.
+fn checking_expiry_after_an_outage() -> Router<Log> {
+    let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    Router::new().route(
+        "/v1/checkout/sessions",
+        axum::routing::post(move |axum::extract::Form(form): axum::extract::Form<std::collections::HashMap<String, String>>| {
+            let first = first.clone();
+            async move {
+                if first.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                    return (
+                        StatusCode::BAD_GATEWAY,
+                        axum::Json(json!({"error": {"type": "api_error", "message": "bad gateway"}})),
+                    );
+                }
+                let expires: i64 = form.get("expires_at").and_then(|e| e.parse().ok()).unwrap_or(0);
+                if expires < chrono::Utc::now().timestamp() + 30 * 60 {
+                    return (
+                        StatusCode::BAD_REQUEST,
+                        axum::Json(json!({"error": {"type": "invalid_request_error", "code": "parameter_invalid_integer",
+                            "param": "expires_at", "message": "The `expires_at` timestamp must be at least 30 minutes from Checkout Session creation."}})),
+                    );
+                }
+                (
+                    StatusCode::OK,
+                    axum::Json(json!({"id": "cs_test_1", "object": "checkout.session",
+                        "url": "https://checkout.stripe.test/c/pay/cs_test_1", "payment_status": "unpaid"})),
+                )
+            }
+        }),
+    )
+}
+
+/// A link whose first asking never reached Stripe (an outage) and whose buyer comes back five
+/// minutes later: its expiry, counted from that first asking, is now less than the 30 minutes
+/// Stripe asks of a new session, and Stripe refuses it, saving nothing under the key. The
+/// payment side then asks afresh under the same key, its expiry counted from now, and the
+/// buyer gets the link (before, every retry was refused until the order expired).
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_stripe_link_first_asked_before_an_outage_is_asked_afresh_when_refused(pool: PgPool) {
+    let log = Log::default();
+    let base = stand_in(checking_expiry_after_an_outage(), log.clone()).await;
+    let shop = Shop {
+        app: Arc::new(spawn_fleet(pool.clone(), config_with_stripe(base)).await),
+    };
+    let product = connected_product(&shop).await;
+    let asked = || sessions_asked(&log);
+    for _ in 0..50 {
+        let (status, answer) = shop.checkout(Some("k"), stripe_cart(&product)).await;
+        if !asked().is_empty() {
+            assert_eq!(
+                (status, answer["error"]["code"].as_str()),
+                (503, Some("payment_link_unavailable")),
+                "{answer}"
+            );
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    // Five minutes later: every time the fleet holds moved back by as much.
+    for moved in [
+        "UPDATE payment_link_asks SET first_asked_at = first_asked_at - interval '5 minutes', expires_at = expires_at - interval '5 minutes'",
+        "UPDATE orders SET created_at = created_at - interval '5 minutes', expires_at = expires_at - interval '5 minutes'",
+    ] {
+        sqlx::query(moved).execute(&pool).await.unwrap();
+    }
+    let (status, answer) = shop.checkout(Some("k"), stripe_cart(&product)).await;
+    assert_eq!(status, 201, "{answer}");
+    assert_eq!(answer["orders"][0]["payment"]["session_id"], "cs_test_1");
+    let sent = asked();
+    assert_eq!(
+        sent.len(),
+        3,
+        "the outage's, the refused and the fresh asking"
+    );
+    assert!(
+        sent.iter()
+            .all(|s| s.header("idempotency-key") == sent[0].header("idempotency-key"))
+    );
+    assert_ne!(sent[1].form()["expires_at"], sent[2].form()["expires_at"]);
+    // The fresh asking is what a retry sends from now on.
+    let expires: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT expires_at FROM payment_link_asks")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let order_expires: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT expires_at FROM orders")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(expires, order_expires);
+}
+
 async fn wait_until_paid(shop: &Shop, number: i64) {
     let start = std::time::Instant::now();
     while shop.order(number).await["status"] != "paid" {
