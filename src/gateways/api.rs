@@ -33,6 +33,8 @@ pub struct SessionRequest {
     /// What each period after the first charges, where it differs from `amount` (a coupon
     /// discounts a subscription's first period only).
     pub recurring_amount: Option<Money>,
+    /// With `recurring_amount`: the platform's commission on each later period.
+    pub recurring_fee: Option<Money>,
     /// Carried with the session (the seller, the split) and back in the gateway's events.
     pub metadata: BTreeMap<String, String>,
     /// The same key for the same order and attempt: a repeated request creates nothing new.

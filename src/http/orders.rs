@@ -150,7 +150,12 @@ async fn reopen(
     let n = number(&raw)?;
     let order = orders::reopen(&state.pool, n, state.checkout.expiry).await?;
     if order.payment.is_none() {
-        orders::checkout::link(&state.pool, state.checkout.links.as_ref(), &order)
+        orders::checkout::link(
+            &state.pool,
+            state.checkout.links.as_ref(),
+            &order,
+            state.checkout.fee_percent,
+        )
             .await
             .map_err(|(reason, _)| ApiError::DependencyDown {
                 code: "payment_link_unavailable",

@@ -132,6 +132,12 @@ pub struct PaymentLinkRequest {
     /// the first period only): what each later period charges. `amount` is the first's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub renews_at: Option<Money>,
+    /// With `renews_at`: the platform's commission on each later period, priced as the order's
+    /// own fee is. A gateway that bills the periods takes its commission as a share of each, and
+    /// that share comes from here, not from the discounted first period's fee (which a coupon
+    /// and the fee's rounding would carry into every period after it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renews_fee: Option<Money>,
     /// How long the caller waits for the answer (its RPC timeout): the payment side stops
     /// waiting for an outside gateway then, counted from the request's receipt (a clock of its
     /// own, never compared with the caller's), instead of holding a consumer's slot for the

@@ -571,7 +571,7 @@ impl Checkout {
         let results = futures_util::future::join_all(
             missing
                 .iter()
-                .map(|o| ask_link(&self.pool, self.links.as_ref(), o)),
+                .map(|o| ask_link(&self.pool, self.links.as_ref(), o, self.fee_percent)),
         )
         .await;
         let mut unavailable = (Vec::new(), None);
@@ -1416,8 +1416,9 @@ pub async fn link(
     pool: &PgPool,
     links: &dyn PaymentLinks,
     o: &OrderView,
+    fee_percent: Decimal,
 ) -> Result<Option<PaymentLinkView>, (String, bool)> {
-    let view = ask_link(pool, links, o).await?;
+    let view = ask_link(pool, links, o, fee_percent).await?;
     let stored = sqlx::query(
         "UPDATE orders SET session_id = $2, payment_url = $3, updated_at = now()
          WHERE number = $1 AND session_id IS NULL AND payment_attempt = $4",
@@ -1438,6 +1439,7 @@ async fn ask_link(
     pool: &PgPool,
     links: &dyn PaymentLinks,
     o: &OrderView,
+    fee_percent: Decimal,
 ) -> Result<PaymentLinkView, (String, bool)> {
     // Only a gateway that charges on the seller's own account (Stripe's) needs it.
     let seller_account = if gateways::format(o.gateway).charges_on_seller_account() {
@@ -1450,6 +1452,26 @@ async fn ask_link(
     };
     let money =
         |v: &str| crate::money::Money::parse(v, &o.currency).map_err(|e| (e.to_string(), false));
+    // A coupon discounts a subscription's first period only: the later ones cost the
+    // subtotal, as the subscription records (and the fleet's own billing charges), and the
+    // platform's commission on them is priced on that.
+    let renews_at = if o.kind == ProductKind::Subscription && o.subtotal != o.total {
+        Some(money(&o.subtotal)?)
+    } else {
+        None
+    };
+    let renews_fee = match &renews_at {
+        Some(later) => Some(later.percent(fee_percent).ok_or_else(|| {
+            (
+                format!(
+                    "the commission on order {}'s later periods is too large",
+                    o.number
+                ),
+                false,
+            )
+        })?),
+        None => None,
+    };
     let request = PaymentLinkRequest {
         order_number: o.number,
         gateway: o.gateway,
@@ -1471,13 +1493,8 @@ async fn ask_link(
         attempt: o.payment_attempt,
         link_key: format!("{}-{}", o.payment_token.simple(), o.payment_attempt),
         expires_at: o.expires_at,
-        // A coupon discounts a subscription's first period only: the later ones cost the
-        // subtotal, as the subscription records (and the fleet's own billing charges).
-        renews_at: if o.kind == ProductKind::Subscription && o.subtotal != o.total {
-            Some(money(&o.subtotal)?)
-        } else {
-            None
-        },
+        renews_at,
+        renews_fee,
         // Set by the RPC's client, which knows its timeout (`messaging::rpc::BatchedLinks`).
         answer_within_ms: None,
     };

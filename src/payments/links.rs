@@ -647,6 +647,7 @@ fn session_request(
         description: r.description.clone(),
         recurring_interval: r.recurring_interval.clone(),
         recurring_amount: r.renews_at,
+        recurring_fee: r.renews_fee,
         metadata,
         idempotency_key: format!("payfleet-{}", r.link_key),
         reference: format!("pf-{}", r.link_key),
@@ -721,6 +722,7 @@ mod tests {
             link_key: format!("link-{order_number}"),
             expires_at: chrono::Utc::now(),
             renews_at: None,
+            renews_fee: None,
             answer_within_ms: None,
         }
     }

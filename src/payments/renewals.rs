@@ -94,7 +94,9 @@ pub async fn bill(pool: &PgPool, biller: &Biller) -> Result<Report, BillingError
         };
         let session = match order.payment {
             Some(link) => link.session_id,
-            None => match checkout::link(pool, &biller.links, &order).await {
+            None => match checkout::link(pool, &biller.links, &order, biller.billing.fee_percent)
+                .await
+            {
                 Ok(Some(link)) => link.session_id,
                 // Stored meanwhile by another pass: it charges it.
                 Ok(None) => continue,

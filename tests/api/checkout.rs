@@ -1183,6 +1183,7 @@ async fn the_payment_side_answers_a_batch_of_links_each_in_its_place(pool: PgPoo
         link_key: format!("key-{number}"),
         expires_at: chrono::Utc::now() + chrono::Duration::minutes(30),
         renews_at: None,
+        renews_fee: None,
         answer_within_ms: None,
     };
     let created = |reply: &PaymentLinkReply| match reply {

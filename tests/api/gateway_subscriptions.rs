@@ -2010,6 +2010,9 @@ async fn a_coupon_on_a_stripe_subscription_discounts_its_first_period_only(pool:
         .form();
     assert_eq!(session["line_items[0][price_data][unit_amount]"], "1990");
     assert!(session.contains_key("discounts[0][coupon]"), "{session:?}");
+    // Each period's commission is the configured 10 % of its 19.90, not the first period's
+    // 1.79 of 17.91 (9.99 %) carried into every renewal.
+    assert_eq!(session["subscription_data[application_fee_percent]"], "10");
 }
 
 /// `api` answering `GET /v1/invoices/{id}` with `invoice` (its `id` the one asked for), as

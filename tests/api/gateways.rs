@@ -124,6 +124,7 @@ fn session_request(account: Option<&str>, interval: Option<&str>) -> SessionRequ
         description: "Order 7".into(),
         recurring_interval: interval.map(str::to_owned),
         recurring_amount: None,
+        recurring_fee: None,
         metadata: BTreeMap::from([("order_number".to_owned(), "7".to_owned())]),
         idempotency_key: "payfleet-order-7".into(),
     }
@@ -231,6 +232,7 @@ async fn a_discounted_first_period_is_a_coupon_stripe_applies_once() {
     request.amount = brl("17.91");
     request.platform_fee = brl("1.79");
     request.recurring_amount = Some(brl("19.90"));
+    request.recurring_fee = Some(brl("1.99"));
     stripe.create_session(&request).await.unwrap();
     let sent = log.lock().unwrap().clone();
     assert_eq!(
@@ -260,7 +262,9 @@ async fn a_discounted_first_period_is_a_coupon_stripe_applies_once() {
         ("mode", "subscription"),
         ("line_items[0][price_data][unit_amount]", "1990"),
         ("discounts[0][coupon]", "co_payfleet-order-7-first-period"),
-        ("subscription_data[application_fee_percent]", "9.99"),
+        // The later periods' commission, 1.99 of 19.90: not the discounted first period's
+        // 1.79 of 17.91 (9.99 %), which every period after it would carry.
+        ("subscription_data[application_fee_percent]", "10"),
     ] {
         assert_eq!(
             session.get(k).map(String::as_str),
@@ -919,6 +923,7 @@ async fn a_hung_gateway_holds_its_share_of_the_payment_side_and_no_more(pool: Pg
         link_key: format!("key-{number}"),
         expires_at: chrono::Utc::now() + chrono::Duration::minutes(30),
         renews_at: None,
+        renews_fee: None,
         answer_within_ms: Some(1_500),
     };
     let share = payfleet::payments::links::GATEWAY_SHARE;

@@ -265,13 +265,16 @@ impl StripeConnect {
                     let coupon = self.first_period_coupon(account, r, &off).await?;
                     form.push(("discounts[0][coupon]".into(), coupon));
                 }
-                // Subscriptions take the fee as a percentage of each invoice.
-                let percent = if r.amount.is_zero() {
+                // Subscriptions take the fee as a percentage of each invoice: the later
+                // periods' where the first is discounted (their commission, not the first's).
+                let (each, fee) = match (&r.recurring_amount, &r.recurring_fee) {
+                    (Some(each), Some(fee)) => (each, fee),
+                    _ => (&r.amount, &r.platform_fee),
+                };
+                let percent = if each.is_zero() {
                     rust_decimal::Decimal::ZERO
                 } else {
-                    (r.platform_fee.amount() * rust_decimal::Decimal::ONE_HUNDRED
-                        / r.amount.amount())
-                    .round_dp(2)
+                    (fee.amount() * rust_decimal::Decimal::ONE_HUNDRED / each.amount()).round_dp(2)
                 };
                 if fee_on_charge {
                     form.push((
