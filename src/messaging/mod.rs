@@ -359,11 +359,18 @@ impl Broker {
     pub(crate) async fn declare_queue(&self, name: &str, usage: QueueUse) -> lapin::Result<()> {
         let connection = self.connected().await;
         if usage == QueueUse::Service {
-            let dead = self.name("dead");
+            // Where its refused messages go, declared with it.
+            Box::pin(self.declare_queue(&self.name("dead"), QueueUse::Dead)).await?;
+        }
+        if usage == QueueUse::Dead {
+            // The dead-letter exchange and its binding, with the queue, whoever declares it: a
+            // dead-letter queue deleted (to be declared with a new limit: README, "Upgrading")
+            // and declared again by its keeper alone was bound to nothing, and a message the
+            // broker dead-letters to an exchange without a queue is dropped.
             let channel = connection.create_channel().await?;
             channel
                 .exchange_declare(
-                    dead.as_str().into(),
+                    name.into(),
                     lapin::ExchangeKind::Fanout,
                     ExchangeDeclareOptions {
                         durable: true,
@@ -373,19 +380,30 @@ impl Broker {
                 )
                 .await?;
             let _ = channel.close(200, "declared".into()).await;
-            Box::pin(self.declare_queue(&dead, QueueUse::Dead)).await?;
+            self.declare_queue_alone(&connection, name, usage).await?;
             let channel = connection.create_channel().await?;
             channel
                 .queue_bind(
-                    dead.as_str().into(),
-                    dead.as_str().into(),
+                    name.into(),
+                    name.into(),
                     "".into(),
                     QueueBindOptions::default(),
                     FieldTable::default(),
                 )
                 .await?;
             let _ = channel.close(200, "bound".into()).await;
+            return Ok(());
         }
+        self.declare_queue_alone(&connection, name, usage).await
+    }
+
+    /// Declares queue `name` for `usage`, and nothing with it.
+    async fn declare_queue_alone(
+        &self,
+        connection: &Connection,
+        name: &str,
+        usage: QueueUse,
+    ) -> lapin::Result<()> {
         // On a channel of its own: a refusal closes the channel it came on.
         let channel = connection.create_channel().await?;
         let durable = QueueDeclareOptions {

@@ -55,6 +55,15 @@ impl Default for Routes {
     }
 }
 
+/// The names under the namespace the fleet itself declares.
+const RESERVED: [&str; 5] = [
+    "orders",
+    "dead",
+    <super::rpc::PaymentLink as super::rpc::Rpc>::QUEUE,
+    <super::rpc::PaymentLinkBatch as super::rpc::Rpc>::QUEUE,
+    <super::rpc::Coins as super::rpc::Rpc>::QUEUE,
+];
+
 impl std::str::FromStr for Routes {
     type Err = String;
 
@@ -66,9 +75,18 @@ impl std::str::FromStr for Routes {
                 .ok_or_else(|| format!("{part:?} is not service=pattern[,pattern]"))?;
             let service = service.trim();
             let valid = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
-            if service.is_empty() || !service.chars().all(valid) || service == "orders" {
+            if service.is_empty() || !service.chars().all(valid) {
                 return Err(format!(
-                    "{service:?} is not a service name (letters, digits, _ and -; not \"orders\")"
+                    "{service:?} is not a service name (letters, digits, _ and -)"
+                ));
+            }
+            // The fleet's own names under the namespace: a service queue of one of them would
+            // be the RPC's request queue or the dead letters' (its consumers taking order
+            // messages they refuse, and the service's taking RPC requests), or the exchange.
+            if RESERVED.contains(&service) {
+                return Err(format!(
+                    "{service:?} is a name of the fleet's own (not {})",
+                    RESERVED.join(", ")
                 ));
             }
             let patterns: Vec<String> = patterns
@@ -1030,4 +1048,30 @@ pub async fn keep_unrouted(broker: Broker, pool: PgPool) {
         },
     )
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_service_may_not_take_a_name_of_the_fleets_own_queues() {
+        for name in [
+            "orders",
+            "dead",
+            "coins",
+            "payment_links",
+            "payment_link_batches",
+        ] {
+            let refused = format!("{name}=order.*.paid")
+                .parse::<Routes>()
+                .unwrap_err();
+            assert!(refused.contains("of the fleet's own"), "{refused}");
+        }
+        let routes: Routes = "loyalty=order.*.paid; coin-rewards=order.one_off.*"
+            .parse()
+            .unwrap();
+        assert_eq!(routes.services.len(), 2);
+        assert!("bad name=order.#".parse::<Routes>().is_err());
+    }
 }

@@ -727,6 +727,59 @@ async fn a_message_its_consumer_keeps_refusing_is_dead_lettered_kept_and_replaye
     replay(true).await.unwrap();
 }
 
+/// The dead-letter queue deleted (as README's "Upgrading" says to, to declare it with a new
+/// limit) is declared again by its keeper, bound to its exchange again: before, only a service
+/// queue's declaration bound it, and until one came, every message the broker dead-lettered
+/// went to an exchange without a queue and was dropped, with no trace.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_dead_letter_queue_declared_again_by_its_keeper_takes_dead_letters_again(pool: PgPool) {
+    let mut config = test_config();
+    config.messaging.queues.delivery_limit = 2;
+    let broker = broker_of(&config);
+    let attempts = refusing_fulfilment(&broker, &pool);
+    let _worker = spawn_roles(pool.clone(), config.clone(), Roles::WORK).await;
+    let dead = format!("{}.dead", config.messaging.namespace);
+    let consumed = || {
+        rabbitmqctl(&["list_queues", "name", "consumers"])
+            .lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == [dead.as_str(), "1"])
+    };
+    // (Each rabbitmqctl is an Erlang VM starting: asked once a second.)
+    wait_for(
+        "the keeper consuming",
+        Duration::from_secs(60),
+        async || {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            consumed()
+        },
+    )
+    .await;
+    rabbitmqctl(&["delete_queue", &dead]);
+    wait_for(
+        "the queue declared again by its keeper",
+        Duration::from_secs(60),
+        async || {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            consumed()
+        },
+    )
+    .await;
+    order_events(&pool, 1).await;
+    wait_for(
+        "the message dead-lettered and kept",
+        Duration::from_secs(30),
+        async || {
+            orders::dead_messages(&pool, 10)
+                .await
+                .unwrap()
+                .iter()
+                .any(|m| m.consumer == orders::DEAD_LETTERED)
+        },
+    )
+    .await;
+    assert!(attempts.load(std::sync::atomic::Ordering::SeqCst) >= 2);
+}
+
 /// A database that answers but refuses writes (a storage-full instance turned read-only) refuses
 /// the dead-letter keeper's record too: the keeper holds the message, unacknowledged, until it
 /// can keep it. Requeued instead, a dead-letter queue that counts deliveries (here a limit of 2,
