@@ -380,7 +380,12 @@ pub fn start(
             Duration::from_millis(200),
             orders::outbox::OrderOutbox,
         ));
-        tokio::spawn(order_messages::keep_unrouted(broker.clone(), pool.clone()));
+        tokio::spawn(order_messages::keep_unrouted(
+            broker.clone(),
+            pool.clone(),
+            config.messaging.order_routes.clone(),
+            orders::outbox::OrderOutbox,
+        ));
         tokio::spawn(order_messages::keep_dead_lettered(
             broker.clone(),
             pool.clone(),

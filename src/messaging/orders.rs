@@ -64,6 +64,16 @@ const RESERVED: [&str; 5] = [
     <super::rpc::Coins as super::rpc::Rpc>::QUEUE,
 ];
 
+impl Routes {
+    /// The first service whose patterns take routing key `key`.
+    pub fn service_of(&self, key: &str) -> Option<&str> {
+        self.services
+            .iter()
+            .find(|(_, patterns)| patterns.iter().any(|p| topic_matches(p, key)))
+            .map(|(service, _)| service.as_str())
+    }
+}
+
 impl std::str::FromStr for Routes {
     type Err = String;
 
@@ -1021,18 +1031,46 @@ pub async fn keep_dead_lettered(broker: Broker, pool: PgPool) {
 /// The legacy queue's consumer: a message no service's queue binds is logged with its type and
 /// kept in `unrouted_messages`, for an operator to read and, once a service binds the type,
 /// send on (by hand, or by marking its order event unpublished: the relay sends it again).
-pub async fn keep_unrouted(broker: Broker, pool: PgPool) {
+///
+/// A message that `routes` does bind came here because its service's queue lost its bindings:
+/// deleted (to be declared anew, as quorum: README, "Upgrading") and declared again by the
+/// service's own consumer, which knows no routes, so every message of the service's went here
+/// until a relay set up again, which may be days. Such a message is not kept: the topology is
+/// declared again (binding the queue) and the message goes again from the outbox, to its
+/// service. Only once: the same message here again is dropped as handled, so a binding that
+/// still does not hold is no loop (it is logged as an error, and kept the first time).
+pub async fn keep_unrouted(broker: Broker, pool: PgPool, routes: Routes, outbox: impl Outbox) {
+    let routes = std::sync::Arc::new(routes);
+    let outbox = std::sync::Arc::new(outbox);
+    let declaring = broker.clone();
     consume(
         broker,
         pool,
         "orders.legacy".into(),
         "legacy".into(),
-        |m: OrderMessage, tx: &mut PgConnection| {
+        move |m: OrderMessage, tx: &mut PgConnection| {
             let key = m.routing_key();
-            tracing::warn!(routing_key = %key, order = m.order_number, order_kind = %m.order_kind, event = %m.event,
-                "an order message no service's queue binds: kept in unrouted_messages");
             let body = serde_json::to_value(&m).unwrap_or_default();
+            let (broker, routes, outbox) = (declaring.clone(), routes.clone(), outbox.clone());
             Box::pin(async move {
+                if let Some(service) = routes.service_of(&key)
+                    && let Some(id) = outbox_id(&m.message_id)
+                {
+                    match bind_again(&broker, &routes).await {
+                        Ok(()) if outbox.publish_again(&mut *tx, id).await? => {
+                            tracing::warn!(routing_key = %key, %service, order = m.order_number,
+                                "an order message its service binds came to the legacy queue (the service's queue lost its bindings): bound again, and the message goes again");
+                            return Ok(());
+                        }
+                        Ok(()) => {}
+                        Err(e) => {
+                            tracing::error!(routing_key = %key, %service, error = %e,
+                                "an order message its service binds came to the legacy queue, and its bindings could not be declared again: kept in unrouted_messages");
+                        }
+                    }
+                }
+                tracing::warn!(routing_key = %key, order = m.order_number, order_kind = %m.order_kind, event = %m.event,
+                    "an order message no service's queue binds: kept in unrouted_messages");
                 sqlx::query(
                     "INSERT INTO unrouted_messages (message_id, routing_key, order_kind, body) VALUES ($1, $2, $3, $4)
                      ON CONFLICT (message_id) DO NOTHING",
@@ -1048,6 +1086,31 @@ pub async fn keep_unrouted(broker: Broker, pool: PgPool) {
         },
     )
     .await
+}
+
+/// Declares the exchanges, queues and bindings again, on a channel of its own.
+async fn bind_again(broker: &Broker, routes: &Routes) -> lapin::Result<()> {
+    let connection = broker.connected().await;
+    let channel = connection.create_channel().await?;
+    declare(&channel, broker, routes).await?;
+    let _ = channel.close(200, "declared".into()).await;
+    Ok(())
+}
+
+/// Whether topic pattern `pattern` (`*`: one word, `#`: none or more) takes routing key `key`,
+/// as RabbitMQ's topic exchange matches them.
+fn topic_matches(pattern: &str, key: &str) -> bool {
+    fn words(p: &[&str], k: &[&str]) -> bool {
+        match (p.split_first(), k.split_first()) {
+            (None, None) => true,
+            (Some((&"#", rest)), _) => words(rest, k) || (!k.is_empty() && words(p, &k[1..])),
+            (Some((w, rest)), Some((kw, krest))) => (*w == "*" || w == kw) && words(rest, krest),
+            _ => false,
+        }
+    }
+    let p: Vec<&str> = pattern.split('.').collect();
+    let k: Vec<&str> = key.split('.').collect();
+    words(&p, &k)
 }
 
 #[cfg(test)]
@@ -1073,5 +1136,27 @@ mod tests {
             .unwrap();
         assert_eq!(routes.services.len(), 2);
         assert!("bad name=order.#".parse::<Routes>().is_err());
+    }
+
+    #[test]
+    fn topic_patterns_match_as_rabbitmqs_do() {
+        for (pattern, key, matches) in [
+            ("order.one_off.*", "order.one_off.paid", true),
+            ("order.one_off.*", "order.one_off", false),
+            ("order.one_off.*", "order.one_off.paid.late", false),
+            ("order.*.paid", "order.subscription.paid", true),
+            ("order.#", "order", true),
+            ("order.#", "order.one_off.paid", true),
+            ("#", "order.one_off.paid", true),
+            ("#.paid", "order.one_off.paid", true),
+            ("#.paid", "order.one_off.expired", false),
+            ("order.#.paid", "order.paid", true),
+            ("order.subscription.*", "order.one_off.paid", false),
+        ] {
+            assert_eq!(topic_matches(pattern, key), matches, "{pattern} {key}");
+        }
+        let routes = Routes::default();
+        assert_eq!(routes.service_of("order.one_off.paid"), Some("fulfilment"));
+        assert_eq!(routes.service_of("order.gift.paid"), None);
     }
 }

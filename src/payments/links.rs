@@ -431,7 +431,8 @@ impl LinkService {
         // Only an asking older than half a minute: a fresh one refused is refused for what it
         // asks, and asking again would change nothing. Guarded by the time read, so two
         // refusals racing make it afresh once.
-        let renewed: Result<Vec<(String, chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)>, sqlx::Error> =
+        type At = chrono::DateTime<chrono::Utc>;
+        let renewed: Result<Vec<(String, At, At)>, sqlx::Error> =
             sqlx::query_as(
                 "UPDATE payment_link_asks a SET first_asked_at = now(), expires_at = x.expires_at
                  FROM unnest($2::text[], $3::timestamptz[], $4::timestamptz[]) AS x(link_key, expires_at, was)

@@ -196,6 +196,53 @@ async fn a_message_that_would_reach_no_queue_stays_until_its_queue_is_bound_agai
     .await;
 }
 
+/// A service's queue deleted (to be declared anew as quorum: README, "Upgrading") and declared
+/// again by the service's consumer, which knows no routes: bound to nothing, its messages went to
+/// the legacy queue and stayed there, unhandled, until a relay set up again. The legacy consumer
+/// now sees a message the routes bind, declares the bindings again and sends the message again:
+/// the service handles it, and nothing is left unrouted.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_service_queue_declared_again_by_its_consumer_is_bound_again(pool: PgPool) {
+    let config = test_config();
+    let _fleet = spawn_fleet(pool.clone(), config.clone()).await;
+    let _fulfilment = service(&pool, &config, "fulfilment").await;
+    order_events(&pool, 1).await;
+    wait_for("the first handled", Duration::from_secs(30), async || {
+        handled(&pool, "fulfilment").await.len() == 1
+    })
+    .await;
+    let queue = format!("{}.fulfilment", config.messaging.namespace);
+    rabbitmqctl(&["delete_queue", &queue]);
+    // Its consumer declares it again, bound to nothing. (Each rabbitmqctl is an Erlang VM
+    // starting: asked once a second.)
+    wait_for(
+        "the queue declared again",
+        Duration::from_secs(60),
+        async || {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            rabbitmqctl(&["list_queues", "name", "consumers"])
+                .lines()
+                .any(|l| l.split_whitespace().collect::<Vec<_>>() == [queue.as_str(), "1"])
+        },
+    )
+    .await;
+    sqlx::query(
+        "INSERT INTO order_events (order_id, kind, payload) SELECT id, 'expired', '{}' FROM orders",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    wait_for(
+        "the second handled by its service",
+        Duration::from_secs(30),
+        async || {
+            handled(&pool, "fulfilment").await == ["order.one_off.created", "order.one_off.expired"]
+        },
+    )
+    .await;
+    assert_eq!(kept_unrouted(&pool).await, 0);
+}
+
 /// `n` order events written as the business code writes them, for fixture orders.
 async fn order_events(pool: &PgPool, n: usize) {
     let sessions: Vec<String> = (0..n).map(|i| format!("s{i}")).collect();
