@@ -111,10 +111,23 @@ impl Money {
     }
 
     /// From a decimal string such as `"19.90"` and a currency code.
+    ///
+    /// Only digits with at most one point between them (and a sign, to be refused as negative):
+    /// not the exponents (`1e2`), separators (`1_000`) and leading `+` rust_decimal's own parser
+    /// takes, and never rounded to fit (a 30-digit fraction is refused, not made 1.00).
     pub fn parse(amount: &str, currency: &str) -> Result<Self, MoneyError> {
         let currency: Currency = currency.parse()?;
-        let value =
-            Decimal::from_str(amount.trim()).map_err(|_| MoneyError::Amount(amount.to_owned()))?;
+        let text = amount.trim();
+        let unsigned = text.strip_prefix('-').unwrap_or(text);
+        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        let plain = match unsigned.split_once('.') {
+            Some((whole, fraction)) => digits(whole) && digits(fraction),
+            None => digits(unsigned),
+        };
+        let value = plain
+            .then(|| Decimal::from_str_exact(text).ok())
+            .flatten()
+            .ok_or_else(|| MoneyError::Amount(amount.to_owned()))?;
         Self::new(value, currency)
     }
 
@@ -315,6 +328,28 @@ mod tests {
             Err(MoneyError::TooLarge(_))
         ));
         assert!(Money::parse("999999999999.99", "BRL").is_ok());
+        // Only plain decimals: rust_decimal's parser alone would take each of these (the last
+        // rounded to 1.00).
+        for odd in [
+            "1e2",
+            "1E2",
+            "1_000",
+            "+5",
+            "5.",
+            ".5",
+            "1.2.3",
+            "0x10",
+            "",
+            "-",
+            "0.999999999999999999999999999999",
+        ] {
+            assert!(
+                matches!(Money::parse(odd, "BRL"), Err(MoneyError::Amount(_))),
+                "{odd:?}: {:?}",
+                Money::parse(odd, "BRL")
+            );
+        }
+        assert_eq!(Money::parse(" 7.5 ", "BRL").unwrap().to_string(), "7.50 BRL");
     }
 
     #[test]

@@ -213,6 +213,17 @@ async fn catalogue_input_is_refused_field_by_field_and_stores_nothing(pool: PgPo
             json!({"seller_id": seller, "name": "x", "kind": "one_off", "price": "0", "currency": "BRL"}),
             "invalid_request",
         ),
+        // An exponent, a separator: rust_decimal's own parser takes both.
+        (
+            "/admin/products",
+            json!({"seller_id": seller, "name": "x", "kind": "one_off", "price": "1e2", "currency": "BRL"}),
+            "invalid_request",
+        ),
+        (
+            "/admin/products",
+            json!({"seller_id": seller, "name": "x", "kind": "one_off", "price": "1_000", "currency": "BRL"}),
+            "invalid_request",
+        ),
         (
             "/admin/products",
             json!({"seller_id": seller, "name": "x", "kind": "one_off", "price": "1.00", "currency": "RS"}),
