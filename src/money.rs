@@ -349,7 +349,10 @@ mod tests {
                 Money::parse(odd, "BRL")
             );
         }
-        assert_eq!(Money::parse(" 7.5 ", "BRL").unwrap().to_string(), "7.50 BRL");
+        assert_eq!(
+            Money::parse(" 7.5 ", "BRL").unwrap().to_string(),
+            "7.50 BRL"
+        );
     }
 
     #[test]

@@ -422,6 +422,7 @@ impl From<PayoutError> for ApiError {
             },
             PayoutError::Ledger(e) => e.into(),
             PayoutError::Database(e) => e.into(),
+            other @ PayoutError::Sellers { .. } => Self::Internal(Box::new(other)),
         }
     }
 }

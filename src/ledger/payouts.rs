@@ -86,6 +86,12 @@ pub enum PayoutError {
     Ledger(#[from] LedgerError),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
+    /// A run that paid the sellers it could (`made`) and failed for these.
+    #[error("{} of the run's payouts failed (the others were made): {}", .failed.len(), .failed.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    Sellers {
+        made: Vec<i64>,
+        failed: Vec<SellerFailure>,
+    },
 }
 
 fn accounts(seller: &str, currency: Currency) -> (AccountRef, AccountRef, AccountRef) {
@@ -97,6 +103,12 @@ fn accounts(seller: &str, currency: Currency) -> (AccountRef, AccountRef, Accoun
 }
 
 /// Pays every seller that is due on `today`. Returns the payouts made.
+///
+/// Each seller's payout is its own transaction: one that fails (an amount beyond what a payout
+/// carries, a barrier of the ledger refusing it) is logged and the run goes on to the sellers
+/// after it, then ends in [`PayoutError::Sellers`] naming each that failed, so the run is
+/// retried and seen (the sellers paid are not paid again: one payout per period). An outage of
+/// the database ends the run at once: every seller after would fail the same way.
 pub async fn run(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, PayoutError> {
     let candidates: Vec<(String, PayoutFrequency, Decimal, String)> = sqlx::query_as(
         "SELECT s.id::text, s.payout_frequency, COALESCE(m.minimum, s.payout_minimum), a.currency::text
@@ -108,81 +120,120 @@ pub async fn run(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, PayoutErro
     .fetch_all(pool)
     .await?;
     let mut made = Vec::new();
+    let mut failed = Vec::new();
     for (seller, frequency, minimum, currency) in candidates {
         let Ok(c) = currency.parse::<Currency>() else {
             continue;
         };
-        let (available, transit, _) = accounts(&seller, c);
-        let mut tx = pool.begin().await?;
-        let mut ids = vec![
-            account(&mut tx, &available).await?,
-            account(&mut tx, &transit).await?,
-        ];
-        ids.sort_unstable();
-        let balances = lock(&mut tx, &ids).await?;
-        let available_id = account(&mut tx, &available).await?;
-        let balance = balances
-            .iter()
-            .find(|(id, _)| *id == available_id)
-            .map(|(_, b)| *b)
-            .unwrap_or_default();
-        // Refunds under way (asked of the gateway, not recorded yet) will take the seller's
-        // share of them back from this balance: paying it out now would leave the seller owing
-        // what a refund already known has taken. Their whole amount is held back (the seller's
-        // share is at most that); what they do not take is paid by a later run.
-        let held = refunds_under_way(&mut tx, &seller, c).await?;
-        let balance = balance - held;
-        if balance <= Decimal::ZERO || balance < minimum {
-            if held > Decimal::ZERO {
-                tracing::info!(%seller, currency = %c, %held, "no payout: refunds and disputes under way hold back the seller's available balance");
+        match pay_one(pool, &seller, (frequency, minimum, c), today).await {
+            Ok(Some(id)) => made.push(id),
+            Ok(None) => {}
+            Err(PayoutError::Database(e)) if crate::db::is_transient(&e) => {
+                return Err(PayoutError::Database(e));
             }
-            continue;
+            Err(e) => {
+                tracing::error!(%seller, currency = %c, error = %e, "a seller's payout failed; the run goes on to the others");
+                failed.push(SellerFailure {
+                    seller,
+                    currency: c,
+                    error: Box::new(e),
+                });
+            }
         }
-        let period = period_start(frequency, today);
-        let id: Option<i64> = sqlx::query_scalar(
-            "INSERT INTO payouts (seller_id, currency, period_start, amount) VALUES ($1::uuid, $2, $3, $4)
-             ON CONFLICT (seller_id, currency, period_start) DO NOTHING RETURNING id",
-        )
-        .bind(&seller)
-        .bind(c.as_str())
-        .bind(period)
-        .bind(balance)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(id) = id else {
-            continue; // paid already this period
-        };
-        let amount =
-            Money::new(balance, c).map_err(|_| LedgerError::Mismatch(format!("payout {id}")))?;
-        let key = format!("payout:{id}");
-        post(
-            &mut tx,
-            &Transfer {
-                source_key: key.clone(),
-                kind: TransferKind::PayoutDebit,
-                from: available,
-                to: transit,
-                amount,
-                available_at: None,
-                order_number: None,
-                reference: Some(id.to_string()),
-            },
-        )
-        .await?;
-        // The payout names its debit (the schema checks, at commit, that it has one).
-        sqlx::query(
-            "UPDATE payouts SET debit_transfer_id = (SELECT id FROM ledger_transfers WHERE source_key = $2)
-             WHERE id = $1",
-        )
-        .bind(id)
-        .bind(&key)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        tracing::info!(payout = id, %seller, %amount, %period, "payout made");
-        made.push(id);
+    }
+    if !failed.is_empty() {
+        return Err(PayoutError::Sellers { made, failed });
     }
     Ok(made)
+}
+
+/// A seller's payout that failed in a run.
+#[derive(Debug, thiserror::Error)]
+#[error("seller {seller}'s payout in {currency}: {error}")]
+pub struct SellerFailure {
+    pub seller: String,
+    pub currency: Currency,
+    #[source]
+    pub error: Box<PayoutError>,
+}
+
+/// Pays `seller` its available balance in currency `c` if it is due on `today`: the payout made,
+/// or none (below the minimum, held back, paid already this period).
+async fn pay_one(
+    pool: &PgPool,
+    seller: &str,
+    (frequency, minimum, c): (PayoutFrequency, Decimal, Currency),
+    today: NaiveDate,
+) -> Result<Option<i64>, PayoutError> {
+    let (available, transit, _) = accounts(seller, c);
+    let mut tx = pool.begin().await?;
+    let mut ids = vec![
+        account(&mut tx, &available).await?,
+        account(&mut tx, &transit).await?,
+    ];
+    ids.sort_unstable();
+    let balances = lock(&mut tx, &ids).await?;
+    let available_id = account(&mut tx, &available).await?;
+    let balance = balances
+        .iter()
+        .find(|(id, _)| *id == available_id)
+        .map(|(_, b)| *b)
+        .unwrap_or_default();
+    // Refunds under way (asked of the gateway, not recorded yet) will take the seller's
+    // share of them back from this balance: paying it out now would leave the seller owing
+    // what a refund already known has taken. Their whole amount is held back (the seller's
+    // share is at most that); what they do not take is paid by a later run.
+    let held = refunds_under_way(&mut tx, seller, c).await?;
+    let balance = balance - held;
+    if balance <= Decimal::ZERO || balance < minimum {
+        if held > Decimal::ZERO {
+            tracing::info!(%seller, currency = %c, %held, "no payout: refunds and disputes under way hold back the seller's available balance");
+        }
+        return Ok(None);
+    }
+    let period = period_start(frequency, today);
+    let id: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO payouts (seller_id, currency, period_start, amount) VALUES ($1::uuid, $2, $3, $4)
+         ON CONFLICT (seller_id, currency, period_start) DO NOTHING RETURNING id",
+    )
+    .bind(seller)
+    .bind(c.as_str())
+    .bind(period)
+    .bind(balance)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(id) = id else {
+        return Ok(None); // paid already this period
+    };
+    let amount =
+        Money::new(balance, c).map_err(|_| LedgerError::Mismatch(format!("payout {id}")))?;
+    let key = format!("payout:{id}");
+    post(
+        &mut tx,
+        &Transfer {
+            source_key: key.clone(),
+            kind: TransferKind::PayoutDebit,
+            from: available,
+            to: transit,
+            amount,
+            available_at: None,
+            order_number: None,
+            reference: Some(id.to_string()),
+        },
+    )
+    .await?;
+    // The payout names its debit (the schema checks, at commit, that it has one).
+    sqlx::query(
+        "UPDATE payouts SET debit_transfer_id = (SELECT id FROM ledger_transfers WHERE source_key = $2)
+         WHERE id = $1",
+    )
+    .bind(id)
+    .bind(&key)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    tracing::info!(payout = id, %seller, %amount, %period, "payout made");
+    Ok(Some(id))
 }
 
 /// In the transaction of a refund request of `seller`'s, before it is written: waits for a

@@ -1034,6 +1034,64 @@ async fn a_payout_holds_back_what_refunds_under_way_may_take(pool: PgPool) {
     invariants_hold(&pool).await;
 }
 
+/// A seller whose payout fails (here a balance of 1.2 trillion, more than one payout carries)
+/// holds up no seller after it: before, the run stopped at the first error, and every seller
+/// after it in the run's order went unpaid that day and every day after. The run pays the others,
+/// then fails naming the seller, so it is seen and retried; retried, it pays no one twice.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn one_sellers_failing_payout_holds_up_no_other(pool: PgPool) {
+    let shop = stepped(&pool).await;
+    let mut sellers = [
+        shop.seller_with("One", "daily", "0", 0).await,
+        shop.seller_with("Two", "daily", "0", 0).await,
+    ];
+    // A run goes by seller id: the first one's payout is the one that fails.
+    sellers.sort();
+    let (huge, other) = (sellers[0].clone(), sellers[1].clone());
+    let product = shop.product(&other, "50.00", "BRL").await;
+    let order = shop.checkout_one("k", "b", &product, 1).await;
+    let session = order["payment"]["session_id"].as_str().unwrap();
+    send_paid(&shop, "m1", session, "50.00").await;
+    process_all(&pool, &shop).await;
+    sales::release_matured(&pool, Utc::now()).await.unwrap();
+    let c = brl();
+    let clearing = AccountRef::new(AccountKind::GatewayClearing, "internal:shared", c);
+    let available = AccountRef::new(AccountKind::SellerAvailable, huge.as_str(), c);
+    for n in 0..2 {
+        let mut tx = pool.begin().await.unwrap();
+        ledger::post(
+            &mut tx,
+            &Transfer {
+                source_key: format!("huge-{n}"),
+                kind: TransferKind::Adjustment,
+                from: clearing.clone(),
+                to: available.clone(),
+                amount: Money::new(d("600000000000.00"), c).unwrap(),
+                available_at: None,
+                order_number: None,
+                reference: None,
+            },
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let today = Utc::now().date_naive();
+    for run in 0..2 {
+        let failed = payouts::run(&pool, today).await.unwrap_err();
+        let payouts::PayoutError::Sellers { made, failed } = &failed else {
+            panic!("{failed}");
+        };
+        assert_eq!(failed.len(), 1, "{failed:?}");
+        assert_eq!(failed[0].seller, huge);
+        assert_eq!(made.len(), 1 - run, "paid once, not again: {made:?}");
+        let (_, list) = shop.json(&format!("/sellers/{other}/payouts")).await;
+        assert_eq!(list["payouts"].as_array().unwrap().len(), 1, "{list}");
+        assert_eq!(list["payouts"][0]["amount"], "45.00", "{list}");
+    }
+    assert_eq!(shop.balance(&other).await, (d("0.00"), d("0.00")));
+}
+
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_seller_below_the_minimum_is_not_paid(pool: PgPool) {
     let shop = stepped(&pool).await;
