@@ -96,6 +96,20 @@ pub fn interpret(gateway: GatewayName, body: &[u8]) -> Result<Interpretation, Ev
         "failed" => PaymentStatus::Failed,
         _ => return Ok(Interpretation::Ignore("the gateway says pending".into())),
     };
+    // Where a payment's refunds and mediation are its own state (Mercado Pago: a payment found
+    // `refunded` or `charged_back` counts as paid), the payment is read again whole, as its
+    // lost notification would have been: its refunds and mediation are recorded with it. Taken
+    // as a bare success, an order was confirmed and its sale posted on money the buyer already
+    // had back, and nothing ever recorded the refund.
+    if status == PaymentStatus::Succeeded
+        && crate::gateways::format(gateway).disputes_are_payment_state()
+        && let Some(resource_id) = payment.payment_id.clone()
+    {
+        return Ok(Interpretation::Lookup {
+            resource: crate::gateways::LookupResource::Payment,
+            resource_id,
+        });
+    }
     let mut facts = vec![Fact::Payment {
         status,
         amount: r.amount,

@@ -1266,8 +1266,16 @@ async fn razorpay_orders_payments_and_refunds_as_documented() {
         )
         .route(
             "/v1/orders/{id}/payments",
-            axum::routing::get(|| async {
-                axum::Json(json!({"entity": "collection", "count": 1, "items": [{"id": "pay_Rz1", "entity": "payment", "amount": 1990, "currency": "BRL", "status": "captured", "order_id": "order_Rz1"}]}))
+            axum::routing::get(|Path(id): Path<String>| async move {
+                let payment = |pay: &str, status: &str| json!({"id": pay, "entity": "payment", "amount": 1990, "currency": "BRL", "status": status, "order_id": id});
+                // order_Rz4: one payment, refunded; order_Rz5: a refunded one listed first, then
+                // one captured.
+                let items = match id.as_str() {
+                    "order_Rz4" => vec![payment("pay_Rz4", "refunded")],
+                    "order_Rz5" => vec![payment("pay_Rz5a", "refunded"), payment("pay_Rz5b", "captured")],
+                    _ => vec![payment("pay_Rz1", "captured")],
+                };
+                axum::Json(json!({"entity": "collection", "count": items.len(), "items": items}))
             }),
         )
         .route(
@@ -1316,6 +1324,18 @@ async fn razorpay_orders_payments_and_refunds_as_documented() {
     assert_eq!(
         (state.status, state.payment_id.as_deref()),
         (PaymentStatus::Succeeded, Some("pay_Rz1"))
+    );
+    // A refunded payment (whole, or authorized and given back uncaptured) is not what an order
+    // is confirmed on: the money is the buyer's again. One captured beside it is.
+    let state = rzp.status("order_Rz4", None).await.unwrap();
+    assert_eq!(
+        (state.status, state.payment_id.as_deref()),
+        (PaymentStatus::Pending, None)
+    );
+    let state = rzp.status("order_Rz5", None).await.unwrap();
+    assert_eq!(
+        (state.status, state.payment_id.as_deref()),
+        (PaymentStatus::Succeeded, Some("pay_Rz5b"))
     );
     // A renewal charged without an order is named by its invoice: asked as one.
     let state = rzp.status("inv_Rz2", None).await.unwrap();

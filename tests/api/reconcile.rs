@@ -389,6 +389,47 @@ async fn a_payment_approved_after_a_refused_attempt_is_still_looked_for(pool: Pg
     assert_eq!((again.asked, again.found), (0, 0), "a paid order is not");
 }
 
+/// A Mercado Pago payment whose every notification was lost, refunded since: reconciliation
+/// finds it `refunded`, which counts as paid, and reads the payment again whole, as its lost
+/// notification would have been: the order is paid and refunded, the refund recorded. Before,
+/// the bare success confirmed the order and posted its sale on money the buyer had back, and
+/// nothing ever recorded the refund.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_payment_found_refunded_is_recorded_with_its_refund(pool: PgPool) {
+    let payments = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+    let base = crate::processing::mercadopago_api(payments.clone()).await;
+    let mut config = test_config();
+    config.gateways.mercadopago.api = Some(payfleet::gateways::mercadopago::Api {
+        base_url: base,
+        access_token: payfleet::secret::Secret::new("TEST-token"),
+    });
+    let _app = spawn_app(pool.clone()).await;
+    orders_for(&pool, "mercadopago", &["pref_8"], "50.00", "BRL").await;
+    payments.lock().unwrap().insert(
+        "801".to_owned(),
+        json!({
+            "id": 801, "status": "refunded", "transaction_amount": 50, "currency_id": "BRL",
+            "external_reference": "pref_8",
+            "refunds": [{"id": 9801, "amount": 50, "status": "approved"}]
+        }),
+    );
+    let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
+    let r = reconcile::run(&pool, &gateways, &settings(10, 0))
+        .await
+        .unwrap();
+    assert_eq!((r.asked, r.found), (1, 1));
+    process_events_with(&pool, &config).await;
+    let (status, refunded): (String, rust_decimal::Decimal) =
+        sqlx::query_as("SELECT status, amount_refunded FROM orders WHERE session_id = 'pref_8'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (status.as_str(), refunded),
+        ("refunded", "50".parse().unwrap())
+    );
+}
+
 /// A session the gateway refuses to tell about (an account deauthorized, say) goes to the back
 /// of the line like any answered one: with room for one question a run, the next run asks the
 /// next session instead of the refused one again.

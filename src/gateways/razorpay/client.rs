@@ -168,12 +168,23 @@ impl RazorpayGateway {
             rzp_error,
         )
         .await?;
+        // The payment that took the money and kept it, if any; else the latest attempt. A
+        // `refunded` one (refunded whole, or authorized and never captured: Razorpay gives those
+        // back after five days) is not the order's payment: read as paid, it confirmed an order
+        // and posted a sale on money the buyer had back, with no refund ever recorded. It counts
+        // as pending here; its own events, if they come, say the rest.
         let chosen = payments
             .items
             .iter()
-            .find(|p| payment_status(&p.status) == PaymentStatus::Succeeded)
+            .find(|p| p.status == "captured")
             .or_else(|| payments.items.first());
         Ok(match chosen {
+            Some(p) if p.status == "refunded" => PaymentState {
+                status: PaymentStatus::Pending,
+                payment_id: None,
+                amount: None,
+                subscription: None,
+            },
             Some(p) => PaymentState {
                 status: self.map(&p.status),
                 payment_id: Some(p.id.clone()),
