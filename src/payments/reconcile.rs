@@ -236,7 +236,11 @@ pub async fn run(
         .map(|g| g.as_str())
         .collect();
     // Each gateway's current sessions and its late ones, each list in the order they are due
-    // and as long as a run's share: `share` then chooses between them.
+    // and as long as a run's share: `share` then chooses between them. A paid order's other
+    // sessions are late ones too, for as long after its payment: a voucher or boleto of an
+    // earlier attempt, paid days after the order was paid another way (its coins, another
+    // session) with its webhooks lost, was never asked about, and the buyer who paid twice was
+    // never given it back. (The session that paid is not asked: it succeeded.)
     let pending: Vec<Pending> = sqlx::query_as(
         "SELECT gateway, session_id, order_number, seller_account, failed_before, late FROM (
              SELECT s.gateway, s.session_id, s.order_number, s.metadata ->> 'seller_account' AS seller_account,
@@ -249,10 +253,10 @@ pub async fn run(
              LEFT JOIN payment_orders po ON po.gateway = s.gateway AND po.session_id = s.session_id
              WHERE s.gateway = ANY($1)
                AND s.created_at < now() - make_interval(secs => $2)
-               AND o.paid_at IS NULL
                AND (o.payable
                     OR o.expired_at > now() - interval '1 day'
-                    OR (o.expired_at > now() - make_interval(secs => $5)
+                    OR ((o.expired_at > now() - make_interval(secs => $5)
+                         OR o.paid_at > now() - make_interval(secs => $5))
                         AND (s.checked_at IS NULL OR s.checked_at < now() - make_interval(secs => $6))))
                AND (po.id IS NULL OR (po.succeeded_at IS NULL
                                       AND (po.failed_at IS NULL OR s.gateway = ANY($4)

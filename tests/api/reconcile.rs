@@ -430,6 +430,69 @@ async fn a_payment_found_refunded_is_recorded_with_its_refund(pool: PgPool) {
     );
 }
 
+/// An order paid one way (another attempt's session, its coins) while an earlier session of its
+/// own was still open: that session is paid days later (a voucher, a boleto) and its webhooks are
+/// lost. Reconciliation goes on asking about a paid order's other sessions as it does about an
+/// expired order's (ten days, every six hours), so the second payment is found and given back.
+/// Before, a paid order's sessions were never asked about, and the buyer who paid twice kept
+/// paying twice.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_second_payment_of_a_paid_order_whose_webhooks_were_lost_is_found_and_given_back(
+    pool: PgPool,
+) {
+    let asked = Arc::new(AtomicUsize::new(0));
+    let config = with_stripe(&stripe_stand_in(asked.clone(), vec![]).await);
+    orders_for(&pool, "stripe", &["cs_card"], "10.00", "BRL").await;
+    // The order's first attempt's session (a voucher, paid at Stripe since), and the order
+    // paid through the card's.
+    for statement in [
+        "INSERT INTO payment_sessions (order_number, attempt, gateway, session_id, url, amount, currency, platform_fee)
+         SELECT number, 2, 'stripe', 'cs_paid_voucher', 'http://pay/v', 10, 'BRL', 0 FROM orders",
+        "INSERT INTO payment_orders (gateway, session_id, payment_id, status, amount, currency, succeeded_at)
+         VALUES ('stripe', 'cs_card', 'pi_card', 'succeeded', 10, 'BRL', now() - interval '2 days')",
+        "UPDATE orders SET status = 'paid', payment_status = 'succeeded', paid_at = now() - interval '2 days'",
+    ] {
+        sqlx::query(statement).execute(&pool).await.unwrap();
+    }
+    let (gateways, _) = payfleet::startup::gateways(&config, &pool).unwrap();
+    let r = reconcile::run(&pool, &gateways, &settings(10, 0))
+        .await
+        .unwrap();
+    assert_eq!(r.found, 1);
+    let checked: Vec<String> =
+        sqlx::query_scalar("SELECT session_id FROM payment_sessions WHERE checked_at IS NOT NULL")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        checked,
+        ["cs_paid_voucher"],
+        "the voucher's session, not the card's"
+    );
+    process_events_with(&pool, &config).await;
+    let extra: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM order_events WHERE kind = 'extra_payment'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(extra, 1, "the second payment is the order's message");
+    let give_backs: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE kind = 'refund_payment'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(give_backs, 1, "and goes back to the buyer");
+    assert_eq!(
+        order_status(&pool, "stripe", "cs_card").await,
+        Some(("paid".to_owned(), Some("succeeded".to_owned())))
+    );
+    // Asked again only six hours later, and not once found.
+    let again = reconcile::run(&pool, &gateways, &settings(10, 0))
+        .await
+        .unwrap();
+    assert_eq!((again.asked, again.found), (0, 0));
+}
+
 /// A session the gateway refuses to tell about (an account deauthorized, say) goes to the back
 /// of the line like any answered one: with room for one question a run, the next run asks the
 /// next session instead of the refused one again.
