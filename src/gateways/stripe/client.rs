@@ -756,13 +756,19 @@ impl StripeConnect {
         let account = self.account(seller_account);
         let path = format!("/v1/subscriptions/{subscription}");
         let req = if at_period_end {
-            let form = [("cancel_at_period_end".to_owned(), "true".to_owned())];
-            self.post(
-                &path,
-                account,
-                &format!("payfleet-cancel-at-period-end-{subscription}"),
-                &form,
-            )
+            // Without an idempotency key: setting the flag again sets it once. A key of the
+            // subscription's own made a second cancellation within Stripe's day (the buyer
+            // having resumed the subscription at Stripe since) a replay of the first one's
+            // answer that set nothing: recorded cancelled here, billed on there.
+            let mut req = self
+                .http
+                .post(format!("{}{path}", self.api))
+                .bearer_auth(self.secret_key.expose())
+                .form(&[("cancel_at_period_end", "true")]);
+            if let Some(a) = account {
+                req = req.header("Stripe-Account", a);
+            }
+            req
         } else {
             let mut req = self
                 .http
