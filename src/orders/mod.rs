@@ -422,22 +422,29 @@ pub async fn payment_not_taken(
 }
 
 /// Records a second payment on one of the order's sessions (given back by the caller): once.
+/// An `extra_payment` of an order that was paid; of one never paid (expired or cancelled), a
+/// `late_payment` like its session's first.
 pub(crate) async fn record_extra_payment(
     tx: &mut PgConnection,
     number: i64,
     session_id: &str,
     payment_id: &str,
 ) -> Result<bool, sqlx::Error> {
-    let id: Option<i64> = sqlx::query_scalar("SELECT id FROM orders WHERE number = $1 FOR UPDATE")
-        .bind(number)
-        .fetch_optional(&mut *tx)
-        .await?;
-    match id {
-        Some(id) => {
+    let order: Option<(i64, bool)> =
+        sqlx::query_as("SELECT id, paid_at IS NOT NULL FROM orders WHERE number = $1 FOR UPDATE")
+            .bind(number)
+            .fetch_optional(&mut *tx)
+            .await?;
+    match order {
+        Some((id, paid)) => {
             record_event(
                 tx,
                 id,
-                OrderEventKind::ExtraPayment,
+                if paid {
+                    OrderEventKind::ExtraPayment
+                } else {
+                    OrderEventKind::LatePayment
+                },
                 serde_json::json!({"session_id": session_id, "payment_id": payment_id}),
             )
             .await

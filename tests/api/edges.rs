@@ -173,12 +173,22 @@ async fn every_late_payment_of_an_expired_order_is_given_back(pool: PgPool) {
         &about("payment.succeeded", "sess_a", "pay_a", Some("10.00")),
     )
     .await;
+    // And B's session takes a second payment (a preference paid twice): late too, not an
+    // "extra" payment of an order that was never paid.
+    deliver(
+        &app,
+        "b_paid_twice",
+        &about("payment.succeeded", "sess_b", "pay_b2", Some("10.00")),
+    )
+    .await;
     let events = events_of_order(&pool).await;
     assert_eq!(
         events.iter().filter(|k| *k == "late_payment").count(),
-        2,
+        3,
         "{events:?}"
     );
+    assert!(!events.iter().any(|k| k == "extra_payment"), "{events:?}");
+    assert_eq!(refund_jobs(&pool).await.len(), 3);
     assert_eq!(order(&pool).await.0, "expired");
 }
 
