@@ -94,6 +94,17 @@ pub enum PayoutError {
     },
 }
 
+impl PayoutError {
+    /// An outage of the database (met directly or in a posting): asking again later may work.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Database(e) => crate::db::is_transient(e),
+            Self::Ledger(e) => e.is_transient(),
+            _ => false,
+        }
+    }
+}
+
 fn accounts(seller: &str, currency: Currency) -> (AccountRef, AccountRef, AccountRef) {
     (
         AccountRef::new(AccountKind::SellerAvailable, seller, currency),
@@ -106,9 +117,10 @@ fn accounts(seller: &str, currency: Currency) -> (AccountRef, AccountRef, Accoun
 ///
 /// Each seller's payout is its own transaction: one that fails (an amount beyond what a payout
 /// carries, a barrier of the ledger refusing it) is logged and the run goes on to the sellers
-/// after it, then ends in [`PayoutError::Sellers`] naming each that failed, so the run is
-/// retried and seen (the sellers paid are not paid again: one payout per period). An outage of
-/// the database ends the run at once: every seller after would fail the same way.
+/// after it, then ends in [`PayoutError::Sellers`] naming each that failed, for an operator to
+/// see (the run's job ends dead; run again, it pays no seller twice: one payout per period). An
+/// outage of the database, met directly or in a posting, ends the run at once, to be retried:
+/// every seller after would fail the same way.
 pub async fn run(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, PayoutError> {
     let candidates: Vec<(String, PayoutFrequency, Decimal, String)> = sqlx::query_as(
         "SELECT s.id::text, s.payout_frequency, COALESCE(m.minimum, s.payout_minimum), a.currency::text
@@ -128,9 +140,7 @@ pub async fn run(pool: &PgPool, today: NaiveDate) -> Result<Vec<i64>, PayoutErro
         match pay_one(pool, &seller, (frequency, minimum, c), today).await {
             Ok(Some(id)) => made.push(id),
             Ok(None) => {}
-            Err(PayoutError::Database(e)) if crate::db::is_transient(&e) => {
-                return Err(PayoutError::Database(e));
-            }
+            Err(e) if e.is_transient() => return Err(e),
             Err(e) => {
                 tracing::error!(%seller, currency = %c, error = %e, "a seller's payout failed; the run goes on to the others");
                 failed.push(SellerFailure {

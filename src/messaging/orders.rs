@@ -1035,13 +1035,16 @@ pub async fn keep_dead_lettered(broker: Broker, pool: PgPool) {
 /// A message that `routes` does bind came here because its service's queue lost its bindings:
 /// deleted (to be declared anew, as quorum: README, "Upgrading") and declared again by the
 /// service's own consumer, which knows no routes, so every message of the service's went here
-/// until a relay set up again, which may be days. Such a message is not kept: the topology is
-/// declared again (binding the queue) and the message goes again from the outbox, to its
-/// service. Only once: the same message here again is dropped as handled, so a binding that
-/// still does not hold is no loop (it is logged as an error, and kept the first time).
+/// until a relay set up again, which may be days. Such a message is kept too, and goes again
+/// from the outbox once the topology is declared again (binding the queue): its service takes
+/// it. Should it come back here (the queue deleted again meanwhile), it is dropped as handled,
+/// and its record stays. The topology is declared at most every [`BIND_AGAIN_EVERY`] (a backlog
+/// of such messages declares it once), and waited for at most [`BIND_AGAIN_WITHIN`], in the
+/// message's transaction.
 pub async fn keep_unrouted(broker: Broker, pool: PgPool, routes: Routes, outbox: impl Outbox) {
     let routes = std::sync::Arc::new(routes);
     let outbox = std::sync::Arc::new(outbox);
+    let bound_at = std::sync::Arc::new(std::sync::Mutex::new(None::<tokio::time::Instant>));
     let declaring = broker.clone();
     consume(
         broker,
@@ -1051,26 +1054,13 @@ pub async fn keep_unrouted(broker: Broker, pool: PgPool, routes: Routes, outbox:
         move |m: OrderMessage, tx: &mut PgConnection| {
             let key = m.routing_key();
             let body = serde_json::to_value(&m).unwrap_or_default();
-            let (broker, routes, outbox) = (declaring.clone(), routes.clone(), outbox.clone());
+            let (broker, routes, outbox, bound_at) = (
+                declaring.clone(),
+                routes.clone(),
+                outbox.clone(),
+                bound_at.clone(),
+            );
             Box::pin(async move {
-                if let Some(service) = routes.service_of(&key)
-                    && let Some(id) = outbox_id(&m.message_id)
-                {
-                    match bind_again(&broker, &routes).await {
-                        Ok(()) if outbox.publish_again(&mut *tx, id).await? => {
-                            tracing::warn!(routing_key = %key, %service, order = m.order_number,
-                                "an order message its service binds came to the legacy queue (the service's queue lost its bindings): bound again, and the message goes again");
-                            return Ok(());
-                        }
-                        Ok(()) => {}
-                        Err(e) => {
-                            tracing::error!(routing_key = %key, %service, error = %e,
-                                "an order message its service binds came to the legacy queue, and its bindings could not be declared again: kept in unrouted_messages");
-                        }
-                    }
-                }
-                tracing::warn!(routing_key = %key, order = m.order_number, order_kind = %m.order_kind, event = %m.event,
-                    "an order message no service's queue binds: kept in unrouted_messages");
                 sqlx::query(
                     "INSERT INTO unrouted_messages (message_id, routing_key, order_kind, body) VALUES ($1, $2, $3, $4)
                      ON CONFLICT (message_id) DO NOTHING",
@@ -1081,12 +1071,51 @@ pub async fn keep_unrouted(broker: Broker, pool: PgPool, routes: Routes, outbox:
                 .bind(body)
                 .execute(&mut *tx)
                 .await?;
+                let (Some(service), Some(id)) = (routes.service_of(&key), outbox_id(&m.message_id))
+                else {
+                    tracing::warn!(routing_key = %key, order = m.order_number, order_kind = %m.order_kind, event = %m.event,
+                        "an order message no service's queue binds: kept in unrouted_messages");
+                    return Ok(());
+                };
+                let recently = bound_at
+                    .lock()
+                    .ok()
+                    .and_then(|at| *at)
+                    .is_some_and(|at| at.elapsed() < BIND_AGAIN_EVERY);
+                if !recently {
+                    match tokio::time::timeout(BIND_AGAIN_WITHIN, bind_again(&broker, &routes)).await {
+                        Ok(Ok(())) => {
+                            if let Ok(mut at) = bound_at.lock() {
+                                *at = Some(tokio::time::Instant::now());
+                            }
+                        }
+                        Ok(Err(e)) => {
+                            tracing::error!(routing_key = %key, %service, error = %e,
+                                "an order message its service binds came to the legacy queue, and the bindings could not be declared again: kept in unrouted_messages");
+                            return Ok(());
+                        }
+                        Err(_) => {
+                            tracing::error!(routing_key = %key, %service,
+                                "an order message its service binds came to the legacy queue, and the broker did not declare the bindings in time: kept in unrouted_messages");
+                            return Ok(());
+                        }
+                    }
+                }
+                if outbox.publish_again(&mut *tx, id).await? {
+                    tracing::warn!(routing_key = %key, %service, order = m.order_number,
+                        "an order message its service binds came to the legacy queue (the service's queue lost its bindings): bound again, and the message goes again (kept in unrouted_messages too)");
+                }
                 Ok(())
             })
         },
     )
     .await
 }
+
+/// How often the legacy queue's consumer declares the topology again, at most.
+const BIND_AGAIN_EVERY: Duration = Duration::from_secs(10);
+/// How long it waits for the broker to declare it, in a message's transaction.
+const BIND_AGAIN_WITHIN: Duration = Duration::from_secs(5);
 
 /// Declares the exchanges, queues and bindings again, on a channel of its own.
 async fn bind_again(broker: &Broker, routes: &Routes) -> lapin::Result<()> {

@@ -44,12 +44,12 @@ pub struct InFlight {
     acquirer: Option<GatewayName>,
 }
 
-/// How long a link asked without its caller's patience (a receiver of an earlier release, the
-/// renewals' biller) waits for a place: the RPC's default timeout.
 /// What became of a session asked of an outside gateway: its answer, or the reply when it was
 /// not asked or not answered in time.
 type Outcome = Result<Result<Session, crate::gateways::GatewayError>, PaymentLinkReply>;
 
+/// How long a link asked without its caller's patience (a receiver of an earlier release, the
+/// renewals' biller) waits for a place: the RPC's default timeout.
 const PLACE_WAIT_DEFAULT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl InFlight {
@@ -470,7 +470,12 @@ impl LinkService {
         if again.is_empty() {
             return made;
         }
-        tracing::info!(gateway = %name, links = again.len(), "links refused under their first asking's expiry are asked afresh");
+        for k in &again {
+            if let Ok(Err(e)) = &made[*k] {
+                tracing::warn!(gateway = %name, order = sessions[*k].order_number, error = %e,
+                    "a link first asked a while ago was refused: asked afresh, its expiry counted from now");
+            }
+        }
         let asked: Vec<SessionRequest> = again.iter().map(|k| sessions[*k].clone()).collect();
         let outcomes = self.ask_outside(name, gateway, &asked, answer_by).await;
         for (k, outcome) in again.into_iter().zip(outcomes) {
