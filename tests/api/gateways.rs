@@ -489,25 +489,46 @@ fn sessions_asked(log: &Log) -> Vec<Seen> {
 /// Stripe's Checkout Sessions, failing the first asking (a 500: it may have made the session)
 /// and answering `cs_test_1` to every one after it.
 fn failing_once() -> Router<Log> {
-    let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    sessions_failing_first(StatusCode::INTERNAL_SERVER_ERROR, false)
+}
+
+/// Stripe's Checkout Sessions: the first asking answered `first` (nothing made), every one
+/// after it `cs_test_1`; with `checking_expiry`, a session's expiry checked as Stripe does (at
+/// least 30 minutes after its creation by Stripe's clock, or a 400 that saves nothing under the
+/// idempotency key).
+fn sessions_failing_first(first: StatusCode, checking_expiry: bool) -> Router<Log> {
+    let first_asking = Arc::new(std::sync::atomic::AtomicBool::new(true));
     Router::new().route(
         "/v1/checkout/sessions",
-        axum::routing::post(move || {
-            let first = first.clone();
-            async move {
-                if first.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                    return (
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        axum::Json(json!({"error": {"type": "api_error", "message": "try again"}})),
-                    );
+        axum::routing::post(
+            move |axum::extract::Form(form): axum::extract::Form<HashMap<String, String>>| {
+                let first_asking = first_asking.clone();
+                async move {
+                    if first_asking.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                        return (
+                            first,
+                            axum::Json(json!({"error": {"type": "api_error", "message": "try again"}})),
+                        );
+                    }
+                    let expires: i64 = form
+                        .get("expires_at")
+                        .and_then(|e| e.parse().ok())
+                        .unwrap_or(0);
+                    if checking_expiry && expires < chrono::Utc::now().timestamp() + 30 * 60 {
+                        return (
+                            StatusCode::BAD_REQUEST,
+                            axum::Json(json!({"error": {"type": "invalid_request_error", "code": "parameter_invalid_integer",
+                                "param": "expires_at", "message": "The `expires_at` timestamp must be at least 30 minutes from Checkout Session creation."}})),
+                        );
+                    }
+                    (
+                        StatusCode::OK,
+                        axum::Json(json!({"id": "cs_test_1", "object": "checkout.session",
+                            "url": "https://checkout.stripe.test/c/pay/cs_test_1", "payment_status": "unpaid"})),
+                    )
                 }
-                (
-                    StatusCode::OK,
-                    axum::Json(json!({"id": "cs_test_1", "object": "checkout.session",
-                        "url": "https://checkout.stripe.test/c/pay/cs_test_1", "payment_status": "unpaid"})),
-                )
-            }
-        }),
+            },
+        ),
     )
 }
 
@@ -596,41 +617,6 @@ async fn a_stripe_link_asked_again_for_a_reopened_order_asks_exactly_the_same(po
     assert_eq!(sent[0].form(), sent[1].form());
 }
 
-/// Stripe's Checkout Sessions as they check a new session's expiry: at least 30 minutes after
-/// its creation by Stripe's clock, or a 400 that saves nothing under the idempotency key. The
-/// first asking fails without reaching the API (a 502 from a proxy: nothing made); every
-/// asking after it that passes the check answers `cs_test_1`.
-fn checking_expiry_after_an_outage() -> Router<Log> {
-    let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    Router::new().route(
-        "/v1/checkout/sessions",
-        axum::routing::post(move |axum::extract::Form(form): axum::extract::Form<std::collections::HashMap<String, String>>| {
-            let first = first.clone();
-            async move {
-                if first.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                    return (
-                        StatusCode::BAD_GATEWAY,
-                        axum::Json(json!({"error": {"type": "api_error", "message": "bad gateway"}})),
-                    );
-                }
-                let expires: i64 = form.get("expires_at").and_then(|e| e.parse().ok()).unwrap_or(0);
-                if expires < chrono::Utc::now().timestamp() + 30 * 60 {
-                    return (
-                        StatusCode::BAD_REQUEST,
-                        axum::Json(json!({"error": {"type": "invalid_request_error", "code": "parameter_invalid_integer",
-                            "param": "expires_at", "message": "The `expires_at` timestamp must be at least 30 minutes from Checkout Session creation."}})),
-                    );
-                }
-                (
-                    StatusCode::OK,
-                    axum::Json(json!({"id": "cs_test_1", "object": "checkout.session",
-                        "url": "https://checkout.stripe.test/c/pay/cs_test_1", "payment_status": "unpaid"})),
-                )
-            }
-        }),
-    )
-}
-
 /// A link whose first asking never reached Stripe (an outage) and whose buyer comes back five
 /// minutes later: its expiry, counted from that first asking, is now less than the 30 minutes
 /// Stripe asks of a new session, and Stripe refuses it, saving nothing under the key. The
@@ -639,7 +625,12 @@ fn checking_expiry_after_an_outage() -> Router<Log> {
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_stripe_link_first_asked_before_an_outage_is_asked_afresh_when_refused(pool: PgPool) {
     let log = Log::default();
-    let base = stand_in(checking_expiry_after_an_outage(), log.clone()).await;
+    let base = stand_in(
+        // The first asking fails without reaching the API (a 502 from a proxy).
+        sessions_failing_first(StatusCode::BAD_GATEWAY, true),
+        log.clone(),
+    )
+    .await;
     let shop = Shop {
         app: Arc::new(spawn_fleet(pool.clone(), config_with_stripe(base)).await),
     };

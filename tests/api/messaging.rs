@@ -169,27 +169,9 @@ async fn a_message_that_would_reach_no_queue_stays_until_its_queue_is_bound_agai
         kept_unrouted(&pool).await == 1
     })
     .await;
-    let legacy = format!("{}.orders.legacy", config.messaging.namespace);
-    rabbitmqctl(&["delete_queue", &legacy]);
-    // Its consumer declares it again, bound to nothing. (Each rabbitmqctl is an Erlang VM
-    // starting: asked once a second.)
-    wait_for(
-        "the queue declared again",
-        Duration::from_secs(60),
-        async || {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            rabbitmqctl(&["list_queues", "name", "consumers"])
-                .lines()
-                .any(|l| l.split_whitespace().collect::<Vec<_>>() == [legacy.as_str(), "1"])
-        },
-    )
-    .await;
-    sqlx::query(
-        "INSERT INTO order_events (order_id, kind, payload) SELECT id, 'expired', '{}' FROM orders",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    // Its consumer declares it again, bound to nothing.
+    deleted_and_declared_again(&format!("{}.orders.legacy", config.messaging.namespace)).await;
+    expired_events(&pool).await;
     wait_for("the second kept", Duration::from_secs(60), async || {
         kept_unrouted(&pool).await == 2
     })
@@ -211,27 +193,9 @@ async fn a_service_queue_declared_again_by_its_consumer_is_bound_again(pool: PgP
         handled(&pool, "fulfilment").await.len() == 1
     })
     .await;
-    let queue = format!("{}.fulfilment", config.messaging.namespace);
-    rabbitmqctl(&["delete_queue", &queue]);
-    // Its consumer declares it again, bound to nothing. (Each rabbitmqctl is an Erlang VM
-    // starting: asked once a second.)
-    wait_for(
-        "the queue declared again",
-        Duration::from_secs(60),
-        async || {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            rabbitmqctl(&["list_queues", "name", "consumers"])
-                .lines()
-                .any(|l| l.split_whitespace().collect::<Vec<_>>() == [queue.as_str(), "1"])
-        },
-    )
-    .await;
-    sqlx::query(
-        "INSERT INTO order_events (order_id, kind, payload) SELECT id, 'expired', '{}' FROM orders",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    // Its consumer declares it again, bound to nothing.
+    deleted_and_declared_again(&format!("{}.fulfilment", config.messaging.namespace)).await;
+    expired_events(&pool).await;
     wait_for(
         "the second handled by its service",
         Duration::from_secs(30),
@@ -242,6 +206,39 @@ async fn a_service_queue_declared_again_by_its_consumer_is_bound_again(pool: PgP
     .await;
     // Kept as well, so that no message that reached the legacy queue goes unrecorded.
     assert_eq!(kept_unrouted(&pool).await, 1);
+}
+
+/// Waits until `queue` exists with one consumer. (Each rabbitmqctl is an Erlang VM starting:
+/// asked once a second.)
+async fn consumed_once(queue: &str) {
+    wait_for(
+        &format!("{queue} consumed"),
+        Duration::from_secs(60),
+        async || {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            rabbitmqctl(&["list_queues", "name", "consumers"])
+                .lines()
+                .any(|l| l.split_whitespace().collect::<Vec<_>>() == [queue, "1"])
+        },
+    )
+    .await;
+}
+
+/// Deletes `queue` and waits until its consumer has declared it again (as an operator's
+/// deletion does: README, "Upgrading").
+async fn deleted_and_declared_again(queue: &str) {
+    rabbitmqctl(&["delete_queue", queue]);
+    consumed_once(queue).await;
+}
+
+/// An `expired` event for every fixture order.
+async fn expired_events(pool: &PgPool) {
+    sqlx::query(
+        "INSERT INTO order_events (order_id, kind, payload) SELECT id, 'expired', '{}' FROM orders",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
 }
 
 /// `n` order events written as the business code writes them, for fixture orders.
@@ -787,31 +784,8 @@ async fn a_dead_letter_queue_declared_again_by_its_keeper_takes_dead_letters_aga
     let attempts = refusing_fulfilment(&broker, &pool);
     let _worker = spawn_roles(pool.clone(), config.clone(), Roles::WORK).await;
     let dead = format!("{}.dead", config.messaging.namespace);
-    let consumed = || {
-        rabbitmqctl(&["list_queues", "name", "consumers"])
-            .lines()
-            .any(|l| l.split_whitespace().collect::<Vec<_>>() == [dead.as_str(), "1"])
-    };
-    // (Each rabbitmqctl is an Erlang VM starting: asked once a second.)
-    wait_for(
-        "the keeper consuming",
-        Duration::from_secs(60),
-        async || {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            consumed()
-        },
-    )
-    .await;
-    rabbitmqctl(&["delete_queue", &dead]);
-    wait_for(
-        "the queue declared again by its keeper",
-        Duration::from_secs(60),
-        async || {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            consumed()
-        },
-    )
-    .await;
+    consumed_once(&dead).await;
+    deleted_and_declared_again(&dead).await;
     order_events(&pool, 1).await;
     wait_for(
         "the message dead-lettered and kept",

@@ -24,6 +24,11 @@ pub(crate) fn settings(per_run: usize, pace_ms: u64) -> Settings {
     }
 }
 
+/// What `sql` (a `count(*)`) counts.
+async fn count(pool: &PgPool, sql: &'static str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}
+
 async fn order_events(pool: &PgPool) -> Vec<String> {
     sqlx::query_scalar("SELECT kind FROM order_events ORDER BY id")
         .fetch_all(pool)
@@ -470,17 +475,17 @@ async fn a_second_payment_of_a_paid_order_whose_webhooks_were_lost_is_found_and_
         "the voucher's session, not the card's"
     );
     process_events_with(&pool, &config).await;
-    let extra: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM order_events WHERE kind = 'extra_payment'")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let extra = count(
+        &pool,
+        "SELECT count(*) FROM order_events WHERE kind = 'extra_payment'",
+    )
+    .await;
     assert_eq!(extra, 1, "the second payment is the order's message");
-    let give_backs: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE kind = 'refund_payment'")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let give_backs = count(
+        &pool,
+        "SELECT count(*) FROM jobs WHERE kind = 'refund_payment'",
+    )
+    .await;
     assert_eq!(give_backs, 1, "and goes back to the buyer");
     assert_eq!(
         order_status(&pool, "stripe", "cs_card").await,
@@ -605,11 +610,11 @@ async fn a_voucher_paid_days_after_its_order_expired_is_found_and_given_back(poo
     .await
     .unwrap();
     assert_eq!(late_payments, 1, "the late payment is the order's message");
-    let give_backs: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE kind = 'refund_payment'")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let give_backs = count(
+        &pool,
+        "SELECT count(*) FROM jobs WHERE kind = 'refund_payment'",
+    )
+    .await;
     assert_eq!(give_backs, 1, "and goes back to the buyer");
     assert_eq!(
         order_status(&pool, "stripe", "cs_paid_late").await,
