@@ -101,8 +101,14 @@ pub fn interpret(gateway: GatewayName, body: &[u8]) -> Result<Interpretation, Ev
     // lost notification would have been: its refunds and mediation are recorded with it. Taken
     // as a bare success, an order was confirmed and its sale posted on money the buyer already
     // had back, and nothing ever recorded the refund.
+    // (A renewal's charge, a preapproval's, is read as its authorized payment reports it: its
+    // payment looked up alone would be taken for the first payment's.)
     if status == PaymentStatus::Succeeded
         && crate::gateways::format(gateway).disputes_are_payment_state()
+        && !payment
+            .session_id
+            .as_deref()
+            .is_some_and(crate::gateways::mercadopago::is_renewal_session)
         && let Some(resource_id) = payment.payment_id.clone()
     {
         return Ok(Interpretation::Lookup {

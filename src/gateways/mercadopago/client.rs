@@ -81,6 +81,11 @@ fn amount_of(amount: Option<&Value>, currency: Option<&str>) -> Option<Money> {
 /// How a renewal's session names its preapproval charge: `authorized_payment:{id}`.
 const AUTHORIZED_PAYMENT: &str = "authorized_payment:";
 
+/// Whether `session_id` names a preapproval's charge (a renewal's session), not a preference.
+pub fn is_renewal_session(session_id: &str) -> bool {
+    session_id.starts_with(AUTHORIZED_PAYMENT)
+}
+
 /// A preapproval's charge for one period (`GET /authorized_payments/{id}`).
 #[derive(Deserialize)]
 struct AuthorizedPayment {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-pub use client::{MercadoPagoClient, MercadoPagoError};
+pub use client::{MercadoPagoClient, MercadoPagoError, is_renewal_session};
 
 use super::signature::SignatureError;
 use super::{
