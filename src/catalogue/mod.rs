@@ -312,6 +312,11 @@ pub async fn create_product(pool: &PgPool, new: NewProduct) -> Result<Product, C
     .bind(new.interval)
     .fetch_one(pool)
     .await
+    .map(|product: Product| Product {
+        // As every amount is written: "19.90", not the column's "19.9000".
+        price: price.amount(),
+        ..product
+    })
     .map_err(|e| match CatalogueError::from(e) {
         CatalogueError::UnknownSeller(_) => CatalogueError::UnknownSeller(seller_id.to_string()),
         other => other,

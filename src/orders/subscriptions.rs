@@ -271,9 +271,21 @@ pub async fn open_due(
         let mut tx = pool.begin().await?;
         let due: Option<Due> = sqlx::query_as(
             "SELECT id, order_number, cancel_at_period_end, amount, currency::text AS currency, current_period_end,
-                    CASE WHEN $2::float8 IS NULL THEN current_period_end + ('1 ' || \"interval\")::interval
+                    CASE WHEN $2::float8 IS NULL THEN COALESCE((
+                             -- The first period's start plus whole intervals: a month after the
+                             -- 31st ends on the 28th, and the next on the 31st again (one interval
+                             -- on from each end would stay on the 28th for ever). Counted from a
+                             -- low guess: at most about 2 % low (31-day months), never high.
+                             SELECT min(a.start + n * ('1 ' || s.\"interval\")::interval)
+                             FROM (SELECT paid_at AS start FROM orders WHERE number = s.order_number) a,
+                                  LATERAL (SELECT greatest(1, floor(extract(epoch FROM s.current_period_end - a.start)
+                                      / CASE s.\"interval\" WHEN 'day' THEN 90000 WHEN 'week' THEN 608400
+                                                             WHEN 'month' THEN 2682000 ELSE 31626000 END)::int) AS low) g,
+                                  generate_series(g.low, g.low + 60) AS n
+                             WHERE a.start + n * ('1 ' || s.\"interval\")::interval > s.current_period_end),
+                           current_period_end + ('1 ' || \"interval\")::interval)
                          ELSE current_period_end + make_interval(secs => $2) END AS next_end
-             FROM subscriptions
+             FROM subscriptions s
              WHERE gateway = $1 AND status = 'active' AND current_period_end <= now()
              ORDER BY current_period_end LIMIT 1
              FOR UPDATE SKIP LOCKED",

@@ -68,6 +68,8 @@ impl Shop {
                 json!({"seller_id": seller, "name": format!("p{price}"), "kind": "one_off", "price": price, "currency": currency}),
             )
             .await;
+        // Written back with the currency's minor-unit digits, as every amount is (not as stored).
+        assert_eq!(p["price"], price, "{p}");
         p["id"].as_str().unwrap().to_owned()
     }
 

@@ -226,6 +226,78 @@ async fn renewing(
     (shop, biller, seller, id)
 }
 
+/// Monthly periods are counted from the first one's start, not each from the last end: one
+/// started on the 31st ends on the last day of each shorter month and on the 31st of the others,
+/// never drifting to the 28th for good.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn monthly_periods_started_on_the_31st_end_on_the_31st_or_the_months_last_day(pool: PgPool) {
+    use chrono::{Datelike, TimeZone, Utc};
+    let config = test_config();
+    let shop = crate::checkout::Shop {
+        app: std::sync::Arc::new(spawn_fleet(pool.clone(), config.clone()).await),
+    };
+    let seller = shop.seller("Club House").await;
+    paid_subscription(&shop, &seller).await;
+    // As if paid on 31 January of last year, its first period ending on 28 February.
+    let start = Utc
+        .with_ymd_and_hms(Utc::now().year() - 1, 1, 31, 12, 0, 0)
+        .unwrap();
+    sqlx::query(
+        "UPDATE orders SET paid_at = $1 WHERE number = (SELECT order_number FROM subscriptions)",
+    )
+    .bind(start)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE subscriptions SET current_period_start = $1, current_period_end = $1 + interval '1 month'",
+    )
+    .bind(start)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (gateways, hosted) = payfleet::startup::gateways(&config, &pool).unwrap();
+    let billing = payfleet::startup::biller(&config, &pool, &gateways, &hosted).billing;
+    // Every missed period opened (the fleet's own billing passes may open some of them).
+    wait_for("caught up", Duration::from_secs(60), async || {
+        payfleet::orders::subscriptions::open_due(
+            &pool,
+            payfleet::gateways::GatewayName::Internal,
+            &billing,
+            5,
+        )
+        .await
+        .unwrap();
+        sqlx::query_scalar::<_, bool>("SELECT current_period_end > now() FROM subscriptions")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    })
+    .await;
+    let periods: Vec<(chrono::DateTime<Utc>, chrono::DateTime<Utc>)> = sqlx::query_as(
+        "SELECT period_start, period_end FROM orders WHERE renews IS NOT NULL ORDER BY period_start",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    // From 28 February of last year to the period that holds now.
+    assert!(periods.len() >= 11, "{} renewals", periods.len());
+    assert_eq!(periods[0].0, start + chrono::Months::new(1));
+    for (i, (begins, ends)) in periods.iter().enumerate() {
+        let months = i as u32 + 2;
+        let expected = start + chrono::Months::new(months);
+        assert_eq!(*ends, expected, "period {i} ends on its month's day");
+        let last_day = (expected + chrono::Days::new(1)).month() != expected.month();
+        assert!(
+            expected.day() == 31 || last_day,
+            "{expected} is the 31st or its month's last day"
+        );
+        if i > 0 {
+            assert_eq!(*begins, periods[i - 1].1);
+        }
+    }
+}
+
 /// How the simulator answers the subscription's renewals, set as an operator does: the status.
 async fn simulate(shop: &crate::checkout::Shop, id: &str, renewals: &str) -> u16 {
     let (status, _) = shop

@@ -94,12 +94,14 @@ pub(crate) const ENQUEUE_MANY: &str = concat!(
 
 /// Adds jobs; for a key held by a job that is running right now, marks that job to run again
 /// when its run ends (a reschedule keeping its payload), so work that arrived during the run is
-/// not missed. A key held by a waiting job is left as it is: that job will run.
+/// not missed. That holds for a run an operator cancelled too: the cancel ended the work known
+/// then, not what arrived after it. A key held by a waiting job is left as it is: that job will
+/// run.
 pub(crate) const ENQUEUE_OR_RERUN: &str = concat!(
     "WITH j AS (",
     insert_jobs_on_key_conflict!(job_columns_from_params!()),
     " DO UPDATE SET pending = 'reschedule', run_at = now()
-      WHERE jobs.state = 'running' AND jobs.pending IS DISTINCT FROM 'cancel'
+      WHERE jobs.state = 'running'
       RETURNING id), queues AS (SELECT DISTINCT q FROM unnest($1::text[]) AS q)
      SELECT (SELECT count(*) FROM j)
      FROM (SELECT count(pg_notify('payfleet_jobs', q)) FROM queues) n"
@@ -124,8 +126,9 @@ pub(crate) const SCHEDULE: &str = "WITH j AS (
          attempt = CASE WHEN jobs.state = 'running' THEN jobs.attempt ELSE 0 END,
          state = CASE WHEN jobs.state = 'running' THEN 'running' ELSE 'available' END,
          pending = CASE WHEN jobs.state = 'running' THEN 'reschedule' END
-     RETURNING id, queue, (xmax = 0) AS inserted, state = 'running' AS running)
-     SELECT id, inserted, running FROM j, LATERAL (SELECT pg_notify('payfleet_jobs', j.queue)) n";
+     RETURNING id, queue, run_at, (xmax = 0) AS inserted, state = 'running' AS running)
+     SELECT id, inserted, running FROM j
+     LEFT JOIN LATERAL (SELECT pg_notify('payfleet_jobs', j.queue) WHERE j.run_at <= now() + interval '1 minute') n ON true";
 
 pub(crate) const CANCEL: &str = "UPDATE jobs SET
          state = CASE WHEN state = 'running' THEN 'running' ELSE 'cancelled' END,

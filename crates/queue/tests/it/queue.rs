@@ -1056,6 +1056,56 @@ async fn a_job_cancelled_while_running_ends_cancelled_whatever_its_outcome(pool:
     assert_eq!(job(&pool, id).await.0, "cancelled");
 }
 
+/// Work that arrives after an operator cancelled the running job is new work: it must not be
+/// dropped with the cancelled run.
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn work_arriving_after_a_running_job_was_cancelled_runs_when_that_run_ends(pool: PgPool) {
+    let started = Arc::new(tokio::sync::Notify::new());
+    let release = Arc::new(tokio::sync::Notify::new());
+    let runs = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut registry = Registry::new();
+    let (s, r, seen) = (started.clone(), release.clone(), runs.clone());
+    registry
+        .register::<Echo, _, _>(move |_ctx: JobContext, job: Echo| {
+            let (s, r, seen) = (s.clone(), r.clone(), seen.clone());
+            async move {
+                let first = {
+                    let mut seen = seen.lock().unwrap();
+                    seen.push(job.n);
+                    seen.len() == 1
+                };
+                if first {
+                    s.notify_one();
+                    r.notified().await;
+                }
+                Ok(())
+            }
+        })
+        .unwrap();
+    let Scheduled::Inserted(id) =
+        queue::schedule(&pool, NewJob::of(&Echo { n: 1 }).unwrap().key("k"))
+            .await
+            .unwrap()
+    else {
+        panic!()
+    };
+    let fleet = start_fleet(&pool, registry);
+    started.notified().await;
+    assert_eq!(
+        queue::cancel(&pool, "k").await.unwrap(),
+        Cancelled::AfterRun(id)
+    );
+    let marked = queue::enqueue_or_rerun(&pool, &[NewJob::of(&Echo { n: 1 }).unwrap().key("k")])
+        .await
+        .unwrap();
+    assert_eq!(marked, 1, "the running job is marked to run again");
+    release.notify_one();
+    until(|| async { runs.lock().unwrap().len() == 2 }).await;
+    until(|| completed(&pool, id)).await;
+    fleet.shutdown().await;
+    assert_eq!(*runs.lock().unwrap(), vec![1, 1]);
+}
+
 #[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_queue_never_runs_more_than_its_concurrency(pool: PgPool) {
     // With one claim loop, and with as many as the queue has slots (they share the slots).
@@ -1159,6 +1209,46 @@ fn a_queue_claim_batch_of_zero_is_refused() {
         e.contains("queue test: claim_batch must be at least 1"),
         "{e}"
     );
+}
+
+/// A job due far ahead wakes no worker (a notifying commit takes PostgreSQL's database-wide
+/// notification lock); one due now does, whichever call wrote it.
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn only_jobs_due_soon_notify_the_workers(pool: PgPool) {
+    let mut listener = sqlx::postgres::PgListener::connect_with(&pool)
+        .await
+        .unwrap();
+    listener.listen("payfleet_jobs").await.unwrap();
+    let later = Utc::now() + chrono::Duration::hours(1);
+    async fn heard(l: &mut sqlx::postgres::PgListener) -> Option<String> {
+        tokio::time::timeout(Duration::from_millis(300), l.recv())
+            .await
+            .map(|n| n.unwrap().payload().to_owned())
+            .ok()
+    }
+    queue::schedule(
+        &pool,
+        NewJob::of(&Echo { n: 1 }).unwrap().key("a").run_at(later),
+    )
+    .await
+    .unwrap();
+    queue::enqueue(&pool, NewJob::of(&Echo { n: 2 }).unwrap().run_at(later))
+        .await
+        .unwrap();
+    assert_eq!(
+        heard(&mut listener).await,
+        None,
+        "far ahead: no notification"
+    );
+    // Moved to now: the workers must hear of it.
+    queue::schedule(&pool, NewJob::of(&Echo { n: 1 }).unwrap().key("a"))
+        .await
+        .unwrap();
+    assert_eq!(heard(&mut listener).await.as_deref(), Some("test"));
+    queue::enqueue(&pool, NewJob::of(&Echo { n: 3 }).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(heard(&mut listener).await.as_deref(), Some("test"));
 }
 
 #[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
