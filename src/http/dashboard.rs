@@ -487,7 +487,7 @@ enum JobAction {
     tag = "dashboard",
     params(
         ("id" = i64, Path, description = "The job's id."),
-        ("action" = String, Path, description = "`retry`, `discard` or `run-now`."),
+        ("action" = String, Path, description = "`retry`, `discard` or `run`."),
     ),
     request_body(content = String, content_type = "application/x-www-form-urlencoded", description = "The form: its `csrf` token."),
     responses(

@@ -636,6 +636,19 @@ pub async fn charge_of(
 /// `first_order` started, in the caller's transaction. Ended there, it is canceled here (once)
 /// and its current renewal, if unpaid, expires. `None`: no such subscription; else whether
 /// anything changed.
+/// The order that started subscription `id`, if `gateway` bills it.
+pub async fn first_order_of(
+    tx: &mut sqlx::PgConnection,
+    id: SubscriptionId,
+    gateway: GatewayName,
+) -> Result<Option<i64>, sqlx::Error> {
+    sqlx::query_scalar("SELECT order_number FROM subscriptions WHERE id = $1 AND gateway = $2")
+        .bind(id)
+        .bind(gateway)
+        .fetch_optional(&mut *tx)
+        .await
+}
+
 pub async fn apply_change(
     tx: &mut sqlx::PgConnection,
     first_order: i64,

@@ -319,6 +319,21 @@ pub(super) async fn change(
     first_session: Option<&str>,
     change: SubscriptionChange,
 ) -> Result<Applied, ProcessError> {
+    // The internal gateway bills the subscriptions kept here and names them by their own id
+    // (collected through Stripe, it names Stripe's subscription instead, as Stripe does).
+    if gateway == GatewayName::Internal
+        && let Ok(id) = subscription.parse::<SubscriptionId>()
+    {
+        let Some(first_order) = subscriptions::first_order_of(tx, id, gateway).await? else {
+            return Ok(Applied::Unchanged);
+        };
+        return Ok(
+            match subscriptions::apply_change(tx, first_order, change).await? {
+                Some(true) => Applied::Changed,
+                Some(false) | None => Applied::Unchanged,
+            },
+        );
+    }
     let key = wait_key(subscription, first_session);
     apply::lock_keys(tx, gateway, std::slice::from_ref(&key)).await?;
     let Some(first) = first_payment(tx, gateway, subscription, first_session).await? else {

@@ -1106,9 +1106,25 @@ async fn payment_links_asked_at_once_are_made_together_each_for_its_own_order(po
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_session_that_fails_its_batch_is_made_alone_and_holds_up_no_other(pool: PgPool) {
     // The gateway's refusal is not one that asking again mends: 422.
-    twelve_links_one_refused(&pool, "internal_payments", (422, "payment_link_refused")).await;
+    let (shop, p) =
+        twelve_links_one_refused(&pool, "internal_payments", (422, "payment_link_refused")).await;
     assert_eq!(count(&pool, "internal_payments").await, 11);
     assert_eq!(count(&pool, "payment_sessions").await, 11);
+    // A refused request changes nothing: its order ended at once (not after its half hour)...
+    let ended = "session_id IS NULL AND status = 'expired' AND expired_at IS NOT NULL";
+    assert_eq!(count_where(&pool, "orders", ended).await, 1);
+    assert_eq!(
+        count_where(&pool, "orders", "status = 'awaiting_payment'").await,
+        11
+    );
+    // ... and its key is free: the same request again is a new checkout (refused again here).
+    let (status, answer) = shop.checkout(Some("key-7"), cart(&[(&p, 7)])).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (422, Some("payment_link_refused")),
+        "{answer}"
+    );
+    assert_eq!(count_where(&pool, "orders", ended).await, 2);
 }
 
 /// The same when the payment side's own record of the sessions refuses one: stored again one
@@ -1122,7 +1138,11 @@ async fn a_session_that_fails_its_batch_is_stored_alone_and_holds_up_no_other(po
 
 /// Twelve checkouts at once, the one of 35.00 refused by `table`'s trigger and answered
 /// `refused` (status and code).
-async fn twelve_links_one_refused(pool: &PgPool, table: &str, refused: (u16, &str)) {
+async fn twelve_links_one_refused(
+    pool: &PgPool,
+    table: &str,
+    refused: (u16, &str),
+) -> (Arc<Shop>, String) {
     let shop = Arc::new(shop(pool.clone()).await);
     let s = shop.seller("A").await;
     let p = shop.product(&s, "5.00", "BRL").await;
@@ -1156,6 +1176,7 @@ async fn twelve_links_one_refused(pool: &PgPool, table: &str, refused: (u16, &st
         }
     }
     assert_eq!(count_where(pool, "orders", "session_id IS NULL").await, 1);
+    (shop, p)
 }
 
 /// The payment side answers a batch of links each in its place: a session stored before is

@@ -298,6 +298,95 @@ async fn monthly_periods_started_on_the_31st_end_on_the_31st_or_the_months_last_
     }
 }
 
+/// The internal gateway's `subscription.canceled` ends the subscription it names (by the
+/// fleet's own id), as a cancellation here does: nothing is billed after it.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_internal_gateways_cancellation_event_ends_its_subscription(pool: PgPool) {
+    let shop = shop(pool.clone()).await;
+    let seller = shop.seller("Club House").await;
+    let id = paid_subscription(&shop, &seller).await;
+    // A second subscription to the same product, which stays.
+    let club: String = sqlx::query_scalar("SELECT id::text FROM products WHERE name = 'club'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let (status, answer) = shop
+        .checkout(
+            Some("sub-2"),
+            json!({"buyer_id": "buyer-10", "gateway": "internal",
+                   "items": [{"product_id": club, "quantity": 1}]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{answer}");
+    let order = &answer["orders"][0];
+    let number = order["number"].as_i64().unwrap();
+    assert_eq!(
+        shop.app
+            .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
+            .await
+            .0,
+        200
+    );
+    wait_for(
+        "the second subscription",
+        Duration::from_secs(30),
+        async || shop.order(number).await["subscription_id"].is_string(),
+    )
+    .await;
+    let other = shop.order(number).await["subscription_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let body =
+        json!({"type": "subscription.canceled", "data": {"subscription_id": id}}).to_string();
+    let (status, answer) = shop.app.deliver(&internal("cancel-1", &body)).await;
+    assert_eq!(status, 200, "{answer}");
+    wait_for("canceled", Duration::from_secs(30), async || {
+        subscription(&shop, &id).await["status"] == "canceled"
+    })
+    .await;
+    assert!(subscription(&shop, &id).await["canceled_at"].is_string());
+    assert_eq!(
+        subscription(&shop, &other).await["status"],
+        "active",
+        "only the one it names"
+    );
+    // A second delivery of it (another event id) changes nothing; one naming no subscription
+    // here is recorded and ignored.
+    let unknown = json!({"type": "subscription.canceled",
+                         "data": {"subscription_id": "00000000-0000-0000-0000-000000000000"}})
+    .to_string();
+    for (event, body) in [("cancel-2", &body), ("cancel-3", &unknown)] {
+        assert_eq!(shop.app.deliver(&internal(event, body)).await.0, 200);
+    }
+    wait_for("processed", Duration::from_secs(30), async || {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM payment_events WHERE event_id IN ('cancel-1', 'cancel-2', 'cancel-3') AND outcome IS NOT NULL",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            == 3
+    })
+    .await;
+    let outcomes: Vec<(String, String)> = sqlx::query_as(
+        "SELECT event_id, outcome FROM payment_events WHERE event_id LIKE 'cancel-%' ORDER BY event_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        outcomes,
+        [
+            ("cancel-1", "applied"),
+            ("cancel-2", "ignored"),
+            ("cancel-3", "ignored")
+        ]
+        .map(|(e, o)| (e.to_owned(), o.to_owned()))
+    );
+    assert_eq!(subscription(&shop, &other).await["status"], "active");
+}
+
 /// How the simulator answers the subscription's renewals, set as an operator does: the status.
 async fn simulate(shop: &crate::checkout::Shop, id: &str, renewals: &str) -> u16 {
     let (status, _) = shop

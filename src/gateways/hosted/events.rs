@@ -3,7 +3,9 @@
 
 use serde::Deserialize;
 
-use crate::gateways::{DisputeStatus, EventError, Fact, Interpretation, PaymentStatus, ref_of};
+use crate::gateways::{
+    DisputeStatus, EventError, Fact, Interpretation, PaymentStatus, SubscriptionChange, ref_of,
+};
 use crate::money::Money;
 
 #[derive(Deserialize)]
@@ -19,6 +21,9 @@ struct Data {
     payment_id: Option<String>,
     refund_id: Option<String>,
     dispute_id: Option<String>,
+    /// The subscription a `subscription.canceled` ends: the fleet's own id, since the internal
+    /// gateway bills the subscriptions kept here.
+    subscription_id: Option<String>,
     amount: Option<String>,
     currency: Option<String>,
 }
@@ -55,6 +60,16 @@ pub fn dispute_status(kind: &str) -> Option<DisputeStatus> {
 pub fn interpret(body: &[u8]) -> Result<Interpretation, EventError> {
     let e: Event = serde_json::from_slice(body)?;
     let d = e.data;
+    // Names a subscription, not a payment: ended there, so nothing is charged after it.
+    if e.kind == "subscription.canceled" {
+        return Ok(Interpretation::Subscription {
+            subscription: d
+                .subscription_id
+                .ok_or(EventError::Missing("data.subscription_id"))?,
+            first_session: None,
+            change: SubscriptionChange::Canceled,
+        });
+    }
     let payment = ref_of(d.session_id.as_deref(), d.payment_id.as_deref())?;
     let money = || -> Result<Money, EventError> {
         let amount = d
