@@ -60,7 +60,8 @@ where
     let mut runner = runner(name);
     let (start, budget) = (Instant::now(), budget());
     let (mut tried, mut worst, mut worst_input) = (0u64, Duration::ZERO, String::new());
-    while start.elapsed() < budget {
+    // At least one input, whatever the budget.
+    while tried == 0 || start.elapsed() < budget {
         let input = strategy
             .new_tree(&mut runner)
             .expect("the strategy generates")
@@ -466,9 +467,23 @@ fn configuration_files_are_read_or_refused_with_their_line() {
             }
         }
         let text = String::from_utf8_lossy(&bytes);
-        let _ = payfleet_queue::QueuesConfig::parse(&text, "fuzz.toml");
-        let _ = payfleet::recurring::Schedules::parse(&text, "fuzz.toml");
+        if let Err(e) = payfleet_queue::QueuesConfig::parse(&text, "fuzz.toml") {
+            refused_with_its_place(&e);
+        }
+        if let Err(e) = payfleet::recurring::Schedules::parse(&text, "fuzz.toml") {
+            refused_with_its_place(&e);
+        }
     });
+}
+
+/// A refused file is named, and a syntax error (the TOML reader's, its source) says its line.
+fn refused_with_its_place(e: &dyn std::error::Error) {
+    let said = e.to_string();
+    assert!(said.contains("fuzz.toml"), "{said}");
+    if let Some(source) = e.source() {
+        let detail = source.to_string();
+        assert!(detail.contains("line"), "{said}: {detail}");
+    }
 }
 
 /// Money arithmetic: whatever a sale's total and fee, and however what is taken back from it

@@ -91,6 +91,7 @@ struct Row {
     id: i64,
     status: OrderStatus,
     expires_at: DateTime<Utc>,
+    created_at: DateTime<Utc>,
 }
 
 /// How long past its time an order's expiry waits for the processing of events received
@@ -104,11 +105,12 @@ const BACKLOG_RECHECK: Duration = Duration::from_secs(2);
 /// Expires order `number` if it is still waiting for payment and its time has come.
 pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, payfleet_queue::QueueError> {
     let mut tx = pool.begin().await?;
-    let row: Option<Row> =
-        sqlx::query_as("SELECT id, status, expires_at FROM orders WHERE number = $1 FOR UPDATE")
-            .bind(number)
-            .fetch_optional(&mut *tx)
-            .await?;
+    let row: Option<Row> = sqlx::query_as(
+        "SELECT id, status, expires_at, created_at FROM orders WHERE number = $1 FOR UPDATE",
+    )
+    .bind(number)
+    .fetch_optional(&mut *tx)
+    .await?;
     let Some(o) = row else {
         return Ok(Expiry::NoSuchOrder);
     };
@@ -125,14 +127,18 @@ pub async fn expire(pool: &PgPool, number: i64) -> Result<Expiry, payfleet_queue
     // outage, a restart): while events received before its time still wait for processing, it
     // waits too (the hour-long soak found orders paid in time expired this way). Events of any
     // gateway: an internal order collected through Stripe is paid by Stripe's events, stored
-    // under Stripe's name until processing tells whose they are. Read through the unprocessed
+    // under Stripe's name until processing tells whose they are. Only events received while
+    // the order could be paid: one stuck since before the order existed cannot be its payment,
+    // and must not hold back every order's expiry for the grace. Read through the unprocessed
     // events' index; rejected or waiting events do not hold it.
     if now - o.expires_at < BACKLOG_GRACE {
         let backlog: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM payment_events
-                            WHERE processed_at IS NULL AND received_at <= $1 AND outcome IS NULL)",
+                            WHERE processed_at IS NULL AND received_at <= $1 AND received_at >= $2
+                              AND outcome IS NULL)",
         )
         .bind(o.expires_at)
+        .bind(o.created_at)
         .fetch_one(&mut *tx)
         .await?;
         if backlog {

@@ -434,3 +434,80 @@ async fn coin_reservations_are_decided_once(pool: PgPool) {
         "a held reservation is decided"
     );
 }
+
+/// A dispute is decided once, from open; nothing else of it changes and none is deleted: the
+/// ledger's take-backs read a decided one as final.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn disputes_are_decided_once_and_keep_what_they_dispute(pool: PgPool) {
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    sqlx::raw_sql(
+        "INSERT INTO payment_orders (id, gateway, session_id, payment_id, status, amount, currency, succeeded_at)
+         VALUES (50, 'internal', 'sess_a', 'pay_a', 'succeeded', 10, 'BRL', now());
+         INSERT INTO payment_disputes (payment_order_id, gateway, dispute_id, status, amount, currency)
+         VALUES (50, 'internal', 'open', 'open', 10, 'BRL'), (50, 'internal', 'won', 'won', 10, 'BRL');
+         INSERT INTO second_payments (id, gateway, session_id, payment_id, amount, currency)
+         VALUES (70, 'internal', 'sess_a', 'pay_b', 10, 'BRL');
+         INSERT INTO second_payment_disputes (second_payment_id, gateway, dispute_id, status, amount, currency)
+         VALUES (70, 'internal', 'second', 'lost', 10, 'BRL')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for sql in [
+        "UPDATE payment_disputes SET status = 'open' WHERE dispute_id = 'won'",
+        "UPDATE payment_disputes SET status = 'lost' WHERE dispute_id = 'won'",
+        "UPDATE payment_disputes SET amount = 5 WHERE dispute_id = 'open'",
+        "UPDATE payment_disputes SET currency = 'USD' WHERE dispute_id = 'open'",
+        "UPDATE payment_disputes SET refunded_before = 3 WHERE dispute_id = 'open'",
+        "UPDATE second_payment_disputes SET status = 'won' WHERE dispute_id = 'second'",
+    ] {
+        refused(&pool, &[sql], "disputes_decided_once").await;
+    }
+    for table in ["payment_disputes", "second_payment_disputes"] {
+        refused(&pool, &[&format!("DELETE FROM {table}")], "never deleted").await;
+    }
+    for sql in [
+        "UPDATE payment_disputes SET checked_at = now() WHERE dispute_id = 'won'",
+        "UPDATE payment_disputes SET status = 'lost', updated_at = now() WHERE dispute_id = 'open'",
+    ] {
+        assert_eq!(attempt(&pool, &[sql]).await, None, "{sql}");
+    }
+}
+
+/// An order has `paid_at` exactly when it is paid; a payment's amount comes with its currency
+/// and is never below what was refunded of it; a sale credit names its order and its date.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn paid_means_paid_at_and_amounts_come_whole(pool: PgPool) {
+    orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
+    refused(
+        &pool,
+        &["UPDATE orders SET paid_at = now()"],
+        "orders_paid_at_only_when_paid",
+    )
+    .await;
+    refused(
+        &pool,
+        &["INSERT INTO payment_orders (gateway, session_id, status, amount) VALUES ('internal', 'sess_a', 'pending', 10)"],
+        "payment_orders_amount_with_currency",
+    )
+    .await;
+    refused(
+        &pool,
+        &["INSERT INTO payment_orders (gateway, session_id, status, amount, currency, amount_refunded)
+           VALUES ('internal', 'sess_a', 'refunded', 10, 'BRL', 11)"],
+        "payment_orders_refunded_within_amount",
+    )
+    .await;
+    sqlx::query(ACCOUNTS).execute(&pool).await.unwrap();
+    for (available_at, order_number) in [("NULL", "1"), ("now()", "NULL")] {
+        refused(
+            &pool,
+            &[&format!(
+                "INSERT INTO ledger_transfers (id, source_key, kind, from_account, to_account, amount, currency, available_at, order_number)
+                 VALUES (900, 'sale:1', 'sale_credit', 101, 102, 5, 'BRL', {available_at}, {order_number})"
+            )],
+            "ledger_transfers_sale_credit_complete",
+        )
+        .await;
+    }
+}

@@ -36,9 +36,29 @@ async fn until_text(pool: &PgPool, what: &str, sql: &'static str, want: &str) {
 }
 
 async fn deliver(app: &TestApp, id: &str, body: &str) {
+    deliver_ending(app, id, body, &["applied", "ignored"]).await;
+}
+
+/// [`deliver`], the event's processing ending in one of `outcomes` (checked: a failing run only
+/// becomes retryable, and "nothing changed" would hold of an event never applied); none named,
+/// not checked (a running fleet processes it when it does).
+async fn deliver_ending(app: &TestApp, id: &str, body: &str, outcomes: &[&str]) {
     let (status, answer) = app.deliver(&internal(id, body)).await;
     assert_eq!(status, 200, "{answer}");
     process_events(&app.pool).await;
+    if outcomes.is_empty() {
+        return;
+    }
+    let outcome: Option<String> =
+        sqlx::query_scalar("SELECT outcome FROM payment_events WHERE event_id = $1")
+            .bind(id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert!(
+        outcome.as_deref().is_some_and(|o| outcomes.contains(&o)),
+        "{id}: {outcome:?}"
+    );
 }
 
 /// Pays `order` on its payment page and waits until it is paid.
@@ -320,7 +340,7 @@ async fn a_refund_or_a_dispute_of_another_payment_on_the_session_is_not_the_orde
         .await
         .unwrap()
     };
-    deliver(
+    deliver_ending(
         &app,
         "other_refunded",
         &about_with(
@@ -329,9 +349,10 @@ async fn a_refund_or_a_dispute_of_another_payment_on_the_session_is_not_the_orde
             "pay_other",
             json!({"refund_id": "rf_other", "amount": "10.00", "currency": "BRL"}),
         ),
+        &["waiting"],
     )
     .await;
-    deliver(
+    deliver_ending(
         &app,
         "other_disputed",
         &about_with(
@@ -340,6 +361,7 @@ async fn a_refund_or_a_dispute_of_another_payment_on_the_session_is_not_the_orde
             "pay_other",
             json!({"dispute_id": "dp_other", "amount": "10.00", "currency": "BRL"}),
         ),
+        &["waiting"],
     )
     .await;
     assert_eq!(order(&pool).await, paid, "the order's payment is untouched");
@@ -404,10 +426,11 @@ async fn a_refund_or_a_dispute_of_another_payment_on_the_session_is_not_the_orde
 async fn a_success_without_an_amount_confirms_only_once_the_gateway_says_it(pool: PgPool) {
     let app = spawn_app(pool.clone()).await;
     orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
-    deliver(
+    deliver_ending(
         &app,
         "no_amount",
         &about("payment.succeeded", "sess_a", "pay_a", None),
+        &["rejected"],
     )
     .await;
     // The gateway knows no such payment: nothing is confirmed, the event waits for a replay.
@@ -1067,6 +1090,13 @@ async fn a_payment_received_before_expiry_confirms_the_order_even_when_processed
         .await
         .unwrap();
     assert_eq!(expire(&pool, 3).await.unwrap(), Expiry::Expired);
+    // Nor, within the grace, one received before the order existed: it cannot be its payment.
+    orders_for(&pool, "internal", &["sess_d"], "10.00", "BRL").await;
+    sqlx::query("UPDATE orders SET expires_at = now() - interval '1 minute' WHERE number = 4")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(expire(&pool, 4).await.unwrap(), Expiry::Expired);
 }
 
 /// An internal order collected through Stripe is paid by Stripe's events, stored under
@@ -1076,7 +1106,10 @@ async fn a_payment_received_before_expiry_confirms_the_order_even_when_processed
 async fn an_event_of_another_gateway_received_in_time_holds_the_expiry_back_too(pool: PgPool) {
     use payfleet::orders::expiry::{Expiry, expire};
     orders_for(&pool, "internal", &["sess_a"], "10.00", "BRL").await;
-    sqlx::query("UPDATE orders SET expires_at = now() - interval '30 seconds' WHERE number = 1")
+    sqlx::query(
+        "UPDATE orders SET created_at = now() - interval '30 minutes', expires_at = now() - interval '30 seconds'
+         WHERE number = 1",
+    )
         .execute(&pool)
         .await
         .unwrap();
@@ -1268,7 +1301,7 @@ async fn a_refund_asked_unanswered_before_a_lost_dispute_stays_reported(pool: Pg
             &payment,
             json!({"dispute_id": "dp_1", "amount": "20.00", "currency": "BRL"}),
         );
-        deliver(&shop.app, id, &body).await;
+        deliver_ending(&shop.app, id, &body, &[]).await;
     }
     wait_for(
         "the dispute lost",
@@ -1478,7 +1511,7 @@ async fn a_refund_whose_answer_never_came_is_not_asked_again_once_the_gateway_ma
         .fetch_one(&pool)
         .await
         .unwrap();
-    deliver(
+    deliver_ending(
         &shop.app,
         "refund-of-the-lost-ask",
         &about_with(
@@ -1487,6 +1520,7 @@ async fn a_refund_whose_answer_never_came_is_not_asked_again_once_the_gateway_ma
             &payment,
             json!({"refund_id": "irf_lost", "amount": "5.00", "currency": "BRL"}),
         ),
+        &[],
     )
     .await;
     wait_for(

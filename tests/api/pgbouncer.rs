@@ -237,7 +237,17 @@ async fn webhooks_become_paid_orders_through_pgbouncer(pool: PgPool) {
 async fn payfleet_work_runs_behind_pgbouncer_with_its_listen_url(pool: PgPool) {
     let app = Arc::new(spawn_app(pool.clone()).await);
     deliver_payments(&app, 40).await;
-    let queues = queues_file("bouncer", 4);
+    // Polling every 10 s: an event handled sooner once the worker is idle was notified, which
+    // only its LISTEN on the direct URL can hear (a transaction-pooling bouncer keeps none).
+    let queues =
+        std::env::temp_dir().join(format!("payfleet-test-listen-{}.toml", std::process::id()));
+    std::fs::write(
+        &queues,
+        "[fleet]\npoll_interval_ms = 10000\nlease_ms = 1000\nrescue_interval_ms = 200\nshutdown_timeout_ms = 2000\n\
+         [queues.default]\nconcurrency = 4\ntimeout_ms = 5000\n\
+         [queues.events]\nconcurrency = 4\ntimeout_ms = 5000\n",
+    )
+    .unwrap();
     let bounced = format!("{}/{}", bouncer(), database_name(&pool).await);
     let mut worker = payfleet(&pool, &["work"])
         .env("DATABASE_URL", &bounced)
@@ -251,6 +261,25 @@ async fn payfleet_work_runs_behind_pgbouncer_with_its_listen_url(pool: PgPool) {
         async || processed_events(&pool).await == 40,
     )
     .await;
+    // Idle now: one more payment is handled within the poll only if the worker heard of it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    orders_for(&pool, "internal", &["sess_late"], "10.00", "BRL").await;
+    let started = std::time::Instant::now();
+    let (status, body) = app
+        .deliver(&internal(
+            "msg_late",
+            &payment_body("payment.succeeded", "sess_late", "10.00"),
+        ))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    wait_for("the notified event", Duration::from_secs(5), async || {
+        processed_events(&pool).await == 41
+    })
+    .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the idle worker was woken (the poll is 10 s)"
+    );
     worker.kill().await.unwrap();
     release(&pool).await;
 }

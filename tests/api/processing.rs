@@ -84,11 +84,16 @@ async fn a_second_paid_event_for_the_same_payment_is_one_effect(pool: PgPool) {
             .await
             .unwrap();
     assert_eq!(outcomes, vec!["applied", "ignored"]);
-    let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(orders, 1);
+    // One effect: the order paid once, one payment recorded.
+    let effects: (i64, i64, String) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM order_events WHERE kind = 'paid'),
+                (SELECT count(*) FROM payment_orders),
+                (SELECT status FROM orders)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(effects, (1, 1, "paid".to_owned()));
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
@@ -237,6 +242,21 @@ async fn a_dispute_decided_before_it_was_opened_stays_decided(pool: PgPool) {
         order_status(&pool, "internal", "s").await.unwrap().0,
         "charged_back"
     );
+    let seen: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT event_id, outcome FROM payment_events ORDER BY event_id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        seen,
+        [("m1", "applied"), ("m2", "applied"), ("m3", "ignored")]
+            .map(|(e, o)| (e.to_owned(), Some(o.to_owned())))
+    );
+    let status: String = sqlx::query_scalar("SELECT status FROM payment_disputes")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(status, "lost");
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
