@@ -719,43 +719,32 @@ async fn expire_unpaid(
     super::expiry::expire_locked(tx, order, number).await
 }
 
-/// The outcome of expiring an unpaid renewal: one paid, expired or gone meanwhile has nothing
-/// to expire; only an outage is an error.
-fn expired(outcome: Result<(), super::ReopenError>) -> Result<(), payfleet_queue::QueueError> {
-    match outcome {
-        Ok(())
-        | Err(
-            super::ReopenError::NotPayable { .. }
-            | super::ReopenError::NotFound(_)
-            | super::ReopenError::Renewal(_),
-        ) => Ok(()),
-        Err(super::ReopenError::Queue(e)) => Err(e),
-        Err(super::ReopenError::Database(e)) => Err(e.into()),
-    }
-}
-
 /// Cancels the past-due subscriptions whose current renewal failed its last attempt, or expired
 /// unpaid, and expires that renewal (a payment after it is given back).
 async fn cancel_unpaid(
     pool: &PgPool,
     gateway: GatewayName,
 ) -> Result<usize, payfleet_queue::QueueError> {
-    let given_up: Vec<(SubscriptionId, i64)> = sqlx::query_as(
+    // The renewal ends in the cancellation's own transaction, as a cancellation's does
+    // (`expire_unpaid`): a charge in flight then lands as a late payment, given back.
+    let mut tx = pool.begin().await?;
+    let given_up: Vec<(SubscriptionId, i64, DateTime<Utc>)> = sqlx::query_as(
         "UPDATE subscriptions s SET status = 'canceled', canceled_at = now(), updated_at = now()
          FROM orders o
          WHERE s.gateway = $1 AND s.status = 'past_due'
            AND o.renews = s.id AND o.period_start = s.current_period_start AND o.paid_at IS NULL
            AND ((o.status = 'payment_failed' AND o.payment_attempt >= $2) OR o.status = 'expired')
-         RETURNING s.id, o.number",
+         RETURNING s.id, o.number, s.current_period_start",
     )
     .bind(gateway)
     .bind(MAX_RENEWAL_ATTEMPTS)
-    .fetch_all(pool)
+    .fetch_all(&mut *tx)
     .await?;
-    for (id, number) in &given_up {
+    for (id, number, period_start) in &given_up {
         tracing::info!(subscription = %id, renewal = number, "subscription canceled: its renewal could not be charged");
-        expired(super::expire_now(pool, *number).await)?;
+        expire_unpaid(&mut tx, *id, *period_start).await?;
     }
+    tx.commit().await?;
     Ok(given_up.len())
 }
 

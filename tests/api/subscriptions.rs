@@ -596,6 +596,11 @@ async fn a_renewal_that_keeps_failing_cancels_the_subscription(pool: PgPool) {
         })
         .await;
     }
+    // The expiry jobs held: the renewal must end in the cancellation's own transaction, so a
+    // charge landing after it is a late payment, not a sale of a canceled subscription.
+    payfleet_queue::admin::pause(&pool, "orders").await.unwrap();
+    // The workers read the pauses twice a second.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let report = payfleet::payments::renewals::bill(&pool, &biller)
         .await
         .unwrap();
@@ -603,6 +608,11 @@ async fn a_renewal_that_keeps_failing_cancels_the_subscription(pool: PgPool) {
     let sub = subscription(&shop, &id).await;
     assert_eq!(sub["status"], "canceled");
     assert!(sub["canceled_at"].is_string());
+    let renewal = sub["renewals"][0]["order_number"].as_i64().unwrap();
+    assert_eq!(shop.order(renewal).await["status"], "expired");
+    payfleet_queue::admin::resume(&pool, "orders")
+        .await
+        .unwrap();
     // Nothing is charged after it.
     let report = payfleet::payments::renewals::bill(&pool, &biller)
         .await
