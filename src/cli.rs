@@ -130,6 +130,13 @@ enum EventsAction {
         #[arg(long)]
         all: bool,
     },
+    /// End an event that will never apply (waiting for a payment no order has, rejected for
+    /// good): recorded ignored, with the reason, so it no longer shows as unprocessed.
+    Dismiss {
+        id: i64,
+        #[arg(long)]
+        reason: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -507,6 +514,10 @@ async fn events_command(config: Config, action: EventsAction) -> anyhow::Result<
                 println!("event {id} already has a processing job waiting or running")
             }
         },
+        EventsAction::Dismiss { id, reason } => {
+            events::dismiss(&pool, id, &reason).await?;
+            println!("event {id} dismissed: {reason}");
+        }
         EventsAction::Replay { id: None, .. } => {
             let working = progress::spinner("queueing every unprocessed event");
             let n = events::replay_all(&pool).await?;

@@ -6,7 +6,7 @@
 //!
 //! The checks (each given a grace period, so work in flight is not reported):
 //! - `captured_payment_unconfirmed`: a captured payment whose order is not confirmed (nor the
-//!   payment refunded), or a captured payment no checkout asked for that is not refunded;
+//!   payment refunded or charged back), or a captured payment no checkout asked for that is not refunded;
 //! - `sale_without_credit`: a paid order kept as a sale without its sale posted in the ledger
 //!   (its credit, to the seller's pending balance or, paid to the seller directly, its
 //!   connected one; its commission posted with it), with the ledger's reason when it refused it;
@@ -170,12 +170,14 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     let mut found = Vec::new();
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('order %s, %s session %s', o.number, po.gateway, po.session_id),
-                format('payment %s since %s, order %s', po.status, po.succeeded_at, o.status)
+                format('payment %s since %s, order %s: its event (payfleet events unprocessed) or its give-back (payfleet money give-back %s %s) did not end',
+                       po.status, po.succeeded_at, o.status, po.gateway, po.session_id)
          FROM payment_orders po
          JOIN payment_sessions s ON s.gateway = po.gateway AND s.session_id = po.session_id
          JOIN order_money o ON o.number = s.order_number
          WHERE po.succeeded_at < now() - make_interval(secs => $1)
-           AND po.status NOT IN ('refunded')
+           -- Refunded, or taken back whole by a lost dispute: the buyer has the money.
+           AND po.status NOT IN ('refunded', 'charged_back')
            AND o.paid_at IS NULL
          UNION ALL
          SELECT format('unmatched %s session %s', u.gateway, u.session_id),

@@ -146,6 +146,7 @@ uuid_schemas!(ApiKeyId, CouponId, ProductId, SellerId, SubscriptionId);
         pay::decide,
         pay::razorpay_page,
         pay::paid_page,
+        pay::paid_page_posted,
         pay::cancelled_page,
         dashboard::dashboard,
         dashboard::sign_in,

@@ -51,7 +51,14 @@ pub(super) fn routes(state: PayState) -> Routes {
                 .layer(axum::extract::DefaultBodyLimit::max(4096)),
         )
         .route("/pay/razorpay/{order_id}", get(razorpay_page))
-        .route("/orders/paid", get(paid_page))
+        // Razorpay Checkout's `callback_url` is POSTed to (its payment's ids and signature, or
+        // its error); nothing in that form is read: only the signed events decide.
+        .route(
+            "/orders/paid",
+            get(paid_page)
+                .post(paid_page_posted)
+                .layer(axum::extract::DefaultBodyLimit::max(4096)),
+        )
         .route("/orders/cancelled", get(cancelled_page))
         .with_state(state)
 }
@@ -63,11 +70,33 @@ pub(super) fn routes(state: PayState) -> Routes {
     tag = "payment pages",
     responses((status = 200, description = "Thanks: the payment is being confirmed.", content_type = "text/html", body = String)),
 )]
-async fn paid_page(_: Anyone) -> Html<String> {
-    Html(layout(
-        "Payment received",
-        "<p>Thank you: your payment is being confirmed.</p>",
-    ))
+async fn paid_page(_: Anyone) -> Response {
+    returned()
+}
+
+/// Where Razorpay Checkout sends the buyer back (a form POST, after paying or failing to).
+#[utoipa::path(
+    post,
+    path = "/orders/paid",
+    tag = "payment pages",
+    request_body(content = String, content_type = "application/x-www-form-urlencoded", description = "Razorpay's fields (`razorpay_payment_id`, ..., or `error[...]`): not read; the gateway's signed events decide."),
+    responses((status = 200, description = "The payment is being confirmed (or, if it did not go through, may be tried again).", content_type = "text/html", body = String)),
+)]
+async fn paid_page_posted(_: Anyone) -> Response {
+    returned()
+}
+
+/// The page a buyer comes back to: what is known for sure is only that the gateway's signed
+/// events will tell (a return can be made up, or come from a payment that failed).
+fn returned() -> Response {
+    guarded(
+        StatusCode::OK,
+        layout(
+            "Payment sent",
+            "<p>Thank you: your payment is being confirmed. If it did not go through, you can pay again from your order.</p>",
+        ),
+        None,
+    )
 }
 
 /// Where a gateway sends the buyer back after cancelling.
@@ -77,8 +106,12 @@ async fn paid_page(_: Anyone) -> Html<String> {
     tag = "payment pages",
     responses((status = 200, description = "No payment was taken.", content_type = "text/html", body = String)),
 )]
-async fn cancelled_page(_: Anyone) -> Html<String> {
-    Html(layout("Payment cancelled", "<p>No payment was taken.</p>"))
+async fn cancelled_page(_: Anyone) -> Response {
+    guarded(
+        StatusCode::OK,
+        layout("Payment cancelled", "<p>No payment was taken.</p>"),
+        None,
+    )
 }
 
 fn layout(title: &str, body: &str) -> String {

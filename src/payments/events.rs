@@ -206,6 +206,69 @@ pub async fn replay_all(pool: &PgPool) -> Result<u64, ReplayError> {
     }
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum DismissError {
+    #[error("no payment event {0}")]
+    NotFound(i64),
+    #[error("payment event {id} is already processed ({outcome}); there is nothing to dismiss")]
+    AlreadyProcessed { id: i64, outcome: EventOutcome },
+    #[error(
+        "payment event {0} has a processing job waiting or running: let it end (or cancel it) first"
+    )]
+    BeingProcessed(i64),
+    #[error("a dismissal needs its reason (1 to 500 characters), recorded with the event")]
+    Reason,
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// An operator ends an event that will never apply (waiting for a payment no order of ours
+/// has, as a Stripe connected account's own sales; rejected for good), with the reason: it is
+/// recorded `ignored`, `dismissed by an operator: <reason>`, so it no longer counts as
+/// unprocessed (`event_unprocessed`) nor crowds out the ones that still matter. One whose
+/// processing job is waiting or running is left to that job.
+pub async fn dismiss(pool: &PgPool, id: i64, reason: &str) -> Result<(), DismissError> {
+    let reason = reason.trim();
+    if reason.is_empty() || reason.chars().count() > 500 {
+        return Err(DismissError::Reason);
+    }
+    let mut tx = pool.begin().await?;
+    let row: Option<(GatewayName, String, Option<EventOutcome>, bool)> = sqlx::query_as(
+        "SELECT gateway, event_id, outcome, processed_at IS NOT NULL FROM payment_events
+         WHERE id = $1 FOR UPDATE",
+    )
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let (gateway, event_id, outcome, processed) = row.ok_or(DismissError::NotFound(id))?;
+    if processed {
+        return Err(DismissError::AlreadyProcessed {
+            id,
+            outcome: outcome.unwrap_or(EventOutcome::Applied),
+        });
+    }
+    let job =
+        queue::latest_state_of_key(&mut *tx, &ProcessPaymentEvent::key(gateway, &event_id)).await?;
+    if matches!(
+        job,
+        Some(JobState::Available | JobState::Running | JobState::Retryable)
+    ) {
+        return Err(DismissError::BeingProcessed(id));
+    }
+    sqlx::query(
+        "UPDATE payment_events SET processed_at = now(), outcome = 'ignored', waiting_for = NULL,
+             outcome_detail = 'dismissed by an operator: ' || $2
+         WHERE id = $1",
+    )
+    .bind(id)
+    .bind(reason)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    tracing::warn!(event = id, %gateway, event_id, reason, "payment event dismissed by an operator");
+    Ok(())
+}
+
 /// Unprocessed events by state, with the age of the oldest of each. Reads the partial index of
 /// unprocessed events only.
 #[derive(Debug, Clone, sqlx::FromRow)]

@@ -25,11 +25,25 @@ async fn every_violation_is_found_listed_counted_and_resolved_when_gone(pool: Pg
     assert_eq!(consistency::check(&pool, grace).await.unwrap(), vec![]);
 
     // A captured payment whose order is still waiting.
-    orders_for(&pool, "internal", &["s_captured", "s_paid"], "10.00", "BRL").await;
+    orders_for(
+        &pool,
+        "internal",
+        &["s_captured", "s_paid", "s_charged_back"],
+        "10.00",
+        "BRL",
+    )
+    .await;
     exec(
         &pool,
         "INSERT INTO payment_orders (gateway, session_id, payment_id, status, amount, currency, succeeded_at)
          VALUES ('internal', 's_captured', 'p1', 'succeeded', 10, 'BRL', now() - interval '1 hour')",
+    )
+    .await;
+    // (Not one taken back whole by a lost dispute: the buyer has the money.)
+    exec(
+        &pool,
+        "INSERT INTO payment_orders (gateway, session_id, payment_id, status, amount, currency, succeeded_at)
+         VALUES ('internal', 's_charged_back', 'p3', 'charged_back', 10, 'BRL', now() - interval '1 hour')",
     )
     .await;
     // A captured payment no checkout asked for, never refunded.

@@ -751,6 +751,15 @@ async fn live_answers_hold_to_the_description(pool: PgPool) {
     app.pay(&sub_url, "succeeded").await;
     t.expect(200, Call::get("/orders/paid", "/orders/paid").bearer(None))
         .await;
+    // Razorpay Checkout's return, a form POST (what it says is not read).
+    t.expect(
+        200,
+        Call::post("/orders/paid", "/orders/paid").bearer(None).raw(
+            "razorpay_payment_id=pay_1&razorpay_order_id=order_1&razorpay_signature=x",
+            "application/x-www-form-urlencoded",
+        ),
+    )
+    .await;
     t.expect(
         200,
         Call::get("/orders/cancelled", "/orders/cancelled").bearer(None),

@@ -1940,3 +1940,66 @@ async fn hold_session_key(
         .unwrap();
     held
 }
+
+/// An event that will never apply (here a refund waiting for a payment no order has) is ended
+/// by an operator with a reason: recorded ignored, no longer unprocessed, and a payment that
+/// comes later does not wake it. One still being processed, one processed already, and one
+/// without a reason are refused, changing nothing.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn an_operator_dismisses_an_event_that_will_never_apply(pool: PgPool) {
+    use payfleet::payments::events::{self, DismissError};
+    let app = spawn_app(pool.clone()).await;
+    app.deliver(&internal(
+        "msg_orphan",
+        &refund_body("sess_nobody", "ref_1", "25.00"),
+    ))
+    .await;
+    // Not processed yet: its job is waiting.
+    let id: i64 = sqlx::query_scalar("SELECT id FROM payment_events WHERE event_id = 'msg_orphan'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(matches!(
+        events::dismiss(&pool, id, "never ours").await,
+        Err(DismissError::BeingProcessed(i)) if i == id
+    ));
+    process_events(&pool).await;
+    let unprocessed = events::unprocessed(&pool, 10).await.unwrap();
+    assert_eq!(unprocessed.len(), 1);
+    assert_eq!(unprocessed[0].state(), "waiting");
+    for reason in ["", "   ", &"x".repeat(501)] {
+        assert!(matches!(
+            events::dismiss(&pool, id, reason).await,
+            Err(DismissError::Reason)
+        ));
+    }
+    assert!(matches!(
+        events::dismiss(&pool, 99_999, "gone").await,
+        Err(DismissError::NotFound(99_999))
+    ));
+    assert_eq!(events::unprocessed(&pool, 10).await.unwrap().len(), 1);
+
+    events::dismiss(&pool, id, "a connected account's own sale")
+        .await
+        .unwrap();
+    let (outcome, detail, waiting_for): (String, String, Option<String>) = sqlx::query_as(
+        "SELECT outcome, outcome_detail, waiting_for FROM payment_events WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (outcome.as_str(), detail.as_str(), waiting_for),
+        (
+            "ignored",
+            "dismissed by an operator: a connected account's own sale",
+            None
+        )
+    );
+    assert!(events::unprocessed(&pool, 10).await.unwrap().is_empty());
+    assert!(matches!(
+        events::dismiss(&pool, id, "again").await,
+        Err(DismissError::AlreadyProcessed { .. })
+    ));
+}

@@ -333,6 +333,22 @@ async fn the_payment_page_takes_only_its_own_form_from_its_own_origin(pool: PgPo
     assert_eq!(headers["x-frame-options"], "DENY");
     assert_eq!(headers["cache-control"], "no-store");
     let token = form_token(&page.text().await.unwrap());
+    // The pages a gateway sends the buyer back to, Razorpay's by a form POST: never framed, never
+    // cached.
+    let base = format!("http://{}", shop.app.addr);
+    for req in [
+        shop.app.anon.get(format!("{base}/orders/paid")),
+        shop.app
+            .anon
+            .post(format!("{base}/orders/paid"))
+            .form(&[("razorpay_payment_id", "pay_1")]),
+        shop.app.anon.get(format!("{base}/orders/cancelled")),
+    ] {
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-frame-options"], "DENY");
+        assert_eq!(resp.headers()["cache-control"], "no-store");
+    }
 
     let post = |form: Vec<(&'static str, String)>, origin: Option<&'static str>| {
         let mut req = shop.app.anon.post(&url).form(&form);
