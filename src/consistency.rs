@@ -166,8 +166,30 @@ fn give_back_keys(gateway: &str, session: &str, payment: &Option<String>) -> Vec
 
 /// Looks at every invariant now. `grace`: how long work in flight may take before it counts.
 pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sqlx::Error> {
+    Ok(checked(pool, grace).await?.found)
+}
+
+/// At most this many rows a check reads at once (its statements' `LIMIT 1000`).
+const CAP: usize = 1000;
+
+/// What the checks found, and which of them read as many rows as they may: those saw only part
+/// of what they would report, and a finding of theirs not seen this time may still be true.
+struct Checked {
+    found: Vec<Violation>,
+    truncated: Vec<&'static str>,
+}
+
+/// Notes `check` as truncated when it read `read` rows, its cap.
+fn note_cap(truncated: &mut Vec<&'static str>, check: &'static str, read: usize) {
+    if read >= CAP {
+        truncated.push(check);
+    }
+}
+
+async fn checked(pool: &PgPool, grace: Duration) -> Result<Checked, sqlx::Error> {
     let grace_secs = grace.as_secs_f64();
     let mut found = Vec::new();
+    let mut truncated = Vec::new();
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('order %s, %s session %s', o.number, po.gateway, po.session_id),
                 format('payment %s since %s, order %s: its event (payfleet events unprocessed) or its give-back (payfleet money give-back %s %s) did not end',
@@ -253,6 +275,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     )
     .fetch_all(pool)
     .await?;
+    note_cap(&mut truncated, "taken_back_beyond_payment", rows.len());
     found.extend(violations("taken_back_beyond_payment", rows));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('event %s (%s %s)', id, gateway, event_id),
@@ -265,6 +288,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .bind(grace_secs)
     .fetch_all(pool)
     .await?;
+    note_cap(&mut truncated, "event_unprocessed", rows.len());
     found.extend(violations("event_unprocessed", rows));
     let stuck = payfleet_queue::admin::stuck(pool, grace).await?;
     found.extend(stuck.into_iter().map(|j| Violation {
@@ -289,6 +313,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     )
     .fetch_all(pool)
     .await?;
+    note_cap(&mut truncated, "dispute_undecided", rows.len());
     found.extend(violations("dispute_undecided", rows));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('message %s for %s', message_id, consumer),
@@ -297,6 +322,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     )
     .fetch_all(pool)
     .await?;
+    note_cap(&mut truncated, "order_message_dead", rows.len());
     found.extend(violations("order_message_dead", rows));
     let refused = crate::orders::outbox::refused_since(pool, grace).await?;
     found.extend(refused.into_iter().map(|w| Violation {
@@ -327,8 +353,10 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     )
     .fetch_all(pool)
     .await?;
+    note_cap(&mut truncated, "refund_failed_after_done", rows.len());
     found.extend(violations("refund_failed_after_done", rows));
-    let expired_not = crate::orders::expiry::overdue(pool, grace, 1000).await?;
+    let expired_not = crate::orders::expiry::overdue(pool, grace, CAP as i64).await?;
+    note_cap(&mut truncated, "order_expiry_overdue", expired_not.len());
     // Late, not lost: those whose expiry job is still to run (its queue paused, or behind).
     let keys: Vec<String> = expired_not
         .iter()
@@ -350,9 +378,10 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
         pool,
         DateTime::<Utc>::UNIX_EPOCH..Utc::now() - chrono::Duration::days(1),
         None,
-        1000,
+        CAP as i64,
     )
     .await?;
+    note_cap(&mut truncated, "subscription_period_overdue", overdue.len());
     found.extend(overdue.into_iter().map(|s| Violation {
         check: "subscription_period_overdue",
         subject: format!(
@@ -380,6 +409,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     )
     .fetch_all(pool)
     .await?;
+    note_cap(&mut truncated, "refund_under_way_too_long", rows.len());
     found.extend(violations("refund_under_way_too_long", rows));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('order %s, refund request %s', q.order_number, q.id),
@@ -392,6 +422,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     )
     .fetch_all(pool)
     .await?;
+    note_cap(&mut truncated, "refund_unconfirmed", rows.len());
     found.extend(violations("refund_unconfirmed", rows));
     // The extra payments the order side recorded (its `extra_payment` messages), each
     // looked up on the payment side.
@@ -438,6 +469,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .bind(&payments)
     .fetch_all(pool)
     .await?;
+    note_cap(&mut truncated, "payment_not_given_back", rows.len());
     // Not while its give-back is under way: asked (or retried), or accepted and settling.
     let keys: Vec<String> = rows
         .iter()
@@ -484,6 +516,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .bind(grace_secs)
     .fetch_all(pool)
     .await?;
+    note_cap(&mut truncated, "coin_reservation_unsettled", rows.len());
     // Not while its settling is under way (retried through an outage, say).
     let steps = |id: &str| [true, false].map(|approve| SettleCoins::key(id, approve));
     let keys: Vec<String> = rows.iter().flat_map(|(_, _, id)| steps(id)).collect();
@@ -504,6 +537,7 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .bind(PAYOUT_DECIDED_WITHIN.num_seconds() as f64)
     .fetch_all(pool)
     .await?;
+    note_cap(&mut truncated, "payout_undecided", rows.len());
     found.extend(violations("payout_undecided", rows));
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT format('order %s, %s session %s', s.order_number, po.gateway, po.session_id),
@@ -523,8 +557,9 @@ pub async fn check(pool: &PgPool, grace: Duration) -> Result<Vec<Violation>, sql
     .bind(crate::gateways::through_platform())
     .fetch_all(pool)
     .await?;
+    note_cap(&mut truncated, "dispute_refund_unrecorded", rows.len());
     found.extend(violations("dispute_refund_unrecorded", rows));
-    Ok(found)
+    Ok(Checked { found, truncated })
 }
 
 /// How long a payout may wait for the bank's answer before `payout_undecided` reports it: the
@@ -557,7 +592,14 @@ pub fn add_task(tasks: &mut crate::recurring::Tasks, grace: Duration) {
 /// Runs the checks and brings `consistency_findings` in line: new violations opened (and
 /// logged with their ids), lasting ones seen again, gone ones resolved.
 pub async fn run(pool: &PgPool, grace: Duration) -> Result<Report, sqlx::Error> {
-    let found = check(pool, grace).await?;
+    let Checked { found, truncated } = checked(pool, grace).await?;
+    for check in &truncated {
+        tracing::warn!(
+            check,
+            cap = CAP,
+            "a consistency check found at least its cap of violations: only those are findings, and none of its findings is resolved until it finds fewer"
+        );
+    }
     let mut tx = pool.begin().await?;
     // One run at a time brings the findings in line (two at once would resolve each other's).
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('consistency_findings', 0))")
@@ -572,8 +614,8 @@ pub async fn run(pool: &PgPool, grace: Duration) -> Result<Report, sqlx::Error> 
              RETURNING xmax = 0",
         )
         .bind(v.check)
-        .bind(&v.subject)
-        .bind(&v.detail)
+        .bind(bounded(&v.subject, 200))
+        .bind(bounded(&v.detail, 2000))
         .fetch_one(&mut *tx)
         .await?;
         if opened {
@@ -582,15 +624,16 @@ pub async fn run(pool: &PgPool, grace: Duration) -> Result<Report, sqlx::Error> 
         }
     }
     let checks: Vec<&str> = found.iter().map(|v| v.check).collect();
-    let subjects: Vec<&str> = found.iter().map(|v| v.subject.as_str()).collect();
+    let subjects: Vec<&str> = found.iter().map(|v| bounded(&v.subject, 200)).collect();
     let resolved = sqlx::query(
         "UPDATE consistency_findings f SET resolved_at = now()
-         WHERE f.resolved_at IS NULL
+         WHERE f.resolved_at IS NULL AND NOT (f.check_name = ANY($3))
            AND NOT EXISTS (SELECT 1 FROM unnest($1::text[], $2::text[]) AS s(check_name, subject)
                            WHERE s.check_name = f.check_name AND s.subject = f.subject)",
     )
     .bind(&checks)
     .bind(&subjects)
+    .bind(&truncated)
     .execute(&mut *tx)
     .await?
     .rows_affected();
@@ -603,6 +646,15 @@ pub async fn run(pool: &PgPool, grace: Duration) -> Result<Report, sqlx::Error> 
         new,
         resolved,
     })
+}
+
+/// `text` cut to at most `chars` characters: a finding's subject is its key in a unique index,
+/// and its detail may carry a gateway's or a consumer's words of any length.
+fn bounded(text: &str, chars: usize) -> &str {
+    match text.char_indices().nth(chars) {
+        Some((at, _)) => &text[..at],
+        None => text,
+    }
 }
 
 #[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]

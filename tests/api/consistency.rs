@@ -264,3 +264,70 @@ async fn an_order_whose_expiry_did_not_run_is_found_and_expired_by_hand(pool: Pg
     step(&pool, &shop.app.config, "orders").await;
     assert_eq!(consistency::check(&pool, grace).await.unwrap(), vec![]);
 }
+
+/// A check that finds as many violations as it reads at most (1,000) saw only part of them: a
+/// finding of it not seen this time may still be true, and stays open; findings' subjects and
+/// details are bounded, whatever words they carry.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_check_at_its_cap_resolves_nothing_it_did_not_see(pool: PgPool) {
+    let grace = Duration::from_secs(60);
+    exec(
+        &pool,
+        "INSERT INTO payment_events (gateway, event_id, raw_body, received_at)
+         SELECT 'internal', 'ev_' || i, '\\x7b7d', now() - interval '1 hour' FROM generate_series(1, 1001) i",
+    )
+    .await;
+    let last: i64 = sqlx::query_scalar("SELECT max(id) FROM payment_events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    // Seen by an earlier run, beyond this one's reach (the oldest 1,000 come first).
+    let beyond = format!("event {last} (internal ev_1001)");
+    sqlx::query(
+        "INSERT INTO consistency_findings (check_name, subject, detail) VALUES ('event_unprocessed', $1, 'pending')",
+    )
+    .bind(&beyond)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let report = consistency::run(&pool, grace).await.unwrap();
+    assert_eq!((report.new, report.resolved), (1000, 0));
+    let open: Vec<String> = sqlx::query_scalar(
+        "SELECT subject FROM consistency_findings WHERE resolved_at IS NULL AND check_name = 'event_unprocessed'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(open.len(), 1001);
+    assert!(open.contains(&beyond));
+
+    // Below the cap again (all but one processed), what is gone resolves.
+    exec(
+        &pool,
+        "UPDATE payment_events SET processed_at = now(), outcome = 'ignored' WHERE event_id <> 'ev_7'",
+    )
+    .await;
+    let report = consistency::run(&pool, grace).await.unwrap();
+    assert_eq!((report.open, report.resolved), (1, 1000));
+
+    // A dead message's id and error of any length make a bounded finding.
+    exec(
+        &pool,
+        &format!(
+            "INSERT INTO message_failures (consumer, message_id, routing_key, body, attempts, last_error, dead_at)
+             VALUES ('fulfilment', '{}', 'order.paid', '{{}}', 5, '{}', now())",
+            "m".repeat(2000),
+            "e".repeat(100_000)
+        ),
+    )
+    .await;
+    consistency::run(&pool, grace).await.unwrap();
+    let (subject, detail): (i32, i32) = sqlx::query_as(
+        "SELECT length(subject), length(detail) FROM consistency_findings
+         WHERE check_name = 'order_message_dead' AND resolved_at IS NULL",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(subject <= 200 && detail <= 2000, "{subject}, {detail}");
+}
