@@ -309,6 +309,22 @@ async fn refunds_never_exceed_the_payment_nor_requests_the_capture(pool: PgPool)
         "immutable",
     )
     .await;
+    // Within the payment's amount, but in another currency.
+    refused(
+        &pool,
+        &["INSERT INTO payment_refunds (payment_order_id, gateway, refund_id, amount, currency) VALUES (50, 'internal', 'r3', 1, 'USD')"],
+        "payment_refunds_within_payment",
+    )
+    .await;
+    refused(
+        &pool,
+        &[
+            "INSERT INTO refund_requests (idempotency_key, order_number, gateway, session_id, payment_id, amount, currency)
+             VALUES ('k3', 1, 'internal', 'sess_a', 'pay_a', 1, 'USD')",
+        ],
+        "refund_requests_within_capture",
+    )
+    .await;
     refused(
         &pool,
         &[
