@@ -291,6 +291,7 @@ async fn checked(pool: &PgPool, grace: Duration) -> Result<Checked, sqlx::Error>
     note_cap(&mut truncated, "event_unprocessed", rows.len());
     found.extend(violations("event_unprocessed", rows));
     let stuck = payfleet_queue::admin::stuck(pool, grace).await?;
+    note_cap(&mut truncated, "job_stuck", stuck.len());
     found.extend(stuck.into_iter().map(|j| Violation {
         check: "job_stuck",
         subject: format!("job {} ({} on {})", j.id, j.kind, j.queue),
@@ -325,6 +326,7 @@ async fn checked(pool: &PgPool, grace: Duration) -> Result<Checked, sqlx::Error>
     note_cap(&mut truncated, "order_message_dead", rows.len());
     found.extend(violations("order_message_dead", rows));
     let refused = crate::orders::outbox::refused_since(pool, grace).await?;
+    note_cap(&mut truncated, "order_message_refused", refused.len());
     found.extend(refused.into_iter().map(|w| Violation {
         check: "order_message_refused",
         subject: format!("message {} (order {})", w.message_id, w.order_number),

@@ -87,7 +87,9 @@ pub enum CheckoutError {
         "orders {orders:?} are kept, but the payment side did not give their payment links ({reason}); send the same request again, or POST /orders/{{number}}/payment, to get them"
     )]
     LinksUnavailable { orders: Vec<i64>, reason: String },
-    #[error("the gateway refused the payment links of orders {orders:?} (now expired): {reason}")]
+    #[error(
+        "the gateway refused the payment links of orders {orders:?}, which end unpaid: {reason}"
+    )]
     LinksRefused { orders: Vec<i64>, reason: String },
     #[error("the checkout did not finish within {0:?} (the database did not answer in time)")]
     Deadline(Duration),
@@ -591,7 +593,7 @@ impl Checkout {
             }
         }
         if let (orders, Some(reason)) = refused {
-            end_refused(&self.pool, key, me, checkout).await?;
+            end_refused(&self.pool, key, me, checkout, &orders).await?;
             return Err(CheckoutError::LinksRefused { orders, reason });
         }
         if let (orders, Some(reason)) = unavailable {
@@ -637,47 +639,68 @@ impl Checkout {
     }
 }
 
-/// Gives the key up: removed after a refusal (nothing was stored, the client may fix the
-/// request and send it with the same key), unlocked otherwise. Only by the request holding it.
-/// A checkout whose payment link the gateway refused (its amount, its currency, the seller's
-/// account) changes nothing, as any refused request: its orders end at once, their coupons and
-/// coins given back (as an expiry does), and its key is free again, so the same request asked
-/// again is a new checkout. Nothing is done if another request took the key over meanwhile:
-/// that one decides.
+/// The orders whose payment link the gateway refused (their amount, their currency, the
+/// seller's account) end at once, their coupons and coins given back (as an expiry does): none
+/// of them can be paid, and a refused request changes nothing that stays. Their checkout's
+/// other orders are left as they are (one may have its link already, and a buyer paying it).
+/// When none of the checkout's orders is left to be paid, its key is free again, so the same
+/// request asked again is a new checkout; else it is only let go, as after any failure. Nothing
+/// is done if another request took the key over meanwhile: that one decides.
 async fn end_refused(
     pool: &PgPool,
     key: IdempotencyKey<'_>,
     me: &str,
     checkout: i64,
+    refused: &[i64],
 ) -> Result<(), CheckoutError> {
     let mut tx = pool.begin().await?;
-    let freed = sqlx::query(
-        "DELETE FROM idempotency_keys WHERE owner = $3 AND key = $1 AND locked_by = $2",
+    let held: Option<i32> = sqlx::query_scalar(
+        "SELECT 1 FROM idempotency_keys WHERE owner = $3 AND key = $1 AND locked_by = $2 FOR UPDATE",
     )
     .bind(key.key)
     .bind(me)
     .bind(key.owner)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    if freed == 0 {
+    .fetch_optional(&mut *tx)
+    .await?;
+    if held.is_none() {
         return Ok(());
     }
-    let payable: Vec<(i64, i64)> = sqlx::query_as(
+    let ending: Vec<(i64, i64)> = sqlx::query_as(
         "SELECT id, number FROM orders
-         WHERE checkout_id = $1 AND renews IS NULL AND status IN ('awaiting_payment', 'payment_failed')
+         WHERE checkout_id = $1 AND number = ANY($2) AND session_id IS NULL
+           AND status IN ('awaiting_payment', 'payment_failed')
          ORDER BY id FOR UPDATE",
     )
     .bind(checkout)
+    .bind(refused)
     .fetch_all(&mut *tx)
     .await?;
-    for (id, number) in payable {
+    for (id, number) in ending {
         super::expiry::expire_locked(&mut tx, id, number).await?;
+    }
+    let left: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM orders WHERE checkout_id = $1 AND renews IS NULL
+                          AND status IN ('awaiting_payment', 'payment_failed'))",
+    )
+    .bind(checkout)
+    .fetch_one(&mut *tx)
+    .await?;
+    if !left {
+        sqlx::query(
+            "DELETE FROM idempotency_keys WHERE owner = $3 AND key = $1 AND locked_by = $2",
+        )
+        .bind(key.key)
+        .bind(me)
+        .bind(key.owner)
+        .execute(&mut *tx)
+        .await?;
     }
     tx.commit().await?;
     Ok(())
 }
 
+/// Gives the key up: removed after a refusal (nothing was stored, the client may fix the
+/// request and send it with the same key), unlocked otherwise. Only by the request holding it.
 async fn let_go(pool: &PgPool, key: IdempotencyKey<'_>, me: &str, refused: bool) {
     let sql = if refused {
         "DELETE FROM idempotency_keys WHERE owner = $3 AND key = $1 AND checkout_id IS NULL AND locked_by = $2"

@@ -276,14 +276,20 @@ pub async fn open_due(
                              -- 31st ends on the 28th, and the next on the 31st again (one interval
                              -- on from each end would stay on the 28th for ever). Counted from a
                              -- low guess: at most about 2 % low (31-day months), never high.
-                             SELECT min(a.start + n * ('1 ' || s.\"interval\")::interval)
+                             -- Only for a period already on that calendar: one that is not
+                             -- (moved by hand, or by the old arithmetic) goes on one interval
+                             -- from its end, never a short period at the full price. In UTC,
+                             -- as the first period's end (migration 0099).
+                             SELECT CASE WHEN bool_or(p.at = s.current_period_end)
+                                         THEN min(p.at) FILTER (WHERE p.at > s.current_period_end) END
                              FROM (SELECT paid_at AS start FROM orders WHERE number = s.order_number) a,
                                   LATERAL (SELECT greatest(1, floor(extract(epoch FROM s.current_period_end - a.start)
                                       / CASE s.\"interval\" WHEN 'day' THEN 90000 WHEN 'week' THEN 608400
-                                                             WHEN 'month' THEN 2682000 ELSE 31626000 END)::int) AS low) g,
-                                  generate_series(g.low, g.low + 60) AS n
-                             WHERE a.start + n * ('1 ' || s.\"interval\")::interval > s.current_period_end),
-                           current_period_end + ('1 ' || \"interval\")::interval)
+                                                             WHEN 'month' THEN 2682000 ELSE 31626000 END)::int - 1) AS low) g,
+                                  generate_series(g.low, g.low + 61) AS n,
+                                  LATERAL (SELECT ((a.start AT TIME ZONE 'UTC') + n * ('1 ' || s.\"interval\")::interval)
+                                                  AT TIME ZONE 'UTC' AS at) p),
+                           ((current_period_end AT TIME ZONE 'UTC') + ('1 ' || \"interval\")::interval) AT TIME ZONE 'UTC')
                          ELSE current_period_end + make_interval(secs => $2) END AS next_end
              FROM subscriptions s
              WHERE gateway = $1 AND status = 'active' AND current_period_end <= now()
@@ -632,10 +638,6 @@ pub async fn charge_of(
     }))
 }
 
-/// A change a gateway made to a subscription it bills, recorded for the subscription
-/// `first_order` started, in the caller's transaction. Ended there, it is canceled here (once)
-/// and its current renewal, if unpaid, expires. `None`: no such subscription; else whether
-/// anything changed.
 /// The order that started subscription `id`, if `gateway` bills it.
 pub async fn first_order_of(
     tx: &mut sqlx::PgConnection,
@@ -649,6 +651,10 @@ pub async fn first_order_of(
         .await
 }
 
+/// A change a gateway made to a subscription it bills, recorded for the subscription
+/// `first_order` started, in the caller's transaction. Ended there, it is canceled here (once)
+/// and its current renewal, if unpaid, expires. `None`: no such subscription; else whether
+/// anything changed.
 pub async fn apply_change(
     tx: &mut sqlx::PgConnection,
     first_order: i64,
@@ -728,6 +734,20 @@ async fn cancel_unpaid(
     // The renewal ends in the cancellation's own transaction, as a cancellation's does
     // (`expire_unpaid`): a charge in flight then lands as a late payment, given back.
     let mut tx = pool.begin().await?;
+    // The renewals first, then their subscriptions, in the order a payment of one locks them
+    // (the order, then through migration 0048's trigger its subscription): the other order
+    // could deadlock with a charge landing meanwhile.
+    sqlx::query(
+        "SELECT o.id FROM orders o JOIN subscriptions s ON o.renews = s.id
+         WHERE s.gateway = $1 AND s.status = 'past_due'
+           AND o.period_start = s.current_period_start AND o.paid_at IS NULL
+           AND ((o.status = 'payment_failed' AND o.payment_attempt >= $2) OR o.status = 'expired')
+         ORDER BY o.id FOR UPDATE OF o",
+    )
+    .bind(gateway)
+    .bind(MAX_RENEWAL_ATTEMPTS)
+    .execute(&mut *tx)
+    .await?;
     let given_up: Vec<(SubscriptionId, i64, DateTime<Utc>)> = sqlx::query_as(
         "UPDATE subscriptions s SET status = 'canceled', canceled_at = now(), updated_at = now()
          FROM orders o

@@ -213,7 +213,7 @@ pub enum DismissError {
     #[error("payment event {id} is already processed ({outcome}); there is nothing to dismiss")]
     AlreadyProcessed { id: i64, outcome: EventOutcome },
     #[error(
-        "payment event {0} has a processing job waiting or running: let it end (or cancel it) first"
+        "payment event {0} has a processing job waiting or running: let it end first (`payfleet jobs` shows it)"
     )]
     BeingProcessed(i64),
     #[error("a dismissal needs its reason (1 to 500 characters), recorded with the event")]

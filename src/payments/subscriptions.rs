@@ -319,9 +319,10 @@ pub(super) async fn change(
     first_session: Option<&str>,
     change: SubscriptionChange,
 ) -> Result<Applied, ProcessError> {
-    // The internal gateway bills the subscriptions kept here and names them by their own id
-    // (collected through Stripe, it names Stripe's subscription instead, as Stripe does).
-    if gateway == GatewayName::Internal
+    // The internal gateway (and the mock, which speaks its events) bills the subscriptions kept
+    // here and names them by their own id (collected through Stripe, it names Stripe's
+    // subscription instead, as Stripe does).
+    if matches!(gateway, GatewayName::Internal | GatewayName::Mock)
         && let Ok(id) = subscription.parse::<SubscriptionId>()
     {
         let Some(first_order) = subscriptions::first_order_of(tx, id, gateway).await? else {

@@ -1092,7 +1092,10 @@ async fn a_payment_received_before_expiry_confirms_the_order_even_when_processed
     assert_eq!(expire(&pool, 3).await.unwrap(), Expiry::Expired);
     // Nor, within the grace, one received before the order existed: it cannot be its payment.
     orders_for(&pool, "internal", &["sess_d"], "10.00", "BRL").await;
-    sqlx::query("UPDATE orders SET expires_at = now() - interval '1 minute' WHERE number = 4")
+    sqlx::query(
+        "UPDATE orders SET created_at = now() - interval '5 minutes', expires_at = now() - interval '1 minute'
+         WHERE number = 4",
+    )
         .execute(&pool)
         .await
         .unwrap();

@@ -296,6 +296,33 @@ async fn monthly_periods_started_on_the_31st_end_on_the_31st_or_the_months_last_
             assert_eq!(*begins, periods[i - 1].1);
         }
     }
+    // A period off that calendar (moved by hand, or by the arithmetic before it) goes on one
+    // interval from its end: never a short period at the full price.
+    let off = chrono::SubsecRound::trunc_subsecs(
+        Utc::now() - chrono::Duration::days(2) - chrono::Duration::seconds(17),
+        6,
+    );
+    sqlx::query(
+        "UPDATE subscriptions SET current_period_start = $1 - interval '1 month', current_period_end = $1",
+    )
+    .bind(off)
+    .execute(&pool)
+    .await
+    .unwrap();
+    payfleet::orders::subscriptions::open_due(
+        &pool,
+        payfleet::gateways::GatewayName::Internal,
+        &billing,
+        1,
+    )
+    .await
+    .unwrap();
+    let (start, end): (chrono::DateTime<Utc>, chrono::DateTime<Utc>) =
+        sqlx::query_as("SELECT current_period_start, current_period_end FROM subscriptions")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((start, end), (off, off + chrono::Months::new(1)));
 }
 
 /// The internal gateway's `subscription.canceled` ends the subscription it names (by the

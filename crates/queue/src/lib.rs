@@ -388,7 +388,8 @@ pub enum Cancelled {
     NotFound,
     /// The waiting job was cancelled.
     Cancelled(JobId),
-    /// The job is running; it ends cancelled, whatever the outcome of this run.
+    /// The job is running; it ends cancelled, whatever the outcome of this run (unless work
+    /// for its key arrives meanwhile through [`enqueue_or_rerun`]: then it runs again).
     AfterRun(JobId),
 }
 

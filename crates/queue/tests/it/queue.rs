@@ -1240,6 +1240,27 @@ async fn only_jobs_due_soon_notify_the_workers(pool: PgPool) {
         None,
         "far ahead: no notification"
     );
+    // Nor a waiting job moved further ahead (replaced), nor one retried for later.
+    let later_still = later + chrono::Duration::hours(1);
+    queue::schedule(
+        &pool,
+        NewJob::of(&Echo { n: 1 })
+            .unwrap()
+            .key("a")
+            .run_at(later_still),
+    )
+    .await
+    .unwrap();
+    sqlx::query("UPDATE jobs SET run_at = $1 WHERE key IS NULL")
+        .bind(later_still)
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        heard(&mut listener).await,
+        None,
+        "moved ahead: no notification"
+    );
     // Moved to now: the workers must hear of it.
     queue::schedule(&pool, NewJob::of(&Echo { n: 1 }).unwrap().key("a"))
         .await
