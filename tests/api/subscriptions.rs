@@ -258,16 +258,17 @@ async fn monthly_periods_started_on_the_31st_end_on_the_31st_or_the_months_last_
     .unwrap();
     let (gateways, hosted) = payfleet::startup::gateways(&config, &pool).unwrap();
     let billing = payfleet::startup::biller(&config, &pool, &gateways, &hosted).billing;
-    // Every missed period opened (the fleet's own billing passes may open some of them).
-    wait_for("caught up", Duration::from_secs(60), async || {
+    let open_due = |limit: i64| {
         payfleet::orders::subscriptions::open_due(
             &pool,
             payfleet::gateways::GatewayName::Internal,
             &billing,
-            5,
+            limit,
         )
-        .await
-        .unwrap();
+    };
+    // Every missed period opened (the fleet's own billing passes may open some of them).
+    wait_for("caught up", Duration::from_secs(60), async || {
+        open_due(5).await.unwrap();
         sqlx::query_scalar::<_, bool>("SELECT current_period_end > now() FROM subscriptions")
             .fetch_one(&pool)
             .await
@@ -309,14 +310,7 @@ async fn monthly_periods_started_on_the_31st_end_on_the_31st_or_the_months_last_
     .execute(&pool)
     .await
     .unwrap();
-    payfleet::orders::subscriptions::open_due(
-        &pool,
-        payfleet::gateways::GatewayName::Internal,
-        &billing,
-        1,
-    )
-    .await
-    .unwrap();
+    open_due(1).await.unwrap();
     let (start, end): (chrono::DateTime<Utc>, chrono::DateTime<Utc>) =
         sqlx::query_as("SELECT current_period_start, current_period_end FROM subscriptions")
             .fetch_one(&pool)

@@ -272,8 +272,15 @@ async fn a_rolled_back_reschedule_leaves_the_old_job(pool: PgPool) {
     assert_eq!(job(&pool, id).await.2["n"], 1);
 }
 
-#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
-async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends(pool: PgPool) {
+/// A registry whose echo handler records each run's `n`, and holds the very first run (after
+/// telling `started`) until `release` is notified: (registry, started, release, runs).
+#[allow(clippy::type_complexity)]
+fn holding_first_run() -> (
+    Registry,
+    Arc<tokio::sync::Notify>,
+    Arc<tokio::sync::Notify>,
+    Arc<std::sync::Mutex<Vec<i64>>>,
+) {
     let started = Arc::new(tokio::sync::Notify::new());
     let release = Arc::new(tokio::sync::Notify::new());
     let runs = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -283,8 +290,12 @@ async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends
         .register::<Echo, _, _>(move |_ctx: JobContext, job: Echo| {
             let (s, r, seen) = (s.clone(), r.clone(), seen.clone());
             async move {
-                seen.lock().unwrap().push(job.n);
-                if job.n == 1 {
+                let first = {
+                    let mut seen = seen.lock().unwrap();
+                    seen.push(job.n);
+                    seen.len() == 1
+                };
+                if first {
                     s.notify_one();
                     r.notified().await;
                 }
@@ -292,6 +303,12 @@ async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends
             }
         })
         .unwrap();
+    (registry, started, release, runs)
+}
+
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends(pool: PgPool) {
+    let (registry, started, release, runs) = holding_first_run();
     let Scheduled::Inserted(id) =
         queue::schedule(&pool, NewJob::of(&Echo { n: 1 }).unwrap().key("k"))
             .await
@@ -1060,28 +1077,7 @@ async fn a_job_cancelled_while_running_ends_cancelled_whatever_its_outcome(pool:
 /// dropped with the cancelled run.
 #[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn work_arriving_after_a_running_job_was_cancelled_runs_when_that_run_ends(pool: PgPool) {
-    let started = Arc::new(tokio::sync::Notify::new());
-    let release = Arc::new(tokio::sync::Notify::new());
-    let runs = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let mut registry = Registry::new();
-    let (s, r, seen) = (started.clone(), release.clone(), runs.clone());
-    registry
-        .register::<Echo, _, _>(move |_ctx: JobContext, job: Echo| {
-            let (s, r, seen) = (s.clone(), r.clone(), seen.clone());
-            async move {
-                let first = {
-                    let mut seen = seen.lock().unwrap();
-                    seen.push(job.n);
-                    seen.len() == 1
-                };
-                if first {
-                    s.notify_one();
-                    r.notified().await;
-                }
-                Ok(())
-            }
-        })
-        .unwrap();
+    let (registry, started, release, runs) = holding_first_run();
     let Scheduled::Inserted(id) =
         queue::schedule(&pool, NewJob::of(&Echo { n: 1 }).unwrap().key("k"))
             .await
