@@ -713,6 +713,22 @@ async fn every_stripe_closing_status_decides_the_dispute(pool: PgPool) {
     }
 }
 
+/// A Mercado Pago Payments API stand-in ([`mercadopago_api`]) and a test configuration that
+/// asks it: (its payments, by id, for the test to change; the configuration).
+pub(crate) async fn mercadopago_config() -> (
+    std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, serde_json::Value>>>,
+    payfleet::config::Config,
+) {
+    let payments = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+    let base = mercadopago_api(payments.clone()).await;
+    let mut config = test_config();
+    config.gateways.mercadopago.api = Some(MercadoPagoApi {
+        base_url: base,
+        access_token: Secret::new("TEST-token"),
+    });
+    (payments, config)
+}
+
 /// A Mercado Pago Payments API stand-in whose payments the test changes: each by its id, and
 /// the search by `external_reference`, newest first (a payment's `date_created` is its id here).
 pub(crate) async fn mercadopago_api(
@@ -770,13 +786,7 @@ pub(crate) async fn mercadopago_api(
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn mercadopago_mediations_end_won_or_as_a_refund(pool: PgPool) {
-    let payments = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
-    let base = mercadopago_api(payments.clone()).await;
-    let mut config = test_config();
-    config.gateways.mercadopago.api = Some(MercadoPagoApi {
-        base_url: base,
-        access_token: Secret::new("TEST-token"),
-    });
+    let (payments, config) = mercadopago_config().await;
     let app = spawn_app(pool.clone()).await;
     orders_for(
         &pool,
@@ -867,13 +877,7 @@ async fn mercadopago_mediations_end_won_or_as_a_refund(pool: PgPool) {
 /// the seller: the seller's balance is whole again. `settled` takes it.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_mercadopago_chargeback_in_process_is_open_until_settled_or_reimbursed(pool: PgPool) {
-    let payments = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
-    let base = mercadopago_api(payments.clone()).await;
-    let mut config = test_config();
-    config.gateways.mercadopago.api = Some(MercadoPagoApi {
-        base_url: base,
-        access_token: Secret::new("TEST-token"),
-    });
+    let (payments, config) = mercadopago_config().await;
     let app = spawn_app(pool.clone()).await;
     orders_for(
         &pool,
@@ -952,13 +956,7 @@ async fn a_mercadopago_chargeback_in_process_is_open_until_settled_or_reimbursed
 async fn a_mercadopago_mediation_whose_end_was_never_notified_is_reconciled_with_its_refund(
     pool: PgPool,
 ) {
-    let payments = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
-    let base = mercadopago_api(payments.clone()).await;
-    let mut config = test_config();
-    config.gateways.mercadopago.api = Some(MercadoPagoApi {
-        base_url: base,
-        access_token: Secret::new("TEST-token"),
-    });
+    let (payments, config) = mercadopago_config().await;
     let app = spawn_app(pool.clone()).await;
     orders_for(&pool, "mercadopago", &["pref_404"], "50.00", "BRL").await;
     let set = |status: &str, refunds: serde_json::Value| {

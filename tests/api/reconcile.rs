@@ -335,13 +335,7 @@ async fn stripes_undelivered_events_are_stored_as_their_webhooks_and_the_late_we
 /// asking about the checkout: the approved payment confirms the order.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_payment_approved_after_a_refused_attempt_is_still_looked_for(pool: PgPool) {
-    let payments = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
-    let base = crate::processing::mercadopago_api(payments.clone()).await;
-    let mut config = test_config();
-    config.gateways.mercadopago.api = Some(payfleet::gateways::mercadopago::Api {
-        base_url: base,
-        access_token: payfleet::secret::Secret::new("TEST-token"),
-    });
+    let (payments, config) = crate::processing::mercadopago_config().await;
     let app = spawn_app(pool.clone()).await;
     orders_for(&pool, "mercadopago", &["pref_7"], "50.00", "BRL").await;
     let set = |id: i64, status: &str| {
@@ -401,13 +395,7 @@ async fn a_payment_approved_after_a_refused_attempt_is_still_looked_for(pool: Pg
 /// nothing ever recorded the refund.
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
 async fn a_payment_found_refunded_is_recorded_with_its_refund(pool: PgPool) {
-    let payments = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
-    let base = crate::processing::mercadopago_api(payments.clone()).await;
-    let mut config = test_config();
-    config.gateways.mercadopago.api = Some(payfleet::gateways::mercadopago::Api {
-        base_url: base,
-        access_token: payfleet::secret::Secret::new("TEST-token"),
-    });
+    let (payments, config) = crate::processing::mercadopago_config().await;
     let _app = spawn_app(pool.clone()).await;
     orders_for(&pool, "mercadopago", &["pref_8"], "50.00", "BRL").await;
     payments.lock().unwrap().insert(

@@ -43,6 +43,11 @@ async fn subscription_order(shop: &crate::checkout::Shop, seller: &str) -> Value
 /// A subscription order of `seller`'s paid on the internal gateway's page: its subscription's id.
 async fn paid_subscription(shop: &crate::checkout::Shop, seller: &str) -> String {
     let order = subscription_order(shop, seller).await;
+    subscription_paid(shop, &order).await
+}
+
+/// Subscription order `order` paid on the internal gateway's page: its subscription's id.
+async fn subscription_paid(shop: &crate::checkout::Shop, order: &Value) -> String {
     let number = order["number"].as_i64().unwrap();
     assert_eq!(
         shop.app
@@ -339,25 +344,7 @@ async fn the_internal_gateways_cancellation_event_ends_its_subscription(pool: Pg
         )
         .await;
     assert_eq!(status, 201, "{answer}");
-    let order = &answer["orders"][0];
-    let number = order["number"].as_i64().unwrap();
-    assert_eq!(
-        shop.app
-            .pay(order["payment"]["url"].as_str().unwrap(), "succeeded")
-            .await
-            .0,
-        200
-    );
-    wait_for(
-        "the second subscription",
-        Duration::from_secs(30),
-        async || shop.order(number).await["subscription_id"].is_string(),
-    )
-    .await;
-    let other = shop.order(number).await["subscription_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let other = subscription_paid(&shop, &answer["orders"][0]).await;
     let body =
         json!({"type": "subscription.canceled", "data": {"subscription_id": id}}).to_string();
     let (status, answer) = shop.app.deliver(&internal("cancel-1", &body)).await;

@@ -272,12 +272,14 @@ async fn a_rolled_back_reschedule_leaves_the_old_job(pool: PgPool) {
     assert_eq!(job(&pool, id).await.2["n"], 1);
 }
 
-/// A registry whose echo handler records each run's `n`, and holds the very first run (after
-/// telling `started`) until `release` is notified: (registry, started, release, runs).
+/// Job `k` (echo 1) scheduled and running in a fleet whose echo handler records each run's
+/// `n` and holds the very first run until `release` is notified: (fleet, the job, release, runs).
 #[allow(clippy::type_complexity)]
-fn holding_first_run() -> (
-    Registry,
-    Arc<tokio::sync::Notify>,
+async fn first_run_held(
+    pool: &PgPool,
+) -> (
+    payfleet_queue::FleetHandle,
+    JobId,
     Arc<tokio::sync::Notify>,
     Arc<std::sync::Mutex<Vec<i64>>>,
 ) {
@@ -303,21 +305,21 @@ fn holding_first_run() -> (
             }
         })
         .unwrap();
-    (registry, started, release, runs)
-}
-
-#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
-async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends(pool: PgPool) {
-    let (registry, started, release, runs) = holding_first_run();
     let Scheduled::Inserted(id) =
-        queue::schedule(&pool, NewJob::of(&Echo { n: 1 }).unwrap().key("k"))
+        queue::schedule(pool, NewJob::of(&Echo { n: 1 }).unwrap().key("k"))
             .await
             .unwrap()
     else {
         panic!()
     };
-    let fleet = start_fleet(&pool, registry);
+    let fleet = start_fleet(pool, registry);
     started.notified().await;
+    (fleet, id, release, runs)
+}
+
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn rescheduling_or_cancelling_a_running_job_takes_effect_when_its_run_ends(pool: PgPool) {
+    let (fleet, id, release, runs) = first_run_held(&pool).await;
     let later = Utc::now() + chrono::Duration::hours(1);
     let again = queue::schedule(
         &pool,
@@ -1077,16 +1079,7 @@ async fn a_job_cancelled_while_running_ends_cancelled_whatever_its_outcome(pool:
 /// dropped with the cancelled run.
 #[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn work_arriving_after_a_running_job_was_cancelled_runs_when_that_run_ends(pool: PgPool) {
-    let (registry, started, release, runs) = holding_first_run();
-    let Scheduled::Inserted(id) =
-        queue::schedule(&pool, NewJob::of(&Echo { n: 1 }).unwrap().key("k"))
-            .await
-            .unwrap()
-    else {
-        panic!()
-    };
-    let fleet = start_fleet(&pool, registry);
-    started.notified().await;
+    let (fleet, id, release, runs) = first_run_held(&pool).await;
     assert_eq!(
         queue::cancel(&pool, "k").await.unwrap(),
         Cancelled::AfterRun(id)
