@@ -416,6 +416,7 @@ pub fn start(
         pool: pool.clone(),
         events: None,
         fleet: fleet.as_ref().map(FleetHandle::probe),
+        broker: roles.work.then(|| broker.clone()),
         database: Default::default(),
     };
     let mut rpc_client = None;

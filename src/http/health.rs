@@ -25,6 +25,10 @@ pub struct Readiness {
     /// Running workers: the fleet must be running and have read the paused queues (until then
     /// it claims nothing).
     pub fleet: Option<FleetProbe>,
+    /// Running workers: the broker must be connected (they answer the payment-link and coins
+    /// RPC and relay the order messages). A receiver alone does without it: webhooks land
+    /// while RabbitMQ is down.
+    pub broker: Option<crate::messaging::Broker>,
     /// The database's last answer: anyone may probe, so the database is asked at most once a
     /// second whatever the pace of the probes.
     pub database: DatabaseProbe,
@@ -73,7 +77,7 @@ pub(super) struct Alive {
 }
 
 /// What a process needs, each `ok` or `unavailable`: a receiver's database and event writer,
-/// a worker's database and fleet.
+/// a worker's database, fleet and broker.
 #[derive(serde::Serialize, utoipa::ToSchema)]
 pub(super) struct Checks {
     database: Check,
@@ -81,6 +85,8 @@ pub(super) struct Checks {
     event_writer: Option<Check>,
     #[serde(skip_serializing_if = "Option::is_none")]
     workers: Option<Check>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    broker: Option<Check>,
 }
 
 #[derive(serde::Serialize, utoipa::ToSchema)]
@@ -121,7 +127,12 @@ async fn readyz(_caller: Anyone, State(r): State<Readiness>) -> impl IntoRespons
     let database = r.database.answers(&r.pool).await;
     let event_writer = r.events.as_ref().map(EventWriter::is_alive);
     let workers = r.fleet.as_ref().map(FleetProbe::is_claiming);
-    let ready = database && event_writer != Some(false) && workers != Some(false);
+    let broker = r
+        .broker
+        .as_ref()
+        .map(crate::messaging::Broker::is_connected);
+    let ready =
+        database && event_writer != Some(false) && workers != Some(false) && broker != Some(false);
     let status = if ready {
         StatusCode::OK
     } else {
@@ -131,6 +142,7 @@ async fn readyz(_caller: Anyone, State(r): State<Readiness>) -> impl IntoRespons
         database: database.into(),
         event_writer: event_writer.map(Check::from),
         workers: workers.map(Check::from),
+        broker: broker.map(Check::from),
     };
     (status, axum::Json(checks))
 }

@@ -213,6 +213,13 @@ async fn a_balance_moves_only_with_its_entries(pool: PgPool) {
         "never deleted",
     )
     .await;
+    // Nor an account opened holding what no entry put there.
+    refused(
+        &pool,
+        &["INSERT INTO ledger_accounts (kind, owner, currency, balance) VALUES ('seller_pending', 'z', 'BRL', 100)"],
+        "ledger_accounts_balance_is_entries",
+    )
+    .await;
     // An entry that does not start where the account's last one ended (the pending account
     // holds 5.00).
     let skip = "WITH t AS (INSERT INTO ledger_transfers (id, source_key, kind, from_account, to_account, amount, currency)

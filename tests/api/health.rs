@@ -64,6 +64,7 @@ async fn readiness_fails_when_the_event_writer_has_ended(pool: PgPool) {
             pool,
             events: Some(dead),
             fleet: None,
+            broker: None,
             database: Default::default(),
         },
         http::Callers::new(None, None, None, None),
@@ -476,4 +477,65 @@ async fn the_histograms_count_the_work_done(pool: PgPool) {
         }
     }
     assert!(named >= 20, "{named} series read by the dashboard");
+}
+
+/// A worker answers the payment-link and coins RPC and relays the order messages: without its
+/// broker it cannot do its work, and says so; with it back, it is ready again.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_worker_is_not_ready_while_its_broker_is_unreachable(pool: PgPool) {
+    let proxy = TcpProxy::start("127.0.0.1:5672").await;
+    let broker = payfleet::messaging::Broker::start(
+        payfleet::secret::SecretUrl::new(format!("amqp://guest:guest@{}", proxy.addr)),
+        "health",
+        None,
+    );
+    let router = http::worker_router(
+        pool.clone(),
+        Readiness {
+            pool,
+            events: None,
+            fleet: None,
+            broker: Some(broker.clone()),
+            database: Default::default(),
+        },
+        http::Callers::new(None, None, None, None),
+        std::time::Duration::ZERO,
+        Default::default(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let readyz = async || {
+        let resp = reqwest::get(format!("http://{addr}/readyz")).await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json::<serde_json::Value>().await.unwrap())
+    };
+    wait_for(
+        "connected",
+        std::time::Duration::from_secs(30),
+        async || readyz().await.0 == 200,
+    )
+    .await;
+    assert_eq!(readyz().await.1["broker"], "ok");
+    proxy.set(Link::Refused);
+    wait_for(
+        "not ready",
+        std::time::Duration::from_secs(30),
+        async || {
+            readyz().await
+                == (
+                    503,
+                    serde_json::json!({"database": "ok", "broker": "unavailable"}),
+                )
+        },
+    )
+    .await;
+    proxy.set(Link::Up);
+    wait_for(
+        "ready again",
+        std::time::Duration::from_secs(60),
+        async || readyz().await.0 == 200,
+    )
+    .await;
+    broker.stop();
 }

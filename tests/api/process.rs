@@ -306,7 +306,7 @@ async fn a_worker_reports_its_own_readiness_and_never_logs_a_password(pool: PgPo
     assert_eq!(status, 200, "{body}");
     assert_eq!(
         serde_json::from_str::<serde_json::Value>(&body).unwrap(),
-        serde_json::json!({"database": "ok", "workers": "ok"})
+        serde_json::json!({"database": "ok", "workers": "ok", "broker": "ok"})
     );
     let anonymous = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
         .await
