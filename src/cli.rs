@@ -73,6 +73,9 @@ enum Command {
     Consistency {
         #[arg(long)]
         run: bool,
+        /// Only this check's findings (each check's count is printed first).
+        #[arg(long)]
+        check: Option<String>,
     },
     /// Drive the fleet `up` started: a catalogue, checkouts, payments, an expiry, each order's
     /// journey.
@@ -304,7 +307,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             .await
         }
         Command::Money { action } => money_command(config, action).await,
-        Command::Consistency { run } => consistency_command(config, run).await,
+        Command::Consistency { run, check } => consistency_command(config, run, check).await,
         Command::Demo(args) => demo::run(&config, args).await,
         Command::Soak(args) => soak::run(&config, args).await,
         Command::Openapi => Ok(()),
@@ -780,7 +783,19 @@ async fn money_command(config: Config, action: MoneyAction) -> anyhow::Result<()
     Ok(())
 }
 
-async fn consistency_command(config: Config, run: bool) -> anyhow::Result<()> {
+async fn consistency_command(
+    config: Config,
+    run: bool,
+    check: Option<String>,
+) -> anyhow::Result<()> {
+    if let Some(name) = check.as_deref()
+        && !payfleet::consistency::CHECKS.contains(&name)
+    {
+        anyhow::bail!(
+            "no consistency check {name:?} (they are: {})",
+            payfleet::consistency::CHECKS.join(", ")
+        );
+    }
     let pool = db::connect(&config.database_url, 2, "consistency").await?;
     if run {
         let r = payfleet::consistency::run(&pool, config.consistency.grace).await?;
@@ -789,7 +804,19 @@ async fn consistency_command(config: Config, run: bool) -> anyhow::Result<()> {
             r.open, r.new, r.resolved
         );
     }
-    let findings = payfleet::consistency::open(&pool, 1000).await?;
+    let counts: Vec<(&str, i64)> = payfleet::consistency::counts(&pool)
+        .await?
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    if !counts.is_empty() {
+        let each: Vec<String> = counts.iter().map(|(c, n)| format!("{c} {n}")).collect();
+        println!("open: {}", each.join(", "));
+    }
+    let findings = match check.as_deref() {
+        Some(name) => payfleet::consistency::open_of(&pool, name, 1000).await?,
+        None => payfleet::consistency::open(&pool, 1000).await?,
+    };
     if findings.is_empty() {
         println!("no open consistency findings");
     }

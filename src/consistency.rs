@@ -681,6 +681,18 @@ pub async fn open(pool: &PgPool, limit: i64) -> Result<Vec<Finding>, sqlx::Error
     .await
 }
 
+/// The open findings of check `check`, oldest first: one check's, whatever floods another.
+pub async fn open_of(pool: &PgPool, check: &str, limit: i64) -> Result<Vec<Finding>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, check_name, subject, detail, first_seen, last_seen FROM consistency_findings
+         WHERE resolved_at IS NULL AND check_name = $1 ORDER BY id LIMIT $2",
+    )
+    .bind(check)
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
 /// Open findings by check, every check listed (zero included), for the gauge.
 pub async fn counts(pool: &PgPool) -> Result<Vec<(&'static str, i64)>, sqlx::Error> {
     let rows: Vec<(String, i64)> = sqlx::query_as(

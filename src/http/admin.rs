@@ -151,7 +151,17 @@ impl From<payfleet_queue::census::WorkerRow> for WorkerView {
 
 #[derive(serde::Serialize, utoipa::ToSchema)]
 pub(super) struct ConsistencyFindings {
+    /// The open findings (of the check asked for, if one was), oldest first, at most 1,000.
     findings: Vec<crate::consistency::Finding>,
+    /// How many findings each check has open, every check named (zero included): what the
+    /// list may not show when one check floods it.
+    counts: std::collections::BTreeMap<&'static str, i64>,
+}
+
+#[derive(serde::Deserialize, utoipa::IntoParams)]
+pub(super) struct FindingsQuery {
+    /// Only this check's findings (one of the names in `counts`).
+    check: Option<String>,
 }
 
 #[derive(serde::Serialize, utoipa::ToSchema)]
@@ -741,22 +751,42 @@ async fn workers(
     Ok(Json(Workers { workers }))
 }
 
-/// The consistency findings still open, oldest first.
+/// The consistency findings still open, oldest first, all or one check's, with every check's
+/// count.
 #[utoipa::path(
     get,
     path = "/admin/consistency",
     tag = "admin",
+    params(FindingsQuery),
     responses(
-        (status = 200, description = "The open consistency findings, oldest first.", body = ConsistencyFindings),
+        (status = 200, description = "The open consistency findings, oldest first, and each check's count.", body = ConsistencyFindings),
+        (status = 400, description = "`bad_request`: a check of no such name.", body = ErrorBody),
     ),
     security(("admin_token" = [])),
 )]
 async fn consistency_findings(
     _operator: Operator,
     State(state): State<AdminState>,
+    query: Result<Query<FindingsQuery>, QueryRejection>,
 ) -> Result<Json<ConsistencyFindings>, ApiError> {
-    let findings = crate::consistency::open(&state.pool, 1000).await?;
-    Ok(Json(ConsistencyFindings { findings }))
+    let Query(FindingsQuery { check }) = query.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let findings = match check.as_deref() {
+        None => crate::consistency::open(&state.pool, 1000).await?,
+        Some(name) if crate::consistency::CHECKS.contains(&name) => {
+            crate::consistency::open_of(&state.pool, name, 1000).await?
+        }
+        Some(name) => {
+            return Err(ApiError::bad_request(format!(
+                "no consistency check {name:?} (they are: {})",
+                crate::consistency::CHECKS.join(", ")
+            )));
+        }
+    };
+    let counts = crate::consistency::counts(&state.pool)
+        .await?
+        .into_iter()
+        .collect();
+    Ok(Json(ConsistencyFindings { findings, counts }))
 }
 
 /// What missed-webhook reconciliation found, newest first.

@@ -191,6 +191,38 @@ async fn every_violation_is_found_listed_counted_and_resolved_when_gone(pool: Pg
         .await
         .unwrap();
     assert_eq!(list["findings"].as_array().unwrap().len(), 9);
+    assert_eq!(list["counts"]["ledger_entries_differ"], 3);
+    assert_eq!(list["counts"]["payout_undecided"], 0);
+    assert_eq!(
+        list["counts"].as_object().unwrap().len(),
+        consistency::CHECKS.len()
+    );
+    // One check's, whatever floods another; a check of no such name is refused.
+    let of = async |query: &str| {
+        let resp = app
+            .http
+            .get(format!("http://{}/admin/consistency?{query}", app.addr))
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap();
+        (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+    };
+    let (status, one) = of("check=ledger_entries_differ").await;
+    assert_eq!(status, 200, "{one}");
+    let names: Vec<&str> = one["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["check_name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["ledger_entries_differ"; 3]);
+    let (status, refused) = of("check=ledger").await;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (400, Some("bad_request")),
+        "{refused}"
+    );
     let metrics = app.metrics().await;
     assert!(
         metrics.contains("payfleet_consistency_violations{check=\"ledger_entries_differ\"} 3"),
