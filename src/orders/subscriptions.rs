@@ -734,27 +734,21 @@ async fn cancel_unpaid(
     // The renewal ends in the cancellation's own transaction, as a cancellation's does
     // (`expire_unpaid`): a charge in flight then lands as a late payment, given back.
     let mut tx = pool.begin().await?;
-    // The renewals first, then their subscriptions, in the order a payment of one locks them
-    // (the order, then through migration 0048's trigger its subscription): the other order
-    // could deadlock with a charge landing meanwhile.
-    sqlx::query(
-        "SELECT o.id FROM orders o JOIN subscriptions s ON o.renews = s.id
-         WHERE s.gateway = $1 AND s.status = 'past_due'
-           AND o.period_start = s.current_period_start AND o.paid_at IS NULL
-           AND ((o.status = 'payment_failed' AND o.payment_attempt >= $2) OR o.status = 'expired')
-         ORDER BY o.id FOR UPDATE OF o",
-    )
-    .bind(gateway)
-    .bind(MAX_RENEWAL_ATTEMPTS)
-    .execute(&mut *tx)
-    .await?;
+    // The renewals first (each locked as the join reads it), then their subscriptions as they
+    // are updated: the order a payment of one locks them (the order, then through migration
+    // 0048's trigger its subscription); the other order could deadlock with a charge landing
+    // meanwhile.
     let given_up: Vec<(SubscriptionId, i64, DateTime<Utc>)> = sqlx::query_as(
-        "UPDATE subscriptions s SET status = 'canceled', canceled_at = now(), updated_at = now()
-         FROM orders o
-         WHERE s.gateway = $1 AND s.status = 'past_due'
-           AND o.renews = s.id AND o.period_start = s.current_period_start AND o.paid_at IS NULL
-           AND ((o.status = 'payment_failed' AND o.payment_attempt >= $2) OR o.status = 'expired')
-         RETURNING s.id, o.number, s.current_period_start",
+        "WITH renewals AS (
+             SELECT o.renews, o.number FROM orders o JOIN subscriptions s ON o.renews = s.id
+             WHERE s.gateway = $1 AND s.status = 'past_due'
+               AND o.period_start = s.current_period_start AND o.paid_at IS NULL
+               AND ((o.status = 'payment_failed' AND o.payment_attempt >= $2) OR o.status = 'expired')
+             ORDER BY o.id FOR UPDATE OF o)
+         UPDATE subscriptions s SET status = 'canceled', canceled_at = now(), updated_at = now()
+         FROM renewals r
+         WHERE s.id = r.renews AND s.status = 'past_due'
+         RETURNING s.id, r.number, s.current_period_start",
     )
     .bind(gateway)
     .bind(MAX_RENEWAL_ATTEMPTS)

@@ -58,22 +58,14 @@ async fn readiness_fails_when_the_event_writer_has_ended(pool: PgPool) {
     .join()
     .unwrap();
     assert!(!dead.is_alive());
-    let router = http::worker_router(
-        pool.clone(),
-        Readiness {
-            pool,
-            events: Some(dead),
-            fleet: None,
-            broker: None,
-            database: Default::default(),
-        },
-        http::Callers::new(None, None, None, None),
-        std::time::Duration::ZERO,
-        Default::default(),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await });
+    let addr = probes_of(Readiness {
+        pool,
+        events: Some(dead),
+        fleet: None,
+        broker: None,
+        database: Default::default(),
+    })
+    .await;
     let resp = reqwest::get(format!("http://{addr}/readyz")).await.unwrap();
     assert_eq!(resp.status(), 503);
     let body: serde_json::Value = resp.json().await.unwrap();
@@ -489,22 +481,14 @@ async fn a_worker_is_not_ready_while_its_broker_is_unreachable(pool: PgPool) {
         "health",
         None,
     );
-    let router = http::worker_router(
-        pool.clone(),
-        Readiness {
-            pool,
-            events: None,
-            fleet: None,
-            broker: Some(broker.clone()),
-            database: Default::default(),
-        },
-        http::Callers::new(None, None, None, None),
-        std::time::Duration::ZERO,
-        Default::default(),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await });
+    let addr = probes_of(Readiness {
+        pool,
+        events: None,
+        fleet: None,
+        broker: Some(broker.clone()),
+        database: Default::default(),
+    })
+    .await;
     let readyz = async || {
         let resp = reqwest::get(format!("http://{addr}/readyz")).await.unwrap();
         let status = resp.status().as_u16();
@@ -538,4 +522,19 @@ async fn a_worker_is_not_ready_while_its_broker_is_unreachable(pool: PgPool) {
     )
     .await;
     broker.stop();
+}
+
+/// A worker's probes (`/healthz`, `/readyz`) answering for `readiness`, on a port of their own.
+async fn probes_of(readiness: Readiness) -> std::net::SocketAddr {
+    let router = http::worker_router(
+        readiness.pool.clone(),
+        readiness,
+        http::Callers::new(None, None, None, None),
+        std::time::Duration::ZERO,
+        Default::default(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    addr
 }
