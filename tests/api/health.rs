@@ -538,3 +538,120 @@ async fn probes_of(readiness: Readiness) -> std::net::SocketAddr {
     tokio::spawn(async move { axum::serve(listener, router).await });
     addr
 }
+
+/// The label matchers (`name="value"`, `name=~"a|b"`, `name!="value"`) of every selector of a
+/// `payfleet_` metric in a PromQL text: the metric, then each matcher's label, operator and
+/// value.
+fn selectors(promql: &str) -> Vec<(String, Vec<(String, String, String)>)> {
+    let mut found = Vec::new();
+    let mut rest = promql;
+    while let Some(start) = rest.find("payfleet_") {
+        rest = &rest[start..];
+        let name_end = rest
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(rest.len());
+        let name = rest[..name_end].to_owned();
+        rest = &rest[name_end..];
+        let Some(body) = rest.strip_prefix('{') else {
+            continue;
+        };
+        let close = body.find('}').expect("a selector's braces close");
+        let matchers = body[..close]
+            .split(',')
+            .filter(|m| !m.trim().is_empty())
+            .map(|m| {
+                let op_at = m.find(['=', '!']).expect("a matcher has an operator");
+                let (label, tail) = m.split_at(op_at);
+                let op_len = if tail.starts_with("=~") || tail.starts_with("!=") {
+                    2
+                } else {
+                    1
+                };
+                let (op, value) = tail.split_at(op_len);
+                (
+                    label.trim().to_owned(),
+                    op.to_owned(),
+                    value.trim().trim_matches('"').to_owned(),
+                )
+            })
+            .collect();
+        found.push((name, matchers));
+        rest = &body[close..];
+    }
+    found
+}
+
+/// Whether a `/metrics` text has a series of `metric` that every matcher accepts (a regex
+/// matcher here is an alternation of plain values, as the rules write them).
+fn has_series(text: &str, metric: &str, matchers: &[(String, String, String)]) -> bool {
+    text.lines()
+        .filter_map(|l| l.strip_prefix(metric)?.strip_prefix('{'))
+        .map(|l| l.split('}').next().unwrap_or_default())
+        .any(|labels| {
+            let value_of = |name: &str| {
+                labels.split(',').find_map(|pair| {
+                    let (k, v) = pair.split_once('=')?;
+                    (k == name).then(|| v.trim_matches('"').to_owned())
+                })
+            };
+            matchers.iter().all(|(label, op, want)| {
+                let got = value_of(label).unwrap_or_default();
+                match op.as_str() {
+                    "=" => got == *want,
+                    "!=" => got != *want,
+                    "=~" => want.split('|').any(|w| w == got),
+                    other => panic!("matcher {other}"),
+                }
+            })
+        })
+}
+
+/// The alert rules and the dashboard ask for the label values the fleet exports: with a job
+/// dead and an event rejected, the rules' selectors of the jobs and the events match a series of
+/// the scrape. (The dead-jobs rule and panel once asked for `state="dead"`, which no series
+/// has, so they could never fire nor show one.)
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn the_rules_and_the_dashboard_select_series_that_exist(pool: PgPool) {
+    let app = spawn_fleet(pool.clone(), test_config()).await;
+    sqlx::query(
+        "INSERT INTO jobs (queue, kind, key, state, attempt, max_attempts, finished_at, errors)
+         VALUES ('payments', 'deliver_hosted_event', 'hosted:s1', 'discarded', 25, 25, now(),
+                 '[{\"error\": \"gateway answered 502\"}]')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let text = app.metrics().await;
+    let rules = std::fs::read_to_string("docs/ops/alerts.yml").unwrap();
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string("docs/ops/grafana.json").unwrap()).unwrap();
+    let mut promql = vec![rules];
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            promql.push(target["expr"].as_str().unwrap().to_owned());
+        }
+    }
+    // The gauges read from the database: every label value a selector asks of them is one a
+    // series of this scrape has (the workload above gives each the state it asks for).
+    let gauges = [
+        "payfleet_jobs",
+        "payfleet_payment_events_unprocessed",
+        "payfleet_payment_events_oldest_unprocessed_seconds",
+        "payfleet_queue_workers",
+        "payfleet_ledger_sales_due",
+    ];
+    let mut checked = 0;
+    for text_of in &promql {
+        for (metric, matchers) in selectors(text_of) {
+            if matchers.is_empty() || !gauges.contains(&metric.as_str()) {
+                continue;
+            }
+            checked += 1;
+            assert!(
+                has_series(&text, &metric, &matchers),
+                "{metric}{matchers:?} matches no series of /metrics:\n{text}"
+            );
+        }
+    }
+    assert!(checked >= 6, "{checked} selectors checked");
+}
