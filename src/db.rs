@@ -232,21 +232,84 @@ pub async fn migrate_at(url: &SecretUrl, locking: bool) -> anyhow::Result<()> {
 
 async fn run_migrations(pool: &PgPool, locking: bool) -> anyhow::Result<()> {
     check_history(pool).await?;
-    locked(&payfleet_queue::pg::MIGRATOR, locking)
-        .run(pool)
-        .await
-        .context("the queue's migrations failed")?;
-    locked(&APP_MIGRATOR, locking)
-        .run(pool)
-        .await
-        .context("migrations failed")
+    let mut conn = pool.acquire().await?;
+    let lock = if locking {
+        Some(migrating_alone(&mut conn).await?)
+    } else {
+        None
+    };
+    let done = async {
+        unlocked(&payfleet_queue::pg::MIGRATOR)
+            .run(&mut *conn)
+            .await
+            .context("the queue's migrations failed")?;
+        unlocked(&APP_MIGRATOR)
+            .run(&mut *conn)
+            .await
+            .context("migrations failed")
+    }
+    .await;
+    if let Some(id) = lock {
+        let unlocked: Result<bool, sqlx::Error> =
+            sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+                .bind(id)
+                .fetch_one(&mut *conn)
+                .await;
+        if !matches!(unlocked, Ok(true)) {
+            // Never back in the pool holding the lock: closing the session lets it go.
+            conn.close_on_drop();
+        }
+    }
+    done
 }
 
-fn locked(migrator: &Migrator, locking: bool) -> Migrator {
+/// Takes the migrators' session lock (sqlx's own key for this database, so a migrator of an
+/// earlier release waits for this one and the other way round) by asking without waiting, again
+/// every 200 ms until it is free. sqlx's migrator waits inside `SELECT pg_advisory_lock(...)`:
+/// that statement holds a snapshot while it waits, and a `CREATE INDEX CONCURRENTLY` of the
+/// migrator holding the lock waits for every older snapshot to end, so two migrators started
+/// together deadlocked, and the one PostgreSQL cut off left an invalid index behind
+/// (`migrations::two_migrators_at_once_both_finish_and_leave_every_index_valid`). Between tries
+/// this session runs no statement and holds no snapshot.
+async fn migrating_alone(conn: &mut sqlx::PgConnection) -> anyhow::Result<i64> {
+    let database: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&mut *conn)
+        .await?;
+    let id = migration_lock_id(&database);
+    let started = Instant::now();
+    let mut said = Duration::ZERO;
+    loop {
+        let taken: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(id)
+            .fetch_one(&mut *conn)
+            .await?;
+        if taken {
+            return Ok(id);
+        }
+        if started.elapsed() >= said + Duration::from_secs(10) {
+            said = started.elapsed();
+            tracing::info!(
+                waited_secs = said.as_secs(),
+                "another process is migrating this database; waiting for it"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// sqlx's migration lock key for a database (`sqlx-postgres`'s `generate_lock_id`).
+fn migration_lock_id(database: &str) -> i64 {
+    const CRC: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISO_HDLC);
+    0x3d32_ad9e * i64::from(CRC.checksum(database.as_bytes()))
+}
+
+/// `migrator` without sqlx's own lock: [`migrating_alone`] holds it, without waiting inside a
+/// statement.
+fn unlocked(migrator: &Migrator) -> Migrator {
     Migrator {
         migrations: migrator.migrations.clone(),
         ignore_missing: migrator.ignore_missing,
-        locking,
+        locking: false,
         no_tx: migrator.no_tx,
         table_name: migrator.table_name.clone(),
         create_schemas: migrator.create_schemas.clone(),

@@ -539,10 +539,13 @@ async fn probes_of(readiness: Readiness) -> std::net::SocketAddr {
     addr
 }
 
+/// A label matcher: its label, operator and value.
+type Matcher = (String, String, String);
+
 /// The label matchers (`name="value"`, `name=~"a|b"`, `name!="value"`) of every selector of a
 /// `payfleet_` metric in a PromQL text: the metric, then each matcher's label, operator and
 /// value.
-fn selectors(promql: &str) -> Vec<(String, Vec<(String, String, String)>)> {
+fn selectors(promql: &str) -> Vec<(String, Vec<Matcher>)> {
     let mut found = Vec::new();
     let mut rest = promql;
     while let Some(start) = rest.find("payfleet_") {
@@ -583,7 +586,7 @@ fn selectors(promql: &str) -> Vec<(String, Vec<(String, String, String)>)> {
 
 /// Whether a `/metrics` text has a series of `metric` that every matcher accepts (a regex
 /// matcher here is an alternation of plain values, as the rules write them).
-fn has_series(text: &str, metric: &str, matchers: &[(String, String, String)]) -> bool {
+fn has_series(text: &str, metric: &str, matchers: &[Matcher]) -> bool {
     text.lines()
         .filter_map(|l| l.strip_prefix(metric)?.strip_prefix('{'))
         .map(|l| l.split('}').next().unwrap_or_default())

@@ -147,3 +147,57 @@ async fn a_transaction_left_idle_by_a_vanished_client_ends_after_five_minutes(po
     assert_eq!(timeout, "5min");
     fresh.close().await.unwrap();
 }
+
+/// Two processes migrating one fresh database at once (`payfleet up` twice, two release hosts)
+/// both finish, and every index is valid. sqlx's migrator waited for its lock inside a
+/// statement, whose snapshot the holder's `CREATE INDEX CONCURRENTLY` then waited for: a
+/// deadlock, which PostgreSQL ended by cutting one off, leaving an invalid index behind.
+#[sqlx::test(migrations = false)]
+async fn two_migrators_at_once_both_finish_and_leave_every_index_valid(pool: PgPool) {
+    let options = pool.connect_options();
+    let other = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with((*options).clone())
+        .await
+        .unwrap();
+    let (a, b) = tokio::join!(payfleet::db::migrate(&pool), payfleet::db::migrate(&other));
+    a.unwrap();
+    b.unwrap();
+    let invalid: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+         WHERE NOT i.indisvalid",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(invalid, Vec::<String>::new());
+    assert_eq!(
+        versions(&pool, "_sqlx_migrations").await.len(),
+        payfleet::db::APP_MIGRATOR.migrations.len()
+    );
+    other.close().await;
+}
+
+/// An index a `CONCURRENTLY` build left invalid is not recorded as built: the check after it
+/// stops the migrations and names it.
+#[sqlx::test(migrations = false)]
+async fn an_index_left_invalid_by_a_cut_off_build_stops_the_migrations(pool: PgPool) {
+    payfleet::db::migrate(&pool).await.unwrap();
+    // What a build cut off leaves: the index there, not valid.
+    sqlx::query(
+        "UPDATE pg_index SET indisvalid = false
+         WHERE indexrelid = 'payouts_pending'::regclass",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("DELETE FROM _sqlx_migrations WHERE version >= 102")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let refused = payfleet::db::migrate(&pool).await.unwrap_err();
+    assert!(
+        format!("{refused:#}").contains("payouts_pending missing or invalid"),
+        "{refused:#}"
+    );
+}
