@@ -334,8 +334,8 @@ mod tests {
             ),
             ("AMQP_URL", "amqp://app:amqp-password-456@mq:5672/%2f"),
             ("STRIPE_WEBHOOK_SECRET", "whsec_stripe_secret_789"),
-            ("MERCADOPAGO_WEBHOOK_SECRET", "mp-secret-abc"),
-            ("RAZORPAY_WEBHOOK_SECRET", "rzp-secret-def"),
+            ("MERCADOPAGO_WEBHOOK_SECRET", "mp-webhook-secret-abc"),
+            ("RAZORPAY_WEBHOOK_SECRET", "rzp-webhook-secret-def"),
             (
                 "INTERNAL_WEBHOOK_SECRET",
                 "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
@@ -356,8 +356,8 @@ mod tests {
             "db-password-123",
             "amqp-password-456",
             "whsec_stripe_secret_789",
-            "mp-secret-abc",
-            "rzp-secret-def",
+            "mp-webhook-secret-abc",
+            "rzp-webhook-secret-def",
             "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
             "APP_USR-token-ghi",
             "sk_test_stripe_key_jkl",
@@ -439,6 +439,20 @@ mod tests {
     fn the_trust_settings_refuse_weak_or_unsafe_values() {
         let q = ("PAYFLEET_QUEUES", "jobs/queues.toml");
         let problem = |env: &[(&str, &str); 2]| Config::from(env).unwrap_err().to_string();
+        // A webhook secret short enough to guess: anyone could sign a payment with it.
+        for name in [
+            "STRIPE_WEBHOOK_SECRET",
+            "STRIPE_PLATFORM_WEBHOOK_SECRET",
+            "MERCADOPAGO_WEBHOOK_SECRET",
+            "RAZORPAY_WEBHOOK_SECRET",
+        ] {
+            let said = problem(&[(name, "rzp-fifteen-chr"), q]);
+            assert!(
+                said.starts_with(&format!("{name} is not valid")) && said.contains("16 characters"),
+                "{said}"
+            );
+            Config::from(&[(name, "rzp-sixteen-chrs"), q]).unwrap();
+        }
         assert!(
             problem(&[("PAYFLEET_ADMIN_TOKEN", "sixteen-chars-ok"), q])
                 .contains("at least 32 characters")

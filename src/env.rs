@@ -54,6 +54,26 @@ pub fn secret(env: &dyn Env, name: &str) -> Option<Secret> {
     var(env, name).map(Secret::new)
 }
 
+/// Fewest characters a webhook secret may have: a forged event signed with a guessed secret is
+/// a payment that never happened, and Razorpay's signatures carry no time, so one guess
+/// holds for ever. Stripe's and Mercado Pago's secrets are given (32 characters and more);
+/// Razorpay's is typed by the operator.
+pub const WEBHOOK_SECRET_MIN_CHARS: usize = 16;
+
+/// A gateway's webhook secret, if set: refused when shorter than
+/// [`WEBHOOK_SECRET_MIN_CHARS`].
+pub fn webhook_secret(env: &dyn Env, name: &'static str) -> Result<Option<Secret>, Invalid> {
+    match var(env, name) {
+        Some(v) if v.chars().count() < WEBHOOK_SECRET_MIN_CHARS => Err(invalid(
+            name,
+            format!(
+                "must be at least {WEBHOOK_SECRET_MIN_CHARS} characters (a short secret can be guessed, and every event signed with it is believed): use the gateway's, or a long random one"
+            ),
+        )),
+        v => Ok(v.map(Secret::new)),
+    }
+}
+
 /// A variable parsed as `T`, or `default` when unset.
 pub fn parsed<T: std::str::FromStr>(
     env: &dyn Env,

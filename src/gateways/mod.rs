@@ -656,7 +656,7 @@ mod format_tests {
     #[test]
     fn a_gateway_is_enabled_by_its_webhook_secret_alone() {
         let env = [
-            ("RAZORPAY_WEBHOOK_SECRET", "rzp"),
+            ("RAZORPAY_WEBHOOK_SECRET", "rzp-webhook-secret-1"),
             (
                 "MOCK_WEBHOOK_SECRET",
                 "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD",

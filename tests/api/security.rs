@@ -569,7 +569,7 @@ async fn the_simulator_never_runs_beside_a_gateways_live_credentials(pool: PgPoo
             .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/none")
             .env("INTERNAL_WEBHOOK_SECRET", INTERNAL_SECRET)
             .env("PAYFLEET_PAYMENT_SIMULATOR", "on")
-            .env("STRIPE_WEBHOOK_SECRET", "whsec_x")
+            .env("STRIPE_WEBHOOK_SECRET", "whsec_live_endpoint_x")
             .env("STRIPE_SECRET_KEY", "sk_live_x")
             .env("PAYFLEET_BIND", "127.0.0.1:0")
             .output()

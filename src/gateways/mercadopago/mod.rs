@@ -17,7 +17,7 @@ use super::{
     Delivery, EventError, EventFormat, GatewayName, Interpretation, PaymentGateway, SettingsError,
     SignatureCheck, api_url, text,
 };
-use crate::env::{Env, Invalid, secret, var};
+use crate::env::{Env, Invalid, var, webhook_secret};
 use crate::secret::Secret;
 
 pub const DEFAULT_API_URL: &str = "https://api.mercadopago.com";
@@ -41,7 +41,7 @@ pub struct Settings {
 impl Settings {
     pub fn from_env(env: &dyn Env) -> Result<Self, Invalid> {
         Ok(Self {
-            webhook_secret: secret(env, "MERCADOPAGO_WEBHOOK_SECRET"),
+            webhook_secret: webhook_secret(env, "MERCADOPAGO_WEBHOOK_SECRET")?,
             api: match var(env, "MERCADOPAGO_ACCESS_TOKEN") {
                 None => None,
                 Some(token) => Some(Api {

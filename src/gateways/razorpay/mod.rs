@@ -17,7 +17,7 @@ use super::{
     Delivery, EventError, EventFormat, GatewayName, Interpretation, PaymentGateway, SettingsError,
     SignatureCheck, api_url, text,
 };
-use crate::env::{Env, Invalid, invalid, secret, var};
+use crate::env::{Env, Invalid, invalid, var, webhook_secret};
 use crate::secret::Secret;
 
 /// Razorpay's API.
@@ -54,7 +54,7 @@ impl Settings {
             }
         };
         Ok(Self {
-            webhook_secret: secret(env, "RAZORPAY_WEBHOOK_SECRET"),
+            webhook_secret: webhook_secret(env, "RAZORPAY_WEBHOOK_SECRET")?,
             api,
         })
     }

@@ -17,7 +17,7 @@ use super::{
     Delivery, EventError, EventFormat, GatewayName, Interpretation, PaymentGateway, SettingsError,
     SignatureCheck, api_url, text,
 };
-use crate::env::{Env, Invalid, secret, var};
+use crate::env::{Env, Invalid, var, webhook_secret};
 use crate::secret::Secret;
 
 /// Stripe's API, for Connect direct charges (and the internal gateway's acquirer).
@@ -43,8 +43,8 @@ pub struct Settings {
 impl Settings {
     pub fn from_env(env: &dyn Env) -> Result<Self, Invalid> {
         Ok(Self {
-            webhook_secret: secret(env, "STRIPE_WEBHOOK_SECRET"),
-            platform_webhook_secret: secret(env, "STRIPE_PLATFORM_WEBHOOK_SECRET"),
+            webhook_secret: webhook_secret(env, "STRIPE_WEBHOOK_SECRET")?,
+            platform_webhook_secret: webhook_secret(env, "STRIPE_PLATFORM_WEBHOOK_SECRET")?,
             api: match var(env, "STRIPE_SECRET_KEY") {
                 None => None,
                 Some(key) => Some(Api {
