@@ -154,18 +154,33 @@ async fn metrics_text(
     // still answered, what the outage itself counts (webhooks refused 503, RPC failures), with
     // the gauges left out and `payfleet_database_gauges_read` at 0 for an alert to see.
     body.push_str("# HELP payfleet_database_gauges_read Whether this scrape could read the gauges kept in the database (1) or not (0: they are left out of it).\n# TYPE payfleet_database_gauges_read gauge\n");
-    match cached_gauges(&state).await {
-        Ok(gauges) => {
+    // Within a time of their own too: a database that takes the statements and never answers
+    // (a table locked by a migration or a `VACUUM FULL`, connections half-open after a
+    // partition) would otherwise hold every scrape, and the counters that show the outage,
+    // past Prometheus' own timeout.
+    match tokio::time::timeout(GAUGES_WITHIN, cached_gauges(&state)).await {
+        Ok(Ok(gauges)) => {
             body.push_str("payfleet_database_gauges_read 1\n");
             body.push_str(&gauges);
         }
-        Err(e) => {
+        Ok(Err(e)) => {
             tracing::warn!(error = %e, "metrics: the database's gauges cannot be read; answering the process's own");
+            body.push_str("payfleet_database_gauges_read 0\n");
+        }
+        Err(_) => {
+            tracing::warn!(
+                within_secs = GAUGES_WITHIN.as_secs(),
+                "metrics: the database did not answer the gauges in time; answering the process's own"
+            );
             body.push_str("payfleet_database_gauges_read 0\n");
         }
     }
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body))
 }
+
+/// How long a scrape waits for the database's gauges (the lock of a read under way included)
+/// before it answers without them: well within Prometheus' default scrape timeout (10 s).
+const GAUGES_WITHIN: Duration = Duration::from_secs(3);
 
 /// The gauges as last read, read again when older than `refresh`. The lock is held over
 /// the reading: scrapes that arrive meanwhile wait for it instead of reading too.

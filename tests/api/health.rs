@@ -658,3 +658,42 @@ async fn the_rules_and_the_dashboard_select_series_that_exist(pool: PgPool) {
     }
     assert!(checked >= 6, "{checked} selectors checked");
 }
+
+/// A database that takes the gauges' statements and never answers them (a table held by a
+/// migration's lock) still gets a scrape its answer within Prometheus' timeout: the process's
+/// own counters, with `payfleet_database_gauges_read 0`. The scrape used to wait for the lock.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_scrape_answers_in_time_when_the_database_holds_the_gauges_statements(pool: PgPool) {
+    let app = spawn_fleet(pool.clone(), test_config()).await;
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let text = tokio::time::timeout(std::time::Duration::from_secs(9), app.metrics())
+        .await
+        .expect("the scrape is answered within Prometheus' ten seconds");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(6),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        sample(&text, "payfleet_database_gauges_read"),
+        0.0,
+        "{text}"
+    );
+    assert!(
+        text.contains("# TYPE payfleet_webhooks_refused_total "),
+        "{text}"
+    );
+    holder.rollback().await.unwrap();
+    // Once the lock is gone the gauges are read again.
+    let text = app.metrics().await;
+    assert_eq!(
+        sample(&text, "payfleet_database_gauges_read"),
+        1.0,
+        "{text}"
+    );
+}
