@@ -28,6 +28,9 @@ pub const KNOWN: &[&str] = &[
 ];
 
 const DEFAULT_CATCH_UP: Duration = Duration::from_secs(24 * 3600);
+/// The shortest `catch_up_secs` allowed: a period is looked at a moment after its time, so a
+/// limit near zero skips every run.
+const MIN_CATCH_UP_SECS: u64 = 60;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ScheduleError {
@@ -183,6 +186,16 @@ impl Schedules {
                     format!("[{name}] cron {:?} never fires again", e.cron.get_ref()),
                 ));
             }
+            if let Some(secs) = e.catch_up_secs
+                && secs < MIN_CATCH_UP_SECS
+            {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "[{name}] catch_up_secs = {secs} is below {MIN_CATCH_UP_SECS}: a period is looked at a moment after its time (a second or more on a busy fleet), so a smaller limit would skip every run, not only the ones missed while the fleet was down"
+                    ),
+                ));
+            }
             list.push(Schedule {
                 name,
                 cron,
@@ -208,6 +221,19 @@ impl Schedules {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_catch_up_too_short_for_any_run_is_refused() {
+        let text = "[payouts]\ncron = \"0 30 0 * * *\"\ncatch_up_secs = 0\n";
+        let e = Schedules::parse(text, "r.toml").unwrap_err().to_string();
+        assert!(
+            e.starts_with("r.toml, line 2: [payouts] catch_up_secs = 0 is below 60"),
+            "{e}"
+        );
+        let text = "[payouts]\ncron = \"0 30 0 * * *\"\ncatch_up_secs = 60\n";
+        let s = Schedules::parse(text, "r.toml").unwrap();
+        assert_eq!(s.list[0].catch_up, Duration::from_secs(60));
+    }
 
     #[test]
     fn the_shipped_schedules_read() {
