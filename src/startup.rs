@@ -130,6 +130,20 @@ pub fn registry_with(
             schedules: config.recurring.clone(),
         },
     )?;
+    // A catalogue without one of the fleet's queues (a file of an older release, or one
+    // written by hand) would start, and that queue's jobs (payment events, say) would wait
+    // for ever with no worker to claim them: refused here instead, naming what is missing.
+    let missing = registry.undefined_queues(&config.queues);
+    if !missing.is_empty() {
+        let list: Vec<String> = missing
+            .iter()
+            .map(|(kind, queue)| format!("[queues.{queue}] (for {kind})"))
+            .collect();
+        anyhow::bail!(
+            "the queue catalogue (PAYFLEET_QUEUES, else jobs/queues.toml) does not define {}: no worker would ever run those jobs; add them (the repository's jobs/queues.toml defines every queue)",
+            list.join(", ")
+        );
+    }
     Ok(registry)
 }
 

@@ -439,3 +439,42 @@ async fn long_commands_draw_no_progress_when_not_on_a_terminal(pool: PgPool) {
         );
     }
 }
+
+/// A queue catalogue without one of the fleet's queues (an older release's file, one written by
+/// hand) stops a worker at start, naming what is missing: it used to start, and the jobs of
+/// the missing queue (every payment event's) waited for ever, no worker claiming them.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_worker_refuses_a_queue_catalogue_without_the_fleets_queues(pool: PgPool) {
+    let dir = std::env::temp_dir().join(format!("payfleet-queues-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join(format!(
+        "{}.toml",
+        database_url(&pool).rsplit('/').next().unwrap()
+    ));
+    std::fs::write(
+        &file,
+        "[queues.default]\nconcurrency = 8\ntimeout_ms = 30000\n\n[queues.orders]\nconcurrency = 8\ntimeout_ms = 30000\n",
+    )
+    .unwrap();
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        payfleet(&pool, &["work"])
+            .env("PAYFLEET_QUEUES", &file)
+            .env("PAYFLEET_WORKER_BIND", "127.0.0.1:0")
+            .output(),
+    )
+    .await
+    .expect("the worker stops at start")
+    .unwrap();
+    std::fs::remove_file(&file).ok();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for missing in [
+        "[queues.events] (for process_payment_event)",
+        "[queues.payments]",
+        "[queues.recurring]",
+    ] {
+        assert!(stderr.contains(missing), "{missing}: {stderr}");
+    }
+    assert!(!stderr.contains("[queues.orders]"), "{stderr}");
+}

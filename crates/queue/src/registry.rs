@@ -102,6 +102,8 @@ pub trait Worker<J: Job>: Send + Sync + 'static {
 #[derive(Default, Clone)]
 pub struct Registry {
     handlers: HashMap<&'static str, Arc<Erased>>,
+    /// Each kind's queue.
+    queues: HashMap<&'static str, &'static str>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -143,7 +145,24 @@ impl Registry {
             Ok(Box::pin(handler(ctx, job)))
         };
         self.handlers.insert(J::KIND, Arc::new(erased));
+        self.queues.insert(J::KIND, J::QUEUE);
         Ok(self)
+    }
+
+    /// Each registered kind (with its queue) whose queue `config` does not define, by kind: no
+    /// worker would ever claim its jobs, which would wait for ever.
+    pub fn undefined_queues(
+        &self,
+        config: &crate::QueuesConfig,
+    ) -> Vec<(&'static str, &'static str)> {
+        let mut missing: Vec<_> = self
+            .queues
+            .iter()
+            .filter(|(_, queue)| !config.queues.contains_key(**queue))
+            .map(|(kind, queue)| (*kind, *queue))
+            .collect();
+        missing.sort_unstable();
+        missing
     }
 
     pub(crate) fn get(&self, kind: &str) -> Option<Arc<Erased>> {
