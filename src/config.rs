@@ -113,6 +113,31 @@ fn url(
     Ok(SecretUrl::new(value))
 }
 
+/// Refuses an `AMQP_URL` the broker client could not use as written, at start rather than in
+/// a reconnect loop that never ends (a port that is not a number, say). The client
+/// reads an IPv6 address as the host `localhost`: refused too, rather than connecting to
+/// another broker or none. The message never repeats the URL (it holds the password).
+fn amqp_url_usable(value: &str) -> Result<(), ConfigError> {
+    if let Err(e) = value.parse::<lapin::uri::AMQPUri>() {
+        let problem = if e.contains(value) {
+            "is not a URL with a host".to_owned()
+        } else {
+            e
+        };
+        return Err(invalid("AMQP_URL", format!("cannot be used: {problem}")));
+    }
+    let after_scheme = value.split_once("://").map_or(value, |(_, rest)| rest);
+    let authority = after_scheme.split('/').next().unwrap_or_default();
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    if host.starts_with('[') {
+        return Err(invalid(
+            "AMQP_URL",
+            "an IPv6 address as its host is read as localhost by the broker client: use a host name",
+        ));
+    }
+    Ok(())
+}
+
 /// `PAYFLEET_LISTEN_URL`: unset, the session-level work uses DATABASE_URL (no pooler in
 /// between); a URL, a direct connection to PostgreSQL for it; `off`, none (workers poll, and
 /// migrations run without their lock: run `payfleet migrate` from one place).
@@ -152,6 +177,7 @@ impl Config {
             &["postgres", "postgresql"],
         )?;
         let amqp_url = url(env, "AMQP_URL", DEFAULT_AMQP_URL, &["amqp", "amqps"])?;
+        amqp_url_usable(amqp_url.expose())?;
         let default_bind: SocketAddr = DEFAULT_BIND
             .parse()
             .map_err(|e| invalid("PAYFLEET_BIND", format!("{e}")))?;
@@ -433,6 +459,48 @@ mod tests {
                 .starts_with("INTERNAL_WEBHOOK_SECRET is not valid"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn settings_that_would_switch_reconciliation_or_the_checks_off_are_refused() {
+        let q = ("PAYFLEET_QUEUES", "jobs/queues.toml");
+        for (name, value) in [
+            ("PAYFLEET_RECONCILE_PER_RUN", "0"),
+            ("PAYFLEET_RECONCILE_GRACE_SECS", "99999999999999999"),
+            ("PAYFLEET_CONSISTENCY_GRACE_SECS", "99999999999999999"),
+            ("PAYFLEET_RECONCILE_PACE_MS", "3600000"),
+        ] {
+            let e = Config::from(&[(name, value), q]).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("{name} is not valid")) && e.contains("is not between"),
+                "{name}={value}: {e}"
+            );
+        }
+        let c = Config::from(&[("PAYFLEET_RECONCILE_PER_RUN", "1"), q]).unwrap();
+        assert_eq!(c.reconcile.per_run, 1);
+    }
+
+    #[test]
+    fn an_amqp_url_the_client_cannot_use_is_refused_without_its_password() {
+        let q = ("PAYFLEET_QUEUES", "jobs/queues.toml");
+        for (url, said) in [
+            ("amqp://guest:s3cret@host:notaport/%2f", "cannot be used"),
+            ("amqp://guest:s3cret@[2001:db8::1]:5672/%2f", "IPv6"),
+        ] {
+            let e = Config::from(&[("AMQP_URL", url), q])
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with("AMQP_URL is not valid"), "{url}: {e}");
+            assert!(e.contains(said), "{url}: {e}");
+            assert!(!e.contains("s3cret"), "{url}: {e}");
+        }
+        for url in [
+            "amqp://guest:guest@127.0.0.1:5672/%2f",
+            "amqps://u:p@mq.example.com/vhost",
+            "amqp://mq:5672",
+        ] {
+            Config::from(&[("AMQP_URL", url), q]).unwrap();
+        }
     }
 
     #[test]

@@ -133,10 +133,12 @@ pub struct Settings {
 impl Settings {
     pub fn from_env(env: &dyn crate::env::Env) -> Result<Self, crate::env::Invalid> {
         Ok(Self {
-            grace: Duration::from_secs(crate::env::parsed(
+            // At most a month: beyond what the checks' intervals hold, every run would fail.
+            grace: Duration::from_secs(crate::env::parsed_within(
                 env,
                 "PAYFLEET_CONSISTENCY_GRACE_SECS",
                 900u64,
+                0..=30 * 24 * 3600,
             )?),
         })
     }

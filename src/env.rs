@@ -91,6 +91,28 @@ where
     }
 }
 
+/// [`parsed`], refused outside `range` (whose bounds the message names).
+pub fn parsed_within<T>(
+    env: &dyn Env,
+    name: &'static str,
+    default: T,
+    range: std::ops::RangeInclusive<T>,
+) -> Result<T, Invalid>
+where
+    T: std::str::FromStr + PartialOrd + std::fmt::Display,
+    T::Err: std::fmt::Display,
+{
+    let v = parsed(env, name, default)?;
+    if range.contains(&v) {
+        Ok(v)
+    } else {
+        Err(invalid(
+            name,
+            format!("{v} is not between {} and {}", range.start(), range.end()),
+        ))
+    }
+}
+
 /// An `on`/`off` switch, off when unset.
 pub fn switch(env: &dyn Env, name: &'static str) -> Result<bool, Invalid> {
     switch_or(env, name, false)

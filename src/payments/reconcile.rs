@@ -145,11 +145,24 @@ impl Settings {
     /// `PAYFLEET_RECONCILE_GRACE_SECS` (300), `PAYFLEET_RECONCILE_PER_RUN` (100),
     /// `PAYFLEET_RECONCILE_PACE_MS` (200).
     pub fn from_env(env: &dyn crate::env::Env) -> Result<Self, crate::env::Invalid> {
-        use crate::env::parsed;
+        use crate::env::parsed_within;
+        // Bounded so that no value turns reconciliation off without saying so (0 sessions a
+        // run asks nothing, ever) or fails every run in the database (a grace beyond what an
+        // interval holds).
         Ok(Self {
-            grace: Duration::from_secs(parsed(env, "PAYFLEET_RECONCILE_GRACE_SECS", 300u64)?),
-            per_run: parsed(env, "PAYFLEET_RECONCILE_PER_RUN", 100usize)?,
-            pace: Duration::from_millis(parsed(env, "PAYFLEET_RECONCILE_PACE_MS", 200u64)?),
+            grace: Duration::from_secs(parsed_within(
+                env,
+                "PAYFLEET_RECONCILE_GRACE_SECS",
+                300u64,
+                0..=30 * 24 * 3600,
+            )?),
+            per_run: parsed_within(env, "PAYFLEET_RECONCILE_PER_RUN", 100usize, 1..=100_000)?,
+            pace: Duration::from_millis(parsed_within(
+                env,
+                "PAYFLEET_RECONCILE_PACE_MS",
+                200u64,
+                0..=60_000,
+            )?),
         })
     }
 }
