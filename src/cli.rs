@@ -362,7 +362,14 @@ async fn up(config: Config, public: bool) -> anyhow::Result<()> {
     }
     // `up` turns the payment simulator on and makes development credentials: never beside a
     // gateway whose money is real, where its pay button would confirm orders no money paid.
-    let real = config.gateways.real_money();
+    // Live API credentials count too, webhook secret or not: checked here, before the
+    // migrations and the development credentials touch whatever database DATABASE_URL names.
+    let mut real = config.gateways.real_money();
+    for g in config.gateways.live() {
+        if !real.contains(&g) {
+            real.push(g);
+        }
+    }
     if !real.is_empty() {
         anyhow::bail!(
             "`up` runs the payment simulator with development credentials, so it runs only where no money is real, and these gateways move real money here: {}. Run `payfleet serve` and `payfleet work` (README, \"Process roles\") or unset them",

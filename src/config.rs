@@ -72,6 +72,9 @@ pub struct Config {
     pub orders: crate::orders::Settings,
     /// Where buyers reach this receiver (payment pages, the pages gateways send them back to).
     pub public_url: String,
+    /// Whether `PAYFLEET_PUBLIC_URL` was given (else `public_url` is `http://` +
+    /// `PAYFLEET_BIND`, right only where buyers reach this very address).
+    pub public_url_given: bool,
     /// The RPC's timeout, the queues' namespace, the order messages' routes.
     pub messaging: crate::messaging::Settings,
     /// The invoices' time zone.
@@ -236,6 +239,7 @@ impl Config {
         }
         let metrics_refresh = std::time::Duration::from_millis(metrics_refresh_ms);
         let public_url = http_url(env, "PAYFLEET_PUBLIC_URL", &format!("http://{bind}"))?;
+        let public_url_given = var(env, "PAYFLEET_PUBLIC_URL").is_some();
         let gateways = crate::gateways::Settings::from_env(env, &public_url)?;
         let messaging = crate::messaging::Settings::from_env(env)?;
         let host_name = var(env, "HOSTNAME")
@@ -264,6 +268,7 @@ impl Config {
             http: HttpSettings::from_env(env)?.covering(messaging.rpc_timeout),
             orders: crate::orders::Settings::from_env(env)?,
             public_url,
+            public_url_given,
             messaging,
             recurring,
             ledger: crate::ledger::Settings::from_env(env)?,

@@ -324,6 +324,39 @@ impl Running {
 
 /// Starts the parts of `roles` on the current runtime. `listener` is where HTTP is served: the
 /// receiver for `serve`, only health and metrics for a `work` process (none: no HTTP).
+/// Refuses a public URL made up from `PAYFLEET_BIND` where it cannot be right: a receiver
+/// listening on every address (`http://0.0.0.0:8080` reaches no buyer), or a worker of a fleet
+/// whose outside gateways send buyers back to it (the workers make the payment links, Stripe's
+/// return pages and Razorpay's callback in them: from a worker's own loopback address they
+/// lead nowhere). A worker beside its receiver on the local defaults (the Procfile on one
+/// machine) needs nothing set.
+fn check_public_url(config: &Config, roles: Roles) -> anyhow::Result<()> {
+    if config.public_url_given {
+        return Ok(());
+    }
+    if config.bind.ip().is_unspecified() {
+        anyhow::bail!(
+            "PAYFLEET_PUBLIC_URL is not set and PAYFLEET_BIND={} listens on every address: {} is no address a buyer can reach; set PAYFLEET_PUBLIC_URL to where buyers reach the receiver",
+            config.bind,
+            config.public_url
+        );
+    }
+    let mut outside = config.gateways.real_money();
+    outside.extend(config.gateways.live());
+    if roles.work && !roles.serve && !outside.is_empty() {
+        anyhow::bail!(
+            "PAYFLEET_PUBLIC_URL is not set on this worker: workers make the payment links, with the pages {} sends buyers back to, and {} (from PAYFLEET_BIND) is this machine's own; set it to where buyers reach the receiver, as on `payfleet serve`",
+            outside
+                .iter()
+                .map(|g| g.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            config.public_url
+        );
+    }
+    Ok(())
+}
+
 pub fn start(
     config: &Config,
     pool: PgPool,
@@ -331,6 +364,7 @@ pub fn start(
     listener: Option<TcpListener>,
 ) -> anyhow::Result<Running> {
     config.gateways.check()?;
+    check_public_url(config, roles)?;
     let simulated = config.gateways.hosted.simulated();
     if !simulated.is_empty() {
         tracing::warn!(

@@ -599,21 +599,29 @@ async fn up_listens_beyond_this_machine_only_when_told() {
 /// would confirm orders no money paid. It refuses before it touches any database.
 #[tokio::test]
 async fn up_refuses_to_run_beside_a_gateway_whose_money_is_real() {
-    for (name, value) in [
-        ("STRIPE_WEBHOOK_SECRET", "whsec_live_endpoint_secret"),
-        ("RAZORPAY_WEBHOOK_SECRET", "razorpay-live-secret"),
+    // A webhook secret, or live API credentials alone (they used to get as far as the
+    // migrations and the development credentials' writing, in whatever DATABASE_URL named).
+    for env in [
+        &[("STRIPE_WEBHOOK_SECRET", "whsec_live_endpoint_secret")][..],
+        &[("RAZORPAY_WEBHOOK_SECRET", "razorpay-live-secret")],
+        &[("STRIPE_SECRET_KEY", "sk_live_only_the_api")],
+        &[("MERCADOPAGO_ACCESS_TOKEN", "APP_USR-only-the-api")],
+        &[
+            ("RAZORPAY_KEY_ID", "rzp_live_only"),
+            ("RAZORPAY_KEY_SECRET", "only-the-api"),
+        ],
     ] {
         let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_payfleet"))
             .arg("up")
             .env("PAYFLEET_BIND", "127.0.0.1:0")
             .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/none")
-            .env(name, value)
+            .envs(env.iter().copied())
             .output()
             .await
             .unwrap();
-        assert!(!out.status.success(), "{name}");
+        assert!(!out.status.success(), "{env:?}");
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(stderr.contains("real money"), "{name}: {stderr}");
+        assert!(stderr.contains("real money"), "{env:?}: {stderr}");
     }
 }
 
@@ -1142,4 +1150,61 @@ async fn the_development_api_key_is_taken_by_up_alone(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
+}
+
+/// A worker makes the payment links: with outside gateways and no `PAYFLEET_PUBLIC_URL`, the
+/// pages their buyers come back to would be on the worker's own loopback address. It refuses
+/// to start, as a receiver listening on every address does without one.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_public_url_made_up_from_the_bind_address_is_refused_where_it_cannot_be_right(
+    pool: PgPool,
+) {
+    let within = Duration::from_secs(30);
+    let out = tokio::time::timeout(
+        within,
+        payfleet(&pool, &["work"])
+            .env("STRIPE_WEBHOOK_SECRET", "whsec_test_endpoint_secret")
+            .env("STRIPE_SECRET_KEY", "sk_test_a_sandbox_key")
+            .env("PAYFLEET_WORKER_BIND", "127.0.0.1:0")
+            .env_remove("PAYFLEET_PUBLIC_URL")
+            .output(),
+    )
+    .await
+    .expect("the worker stops at start")
+    .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("PAYFLEET_PUBLIC_URL is not set on this worker")
+            && stderr.contains("stripe"),
+        "{stderr}"
+    );
+    let out = tokio::time::timeout(
+        within,
+        payfleet(&pool, &["serve"])
+            .env("PAYFLEET_BIND", "0.0.0.0:0")
+            .env_remove("PAYFLEET_PUBLIC_URL")
+            .output(),
+    )
+    .await
+    .expect("the receiver stops at start")
+    .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("listens on every address"), "{stderr}");
+    // Given, the worker starts (stopped here once it answers its health probe).
+    let mut worker = payfleet(&pool, &["work"])
+        .env("STRIPE_WEBHOOK_SECRET", "whsec_test_endpoint_secret")
+        .env("STRIPE_SECRET_KEY", "sk_test_a_sandbox_key")
+        .env("PAYFLEET_PUBLIC_URL", "https://shop.example.com")
+        .env("PAYFLEET_WORKER_BIND", "127.0.0.1:0")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        worker.try_wait().unwrap().is_none(),
+        "the worker with its public URL keeps running"
+    );
+    worker.kill().await.unwrap();
 }
