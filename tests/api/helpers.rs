@@ -52,6 +52,9 @@ pub fn test_config() -> Config {
     config.gateways.hosted.simulator = true;
     // Tests read the gauges right after what changes them.
     config.metrics_refresh = std::time::Duration::ZERO;
+    // A test's buyers reach its own receiver, whose address each spawn writes here (a worker
+    // spawned alone keeps the default, which its checks do not follow).
+    config.public_url_given = true;
     config.messaging.namespace = format!("test-{:016x}", rand::random::<u64>());
     config
 }
@@ -517,7 +520,10 @@ pub fn queues_file_leased(
         format!(
             "[fleet]\nlease_ms = {lease_ms}\nrescue_interval_ms = 200\nshutdown_timeout_ms = 2000\n\
              [queues.default]\nconcurrency = 4\ntimeout_ms = 5000\n\
-             [queues.events]\nconcurrency = {events_concurrency}\ntimeout_ms = 5000\n"
+             [queues.events]\nconcurrency = {events_concurrency}\ntimeout_ms = 5000\n\
+             [queues.orders]\nconcurrency = 4\ntimeout_ms = 5000\n\
+             [queues.payments]\nconcurrency = 4\ntimeout_ms = 5000\n\
+             [queues.recurring]\nconcurrency = 2\ntimeout_ms = 30000\n"
         ),
     )
     .unwrap();

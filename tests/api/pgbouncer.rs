@@ -245,7 +245,10 @@ async fn payfleet_work_runs_behind_pgbouncer_with_its_listen_url(pool: PgPool) {
         &queues,
         "[fleet]\npoll_interval_ms = 10000\nlease_ms = 1000\nrescue_interval_ms = 200\nshutdown_timeout_ms = 2000\n\
          [queues.default]\nconcurrency = 4\ntimeout_ms = 5000\n\
-         [queues.events]\nconcurrency = 4\ntimeout_ms = 5000\n",
+         [queues.events]\nconcurrency = 4\ntimeout_ms = 5000\n\
+         [queues.orders]\nconcurrency = 4\ntimeout_ms = 5000\n\
+         [queues.payments]\nconcurrency = 4\ntimeout_ms = 5000\n\
+         [queues.recurring]\nconcurrency = 2\ntimeout_ms = 30000\n",
     )
     .unwrap();
     let bounced = format!("{}/{}", bouncer(), database_name(&pool).await);
