@@ -406,8 +406,20 @@ pub fn start(
         // not reachable yet is left to the `invoices` job, which records it too).
         let (recording, zone) = (pool.clone(), config.ledger.invoice_timezone);
         tokio::spawn(async move {
-            if let Err(e) = crate::ledger::invoices::record_zone(&recording, zone).await {
-                tracing::warn!(error = %e, "the invoices' time zone was not recorded at start; the invoices job records it");
+            match crate::ledger::invoices::record_zone(&recording, zone).await {
+                Ok(recorded) if recorded != zone.name() => {
+                    // Said at start, not first at the month's run: this worker's invoice runs
+                    // are refused until its zone is the one the invoices are made in.
+                    tracing::error!(
+                        recorded,
+                        configured = zone.name(),
+                        "PAYFLEET_INVOICE_TIMEZONE differs from the zone this database's invoices are made in: this worker's invoice runs will be refused; set it to the recorded zone"
+                    );
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "the invoices' time zone was not recorded at start; the invoices job records it");
+                }
             }
         });
         // The payment side of the payment-link RPC lives in the workers.

@@ -51,15 +51,20 @@ impl From<InvoiceError> for payfleet_queue::JobError {
 
 /// Records `zone` as the invoices' time zone unless one is: the fleet's (its workers as they
 /// start, its `invoices` job), whose zone is the one every invoice so far was made in (a
-/// deployment upgraded with invoices made).
-pub async fn record_zone(pool: &PgPool, zone: Tz) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO invoice_calendar (timezone) VALUES ($1) ON CONFLICT (singleton) DO NOTHING",
+/// deployment upgraded with invoices made). Returns the zone recorded, `zone` or the one there
+/// before it (by name).
+pub async fn record_zone(pool: &PgPool, zone: Tz) -> Result<String, sqlx::Error> {
+    sqlx::query_scalar(
+        "WITH recorded AS (
+             INSERT INTO invoice_calendar (timezone) VALUES ($1)
+             ON CONFLICT (singleton) DO NOTHING RETURNING timezone)
+         SELECT timezone FROM recorded
+         UNION ALL SELECT timezone FROM invoice_calendar
+         LIMIT 1",
     )
     .bind(zone.name())
-    .execute(pool)
-    .await?;
-    Ok(())
+    .fetch_one(pool)
+    .await
 }
 
 /// The calendar month before the one `today` falls in: the period a monthly run invoices.

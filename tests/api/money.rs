@@ -1435,6 +1435,16 @@ async fn invoices_are_made_in_the_time_zone_of_the_first(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(recorded, "America/Sao_Paulo");
+    // A worker of another zone is told the recorded one (which it logs as an error at start),
+    // and the record stays.
+    assert_eq!(
+        invoices::record_zone(&pool, chrono_tz::UTC).await.unwrap(),
+        "America/Sao_Paulo"
+    );
+    assert_eq!(
+        invoices::record_zone(&pool, sao_paulo).await.unwrap(),
+        "America/Sao_Paulo"
+    );
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
