@@ -530,6 +530,17 @@ pub fn queues_file_leased(
     path
 }
 
+/// The error output of `cmd`, a process expected to refuse to start: it must end, unsuccessful,
+/// within 30 s (one that starts instead runs until the test's timeout says so).
+pub async fn refused_at_start(cmd: &mut tokio::process::Command) -> String {
+    let out = tokio::time::timeout(std::time::Duration::from_secs(30), cmd.output())
+        .await
+        .expect("the process stops at start")
+        .unwrap();
+    assert!(!out.status.success());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 /// `payfleet <args>` against the test's database.
 pub fn payfleet(pool: &PgPool, args: &[&str]) -> tokio::process::Command {
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_payfleet"));
