@@ -135,9 +135,13 @@ pub fn registry_with(
     // for ever with no worker to claim them: refused here instead, naming what is missing.
     let missing = registry.undefined_queues(&config.queues);
     if !missing.is_empty() {
-        let list: Vec<String> = missing
+        let mut by_queue: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+        for (kind, queue) in &missing {
+            by_queue.entry(queue).or_default().push(kind);
+        }
+        let list: Vec<String> = by_queue
             .iter()
-            .map(|(kind, queue)| format!("[queues.{queue}] (for {kind})"))
+            .map(|(queue, kinds)| format!("[queues.{queue}] (for {})", kinds.join(", ")))
             .collect();
         anyhow::bail!(
             "the queue catalogue (PAYFLEET_QUEUES, else jobs/queues.toml) does not define {}: no worker would ever run those jobs; add them (the repository's jobs/queues.toml defines every queue)",
