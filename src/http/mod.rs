@@ -229,6 +229,35 @@ async fn utf8_path(
 #[derive(Clone)]
 pub(super) struct RequestId(pub(super) String);
 
+/// When the server answers a request 503 `answer_timeout` and drops its handler (`server`).
+#[derive(Clone, Copy)]
+pub(super) struct AnswerBy(pub(super) std::time::Instant);
+
+/// Counts a request the server stopped at its answer timeout, as the 503 it was answered: the
+/// server's answer is made outside the router, where the route is not known, and the request
+/// span's own count never runs (its future is dropped). A request dropped before its time (the
+/// client went away) was answered nothing, and is not counted.
+struct CountedIfStopped<'a> {
+    telemetry: &'a Telemetry,
+    route: &'a str,
+    started: std::time::Instant,
+    answer_by: Option<std::time::Instant>,
+    answered: bool,
+}
+
+impl Drop for CountedIfStopped<'_> {
+    fn drop(&mut self) {
+        if !self.answered
+            && self
+                .answer_by
+                .is_some_and(|by| std::time::Instant::now() >= by)
+        {
+            self.telemetry
+                .http_answered(self.route, 503, self.started.elapsed());
+        }
+    }
+}
+
 /// A request's id: the caller's `x-request-id` when it sends a sane one, else a new one.
 pub(super) fn request_id(headers: &axum::http::HeaderMap) -> String {
     headers
@@ -280,12 +309,20 @@ async fn request_span(
             .filter(|v| crate::traces::is_traceparent(v));
         crate::traces::continue_trace(&span, caller);
     }
+    let mut stopped = CountedIfStopped {
+        telemetry: &telemetry,
+        route: &route,
+        started,
+        answer_by: req.extensions().get::<AnswerBy>().map(|a| a.0),
+        answered: false,
+    };
     let mut resp = error::REQUEST_ID
         .scope(
             id.clone(),
             tracing::Instrument::instrument(next.run(req), span.clone()),
         )
         .await;
+    stopped.answered = true;
     if traced {
         span.record("http.response.status_code", resp.status().as_u16());
     }

@@ -282,6 +282,11 @@ fn complete(op: &mut serde_json::Map<String, Value>) {
             "unavailable",
             "A dependency (the database) is down: nothing was stored, try again (`Retry-After`).",
         ),
+        (
+            "503",
+            "answer_timeout",
+            "The request did not finish within the server's answer timeout (a lock or the database held it) and was stopped: ask again, with the same Idempotency-Key where the endpoint takes one.",
+        ),
     ];
     if secured {
         common.extend([

@@ -201,6 +201,8 @@ pub async fn serve(
             // `x-request-id`, up to 256 bytes).
             let id = super::request_id(req.headers());
             req.extensions_mut().insert(super::RequestId(id.clone()));
+            req.extensions_mut()
+                .insert(super::AnswerBy(std::time::Instant::now() + answer_timeout));
             let (method, path) = (req.method().clone(), req.uri().path().to_owned());
             async move {
                 let answer = tokio::time::timeout(

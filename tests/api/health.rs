@@ -697,3 +697,31 @@ async fn a_scrape_answers_in_time_when_the_database_holds_the_gauges_statements(
         "{text}"
     );
 }
+
+/// A request the server stops at its answer timeout (a lock held it) is counted as the 503 it
+/// was answered, under its route: the server's answer is made outside the router, and the
+/// requests most worth seeing on the 5xx panel used to be missing from it.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_request_stopped_at_its_answer_timeout_is_counted_as_its_503(pool: PgPool) {
+    let mut config = test_config();
+    config.http.answer_timeout = std::time::Duration::from_secs(1);
+    let app = spawn_app_with(pool.clone(), config).await;
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let (status, body) = app.get("/orders/1").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("answer_timeout"), "{body}");
+    holder.rollback().await.unwrap();
+    let text = app.metrics().await;
+    assert_eq!(
+        sample(
+            &text,
+            "payfleet_http_request_duration_seconds_count{route=\"/orders/{number}\",status=\"5xx\"}"
+        ),
+        1.0,
+        "{text}"
+    );
+}
