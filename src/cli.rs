@@ -376,6 +376,7 @@ async fn up(config: Config, public: bool) -> anyhow::Result<()> {
             names(&real)
         );
     }
+    startup::check_public_url(&config, Roles::UP)?;
     let (url, locking) = config.migrations_url();
     let working = progress::spinner("applying migrations");
     db::migrate_at(url, locking).await?;

@@ -328,13 +328,13 @@ impl Running {
 
 /// Starts the parts of `roles` on the current runtime. `listener` is where HTTP is served: the
 /// receiver for `serve`, only health and metrics for a `work` process (none: no HTTP).
-/// Refuses a public URL made up from `PAYFLEET_BIND` where it cannot be right: a receiver
-/// listening on every address (`http://0.0.0.0:8080` reaches no buyer), or a worker of a fleet
-/// whose outside gateways send buyers back to it (the workers make the payment links, Stripe's
-/// return pages and Razorpay's callback in them: from a worker's own loopback address they
-/// lead nowhere). A worker beside its receiver on the local defaults (the Procfile on one
-/// machine) needs nothing set.
-fn check_public_url(config: &Config, roles: Roles) -> anyhow::Result<()> {
+/// Refuses a public URL made up from `PAYFLEET_BIND` where it cannot be right: listening on
+/// every address (`http://0.0.0.0:8080` reaches no buyer), or a worker bound to a routable
+/// address whose gateways put the public URL in their links (Stripe's return pages, Razorpay's
+/// callback: the workers make the links, and a worker's own address is not its receiver's). A
+/// worker on the loopback default beside its receiver (the Procfile on one machine) needs
+/// nothing set; `up` checks this before it migrates.
+pub fn check_public_url(config: &Config, roles: Roles) -> anyhow::Result<()> {
     if config.public_url_given {
         return Ok(());
     }
@@ -345,20 +345,29 @@ fn check_public_url(config: &Config, roles: Roles) -> anyhow::Result<()> {
             config.public_url
         );
     }
-    let mut outside = config.gateways.real_money();
-    outside.extend(config.gateways.live());
-    if roles.work && !roles.serve && !outside.is_empty() {
-        anyhow::bail!(
-            "PAYFLEET_PUBLIC_URL is not set on this worker: workers make the payment links, with the pages {} sends buyers back to, and {} (from PAYFLEET_BIND) is this machine's own; set it to where buyers reach the receiver, as on `payfleet serve`",
-            outside
-                .iter()
-                .map(|g| g.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-            config.public_url
-        );
+    let linking = config.gateways.links_with_public_url();
+    if !roles.work || roles.serve || linking.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    let names = linking
+        .iter()
+        .map(|g| g.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
+    if config.bind.ip().is_loopback() {
+        // Right for the Procfile on one machine, wrong on a host of workers alone: said, not
+        // refused.
+        tracing::warn!(
+            public_url = %config.public_url,
+            gateways = %names,
+            "PAYFLEET_PUBLIC_URL is not set on this worker, which makes the payment links with it: right only where the receiver listens on this machine at PAYFLEET_BIND"
+        );
+        return Ok(());
+    }
+    anyhow::bail!(
+        "PAYFLEET_PUBLIC_URL is not set on this worker: workers make the payment links, with the pages {names} sends buyers back to, and {} (from PAYFLEET_BIND) is not where buyers reach the receiver; set it as on `payfleet serve`",
+        config.public_url
+    )
 }
 
 pub fn start(

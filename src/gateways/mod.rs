@@ -490,6 +490,20 @@ impl Settings {
         real
     }
 
+    /// The outside gateways whose links, made here, carry the public URL: Stripe's return pages
+    /// (Connect, or as the internal gateway's acquirer) and Razorpay's callback, each where its
+    /// API credentials are set. Mercado Pago's links carry none.
+    pub fn links_with_public_url(&self) -> Vec<GatewayName> {
+        let mut linking = Vec::new();
+        if self.stripe.api.is_some() {
+            linking.push(GatewayName::Stripe);
+        }
+        if self.razorpay.api.is_some() {
+            linking.push(GatewayName::Razorpay);
+        }
+        linking
+    }
+
     /// The gateways whose API credentials here are live ones, by the gateway's own prefixes:
     /// Stripe's `sk_live_` and `rk_live_`, Razorpay's `rzp_live_`, Mercado Pago's production
     /// `APP_USR-` (its sandbox's are `TEST-`). Their money is real.

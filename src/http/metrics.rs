@@ -158,7 +158,20 @@ async fn metrics_text(
     // (a table locked by a migration or a `VACUUM FULL`, connections half-open after a
     // partition) would otherwise hold every scrape, and the counters that show the outage,
     // past Prometheus' own timeout.
-    match tokio::time::timeout(GAUGES_WITHIN, cached_gauges(&state)).await {
+    // The read runs in a task of its own, holding the readings' lock: a scrape that stops
+    // waiting leaves it to finish (its connection is busy until the database answers anyway),
+    // and the scrapes after it wait for that one read instead of each starting another on a
+    // connection of the pool.
+    let reading = tokio::spawn({
+        let state = state.clone();
+        async move { cached_gauges(&state).await }
+    });
+    let read = match tokio::time::timeout(GAUGES_WITHIN, reading).await {
+        Ok(Ok(read)) => Ok(read),
+        Ok(Err(_panicked)) => Ok(Err(sqlx::Error::WorkerCrashed)),
+        Err(elapsed) => Err(elapsed),
+    };
+    match read {
         Ok(Ok(gauges)) => {
             body.push_str("payfleet_database_gauges_read 1\n");
             body.push_str(&gauges);

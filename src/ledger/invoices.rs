@@ -54,7 +54,7 @@ impl From<InvoiceError> for payfleet_queue::JobError {
 /// deployment upgraded with invoices made). Returns the zone recorded, `zone` or the one there
 /// before it (by name).
 pub async fn record_zone(pool: &PgPool, zone: Tz) -> Result<String, sqlx::Error> {
-    sqlx::query_scalar(
+    let recorded: Option<String> = sqlx::query_scalar(
         "WITH recorded AS (
              INSERT INTO invoice_calendar (timezone) VALUES ($1)
              ON CONFLICT (singleton) DO NOTHING RETURNING timezone)
@@ -63,8 +63,18 @@ pub async fn record_zone(pool: &PgPool, zone: Tz) -> Result<String, sqlx::Error>
          LIMIT 1",
     )
     .bind(zone.name())
-    .fetch_one(pool)
-    .await
+    .fetch_optional(pool)
+    .await?;
+    match recorded {
+        Some(z) => Ok(z),
+        // Another worker's row, committed after this statement's snapshot was taken (the insert
+        // waited for it, then skipped): read in a statement of its own, it is there.
+        None => {
+            sqlx::query_scalar("SELECT timezone FROM invoice_calendar")
+                .fetch_one(pool)
+                .await
+        }
+    }
 }
 
 /// The calendar month before the one `today` falls in: the period a monthly run invoices.

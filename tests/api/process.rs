@@ -472,3 +472,24 @@ async fn a_worker_refuses_a_queue_catalogue_without_the_fleets_queues(pool: PgPo
     }
     assert!(!stderr.contains("[queues.orders]"), "{stderr}");
 }
+
+/// A worker given some of the catalogue's queues (`work --queues events`, the dedicated workers
+/// of docs/scaling.md) starts: the queues it leaves to other processes are still defined.
+#[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
+async fn a_worker_of_some_queues_starts_beside_the_catalogues_others(pool: PgPool) {
+    let mut worker = payfleet(&pool, &["work", "--queues", "events"])
+        .env("PAYFLEET_WORKER_BIND", "127.0.0.1:0")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let ended = worker.try_wait().unwrap();
+    if ended.is_some() {
+        let out = worker.wait_with_output().await.unwrap();
+        panic!(
+            "the worker stopped: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    worker.kill().await.unwrap();
+}

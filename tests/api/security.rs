@@ -1164,6 +1164,8 @@ async fn a_public_url_made_up_from_the_bind_address_is_refused_where_it_cannot_b
             .env("STRIPE_WEBHOOK_SECRET", "whsec_test_endpoint_secret")
             .env("STRIPE_SECRET_KEY", "sk_test_a_sandbox_key")
             .env("PAYFLEET_WORKER_BIND", "127.0.0.1:0")
+            // A host of workers set up like its receivers' (a worker binds no PAYFLEET_BIND).
+            .env("PAYFLEET_BIND", "10.0.0.5:8080")
             .env_remove("PAYFLEET_PUBLIC_URL"),
     )
     .await;
@@ -1175,6 +1177,15 @@ async fn a_public_url_made_up_from_the_bind_address_is_refused_where_it_cannot_b
     let stderr = refused_at_start(
         payfleet(&pool, &["serve"])
             .env("PAYFLEET_BIND", "0.0.0.0:0")
+            .env_remove("PAYFLEET_PUBLIC_URL"),
+    )
+    .await;
+    assert!(stderr.contains("listens on every address"), "{stderr}");
+    // `up --public` on every address is told so before it migrates anything.
+    let stderr = refused_at_start(
+        payfleet(&pool, &["up", "--public"])
+            .env("PAYFLEET_BIND", "0.0.0.0:0")
+            .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/none")
             .env_remove("PAYFLEET_PUBLIC_URL"),
     )
     .await;

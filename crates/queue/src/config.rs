@@ -31,6 +31,10 @@ pub struct QueuesConfig {
     #[serde(default)]
     pub fleet: FleetSettings,
     pub queues: BTreeMap<String, QueueSettings>,
+    /// Every queue the catalogue defines, including those [`QueuesConfig::only`] leaves out of
+    /// this process's `queues` (another process works them).
+    #[serde(skip)]
+    pub defined: std::collections::BTreeSet<String>,
 }
 
 /// Settings shared by every queue of one worker process.
@@ -185,10 +189,11 @@ impl QueuesConfig {
     }
 
     pub fn parse(text: &str, origin: &str) -> Result<Self, QueuesConfigError> {
-        let config: Self = toml::from_str(text).map_err(|source| QueuesConfigError::Parse {
+        let mut config: Self = toml::from_str(text).map_err(|source| QueuesConfigError::Parse {
             origin: origin.to_owned(),
             source,
         })?;
+        config.defined = config.queues.keys().cloned().collect();
         let invalid = |problem: String| QueuesConfigError::Invalid {
             origin: origin.to_owned(),
             problem,

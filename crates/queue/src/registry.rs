@@ -149,8 +149,9 @@ impl Registry {
         Ok(self)
     }
 
-    /// Each registered kind (with its queue) whose queue `config` does not define, by kind: no
-    /// worker would ever claim its jobs, which would wait for ever.
+    /// Each registered kind (with its queue) whose queue `config`'s catalogue does not define
+    /// (whether or not this process works it), by kind: no worker would ever claim its jobs,
+    /// which would wait for ever.
     pub fn undefined_queues(
         &self,
         config: &crate::QueuesConfig,
@@ -158,7 +159,9 @@ impl Registry {
         let mut missing: Vec<_> = self
             .queues
             .iter()
-            .filter(|(_, queue)| !config.queues.contains_key(**queue))
+            .filter(|(_, queue)| {
+                !config.queues.contains_key(**queue) && !config.defined.contains(**queue)
+            })
             .map(|(kind, queue)| (*kind, *queue))
             .collect();
         missing.sort_unstable();
