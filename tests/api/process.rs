@@ -282,7 +282,7 @@ async fn a_worker_reports_its_own_readiness_and_never_logs_a_password(pool: PgPo
     // Trust authentication ignores the password, so it can be a marker to look for.
     let url = database_url(&pool).replacen("postgres@", "postgres:hunter2-marker@", 1);
     let queues = queues_file("ready", 2);
-    let worker = payfleet(&pool, &["work"])
+    let mut worker = payfleet(&pool, &["work"])
         .env("DATABASE_URL", &url)
         .env("PAYFLEET_QUEUES", &queues)
         .env("PAYFLEET_WORKER_BIND", format!("127.0.0.1:{port}"))
@@ -291,10 +291,27 @@ async fn a_worker_reports_its_own_readiness_and_never_logs_a_password(pool: PgPo
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    // Read as it is written: debug logs fill a pipe's buffer within seconds, and a worker
+    // blocked on writing its log answers nothing.
+    let stderr = worker.stderr.take().unwrap();
+    let logs = tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        let mut all = Vec::new();
+        let mut stderr = stderr;
+        stderr.read_to_end(&mut all).await.map(|_| all)
+    });
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
     // Ready once it serves and its fleet has read the paused queues (a moment after its start).
     let mut ready = None;
     for _ in 0..100 {
-        if let Ok(resp) = reqwest::get(format!("http://127.0.0.1:{port}/readyz")).await {
+        if let Ok(resp) = http
+            .get(format!("http://127.0.0.1:{port}/readyz"))
+            .send()
+            .await
+        {
             ready = Some((resp.status().as_u16(), resp.text().await.unwrap()));
             if ready.as_ref().is_some_and(|(status, _)| *status == 200) {
                 break;
@@ -308,7 +325,9 @@ async fn a_worker_reports_its_own_readiness_and_never_logs_a_password(pool: PgPo
         serde_json::from_str::<serde_json::Value>(&body).unwrap(),
         serde_json::json!({"database": "ok", "workers": "ok", "broker": "ok"})
     );
-    let anonymous = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+    let anonymous = http
+        .get(format!("http://127.0.0.1:{port}/metrics"))
+        .send()
         .await
         .unwrap();
     assert_eq!(
@@ -316,7 +335,7 @@ async fn a_worker_reports_its_own_readiness_and_never_logs_a_password(pool: PgPo
         401,
         "a worker's metrics take a token too"
     );
-    let metrics = reqwest::Client::new()
+    let metrics = http
         .get(format!("http://127.0.0.1:{port}/metrics"))
         .bearer_auth(METRICS_TOKEN)
         .send()
@@ -334,8 +353,12 @@ async fn a_worker_reports_its_own_readiness_and_never_logs_a_password(pool: PgPo
         .args(["-TERM", &pid])
         .status()
         .unwrap();
-    let out = worker.wait_with_output().await.unwrap();
-    let logs = String::from_utf8_lossy(&out.stderr);
+    tokio::time::timeout(Duration::from_secs(30), worker.wait())
+        .await
+        .expect("the worker stops on SIGTERM")
+        .unwrap();
+    let logs = logs.await.unwrap().unwrap();
+    let logs = String::from_utf8_lossy(&logs);
     assert!(logs.contains("payfleet started"), "{logs}");
     assert!(
         logs.contains("postgres:***@"),
