@@ -404,11 +404,7 @@ async fn up(config: Config, public: bool) -> anyhow::Result<()> {
 }
 
 fn names(gateways: &[payfleet::gateways::GatewayName]) -> String {
-    gateways
-        .iter()
-        .map(|g| g.as_str())
-        .collect::<Vec<_>>()
-        .join(", ")
+    payfleet::gateways::joined(gateways, ", ")
 }
 
 async fn jobs(config: Config, action: JobsAction) -> anyhow::Result<()> {

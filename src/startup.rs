@@ -349,11 +349,7 @@ pub fn check_public_url(config: &Config, roles: Roles) -> anyhow::Result<()> {
     if !roles.work || roles.serve || linking.is_empty() {
         return Ok(());
     }
-    let names = linking
-        .iter()
-        .map(|g| g.as_str())
-        .collect::<Vec<_>>()
-        .join(", ");
+    let names = crate::gateways::joined(&linking, ", ");
     if config.bind.ip().is_loopback() {
         // Right for the Procfile on one machine, wrong on a host of workers alone: said, not
         // refused.

@@ -50,6 +50,15 @@ payfleet_queue::text_enum! {
     }
 }
 
+/// Gateways' names for a message: `joined(&[Stripe, Razorpay], " and ")` is "stripe and razorpay".
+pub fn joined(gateways: &[GatewayName], separator: &str) -> String {
+    gateways
+        .iter()
+        .map(|g| g.as_str())
+        .collect::<Vec<_>>()
+        .join(separator)
+}
+
 /// What a gateway says about a payment attempt, in our words.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -538,12 +547,7 @@ impl Settings {
         let simulated = self.hosted.simulated();
         let live = self.live();
         if !simulated.is_empty() && !live.is_empty() {
-            let names = |g: &[GatewayName]| {
-                g.iter()
-                    .map(|g| g.as_str())
-                    .collect::<Vec<_>>()
-                    .join(" and ")
-            };
+            let names = |g: &[GatewayName]| joined(g, " and ");
             return Err(SettingsError::Conflict(format!(
                 "the {} gateway's payments are simulated (a pay button that moves no money) and {} has live credentials here, so money is real: \
                  turn PAYFLEET_PAYMENT_SIMULATOR off and unset MOCK_WEBHOOK_SECRET and INTERNAL_WEBHOOK_SECRET (the internal gateway collects through Stripe with PAYFLEET_INTERNAL_ACQUIRER=stripe), \

@@ -152,11 +152,7 @@ impl Settings {
         if simulated.is_empty() {
             return Ok(());
         }
-        let names = simulated
-            .iter()
-            .map(|g| g.as_str())
-            .collect::<Vec<_>>()
-            .join(" and ");
+        let names = super::joined(&simulated, " and ");
         if !self.simulator {
             return Err(SettingsError::Conflict(format!(
                 "the {names} gateway's payments are simulated (a pay/fail page, no money moves) and PAYFLEET_PAYMENT_SIMULATOR is off: \
