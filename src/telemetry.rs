@@ -12,8 +12,10 @@
 //! - `payfleet_webhook_to_effect_seconds{gateway}`: from a payment event's receipt to the end
 //!   of its processing (its effect committed).
 //! - `payfleet_amqp_messages_total{event}`: order messages `published`, `confirmed` and
-//!   `nacked` by the broker, `consumed` (handled and acknowledged), `redelivered` (a handler
-//!   failed: delivered again) and `dead` (kept for an operator after every attempt failed).
+//!   `nacked` by the broker, `returned` by it (routed to no queue), `consumed` (handled and
+//!   acknowledged), `redelivered` (a handler failed: delivered again) and `dead` (kept for an
+//!   operator after every attempt failed). A batch whose marks fail to commit is published
+//!   again, and counted again: the broker did take it twice.
 //! - `payfleet_rpc_calls_total{rpc,result}`: RPC calls (`payment_links`, `coins`) `answered`,
 //!   `timeout` (no answer in time) or `failed` (not connected, not sent, lost).
 
@@ -71,6 +73,9 @@ pub enum MessageEvent {
     Published,
     Confirmed,
     Nacked,
+    /// Confirmed, but came back: no queue's binding took it (and the alternate exchange's
+    /// either). Put off in the outbox like a refused one.
+    Returned,
     Consumed,
     Redelivered,
     Dead,
@@ -82,6 +87,7 @@ impl MessageEvent {
             Self::Published => "published",
             Self::Confirmed => "confirmed",
             Self::Nacked => "nacked",
+            Self::Returned => "returned",
             Self::Consumed => "consumed",
             Self::Redelivered => "redelivered",
             Self::Dead => "dead",
@@ -160,6 +166,7 @@ impl Default for Telemetry {
             MessageEvent::Published,
             MessageEvent::Confirmed,
             MessageEvent::Nacked,
+            MessageEvent::Returned,
             MessageEvent::Consumed,
             MessageEvent::Redelivered,
             MessageEvent::Dead,

@@ -404,6 +404,7 @@ async fn relay_batch(
                 }
                 Ok(Confirmation::Ack(Some(_))) => {
                     tracing::warn!(message = %message_id(id), "{RETURNED}");
+                    broker.telemetry().message(MessageEvent::Returned, 1);
                     relayed.unroutable = true;
                     refused.push((id, RETURNED.to_owned()));
                 }

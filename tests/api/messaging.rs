@@ -163,12 +163,19 @@ async fn kept_unrouted(pool: &PgPool) -> i64 {
 async fn a_message_that_would_reach_no_queue_stays_until_its_queue_is_bound_again(pool: PgPool) {
     let mut config = test_config();
     config.messaging.order_routes = "subscriptions=order.subscription.*".parse().unwrap();
-    let _fleet = spawn_fleet(pool.clone(), config.clone()).await;
+    let fleet = spawn_fleet(pool.clone(), config.clone()).await;
     order_events(&pool, 1).await;
     wait_for("the first kept", Duration::from_secs(30), async || {
         kept_unrouted(&pool).await == 1
     })
     .await;
+    let returned = async || {
+        let text = fleet.metrics().await;
+        text.lines()
+            .find_map(|l| l.strip_prefix("payfleet_amqp_messages_total{event=\"returned\"} "))
+            .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+    };
+    assert_eq!(returned().await, 0.0, "counted from zero");
     // Its consumer declares it again, bound to nothing.
     deleted_and_declared_again(&format!("{}.orders.legacy", config.messaging.namespace)).await;
     expired_events(&pool).await;
@@ -176,6 +183,8 @@ async fn a_message_that_would_reach_no_queue_stays_until_its_queue_is_bound_agai
         kept_unrouted(&pool).await == 2
     })
     .await;
+    // The broker's return is counted, apart from the refusals (nacks).
+    assert!(returned().await >= 1.0);
 }
 
 /// A service's queue deleted (to be declared anew as quorum: README, "Upgrading") and declared
