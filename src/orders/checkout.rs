@@ -1086,7 +1086,10 @@ async fn write_batch(
         .collect();
     ids.sort_unstable_by_key(|id| id.0);
     ids.dedup();
-    let products = catalogue::products(pool, &ids).await?;
+    // One connection for the batch's statements: each taken from the pool apart costs the
+    // pool's check of it on its way back, a round trip.
+    let mut conn = pool.acquire().await?;
+    let products = catalogue::products(&mut *conn, &ids).await?;
     let now = Utc::now();
     let expires_at =
         now + chrono::Duration::from_std(expiry).unwrap_or(chrono::Duration::minutes(30));
@@ -1136,7 +1139,7 @@ async fn write_batch(
         )
         .bind(&owners)
         .bind(&keys)
-        .fetch_all(pool)
+        .fetch_all(&mut *conn)
         .await?;
         for (p, w) in batch.iter().zip(out.iter_mut()) {
             if w.is_some() && existing.iter().any(|(o, k)| *o == p.owner && *k == p.key) {
@@ -1145,7 +1148,10 @@ async fn write_batch(
         }
     }
     if !claims.owner.is_empty() {
-        for (place, checkout, order) in orders.claim_and_insert(pool, &claims, expires_at).await? {
+        for (place, checkout, order) in orders
+            .claim_and_insert(&mut conn, &claims, expires_at)
+            .await?
+        {
             let Some(i) = usize::try_from(place - 1)
                 .ok()
                 .and_then(|k| checkout_of.get(k))
@@ -1396,7 +1402,7 @@ impl NewOrders {
     /// none.
     async fn claim_and_insert(
         &self,
-        pool: &PgPool,
+        conn: &mut PgConnection,
         claims: &ClaimColumns<'_>,
         expires_at: chrono::DateTime<Utc>,
     ) -> Result<Vec<(i64, i64, OrderView)>, sqlx::Error> {
@@ -1409,7 +1415,7 @@ impl NewOrders {
             .bind(&claims.me)
             .bind(&claims.buyer)
             .bind(&claims.gateway)
-            .fetch_all(pool)
+            .fetch_all(conn)
             .await?;
         Ok(self.views(rows))
     }
