@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use sqlx::migrate::Migrator;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::PgConnectOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgPool, Postgres};
 
 pub use payfleet_queue::pg::{UnknownValue, is_transient};
@@ -63,8 +63,8 @@ const MIGRATION_6_BEFORE_THE_MOVE: &str = "a85bc02d0250c7206245d96a2a12c742c4a0a
 /// buffers mapped page by page (a worker started on a backlog ran its first 25 batches of
 /// payment events on 16 backends). A loop keeps at most what it would hold at once anyway
 /// (one per transaction in flight), and gives them back ([`Kept::release`]) once idle; a
-/// connection whose transaction failed is not put back, and the pool checks it on its way back
-/// (`payfleet_queue::pg::pool_options`).
+/// connection whose transaction failed is not put back, and the pool checks it before handing
+/// it out again.
 #[derive(Clone, Default)]
 pub struct Kept(std::sync::Arc<std::sync::Mutex<Vec<PoolConnection<Postgres>>>>);
 
@@ -156,7 +156,7 @@ const STARTUP_PATIENCE: Duration = Duration::from_secs(60);
 /// before its work could begin.
 async fn open(options: &PgConnectOptions, max_connections: u32) -> Result<PgPool, sqlx::Error> {
     let pool = || {
-        payfleet_queue::pg::pool_options()
+        PgPoolOptions::new()
             .max_connections(max_connections)
             // Fail fast when the database is down: requests get a 503, workers back off.
             .acquire_timeout(Duration::from_secs(5))
@@ -409,7 +409,7 @@ pub fn constraint(e: &sqlx::Error) -> Option<&str> {
 /// prepared on that connection and [`plan_counts`] sees it.
 #[cfg(test)]
 pub(crate) async fn one_connection(pool: &PgPool) -> PgPool {
-    sqlx::postgres::PgPoolOptions::new()
+    PgPoolOptions::new()
         .max_connections(1)
         .connect_with(pool.connect_options().as_ref().clone())
         .await

@@ -1038,7 +1038,9 @@ const WRITERS_IN_FLIGHT: usize = 1;
 /// The longest a writer's batch may take (its statement takes milliseconds): one that never
 /// returns (a lock waited on, a connection half-open after a failover) would hold the one
 /// batch in flight, and every checkout behind it, for ever. Past it, the batch's connection is
-/// dropped and each of its checkouts goes on alone (or reaches its own deadline).
+/// closed (not pooled: the pool's check of a connection on its way back would wait on the same
+/// lock or socket, its place in the pool held meanwhile) and each of its checkouts goes on
+/// alone (or reaches its own deadline).
 const WRITE_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Writes a batch of checkouts and answers each; the counter serialises the batches'
@@ -1049,13 +1051,7 @@ async fn write_checkouts(
     expiry: Duration,
     batch: Vec<Pending>,
 ) {
-    let written = match tokio::time::timeout(
-        WRITE_DEADLINE,
-        write_batch(&pool, fee_percent, expiry, &batch),
-    )
-    .await
-    .unwrap_or_else(|_| Err(CheckoutError::Deadline(WRITE_DEADLINE)))
-    {
+    let written = match write_batch(&pool, fee_percent, expiry, &batch).await {
         Ok(w) => w,
         Err(e) => {
             tracing::warn!(checkouts = batch.len(), error = %e, "a batch of checkouts failed; each is written alone");
@@ -1067,12 +1063,34 @@ async fn write_checkouts(
     }
 }
 
+/// [`write_on`] within [`WRITE_DEADLINE`], on one connection: each statement on a connection
+/// of its own cost the pool's check of it on its way back, a round trip.
+async fn write_batch(
+    pool: &PgPool,
+    fee_percent: Decimal,
+    expiry: Duration,
+    batch: &[Pending],
+) -> Result<Vec<Written>, CheckoutError> {
+    let deadline = tokio::time::Instant::now() + WRITE_DEADLINE;
+    let late = || CheckoutError::Deadline(WRITE_DEADLINE);
+    let mut conn = tokio::time::timeout_at(deadline, pool.acquire())
+        .await
+        .map_err(|_| late())??;
+    match tokio::time::timeout_at(deadline, write_on(&mut conn, fee_percent, expiry, batch)).await {
+        Ok(written) => written,
+        Err(_) => {
+            conn.close_on_drop();
+            Err(late())
+        }
+    }
+}
+
 /// The products of `batch`'s carts read, each cart priced, then one statement: the keys
 /// claimed, the checkouts of those claimed written, their orders numbered and written, and the
 /// commit. Two round trips, where a transaction of its own took six or seven (README,
 /// "Checkouts in one statement").
-async fn write_batch(
-    pool: &PgPool,
+async fn write_on(
+    conn: &mut PgConnection,
     fee_percent: Decimal,
     expiry: Duration,
     batch: &[Pending],
@@ -1086,9 +1104,6 @@ async fn write_batch(
         .collect();
     ids.sort_unstable_by_key(|id| id.0);
     ids.dedup();
-    // One connection for the batch's statements: each taken from the pool apart costs the
-    // pool's check of it on its way back, a round trip.
-    let mut conn = pool.acquire().await?;
     let products = catalogue::products(&mut *conn, &ids).await?;
     let now = Utc::now();
     let expires_at =
@@ -1148,10 +1163,7 @@ async fn write_batch(
         }
     }
     if !claims.owner.is_empty() {
-        for (place, checkout, order) in orders
-            .claim_and_insert(&mut conn, &claims, expires_at)
-            .await?
-        {
+        for (place, checkout, order) in orders.claim_and_insert(conn, &claims, expires_at).await? {
             let Some(i) = usize::try_from(place - 1)
                 .ok()
                 .and_then(|k| checkout_of.get(k))

@@ -374,7 +374,7 @@ async fn batch_loop(
                     // Kept for the next batch only while events wait for one: an idle
                     // batcher holds no connection another part of the process may need. A
                     // connection that failed its batch goes back to the pool, which checks
-                    // it on its way back.
+                    // it before handing it out again.
                     if outcome.is_ok() && events_waiting(&waiting) {
                         kept.put(conn);
                     }

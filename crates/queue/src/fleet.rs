@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use sqlx::PgPool;
-use sqlx::postgres::PgConnectOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::sync::{Mutex, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 
@@ -198,7 +198,7 @@ impl Fleet {
             observer,
             census,
         } = self;
-        let control = crate::pg::pool_options()
+        let control = PgPoolOptions::new()
             .max_connections(4)
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with(crate::pg::part_of(&pool.connect_options(), "bookkeeping"));
@@ -207,7 +207,7 @@ impl Fleet {
         // queue's claims. One per queue, a worker started on a backlog opened five backends at
         // once, each parsing and planning the claim and compiling its walk afresh (15 to 30 ms
         // of PostgreSQL each) while the first claim that had jobs waited for the same cores.
-        let claims = crate::pg::pool_options()
+        let claims = PgPoolOptions::new()
             .max_connections(
                 CLAIM_CONNECTIONS
                     .min(u32::try_from(config.queues.len().max(1)).unwrap_or(CLAIM_CONNECTIONS)),
@@ -242,7 +242,7 @@ impl Fleet {
         let listen_on = match listen {
             Listen::Database => Some(shared.control.clone()),
             Listen::Direct(options) => Some(
-                crate::pg::pool_options()
+                PgPoolOptions::new()
                     .max_connections(1)
                     .acquire_timeout(Duration::from_secs(5))
                     .connect_lazy_with(crate::pg::part_of(&options, "listener")),
@@ -285,7 +285,7 @@ impl Fleet {
         }
         {
             // The keeper's own connections: nothing else can use them up.
-            let pool = crate::pg::pool_options()
+            let pool = PgPoolOptions::new()
                 .max_connections(2)
                 .acquire_timeout(Duration::from_secs(5))
                 .connect_lazy_with(crate::pg::part_of(&shared.pool.connect_options(), "leases"));

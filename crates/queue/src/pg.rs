@@ -4,11 +4,10 @@
 //! ([`text_enum!`](crate::text_enum)). The application reuses the last two for its own tables.
 
 use std::sync::LazyLock;
-use std::time::Duration;
 
+use sqlx::PgPool;
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Connection, PgPool};
+use sqlx::postgres::PgConnectOptions;
 
 /// The table that records which of the queue's migrations a database has.
 pub const MIGRATIONS_TABLE: &str = "_payfleet_queue_migrations";
@@ -36,33 +35,6 @@ pub fn part_of(options: &PgConnectOptions, part: &str) -> PgConnectOptions {
     options
         .clone()
         .application_name(&format!("{process}: {part}"))
-}
-
-/// A pooled connection idle at least this long is checked (one round trip) before it is handed
-/// out; one used more recently is not.
-pub const CHECKED_AFTER_IDLE: Duration = Duration::from_millis(250);
-
-/// Every pool's options: sqlx checks each connection with a round trip every time it is taken
-/// from its pool (besides the one it makes when the connection goes back), so a process under
-/// load paid a round trip, and the wake-ups of both ends, for every statement it ran on a pool
-/// of its own: about one and a half per checkout, one per claim. A connection that carried a
-/// statement less than [`CHECKED_AFTER_IDLE`] ago was answering then, and the check on its
-/// release found it ready; one idle for longer may have been cut meanwhile (a server restarted,
-/// an operator's `pg_terminate_backend`, a pooler's or a firewall's idle timeout), and is checked
-/// as before: a dead one is closed and another taken, invisibly to its caller. What is left is a
-/// connection cut in the quarter second after its last use: its statement fails with the
-/// connection error every caller already treats as transient (a retry, or a 503).
-pub fn pool_options() -> PgPoolOptions {
-    PgPoolOptions::new()
-        .test_before_acquire(false)
-        .before_acquire(|conn, meta| {
-            Box::pin(async move {
-                if meta.idle_for >= CHECKED_AFTER_IDLE {
-                    conn.ping().await?;
-                }
-                Ok(true)
-            })
-        })
 }
 
 /// Connection trouble, pool exhaustion, a restarting server, a deadlock or serialization
