@@ -16,7 +16,7 @@
 
 use axum::Form;
 use axum::extract::rejection::FormRejection;
-use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::extract::{FromRequestParts, Path, State};
 use axum::http::header::{COOKIE, LOCATION, SET_COOKIE};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -153,12 +153,17 @@ impl Page {
         }
     }
 
-    /// After a change: back to the dashboard (post, redirect, get), saying what was done.
+    /// After a change: back to the dashboard (post, redirect, get), saying what was done in
+    /// a cookie the dashboard shows once ([`NOTICE_COOKIE`]).
     fn done(what: &str) -> Self {
         let mut page = Self::new(StatusCode::SEE_OTHER, "Done", String::new());
-        let location = format!("/admin/ui?done={}", url_escape(what));
-        if let Ok(v) = HeaderValue::from_str(&location) {
-            page.headers.push((LOCATION, v));
+        page.headers
+            .push((LOCATION, HeaderValue::from_static("/admin/ui")));
+        if let Ok(v) = HeaderValue::from_str(&format!(
+            "{NOTICE_COOKIE}={}; Path=/admin/ui; Max-Age=60; HttpOnly; SameSite=Strict",
+            hex::encode(what)
+        )) {
+            page.headers.push((SET_COOKIE, v));
         }
         page
     }
@@ -653,9 +658,25 @@ async fn replay_all(
     )))
 }
 
-#[derive(Deserialize, Default)]
-struct Shown {
-    done: Option<String>,
+/// The cookie that carries an action's notice ("job 42 retried") through its redirect to the
+/// dashboard, which shows it once and clears it. It was a `?done=` query: a link anyone could
+/// make showed words of its sender's choosing on the operator's dashboard, under "Done:" (a
+/// token rotated, a page to sign in again at). A link cannot set a cookie of ours, and
+/// `SameSite=Strict` keeps another site's requests from carrying it.
+const NOTICE_COOKIE: &str = "payfleet_notice";
+
+/// The notice an action left for the dashboard ([`NOTICE_COOKIE`]), if any reads as one.
+fn notice(headers: &HeaderMap) -> Option<String> {
+    let value = headers
+        .get_all(COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|c| c.trim().strip_prefix(NOTICE_COOKIE)?.strip_prefix('='))
+        .next()?;
+    String::from_utf8(hex::decode(value).ok()?)
+        .ok()
+        .filter(|n| !n.is_empty() && n.len() <= 200)
 }
 
 fn time(t: Option<DateTime<Utc>>) -> String {
@@ -693,9 +714,6 @@ fn table(id: &str, headers: &[&str], rows: Vec<String>, empty: &str) -> String {
     get,
     path = "/admin/ui",
     tag = "dashboard",
-    params(
-        ("done" = Option<String>, Query, description = "What the last action did (shown once)."),
-    ),
     responses(
         (status = 200, description = "The dashboard, or its sign-in page.", content_type = "text/html", body = String),
         (status = 403, description = "The dashboard is off (no admin token).", content_type = "text/html", body = String),
@@ -705,10 +723,7 @@ async fn dashboard(
     _caller: Anyone,
     State(state): State<DashboardState>,
     headers: HeaderMap,
-    shown: Result<Query<Shown>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Page, Page> {
-    // A notice is a courtesy: a query that does not read as one (`done` twice, say) shows none.
-    let shown = shown.map(|Query(s)| s).unwrap_or_default();
     let token = token_of(&state)?;
     let Some(session) = live_session(&state, token, &headers).await? else {
         return Ok(sign_in_page(StatusCode::OK, None));
@@ -724,10 +739,11 @@ async fn dashboard(
         button("/admin/ui/sign-out", &csrf, "Sign out"),
         "<a href=\"/admin/ui\">Refresh</a>"
     ));
-    if let Some(done) = shown.done.filter(|d| !d.is_empty() && d.len() <= 200) {
+    let shown = notice(&headers);
+    if let Some(done) = &shown {
         body.push_str(&format!(
             "<p class=\"notice\" role=\"status\">Done: {}</p>",
-            escape(&done)
+            escape(done)
         ));
     }
 
@@ -968,7 +984,17 @@ async fn dashboard(
         rows,
         "No open findings: every invariant held at the last check.",
     ));
-    Ok(Page::new(StatusCode::OK, "payfleet operations", body))
+    let mut page = Page::new(StatusCode::OK, "payfleet operations", body);
+    if shown.is_some() {
+        // Shown once.
+        page.headers.push((
+            SET_COOKIE,
+            HeaderValue::from_static(
+                "payfleet_notice=; Path=/admin/ui; Max-Age=0; HttpOnly; SameSite=Strict",
+            ),
+        ));
+    }
+    Ok(page)
 }
 
 #[cfg(test)]

@@ -312,9 +312,11 @@ async fn a_form_without_its_csrf_token_changes_nothing_even_with_the_cookie(pool
         .await
         .unwrap();
     assert!(page.contains("name=\"token\"") && !page.contains("id=\"queues\""));
-    // A notice that does not read as one (sent twice) is no notice, and still the dashboard.
+    // A link cannot put words on the dashboard: only an action's own notice is shown.
     let answer = http
-        .get(format!("{base}/admin/ui?done=a&done=b"))
+        .get(format!(
+            "{base}/admin/ui?done=the%20admin%20token%20was%20rotated%2C%20sign%20in%20at%20evil.example"
+        ))
         .header("cookie", &cookie)
         .send()
         .await
@@ -322,7 +324,7 @@ async fn a_form_without_its_csrf_token_changes_nothing_even_with_the_cookie(pool
     assert_eq!(answer.status(), 200);
     let page = answer.text().await.unwrap();
     assert!(
-        page.contains("id=\"queues\"") && !page.contains("Done:"),
+        page.contains("id=\"queues\"") && !page.contains("Done:") && !page.contains("evil"),
         "{page}"
     );
     // With the page's own token it is done.
@@ -360,6 +362,30 @@ async fn a_form_without_its_csrf_token_changes_nothing_even_with_the_cookie(pool
         .unwrap();
     assert_eq!(answer.status(), 303);
     assert_eq!(job_state(&pool, seeded.dead).await, "available");
+    // Back to the dashboard, which says once what was done.
+    assert_eq!(answer.headers()["location"], "/admin/ui");
+    let notice = answer.headers()["set-cookie"].to_str().unwrap().to_owned();
+    assert!(
+        notice.starts_with("payfleet_notice=") && notice.contains("SameSite=Strict"),
+        "{notice}"
+    );
+    let notice = notice.split(';').next().unwrap().to_owned();
+    let shown = http
+        .get(format!("{base}/admin/ui"))
+        .header("cookie", format!("{cookie}; {notice}"))
+        .send()
+        .await
+        .unwrap();
+    let cleared = shown.headers()["set-cookie"].to_str().unwrap().to_owned();
+    assert!(
+        cleared.starts_with("payfleet_notice=;") && cleared.contains("Max-Age=0"),
+        "{cleared}"
+    );
+    let page = shown.text().await.unwrap();
+    assert!(
+        page.contains(&format!("Done: job {} will run again now", seeded.dead)),
+        "{page}"
+    );
 }
 
 #[sqlx::test(migrator = "payfleet::db::MIGRATOR")]
