@@ -161,8 +161,6 @@ pub(crate) async fn fetch(
     let mut runs: HashMap<tokio::task::Id, (JobId, i64)> = HashMap::new();
     let mut failures = 0u32;
     let mut last_claim: Option<Instant> = None;
-    // Claims in a row that took nothing while a job was due already: see below.
-    let mut locked = 0u32;
 
     'work: loop {
         if *stopped.borrow() {
@@ -317,9 +315,6 @@ pub(crate) async fn fetch(
         }
         // The slots this claim did not fill are free again.
         drop(reserved);
-        if got > 0 {
-            locked = 0;
-        }
         if full {
             // There may be more due right now. A full claim also wakes a sibling claimer, if it
             // sleeps, to claim beside this one.
@@ -333,7 +328,6 @@ pub(crate) async fn fetch(
         // with another claim: a claim that finds nothing still walks the groups and runs its
         // update, about ten times the question (README, "A short claim asks before claiming
         // again"). Paced arrivals made every claim of one job a claim of nothing after it.
-        let mut first_question = true;
         loop {
             let nap = match store::next_due_in(&shared.claims, queue).await {
                 Ok(Some(due)) => due.min(fleet.poll_interval()),
@@ -344,29 +338,7 @@ pub(crate) async fn fetch(
                 }
             };
             if nap.is_zero() {
-                if got > 0 || !first_question {
-                    break;
-                }
-                // Due already, yet the claim just took nothing: the due jobs' rows are locked
-                // by another transaction (an operator's statement on `jobs`, a business
-                // transaction replacing a job by its key, a migration), which `SKIP LOCKED`
-                // steps over until it ends. Claiming again at once spun on claims and
-                // questions, two statements at a time, for as long as the lock was held; each
-                // such claim now waits twice as long as the last (from 10 ms to the poll
-                // interval), or until a notification. A job that became due while the loop
-                // slept is claimed at once, as before.
-                locked = locked.saturating_add(1);
-                let wait = locked_backoff(locked).min(fleet.poll_interval());
-                tokio::select! {
-                    _ = waker.wait() => {}
-                    _ = tokio::time::sleep(wait) => {}
-                    _ = stop_requested(&mut stopped) => break 'work,
-                }
                 break;
-            }
-            if first_question {
-                locked = 0;
-                first_question = false;
             }
             tokio::select! {
                 // A job was notified (also while this claim ran): claim it at once.
@@ -436,10 +408,4 @@ async fn end_lost_run(
             })
             .await;
     }
-}
-
-/// How long a claim loop waits after its `locked`th claim in a row that took nothing while a job
-/// was due already (its row locked): 10 ms, doubling.
-fn locked_backoff(locked: u32) -> Duration {
-    Duration::from_millis(10u64 << locked.saturating_sub(1).min(10))
 }
