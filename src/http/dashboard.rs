@@ -130,6 +130,11 @@ impl Session {
         hex::encode(mac(token, &format!("csrf|{}", self.nonce)))
     }
 
+    /// The signature of a notice (its text in hex) for this session.
+    fn notice_mac(&self, token: &Token, text: &str) -> [u8; 32] {
+        mac(token, &format!("notice|{}|{text}", self.nonce))
+    }
+
     fn check_csrf(&self, token: &Token, given: &str) -> bool {
         bool::from(self.csrf(token).as_bytes().ct_eq(given.as_bytes()))
     }
@@ -153,15 +158,14 @@ impl Page {
         }
     }
 
-    /// After a change: back to the dashboard (post, redirect, get), saying what was done in
-    /// a cookie the dashboard shows once ([`NOTICE_COOKIE`]).
-    fn done(what: &str) -> Self {
+    /// After a change: back to the dashboard (post, redirect, get), with `notice` for it to
+    /// show once ([`NOTICE_COOKIE`]).
+    fn done(notice: &str) -> Self {
         let mut page = Self::new(StatusCode::SEE_OTHER, "Done", String::new());
         page.headers
             .push((LOCATION, HeaderValue::from_static("/admin/ui")));
         if let Ok(v) = HeaderValue::from_str(&format!(
-            "{NOTICE_COOKIE}={}; Path=/admin/ui; Max-Age=60; HttpOnly; SameSite=Strict",
-            hex::encode(what)
+            "{NOTICE_COOKIE}={notice}; Path=/admin/ui; Max-Age=60; HttpOnly; SameSite=Strict"
         )) {
             page.headers.push((SET_COOKIE, v));
         }
@@ -399,6 +403,17 @@ async fn live_session(
 }
 
 impl OperatorSession {
+    /// After a change: back to the dashboard, which says `what` was done. The notice is signed
+    /// for this session, as its CSRF token is: a cookie planted by anyone else (a sibling
+    /// subdomain's, one set over plain http) is no notice ([`notice`]).
+    fn done(&self, what: &str) -> Page {
+        let text = hex::encode(what);
+        Page::done(&format!(
+            "{text}.{}",
+            hex::encode(self.session.notice_mac(&self.token, &text))
+        ))
+    }
+
     /// The CSRF token its pages' forms carry.
     fn csrf(&self) -> String {
         self.session.csrf(&self.token)
@@ -536,7 +551,7 @@ async fn job_action(
         }
     };
     tracing::info!(job = id, "{done} (from the dashboard)");
-    Ok(Page::done(&done))
+    Ok(operator.done(&done))
 }
 
 /// Pausing and resuming a queue from the dashboard.
@@ -594,7 +609,7 @@ async fn queue_action(
         }
     };
     tracing::info!(%queue, "{done} (from the dashboard)");
-    Ok(Page::done(&done))
+    Ok(operator.done(&done))
 }
 
 #[utoipa::path(
@@ -624,7 +639,7 @@ async fn replay_event(
         .await
         .map_err(ApiError::from)?;
     tracing::info!(event = id, "event replayed from the dashboard");
-    Ok(Page::done(&match replayed {
+    Ok(operator.done(&match replayed {
         Replayed::Queued => format!("event {id} is queued for processing"),
         Replayed::AlreadyQueued => format!("event {id} already has a waiting job"),
     }))
@@ -653,29 +668,34 @@ async fn replay_all(
         queued,
         "every unprocessed event replayed from the dashboard"
     );
-    Ok(Page::done(&format!(
-        "{queued} events queued for processing"
-    )))
+    Ok(operator.done(&format!("{queued} events queued for processing")))
 }
 
 /// The cookie that carries an action's notice ("job 42 retried") through its redirect to the
 /// dashboard, which shows it once and clears it. It was a `?done=` query: a link anyone could
 /// make showed words of its sender's choosing on the operator's dashboard, under "Done:" (a
-/// token rotated, a page to sign in again at). A link cannot set a cookie of ours, and
-/// `SameSite=Strict` keeps another site's requests from carrying it.
+/// token rotated, a page to sign in again at). A link cannot set a cookie of ours; one set by
+/// a sibling subdomain or over plain http carries no signature of the session's.
 const NOTICE_COOKIE: &str = "payfleet_notice";
 
-/// The notice an action left for the dashboard ([`NOTICE_COOKIE`]), if any reads as one.
-fn notice(headers: &HeaderMap) -> Option<String> {
-    let value = headers
+/// The notice an action of `session` left for the dashboard ([`NOTICE_COOKIE`]), if one reads
+/// as such and is signed for it.
+fn notice(headers: &HeaderMap, session: &Session, token: &Token) -> Option<String> {
+    headers
         .get_all(COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
         .filter_map(|c| c.trim().strip_prefix(NOTICE_COOKIE)?.strip_prefix('='))
-        .next()?;
-    String::from_utf8(hex::decode(value).ok()?)
-        .ok()
+        .find_map(|value| {
+            let (text, signature) = value.split_once('.')?;
+            let signature = hex::decode(signature).ok()?;
+            let want = session.notice_mac(token, text);
+            if !bool::from(want.as_slice().ct_eq(&signature)) {
+                return None;
+            }
+            String::from_utf8(hex::decode(text).ok()?).ok()
+        })
         .filter(|n| !n.is_empty() && n.len() <= 200)
 }
 
@@ -739,7 +759,7 @@ async fn dashboard(
         button("/admin/ui/sign-out", &csrf, "Sign out"),
         "<a href=\"/admin/ui\">Refresh</a>"
     ));
-    let shown = notice(&headers);
+    let shown = notice(&headers, &session, token);
     if let Some(done) = &shown {
         body.push_str(&format!(
             "<p class=\"notice\" role=\"status\">Done: {}</p>",

@@ -931,14 +931,17 @@ enum Completed {
 /// was most of what its backends waited for (`WALWrite`, `WALSync`).
 async fn complete_batch(pool: PgPool, batch: Vec<(Completion, oneshot::Sender<Completed>)>) {
     let (completions, replies): (Vec<Completion>, Vec<_>) = batch.into_iter().unzip();
-    let stored = tokio::time::timeout(WRITE_DEADLINE, store_completions(&pool, &completions))
-        .await
-        .unwrap_or_else(|_| {
-            Err(sqlx::Error::Io(std::io::Error::new(
+    let stored = within_deadline(
+        &pool,
+        || {
+            sqlx::Error::Io(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
                 format!("the batch did not finish within {WRITE_DEADLINE:?}"),
-            )))
-        });
+            ))
+        },
+        async |conn| store_completions(conn, &completions).await,
+    )
+    .await;
     if let Err(e) = &stored {
         tracing::warn!(checkouts = completions.len(), error = %e, "a batch of checkout answers failed; each is stored alone");
     }
@@ -982,8 +985,8 @@ const STORE_COMPLETIONS: &str =
 /// for) and, where every one of its links was stored, its answer with its key (only while its
 /// request holds the key): one statement, one commit. Returns, for each, whether every link
 /// was stored.
-async fn store_completions(
-    pool: &PgPool,
+async fn store_completions<'c>(
+    db: impl sqlx::PgExecutor<'c>,
     completions: &[Completion],
 ) -> Result<Vec<bool>, sqlx::Error> {
     let mut links = LinkColumns::default();
@@ -1016,7 +1019,7 @@ async fn store_completions(
         .bind(&keys.me)
         .bind(&keys.answer)
         .bind(&keys.links)
-        .fetch_all(pool)
+        .fetch_all(db)
         .await?;
     let mut answered = vec![false; completions.len()];
     for c in whole {
@@ -1071,13 +1074,29 @@ async fn write_batch(
     expiry: Duration,
     batch: &[Pending],
 ) -> Result<Vec<Written>, CheckoutError> {
+    within_deadline(
+        pool,
+        || CheckoutError::Deadline(WRITE_DEADLINE),
+        async |conn| write_on(conn, fee_percent, expiry, batch).await,
+    )
+    .await
+}
+
+/// `work` on one connection of `pool`, within [`WRITE_DEADLINE`] from now (its `late` error
+/// past it). A connection whose work is cut off by the deadline is closed, not pooled: the
+/// pool's check of a connection on its way back waits for whatever its statement waits on (a
+/// lock, a socket half-open after a failover), holding its place in the pool meanwhile.
+async fn within_deadline<T, E: From<sqlx::Error>>(
+    pool: &PgPool,
+    late: impl Fn() -> E,
+    work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+) -> Result<T, E> {
     let deadline = tokio::time::Instant::now() + WRITE_DEADLINE;
-    let late = || CheckoutError::Deadline(WRITE_DEADLINE);
     let mut conn = tokio::time::timeout_at(deadline, pool.acquire())
         .await
         .map_err(|_| late())??;
-    match tokio::time::timeout_at(deadline, write_on(&mut conn, fee_percent, expiry, batch)).await {
-        Ok(written) => written,
+    match tokio::time::timeout_at(deadline, work(&mut conn)).await {
+        Ok(done) => done,
         Err(_) => {
             conn.close_on_drop();
             Err(late())

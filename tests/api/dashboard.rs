@@ -370,6 +370,33 @@ async fn a_form_without_its_csrf_token_changes_nothing_even_with_the_cookie(pool
         "{notice}"
     );
     let notice = notice.split(';').next().unwrap().to_owned();
+    // One planted by anyone else (a sibling subdomain's cookie, one set over plain http) carries
+    // no signature of the session's: no notice.
+    for planted in [
+        format!(
+            "payfleet_notice={}",
+            hex::encode("sign in again at evil.example")
+        ),
+        format!(
+            "payfleet_notice={}.{}",
+            hex::encode("sign in again at evil.example"),
+            "0".repeat(64)
+        ),
+    ] {
+        let page = http
+            .get(format!("{base}/admin/ui"))
+            .header("cookie", format!("{cookie}; {planted}"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            page.contains("id=\"queues\"") && !page.contains("Done:"),
+            "{page}"
+        );
+    }
     let shown = http
         .get(format!("{base}/admin/ui"))
         .header("cookie", format!("{cookie}; {notice}"))

@@ -2276,32 +2276,3 @@ async fn a_runs_end_is_planned_once_not_at_every_call(pool: PgPool) {
     assert_eq!(ended, expected);
     assert!(completed(&pool, JobId(by_id[0])).await);
 }
-
-/// A pooled connection cut while it sat idle (a restarted server, an operator's
-/// `pg_terminate_backend`) is found out before it is handed out, and replaced: its caller sees
-/// no error. One used within the last [`queue::pg::CHECKED_AFTER_IDLE`] is handed out without
-/// that round trip.
-#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
-async fn a_connection_cut_while_idle_is_replaced_before_it_is_handed_out(pool: PgPool) {
-    let one = queue::pg::pool_options()
-        .max_connections(1)
-        .connect_with(pool.connect_options().as_ref().clone())
-        .await
-        .unwrap();
-    let first: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&one)
-        .await
-        .unwrap();
-    let cut: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-        .bind(first)
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert!(cut);
-    tokio::time::sleep(queue::pg::CHECKED_AFTER_IDLE + Duration::from_millis(100)).await;
-    let second: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&one)
-        .await
-        .expect("the cut connection is replaced, not handed out");
-    assert_ne!(first, second);
-}
