@@ -295,7 +295,9 @@ const CLAIM_MAX_GROUPS: i32 = 256;
 /// head the walk found, entry for entry (so no scan steps again over the entries of jobs
 /// claimed since the last vacuum). With one group (no job carries a key) this is the plain
 /// oldest-first claim. The walk's last group always comes back, on a row with no job when none
-/// was claimed, so the cursor moves on past groups that had nothing due.
+/// was claimed, so the cursor moves on past groups that had nothing due; so does how many groups
+/// the walk found with a job due (read without locks: a claim that takes nothing from them met
+/// only rows another transaction holds).
 pub(crate) const CLAIM: &str = "WITH walk AS MATERIALIZED (
              SELECT grp, due, pos, head, head_id FROM jobs_fair_walk($1, $5, $2, $6, $8, $9, $10, $11, $12)
          ),
@@ -341,8 +343,9 @@ pub(crate) const CLAIM: &str = "WITH walk AS MATERIALIZED (
                        j.fairness_key
          )
          SELECT c.id, c.kind, c.payload, c.attempt, c.max_attempts, c.lease_token, c.run_at,
-                c.fairness_key, w.last_group
+                c.fairness_key, w.last_group, w.due_groups
          FROM (SELECT (SELECT grp FROM walk ORDER BY pos DESC LIMIT 1) AS last_group,
+                      (SELECT count(*) FROM walk WHERE due) AS due_groups,
                       set_config('synchronous_commit', $7, true) AS commit_mode) w
          LEFT JOIN claimed c ON true";
 
@@ -357,6 +360,17 @@ struct ClaimRow {
     run_at: Option<DateTime<Utc>>,
     fairness_key: Option<String>,
     last_group: Option<String>,
+    due_groups: Option<i64>,
+}
+
+/// What a claim came to.
+pub(crate) struct Claim {
+    /// The jobs it took.
+    pub jobs: Vec<Claimed>,
+    /// It took nothing, yet its walk found a job due: every due job it reached was locked by
+    /// another transaction (an operator's statement on `jobs`, a business transaction replacing
+    /// a job by its key, another worker's claim in flight), which `SKIP LOCKED` steps over.
+    pub only_locked: bool,
 }
 
 /// Claims up to `limit` due jobs of `queue` in one statement, taking turns between fairness
@@ -370,6 +384,23 @@ pub(crate) async fn claim<'c>(
     cursor: &mut FairCursor,
     commit: BookkeepingCommit,
 ) -> Result<Vec<Claimed>, sqlx::Error> {
+    Ok(
+        claim_seeing(db, queue, limit, lease, worker, cursor, commit)
+            .await?
+            .jobs,
+    )
+}
+
+/// [`claim`], saying whether it met only locked rows.
+pub(crate) async fn claim_seeing<'c>(
+    db: impl PgExecutor<'c>,
+    queue: &str,
+    limit: i64,
+    lease: Duration,
+    worker: &str,
+    cursor: &mut FairCursor,
+    commit: BookkeepingCommit,
+) -> Result<Claim, sqlx::Error> {
     let starts = cursor.starts();
     let rows: Vec<ClaimRow> = sqlx::query_as(CLAIM)
         .bind(queue)
@@ -389,7 +420,8 @@ pub(crate) async fn claim<'c>(
     if let Some(first) = rows.first() {
         cursor.moved(first.last_group.clone(), &rows);
     }
-    Ok(rows
+    let due_groups = rows.first().and_then(|r| r.due_groups).unwrap_or(0);
+    let jobs: Vec<Claimed> = rows
         .into_iter()
         .filter_map(|r| {
             Some(Claimed {
@@ -402,7 +434,11 @@ pub(crate) async fn claim<'c>(
                 run_at: r.run_at?,
             })
         })
-        .collect())
+        .collect();
+    Ok(Claim {
+        only_locked: jobs.is_empty() && due_groups > 0,
+        jobs,
+    })
 }
 
 /// How long until the earliest waiting job of `queue` is due (zero if one is due now).

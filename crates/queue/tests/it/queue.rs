@@ -2276,3 +2276,95 @@ async fn a_runs_end_is_planned_once_not_at_every_call(pool: PgPool) {
     assert_eq!(ended, expected);
     assert!(completed(&pool, JobId(by_id[0])).await);
 }
+
+/// Transactions committed in the test's database so far, as the statistics have them (each
+/// backend reports its own about once a second while it works).
+async fn commits(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// A due job whose row another transaction holds locked (an operator's statement on `jobs`, a
+/// business transaction replacing the job by its key) is stepped over by `SKIP LOCKED`, while
+/// the question "is anything due?" still answers yes. The claim loop waits longer after each
+/// claim that met only locked rows, instead of claiming and asking again at once for as long as
+/// the lock is held; the job runs once the lock is gone.
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn a_due_job_whose_row_is_locked_is_not_claimed_in_a_spin(pool: PgPool) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    queue::enqueue(&pool, NewJob::of(&Echo { n: 5 }).unwrap())
+        .await
+        .unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM jobs FOR UPDATE")
+        .fetch_all(&mut *holder)
+        .await
+        .unwrap();
+    let fleet = start_fleet(&pool, recording(seen.clone()));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let before = commits(&pool).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let during = commits(&pool).await - before;
+    // Spinning, a claim and a question took a fraction of a millisecond: thousands a second.
+    assert!(
+        during < 300,
+        "{during} transactions in 3 s while the due job's row was locked"
+    );
+    assert!(seen.lock().unwrap().is_empty());
+    holder.rollback().await.unwrap();
+    crate::wait_for(
+        "the job to run once its row is free",
+        Duration::from_secs(15),
+        async || *seen.lock().unwrap() == [5],
+    )
+    .await;
+    fleet.shutdown().await;
+}
+
+/// A claim that takes nothing because its walk (256 groups at most) found nothing due on its
+/// stretch of the ring is not a claim that met locked rows: the fleet's claim loop goes on round
+/// the ring at once to the one seller with a job due, past 3,000 whose jobs wait for later.
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn the_fleet_goes_round_sellers_with_nothing_due_without_waiting(pool: PgPool) {
+    let later = Utc::now() + chrono::Duration::hours(1);
+    let waiting: Vec<NewJob> = (0..3000)
+        .map(|i| {
+            NewJob::of(&Echo { n: i })
+                .unwrap()
+                .fairness_key(format!("k{i:04}"))
+                .run_at(later)
+        })
+        .collect();
+    queue::enqueue_many(&pool, &waiting).await.unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let fleet = start_fleet(&pool, recording(seen.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = std::time::Instant::now();
+    // Written behind the queue's back (no notification): found by the claims going round.
+    sqlx::query(
+        "INSERT INTO jobs (queue, kind, payload, fairness_key) VALUES ('test', 'echo', '{\"n\": -1}', 'zzz')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    queue::enqueue(
+        &pool,
+        NewJob::of(&Echo { n: -2 }).unwrap().fairness_key("zzzz"),
+    )
+    .await
+    .unwrap();
+    crate::wait_for("the due jobs to run", Duration::from_secs(30), async || {
+        seen.lock().unwrap().len() == 2
+    })
+    .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?} to reach the sellers with a job due",
+        started.elapsed()
+    );
+    fleet.shutdown().await;
+}
