@@ -161,8 +161,12 @@ pub(crate) async fn fetch(
     let mut runs: HashMap<tokio::task::Id, (JobId, i64)> = HashMap::new();
     let mut failures = 0u32;
     let mut last_claim: Option<Instant> = None;
-    // Claims in a row that met only locked rows: see below.
+    // Claims that met only locked rows, each back where the one before was (see below); where
+    // the last of them ended; whether claims have gone on round the ring since, finding
+    // nothing due.
     let mut locked = 0u32;
+    let mut locked_at: Option<String> = None;
+    let mut went_round = false;
 
     'work: loop {
         if *stopped.borrow() {
@@ -230,12 +234,33 @@ pub(crate) async fn fetch(
             fleet.bookkeeping_synchronous_commit,
         )
         .await;
+        let position = cursor.position().map(str::to_owned);
         // Committed (the statement's own transaction): the sibling's turn.
         drop(cursor);
+        let met_only_locked;
         let claimed = match result {
             Ok(c) => {
                 failures = 0;
-                locked = if c.only_locked { locked + 1 } else { 0 };
+                met_only_locked = c.only_locked;
+                if c.only_locked {
+                    // Back at the same locked rows (the walk ended where the last such claim
+                    // did, or claims went round the ring since, finding nothing due) waits
+                    // longer; a claim that moved straight on to more locked groups waits the
+                    // least, so a run of locked groups costs 10 ms a claim, not a growing wait.
+                    let again = locked > 0 && (went_round || position == locked_at);
+                    locked = if again { locked + 1 } else { 1 };
+                    locked_at = position;
+                    went_round = false;
+                } else if c.nothing_due_seen {
+                    // Going on round the ring (at most `CLAIM_MAX_GROUPS` groups a walk): at
+                    // once, as ever, keeping the count.
+                    went_round = locked > 0;
+                } else {
+                    // Work found: the locks, if any, are somebody else's business now.
+                    locked = 0;
+                    locked_at = None;
+                    went_round = false;
+                }
                 c.jobs
             }
             Err(e) => {
@@ -318,7 +343,7 @@ pub(crate) async fn fetch(
         }
         // The slots this claim did not fill are free again.
         drop(reserved);
-        if locked > 0 {
+        if met_only_locked {
             // Every due job it reached was locked by another transaction (an operator's
             // statement on `jobs`, a business transaction replacing a job by its key, another
             // worker's claim in flight): the question below would answer "due now" and the loop

@@ -250,6 +250,11 @@ impl FairCursor {
         starts
     }
 
+    /// The group the last claim's walk ended on (`None` before any, or at the ring's end).
+    pub(crate) fn position(&self) -> Option<&str> {
+        self.after_group.as_deref()
+    }
+
     /// Moves the cursor past a claim: the ring past its last group, each group it took jobs
     /// from past the last of them (a claim that took nothing sends the next one from the start).
     fn moved(&mut self, last_group: Option<String>, claimed: &[ClaimRow]) {
@@ -371,6 +376,9 @@ pub(crate) struct Claim {
     /// another transaction (an operator's statement on `jobs`, a business transaction replacing
     /// a job by its key, another worker's claim in flight), which `SKIP LOCKED` steps over.
     pub only_locked: bool,
+    /// Its walk found no group with a job due on its stretch of the ring (at most
+    /// `CLAIM_MAX_GROUPS` groups): the next claim goes on from where it stopped.
+    pub nothing_due_seen: bool,
 }
 
 /// Claims up to `limit` due jobs of `queue` in one statement, taking turns between fairness
@@ -437,6 +445,7 @@ pub(crate) async fn claim_seeing<'c>(
         .collect();
     Ok(Claim {
         only_locked: jobs.is_empty() && due_groups > 0,
+        nothing_due_seen: due_groups == 0,
         jobs,
     })
 }

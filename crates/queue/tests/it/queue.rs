@@ -2368,3 +2368,49 @@ async fn the_fleet_goes_round_sellers_with_nothing_due_without_waiting(pool: PgP
     );
     fleet.shutdown().await;
 }
+
+/// The same with the locked job past a stretch of the ring where nothing is due (600 sellers
+/// whose jobs wait for later, more than two claims' walks): the loop goes round the ring at
+/// once, and waits longer each time it comes back to the same locked row.
+#[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
+async fn a_locked_due_job_past_sellers_with_nothing_due_is_not_claimed_in_a_spin(pool: PgPool) {
+    let later = Utc::now() + chrono::Duration::hours(1);
+    let waiting: Vec<NewJob> = (0..600)
+        .map(|i| {
+            NewJob::of(&Echo { n: i })
+                .unwrap()
+                .fairness_key(format!("k{i:03}"))
+                .run_at(later)
+        })
+        .collect();
+    queue::enqueue_many(&pool, &waiting).await.unwrap();
+    queue::enqueue(
+        &pool,
+        NewJob::of(&Echo { n: -1 }).unwrap().fairness_key("zzz"),
+    )
+    .await
+    .unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM jobs WHERE fairness_key = 'zzz' FOR UPDATE")
+        .fetch_all(&mut *holder)
+        .await
+        .unwrap();
+    let fleet = start_fleet(&pool, recording(seen.clone()));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let before = commits(&pool).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let during = commits(&pool).await - before;
+    assert!(
+        during < 500,
+        "{during} transactions in 3 s while the due job's row was locked"
+    );
+    holder.rollback().await.unwrap();
+    crate::wait_for(
+        "the job to run once its row is free",
+        Duration::from_secs(15),
+        async || *seen.lock().unwrap() == [-1],
+    )
+    .await;
+    fleet.shutdown().await;
+}
