@@ -1736,16 +1736,7 @@ async fn claims_take_turns_between_sellers_and_the_jobs_without_one(pool: PgPool
 async fn sellers_whose_jobs_all_wait_for_later_do_not_hide_a_due_one(pool: PgPool) {
     // 300 sellers whose only job waits for a retry in an hour, then one seller with a due
     // job, sorted after them all: more than one claim's walk (256 groups) away.
-    let later = Utc::now() + chrono::Duration::hours(1);
-    let waiting: Vec<NewJob> = (0..300)
-        .map(|i| {
-            NewJob::of(&Echo { n: i })
-                .unwrap()
-                .fairness_key(format!("k{i:03}"))
-                .run_at(later)
-        })
-        .collect();
-    queue::enqueue_many(&pool, &waiting).await.unwrap();
+    sellers_waiting_for_later(&pool, 300).await;
     let due = queue::enqueue(
         &pool,
         NewJob::of(&Echo { n: -1 }).unwrap().fairness_key("zzz"),
@@ -2330,16 +2321,7 @@ async fn a_due_job_whose_row_is_locked_is_not_claimed_in_a_spin(pool: PgPool) {
 /// the ring at once to the one seller with a job due, past 3,000 whose jobs wait for later.
 #[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn the_fleet_goes_round_sellers_with_nothing_due_without_waiting(pool: PgPool) {
-    let later = Utc::now() + chrono::Duration::hours(1);
-    let waiting: Vec<NewJob> = (0..3000)
-        .map(|i| {
-            NewJob::of(&Echo { n: i })
-                .unwrap()
-                .fairness_key(format!("k{i:04}"))
-                .run_at(later)
-        })
-        .collect();
-    queue::enqueue_many(&pool, &waiting).await.unwrap();
+    sellers_waiting_for_later(&pool, 3000).await;
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let fleet = start_fleet(&pool, recording(seen.clone()));
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -2374,16 +2356,7 @@ async fn the_fleet_goes_round_sellers_with_nothing_due_without_waiting(pool: PgP
 /// once, and waits longer each time it comes back to the same locked row.
 #[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_locked_due_job_past_sellers_with_nothing_due_is_not_claimed_in_a_spin(pool: PgPool) {
-    let later = Utc::now() + chrono::Duration::hours(1);
-    let waiting: Vec<NewJob> = (0..600)
-        .map(|i| {
-            NewJob::of(&Echo { n: i })
-                .unwrap()
-                .fairness_key(format!("k{i:03}"))
-                .run_at(later)
-        })
-        .collect();
-    queue::enqueue_many(&pool, &waiting).await.unwrap();
+    sellers_waiting_for_later(&pool, 600).await;
     queue::enqueue(
         &pool,
         NewJob::of(&Echo { n: -1 }).unwrap().fairness_key("zzz"),
@@ -2413,4 +2386,18 @@ async fn a_locked_due_job_past_sellers_with_nothing_due_is_not_claimed_in_a_spin
     )
     .await;
     fleet.shutdown().await;
+}
+
+/// `n` sellers (fairness keys `k0000`...) whose one job each waits for a retry in an hour.
+async fn sellers_waiting_for_later(pool: &PgPool, n: i64) {
+    let later = Utc::now() + chrono::Duration::hours(1);
+    let waiting: Vec<NewJob> = (0..n)
+        .map(|i| {
+            NewJob::of(&Echo { n: i })
+                .unwrap()
+                .fairness_key(format!("k{i:04}"))
+                .run_at(later)
+        })
+        .collect();
+    queue::enqueue_many(pool, &waiting).await.unwrap();
 }
