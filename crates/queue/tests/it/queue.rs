@@ -2286,34 +2286,11 @@ async fn commits(pool: &PgPool) -> i64 {
 /// the lock is held; the job runs once the lock is gone.
 #[sqlx::test(migrator = "payfleet_queue::pg::MIGRATOR")]
 async fn a_due_job_whose_row_is_locked_is_not_claimed_in_a_spin(pool: PgPool) {
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     queue::enqueue(&pool, NewJob::of(&Echo { n: 5 }).unwrap())
         .await
         .unwrap();
-    let mut holder = pool.begin().await.unwrap();
-    sqlx::query("SELECT id FROM jobs FOR UPDATE")
-        .fetch_all(&mut *holder)
-        .await
-        .unwrap();
-    let fleet = start_fleet(&pool, recording(seen.clone()));
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let before = commits(&pool).await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let during = commits(&pool).await - before;
     // Spinning, a claim and a question took a fraction of a millisecond: thousands a second.
-    assert!(
-        during < 300,
-        "{during} transactions in 3 s while the due job's row was locked"
-    );
-    assert!(seen.lock().unwrap().is_empty());
-    holder.rollback().await.unwrap();
-    crate::wait_for(
-        "the job to run once its row is free",
-        Duration::from_secs(15),
-        async || *seen.lock().unwrap() == [5],
-    )
-    .await;
-    fleet.shutdown().await;
+    run_once_freed_without_spinning(&pool, "SELECT id FROM jobs FOR UPDATE", 5, 300).await;
 }
 
 /// A claim that takes nothing because its walk (256 groups at most) found nothing due on its
@@ -2363,29 +2340,13 @@ async fn a_locked_due_job_past_sellers_with_nothing_due_is_not_claimed_in_a_spin
     )
     .await
     .unwrap();
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let mut holder = pool.begin().await.unwrap();
-    sqlx::query("SELECT id FROM jobs WHERE fairness_key = 'zzz' FOR UPDATE")
-        .fetch_all(&mut *holder)
-        .await
-        .unwrap();
-    let fleet = start_fleet(&pool, recording(seen.clone()));
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let before = commits(&pool).await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let during = commits(&pool).await - before;
-    assert!(
-        during < 500,
-        "{during} transactions in 3 s while the due job's row was locked"
-    );
-    holder.rollback().await.unwrap();
-    crate::wait_for(
-        "the job to run once its row is free",
-        Duration::from_secs(15),
-        async || *seen.lock().unwrap() == [-1],
+    run_once_freed_without_spinning(
+        &pool,
+        "SELECT id FROM jobs WHERE fairness_key = 'zzz' FOR UPDATE",
+        -1,
+        500,
     )
     .await;
-    fleet.shutdown().await;
 }
 
 /// `n` sellers (fairness keys `k0000`...) whose one job each waits for a retry in an hour.
@@ -2400,4 +2361,31 @@ async fn sellers_waiting_for_later(pool: &PgPool, n: i64) {
         })
         .collect();
     queue::enqueue_many(pool, &waiting).await.unwrap();
+}
+
+/// Holds the rows `lock` selects in a transaction while a fleet works, and requires fewer than
+/// `at_most` transactions in 3 s of it and the job `n` not run; then lets them go and requires
+/// `n` to run, once.
+async fn run_once_freed_without_spinning(pool: &PgPool, lock: &'static str, n: i64, at_most: i64) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(lock).fetch_all(&mut *holder).await.unwrap();
+    let fleet = start_fleet(pool, recording(seen.clone()));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let before = commits(pool).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let during = commits(pool).await - before;
+    assert!(
+        during < at_most,
+        "{during} transactions in 3 s while the due job's row was locked"
+    );
+    assert!(seen.lock().unwrap().is_empty());
+    holder.rollback().await.unwrap();
+    crate::wait_for(
+        "the job to run once its row is free",
+        Duration::from_secs(15),
+        async || *seen.lock().unwrap() == [n],
+    )
+    .await;
+    fleet.shutdown().await;
 }
